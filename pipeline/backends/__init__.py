@@ -1,0 +1,35 @@
+"""The backend registry: name -> module, imported only when used.
+
+Importing this package imports no compiler SDK; each backend imports its SDK lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from .base import Backend
+
+_BACKENDS: dict[str, str] = {
+    "onnxruntime": "pipeline.backends.onnxruntime:OnnxRuntimeBackend",
+}
+
+
+def known_backends() -> tuple[str, ...]:
+    return tuple(sorted(_BACKENDS))
+
+
+def backend_class(name: str) -> "type[Backend]":
+    try:
+        target = _BACKENDS[name]
+    except KeyError:
+        raise ConfigError(f"unknown backend {name!r}", hint=f"known backends: {', '.join(known_backends())}") from None
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def get_backend(name: str) -> "Backend":
+    return backend_class(name)()

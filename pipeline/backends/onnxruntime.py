@@ -1,0 +1,325 @@
+"""ONNX Runtime: the reference runtime (CPU, FP32, no optimisation) and a backend.
+
+The engine is the model as ONNX Runtime optimised it for the SKU's providers (saved with
+``optimized_model_filepath``) plus the session options to load it with. INT8 is static QDQ
+quantization with the calibration table of the calibrate stage.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import EnvironmentProblem, InputError
+from ..results import LayerInfo, TensorSig
+from .base import Backend, BuildContext, BuildOutcome, Runner
+
+if TYPE_CHECKING:
+    import numpy as np
+    import onnxruntime as ort
+
+    from ..config import SkuSpec
+
+CPU = "CPUExecutionProvider"
+
+# Precisions each execution provider runs natively. ONNX Runtime's CPU provider has FP16
+# kernels for a few ops only and otherwise inserts casts, so FP16 there is refused as config.
+PROVIDER_PRECISIONS: dict[str, frozenset[str]] = {
+    CPU: frozenset({"fp32", "int8"}),
+    "CUDAExecutionProvider": frozenset({"fp32", "fp16", "int8"}),
+    "TensorrtExecutionProvider": frozenset({"fp32", "fp16", "int8"}),
+    "OpenVINOExecutionProvider": frozenset({"fp32", "fp16", "int8"}),
+    "DmlExecutionProvider": frozenset({"fp32", "fp16"}),
+    "CoreMLExecutionProvider": frozenset({"fp32", "fp16"}),
+    "XnnpackExecutionProvider": frozenset({"fp32", "int8"}),
+    "QNNExecutionProvider": frozenset({"fp16", "int8"}),
+    "ROCMExecutionProvider": frozenset({"fp32", "fp16", "int8"}),
+}
+
+_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
+_ORT_TYPES = {"float": "fp32", "float16": "fp16", "double": "fp64", "int8_t": "int8", "uint8_t": "int8",
+              "int32_t": "int32", "int64_t": "int64", "bool": "bool", "int16_t": "int16", "uint16_t": "int16"}
+# Ops that move or reinterpret data; a layer's precision is judged on the others.
+_PRECISION_NEUTRAL = {"QuantizeLinear", "DequantizeLinear", "Cast", "Reshape", "Shape", "Transpose", "Flatten",
+                      "Squeeze", "Unsqueeze", "Gather", "Concat", "Identity", "MemcpyToHost", "MemcpyFromHost"}
+
+
+class OnnxRuntimeOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    providers: list[str] = Field(default_factory=lambda: [CPU], min_length=1, description="in priority order")
+    provider_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    graph_optimization_level: Literal["disable", "basic", "extended", "all"] = "all"
+    intra_op_num_threads: int = Field(0, ge=0, description="0: ONNX Runtime's default")
+    inter_op_num_threads: int = Field(0, ge=0)
+    per_channel: bool = True
+    reduce_range: bool = False
+    activation_type: Literal["uint8", "int8"] = "uint8"
+    weight_type: Literal["int8", "uint8"] = "int8"
+
+
+def _ort() -> "Any":
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        raise EnvironmentProblem("onnxruntime is not installed", hint="pip install onnxruntime (or onnxruntime-gpu)") from exc
+    return onnxruntime
+
+
+def session_options(opts: OnnxRuntimeOptions, level: str, profile_dir: Path | None = None) -> "ort.SessionOptions":
+    ort = _ort()
+    so = ort.SessionOptions()
+    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[level])
+    so.intra_op_num_threads = opts.intra_op_num_threads
+    so.inter_op_num_threads = opts.inter_op_num_threads
+    so.log_severity_level = 3
+    if CPU not in opts.providers:
+        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    if profile_dir is not None:
+        so.enable_profiling = True
+        so.profile_file_prefix = str(profile_dir / "ort_profile")
+    return so
+
+
+def create_session(model: Path | bytes, so: "ort.SessionOptions", providers: list[str],
+                   provider_options: dict[str, dict[str, Any]] | None = None) -> "ort.InferenceSession":
+    ort = _ort()
+    provider_options = provider_options or {}
+    try:
+        return ort.InferenceSession(
+            model if isinstance(model, bytes) else str(model), so,
+            providers=providers, provider_options=[provider_options.get(p, {}) for p in providers],
+        )
+    except Exception as exc:  # ORT raises its own Fail/InvalidGraph/NotImplemented classes
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "NOT_IMPLEMENTED" in msg or "Could not find an implementation" in msg:
+            raise InputError(f"ONNX Runtime ({', '.join(providers)}) cannot run this model: {msg}",
+                             hint="an op or type is not supported by these providers: change the SKU's providers or the model") from exc
+        raise InputError(f"ONNX Runtime could not load the model: {msg}", hint="check the model with `skuforge prepare`") from exc
+
+
+class SessionRunner(Runner):
+    def __init__(self, session: "ort.InferenceSession"):
+        inputs = [TensorSig(name=i.name, dtype=_np_dtype(i.type), shape=list(i.shape)) for i in session.get_inputs()]
+        super().__init__(inputs, [o.name for o in session.get_outputs()])
+        self.session = session
+
+    def _infer_impl(self, feeds: dict[str, "np.ndarray"]) -> dict[str, "np.ndarray"]:
+        outs = self.session.run(self.output_names, {i.name: feeds[i.name] for i in self.inputs})
+        return dict(zip(self.output_names, outs))
+
+
+def _np_dtype(ort_type: str) -> str:
+    import numpy as np
+
+    inner = ort_type.removeprefix("tensor(").removesuffix(")")
+    return np.dtype({"float": "float32", "double": "float64", "float16": "float16"}.get(inner, inner)).name
+
+
+def reference_runner(model: Path | bytes) -> SessionRunner:
+    """The reference: ONNX Runtime, CPU provider, FP32, graph optimisations off."""
+    opts = OnnxRuntimeOptions()
+    return SessionRunner(create_session(model, session_options(opts, "disable"), [CPU]))
+
+
+def runtime_version() -> str:
+    return _ort().__version__
+
+
+def calibrate(model: Path, batches: list[dict[str, "np.ndarray"]], method: str, table: Path) -> int:
+    """Collect activation ranges over the calibration batches; write ONNX Runtime's table JSON."""
+    _ort()
+    from onnxruntime.quantization.calibrate import CalibrationDataReader, CalibrationMethod, create_calibrator, save_tensors_data
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self._it = iter(batches)
+
+        def get_next(self) -> dict | None:
+            return next(self._it, None)
+
+    methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy, "percentile": CalibrationMethod.Percentile}
+    with tempfile.TemporaryDirectory(prefix="skuforge-calib-") as tmp:
+        calibrator = create_calibrator(model, None, augmented_model_path=str(Path(tmp) / "augmented.onnx"),
+                                       calibrate_method=methods[method])
+        calibrator.collect_data(Reader())
+        ranges = calibrator.compute_data()
+        staged = Path(tmp) / "table.json"
+        save_tensors_data(ranges, staged)
+        from ..io import atomic_write_bytes
+
+        atomic_write_bytes(table, staged.read_bytes())
+    return len(ranges.data)
+
+
+class OnnxRuntimeBackend(Backend):
+    name = "onnxruntime"
+    Options = OnnxRuntimeOptions
+    install_hint = "pip install onnxruntime (CPU) or onnxruntime-gpu (CUDA, TensorRT)"
+    engine_format = "skuforge-onnxruntime/1"
+
+    @classmethod
+    def _check_sku_impl(cls, sku: "SkuSpec", options: OnnxRuntimeOptions) -> list[str]:
+        primary = options.providers[0]
+        supported = PROVIDER_PRECISIONS.get(primary)
+        if supported is None:
+            return [f"options.providers: unknown execution provider {primary!r}; known: {', '.join(PROVIDER_PRECISIONS)}"]
+        if sku.precision not in supported:
+            others = [p for p, precs in PROVIDER_PRECISIONS.items() if sku.precision in precs]
+            return [f"precision: {sku.precision} is not supported by onnxruntime on {primary} "
+                    f"(it runs {', '.join(sorted(supported))}); list a provider that runs {sku.precision} first: {', '.join(others)}"]
+        return []
+
+    def environment_problems(self, sku: "SkuSpec") -> list[str]:
+        try:
+            ort = _ort()
+        except EnvironmentProblem as exc:
+            return [f"{exc.message} ({self.install_hint})"]
+        available = set(ort.get_available_providers())
+        missing = [p for p in self.options(sku).providers if p not in available]
+        return [f"execution provider {p} is not in this onnxruntime build (available: {', '.join(sorted(available))})" for p in missing]
+
+    def versions(self) -> dict[str, str]:
+        import onnx
+
+        return {"onnxruntime": runtime_version(), "onnx": onnx.__version__}
+
+    def build(self, ctx: BuildContext) -> BuildOutcome:
+        import onnx
+
+        from ..graph import pin_axes
+
+        opts: OnnxRuntimeOptions = self.options(ctx.sku_spec)
+        problems = self.environment_problems(ctx.sku_spec)
+        if problems:
+            raise EnvironmentProblem("; ".join(problems), hint=self.install_hint)
+        model = pin_axes(onnx.load(str(ctx.prepared)), ctx.pins, ctx.prepared)
+        calibration = None
+        with tempfile.TemporaryDirectory(prefix="skuforge-ort-") as tmp:
+            tmpdir = Path(tmp)
+            source = tmpdir / "input.onnx"
+            onnx.save(model, str(source))
+            precision = ctx.sku_spec.precision
+            if precision == "int8":
+                calibration = self._quantize(source, ctx, opts, tmpdir)
+                source = tmpdir / "quantized.onnx"
+            elif precision == "fp16":
+                source = self._to_fp16(source, tmpdir)
+            engine = ctx.engine_dir / "model.onnx"
+            so = session_options(opts, opts.graph_optimization_level)
+            so.optimized_model_filepath = str(engine)
+            create_session(source, so, opts.providers, opts.provider_options)
+            if not engine.is_file():  # ORT writes nothing at level "disable" on some versions
+                shutil.copyfile(source, engine)
+        optimized = onnx.load(str(engine), load_external_data=False)
+        hardware_specific = any(n.domain == "com.microsoft.nchwc" for n in optimized.graph.node)
+        meta = {"providers": opts.providers, "provider_options": opts.provider_options,
+                "load_optimization_level": "disable", "intra_op_num_threads": opts.intra_op_num_threads,
+                "inter_op_num_threads": opts.inter_op_num_threads}
+        layers, boundaries = self._probe(optimized, engine, opts, ctx.probe_inputs)
+        warnings = []
+        if hardware_specific:
+            warnings.append("optimized at level 'all': the engine holds NCHWc layout ops specific to this CPU's vector width")
+        return BuildOutcome(files=["model.onnx"], layers=layers, requested_devices=opts.providers,
+                            partition_boundaries=boundaries,
+                            options=opts.model_dump(mode="json"), calibration=calibration,
+                            hardware_specific=hardware_specific, warnings=warnings, meta=meta)
+
+    def _quantize(self, source: Path, ctx: BuildContext, opts: OnnxRuntimeOptions, tmpdir: Path) -> dict[str, Any]:
+        from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+        from onnxruntime.quantization.calibrate import load_tensors_data
+
+        if ctx.calibration_table is None or not ctx.calibration_table.is_file():
+            raise InputError(f"INT8 build of {ctx.model} for {ctx.sku} needs the calibration table",
+                             hint=f"run: skuforge calibrate --model {ctx.model}")
+        table = tmpdir / "calibration.json"  # a copy: quantize_static may rewrite its cache
+        shutil.copyfile(ctx.calibration_table, table)
+        try:
+            method = load_tensors_data(table).calibration_method
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InputError(f"calibration table {ctx.calibration_table} is unreadable: {exc}",
+                             hint=f"rerun: skuforge calibrate --model {ctx.model}") from exc
+        types = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}
+        try:
+            quantize_static(
+                str(source), str(tmpdir / "quantized.onnx"), None, quant_format=QuantFormat.QDQ,
+                per_channel=opts.per_channel, reduce_range=opts.reduce_range,
+                activation_type=types[opts.activation_type], weight_type=types[opts.weight_type],
+                calibrate_method=method,
+                calibration_cache_path=str(table),
+            )
+        except (ValueError, KeyError) as exc:
+            raise InputError(f"INT8 quantization failed: {exc}",
+                             hint=f"the calibration table does not match the prepared model: rerun skuforge calibrate --model {ctx.model}") from exc
+        return {"format": "QDQ", "per_channel": opts.per_channel, "reduce_range": opts.reduce_range,
+                "activation_type": opts.activation_type, "weight_type": opts.weight_type}
+
+    def _to_fp16(self, source: Path, tmpdir: Path) -> Path:
+        """FP16 weights and compute, FP32 inputs and outputs (for GPU providers; unverified here)."""
+        import onnx
+        from onnxruntime.transformers.float16 import convert_float_to_float16
+        from onnxruntime.transformers.onnx_model import OnnxModel
+
+        converted = OnnxModel(convert_float_to_float16(onnx.load(str(source)), keep_io_types=True))
+        converted.topological_sort()
+        out = tmpdir / "fp16.onnx"
+        onnx.save(converted.model, str(out))
+        return out
+
+    def _probe(self, graph: "Any", engine: Path, opts: OnnxRuntimeOptions,
+               feeds: dict[str, "np.ndarray"]) -> tuple[list[LayerInfo], int]:
+        """Run the engine once with profiling on: which provider ran each node, on which types."""
+        with tempfile.TemporaryDirectory(prefix="skuforge-prof-") as tmp:
+            so = session_options(opts, "disable", profile_dir=Path(tmp))
+            runner = SessionRunner(create_session(engine, so, opts.providers, opts.provider_options))
+            runner.infer(feeds)
+            trace = json.loads(Path(runner.session.end_profiling()).read_text())
+        seen: dict[str, dict[str, Any]] = {}
+        for ev in trace:
+            if ev.get("cat") == "Node" and ev.get("name", "").endswith("_kernel_time"):
+                seen[ev["name"].removesuffix("_kernel_time")] = ev.get("args", {})
+        layers, device_of = [], {}
+        for node in graph.graph.node:
+            args = seen.get(node.name, {})
+            device = args.get("provider")
+            device_of.update({out: device for out in node.output})
+            layers.append(LayerInfo(
+                name=node.name, op_type=node.op_type, device=device,
+                precision=_layer_precision(node.op_type, args.get("input_type_shape", [])) if args else None,
+                kernel=f"{node.domain + '.' if node.domain else ''}{node.op_type}",
+            ))
+        # a tensor made on one device and read on another is a copy between partitions
+        boundaries = sum(
+            1 for node, layer in zip(graph.graph.node, layers) for name in node.input
+            if layer.device and device_of.get(name) and device_of[name] != layer.device
+        )
+        return layers, boundaries
+
+    def _load_impl(self, engine_dir: Path, meta: dict[str, Any], sku: "SkuSpec") -> Runner:
+        opts = self.options(sku)
+        installed = runtime_version()
+        built = meta["versions"].get("onnxruntime")
+        if built != installed:
+            raise InputError(f"{engine_dir} was built with onnxruntime {built}, this host has {installed}",
+                             hint="rebuild the engine with this runtime, or install the version it was built with")
+        so = session_options(opts.model_copy(update={"intra_op_num_threads": meta["intra_op_num_threads"],
+                                                     "inter_op_num_threads": meta["inter_op_num_threads"]}),
+                             meta["load_optimization_level"])
+        return SessionRunner(create_session(engine_dir / "model.onnx", so, meta["providers"], meta["provider_options"]))
+
+
+def _layer_precision(op_type: str, type_shapes: list[dict[str, Any]]) -> str | None:
+    kinds = [_ORT_TYPES.get(next(iter(ts)), next(iter(ts))) for ts in type_shapes if ts]
+    if op_type in _PRECISION_NEUTRAL:
+        return "n/a"
+    for want in ("int8", "fp16", "fp32", "fp64"):
+        if want in kinds:
+            return want
+    return kinds[0] if kinds else None
+

@@ -1,0 +1,184 @@
+"""Subcommands. Each turns arguments into one library call and renders the result."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Callable
+
+
+def _registry(args: argparse.Namespace):
+    from ..config import load_registry
+
+    return load_registry(args.params)
+
+
+def _emit(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        print(text())
+
+
+def _stage(fn_path: str, needs_sku: bool, summarize: Callable[[Any], str]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        from .progress import ProgressLine
+
+        module, _, name = fn_path.partition(":")
+        fn = getattr(importlib.import_module(module), name)
+        registry = _registry(args)
+        progress = ProgressLine()
+        try:
+            target = (args.model, args.sku) if needs_sku else (args.model,)
+            result = fn(registry, *target, progress=progress)
+        finally:
+            progress.close()
+        data = result.to_json() if hasattr(result, "to_json") else result
+        _emit(args, data, lambda: summarize(result))
+        return 0
+
+    return run
+
+
+STAGES: dict[str, tuple[str, bool, str, Callable[[Any], str]]] = {
+    "prepare": ("pipeline.stages.prepare:prepare", False, "check the model, infer shapes, run graph passes",
+                lambda r: f"prepared {r.model}: " + ", ".join(f"{p.name} {'changed' if p.changed else 'no change'}" for p in r.passes)),
+    "data": ("pipeline.stages.data:make_data", False, "golden, calibration, evaluation and hard-tail sets",
+             lambda r: f"data {r.model}: " + ", ".join(f"{k} {v.samples}" for k, v in r.splits.items())),
+    "reference": ("pipeline.stages.reference:reference", False, "ONNX Runtime CPU FP32 reference outputs",
+                  lambda r: f"reference {r.model}: " + (", ".join(f"{k} {v:.4f}" for k, v in r.metric.items()) or "done")),
+    "calibrate": ("pipeline.stages.calibrate:calibrate", False, "INT8 calibration table",
+                  lambda r: f"calibrated {r.model}: {r.method}, {r.samples} samples, {r.tensors} tensors"),
+    "build": ("pipeline.stages.build:build", True, "build the engine with the SKU's backend",
+              lambda r: f"built {r.model}/{r.sku} in {r.build_seconds:.1f}s: placement {r.placement}, precision {r.precision_counts}"),
+    "validate": ("pipeline.stages.validate:validate", True, "correctness and placement gates",
+                 lambda r: f"validated {r.model}/{r.sku}: passed"),
+    "bench": ("pipeline.stages.bench:bench", True, "latency, throughput and memory",
+              lambda r: f"bench {r.model}/{r.sku}: p50 {r.engine_only.p50_ms:.3f} ms, p99 {r.engine_only.p99_ms:.3f} ms, "
+                        f"{r.throughput_per_s:.0f} samples/s"),
+    "manifest": ("pipeline.stages.manifest:write_manifest", True, "write the manifest",
+                 lambda r: f"manifest {r.model}/{r.sku}: digest {r.digest[:12]}"),
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    config = sub.add_parser("config", help="check the registry")
+    csub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    v = csub.add_parser("validate", help="validate params.yaml")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=config_validate)
+
+    skus = sub.add_parser("skus", help="list SKUs and whether this host can build them")
+    skus.add_argument("--buildable-here", action="store_true", help="only the SKUs this host can build")
+    skus.add_argument("--json", action="store_true")
+    skus.set_defaults(func=list_skus)
+
+    ex = sub.add_parser("export", help="train an example model and export it to ONNX")
+    ex.add_argument("--example", required=True)
+    ex.add_argument("--json", action="store_true")
+    ex.set_defaults(func=export_example)
+
+    for name, (fn, needs_sku, help_text, summarize) in STAGES.items():
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--model", required=True)
+        if needs_sku:
+            p.add_argument("--sku", required=True)
+        p.add_argument("--json", action="store_true", help="print the report as JSON")
+        p.set_defaults(func=_stage(fn, needs_sku, summarize))
+
+    r = sub.add_parser("repro", help="dvc repro for the SKUs this host can build; list the others")
+    r.add_argument("--model", action="append", help="only this model (repeatable)")
+    r.add_argument("--sku", action="append", help="only this SKU (repeatable)")
+    r.add_argument("--force", action="store_true", help="rerun stages even if unchanged")
+    r.add_argument("--dry", action="store_true", help="show what would run")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=repro)
+
+    s = sub.add_parser("summary", help="table of the manifests: gates, metric deltas, latency")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=summary)
+
+
+def config_validate(args: argparse.Namespace) -> int:
+    reg = _registry(args)
+    data = {"params": args.params, "models": sorted(reg.models), "skus": sorted(reg.skus), "valid": True}
+    _emit(args, data, lambda: f"{args.params}: valid ({len(reg.models)} models, {len(reg.skus)} SKUs)")
+    return 0
+
+
+def list_skus(args: argparse.Namespace) -> int:
+    from ..repro import sku_statuses
+
+    rows = [s for s in sku_statuses(_registry(args)) if s.buildable or not args.buildable_here]
+
+    def text() -> str:
+        lines = [f"{'SKU':24} {'BACKEND':12} {'PREC':5} {'TARGET':20} {'HERE':5} RUNNER LABELS"]
+        for s in rows:
+            lines.append(f"{s.sku:24} {s.backend:12} {s.precision:5} {s.target:20} {'yes' if s.buildable else 'no':5} "
+                         f"{','.join(s.runner_labels)}")
+            lines += [f"{'':24} - {p}" for p in s.problems]
+        return "\n".join(lines)
+
+    _emit(args, [s.to_json() for s in rows], text)
+    return 0
+
+
+def export_example(args: argparse.Namespace) -> int:
+    from ..stages.export import export
+    from .progress import ProgressLine
+
+    progress = ProgressLine()
+    try:
+        result = export(_registry(args), args.example, progress=progress)
+    finally:
+        progress.close()
+    _emit(args, result, lambda: f"exported {args.example}: accuracy {result['accuracy']}")
+    return 0
+
+
+def repro(args: argparse.Namespace) -> int:
+    from ..repro import run_dvc_repro, summary as summarize, targets
+
+    reg = _registry(args)
+    dvc_targets, skipped = targets(reg, args.model, args.sku)
+    for s in skipped:
+        print(f"skipping SKU {s.sku}: not buildable here ({'; '.join(s.problems)}); "
+              f"needs a runner with labels [{', '.join(s.runner_labels)}]", file=sys.stderr)
+    if not dvc_targets:
+        print("nothing this host can build", file=sys.stderr)
+        return 0
+    run_dvc_repro(reg.root, dvc_targets, force=args.force, dry=args.dry)
+    rows = [] if args.dry else summarize(reg)
+    _emit(args, {"targets": dvc_targets, "skipped": [s.to_json() for s in skipped], "summary": rows},
+          lambda: _table(rows))
+    return 0
+
+
+def summary(args: argparse.Namespace) -> int:
+    from ..repro import summary as summarize
+
+    rows = summarize(_registry(args))
+    _emit(args, rows, lambda: _table(rows))
+    return 0
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "no manifests yet"
+    cols = ["model", "sku", "precision", "passed", "max_abs_error", "evaluation_reference", "evaluation_delta",
+            "hard_tail_delta", "p50_ms", "p99_ms", "e2e_p50_ms", "throughput_per_s"]
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, bool):
+            return "yes" if v else "NO"
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return "-" if v is None else str(v)
+
+    widths = {c: max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in cols}
+    lines = ["  ".join(c.ljust(widths[c]) for c in cols)]
+    lines += ["  ".join(fmt(r.get(c)).ljust(widths[c]) for c in cols) for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,443 @@
+"""The registry: params.yaml parsed once into typed models.
+
+Errors name the YAML key path and suggest the nearest valid key. Nothing outside this module
+reads params.yaml as a raw dict.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+
+Precision = Literal["fp32", "fp16", "int8"]
+DType = Literal["float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"]
+CalibrationMethod = Literal["minmax", "entropy", "percentile"]
+MetricKind = Literal["top1_accuracy"]
+Postprocess = Literal["none", "argmax"]
+
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+DTYPES: tuple[str, ...] = get_args(DType)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Tolerance(Strict):
+    """Element-wise check |engine - reference| <= atol + rtol * |reference|."""
+
+    atol: float = Field(ge=0)
+    rtol: float = Field(ge=0)
+    max_mismatch: float = Field(0.0, ge=0, le=1, description="fraction of elements allowed beyond")
+
+
+class ToleranceOverride(Strict):
+    atol: float | None = Field(None, ge=0)
+    rtol: float | None = Field(None, ge=0)
+    max_mismatch: float | None = Field(None, ge=0, le=1)
+
+
+class MetricGate(Strict):
+    """Largest allowed drop of the task metric against the reference (absolute, 0..1)."""
+
+    max_drop: float = Field(0.01, ge=0, le=1)
+    max_drop_hard_tail: float = Field(0.03, ge=0, le=1)
+
+
+class MetricGateOverride(Strict):
+    max_drop: float | None = Field(None, ge=0, le=1)
+    max_drop_hard_tail: float | None = Field(None, ge=0, le=1)
+
+
+class BenchSpec(Strict):
+    warmup: int = Field(20, ge=0)
+    iterations: int = Field(200, ge=1)
+    min_seconds: float = Field(0.0, ge=0, description="keep iterating until this much steady time")
+    concurrency: int = Field(1, ge=1)
+
+
+class BenchOverride(Strict):
+    warmup: int | None = Field(None, ge=0)
+    iterations: int | None = Field(None, ge=1)
+    min_seconds: float | None = Field(None, ge=0)
+    concurrency: int | None = Field(None, ge=1)
+
+
+def _default_tolerances() -> dict[str, Tolerance]:
+    return {
+        "fp32": Tolerance(atol=1e-4, rtol=1e-3),
+        "fp16": Tolerance(atol=1e-2, rtol=1e-2),
+        "int8": Tolerance(atol=0.1, rtol=0.1, max_mismatch=0.05),
+    }
+
+
+class Defaults(Strict):
+    tolerances: dict[Precision, Tolerance] = Field(default_factory=_default_tolerances)
+    metric: MetricGate = MetricGate()
+    bench: BenchSpec = BenchSpec()
+
+
+class InputSpec(Strict):
+    """One model input. ``shape`` entries are ints (fixed) or axis names (dynamic, pinned)."""
+
+    name: str
+    dtype: DType = "float32"
+    shape: list[int | str]
+    range: tuple[float, float] | None = Field(
+        None, description="value range for generated data (default [0, 1], ints [0, 10])"
+    )
+
+    @field_validator("shape")
+    @classmethod
+    def _dims(cls, shape: list[int | str]) -> list[int | str]:
+        for dim in shape:
+            if isinstance(dim, int) and dim < 1:
+                raise ValueError(f"fixed dimensions must be >= 1, got {dim}")
+        return shape
+
+    @property
+    def axes(self) -> list[str]:
+        return [d for d in self.shape if isinstance(d, str)]
+
+    def value_range(self) -> tuple[float, float]:
+        if self.range is not None:
+            return self.range
+        return (0.0, 1.0) if self.dtype.startswith("float") else (0.0, 10.0)
+
+
+class Affine(Strict):
+    """Preprocessing of one raw input: x * scale + offset, then cast to the input dtype."""
+
+    scale: float = 1.0
+    offset: float = 0.0
+
+
+class GenerateSpec(Strict):
+    count: int = Field(32, ge=1)
+    seed: int = 0
+    edge_cases: bool = Field(True, description="append zeros, range ends and large magnitudes")
+
+
+class DatasetSource(Strict):
+    """Either a .npz/.npy file (relative to the model's dir) or generated from the input spec."""
+
+    path: str | None = None
+    generate: GenerateSpec | None = None
+    take: int | None = Field(None, ge=1, description="use only the first N samples")
+    labels: str = Field("labels", description="key of the label array in an .npz")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DatasetSource:
+        if (self.path is None) == (self.generate is None):
+            raise ValueError("give exactly one of 'path' or 'generate'")
+        return self
+
+
+def _generated(count: int) -> DatasetSource:
+    return DatasetSource(generate=GenerateSpec(count=count))
+
+
+class Datasets(Strict):
+    golden: DatasetSource = Field(default_factory=lambda: _generated(32))
+    calibration: DatasetSource = Field(default_factory=lambda: _generated(64))
+    evaluation: DatasetSource | None = None
+    hard_tail: DatasetSource | None = None
+
+
+class Metric(Strict):
+    kind: MetricKind = "top1_accuracy"
+    output: str
+    gate: MetricGateOverride = MetricGateOverride()
+
+
+class CalibrationSpec(Strict):
+    method: CalibrationMethod = "minmax"
+    samples: int | None = Field(None, ge=1, description="first N calibration samples (default all)")
+
+
+class ModelSpec(Strict):
+    dir: str = Field(description="folder holding the model's files; DVC tracks it")
+    source: str = Field(description="ONNX file, relative to dir")
+    inputs: list[InputSpec] = Field(min_length=1)
+    outputs: list[str] | None = Field(None, description="outputs to check (default: all)")
+    pins: dict[str, int] = Field(default_factory=dict, description="value of each dynamic axis")
+    batch_axis: str | None = Field("batch", description="axis name that indexes samples")
+    preprocess: dict[str, Affine] = Field(default_factory=dict)
+    postprocess: Postprocess = "none"
+    datasets: Datasets = Datasets()
+    metric: Metric | None = None
+    calibration: CalibrationSpec = CalibrationSpec()
+    tolerances: dict[Precision, ToleranceOverride] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelSpec:
+        names = [i.name for i in self.inputs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"input names repeat: {names}")
+        axes = {a for i in self.inputs for a in i.axes}
+        for axis, value in self.pins.items():
+            if axis not in axes:
+                raise ValueError(f"pins.{axis}: no input has an axis named {axis!r} (axes: {sorted(axes)})")
+            if value < 1:
+                raise ValueError(f"pins.{axis} must be >= 1")
+        unpinned = sorted(axes - set(self.pins) - {self.batch_axis})
+        if unpinned:
+            raise ValueError(f"dynamic axes {unpinned} need a value under 'pins'")
+        for name in self.preprocess:
+            if name not in names:
+                raise ValueError(f"preprocess.{name}: no such input (inputs: {names})")
+        if self.metric is not None and self.datasets.evaluation is None:
+            raise ValueError("a metric needs datasets.evaluation with labels")
+        return self
+
+    def input(self, name: str) -> InputSpec:
+        return next(i for i in self.inputs if i.name == name)
+
+    @property
+    def default_batch(self) -> int:
+        return self.pins.get(self.batch_axis or "", 1)
+
+
+class Target(Strict):
+    arch: Literal["x86_64", "aarch64"]
+    device: Literal["cpu", "gpu", "npu"] = "cpu"
+    os: Literal["linux", "windows", "macos"] = "linux"
+    cpu_features: list[str] = Field(default_factory=list, description="e.g. avx2; checked on the host")
+
+
+class Placement(Strict):
+    allowed: list[str] | None = Field(None, description="devices/providers nodes may run on")
+    max_fallback_nodes: int = Field(0, ge=0)
+
+
+class Profile(Strict):
+    min: int = Field(ge=1)
+    opt: int = Field(ge=1)
+    max: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Profile:
+        if not self.min <= self.opt <= self.max:
+            raise ValueError(f"need min <= opt <= max, got {self.min}, {self.opt}, {self.max}")
+        return self
+
+
+class SkuSpec(Strict):
+    backend: str
+    precision: Precision
+    target: Target
+    runner_labels: list[str] = Field(min_length=1)
+    toolchain: dict[str, str] = Field(
+        default_factory=dict, description="package -> PEP 440 specifier the host must satisfy"
+    )
+    shapes: dict[str, int] = Field(default_factory=dict, description="pins for dynamic axes")
+    profiles: dict[str, Profile] = Field(default_factory=dict, description="dynamic axis ranges")
+    options: dict[str, Any] = Field(default_factory=dict, description="backend options")
+    placement: Placement = Placement()
+    tolerance: ToleranceOverride = ToleranceOverride()
+    metric: MetricGateOverride = MetricGateOverride()
+    bench: BenchOverride = BenchOverride()
+    description: str = ""
+
+    @model_validator(mode="after")
+    def _shapes(self) -> SkuSpec:
+        both = set(self.shapes) & set(self.profiles)
+        if both:
+            raise ValueError(f"axes {sorted(both)} are in both 'shapes' and 'profiles': pick one")
+        return self
+
+
+class Example(Strict):
+    """An example model trained from code by the export stage."""
+
+    dir: str
+    seed: int = 0
+    epochs: int | None = None
+    opset: int = 17
+
+
+class Registry(Strict):
+    defaults: Defaults = Defaults()
+    examples: dict[str, Example] = Field(default_factory=dict)
+    models: dict[str, ModelSpec]
+    skus: dict[str, SkuSpec]
+    root: Path = Field(Path("."), exclude=True)
+
+    def model(self, name: str) -> ModelSpec:
+        return _lookup(self.models, name, "model")
+
+    def sku(self, name: str) -> SkuSpec:
+        return _lookup(self.skus, name, "SKU")
+
+    def path(self, *parts: str) -> Path:
+        return self.root.joinpath(*parts)
+
+    def model_file(self, model: str) -> Path:
+        spec = self.model(model)
+        return self.path(spec.dir, spec.source)
+
+    def tolerance(self, model: str, sku: str) -> Tolerance:
+        s = self.sku(sku)
+        base = self.defaults.tolerances.get(s.precision) or _default_tolerances()[s.precision]
+        for override in (self.model(model).tolerances.get(s.precision), s.tolerance):
+            if override is not None:
+                base = base.model_copy(update=override.model_dump(exclude_none=True))
+        return base
+
+    def metric_gate(self, model: str, sku: str) -> MetricGate:
+        base = self.defaults.metric
+        m = self.model(model).metric
+        for override in (m.gate if m else None, self.sku(sku).metric):
+            if override is not None:
+                base = base.model_copy(update=override.model_dump(exclude_none=True))
+        return base
+
+    def bench(self, sku: str) -> BenchSpec:
+        return self.defaults.bench.model_copy(update=self.sku(sku).bench.model_dump(exclude_none=True))
+
+    def pins(self, model: str, sku: str | None = None) -> dict[str, int]:
+        """Axis values for a (model, SKU): model pins, then the SKU's shapes, then profile opt."""
+        spec = self.model(model)
+        pins = dict(spec.pins)
+        if spec.batch_axis:
+            pins.setdefault(spec.batch_axis, 1)
+        if sku is not None:
+            s = self.sku(sku)
+            axes = {a for i in spec.inputs for a in i.axes}
+            pins.update({k: v for k, v in s.shapes.items() if k in axes})
+            pins.update({k: p.opt for k, p in s.profiles.items() if k in axes})
+        return pins
+
+    def pairs(self) -> list[tuple[str, str]]:
+        return [(m, s) for m in self.models for s in self.skus]
+
+
+def _lookup(table: dict[str, Any], name: str, what: str) -> Any:
+    try:
+        return table[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown {what} {name!r}{_did_you_mean(name, table)}",
+            hint=f"known {what}s: {', '.join(sorted(table)) or '(none)'}",
+        ) from None
+
+
+def _did_you_mean(word: str, choices: Any) -> str:
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Valid keys of the pydantic model found by walking ``loc`` from ``model``."""
+    current: Any = model
+    for part in loc:
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            field = current.model_fields.get(str(part))
+            if field is None:
+                return []
+            current = field.annotation
+        else:
+            current = _container_value(current)
+        current = _unwrap(current)
+    return list(current.model_fields) if isinstance(current, type) and issubclass(current, BaseModel) else []
+
+
+def _unwrap(tp: Any) -> Any:
+    args = [a for a in get_args(tp) if a is not type(None)]
+    if getattr(tp, "__origin__", None) is Union or type(tp).__name__ == "UnionType":
+        return _unwrap(args[0]) if len(args) == 1 else tp
+    if getattr(tp, "__origin__", None) is Annotated:
+        return _unwrap(args[0])
+    return tp
+
+
+def _container_value(tp: Any) -> Any:
+    args = get_args(tp)
+    return args[-1] if args else Any
+
+
+def _format_errors(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in ("function-after",)))
+        key = ".".join(str(p) for p in loc) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            valid = _fields_at(Registry, loc[:-1])
+            hint = _did_you_mean(loc[-1], valid)
+            known = f"; valid keys here: {', '.join(valid)}" if valid else ""
+            lines.append(f"{key}: unknown key{hint}{known}")
+        elif err["type"] == "literal_error":
+            expected = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
+            lines.append(f"{key}: {err['msg']} (got {err['input']!r}){_did_you_mean(err['input'], expected)}")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{key}: {msg}")
+    return f"{source}: invalid registry\n" + "\n".join(f"  - {line}" for line in lines)
+
+
+def parse_registry(data: Any, source: str = "params.yaml", root: Path | None = None) -> Registry:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping with 'models' and 'skus' at the top level")
+    try:
+        registry = Registry.model_validate({**data, "root": root or Path(".")})
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, source), hint="fix the keys named above; see docs/registry.md") from None
+    _check_cross_references(registry, source)
+    return registry
+
+
+def _check_cross_references(registry: Registry, source: str) -> None:
+    from .backends import backend_class, known_backends
+
+    problems = []
+    for name, sku in registry.skus.items():
+        if sku.backend not in known_backends():
+            problems.append(
+                f"skus.{name}.backend: unknown backend {sku.backend!r}{_did_you_mean(sku.backend, known_backends())}; "
+                f"known backends: {', '.join(known_backends())}"
+            )
+            continue
+        backend = backend_class(sku.backend)
+        problems += [f"skus.{name}.{p}" for p in backend.check_sku(sku)]
+        axes = {a for m in registry.models.values() for i in m.inputs for a in i.axes}
+        for axis in [*sku.shapes, *sku.profiles]:
+            if axis not in axes:
+                problems.append(f"skus.{name}: axis {axis!r} is not a dynamic axis of any model (axes: {sorted(axes)})")
+    for name, model in registry.models.items():
+        if model.metric is not None and model.outputs is not None and model.metric.output not in model.outputs:
+            problems.append(f"models.{name}.metric.output: {model.metric.output!r} is not in outputs {model.outputs}")
+        for axis in model.pins:
+            if model.batch_axis == axis:
+                continue
+            for sname, sku in registry.skus.items():
+                if axis in sku.shapes and sku.shapes[axis] != model.pins[axis]:
+                    problems.append(
+                        f"skus.{sname}.shapes.{axis}: only the batch axis may be re-pinned per SKU "
+                        f"(datasets are generated at models.{name}.pins.{axis}={model.pins[axis]})"
+                    )
+    if problems:
+        raise ConfigError(f"{source}: invalid registry\n" + "\n".join(f"  - {p}" for p in problems),
+                          hint="fix the keys named above; see docs/registry.md")
+
+
+def load_registry(path: str | os.PathLike = "params.yaml") -> Registry:
+    """Read and validate params.yaml. Paths in it are relative to its folder."""
+    import yaml
+
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file", hint="run from the project root or pass --params") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}", hint="fix the syntax at the position shown") from None
+    return parse_registry(data, str(path), root=path.resolve().parent)

@@ -1,0 +1,181 @@
+"""Datasets: load a user's .npz/.npy or generate from the input spec, preprocess, batch and run.
+
+A dataset is a dict of arrays keyed by input name, each with a leading sample axis: the sample
+shape is the input shape without its batch axis, other dynamic axes at their pins. ``labels``
+rides along when present.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator
+
+from .config import DatasetSource, ModelSpec
+from .errors import InputError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    Arrays = dict[str, np.ndarray]
+
+LABELS = "labels"
+
+
+def sample_shape(spec: ModelSpec, name: str, pins: dict[str, int]) -> tuple[int, ...]:
+    inp = spec.input(name)
+    return tuple(pins[d] if isinstance(d, str) else d for d in inp.shape if d != spec.batch_axis)
+
+
+def generate(spec: ModelSpec, pins: dict[str, int], source: DatasetSource) -> "Arrays":
+    """Seeded inputs across each input's range; edge cases at the end (the hard tail)."""
+    import numpy as np
+
+    gen = source.generate
+    assert gen is not None
+    rng = np.random.default_rng(gen.seed)
+    out: dict[str, np.ndarray] = {}
+    for inp in spec.inputs:
+        shape = (gen.count, *sample_shape(spec, inp.name, pins))
+        lo, hi = inp.value_range()
+        if inp.dtype == "bool":
+            arr = rng.integers(0, 2, size=shape).astype(bool)
+        elif inp.dtype.startswith("float"):
+            arr = rng.uniform(lo, hi, size=shape)
+        else:
+            arr = rng.integers(int(lo), int(hi) + 1, size=shape)
+        if gen.edge_cases and gen.count >= 4 and inp.dtype != "bool":
+            arr[-1] = lo
+            arr[-2] = hi
+            if inp.dtype.startswith("float"):
+                span = max(abs(lo), abs(hi), 1.0)
+                arr[-3] = rng.uniform(-4 * span, 4 * span, size=shape[1:])  # large magnitudes
+                arr[-4] = 0.0
+        out[inp.name] = arr.astype(inp.dtype)
+    return out
+
+
+def load_file(spec: ModelSpec, root: Path, source: DatasetSource, split: str) -> "Arrays":
+    import numpy as np
+
+    assert source.path is not None
+    path = root / spec.dir / source.path
+    if not path.is_file():
+        raise InputError(f"dataset {split}: {path} does not exist",
+                         hint=f"fix models.<name>.datasets.{split}.path (relative to the model's dir)")
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except Exception as exc:
+        raise InputError(f"dataset {split}: {path} is not a readable .npy/.npz ({exc})", hint="re-save it with numpy.savez") from exc
+    if isinstance(loaded, np.ndarray):
+        if len(spec.inputs) != 1:
+            raise InputError(f"dataset {split}: {path} is one .npy array but the model has {len(spec.inputs)} inputs",
+                             hint="use an .npz keyed by input name")
+        arrays = {spec.inputs[0].name: loaded}
+    else:
+        arrays = {k: loaded[k] for k in loaded.files}
+    missing = [i.name for i in spec.inputs if i.name not in arrays]
+    if missing:
+        raise InputError(f"dataset {split}: {path} has no arrays for inputs {missing} (keys: {sorted(arrays)})",
+                         hint="key the .npz by the model's input names")
+    out = {i.name: arrays[i.name] for i in spec.inputs}
+    if source.labels in arrays:
+        out[LABELS] = arrays[source.labels].astype("int64")
+    if source.take is not None:
+        out = {k: v[: source.take] for k, v in out.items()}
+    return out
+
+
+def check_dataset(spec: ModelSpec, arrays: "Arrays", pins: dict[str, int], split: str, raw: bool) -> int:
+    """Check sample shapes and counts against the spec; return the sample count."""
+    import numpy as np
+
+    counts = {k: len(v) for k, v in arrays.items()}
+    if len(set(counts.values())) > 1:
+        raise InputError(f"dataset {split}: arrays have different sample counts {counts}", hint="give every array the same first dimension")
+    n = next(iter(counts.values()))
+    if n == 0:
+        raise InputError(f"dataset {split} is empty", hint="give at least one sample (or use 'generate')")
+    for inp in spec.inputs:
+        want = sample_shape(spec, inp.name, pins)
+        got = tuple(arrays[inp.name].shape[1:])
+        if got != want:
+            raise InputError(f"dataset {split}: input {inp.name!r} samples have shape {got}, the spec needs {want}",
+                             hint="samples are stacked on a first axis; the batch axis is left out of each sample")
+        if not raw and not np.can_cast(arrays[inp.name].dtype, inp.dtype, casting="same_kind"):
+            raise InputError(f"dataset {split}: input {inp.name!r} is {arrays[inp.name].dtype}, the model takes {inp.dtype}",
+                             hint="save it with the model's dtype")
+    return n
+
+
+def preprocess(spec: ModelSpec, raw: "Arrays") -> "Arrays":
+    """Raw samples to model inputs: the declared affine transform, then the input dtype."""
+    out = {}
+    for inp in spec.inputs:
+        arr = raw[inp.name]
+        affine = spec.preprocess.get(inp.name)
+        if affine is not None:
+            arr = arr.astype("float64") * affine.scale + affine.offset
+        out[inp.name] = arr.astype(inp.dtype)
+    if LABELS in raw:
+        out[LABELS] = raw[LABELS]
+    return out
+
+
+def postprocess(spec: ModelSpec, outputs: "Arrays") -> "Arrays":
+    import numpy as np
+
+    if spec.postprocess == "argmax":
+        name = spec.metric.output if spec.metric else next(iter(outputs))
+        return {"class": np.argmax(outputs[name], axis=-1)}
+    return outputs
+
+
+def iter_batches(arrays: "Arrays", input_batch_index: dict[str, int | None], batch: int) -> "Iterator[tuple[int, Arrays]]":
+    """Yield (real sample count, feeds) in batches of ``batch``; the last is padded by repetition.
+
+    Inputs without the batch axis force one sample per call (the batch axis, if any, is filled
+    with copies of that sample).
+    """
+    import numpy as np
+
+    names = list(input_batch_index)
+    n = len(arrays[names[0]])
+    step = batch if all(i is not None for i in input_batch_index.values()) else 1
+    for start in range(0, n, step):
+        real = min(step, n - start)
+        idx = list(range(start, start + real)) + [start + real - 1] * (batch - real)
+        yield real, {
+            name: arrays[name][start] if bi is None else np.moveaxis(arrays[name][idx], 0, bi)
+            for name, bi in input_batch_index.items()
+        }
+
+
+def run_dataset(
+    infer: Callable[["Arrays"], "Arrays"],
+    arrays: "Arrays",
+    input_batch_index: dict[str, int | None],
+    output_batch_index: dict[str, int | None],
+    batch: int,
+    progress: Callable[[str, float], None] | None = None,
+    label: str = "",
+) -> "Arrays":
+    """Run every sample through ``infer``; outputs come back with a leading sample axis."""
+    import numpy as np
+
+    if batch > 1 and all(i is not None for i in input_batch_index.values()):
+        unbatched = [o for o, i in output_batch_index.items() if i is None]
+        if unbatched:
+            raise InputError(f"outputs {unbatched} have no batch axis, so batched samples cannot be split apart",
+                             hint="pin the batch axis to 1 for this model")
+    n = len(next(iter(arrays.values())))
+    results: dict[str, list[np.ndarray]] = {}
+    done = 0
+    for i, (real, feeds) in enumerate(iter_batches(arrays, input_batch_index, batch)):
+        for name, value in infer(feeds).items():
+            bo = output_batch_index.get(name)
+            value = np.asarray(value)
+            results.setdefault(name, []).append(np.moveaxis(value, bo, 0)[:real] if bo is not None else value[None])
+        done += real
+        if progress is not None and i % 16 == 0:
+            progress(label, done / n)
+    return {k: np.concatenate(v) for k, v in results.items()}

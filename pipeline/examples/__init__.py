@@ -1,0 +1,1 @@
+"""Example projects: small models trained on bundled data and exported to ONNX."""

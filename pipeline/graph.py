@@ -1,0 +1,277 @@
+"""ONNX graph handling shared by the stages: load and check, signatures, pinning, graph passes.
+
+Every pass is a function ``ModelProto -> list[str]`` that edits the model in place and says what
+it changed, so the prepare report can list each change.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from .errors import InputError
+from .results import PassRecord, Signature, TensorSig
+
+if TYPE_CHECKING:
+    import onnx
+
+# Ops whose output is not a pure function of their inputs: never constant-fold them.
+_NONDETERMINISTIC = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
+
+
+def load_model(path: Path, what: str = "model") -> "onnx.ModelProto":
+    """Load and check an ONNX file; a missing, truncated or invalid file is an InputError."""
+    import onnx
+
+    if not path.is_file():
+        raise InputError(f"{what} file {path} does not exist", hint="check models.<name>.dir and .source in params.yaml, or run the export stage")
+    try:
+        model = onnx.load(str(path))
+    except Exception as exc:  # protobuf raises DecodeError, RuntimeError or others on truncation
+        raise InputError(f"{path} is not a readable ONNX file ({type(exc).__name__}: {exc})",
+                         hint="the file is truncated or not ONNX: re-export it") from exc
+    if not model.graph.node and not model.graph.output:
+        raise InputError(f"{path} holds no ONNX graph (empty or not a model)", hint="re-export the model")
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as exc:
+        raise InputError(f"{path} fails the ONNX checker: {str(exc).strip().splitlines()[0]}",
+                         hint="fix the exporter settings (opset, op domains) and re-export") from exc
+    return model
+
+
+def infer_shapes(model: "onnx.ModelProto", path: Path) -> "onnx.ModelProto":
+    import onnx
+
+    try:
+        return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+    except Exception as exc:
+        raise InputError(f"{path}: shape inference failed: {str(exc).strip().splitlines()[0]}",
+                         hint="the graph is inconsistent; check the input shapes in params.yaml and the exporter") from exc
+
+
+def _tensor_sig(value_info: "onnx.ValueInfoProto") -> TensorSig:
+    import onnx
+
+    tt = value_info.type.tensor_type
+    dims: list[int | str | None] = []
+    for d in tt.shape.dim:
+        dims.append(d.dim_value if d.HasField("dim_value") else (d.dim_param or None))
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type).name if tt.elem_type else "unknown"
+    return TensorSig(name=value_info.name, dtype=dtype, shape=dims)
+
+
+def signature(model: "onnx.ModelProto") -> Signature:
+    inits = {i.name for i in model.graph.initializer}
+    return Signature(
+        inputs=[_tensor_sig(v) for v in model.graph.input if v.name not in inits],
+        outputs=[_tensor_sig(v) for v in model.graph.output],
+    )
+
+
+def rename_axes(model: "onnx.ModelProto", spec_inputs: list, path: Path) -> None:
+    """Check the model's inputs against the spec; give the model's dynamic dims the spec's names.
+
+    A fixed dim in the spec pins a dynamic dim of the model; a fixed dim of the model that the
+    spec contradicts, an unknown or missing input, a wrong rank or dtype is an InputError.
+    """
+    sig = {t.name: t for t in signature(model).inputs}
+    declared = {s.name for s in spec_inputs}
+    missing = sorted(set(sig) - declared)
+    if missing:
+        raise InputError(f"{path}: model inputs {missing} are not declared in params.yaml",
+                         hint=f"add them under models.<name>.inputs (model inputs: {sorted(sig)})")
+    inputs = {v.name: v for v in model.graph.input}
+    renames: dict[str, str] = {}
+    for spec in spec_inputs:
+        if spec.name not in sig:
+            raise InputError(f"{path}: params.yaml declares input {spec.name!r} but the model has none",
+                             hint=f"model inputs: {sorted(sig)}")
+        have = sig[spec.name]
+        if have.dtype != spec.dtype:
+            raise InputError(f"{path}: input {spec.name!r} is {have.dtype} in the model but {spec.dtype} in params.yaml",
+                             hint=f"set dtype: {have.dtype}")
+        if len(have.shape) != len(spec.shape):
+            raise InputError(f"{path}: input {spec.name!r} has rank {len(have.shape)} {have.shape} in the model "
+                             f"but params.yaml gives {spec.shape}", hint="give one entry per model dimension")
+        dims = inputs[spec.name].type.tensor_type.shape.dim
+        for i, (mdim, sdim) in enumerate(zip(have.shape, spec.shape)):
+            if isinstance(mdim, int) and mdim != sdim:
+                raise InputError(f"{path}: input {spec.name!r} dim {i} is fixed to {mdim} in the model "
+                                 f"but params.yaml gives {sdim!r}", hint=f"use {mdim} (model shape {have.shape})")
+            if isinstance(sdim, str):
+                if isinstance(mdim, str) and mdim != sdim:
+                    renames[mdim] = sdim
+                dims[i].dim_param = sdim
+            elif mdim is None or isinstance(mdim, str):
+                dims[i].dim_value = sdim
+    for value in [*model.graph.output, *model.graph.value_info]:
+        for d in value.type.tensor_type.shape.dim:
+            if d.dim_param in renames:
+                d.dim_param = renames[d.dim_param]
+
+
+def pin_axes(model: "onnx.ModelProto", pins: dict[str, int], path: Path) -> "onnx.ModelProto":
+    """Fix named dynamic dims of inputs (and outputs) to values, then re-infer shapes."""
+    for value in [*model.graph.input, *model.graph.output]:
+        for d in value.type.tensor_type.shape.dim:
+            if d.dim_param in pins:
+                d.dim_value = pins[d.dim_param]
+    del model.graph.value_info[:]
+    return infer_shapes(model, path)
+
+
+def op_counts(model: "onnx.ModelProto") -> dict[str, int]:
+    return dict(sorted(Counter(n.op_type for n in model.graph.node).items()))
+
+
+# --- graph passes ------------------------------------------------------------------------------
+
+
+def constants_to_initializers(model: "onnx.ModelProto") -> list[str]:
+    import onnx
+
+    kept, moved = [], []
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.attribute) == 1 \
+                and node.attribute[0].name == "value":
+            tensor = onnx.TensorProto()
+            tensor.CopyFrom(node.attribute[0].t)
+            tensor.name = node.output[0]
+            model.graph.initializer.append(tensor)
+            moved.append(node.output[0])
+        else:
+            kept.append(node)
+    if moved:
+        del model.graph.node[:]
+        model.graph.node.extend(kept)
+    return [f"{len(moved)} Constant nodes became initializers"] if moved else []
+
+
+def fold_constants(model: "onnx.ModelProto") -> list[str]:
+    """Evaluate nodes whose inputs are all constant and replace them by initializers."""
+    import onnx
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    values = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    graph_inputs = {i.name for i in model.graph.input}
+    opset = [o for o in model.opset_import]
+    kept, folded = [], Counter()
+    for node in model.graph.node:
+        foldable = (
+            node.domain in ("", "ai.onnx")
+            and node.op_type not in _NONDETERMINISTIC
+            and not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+            and all((not n) or (n in values and n not in graph_inputs) for n in node.input)
+            and len(node.input) > 0
+        )
+        if foldable:
+            try:
+                single = onnx.helper.make_model(
+                    onnx.helper.make_graph([node], "fold", [], [onnx.helper.make_tensor_value_info(o, 0, None) for o in node.output]),
+                    opset_imports=opset,
+                )
+                outs = ReferenceEvaluator(single).run(None, {n: values[n] for n in node.input if n})
+            except Exception:  # leave anything the reference evaluator cannot run to the backend
+                kept.append(node)
+                continue
+            for name, arr in zip(node.output, outs):
+                values[name] = arr
+                model.graph.initializer.append(numpy_helper.from_array(arr, name))
+            folded[node.op_type] += 1
+        else:
+            kept.append(node)
+    if folded:
+        del model.graph.node[:]
+        model.graph.node.extend(kept)
+    return [f"folded {n} {op}" for op, n in sorted(folded.items())]
+
+
+def fold_batchnorm(model: "onnx.ModelProto") -> list[str]:
+    """Fold BatchNormalization (inference form) into the Conv that feeds it."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    consumers = Counter(n for node in model.graph.node for n in node.input)
+    outputs = {o.name for o in model.graph.output}
+    producer = {o: node for node in model.graph.node for o in node.output}
+    removed, details = set(), []
+    for bn in model.graph.node:
+        if bn.op_type != "BatchNormalization" or len(bn.output) != 1 or bn.domain not in ("", "ai.onnx"):
+            continue
+        conv = producer.get(bn.input[0])
+        if conv is None or conv.op_type != "Conv" or consumers[conv.output[0]] != 1 or conv.output[0] in outputs:
+            continue
+        if not all(n in inits for n in bn.input[1:5]) or conv.input[1] not in inits:
+            continue
+        if len(conv.input) > 2 and conv.input[2] and conv.input[2] not in inits:
+            continue
+        eps = next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5)
+        scale, bias, mean, var = (numpy_helper.to_array(inits[n]).astype(np.float64) for n in bn.input[1:5])
+        w = numpy_helper.to_array(inits[conv.input[1]])
+        b = numpy_helper.to_array(inits[conv.input[2]]) if len(conv.input) > 2 and conv.input[2] else np.zeros(w.shape[0])
+        factor = scale / np.sqrt(var + eps)
+        new_w = (w.astype(np.float64) * factor.reshape(-1, *([1] * (w.ndim - 1)))).astype(w.dtype)
+        new_b = ((b.astype(np.float64) - mean) * factor + bias).astype(w.dtype)
+        w_name, b_name = f"{conv.name or conv.output[0]}_bnfolded_W", f"{conv.name or conv.output[0]}_bnfolded_B"
+        model.graph.initializer.extend([numpy_helper.from_array(new_w, w_name), numpy_helper.from_array(new_b, b_name)])
+        del conv.input[1:]
+        conv.input.extend([w_name, b_name])
+        conv.output[0] = bn.output[0]
+        removed.add(id(bn))
+        details.append(f"{bn.name or bn.output[0]} folded into {conv.name or 'Conv'}")
+    if removed:
+        kept = [n for n in model.graph.node if id(n) not in removed]
+        del model.graph.node[:]
+        model.graph.node.extend(kept)
+    return details
+
+
+def eliminate_dead_code(model: "onnx.ModelProto") -> list[str]:
+    """Drop nodes that no graph output depends on, then unused initializers."""
+    needed = {o.name for o in model.graph.output}
+    kept = []
+    for node in reversed(list(model.graph.node)):
+        if any(o in needed for o in node.output):
+            kept.append(node)
+            needed.update(n for n in node.input if n)
+            for attr in node.attribute:  # subgraphs may read outer-scope names
+                for g in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                    needed.update(n for sub in g.node for n in sub.input)
+    dead_nodes = len(model.graph.node) - len(kept)
+    if dead_nodes:
+        kept.reverse()
+        del model.graph.node[:]
+        model.graph.node.extend(kept)
+    inits = [i for i in model.graph.initializer if i.name in needed]
+    dead_inits = len(model.graph.initializer) - len(inits)
+    if dead_inits:
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(inits)
+    details = []
+    if dead_nodes:
+        details.append(f"removed {dead_nodes} dead nodes")
+    if dead_inits:
+        details.append(f"removed {dead_inits} unused initializers")
+    return details
+
+
+PASSES: tuple[tuple[str, Callable[["onnx.ModelProto"], list[str]]], ...] = (
+    ("constants_to_initializers", constants_to_initializers),
+    ("constant_folding", fold_constants),
+    ("batchnorm_folding", fold_batchnorm),
+    ("dead_code_elimination", eliminate_dead_code),
+)
+
+
+def run_passes(model: "onnx.ModelProto") -> list[PassRecord]:
+    records = []
+    for name, fn in PASSES:
+        before = len(model.graph.node)
+        details = fn(model)
+        records.append(PassRecord(name=name, changed=bool(details), nodes_before=before,
+                                  nodes_after=len(model.graph.node), details=details))
+    return records

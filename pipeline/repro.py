@@ -1,0 +1,110 @@
+"""Which (model, SKU) pairs this host builds, running ``dvc repro`` for them, and a summary of
+the manifests."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import Registry
+from .errors import EnvironmentProblem, InputError, SkuforgeError
+from .runner.check import host_problems
+
+
+@dataclass
+class SkuStatus:
+    sku: str
+    backend: str
+    precision: str
+    target: str
+    runner_labels: list[str]
+    buildable: bool
+    problems: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+def sku_statuses(registry: Registry) -> list[SkuStatus]:
+    out = []
+    for name, spec in registry.skus.items():
+        problems = host_problems(registry, name)
+        out.append(SkuStatus(sku=name, backend=spec.backend, precision=spec.precision,
+                             target=f"{spec.target.arch}/{spec.target.device}/{spec.target.os}",
+                             runner_labels=spec.runner_labels, buildable=not problems, problems=problems))
+    return out
+
+
+def targets(registry: Registry, models: list[str] | None, skus: list[str] | None) -> tuple[list[str], list[SkuStatus]]:
+    """dvc targets for the buildable pairs, and the SKUs skipped on this host."""
+    for m in models or []:
+        registry.model(m)
+    statuses = [s for s in sku_statuses(registry) if not skus or s.sku in skus]
+    for s in skus or []:
+        registry.sku(s)
+    wanted_models = models or list(registry.models)
+    built = [f"manifest@{m}-{s.sku}" for m in wanted_models for s in statuses if s.buildable]
+    return built, [s for s in statuses if not s.buildable]
+
+
+class DvcFailed(SkuforgeError):
+    """``dvc repro`` failed; carries the exit code of the stage command that failed."""
+
+
+def run_dvc_repro(root: Path, dvc_targets: list[str], force: bool = False, dry: bool = False) -> None:
+    dvc = shutil.which("dvc") or str(Path(sys.executable).with_name("dvc"))
+    if not Path(dvc).exists():
+        raise EnvironmentProblem("dvc is not installed", hint="pip install dvc (it comes with skuforge)")
+    if not (root / ".dvc").is_dir():
+        raise InputError(f"{root} is not a DVC repository", hint="run `git init && dvc init` in the project root")
+    cmd = [dvc, "repro", *(["--force"] if force else []), *(["--dry"] if dry else []), *dvc_targets]
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stderr.write(line)
+        tail = (tail + [line])[-50:]
+    if proc.wait() != 0:
+        text = "".join(tail)
+        code = re.findall(r"exited with (\d+)", text)
+        err = DvcFailed(f"dvc repro failed: {_first_error(text)}", hint="the failing stage's own message is above")
+        err.exit_code = int(code[-1]) if code and int(code[-1]) in (1, 2, 3, 4) else 70
+        raise err
+
+
+def _first_error(text: str) -> str:
+    for line in text.splitlines():
+        if line.startswith("ERROR"):
+            return line.removeprefix("ERROR: ").strip()
+    return "see the output above"
+
+
+def summary(registry: Registry) -> list[dict[str, Any]]:
+    """One row per manifest present: gate results, metric deltas, latency."""
+    from .manifest import load_manifest
+    from .paths import Layout
+
+    rows = []
+    for model in registry.models:
+        for sku in registry.skus:
+            path = Layout(registry.root).manifest(model, sku)
+            if not path.is_file():
+                continue
+            m = load_manifest(path)
+            metrics = {x["split"]: x for x in m.correctness["metrics"]}
+            rows.append({
+                "model": model, "sku": sku, "backend": m.backend, "precision": m.precision,
+                "passed": m.correctness["passed"],
+                "max_abs_error": max((o["max_abs_error"] for o in m.correctness["outputs"]), default=None),
+                **{f"{k}_reference": v["reference"] for k, v in metrics.items()},
+                **{f"{k}_delta": v["delta"] for k, v in metrics.items()},
+                "p50_ms": m.benchmark["engine_only"]["p50_ms"], "p99_ms": m.benchmark["engine_only"]["p99_ms"],
+                "e2e_p50_ms": m.benchmark["end_to_end"]["p50_ms"], "throughput_per_s": m.benchmark["throughput_per_s"],
+                "digest": m.digest[:12],
+            })
+    return rows

@@ -1,0 +1,1 @@
+"""Host state and host-versus-SKU checks."""

@@ -1,0 +1,87 @@
+"""build: the SKU's backend compiles the engine; the report says what the compiler did."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from ..backends import get_backend
+from ..backends.base import BuildContext
+from ..config import Registry
+from ..data import LABELS, iter_batches
+from ..errors import EnvironmentProblem
+from ..io import atomic_dir, atomic_write_json, sha256_file, sha256_json
+from ..results import BuildReport, FileRecord, LayerInfo, PrepareReport
+from ..runner.check import host_problems
+from . import Progress
+from .calibrate import calibration_table
+from .common import batch_indices, layout, load_arrays, log, read_report
+
+
+def require_host(registry: Registry, sku: str) -> None:
+    """Exit 3 with the runner labels when this host cannot build or run ``sku``."""
+    problems = host_problems(registry, sku)
+    if problems:
+        labels = ", ".join(registry.sku(sku).runner_labels)
+        raise EnvironmentProblem(f"this host cannot build SKU {sku}: " + "; ".join(problems),
+                                 hint=f"build it on a runner with labels [{labels}] (skuforge skus --buildable-here lists what this host can build)")
+
+
+def config_hash(registry: Registry, model: str, sku: str, prepared_sha256: str, calibration_sha256: str | None) -> str:
+    """Everything that decides the engine's bytes, hashed."""
+    spec = registry.sku(sku)
+    return sha256_json({
+        "sku": spec.model_dump(mode="json", include={"backend", "precision", "target", "shapes", "profiles", "options"}),
+        "pins": registry.pins(model, sku),
+        "prepared_sha256": prepared_sha256,
+        "calibration_sha256": calibration_sha256 if spec.precision == "int8" else None,
+    })
+
+
+def build(registry: Registry, model: str, sku: str, progress: Progress | None = None) -> BuildReport:
+    require_host(registry, sku)
+    spec, sku_spec = registry.model(model), registry.sku(sku)
+    backend = get_backend(sku_spec.backend)
+    out = layout(registry)
+    prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
+    pins = registry.pins(model, sku)
+    golden = load_arrays(out.split(model, "golden"), "data")
+    golden.pop(LABELS, None)
+    in_idx, _ = batch_indices(registry, model, prep.signature)
+    _, probe = next(iter_batches(golden, in_idx, pins.get(spec.batch_axis or "", 1)))
+    table = calibration_table(registry, model) if sku_spec.precision == "int8" else None
+    table_sha = sha256_file(table) if table is not None and table.is_file() else None
+    started = time.perf_counter()
+    engine_dir = out.engine_dir(model, sku)
+    with atomic_dir(engine_dir) as staging:
+        ctx = BuildContext(model=model, sku=sku, spec=spec, sku_spec=sku_spec, prepared=out.prepared_model(model),
+                           pins=pins, profiles=dict(sku_spec.profiles), engine_dir=staging, calibration_table=table,
+                           probe_inputs=probe, cache_dir=out.cache_dir(sku), progress=progress)
+        outcome = backend.build(ctx)
+        files = backend.write_meta(staging, outcome.files, {**outcome.meta, "model": model, "sku": sku})
+    seconds = time.perf_counter() - started
+    calibration = None
+    if outcome.calibration is not None:
+        calibration = {**outcome.calibration, "method": spec.calibration.method, "table_sha256": table_sha}
+    report = BuildReport(
+        model=model, sku=sku, backend=backend.name, precision=sku_spec.precision, versions=backend.versions(),
+        options=outcome.options, shapes=pins, profiles={k: v.model_dump() for k, v in sku_spec.profiles.items()},
+        config_sha256=config_hash(registry, model, sku, prep.prepared_sha256, table_sha),
+        prepared_sha256=prep.prepared_sha256, calibration=calibration,
+        timing_cache=_file_record(outcome.timing_cache, registry) if outcome.timing_cache else None,
+        engine_files=files, layers=outcome.layers, placement=_counts(outcome.layers, "device"),
+        requested_devices=outcome.requested_devices, partition_boundaries=outcome.partition_boundaries,
+        precision_counts=_counts(outcome.layers, "precision"), hardware_specific=outcome.hardware_specific,
+        warnings=outcome.warnings, build_seconds=round(seconds, 3),
+    )
+    atomic_write_json(out.report(model, sku, "build"), report.to_json())
+    log(model, sku).info("built in %.1fs: %d layers, placement %s", seconds, len(outcome.layers), report.placement)
+    return report
+
+
+def _counts(layers: list[LayerInfo], field: str) -> dict[str, int]:
+    return dict(sorted(Counter(getattr(layer, field) or "unknown" for layer in layers).items()))
+
+
+def _file_record(path, registry: Registry) -> FileRecord:
+    return FileRecord(path=str(path.relative_to(registry.root)), sha256=sha256_file(path), bytes=path.stat().st_size)

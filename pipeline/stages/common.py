@@ -1,0 +1,56 @@
+"""What several stages read: stage reports, datasets and reference outputs."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+from ..config import Registry
+from ..errors import InputError
+from ..io import read_json
+from ..paths import Layout
+from ..results import Result
+
+if TYPE_CHECKING:
+    import numpy as np
+
+R = TypeVar("R", bound=Result)
+
+
+class _Prefixed(logging.LoggerAdapter):
+    def process(self, msg, kwargs):
+        return f"{self.extra['prefix']} {msg}", kwargs
+
+
+def log(model: str, sku: str | None = None) -> logging.LoggerAdapter:
+    """A logger whose lines name the model and SKU."""
+    return _Prefixed(logging.getLogger("pipeline.stages"), {"prefix": f"[{model}{'/' + sku if sku else ''}]"})
+
+
+def layout(registry: Registry) -> Layout:
+    return Layout(registry.root)
+
+
+def read_report(path: Path, cls: type[R], producer: str) -> R:
+    if not path.is_file():
+        raise InputError(f"{path} does not exist", hint=f"run the {producer} stage first (or dvc repro)")
+    try:
+        return cls.model_validate(read_json(path))
+    except ValueError as exc:
+        raise InputError(f"{path} is not a valid {producer} report: {exc}", hint=f"rerun the {producer} stage") from exc
+
+
+def load_arrays(path: Path, producer: str) -> dict[str, "np.ndarray"]:
+    import numpy as np
+
+    if not path.is_file():
+        raise InputError(f"{path} does not exist", hint=f"run the {producer} stage first (or dvc repro)")
+    with np.load(path, allow_pickle=False) as data:
+        return {k: data[k] for k in data.files}
+
+
+def batch_indices(registry: Registry, model: str, signature) -> tuple[dict[str, int | None], dict[str, int | None]]:
+    axis = registry.model(model).batch_axis
+    return ({t.name: t.batch_index(axis) for t in signature.inputs},
+            {t.name: t.batch_index(axis) for t in signature.outputs})

@@ -1,0 +1,58 @@
+"""reference: ONNX Runtime CPU FP32 outputs of the source model on every split."""
+
+from __future__ import annotations
+
+from ..compare import METRICS
+from ..config import Registry
+from ..data import LABELS, run_dataset
+from ..errors import InputError
+from ..io import atomic_savez, atomic_write_json, sha256_arrays
+from ..paths import REFERENCE_SPLITS
+from ..results import DataReport, PrepareReport, ReferenceReport
+from . import Progress
+from .common import batch_indices, layout, load_arrays, log, read_report
+from .prepare import load_source
+
+REFERENCE_BATCH = 64  # when the source model's batch axis is dynamic
+
+
+def reference(registry: Registry, model: str, progress: Progress | None = None) -> ReferenceReport:
+    import numpy as np
+
+    from ..backends.onnxruntime import reference_runner, runtime_version
+
+    spec = registry.model(model)
+    out = layout(registry)
+    prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
+    data = read_report(out.report(model, None, "data"), DataReport, "data")
+    in_idx, out_idx = batch_indices(registry, model, prep.signature)
+    source = load_source(registry, model)
+    dynamic = any(isinstance(d.dim_param, str) and d.dim_param == spec.batch_axis
+                  for i in source.graph.input for d in i.type.tensor_type.shape.dim)
+    batch = REFERENCE_BATCH if dynamic else registry.pins(model).get(spec.batch_axis or "", 1)
+    outputs = spec.outputs or [o.name for o in prep.signature.outputs]
+    metric, hashes, samples = {}, {}, {}
+    with reference_runner(source.SerializeToString()) as runner:
+        for split in REFERENCE_SPLITS:
+            if split not in data.splits:
+                continue
+            arrays = load_arrays(out.split(model, split), "data")
+            result = run_dataset(runner.infer, arrays, in_idx, out_idx, batch, progress, f"reference {split}")
+            result = {k: result[k] for k in outputs}
+            for name, value in result.items():
+                if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+                    bad = int((~np.isfinite(value)).sum())
+                    raise InputError(
+                        f"reference run of {model} gives {bad} NaN/Inf values in output {name!r} on the {split} set",
+                        hint="the model or its inputs are broken: check the model, models.<name>.inputs[].range and preprocess")
+            atomic_savez(out.reference_dir(model) / f"{split}.npz", **result)
+            hashes[split] = sha256_arrays(result)
+            samples[split] = len(arrays[spec.inputs[0].name])
+            if spec.metric is not None and LABELS in arrays:
+                metric[split] = METRICS[spec.metric.kind](result[spec.metric.output], arrays[LABELS])
+    report = ReferenceReport(model=model, runtime="onnxruntime CPUExecutionProvider fp32, optimisations off",
+                             runtime_version=runtime_version(), outputs=outputs, samples=samples,
+                             metric=metric, output_sha256=hashes)
+    atomic_write_json(out.report(model, None, "reference"), report.to_json())
+    log(model).info("reference: %s", ", ".join(f"{k} {v:.4f}" for k, v in metric.items()) or "no metric")
+    return report
