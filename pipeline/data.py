@@ -145,7 +145,7 @@ def iter_batches(arrays: "Arrays", input_batch_index: dict[str, int | None], bat
         real = min(step, n - start)
         idx = list(range(start, start + real)) + [start + real - 1] * (batch - real)
         yield real, {
-            name: arrays[name][start] if bi is None else np.moveaxis(arrays[name][idx], 0, bi)
+            name: np.asarray(arrays[name][start]) if bi is None else np.moveaxis(arrays[name][idx], 0, bi)
             for name, bi in input_batch_index.items()
         }
 

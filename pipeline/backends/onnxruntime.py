@@ -43,8 +43,10 @@ PROVIDER_PRECISIONS: dict[str, frozenset[str]] = {
 }
 
 _LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
-_ORT_TYPES = {"float": "fp32", "float16": "fp16", "double": "fp64", "int8_t": "int8", "uint8_t": "int8",
-              "int32_t": "int32", "int64_t": "int64", "bool": "bool", "int16_t": "int16", "uint16_t": "int16"}
+# Profiler type names (both spellings occur) to precisions; uint8 and int8 are both "int8" kernels.
+_ORT_TYPES = {"float": "fp32", "float16": "fp16", "MLFloat16": "fp16", "double": "fp64", "int8_t": "int8", "int8": "int8",
+              "uint8_t": "int8", "uint8": "int8", "int32_t": "int32", "int32": "int32", "int64_t": "int64",
+              "int64": "int64", "bool": "bool", "int16_t": "int16", "uint16_t": "int16"}
 # Ops that move or reinterpret data; a layer's precision is judged on the others.
 _PRECISION_NEUTRAL = {"QuantizeLinear", "DequantizeLinear", "Cast", "Reshape", "Shape", "Transpose", "Flatten",
                       "Squeeze", "Unsqueeze", "Gather", "Concat", "Identity", "MemcpyToHost", "MemcpyFromHost"}
