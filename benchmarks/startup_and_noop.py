@@ -1,0 +1,72 @@
+"""Start-up and no-op pipeline times, measured side by side on this machine.
+
+Targets (issue: the spine): `skuforge --help` under 0.3 s with no compiler SDK imported, and
+`dvc repro` with nothing changed under 3 s for the example project. Run from the project root
+after the example project has been built once (`skuforge repro`):
+
+    python benchmarks/startup_and_noop.py [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HEAVY = ("onnx", "onnxruntime", "numpy", "torch", "dvc", "pydantic", "jsonschema", "openvino", "iree", "tvm", "tensorrt")
+
+
+def timed(cmd: list[str], runs: int, env: dict[str, str]) -> tuple[float, float]:
+    samples = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        samples.append(time.perf_counter() - t0)
+        if proc.returncode != 0:
+            sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    return statistics.median(samples), min(samples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=5)
+    args = ap.parse_args()
+    root = Path.cwd()
+    bindir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
+    skuforge = str(Path(bindir) / "skuforge")
+
+    base, _ = timed([sys.executable, "-c", "pass"], args.runs, env)
+    helpt, _ = timed([skuforge, "--help"], args.runs, env)
+    probe = subprocess.run([sys.executable, "-c",
+                            "import sys; from pipeline.cli import build_parser; build_parser().format_help();"
+                            f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))"],
+                           capture_output=True, text=True, env=env)
+    heavy = probe.stdout.strip() or "none"
+    print(f"python -c pass          median {base * 1000:7.1f} ms")
+    print(f"skuforge --help         median {helpt * 1000:7.1f} ms  (target < 300 ms; {helpt / base:.1f}x bare python)")
+    print(f"  heavy modules imported by argument parsing: {heavy}")
+
+    if not (root / "dvc.lock").is_file() or not (root / "manifests").is_dir():
+        print("dvc repro no-op: skipped (run `skuforge repro` once in the example project first)")
+        return
+    from pipeline.config import load_registry
+    from pipeline.repro import targets
+
+    dvc_targets, _ = targets(load_registry(root / "params.yaml"), None, None)
+    status = subprocess.run([str(Path(bindir) / "dvc"), "status", *dvc_targets], capture_output=True, text=True, env=env)
+    if "up to date" not in status.stdout:
+        print("dvc repro no-op: skipped (the pipeline is not up to date: run `skuforge repro` first)")
+        return
+    dvc, _ = timed([str(Path(bindir) / "dvc"), "repro", *dvc_targets], args.runs, env)
+    sk, _ = timed([skuforge, "repro"], args.runs, env)
+    print(f"dvc repro (no-op, {len(dvc_targets)} targets)  median {dvc:6.2f} s  (target < 3 s)")
+    print(f"skuforge repro (no-op)        median {sk:6.2f} s  ({sk / dvc:.2f}x dvc repro: host checks + summary)")
+
+
+if __name__ == "__main__":
+    main()
