@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 
@@ -268,7 +268,12 @@ class Registry(Strict):
     examples: dict[str, Example] = Field(default_factory=dict)
     models: dict[str, ModelSpec]
     skus: dict[str, SkuSpec]
-    root: Path = Field(Path("."), exclude=True)
+    _root: Path = PrivateAttr(default_factory=lambda: Path("."))
+
+    @property
+    def root(self) -> Path:
+        """The folder holding params.yaml: every path in the registry is relative to it."""
+        return self._root
 
     def model(self, name: str) -> ModelSpec:
         return _lookup(self.models, name, "model")
@@ -363,32 +368,37 @@ def _container_value(tp: Any) -> Any:
     return args[-1] if args else Any
 
 
-def _format_errors(exc: ValidationError, source: str) -> str:
+def validation_problems(exc: ValidationError, model: type[BaseModel], prefix: tuple[Any, ...] = ()) -> list[str]:
+    """One line per pydantic error: the full key path, what is wrong, the nearest valid key."""
     lines = []
     for err in exc.errors():
-        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in ("function-after",)))
-        key = ".".join(str(p) for p in loc) or "(top level)"
+        loc = tuple(err["loc"])
+        key = ".".join(str(p) for p in (*prefix, *loc)) or "(top level)"
         if err["type"] == "extra_forbidden":
-            valid = _fields_at(Registry, loc[:-1])
-            hint = _did_you_mean(loc[-1], valid)
+            valid = _fields_at(model, loc[:-1])
             known = f"; valid keys here: {', '.join(valid)}" if valid else ""
-            lines.append(f"{key}: unknown key{hint}{known}")
+            lines.append(f"{key}: unknown key{_did_you_mean(loc[-1], valid)}{known}")
         elif err["type"] == "literal_error":
             expected = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
             lines.append(f"{key}: {err['msg']} (got {err['input']!r}){_did_you_mean(err['input'], expected)}")
         else:
-            msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"{key}: {msg}")
-    return f"{source}: invalid registry\n" + "\n".join(f"  - {line}" for line in lines)
+            lines.append(f"{key}: {err['msg'].removeprefix('Value error, ')}")
+    return lines
+
+
+def _invalid(source: str, problems: list[str]) -> ConfigError:
+    return ConfigError(f"{source}: invalid registry\n" + "\n".join(f"  - {p}" for p in problems),
+                       hint="fix the keys named above; see docs/registry.md")
 
 
 def parse_registry(data: Any, source: str = "params.yaml", root: Path | None = None) -> Registry:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping with 'models' and 'skus' at the top level")
     try:
-        registry = Registry.model_validate({**data, "root": root or Path(".")})
+        registry = Registry.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_errors(exc, source), hint="fix the keys named above; see docs/registry.md") from None
+        raise _invalid(source, validation_problems(exc, Registry)) from None
+    registry._root = root or Path(".")
     _check_cross_references(registry, source)
     return registry
 
@@ -423,8 +433,7 @@ def _check_cross_references(registry: Registry, source: str) -> None:
                         f"(datasets are generated at models.{name}.pins.{axis}={model.pins[axis]})"
                     )
     if problems:
-        raise ConfigError(f"{source}: invalid registry\n" + "\n".join(f"  - {p}" for p in problems),
-                          hint="fix the keys named above; see docs/registry.md")
+        raise _invalid(source, problems)
 
 
 def load_registry(path: str | os.PathLike = "params.yaml") -> Registry:

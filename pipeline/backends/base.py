@@ -101,8 +101,10 @@ class Backend(abc.ABC):
         try:
             return cls.Options.model_validate(sku.options)
         except ValidationError as exc:
-            problems = "; ".join(f"options.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-            raise ConfigError(problems, hint=f"valid {cls.name} options: {', '.join(cls.Options.model_fields)}") from None
+            from ..config import validation_problems
+
+            raise ConfigError("; ".join(validation_problems(exc, cls.Options, ("options",))),
+                              hint=f"valid {cls.name} options: {', '.join(cls.Options.model_fields)}") from None
 
     @classmethod
     def check_sku(cls, sku: "SkuSpec") -> list[str]:
