@@ -264,8 +264,9 @@ class Example(Strict):
 
 
 class Registry(Strict):
-    defaults: Defaults = Defaults()
-    examples: dict[str, Example] = Field(default_factory=dict)
+    # Both keys are required because dvc.yaml names them (DVC has no default for a missing key).
+    defaults: Defaults = Field(description="dvc.yaml tracks it: write `defaults: {}` to take the built-in defaults")
+    examples: dict[str, Example] = Field(description="dvc.yaml iterates over it: write `examples: {}` if you have none")
     models: dict[str, ModelSpec]
     skus: dict[str, SkuSpec]
     _root: Path = PrivateAttr(default_factory=lambda: Path("."))
@@ -311,11 +312,11 @@ class Registry(Strict):
         """Axis values for a (model, SKU): model pins, then the SKU's shapes, then profile opt."""
         spec = self.model(model)
         pins = dict(spec.pins)
-        if spec.batch_axis:
+        axes = {a for i in spec.inputs for a in i.axes}
+        if spec.batch_axis in axes:
             pins.setdefault(spec.batch_axis, 1)
         if sku is not None:
             s = self.sku(sku)
-            axes = {a for i in spec.inputs for a in i.axes}
             pins.update({k: v for k, v in s.shapes.items() if k in axes})
             pins.update({k: p.opt for k, p in s.profiles.items() if k in axes})
         return pins
@@ -381,6 +382,9 @@ def validation_problems(exc: ValidationError, model: type[BaseModel], prefix: tu
         elif err["type"] == "literal_error":
             expected = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
             lines.append(f"{key}: {err['msg']} (got {err['input']!r}){_did_you_mean(err['input'], expected)}")
+        elif err["type"] == "missing" and len(loc) == 1 and model.model_fields.get(str(loc[0])) is not None \
+                and model.model_fields[str(loc[0])].description:
+            lines.append(f"{key}: missing; {model.model_fields[str(loc[0])].description}")
         else:
             lines.append(f"{key}: {err['msg'].removeprefix('Value error, ')}")
     return lines

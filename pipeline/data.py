@@ -64,15 +64,13 @@ def load_file(spec: ModelSpec, root: Path, source: DatasetSource, split: str) ->
                          hint=f"fix models.<name>.datasets.{split}.path (relative to the model's dir)")
     try:
         loaded = np.load(path, allow_pickle=False)
-    except Exception as exc:
-        raise InputError(f"dataset {split}: {path} is not a readable .npy/.npz ({exc})", hint="re-save it with numpy.savez") from exc
-    if isinstance(loaded, np.ndarray):
-        if len(spec.inputs) != 1:
-            raise InputError(f"dataset {split}: {path} is one .npy array but the model has {len(spec.inputs)} inputs",
-                             hint="use an .npz keyed by input name")
-        arrays = {spec.inputs[0].name: loaded}
-    else:
-        arrays = {k: loaded[k] for k in loaded.files}
+        arrays = {spec.inputs[0].name: loaded} if isinstance(loaded, np.ndarray) else {k: loaded[k] for k in loaded.files}
+    except Exception as exc:  # zip, pickle and format errors all mean the same to the user
+        raise InputError(f"dataset {split}: {path} is not a readable .npy/.npz ({type(exc).__name__}: {exc})",
+                         hint="re-save it with numpy.save / numpy.savez (numeric arrays, no objects)") from exc
+    if isinstance(loaded, np.ndarray) and len(spec.inputs) != 1:
+        raise InputError(f"dataset {split}: {path} is one .npy array but the model has {len(spec.inputs)} inputs",
+                         hint="use an .npz keyed by input name")
     missing = [i.name for i in spec.inputs if i.name not in arrays]
     if missing:
         raise InputError(f"dataset {split}: {path} has no arrays for inputs {missing} (keys: {sorted(arrays)})",

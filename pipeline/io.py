@@ -69,10 +69,10 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     os.chmod(tmp, 0o777 & ~_umask())
+    old = path.with_name(f".{path.name}.old")
     try:
         yield tmp
         if path.exists():
-            old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(path, old)
             os.replace(tmp, path)
@@ -81,6 +81,8 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
             os.replace(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not path.exists():  # the swap failed half-way: put the old one back
+            os.replace(old, path)
         raise
 
 

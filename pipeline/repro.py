@@ -62,7 +62,9 @@ def run_dvc_repro(root: Path, dvc_targets: list[str], force: bool = False, dry: 
         raise EnvironmentProblem("dvc is not installed", hint="pip install dvc (it comes with skuforge)")
     if not (root / ".dvc").is_dir():
         raise InputError(f"{root} is not a DVC repository", hint="run `git init && dvc init` in the project root")
-    cmd = [dvc, "repro", *(["--force"] if force else []), *(["--dry"] if dry else []), *dvc_targets]
+    # `dvc repro --dry` hashes dependencies that no stage has made yet and fails in a new
+    # project; `dvc status` answers "what would run" without that.
+    cmd = [dvc, "status", "--with-deps", *dvc_targets] if dry else [dvc, "repro", *(["--force"] if force else []), *dvc_targets]
     proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail: list[str] = []
     assert proc.stdout is not None
@@ -72,8 +74,12 @@ def run_dvc_repro(root: Path, dvc_targets: list[str], force: bool = False, dry: 
     if proc.wait() != 0:
         text = "".join(tail)
         code = re.findall(r"exited with (\d+)", text)
-        err = DvcFailed(f"dvc repro failed: {_first_error(text)}", hint="the failing stage's own message is above")
-        err.exit_code = int(code[-1]) if code and int(code[-1]) in (1, 2, 3, 4) else 70
+        if code:  # a stage command failed: pass its exit code on
+            err = DvcFailed(f"dvc failed: {_first_error(text)}", hint="the failing stage's own message is above")
+            err.exit_code = int(code[-1]) if int(code[-1]) in (1, 2, 3, 4) else 70
+        else:  # dvc refused the pipeline itself (dvc.yaml, params.yaml, missing dependency)
+            err = DvcFailed(f"dvc failed: {_first_error(text)}", hint="fix dvc.yaml / params.yaml as dvc says above")
+            err.exit_code = 2
         raise err
 
 

@@ -129,5 +129,6 @@ def write_project(root: Path, models: dict, skus: dict, **top) -> Path:
     import yaml
 
     root.mkdir(parents=True, exist_ok=True)
-    (root / "params.yaml").write_text(yaml.safe_dump({"models": models, "skus": skus, **top}, sort_keys=False))
+    doc = {"defaults": {}, "examples": {}, "models": models, "skus": skus, **top}
+    (root / "params.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     return root / "params.yaml"

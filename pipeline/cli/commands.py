@@ -93,7 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--model", action="append", help="only this model (repeatable)")
     r.add_argument("--sku", action="append", help="only this SKU (repeatable)")
     r.add_argument("--force", action="store_true", help="rerun stages even if unchanged")
-    r.add_argument("--dry", action="store_true", help="show what would run")
+    r.add_argument("--dry", action="store_true", help="show what would run (dvc status), run nothing")
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=repro)
 
@@ -153,7 +153,7 @@ def repro(args: argparse.Namespace) -> int:
     run_dvc_repro(reg.root, dvc_targets, force=args.force, dry=args.dry)
     rows = [] if args.dry else summarize(reg)
     _emit(args, {"targets": dvc_targets, "skipped": [s.to_json() for s in skipped], "summary": rows},
-          lambda: _table(rows))
+          lambda: "" if args.dry else _table(rows))
     return 0
 
 

@@ -46,8 +46,11 @@ def load_arrays(path: Path, producer: str) -> dict[str, "np.ndarray"]:
 
     if not path.is_file():
         raise InputError(f"{path} does not exist", hint=f"run the {producer} stage first (or dvc repro)")
-    with np.load(path, allow_pickle=False) as data:
-        return {k: data[k] for k in data.files}
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {k: data[k] for k in data.files}
+    except Exception as exc:  # a damaged archive: zipfile, OSError or ValueError
+        raise InputError(f"{path} is damaged ({type(exc).__name__}: {exc})", hint=f"rerun the {producer} stage") from exc
 
 
 def batch_indices(registry: Registry, model: str, signature) -> tuple[dict[str, int | None], dict[str, int | None]]:

@@ -57,12 +57,17 @@ def prepare(registry: Registry, model: str, progress: Progress | None = None) ->
         for _, feeds in iter_batches(feeds_all, bidx, pins.get(spec.batch_axis or "", 1)):
             a, b = ref.infer(feeds), new.infer(feeds)
             for name in a:
-                if np.issubdtype(a[name].dtype, np.floating):
-                    scale = max(1.0, float(np.max(np.abs(a[name]), initial=0.0)))
-                    worst = max(worst, float(np.max(np.abs(a[name] - b[name]), initial=0.0)) / scale)
+                if not np.issubdtype(a[name].dtype, np.floating):
+                    worst = max(worst, 0.0 if np.array_equal(a[name], b[name]) else np.inf)
+                    continue
+                same_nonfinite = np.array_equal(~np.isfinite(a[name]), ~np.isfinite(b[name]))
+                diff = np.abs(np.nan_to_num(a[name] - b[name], nan=0.0, posinf=0.0, neginf=0.0))
+                scale = max(1.0, float(np.max(np.abs(np.nan_to_num(a[name])), initial=0.0)))
+                worst = max(worst, float(np.max(diff, initial=0.0)) / scale if same_nonfinite else np.inf)
     if not worst <= 1e-4:
         raise GateFailed(f"{model}: graph passes changed the model's outputs (relative error {worst:.3g})",
                          hint="this is a skuforge bug in a graph pass: report it with the model")
+    worst = float(worst)
 
     report = PrepareReport(
         model=model,

@@ -1,0 +1,247 @@
+"""The ``skuforge`` command as users run it: exit codes, messages with hints, no tracebacks, and a
+parser that starts without importing any heavy library."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import models
+from pipeline.config import load_registry
+from pipeline.runner.probe import host_arch
+from pipeline.stages.build import build
+from pipeline.stages.calibrate import calibrate
+from pipeline.stages.data import make_data
+from pipeline.stages.prepare import prepare
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(sys.executable).with_name("skuforge")
+COMMAND = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-c", "from pipeline.cli import main; raise SystemExit(main())"]
+HEAVY = ("onnx", "onnxruntime", "numpy", "torch", "dvc", "pydantic", "jsonschema")
+OTHER_ARCH = "aarch64" if host_arch() == "x86_64" else "x86_64"
+
+
+def skuforge(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([*COMMAND, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def assert_user_error(proc: subprocess.CompletedProcess, code: int, *words: str) -> None:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == code, out
+    assert "skuforge: error:" in proc.stderr, out
+    assert "hint:" in proc.stderr, out
+    assert "Traceback" not in out and "internal error" not in out, out
+    for word in words:
+        assert word in proc.stderr, (word, out)
+
+
+def project(root: Path, spec: dict | None = None, builder=models.conv_bn_model, skus: dict | None = None, **top) -> Path:
+    spec = spec or models.conv_bn_spec()
+    builder(root / spec["dir"] / spec["source"])
+    return models.write_project(root, {"m": spec}, skus or {"cpu": models.ort_sku("fp32")}, **top)
+
+
+# --- bad inputs ---------------------------------------------------------------------------------
+
+
+def test_malformed_onnx(tmp_path):
+    project(tmp_path)
+    (tmp_path / "models/conv/model.onnx").write_bytes(b"\x08\x07garbage that is not a protobuf \xff\xff")
+    assert_user_error(skuforge("prepare", "--model", "m", cwd=tmp_path), 2, "model.onnx")
+
+
+def test_truncated_onnx(tmp_path):
+    project(tmp_path)
+    path = tmp_path / "models/conv/model.onnx"
+    path.write_bytes(path.read_bytes()[:200])
+    assert_user_error(skuforge("prepare", "--model", "m", cwd=tmp_path), 2, "model.onnx")
+
+
+def test_missing_model_file(tmp_path):
+    project(tmp_path)
+    (tmp_path / "models/conv/model.onnx").unlink()
+    assert_user_error(skuforge("prepare", "--model", "m", cwd=tmp_path), 2, "does not exist")
+
+
+def test_unknown_key_in_params(tmp_path):
+    spec = {**models.conv_bn_spec(), "sorce": "model.onnx"}
+    project(tmp_path, spec)
+    proc = skuforge("config", "validate", cwd=tmp_path)
+    assert_user_error(proc, 2, "models.m.sorce", "did you mean 'source'")
+
+
+def test_unknown_key_fails_every_command(tmp_path):
+    project(tmp_path, skus={"cpu": models.ort_sku("fp32", optoins={})})
+    assert_user_error(skuforge("build", "--model", "m", "--sku", "cpu", cwd=tmp_path), 2, "skus.cpu.optoins")
+
+
+def test_unknown_backend(tmp_path):
+    project(tmp_path, skus={"cpu": models.ort_sku("fp32", backend="tensorrtx")})
+    assert_user_error(skuforge("config", "validate", cwd=tmp_path), 2, "unknown backend 'tensorrtx'", "known backends")
+
+
+def test_missing_params_file(tmp_path):
+    assert_user_error(skuforge("--params", "nope.yaml", "skus", cwd=tmp_path), 2, "nope.yaml")
+
+
+def test_unknown_model_name(tmp_path):
+    project(tmp_path)
+    assert_user_error(skuforge("prepare", "--model", "n", cwd=tmp_path), 2, "unknown model 'n'")
+
+
+def test_input_shape_contradicting_the_model(tmp_path):
+    spec = models.conv_bn_spec()
+    spec["inputs"][0]["shape"] = ["batch", 3, 16, 16]
+    project(tmp_path, spec)
+    assert_user_error(skuforge("prepare", "--model", "m", cwd=tmp_path), 2, "'x'", "fixed to 8")
+
+
+def test_input_dtype_contradicting_the_model(tmp_path):
+    spec = models.conv_bn_spec()
+    spec["inputs"][0]["dtype"] = "int64"
+    project(tmp_path, spec)
+    assert_user_error(skuforge("prepare", "--model", "m", cwd=tmp_path), 2, "'x'", "float32")
+
+
+def test_empty_calibration_set(tmp_path):
+    spec = {**models.conv_bn_spec(), "datasets": {"calibration": {"path": "cal.npz"}}}
+    project(tmp_path, spec)
+    np.savez(tmp_path / "models/conv/cal.npz", x=np.zeros((0, 3, 8, 8), np.float32))
+    assert_user_error(skuforge("data", "--model", "m", cwd=tmp_path), 2, "empty")
+
+
+def test_nan_reference(tmp_path):
+    spec = {"dir": "models/nan", "source": "model.onnx", "inputs": [{"name": "x", "shape": ["batch", 4]}]}
+    params = project(tmp_path, spec, builder=models.nan_model)
+    reg = load_registry(params)
+    prepare(reg, "m")
+    make_data(reg, "m")
+    assert_user_error(skuforge("reference", "--model", "m", cwd=tmp_path), 2, "NaN")
+
+
+def test_sku_for_another_host(tmp_path):
+    foreign = models.ort_sku("fp32", target={"arch": OTHER_ARCH}, runner_labels=["self-hosted", "far-away"])
+    project(tmp_path, skus={"foreign": foreign})
+    assert_user_error(skuforge("build", "--model", "m", "--sku", "foreign", cwd=tmp_path), 3, "far-away")
+
+
+def test_failed_gate_exits_1(tmp_path):
+    strict = models.ort_sku("int8", tolerance={"atol": 0, "rtol": 0, "max_mismatch": 0})
+    reg = load_registry(project(tmp_path, skus={"strict": strict}))
+    for stage in (prepare, make_data, calibrate):
+        stage(reg, "m")
+    from pipeline.stages.reference import reference
+
+    reference(reg, "m")
+    build(reg, "m", "strict")
+    assert_user_error(skuforge("validate", "--model", "m", "--sku", "strict", cwd=tmp_path), 1, "failed validation")
+    assert json.loads((tmp_path / "build/m/strict/validate.json").read_text())["passed"] is False
+
+
+def test_argument_errors_exit_2(tmp_path):
+    proc = skuforge("build", "--model", "m", cwd=tmp_path)  # --sku missing
+    assert proc.returncode == 2 and "--sku" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# --- working commands ---------------------------------------------------------------------------
+
+
+def test_help(tmp_path):
+    proc = skuforge("--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: skuforge")
+    for command in ("config", "skus", "prepare", "build", "validate", "bench", "manifest", "repro", "exit codes"):
+        assert command in proc.stdout
+
+
+def test_skus_json(tmp_path):
+    foreign = models.ort_sku("fp32", target={"arch": OTHER_ARCH}, runner_labels=["self-hosted", "far-away"])
+    project(tmp_path, skus={"cpu": models.ort_sku("fp32"), "foreign": foreign})
+    proc = skuforge("skus", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = {row["sku"]: row for row in json.loads(proc.stdout)}
+    assert rows["cpu"]["buildable"] is True and rows["cpu"]["problems"] == []
+    assert rows["foreign"]["buildable"] is False and rows["foreign"]["runner_labels"] == ["self-hosted", "far-away"]
+    assert any(OTHER_ARCH in p for p in rows["foreign"]["problems"])
+    here = json.loads(skuforge("skus", "--json", "--buildable-here", cwd=tmp_path).stdout)
+    assert [row["sku"] for row in here] == ["cpu"]
+
+
+def test_skus_table(tmp_path):
+    project(tmp_path)
+    proc = skuforge("skus", cwd=tmp_path)
+    assert proc.returncode == 0 and "RUNNER LABELS" in proc.stdout and "cpu" in proc.stdout
+
+
+def test_config_validate_json(tmp_path):
+    params = project(tmp_path)
+    proc = skuforge("--params", str(params), "config", "validate", "--json", cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"params": str(params), "models": ["m"], "skus": ["cpu"], "valid": True}
+
+
+def test_prepare_json(tmp_path):
+    project(tmp_path)
+    proc = skuforge("prepare", "--model", "m", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["model"] == "m" and [p["changed"] for p in report["passes"]] == [True] * 4
+    assert report == json.loads((tmp_path / "build/m/prepared/prepare.json").read_text())
+
+
+# --- start-up cost ------------------------------------------------------------------------------
+
+
+def _heavy_after(code: str) -> list[str]:
+    probe = f"""
+import json, sys
+{code}
+heavy = {HEAVY!r}
+print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules if m.split('.')[0] in heavy}})))
+"""
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_building_the_parser_imports_nothing_heavy():
+    assert _heavy_after("from pipeline.cli import build_parser\nbuild_parser()") == []
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["build", "--help"], ["config", "validate", "--help"]])
+def test_help_imports_nothing_heavy(argv):
+    code = f"""
+import contextlib, io
+from pipeline.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    try:
+        main({argv!r})
+    except SystemExit as exc:
+        assert exc.code == 0, exc.code
+"""
+    assert _heavy_after(code) == []
+
+
+def test_cli_modules_import_no_heavy_library_at_module_level():
+    """Read the syntax trees: only function bodies may import the library or an SDK."""
+    light_relative = {"errors", "commands", "progress", ""}
+    for path in sorted((REPO / "pipeline" / "cli").glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in tree.body:
+            if isinstance(node, ast.Import):
+                names = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    assert node.level == 1 or (node.module or "").split(".")[0] in light_relative, \
+                        f"{path.name}: module-level import of ..{node.module}"
+                    continue
+                names = [(node.module or "").split(".")[0]]
+            else:
+                continue
+            assert not set(names) & set(HEAVY), f"{path.name}: module-level import of {names}"

@@ -1,0 +1,353 @@
+"""params.yaml parsing: typed models, key-path errors with suggestions, override merging."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+import models
+from pipeline.backends import backend_class, known_backends
+from pipeline.config import (
+    BenchSpec,
+    MetricGate,
+    Registry,
+    Tolerance,
+    load_registry,
+    parse_registry,
+)
+from pipeline.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def base() -> dict:
+    return {"defaults": {}, "examples": {},
+            "models": {"conv": models.conv_bn_spec(), "multi": models.multi_io_spec()},
+            "skus": {"cpu": models.ort_sku("fp32"), "cpu_int8": models.ort_sku("int8")}}
+
+
+def config_error(data: dict) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        parse_registry(data)
+    assert info.value.exit_code == 2
+    return info.value
+
+
+def mutated(path: str, value) -> dict:
+    """A copy of base() with the dotted ``path`` set to ``value``."""
+    data = copy.deepcopy(base())
+    *parents, last = path.split(".")
+    node = data
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    node[last] = value
+    return data
+
+
+# --- a valid registry ---------------------------------------------------------------------------
+
+
+def test_valid_registry_parses(tmp_path):
+    params = models.write_project(tmp_path, base()["models"], base()["skus"])
+    reg = load_registry(params)
+    assert isinstance(reg, Registry)
+    assert reg.root == tmp_path.resolve()
+    assert sorted(reg.models) == ["conv", "multi"] and sorted(reg.skus) == ["cpu", "cpu_int8"]
+    assert reg.model_file("conv") == tmp_path.resolve() / "models/conv/model.onnx"
+    multi = reg.model("multi")
+    assert [i.name for i in multi.inputs] == ["x", "ids", "scale"]
+    assert multi.input("ids").dtype == "int64" and multi.input("scale").shape == []
+    assert multi.input("x").value_range() == (-1.0, 1.0)
+    assert reg.model("conv").input("x").value_range() == (0.0, 1.0)
+    assert reg.sku("cpu_int8").precision == "int8"
+    assert reg.pins("conv") == {"batch": 1}
+    assert reg.pins("conv", "cpu") == {"batch": 1}
+    assert reg.pairs() == [("conv", "cpu"), ("conv", "cpu_int8"), ("multi", "cpu"), ("multi", "cpu_int8")]
+    # datasets default to generated golden and calibration sets
+    assert reg.model("conv").datasets.golden.generate.count == 32
+    assert reg.model("conv").datasets.evaluation is None
+
+
+def test_checked_in_registry_parses():
+    reg = load_registry(REPO / "params.yaml")
+    assert reg.models and reg.skus
+    for name, sku in reg.skus.items():
+        assert sku.backend in known_backends(), name
+
+
+def test_sku_profiles_set_pins_to_opt():
+    data = base()
+    data["skus"]["dyn"] = models.ort_sku("fp32", shapes={}, profiles={"batch": {"min": 1, "opt": 4, "max": 8}})
+    reg = parse_registry(data)
+    assert reg.pins("conv", "dyn") == {"batch": 4}
+
+
+def test_fp16_on_a_gpu_provider_is_accepted():
+    data = base()
+    data["skus"]["gpu"] = models.ort_sku("fp16", options={"providers": ["CUDAExecutionProvider", "CPUExecutionProvider"]})
+    assert parse_registry(data).sku("gpu").precision == "fp16"
+
+
+# --- unknown keys -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path, value, key, suggestion", [
+    ("modles", {}, "modles", "models"),
+    ("models.conv.sorce", "model.onnx", "models.conv.sorce", "source"),
+    ("models.conv.inputs.0.dtyp", "float32", "models.conv.inputs.0.dtyp", "dtype"),
+    ("models.conv.datasets", {"golden": {"generate": {"count": 4, "sed": 1}}},
+     "models.conv.datasets.golden.generate.sed", "seed"),
+    ("skus.cpu.target.cpu_feature", ["avx2"], "skus.cpu.target.cpu_feature", "cpu_features"),
+    ("skus.cpu.tolerance", {"atl": 0.1}, "skus.cpu.tolerance.atl", "atol"),
+    ("skus.cpu.placment", {}, "skus.cpu.placment", "placement"),
+])
+def test_unknown_key_names_its_path_and_the_nearest_key(path, value, key, suggestion):
+    err = config_error(mutated(path, value))
+    assert f"{key}: unknown key" in err.message
+    assert f"did you mean {suggestion!r}" in err.message
+    assert err.hint
+
+
+def test_unknown_key_lists_the_valid_keys_there():
+    err = config_error(mutated("skus.cpu.target.cpu_feature", ["avx2"]))
+    assert "valid keys here: arch, device, os, cpu_features" in err.message
+
+
+def test_unknown_backend_option_names_its_path_and_the_nearest_key():
+    err = config_error(mutated("skus.cpu.options", {"provider": ["CPUExecutionProvider"]}))
+    assert "skus.cpu.options.provider: unknown key" in err.message
+    assert "did you mean 'providers'" in err.message
+
+
+def test_bad_backend_option_literal_suggests_the_nearest_value():
+    err = config_error(mutated("skus.cpu.options", {"graph_optimization_level": "extnded"}))
+    assert "skus.cpu.options.graph_optimization_level" in err.message
+    assert "did you mean 'extended'" in err.message
+
+
+def test_top_level_valid_keys_do_not_offer_internal_fields():
+    err = config_error(mutated("modles", {}))
+    assert "valid keys here" in err.message
+    assert "root" not in err.message.split("valid keys here:")[1]
+
+
+def test_root_is_not_a_user_key():
+    assert "root: unknown key" in config_error(mutated("root", "/elsewhere")).message
+
+
+def test_every_problem_is_reported_at_once():
+    data = mutated("models.conv.sorce", "x")
+    data["skus"]["cpu"]["precison"] = "fp32"
+    err = config_error(data)
+    assert "models.conv.sorce" in err.message and "skus.cpu.precison" in err.message
+
+
+@pytest.mark.parametrize("key", ["defaults", "examples", "models", "skus"])
+def test_top_level_keys_are_required(key):
+    data = base()
+    del data[key]
+    assert f"  - {key}: " in config_error(data).message
+
+
+def test_missing_required_key():
+    data = base()
+    del data["skus"]["cpu"]["runner_labels"]
+    assert "skus.cpu.runner_labels" in config_error(data).message
+
+
+# --- backends and literals ----------------------------------------------------------------------
+
+
+def test_unknown_backend_lists_known_backends():
+    err = config_error(mutated("skus.cpu.backend", "onnxrt"))
+    assert "skus.cpu.backend" in err.message and "unknown backend 'onnxrt'" in err.message
+    assert "did you mean 'onnxruntime'" in err.message
+    assert "known backends: " + ", ".join(known_backends()) in err.message
+
+
+def test_backend_registry_unknown_name():
+    with pytest.raises(ConfigError) as info:
+        backend_class("tensorflow-lite")
+    assert "onnxruntime" in info.value.hint
+
+
+def test_bad_literal_suggests_the_nearest_value():
+    err = config_error(mutated("skus.cpu.precision", "fp33"))
+    assert "skus.cpu.precision" in err.message and "'fp33'" in err.message
+    assert "did you mean 'fp32'" in err.message
+
+
+def test_bad_dtype_literal():
+    err = config_error(mutated("models.conv.inputs.0.dtype", "flaot32"))
+    assert "models.conv.inputs.0.dtype" in err.message and "did you mean 'float32'" in err.message
+
+
+def test_fp16_on_cpu_provider_is_not_supported():
+    err = config_error(mutated("skus.cpu.precision", "fp16"))
+    assert "skus.cpu.precision" in err.message
+    assert "fp16 is not supported" in err.message and "CPUExecutionProvider" in err.message
+
+
+def test_unknown_execution_provider():
+    err = config_error(mutated("skus.cpu.options", {"providers": ["NoSuchExecutionProvider"]}))
+    assert "skus.cpu.options.providers" in err.message and "NoSuchExecutionProvider" in err.message
+
+
+# --- axes, pins, shapes and profiles ------------------------------------------------------------
+
+
+def test_unpinned_non_batch_dynamic_axis():
+    err = config_error(mutated("models.conv.inputs.0.shape", ["batch", 3, "height", 8]))
+    assert "models.conv" in err.message and "'height'" in err.message and "pins" in err.message
+
+
+def test_pinned_non_batch_dynamic_axis_is_fine():
+    data = mutated("models.conv.inputs.0.shape", ["batch", 3, "height", 8])
+    data["models"]["conv"]["pins"] = {"height": 8}
+    assert parse_registry(data).pins("conv") == {"height": 8, "batch": 1}
+
+
+def test_pins_for_an_unknown_axis():
+    err = config_error(mutated("models.conv.pins", {"seq": 4}))
+    assert "pins.seq" in err.message and "no input has an axis named 'seq'" in err.message
+
+
+def test_shapes_and_profiles_conflict():
+    err = config_error(mutated("skus.cpu.profiles", {"batch": {"min": 1, "opt": 2, "max": 4}}))
+    assert "skus.cpu" in err.message and "both 'shapes' and 'profiles'" in err.message
+
+
+def test_profile_must_be_ordered():
+    data = mutated("skus.cpu.shapes", {})
+    data["skus"]["cpu"]["profiles"] = {"batch": {"min": 4, "opt": 2, "max": 8}}
+    assert "min <= opt <= max" in config_error(data).message
+
+
+def test_sku_shape_for_an_axis_no_model_has():
+    err = config_error(mutated("skus.cpu.shapes", {"seq": 4}))
+    assert "skus.cpu" in err.message and "'seq' is not a dynamic axis" in err.message
+
+
+def test_sku_may_not_repin_a_non_batch_axis():
+    data = mutated("models.conv.inputs.0.shape", ["batch", 3, "height", 8])
+    data["models"]["conv"]["pins"] = {"height": 8}
+    data["skus"]["cpu"]["shapes"] = {"batch": 1, "height": 16}
+    assert "skus.cpu.shapes.height" in config_error(data).message
+
+
+def test_fixed_dims_must_be_positive():
+    assert "models.conv.inputs.0.shape" in config_error(mutated("models.conv.inputs.0.shape", ["batch", 0, 8, 8])).message
+
+
+def test_dataset_needs_exactly_one_source():
+    err = config_error(mutated("models.conv.datasets", {"golden": {"path": "g.npz", "generate": {"count": 4}}}))
+    assert "models.conv.datasets.golden" in err.message and "exactly one" in err.message
+
+
+def test_metric_needs_an_evaluation_set():
+    err = config_error(mutated("models.conv.metric", {"output": "probs"}))
+    assert "models.conv" in err.message and "datasets.evaluation" in err.message
+
+
+def test_metric_output_must_be_checked():
+    data = mutated("models.conv.metric", {"output": "probs"})
+    data["models"]["conv"]["datasets"] = {"evaluation": {"path": "eval.npz"}}
+    data["models"]["conv"]["outputs"] = ["other"]
+    assert "models.conv.metric.output" in config_error(data).message
+
+
+def test_unknown_model_and_sku_lookup():
+    reg = parse_registry(base())
+    with pytest.raises(ConfigError) as info:
+        reg.model("cnov")
+    assert "did you mean 'conv'" in info.value.message
+    with pytest.raises(ConfigError) as info:
+        reg.sku("cpu_int")
+    assert "cpu_int8" in info.value.message
+
+
+# --- override merging ---------------------------------------------------------------------------
+
+
+def test_tolerance_overrides_merge_defaults_then_model_then_sku():
+    data = base()
+    data["defaults"] = {"tolerances": {"int8": {"atol": 0.2, "rtol": 0.3, "max_mismatch": 0.1}}}
+    data["models"]["conv"]["tolerances"] = {"int8": {"atol": 0.5}}
+    data["skus"]["cpu_int8"]["tolerance"] = {"rtol": 0.7}
+    reg = parse_registry(data)
+    assert reg.tolerance("conv", "cpu_int8") == Tolerance(atol=0.5, rtol=0.7, max_mismatch=0.1)
+    assert reg.tolerance("multi", "cpu_int8") == Tolerance(atol=0.2, rtol=0.7, max_mismatch=0.1)
+    # a precision the defaults leave out falls back to the built-in default
+    assert reg.tolerance("conv", "cpu") == Tolerance(atol=1e-4, rtol=1e-3)
+
+
+def test_tolerance_builtin_defaults():
+    reg = parse_registry(base())
+    assert reg.tolerance("conv", "cpu") == Tolerance(atol=1e-4, rtol=1e-3, max_mismatch=0.0)
+    assert reg.tolerance("conv", "cpu_int8").max_mismatch == 0.05
+
+
+def test_model_tolerance_for_another_precision_does_not_apply():
+    data = base()
+    data["models"]["conv"]["tolerances"] = {"int8": {"atol": 0.5}}
+    assert parse_registry(data).tolerance("conv", "cpu").atol == 1e-4
+
+
+def test_metric_gate_overrides():
+    data = base()
+    data["defaults"] = {"metric": {"max_drop": 0.02, "max_drop_hard_tail": 0.04}}
+    data["models"]["conv"]["datasets"] = {"evaluation": {"path": "eval.npz"}}
+    data["models"]["conv"]["metric"] = {"output": "probs", "gate": {"max_drop_hard_tail": 0.05}}
+    data["skus"]["cpu_int8"]["metric"] = {"max_drop": 0.03}
+    reg = parse_registry(data)
+    assert reg.metric_gate("conv", "cpu_int8") == MetricGate(max_drop=0.03, max_drop_hard_tail=0.05)
+    assert reg.metric_gate("conv", "cpu") == MetricGate(max_drop=0.02, max_drop_hard_tail=0.05)
+    assert reg.metric_gate("multi", "cpu") == MetricGate(max_drop=0.02, max_drop_hard_tail=0.04)
+
+
+def test_bench_overrides():
+    data = base()
+    data["defaults"] = {"bench": {"warmup": 5, "iterations": 50, "min_seconds": 0.25, "concurrency": 2}}
+    data["skus"]["cpu"]["bench"] = {"iterations": 7}
+    data["skus"]["cpu_int8"].pop("bench")
+    reg = parse_registry(data)
+    assert reg.bench("cpu") == BenchSpec(warmup=5, iterations=7, min_seconds=0.25, concurrency=2)
+    assert reg.bench("cpu_int8") == BenchSpec(warmup=5, iterations=50, min_seconds=0.25, concurrency=2)
+
+
+# --- the file itself ----------------------------------------------------------------------------
+
+
+def test_missing_params_file(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_registry(tmp_path / "params.yaml")
+    assert "no such file" in info.value.message and info.value.hint
+    assert info.value.exit_code == 2
+
+
+def test_invalid_yaml(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("models:\n  conv: {dir: [unclosed\nskus: {}\n")
+    with pytest.raises(ConfigError) as info:
+        load_registry(path)
+    assert "not valid YAML" in info.value.message and str(path) in info.value.message
+
+
+@pytest.mark.parametrize("text", ["", "- a\n- b\n", "just a string\n"])
+def test_top_level_must_be_a_mapping(tmp_path, text):
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_registry(path)
+    assert "mapping" in info.value.message
+
+
+def test_error_message_names_the_file(tmp_path):
+    data = mutated("skus.cpu.precision", "fp33")
+    path = models.write_project(tmp_path, data["models"], data["skus"])
+    with pytest.raises(ConfigError) as info:
+        load_registry(path)
+    assert info.value.message.startswith(f"{path}: invalid registry")
+    assert "hint:" in str(info.value)

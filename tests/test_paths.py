@@ -1,0 +1,66 @@
+"""Where stages write: dvc.yaml names the same paths as pipeline.paths.Layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from pipeline.paths import Layout
+
+REPO = Path(__file__).resolve().parents[1]
+ROOT = Path("/project")
+L = Layout(ROOT)
+
+
+def dvc_stages() -> dict:
+    return yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+
+
+def substitute(text: str) -> str:
+    for var, value in (("${key}", "M"), ("${item.model}", "M"), ("${item.sku}", "S")):
+        text = text.replace(var, value)
+    return text
+
+
+def expand(path: str) -> Path:
+    return ROOT / substitute(path)
+
+
+def names(entries) -> set[Path]:
+    return {expand(next(iter(e)) if isinstance(e, dict) else e) for e in entries}
+
+
+def test_per_model_stage_outputs_match_the_layout():
+    stages = dvc_stages()
+    assert names(stages["prepare"]["do"]["outs"]) == {L.prepare_dir("M")}
+    assert names(stages["data"]["do"]["outs"]) == {L.data_dir("M")}
+    assert names(stages["reference"]["do"]["outs"]) == {L.reference_dir("M")}
+    assert names(stages["calibrate"]["do"]["outs"]) == {L.calibration_dir("M")}
+
+
+def test_per_sku_stage_outputs_match_the_layout():
+    stages = dvc_stages()
+    assert names(stages["build"]["outs"]) == {L.engine_dir("M", "S"), L.report("M", "S", "build")}
+    assert names(stages["validate"]["outs"]) == {L.report("M", "S", "validate")}
+    assert names(stages["bench"]["metrics"]) == {L.report("M", "S", "bench")}
+    assert names(stages["bench"]["plots"]) == {L.latency_csv("M", "S")}
+    assert names(stages["manifest"]["outs"]) == {L.manifest("M", "S")}
+
+
+def test_reports_sit_next_to_their_outputs():
+    assert L.report("M", None, "prepare") == L.prepare_dir("M") / "prepare.json"
+    assert L.report("M", None, "data").parent == L.data_dir("M")
+    assert L.split("M", "golden", raw=True).name == "golden.raw.npz"
+    assert L.report("M", "S", "bench") == L.sku_dir("M", "S") / "bench.json"
+
+
+def test_stage_commands_name_existing_cli_commands():
+    from pipeline.cli import build_parser
+
+    parser = build_parser()
+    for name, stage in dvc_stages().items():
+        cmd = (stage.get("do") or stage)["cmd"]
+        assert cmd.startswith(f"skuforge {name} "), cmd
+        args = parser.parse_args(substitute(cmd).split()[1:])
+        assert args.command == name

@@ -1,0 +1,51 @@
+"""Which (model, SKU) pairs this host builds, and the refusals of ``dvc repro`` around it."""
+
+from __future__ import annotations
+
+import pytest
+
+import models
+from pipeline.config import parse_registry
+from pipeline.errors import ConfigError, InputError
+from pipeline.repro import run_dvc_repro, sku_statuses, targets
+from pipeline.runner.probe import host_arch
+
+OTHER_ARCH = "aarch64" if host_arch() == "x86_64" else "x86_64"
+
+
+@pytest.fixture()
+def registry(tmp_path):
+    data = {"defaults": {}, "examples": {}, "models": {"a": models.conv_bn_spec("models/a"), "b": models.conv_bn_spec("models/b")},
+            "skus": {"here": models.ort_sku("fp32"), "here_int8": models.ort_sku("int8"),
+                     "there": models.ort_sku("fp32", target={"arch": OTHER_ARCH}, runner_labels=["arm-box"])}}
+    return parse_registry(data, root=tmp_path)
+
+
+def test_sku_statuses(registry):
+    statuses = {s.sku: s for s in sku_statuses(registry)}
+    assert statuses["here"].buildable and statuses["here"].problems == []
+    there = statuses["there"]
+    assert not there.buildable and there.runner_labels == ["arm-box"]
+    assert there.problems == [f"needs arch {OTHER_ARCH}, this host is {host_arch()}"]
+    assert there.to_json()["target"] == f"{OTHER_ARCH}/cpu/linux"
+
+
+def test_targets_are_the_buildable_pairs(registry):
+    built, skipped = targets(registry, None, None)
+    assert built == ["manifest@a-here", "manifest@a-here_int8", "manifest@b-here", "manifest@b-here_int8"]
+    assert [s.sku for s in skipped] == ["there"]
+    built, skipped = targets(registry, ["b"], ["here", "there"])
+    assert built == ["manifest@b-here"] and [s.sku for s in skipped] == ["there"]
+
+
+def test_targets_refuse_unknown_names(registry):
+    with pytest.raises(ConfigError, match="did you mean 'here'"):
+        targets(registry, None, ["hree"])
+    with pytest.raises(ConfigError, match="unknown model 'c'"):
+        targets(registry, ["c"], None)
+
+
+def test_repro_outside_a_dvc_repository(tmp_path):
+    with pytest.raises(InputError) as info:
+        run_dvc_repro(tmp_path, ["manifest@a-here"])
+    assert "not a DVC repository" in info.value.message and "dvc init" in info.value.hint
