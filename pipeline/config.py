@@ -217,6 +217,13 @@ class Placement(Strict):
     max_fallback_nodes: int = Field(0, ge=0)
 
 
+class PrecisionGate(Strict):
+    """Layers that run in another precision than the SKU asked for (e.g. FP16 asked, FP32 run)."""
+
+    policy: Literal["warn", "fail"] = Field("warn", description="what a mismatch does to the validate stage")
+    max_mismatched_layers: int = Field(0, ge=0, description="mismatches tolerated before the policy applies")
+
+
 class Profile(Strict):
     min: int = Field(ge=1)
     opt: int = Field(ge=1)
@@ -241,6 +248,7 @@ class SkuSpec(Strict):
     profiles: dict[str, Profile] = Field(default_factory=dict, description="dynamic axis ranges")
     options: dict[str, Any] = Field(default_factory=dict, description="backend options")
     placement: Placement = Placement()
+    precision_gate: PrecisionGate = PrecisionGate()
     tolerance: ToleranceOverride = ToleranceOverride()
     metric: MetricGateOverride = MetricGateOverride()
     bench: BenchOverride = BenchOverride()

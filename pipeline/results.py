@@ -152,6 +152,14 @@ class PlacementResult(Result):
     passed: bool
 
 
+class PrecisionResult(Result):
+    requested: str
+    mismatched: list[LayerInfo] = Field(description="compute layers observed in another precision")
+    policy: str
+    max_mismatched_layers: int
+    passed: bool
+
+
 class ValidationReport(Result):
     model: str
     sku: str
@@ -161,6 +169,8 @@ class ValidationReport(Result):
     outputs: list[OutputError]
     metrics: list[MetricResult]
     placement: PlacementResult
+    precision_gate: PrecisionResult
+    warnings: list[str] = Field(default_factory=list)
     samples: dict[str, int]
 
 

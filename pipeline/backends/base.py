@@ -31,8 +31,8 @@ class BuildContext:
     spec: "ModelSpec"
     sku_spec: "SkuSpec"
     prepared: Path
-    pins: dict[str, int]
-    profiles: dict[str, "Profile"]
+    pins: dict[str, int]  # axes to fix in the engine
+    profiles: dict[str, "Profile"]  # axes the engine keeps dynamic within {min, opt, max}
     engine_dir: Path
     calibration_table: Path | None
     probe_inputs: dict[str, "np.ndarray"]
@@ -95,6 +95,9 @@ class Backend(abc.ABC):
     Options: ClassVar[type[BaseModel]]
     install_hint: ClassVar[str]
     engine_format: ClassVar[str]
+    # versions() keys that must be equal at load time: an engine from another runtime or
+    # compiler version is refused, not loaded
+    runtime_keys: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def options(cls, sku: "SkuSpec") -> Any:
@@ -132,6 +135,12 @@ class Backend(abc.ABC):
     def load(self, engine_dir: Path, sku: "SkuSpec") -> Runner:
         """Load an engine after checking it is whole and was built by this backend and version."""
         meta = verify_engine(engine_dir, self.engine_format)
+        have = self.versions()
+        for key in self.runtime_keys:
+            built = meta.get("versions", {}).get(key)
+            if built != have.get(key):
+                raise InputError(f"{engine_dir} was built with {key} {built}, this host has {have.get(key)}",
+                                 hint="rebuild the engine here, or install the version it was built with")
         return self._load_impl(engine_dir, meta, sku)
 
     @abc.abstractmethod

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import EnvironmentProblem, InputError
+from ..io import atomic_write_bytes
 from ..results import LayerInfo, TensorSig
 from .base import Backend, BuildContext, BuildOutcome, Runner
 
@@ -154,8 +155,6 @@ def calibrate(model: Path, batches: list[dict[str, "np.ndarray"]], method: str, 
         ranges = calibrator.compute_data()
         staged = Path(tmp) / "table.json"
         save_tensors_data(ranges, staged)
-        from ..io import atomic_write_bytes
-
         atomic_write_bytes(table, staged.read_bytes())
     return len(ranges.data)
 
@@ -165,6 +164,7 @@ class OnnxRuntimeBackend(Backend):
     Options = OnnxRuntimeOptions
     install_hint = "pip install onnxruntime (CPU) or onnxruntime-gpu (CUDA, TensorRT)"
     engine_format = "skuforge-onnxruntime/1"
+    runtime_keys = ("onnxruntime",)
 
     @classmethod
     def _check_sku_impl(cls, sku: "SkuSpec", options: OnnxRuntimeOptions) -> list[str]:
@@ -305,11 +305,6 @@ class OnnxRuntimeBackend(Backend):
 
     def _load_impl(self, engine_dir: Path, meta: dict[str, Any], sku: "SkuSpec") -> Runner:
         opts = self.options(sku)
-        installed = runtime_version()
-        built = meta["versions"].get("onnxruntime")
-        if built != installed:
-            raise InputError(f"{engine_dir} was built with onnxruntime {built}, this host has {installed}",
-                             hint="rebuild the engine with this runtime, or install the version it was built with")
         so = session_options(opts.model_copy(update={"intra_op_num_threads": meta["intra_op_num_threads"],
                                                      "inter_op_num_threads": meta["inter_op_num_threads"]}),
                              meta["load_optimization_level"])

@@ -44,11 +44,12 @@ def build(registry: Registry, model: str, sku: str, progress: Progress | None = 
     backend = get_backend(sku_spec.backend)
     out = layout(registry)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
-    pins = registry.pins(model, sku)
+    run_at = registry.pins(model, sku)  # profile axes run at their opt value...
+    pins = {k: v for k, v in run_at.items() if k not in sku_spec.profiles}  # ...but stay dynamic in the engine
     golden = load_arrays(out.split(model, "golden"), "data")
     golden.pop(LABELS, None)
     in_idx, _ = batch_indices(registry, model, prep.signature)
-    _, probe = next(iter_batches(golden, in_idx, pins.get(spec.batch_axis or "", 1)))
+    _, probe = next(iter_batches(golden, in_idx, run_at.get(spec.batch_axis or "", 1)))
     table = calibration_table(registry, model) if sku_spec.precision == "int8" else None
     table_sha = sha256_file(table) if table is not None and table.is_file() else None
     started = time.perf_counter()

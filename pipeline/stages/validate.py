@@ -4,6 +4,8 @@ before a failing gate exits 1."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from ..backends import get_backend
 from ..compare import METRICS, output_error
 from ..config import Registry
@@ -11,7 +13,8 @@ from ..data import LABELS, run_dataset
 from ..errors import GateFailed
 from ..io import atomic_write_json
 from ..paths import REFERENCE_SPLITS
-from ..results import BuildReport, MetricResult, PlacementResult, PrepareReport, ReferenceReport, ValidationReport
+from ..results import (BuildReport, MetricResult, PlacementResult, PrecisionResult, PrepareReport, ReferenceReport,
+                       ValidationReport)
 from . import Progress
 from .build import require_host
 from .common import batch_indices, layout, load_arrays, log, read_report
@@ -22,6 +25,18 @@ def placement_gate(build: BuildReport, allowed: list[str] | None, max_fallback: 
     offending = [layer for layer in build.layers if layer.device is not None and layer.device not in allowed]
     return PlacementResult(allowed=allowed, offending=offending, max_fallback_nodes=max_fallback,
                            partition_boundaries=build.partition_boundaries, passed=len(offending) <= max_fallback)
+
+
+# Precisions a layer computes in; "n/a" (data movement) and integer index ops are not judged.
+COMPUTE_PRECISIONS = frozenset({"fp32", "fp16", "bf16", "int8", "fp8", "int4"})
+
+
+def precision_gate(build: BuildReport, policy: str, max_mismatched: int) -> PrecisionResult:
+    mismatched = [layer for layer in build.layers
+                  if layer.precision in COMPUTE_PRECISIONS and layer.precision != build.precision]
+    return PrecisionResult(requested=build.precision, mismatched=mismatched, policy=policy,
+                           max_mismatched_layers=max_mismatched,
+                           passed=policy == "warn" or len(mismatched) <= max_mismatched)
 
 
 def validate(registry: Registry, model: str, sku: str, progress: Progress | None = None) -> ValidationReport:
@@ -53,6 +68,7 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
                 metrics.append(MetricResult(split=split, reference=ref.metric[split], engine=engine_score,
                                             delta=delta, max_drop=max_drop, passed=-delta <= max_drop + 1e-12))
     placement = placement_gate(build, sku_spec.placement.allowed, sku_spec.placement.max_fallback_nodes)
+    precision = precision_gate(build, sku_spec.precision_gate.policy, sku_spec.precision_gate.max_mismatched_layers)
     failures = [f"output {e.output}: {e.mismatch_fraction:.2%} of elements beyond atol={e.atol} rtol={e.rtol} "
                 f"(allowed {e.max_mismatch:.2%}; max abs error {e.max_abs_error:.3g})" for e in errors if not e.passed]
     failures += [f"{spec.metric.kind if spec.metric else 'metric'} on {m.split}: {m.engine:.4f} vs reference {m.reference:.4f} "
@@ -61,10 +77,21 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
         nodes = ", ".join(f"{layer.name} ({layer.op_type}) on {layer.device}" for layer in placement.offending)
         failures.append(f"placement: {len(placement.offending)} nodes ran outside {placement.allowed} "
                         f"(allowed {placement.max_fallback_nodes}): {nodes}")
+    warnings = []
+    if precision.mismatched:
+        kinds = Counter(layer.precision for layer in precision.mismatched)
+        line = (f"precision: {sku_spec.precision} was asked for but {len(precision.mismatched)} layers ran in "
+                f"{', '.join(f'{k} ({n})' for k, n in sorted(kinds.items()))}: "
+                + ", ".join(f"{layer.name} ({layer.op_type}, {layer.precision})" for layer in precision.mismatched[:20])
+                + (" …" if len(precision.mismatched) > 20 else ""))
+        (warnings if precision.passed else failures).append(line)
     report = ValidationReport(model=model, sku=sku, precision=sku_spec.precision, passed=not failures, failures=failures,
-                              outputs=errors, metrics=metrics, placement=placement, samples=samples)
+                              outputs=errors, metrics=metrics, placement=placement, precision_gate=precision,
+                              warnings=warnings, samples=samples)
     atomic_write_json(out.report(model, sku, "validate"), report.to_json())
     lg = log(model, sku)
+    for w in warnings:
+        lg.warning("%s", w)
     for m in metrics:
         lg.info("%s %s: engine %.4f reference %.4f delta %+.4f", spec.metric.kind, m.split, m.engine, m.reference, m.delta)
     if failures:

@@ -460,3 +460,42 @@ def test_int8_build_without_calibration_says_what_to_run(tmp_path):
         build(reg, "conv", "int8")
     assert "calibrate" in info.value.hint
     assert not Layout(reg.root).engine_dir("conv", "int8").exists()
+
+
+def test_profile_axis_stays_dynamic_in_the_engine_and_runs_at_opt(tmp_path):
+    sku = models.ort_sku("fp32", shapes={}, profiles={"batch": {"min": 1, "opt": 4, "max": 8}})
+    reg = new_project(tmp_path, {"conv": (models.conv_bn_model, models.conv_bn_spec())}, {"dyn": sku})
+    for stage in (prepare, make_data, reference):
+        stage(reg, "conv")
+    report = build(reg, "conv", "dyn")
+    assert report.shapes == {} and report.profiles == {"batch": {"min": 1, "opt": 4, "max": 8}}
+    engine = ort.InferenceSession(str(Layout(reg.root).engine_dir("conv", "dyn") / "model.onnx"))
+    assert isinstance(engine.get_inputs()[0].shape[0], str)  # the batch axis is still symbolic
+    assert validate(reg, "conv", "dyn").passed
+    assert bench(reg, "conv", "dyn").batch == 4
+
+
+def test_fixed_batch_model_records_no_batch_pin(tmp_path):
+    spec = models.conv_bn_spec(batch=2)
+    reg = new_project(tmp_path, {"conv": (lambda p: models.conv_bn_model(p, batch=2), spec)},
+                      {"cpu": models.ort_sku("fp32", shapes={})})
+    for stage in (prepare, make_data, reference):
+        stage(reg, "conv")
+    assert build(reg, "conv", "cpu").shapes == {}
+    assert validate(reg, "conv", "cpu").passed
+
+
+def test_precision_gate_names_layers_that_ran_in_another_precision(tmp_path):
+    # ONNX Runtime's QDQ quantizer leaves ReduceSum in FP32: an INT8 SKU silently runs it in FP32.
+    skus = {"warn": models.ort_sku("int8"), "fail": models.ort_sku("int8", precision_gate={"policy": "fail"})}
+    reg = new_project(tmp_path, {"multi": (models.multi_io_model, models.multi_io_spec())}, skus)
+    for stage in (prepare, make_data, reference, calibrate):
+        stage(reg, "multi")
+    for sku in skus:
+        build(reg, "multi", sku)
+    warned = validate(reg, "multi", "warn")
+    assert warned.passed and any("ReduceSum" in w for w in warned.warnings)
+    assert [layer.op_type for layer in warned.precision_gate.mismatched] == ["ReduceSum"]
+    with pytest.raises(GateFailed, match=r"precision: int8 was asked for but 1 layers ran in fp32.*pool \(ReduceSum"):
+        validate(reg, "multi", "fail")
+    assert read_json(Layout(reg.root).report("multi", "fail", "validate"))["precision_gate"]["passed"] is False
