@@ -44,6 +44,17 @@ class EnvironmentProblem(SkuforgeError):
     exit_code = 3
 
 
+class UnsupportedOp(EnvironmentProblem):
+    """A backend cannot compile or run an op of the model: names the op, the node and the backend."""
+
+    def __init__(self, backend: str, op_type: str | None, node: str | None, detail: str, hint: str | None = None):
+        where = f"op {op_type!r}" if op_type else "an op"
+        where += f" (node {node!r})" if node else ""
+        super().__init__(f"{backend} cannot compile {where}: {detail}",
+                         hint or f"use another backend for this model, or replace the op before export")
+        self.backend, self.op_type, self.node = backend, op_type, node
+
+
 class ServiceError(SkuforgeError):
     """An external service (MLflow, S3) failed."""
 

@@ -24,6 +24,7 @@ class SkuStatus:
     target: str
     runner_labels: list[str]
     buildable: bool
+    runnable: bool = False
     problems: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -33,23 +34,29 @@ class SkuStatus:
 def sku_statuses(registry: Registry) -> list[SkuStatus]:
     out = []
     for name, spec in registry.skus.items():
-        problems = host_problems(registry, name)
+        build = host_problems(registry, name, "build")
+        run = host_problems(registry, name, "run")
         out.append(SkuStatus(sku=name, backend=spec.backend, precision=spec.precision,
                              target=f"{spec.target.arch}/{spec.target.device}/{spec.target.os}",
-                             runner_labels=spec.runner_labels, buildable=not problems, problems=problems))
+                             runner_labels=spec.runner_labels, buildable=not build, runnable=not run,
+                             problems=list(dict.fromkeys(build + run))))
     return out
 
 
 def targets(registry: Registry, models: list[str] | None, skus: list[str] | None) -> tuple[list[str], list[SkuStatus]]:
-    """dvc targets for the buildable pairs, and the SKUs skipped on this host."""
+    """dvc targets for this host, and the SKUs it cannot take all the way.
+
+    A SKU this host can build and run goes to its manifest; one it can only build (a
+    cross-compiled engine) goes to its build stage, and its runner validates and benches it.
+    """
     for m in models or []:
         registry.model(m)
-    statuses = [s for s in sku_statuses(registry) if not skus or s.sku in skus]
     for s in skus or []:
         registry.sku(s)
+    statuses = [s for s in sku_statuses(registry) if not skus or s.sku in skus]
     wanted_models = models or list(registry.models)
-    built = [f"manifest@{m}-{s.sku}" for m in wanted_models for s in statuses if s.buildable]
-    return built, [s for s in statuses if not s.buildable]
+    out = [f"{'manifest' if s.runnable else 'build'}@{m}-{s.sku}" for m in wanted_models for s in statuses if s.buildable]
+    return out, [s for s in statuses if not (s.buildable and s.runnable)]
 
 
 class DvcFailed(SkuforgeError):

@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 
 _BACKENDS: dict[str, str] = {
     "onnxruntime": "pipeline.backends.onnxruntime:OnnxRuntimeBackend",
+    "openvino": "pipeline.backends.openvino:OpenVinoBackend",
+    "iree": "pipeline.backends.iree:IreeBackend",
+    "tensorrt": "pipeline.backends.tensorrt:TensorRtBackend",
 }
 
 

@@ -122,9 +122,14 @@ class Backend(abc.ABC):
     def _check_sku_impl(cls, sku: "SkuSpec", options: Any) -> list[str]:
         return []
 
+    def cross_compiles(self, sku: "SkuSpec") -> bool:
+        """True when this backend builds the SKU's engine on any host (the target is only needed
+        to run it). The default: engines are built on the target."""
+        return False
+
     @abc.abstractmethod
-    def environment_problems(self, sku: "SkuSpec") -> list[str]:
-        """What this host lacks to build or run the SKU (SDK, providers, devices)."""
+    def environment_problems(self, sku: "SkuSpec", purpose: str = "run") -> list[str]:
+        """What this host lacks to ``build`` or ``run`` the SKU's engines (SDK, providers, devices)."""
 
     @abc.abstractmethod
     def versions(self) -> dict[str, str]: ...

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import EnvironmentProblem, InputError
 from ..io import atomic_write_bytes
 from ..results import LayerInfo, TensorSig
+from ..quantize import QdqSettings, quantize_qdq, to_fp16
 from .base import Backend, BuildContext, BuildOutcome, Runner
 
 if TYPE_CHECKING:
@@ -178,7 +179,7 @@ class OnnxRuntimeBackend(Backend):
                     f"(it runs {', '.join(sorted(supported))}); list a provider that runs {sku.precision} first: {', '.join(others)}"]
         return []
 
-    def environment_problems(self, sku: "SkuSpec") -> list[str]:
+    def environment_problems(self, sku: "SkuSpec", purpose: str = "run") -> list[str]:
         try:
             ort = _ort()
         except EnvironmentProblem as exc:
@@ -209,10 +210,12 @@ class OnnxRuntimeBackend(Backend):
             onnx.save(model, str(source))
             precision = ctx.sku_spec.precision
             if precision == "int8":
-                calibration = self._quantize(source, ctx, opts, tmpdir)
+                calibration = quantize_qdq(source, tmpdir / "quantized.onnx", ctx, QdqSettings(
+                    per_channel=opts.per_channel, reduce_range=opts.reduce_range,
+                    activation_type=opts.activation_type, weight_type=opts.weight_type))
                 source = tmpdir / "quantized.onnx"
             elif precision == "fp16":
-                source = self._to_fp16(source, tmpdir)
+                source = to_fp16(source, tmpdir / "fp16.onnx")
             engine = ctx.engine_dir / "model.onnx"
             so = session_options(opts, opts.graph_optimization_level)
             so.optimized_model_filepath = str(engine)
@@ -232,47 +235,6 @@ class OnnxRuntimeBackend(Backend):
                             partition_boundaries=boundaries,
                             options=opts.model_dump(mode="json"), calibration=calibration,
                             hardware_specific=hardware_specific, warnings=warnings, meta=meta)
-
-    def _quantize(self, source: Path, ctx: BuildContext, opts: OnnxRuntimeOptions, tmpdir: Path) -> dict[str, Any]:
-        from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
-        from onnxruntime.quantization.calibrate import load_tensors_data
-
-        if ctx.calibration_table is None or not ctx.calibration_table.is_file():
-            raise InputError(f"INT8 build of {ctx.model} for {ctx.sku} needs the calibration table",
-                             hint=f"run: skuforge calibrate --model {ctx.model}")
-        table = tmpdir / "calibration.json"  # a copy: quantize_static may rewrite its cache
-        shutil.copyfile(ctx.calibration_table, table)
-        try:
-            method = load_tensors_data(table).calibration_method
-        except (ValueError, KeyError, TypeError) as exc:
-            raise InputError(f"calibration table {ctx.calibration_table} is unreadable: {exc}",
-                             hint=f"rerun: skuforge calibrate --model {ctx.model}") from exc
-        types = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}
-        try:
-            quantize_static(
-                str(source), str(tmpdir / "quantized.onnx"), None, quant_format=QuantFormat.QDQ,
-                per_channel=opts.per_channel, reduce_range=opts.reduce_range,
-                activation_type=types[opts.activation_type], weight_type=types[opts.weight_type],
-                calibrate_method=method,
-                calibration_cache_path=str(table),
-            )
-        except (ValueError, KeyError) as exc:
-            raise InputError(f"INT8 quantization failed: {exc}",
-                             hint=f"the calibration table does not match the prepared model: rerun skuforge calibrate --model {ctx.model}") from exc
-        return {"format": "QDQ", "per_channel": opts.per_channel, "reduce_range": opts.reduce_range,
-                "activation_type": opts.activation_type, "weight_type": opts.weight_type}
-
-    def _to_fp16(self, source: Path, tmpdir: Path) -> Path:
-        """FP16 weights and compute, FP32 inputs and outputs (for GPU providers; unverified here)."""
-        import onnx
-        from onnxruntime.transformers.float16 import convert_float_to_float16
-        from onnxruntime.transformers.onnx_model import OnnxModel
-
-        converted = OnnxModel(convert_float_to_float16(onnx.load(str(source)), keep_io_types=True))
-        converted.topological_sort()
-        out = tmpdir / "fp16.onnx"
-        onnx.save(converted.model, str(out))
-        return out
 
     def _probe(self, graph: "Any", engine: Path, opts: OnnxRuntimeOptions,
                feeds: dict[str, "np.ndarray"]) -> tuple[list[LayerInfo], int]:

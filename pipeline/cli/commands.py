@@ -114,10 +114,13 @@ def list_skus(args: argparse.Namespace) -> int:
 
     rows = [s for s in sku_statuses(_registry(args)) if s.buildable or not args.buildable_here]
 
+    def here(s) -> str:
+        return "build+run" if s.buildable and s.runnable else "build" if s.buildable else "run" if s.runnable else "no"
+
     def text() -> str:
-        lines = [f"{'SKU':24} {'BACKEND':12} {'PREC':5} {'TARGET':20} {'HERE':5} RUNNER LABELS"]
+        lines = [f"{'SKU':24} {'BACKEND':12} {'PREC':5} {'TARGET':20} {'HERE':10} RUNNER LABELS"]
         for s in rows:
-            lines.append(f"{s.sku:24} {s.backend:12} {s.precision:5} {s.target:20} {'yes' if s.buildable else 'no':5} "
+            lines.append(f"{s.sku:24} {s.backend:12} {s.precision:5} {s.target:20} {here(s):10} "
                          f"{','.join(s.runner_labels)}")
             lines += [f"{'':24} - {p}" for p in s.problems]
         return "\n".join(lines)
@@ -145,7 +148,8 @@ def repro(args: argparse.Namespace) -> int:
     reg = _registry(args)
     dvc_targets, skipped = targets(reg, args.model, args.sku)
     for s in skipped:
-        print(f"skipping SKU {s.sku}: not buildable here ({'; '.join(s.problems)}); "
+        what = "building only (validate and bench need the target)" if s.buildable else "skipping"
+        print(f"{what} SKU {s.sku}: {'; '.join(s.problems)}; "
               f"needs a runner with labels [{', '.join(s.runner_labels)}]", file=sys.stderr)
     if not dvc_targets:
         print("nothing this host can build", file=sys.stderr)

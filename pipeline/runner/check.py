@@ -1,15 +1,25 @@
-"""Does this host match a SKU? Architecture, OS, device, CPU features, pinned toolchain, backend."""
+"""Does this host match a SKU? Architecture, OS, device, CPU features, pinned toolchain, backend.
+
+Two questions, because some backends cross-compile: can this host *build* the SKU's engine, and
+can it *run* it (validate, bench)? For a backend that runs on the target only, both need the
+target hardware; a cross-compiling backend (IREE) builds on any host with its compiler.
+"""
 
 from __future__ import annotations
 
 from importlib import metadata
+from typing import Literal
 
 from ..backends import get_backend
 from ..config import Registry
 from . import probe
 
+Purpose = Literal["build", "run"]
 
-def toolchain_problems(pins: dict[str, str]) -> list[str]:
+
+def toolchain_problems(pins: dict[str, str], installed_only: bool = False) -> list[str]:
+    """Pinned package versions this host does not satisfy. ``installed_only`` skips absent
+    packages (a device that runs engines need not carry the compiler)."""
     from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
     problems = []
@@ -22,27 +32,35 @@ def toolchain_problems(pins: dict[str, str]) -> list[str]:
         try:
             have = metadata.version(package)
         except metadata.PackageNotFoundError:
-            problems.append(f"{package} is not installed (the SKU pins {spec})")
+            if not installed_only:
+                problems.append(f"{package} is not installed (the SKU pins {spec})")
             continue
         if have not in wanted:
             problems.append(f"{package} {have} is installed, the SKU pins {spec}")
     return problems
 
 
-def host_problems(registry: Registry, sku: str) -> list[str]:
-    """Why this host cannot build ``sku``; empty when it can."""
-    spec = registry.sku(sku)
+def hardware_problems(registry: Registry, sku: str) -> list[str]:
+    target = registry.sku(sku).target
     problems = []
-    if spec.target.arch != probe.host_arch():
-        problems.append(f"needs arch {spec.target.arch}, this host is {probe.host_arch()}")
-    if spec.target.os != probe.host_os():
-        problems.append(f"needs os {spec.target.os}, this host runs {probe.host_os()}")
+    if target.arch != probe.host_arch():
+        problems.append(f"needs arch {target.arch}, this host is {probe.host_arch()}")
+    if target.os != probe.host_os():
+        problems.append(f"needs os {target.os}, this host runs {probe.host_os()}")
     flags = set(probe.cpu_info()["flags"])
-    missing = [f for f in spec.target.cpu_features if f not in flags]
+    missing = [f for f in target.cpu_features if f not in flags]
     if missing:
         problems.append(f"needs CPU features {missing} this host lacks")
-    if problems:  # wrong hardware: the SDK checks below would only add noise
-        return problems
-    problems += toolchain_problems(spec.toolchain)
-    problems += get_backend(spec.backend).environment_problems(spec)
     return problems
+
+
+def host_problems(registry: Registry, sku: str, purpose: Purpose = "run") -> list[str]:
+    """Why this host cannot build (or run) ``sku``'s engines; empty when it can."""
+    spec = registry.sku(sku)
+    backend = get_backend(spec.backend)
+    cross = purpose == "build" and backend.cross_compiles(spec)
+    if not cross:
+        problems = hardware_problems(registry, sku)
+        if problems:  # wrong hardware: the SDK checks below would only add noise
+            return problems
+    return toolchain_problems(spec.toolchain, installed_only=purpose == "run") + backend.environment_problems(spec, purpose)

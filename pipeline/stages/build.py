@@ -12,18 +12,18 @@ from ..data import LABELS, iter_batches
 from ..errors import EnvironmentProblem
 from ..io import atomic_dir, atomic_write_json, sha256_file, sha256_json
 from ..results import BuildReport, FileRecord, LayerInfo, PrepareReport
-from ..runner.check import host_problems
+from ..runner.check import Purpose, host_problems
 from . import Progress
 from .calibrate import calibration_table
 from .common import batch_indices, layout, load_arrays, log, read_report
 
 
-def require_host(registry: Registry, sku: str) -> None:
-    """Exit 3 with the runner labels when this host cannot build or run ``sku``."""
-    problems = host_problems(registry, sku)
+def require_host(registry: Registry, sku: str, purpose: Purpose = "run") -> None:
+    """Exit 3 with the runner labels when this host cannot build (or run) ``sku``'s engines."""
+    problems = host_problems(registry, sku, purpose)
     if problems:
         labels = ", ".join(registry.sku(sku).runner_labels)
-        raise EnvironmentProblem(f"this host cannot build SKU {sku}: " + "; ".join(problems),
+        raise EnvironmentProblem(f"this host cannot {purpose} SKU {sku}: " + "; ".join(problems),
                                  hint=f"build it on a runner with labels [{labels}] (skuforge skus --buildable-here lists what this host can build)")
 
 
@@ -39,7 +39,7 @@ def config_hash(registry: Registry, model: str, sku: str, prepared_sha256: str, 
 
 
 def build(registry: Registry, model: str, sku: str, progress: Progress | None = None) -> BuildReport:
-    require_host(registry, sku)
+    require_host(registry, sku, "build")
     spec, sku_spec = registry.model(model), registry.sku(sku)
     backend = get_backend(sku_spec.backend)
     out = layout(registry)

@@ -1,0 +1,70 @@
+"""Model-level precision conversions shared by backends that take an ONNX graph: static INT8
+QDQ with the calibrate stage's table, and FP16 with FP32 inputs and outputs.
+
+They use ONNX Runtime's quantization tools (the reference runtime's), so the same QDQ graph can
+be handed to any backend that consumes QDQ (ONNX Runtime, OpenVINO, TensorRT).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from .errors import InputError
+
+if TYPE_CHECKING:
+    from .backends.base import BuildContext
+
+
+@dataclass(frozen=True)
+class QdqSettings:
+    per_channel: bool = True
+    reduce_range: bool = False
+    activation_type: Literal["uint8", "int8"] = "uint8"
+    weight_type: Literal["int8", "uint8"] = "int8"
+
+
+def quantize_qdq(source: Path, out: Path, ctx: "BuildContext", settings: QdqSettings) -> dict[str, Any]:
+    """Write ``out``: ``source`` with QuantizeLinear/DequantizeLinear pairs from the calibration table."""
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.calibrate import load_tensors_data
+
+    if ctx.calibration_table is None or not ctx.calibration_table.is_file():
+        raise InputError(f"INT8 build of {ctx.model} for {ctx.sku} needs the calibration table",
+                         hint=f"run: skuforge calibrate --model {ctx.model}")
+    with tempfile.TemporaryDirectory(prefix="skuforge-qdq-") as tmp:
+        table = Path(tmp) / "calibration.json"  # a copy: quantize_static may rewrite its cache
+        shutil.copyfile(ctx.calibration_table, table)
+        try:
+            method = load_tensors_data(table).calibration_method
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InputError(f"calibration table {ctx.calibration_table} is unreadable: {exc}",
+                             hint=f"rerun: skuforge calibrate --model {ctx.model}") from exc
+        types = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}
+        try:
+            quantize_static(
+                str(source), str(out), None, quant_format=QuantFormat.QDQ,
+                per_channel=settings.per_channel, reduce_range=settings.reduce_range,
+                activation_type=types[settings.activation_type], weight_type=types[settings.weight_type],
+                calibrate_method=method, calibration_cache_path=str(table),
+            )
+        except (ValueError, KeyError) as exc:
+            raise InputError(f"INT8 quantization failed: {exc}",
+                             hint=f"the calibration table does not match the prepared model: rerun skuforge calibrate --model {ctx.model}") from exc
+    return {"format": "QDQ", **asdict(settings)}
+
+
+def to_fp16(source: Path, out: Path) -> Path:
+    """FP16 weights and compute, FP32 inputs and outputs, nodes topologically sorted (the
+    converter can leave them unsorted, which importers such as IREE's refuse)."""
+    import onnx
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    converted = OnnxModel(convert_float_to_float16(onnx.load(str(source)), keep_io_types=True))
+    converted.topological_sort()
+    onnx.save(converted.model, str(out))
+    return out
