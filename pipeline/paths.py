@@ -58,5 +58,6 @@ class Layout:
     def manifest(self, model: str, sku: str) -> Path:
         return self.root / "manifests" / model / f"{sku}.json"
 
-    def cache_dir(self, sku: str) -> Path:
-        return self.root / "caches" / sku
+    def cache_dir(self, model: str, sku: str) -> Path:
+        """Checked-in timing caches / tuning logs of one (model, SKU): DVC output with persist."""
+        return self.root / "caches" / sku / model

@@ -17,6 +17,8 @@ from . import Progress
 from .calibrate import calibration_table
 from .common import batch_indices, layout, load_arrays, log, read_report
 
+CACHE_INDEX = "cache.json"
+
 
 def require_host(registry: Registry, sku: str, purpose: Purpose = "run") -> None:
     """Exit 3 with the runner labels when this host cannot build (or run) ``sku``'s engines."""
@@ -57,10 +59,11 @@ def build(registry: Registry, model: str, sku: str, progress: Progress | None = 
     with atomic_dir(engine_dir) as staging:
         ctx = BuildContext(model=model, sku=sku, spec=spec, sku_spec=sku_spec, prepared=out.prepared_model(model),
                            pins=pins, profiles=dict(sku_spec.profiles), engine_dir=staging, calibration_table=table,
-                           probe_inputs=probe, cache_dir=out.cache_dir(sku), progress=progress)
+                           probe_inputs=probe, cache_dir=out.cache_dir(model, sku), progress=progress)
         outcome = backend.build(ctx)
         files = backend.write_meta(staging, outcome.files, {**outcome.meta, "model": model, "sku": sku})
     seconds = time.perf_counter() - started
+    _index_cache(out.cache_dir(model, sku), backend.name)
     calibration = None
     if outcome.calibration is not None:
         calibration = {**outcome.calibration, "method": spec.calibration.method, "table_sha256": table_sha}
@@ -78,6 +81,16 @@ def build(registry: Registry, model: str, sku: str, progress: Progress | None = 
     atomic_write_json(out.report(model, sku, "build"), report.to_json())
     log(model, sku).info("built in %.1fs: %d layers, placement %s", seconds, len(outcome.layers), report.placement)
     return report
+
+
+def _index_cache(folder, backend: str) -> None:
+    """Write ``cache.json``: what the SKU's cache folder holds, so git review shows changes and
+    the folder exists (DVC declares it as a persisted output) even for backends without one."""
+    files = sorted(p for p in folder.glob("**/*") if p.is_file() and p.name != CACHE_INDEX) if folder.is_dir() else []
+    atomic_write_json(folder / CACHE_INDEX, {
+        "backend": backend,
+        "files": [{"path": str(p.relative_to(folder)), "sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files],
+    })
 
 
 def _counts(layers: list[LayerInfo], field: str) -> dict[str, int]:

@@ -1,0 +1,75 @@
+"""ONNX Runtime backend: execution providers, placement recorded per node, the silent-fallback gate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnxruntime as ort
+import pytest
+
+import models
+from pipeline.config import load_registry
+from pipeline.errors import ConfigError, EnvironmentProblem, GateFailed
+from pipeline.io import read_json
+from pipeline.paths import Layout
+from pipeline.stages.build import build
+from pipeline.stages.data import make_data
+from pipeline.stages.prepare import prepare
+from pipeline.stages.reference import reference
+from pipeline.stages.validate import validate
+
+CPU = "CPUExecutionProvider"
+AZURE = "AzureExecutionProvider"  # in the CPU wheel; runs no node of a local model
+
+
+def project(root: Path, skus: dict):
+    models.conv_bn_model(root / "models/conv/model.onnx")
+    reg = load_registry(models.write_project(root, {"conv": models.conv_bn_spec()}, skus))
+    for stage in (prepare, make_data, reference):
+        stage(reg, "conv")
+    return reg
+
+
+@pytest.mark.skipif(AZURE not in ort.get_available_providers(), reason="this onnxruntime build has no AzureExecutionProvider")
+def test_silent_fallback_to_cpu_is_caught_with_the_nodes_named(tmp_path):
+    skus = {
+        "planted": models.ort_sku("fp32", options={"providers": [AZURE, CPU]}, placement={"allowed": [AZURE]}),
+        "tolerated": models.ort_sku("fp32", options={"providers": [AZURE, CPU]},
+                                    placement={"allowed": [AZURE], "max_fallback_nodes": 100}),
+    }
+    reg = project(tmp_path, skus)
+    report = build(reg, "conv", "planted")
+    assert report.requested_devices == [AZURE, CPU]
+    assert report.placement == {CPU: len(report.layers)}  # ONNX Runtime put every node on the CPU, silently
+    with pytest.raises(GateFailed) as info:
+        validate(reg, "conv", "planted")
+    assert f"nodes ran outside ['{AZURE}']" in info.value.message
+    for layer in report.layers:
+        assert f"{layer.name} ({layer.op_type}) on {CPU}" in info.value.message
+    saved = read_json(Layout(reg.root).report("conv", "planted", "validate"))
+    assert saved["placement"]["passed"] is False and len(saved["placement"]["offending"]) == len(report.layers)
+    build(reg, "conv", "tolerated")
+    assert validate(reg, "conv", "tolerated").passed
+
+
+def test_missing_provider_is_an_environment_problem_unless_optional(tmp_path):
+    skus = {
+        "needs_cuda": models.ort_sku("fp32", options={"providers": ["CUDAExecutionProvider", CPU]}),
+        "prefers_cuda": models.ort_sku("fp32", options={"providers": ["CUDAExecutionProvider", CPU],
+                                                         "require_all_providers": False},
+                                       placement={"allowed": ["CUDAExecutionProvider"]}),
+    }
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime build has CUDA")
+    reg = project(tmp_path, skus)
+    with pytest.raises(EnvironmentProblem, match="CUDAExecutionProvider is not in this onnxruntime build"):
+        build(reg, "conv", "needs_cuda")
+    report = build(reg, "conv", "prefers_cuda")  # skipped and recorded; the placement gate judges
+    assert any("CUDAExecutionProvider" in w and "skipped" in w for w in report.warnings)
+    with pytest.raises(GateFailed, match="nodes ran outside"):
+        validate(reg, "conv", "prefers_cuda")
+
+
+def test_fp16_on_the_cpu_provider_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="fp16 is not supported by onnxruntime on CPUExecutionProvider"):
+        project(tmp_path, {"half": models.ort_sku("fp16")})
