@@ -8,6 +8,7 @@ quantization with the calibration table of the calibrate stage.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from collections import Counter
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import EnvironmentProblem, InputError
+from ..errors import EnvironmentProblem, InputError, UnsupportedOp
 from ..io import atomic_write_bytes
 from ..results import LayerInfo, TensorSig
 from ..quantize import QdqSettings, quantize_qdq, to_fp16
@@ -107,9 +108,11 @@ def create_session(model: Path | bytes, so: "ort.SessionOptions", providers: lis
         )
     except Exception as exc:  # ORT raises its own Fail/InvalidGraph/NotImplemented classes
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if "NOT_IMPLEMENTED" in msg or "Could not find an implementation" in msg:
-            raise InputError(f"ONNX Runtime ({', '.join(providers)}) cannot run this model: {msg}",
-                             hint="an op or type is not supported by these providers: change the SKU's providers or the model") from exc
+        missing = re.search(r"Could not find an implementation for (\w+)\(\d+\) node with name '([^']*)'", msg)
+        if missing or "NOT_IMPLEMENTED" in msg:
+            raise UnsupportedOp("onnxruntime", missing.group(1) if missing else None, missing.group(2) if missing else None,
+                                f"no kernel on {', '.join(providers)} ({msg})",
+                                hint="list a provider that implements it, or replace the op before export") from exc
         raise InputError(f"ONNX Runtime could not load the model: {msg}", hint="check the model with `skuforge prepare`") from exc
 
 

@@ -73,3 +73,26 @@ def test_missing_provider_is_an_environment_problem_unless_optional(tmp_path):
 def test_fp16_on_the_cpu_provider_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="fp16 is not supported by onnxruntime on CPUExecutionProvider"):
         project(tmp_path, {"half": models.ort_sku("fp16")})
+
+
+def test_an_op_without_a_kernel_names_the_op_the_node_and_the_backend(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    from pipeline.errors import UnsupportedOp
+
+    # Relu is valid ONNX for int16, but ONNX Runtime's CPU provider has no int16 Relu kernel.
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="relu_int16")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.INT16, ["batch", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.INT16, ["batch", 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (tmp_path / "models/int16").mkdir(parents=True)
+    onnx.save(model, str(tmp_path / "models/int16/model.onnx"))
+    spec = {"dir": "models/int16", "source": "model.onnx",
+            "inputs": [{"name": "x", "dtype": "int16", "shape": ["batch", 4]}]}
+    reg = load_registry(models.write_project(tmp_path, {"int16": spec}, {"cpu": models.ort_sku("fp32")}))
+    with pytest.raises(UnsupportedOp) as info:
+        prepare(reg, "int16")
+    assert info.value.exit_code == 3
+    assert "onnxruntime cannot compile op 'Relu' (node 'relu_int16')" in info.value.message

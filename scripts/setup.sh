@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Set up a fresh machine for skuforge: system packages (a software Vulkan device for the IREE
+# Vulkan SKU), a virtualenv in .venv, the package with its CPU backends and the example extras.
+#   scripts/setup.sh           what `skuforge repro` on the example project needs
+#   scripts/setup.sh --test    plus the test tools
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="examples,openvino,iree"
+[ "${1:-}" = "--test" ] && extras="$extras,test"
+
+# lavapipe (Mesa's software Vulkan driver): without it the Vulkan SKUs are reported as not
+# buildable here, which is correct but leaves them untested.
+if ! ls /usr/share/vulkan/icd.d/lvp_icd.*.json >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mesa-vulkan-drivers >/dev/null
+  else
+    echo "setup: no software Vulkan device (install mesa-vulkan-drivers as root to test the Vulkan SKUs)" >&2
+  fi
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/pip install --quiet --upgrade pip
+.venv/bin/pip install --quiet -e ".[$extras]"
