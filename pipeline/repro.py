@@ -112,7 +112,8 @@ def summary(registry: Registry) -> list[dict[str, Any]]:
             metrics = {x["split"]: x for x in m.correctness["metrics"]}
             rows.append({
                 "model": model, "sku": sku, "backend": m.backend, "precision": m.precision,
-                "passed": m.correctness["passed"],
+                "passed": m.correctness["passed"], "build_s": m.build["seconds"],
+                "layers": len(m.layers), "fused_layers": sum(1 for layer in m.layers if len(layer.fused_from) > 1),
                 "max_abs_error": max((o["max_abs_error"] for o in m.correctness["outputs"]), default=None),
                 **{f"{k}_reference": v["reference"] for k, v in metrics.items()},
                 **{f"{k}_delta": v["delta"] for k, v in metrics.items()},

@@ -224,6 +224,7 @@ class Manifest(Result):
     profiles: dict[str, dict[str, int]]
     signature: Signature
     engine: list[FileRecord]
+    build: dict[str, Any] = Field(description="build time, warnings and backend options as applied")
     hardware_specific: bool
     calibration: dict[str, Any] | None
     timing_cache_sha256: str | None

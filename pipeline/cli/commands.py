@@ -172,7 +172,7 @@ def summary(args: argparse.Namespace) -> int:
 def _table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "no manifests yet"
-    cols = ["model", "sku", "precision", "passed", "max_abs_error", "evaluation_reference", "evaluation_delta",
+    cols = ["model", "sku", "precision", "passed", "build_s", "layers", "fused_layers", "max_abs_error", "evaluation_reference", "evaluation_delta",
             "hard_tail_delta", "p50_ms", "p99_ms", "e2e_p50_ms", "throughput_per_s"]
 
     def fmt(v: Any) -> str:

@@ -40,6 +40,7 @@ def write_manifest(registry: Registry, model: str, sku: str, progress: Progress 
         "profiles": build.profiles,
         "signature": prep.signature.to_json(),
         "engine": [f.to_json() for f in build.engine_files],
+        "build": {"seconds": build.build_seconds, "warnings": build.warnings, "options": build.options},
         "hardware_specific": build.hardware_specific,
         "calibration": calibration,
         "timing_cache_sha256": build.timing_cache.sha256 if build.timing_cache else None,
