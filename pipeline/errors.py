@@ -51,7 +51,7 @@ class UnsupportedOp(EnvironmentProblem):
         where = f"op {op_type!r}" if op_type else "an op"
         where += f" (node {node!r})" if node else ""
         super().__init__(f"{backend} cannot compile {where}: {detail}",
-                         hint or f"use another backend for this model, or replace the op before export")
+                         hint or "use another backend for this model, or replace the op before export")
         self.backend, self.op_type, self.node = backend, op_type, node
 
 

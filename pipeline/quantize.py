@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from .errors import InputError
 
 if TYPE_CHECKING:
@@ -25,6 +27,27 @@ class QdqSettings:
     reduce_range: bool = False
     activation_type: Literal["uint8", "int8"] = "uint8"
     weight_type: Literal["int8", "uint8"] = "int8"
+    op_types_to_quantize: tuple[str, ...] | None = None
+    nodes_to_exclude: tuple[str, ...] = ()
+
+
+class QdqOptions(BaseModel):
+    """The INT8 options of every backend that consumes the QDQ graph (mixed into its Options)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    per_channel: bool = True
+    reduce_range: bool = False
+    activation_type: Literal["uint8", "int8"] = "uint8"
+    weight_type: Literal["int8", "uint8"] = "int8"
+    op_types_to_quantize: list[str] | None = Field(None, description="quantize only these op types (default: all)")
+    nodes_to_exclude: list[str] = Field(default_factory=list, description="nodes kept in float (e.g. after a failed gate)")
+
+    def qdq_settings(self) -> QdqSettings:
+        return QdqSettings(per_channel=self.per_channel, reduce_range=self.reduce_range,
+                           activation_type=self.activation_type, weight_type=self.weight_type,
+                           op_types_to_quantize=tuple(self.op_types_to_quantize) if self.op_types_to_quantize else None,
+                           nodes_to_exclude=tuple(self.nodes_to_exclude))
 
 
 def quantize_qdq(source: Path, out: Path, ctx: "BuildContext", settings: QdqSettings) -> dict[str, Any]:
@@ -50,11 +73,16 @@ def quantize_qdq(source: Path, out: Path, ctx: "BuildContext", settings: QdqSett
                 per_channel=settings.per_channel, reduce_range=settings.reduce_range,
                 activation_type=types[settings.activation_type], weight_type=types[settings.weight_type],
                 calibrate_method=method, calibration_cache_path=str(table),
+                op_types_to_quantize=list(settings.op_types_to_quantize) if settings.op_types_to_quantize else None,
+                nodes_to_exclude=list(settings.nodes_to_exclude) or None,
             )
         except (ValueError, KeyError) as exc:
             raise InputError(f"INT8 quantization failed: {exc}",
                              hint=f"the calibration table does not match the prepared model: rerun skuforge calibrate --model {ctx.model}") from exc
-    return {"format": "QDQ", **asdict(settings)}
+    record = asdict(settings)
+    record["op_types_to_quantize"] = list(settings.op_types_to_quantize) if settings.op_types_to_quantize else None
+    record["nodes_to_exclude"] = list(settings.nodes_to_exclude)
+    return {"format": "QDQ", **record}
 
 
 def to_fp16(source: Path, out: Path) -> Path:

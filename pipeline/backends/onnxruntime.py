@@ -11,16 +11,15 @@ import json
 import re
 import shutil
 import tempfile
-from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from ..errors import EnvironmentProblem, InputError, UnsupportedOp
 from ..io import atomic_write_bytes
 from ..results import LayerInfo, TensorSig
-from ..quantize import QdqSettings, quantize_qdq, to_fp16
+from ..quantize import QdqOptions, quantize_qdq, to_fp16
 from .base import Backend, BuildContext, BuildOutcome, Runner
 
 if TYPE_CHECKING:
@@ -58,8 +57,7 @@ _PRECISION_NEUTRAL = {"QuantizeLinear", "DequantizeLinear", "Cast", "Reshape", "
                       "Squeeze", "Unsqueeze", "Gather", "Concat", "Identity", "MemcpyToHost", "MemcpyFromHost"}
 
 
-class OnnxRuntimeOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class OnnxRuntimeOptions(QdqOptions):
 
     providers: list[str] = Field(default_factory=lambda: [CPU], min_length=1, description="in priority order")
     require_all_providers: bool = Field(
@@ -68,10 +66,6 @@ class OnnxRuntimeOptions(BaseModel):
     graph_optimization_level: Literal["disable", "basic", "extended", "all"] = "all"
     intra_op_num_threads: int = Field(0, ge=0, description="0: ONNX Runtime's default")
     inter_op_num_threads: int = Field(0, ge=0)
-    per_channel: bool = True
-    reduce_range: bool = False
-    activation_type: Literal["uint8", "int8"] = "uint8"
-    weight_type: Literal["int8", "uint8"] = "int8"
 
 
 def _ort() -> "Any":
@@ -225,9 +219,7 @@ class OnnxRuntimeBackend(Backend):
             onnx.save(model, str(source))
             precision = ctx.sku_spec.precision
             if precision == "int8":
-                calibration = quantize_qdq(source, tmpdir / "quantized.onnx", ctx, QdqSettings(
-                    per_channel=opts.per_channel, reduce_range=opts.reduce_range,
-                    activation_type=opts.activation_type, weight_type=opts.weight_type))
+                calibration = quantize_qdq(source, tmpdir / "quantized.onnx", ctx, opts.qdq_settings())
                 source = tmpdir / "quantized.onnx"
             elif precision == "fp16":
                 source = to_fp16(source, tmpdir / "fp16.onnx")
