@@ -29,6 +29,9 @@ class QdqSettings:
     weight_type: Literal["int8", "uint8"] = "int8"
     op_types_to_quantize: tuple[str, ...] | None = None
     nodes_to_exclude: tuple[str, ...] = ()
+    # TensorRT's explicit quantization takes zero point 0 everywhere and quantizes biases itself
+    symmetric_activations: bool = False
+    quantize_bias: bool = True
 
 
 class QdqOptions(BaseModel):
@@ -75,6 +78,8 @@ def quantize_qdq(source: Path, out: Path, ctx: "BuildContext", settings: QdqSett
                 calibrate_method=method, calibration_cache_path=str(table),
                 op_types_to_quantize=list(settings.op_types_to_quantize) if settings.op_types_to_quantize else None,
                 nodes_to_exclude=list(settings.nodes_to_exclude) or None,
+                extra_options={"ActivationSymmetric": settings.symmetric_activations,
+                               "QuantizeBias": settings.quantize_bias},
             )
         except (ValueError, KeyError) as exc:
             raise InputError(f"INT8 quantization failed: {exc}",
