@@ -1,0 +1,595 @@
+"""IREE: ONNX imported to MLIR, compiled ahead of time into a VM flatbuffer (``module.vmfb``) for a
+CPU (``llvm-cpu``), a Vulkan (SPIR-V) or a CUDA device, run through ``iree.runtime``.
+
+IREE cross-compiles: the compiler builds any target on any host, and only running the engine
+needs the device. The one exception is ``target_cpu: host``, which compiles for the build host's
+CPU: such a SKU is built on its target hardware.
+
+The build report lists the dispatches (fusion groups) the compiler produced, read from the
+executable sources it dumps: the op and element types are in each dispatch's name, and the ONNX
+nodes fused into it are in the MLIR locations the importer attaches to every op.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+import subprocess
+import tempfile
+import threading
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import ConfigError, EnvironmentProblem, InputError, UnsupportedOp
+from ..results import LayerInfo, TensorSig
+from .base import Backend, BuildContext, BuildOutcome, Runner
+
+if TYPE_CHECKING:
+    import numpy as np
+    import onnx
+
+    from ..config import SkuSpec
+
+VMFB = "module.vmfb"
+COMPILE_TIMEOUT_S = 1800  # a hung compiler must not hang CI; tiny models compile in seconds
+_DRIVERS = {"local": ("local-task", "local-sync"), "vulkan": ("vulkan",), "cuda": ("cuda",)}
+# the embedded-ELF triples IREE's llvm-cpu backend uses per SKU architecture
+_TRIPLES = {"x86_64": "x86_64-unknown-unknown-eabi-elf", "aarch64": "aarch64-unknown-unknown-eabi-elf"}
+# flags the backend sets from the options: passing them in extra_flags would contradict the record
+_OWNED_FLAGS = ("--iree-hal-target-device", "--iree-hal-local-target-device-backends", "--iree-llvmcpu-target-cpu",
+                "--iree-llvmcpu-target-cpu-features", "--iree-llvmcpu-target-triple", "--iree-vulkan-target",
+                "--iree-cuda-target", "--iree-hal-dump-executable-sources-to", "--mlir-print-debuginfo",
+                "--iree-scheduling-dump-statistics-format", "--iree-scheduling-dump-statistics-file", "-o")
+_PIP = "pip install 'iree-base-compiler==3.13.*' 'iree-base-runtime==3.13.*'"
+
+
+class IreeOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target_device: Literal["local", "vulkan", "cuda"] = "local"
+    target_backend: Literal["llvm-cpu"] = Field("llvm-cpu", description="code generator of the local device")
+    target_cpu: str = Field("host", description="LLVM CPU name (e.g. x86-64-v3, znver3, cortex-a76); host: the build host's CPU")
+    target_cpu_features: list[str] = Field(default_factory=list, description="LLVM features, e.g. [+avx2, +fma]")
+    vulkan_target: str | None = Field(None, description="e.g. llvmpipe (lavapipe), valhall, rdna3, ampere; required for vulkan")
+    cuda_target: str = "sm_80"
+    extra_flags: list[str] = Field(default_factory=list, description="passed verbatim to iree-compile, recorded")
+    driver: Literal["local-task", "local-sync", "vulkan", "cuda"] | None = Field(
+        None, description="runtime HAL driver (default: local-task, vulkan or cuda after target_device)")
+
+    @property
+    def runtime_driver(self) -> str:
+        return self.driver or _DRIVERS[self.target_device][0]
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for package in ("iree-base-runtime", "iree-base-compiler", "onnx"):
+        try:
+            out[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass  # a device running engines need not carry the compiler
+    return out
+
+
+class IreeBackend(Backend):
+    name = "iree"
+    Options = IreeOptions
+    install_hint = _PIP
+    engine_format = "skuforge-iree-vmfb/1"
+    runtime_keys = ("iree-base-runtime",)  # a vmfb is tied to the runtime that loads it
+
+    @classmethod
+    def _check_sku_impl(cls, sku: "SkuSpec", options: IreeOptions) -> list[str]:
+        problems = []
+        if sku.precision not in ("fp32", "fp16"):
+            problems.append(f"precision: {sku.precision} is not supported by the iree backend; supported: fp32, fp16")
+        if options.runtime_driver not in _DRIVERS[options.target_device]:
+            problems.append(f"options.driver: {options.driver} cannot run a {options.target_device} engine "
+                            f"(use {' or '.join(_DRIVERS[options.target_device])})")
+        if options.target_device == "vulkan" and not options.vulkan_target:
+            problems.append("options.vulkan_target: required for target_device vulkan (e.g. llvmpipe for lavapipe, "
+                            "valhall, rdna3, ampere): a target that does not match the device can run and compute wrong results")
+        if options.target_device != "local":
+            set_here = sorted({"target_cpu", "target_cpu_features", "target_backend"} & options.model_fields_set)
+            if set_here:
+                problems.append(f"options.{set_here[0]}: only applies to target_device local")
+        if options.target_device == "cuda" and sku.target.device != "gpu":
+            problems.append("target.device: a cuda engine runs on a GPU: set target.device: gpu")
+        for flag in options.extra_flags:
+            if not flag.startswith("-"):
+                problems.append(f"options.extra_flags: {flag!r} is not a flag (write --name=value)")
+            elif flag.split("=", 1)[0] in _OWNED_FLAGS:
+                problems.append(f"options.extra_flags: {flag.split('=', 1)[0]} is set from the other options; use those")
+        return problems
+
+    def cross_compiles(self, sku: "SkuSpec") -> bool:
+        opts: IreeOptions = self.options(sku)
+        return not (opts.target_device == "local" and opts.target_cpu == "host")
+
+    def environment_problems(self, sku: "SkuSpec", purpose: str = "run") -> list[str]:
+        if purpose == "build":
+            return _compiler_problems()
+        return list(_runtime_problems(self.options(sku).runtime_driver))
+
+    def versions(self) -> dict[str, str]:
+        return _versions()
+
+    # --- build ----------------------------------------------------------------------------------
+
+    def build(self, ctx: BuildContext) -> BuildOutcome:
+        import onnx
+
+        from ..graph import pin_axes, signature
+        from ..quantize import to_fp16
+
+        opts: IreeOptions = self.options(ctx.sku_spec)
+        problems = _compiler_problems()
+        if problems:
+            raise EnvironmentProblem("; ".join(problems), hint=self.install_hint)
+        model = pin_axes(onnx.load(str(ctx.prepared)), ctx.pins, ctx.prepared)
+        entry = _entry_name(model)
+        sig = signature(model)
+        with tempfile.TemporaryDirectory(prefix="skuforge-iree-") as tmp:
+            work = Path(tmp)
+            source = work / "model.onnx"
+            onnx.save(model, str(source))
+            if ctx.sku_spec.precision == "fp16":
+                source = to_fp16(source, work / "fp16.onnx")
+            # the graph as imported (with the FP16 converter's casts), in graph order
+            node_types = {n.name: n.op_type for n in onnx.load(str(source), load_external_data=False).graph.node if n.name}
+            _progress(ctx, "iree import", 0.1)
+            _import_onnx(source, work / "input.mlir", node_types)
+            flags = compile_flags(opts, ctx.sku_spec.target.arch)
+            _progress(ctx, "iree compile", 0.3)
+            _compile(work, flags, ctx.engine_dir / VMFB, node_types)
+            dispatches = parse_dispatches(work / "sources", list(node_types), opts.runtime_driver)
+            target = _resolved_target(work / "sources")
+            sites = _dispatch_sites(work / "statistics.json")
+        if not dispatches:
+            raise EnvironmentProblem("iree-compile dumped no executable sources: the dispatch report would be empty",
+                                     hint="check the extra_flags; this IREE version may name its dumps differently")
+        warnings = []
+        hardware_specific = opts.target_device == "local" and opts.target_cpu == "host"
+        if hardware_specific:
+            warnings.append(f"target_cpu host resolved to {target.get('cpu')} with {len(target.get('cpu_features', []))} "
+                            "CPU features: the engine runs only on CPUs that have them (a CPU without one crashes "
+                            "with an illegal instruction; loading checks this)")
+        fused = sum(1 for d in dispatches if len(d.fused_from) > 1)
+        if not any(d.fused_from for d in dispatches):
+            warnings.append("no ONNX node locations survived in the dumped dispatches: fused_from is empty")
+        meta = {"entry": entry, "driver": opts.runtime_driver, "target_device": opts.target_device,
+                "inputs": [s.to_json() for s in sig.inputs], "outputs": [s.to_json() for s in sig.outputs],
+                "compile_flags": flags, "resolved_target": target}
+        options = {**opts.model_dump(mode="json"), "compile_flags": flags, "resolved_target": target,
+                   "dispatches": len(dispatches), "fused_dispatches": fused, "dispatch_sites": sites}
+        return BuildOutcome(files=[VMFB], layers=dispatches, requested_devices=[opts.runtime_driver],
+                            partition_boundaries=0, options=options, hardware_specific=hardware_specific,
+                            warnings=warnings, meta=meta)
+
+    # --- load -----------------------------------------------------------------------------------
+
+    def _load_impl(self, engine_dir: Path, meta: dict[str, Any], sku: "SkuSpec") -> Runner:
+        problems = list(_runtime_problems(meta["driver"]))
+        if problems:
+            raise EnvironmentProblem("; ".join(problems), hint=f"run it where the {meta['driver']} device is "
+                                     f"(the SKU's runner labels: {', '.join(sku.runner_labels)}); {self.install_hint}")
+        if meta["target_device"] == "local":
+            missing = missing_cpu_features(meta.get("resolved_target", {}).get("cpu_features", []))
+            if missing:
+                raise EnvironmentProblem(
+                    f"{engine_dir} was compiled for CPU {meta['resolved_target'].get('cpu')} with features this CPU "
+                    f"lacks: {', '.join(missing)}",
+                    hint="rebuild with an options.target_cpu this CPU supports (e.g. x86-64-v3), or run on the SKU's runner")
+        return IreeRunner(engine_dir / VMFB, meta)
+
+
+# --- environment --------------------------------------------------------------------------------
+
+
+def _compiler_problems() -> list[str]:
+    problems = []
+    if importlib.util.find_spec("onnx") is None:
+        problems.append("onnx is not installed (the IREE ONNX importer needs it): pip install onnx")
+    if importlib.util.find_spec("iree.compiler") is None:
+        return problems + [f"iree-base-compiler is not installed ({_PIP})"]
+    if _iree_compile() is None:
+        problems.append("iree-compile was not found in the iree-base-compiler installation (reinstall it)")
+    return problems
+
+
+@functools.lru_cache(maxsize=None)
+def _runtime_problems(driver: str) -> tuple[str, ...]:
+    """Cached per process: every stage asks, and creating a Vulkan or CUDA device takes a while."""
+    if importlib.util.find_spec("iree.runtime") is None:
+        return (f"iree-base-runtime is not installed ({_PIP})",)
+    import iree.runtime as rt
+
+    available = rt.query_available_drivers()
+    if driver not in available:
+        return (f"IREE runtime driver {driver} is not in this iree-base-runtime (available: {', '.join(sorted(available))})",)
+    try:
+        rt.get_driver(driver).create_default_device()
+    except Exception as exc:  # the runtime raises RuntimeError/ValueError with the driver's status
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return (f"no {driver} device on this host ({detail})",)
+    return ()
+
+
+def _iree_compile() -> str | None:
+    from iree.compiler.tools.binaries import find_tool
+
+    try:
+        return find_tool("iree-compile")
+    except Exception:  # find_tool raises a plain Exception when the binary is absent
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _host_cpu_features() -> dict[str, bool]:
+    """The runtime's view of this CPU (``iree-cpuinfo``: LLVM feature names, 0 or 1)."""
+    spec = importlib.util.find_spec("iree._runtime_libs")
+    exe = Path(spec.submodule_search_locations[0]) / "iree-cpuinfo" if spec and spec.submodule_search_locations else None
+    if exe is None or not exe.is_file():
+        return {}
+    try:
+        out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {parts[0]: parts[1] == "1" for parts in (line.split() for line in out.splitlines()) if len(parts) == 2}
+
+
+def missing_cpu_features(required: list[str]) -> list[str]:
+    """Features an engine was compiled for (``+name``) that this CPU lacks, among those the
+    runtime can query (others are not judged)."""
+    host = _host_cpu_features()
+    return [f[1:] for f in required if f.startswith("+") and host.get(f[1:]) is False]
+
+
+# --- import and compile -------------------------------------------------------------------------
+
+_SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def _entry_name(model: "onnx.ModelProto") -> str:
+    """The entry function is named after the graph; give it a plain name when the graph's is not one."""
+    if not _SYMBOL.match(model.graph.name or ""):
+        model.graph.name = re.sub(r"\W", "_", model.graph.name or "") if model.graph.name else "main"
+        if not _SYMBOL.match(model.graph.name):
+            model.graph.name = f"m_{model.graph.name}"
+    return model.graph.name
+
+
+def _import_onnx(source: Path, out: Path, node_types: dict[str, str]) -> None:
+    """ONNX -> MLIR (torch-onnx dialect) with each op located at its ONNX node name, so the
+    compiler's dumped dispatches say which nodes were fused into them."""
+    import onnx
+    from iree.compiler.extras import onnx_importer
+    from iree.compiler.ir import Context
+
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(source)), data_prop=True)
+    try:
+        info = onnx_importer.ModelInfo(model)
+        module = info.create_module(context=Context()).operation
+        onnx_importer.NodeImporter.define_function(info.main_graph, module).import_all()
+        module.verify()
+    except Exception as exc:  # OnnxImportError or an MLIR error: both name the op in the message
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        node = next((n for n in node_types if f"'{n}'" in detail or f'"{n}"' in detail), None)
+        raise UnsupportedOp("iree", node_types.get(node) if node else None, node, f"the ONNX importer failed: {detail}") from exc
+    with open(out, "w") as fh:
+        module.print(file=fh, enable_debug_info=True)
+
+
+def compile_flags(opts: IreeOptions, arch: str) -> list[str]:
+    """iree-compile flags for the options (recorded in the engine and the build report)."""
+    flags = [f"--iree-hal-target-device={opts.target_device}"]
+    if opts.target_device == "local":
+        flags += [f"--iree-hal-local-target-device-backends={opts.target_backend}",
+                  f"--iree-llvmcpu-target-cpu={opts.target_cpu}"]
+        if arch in _TRIPLES:
+            flags.append(f"--iree-llvmcpu-target-triple={_TRIPLES[arch]}")
+        if opts.target_cpu_features:
+            features = [f if f[:1] in "+-" else f"+{f}" for f in opts.target_cpu_features]
+            flags.append(f"--iree-llvmcpu-target-cpu-features={','.join(features)}")
+    elif opts.target_device == "vulkan":
+        flags.append(f"--iree-vulkan-target={opts.vulkan_target}")
+    else:
+        flags.append(f"--iree-cuda-target={opts.cuda_target}")
+    return flags + list(opts.extra_flags)
+
+
+def _compile(work: Path, flags: list[str], out: Path, node_types: dict[str, str]) -> None:
+    # relative dump path and cwd: the vmfb embeds the dump path, and must not depend on the temp dir
+    cmd = [_iree_compile() or "iree-compile", "input.mlir", *flags, "--iree-hal-dump-executable-sources-to=sources",
+           "--mlir-print-debuginfo", "--iree-scheduling-dump-statistics-format=json",
+           "--iree-scheduling-dump-statistics-file=statistics.json", "-o", str(out.resolve())]
+    try:
+        proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        raise EnvironmentProblem(f"iree-compile did not finish in {COMPILE_TIMEOUT_S} s",
+                                 hint="the model may be too large for this host, or the compiler hangs on an op: "
+                                      "report it to IREE with the model") from exc
+    if proc.returncode != 0:
+        raise compile_error(proc.returncode, proc.stderr, node_types, cmd)
+
+
+_LEGALIZE = re.compile(r"failed to legalize operation '([^']+)'")
+_TORCH_OP = re.compile(r'name = "onnx\.(\w+)"')
+
+
+def compile_error(returncode: int, stderr: str, node_types: dict[str, str], cmd: list[str]) -> Exception:
+    """Turn iree-compile's diagnostics into the error the user can act on."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    first = errors[0] if errors else (lines[0] if lines else f"exit status {returncode}")
+    shown = "\n".join(lines[:12])
+    if "Unknown command line argument" in stderr or "Unknown Vulkan target" in stderr or "missing GPU target" in stderr:
+        return ConfigError(f"iree-compile refused the flags {' '.join(cmd[2:])}: {first.strip()}",
+                           hint="fix options.extra_flags / vulkan_target / cuda_target (iree-compile --help lists flags)")
+    if returncode < 0 or "Stack dump" in stderr or "PLEASE submit a bug report" in stderr:
+        return UnsupportedOp("iree", None, None, f"iree-compile crashed (exit {returncode}) on this model:\n{shown}",
+                             hint="a compiler bug triggered by one of the model's ops: use another backend for this "
+                                  "model, or report it to iree-org/iree with the model")
+    for line in errors:
+        node = next((n for n in _loc_names(line) if n in node_types), None)
+        if node is None:
+            continue
+        legal = _LEGALIZE.search(line)
+        detail = line.split("error:", 1)[1].strip()
+        if legal:
+            torch_op = _TORCH_OP.search(line)
+            lowered = f"onnx.{torch_op.group(1)}" if torch_op else legal.group(1)
+            detail = f"no lowering for {lowered} (failed to legalize {legal.group(1)})"
+        return UnsupportedOp("iree", node_types[node], node, detail)
+    return EnvironmentProblem(f"iree-compile failed (exit {returncode}): {first.strip()}\n{shown}",
+                              hint="see the compiler's messages above; check options.extra_flags")
+
+
+def _progress(ctx: BuildContext, label: str, fraction: float) -> None:
+    if ctx.progress is not None:
+        ctx.progress(label, fraction)
+
+
+# --- the dispatch report ------------------------------------------------------------------------
+
+_EXPORT = re.compile(r'hal\.executable\.export public @("(?:[^"\\]|\\.)*"|[\w$.\-]+)')
+_VARIANT = re.compile(r'hal\.executable\.variant public @\S+ target\(<"([^"]+)", "([^"]+)"')
+_LOC_ALIAS = re.compile(r"^(#loc\w*) = loc\((.*)\)\s*$")
+_QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
+_OP = re.compile(r'^(?:%[^=]+= )?"?([a-z_][\w]*\.[\w.]+)')
+_SHAPE = re.compile(r"^(\d+|D)(x(\d+|D))*(x\w+)?$")
+_ELEMENT = re.compile(r"^(bf16|f16|f32|f64|f8\w*|i1|i4|i8|i16|i32|i64)$")
+# ops that bind, load, store, allocate or initialise: their locations name a neighbour, not a
+# fused node (CSE merges identical empties and fills graph-wide, keeping the first node's location)
+_PLUMBING = ("hal.", "iree_tensor_ext.", "arith.constant", "tensor.empty", "linalg.fill", "func.return",
+             "linalg.yield", "scf.yield")
+# conversions and layout ops: a dispatch made only of these moves data and has no compute precision
+_MOVES = {"arith.extf", "arith.truncf", "arith.extsi", "arith.extui", "arith.trunci", "arith.index_cast",
+          "arith.bitcast", "linalg.generic", "linalg.fill", "linalg.copy", "linalg.transpose", "linalg.broadcast"}
+_PRECISIONS = {"f16": "fp16", "bf16": "bf16", "f32": "fp32", "f64": "fp64"}
+_NARROW_FIRST = ("f8", "bf16", "f16", "f32", "f64")
+_CONTRACTIONS = ("conv", "matmul", "batch_matmul", "contract", "mmt4d", "depthwise")
+
+
+def parse_dispatches(sources: Path, node_names: list[str], device: str) -> list[LayerInfo]:
+    """One LayerInfo per dispatch in the executable sources iree-compile dumped; ``node_names``
+    are the imported graph's nodes in graph order (the order of each ``fused_from``)."""
+    order = {n: i for i, n in enumerate(node_names)}
+    files = sorted(sources.glob("*.mlir"), key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)])
+    layers = []
+    for path in files:
+        text = path.read_text()
+        aliases = {m.group(1): m.group(2) for m in map(_LOC_ALIAS.match, text.splitlines()) if m}
+        for export in _EXPORT.finditer(text):
+            name = export.group(1).strip('"')
+            body = _function_body(text, name)
+            ops, fused, own = _body_ops_and_locs(body, aliases, order)
+            layers.append(LayerInfo(name=name, op_type=dispatch_op_type(name),
+                                    precision=dispatch_precision(name, ops, body), device=device, kernel=name,
+                                    fused_from=sorted(fused, key=order.__getitem__) or own))
+    return layers
+
+
+def _function_body(text: str, name: str) -> list[str]:
+    start = text.find(f"func.func @{name}(")
+    if start < 0:
+        start = text.find(f'func.func @"{name}"(')
+    return text[start:].splitlines()[1:] if start >= 0 else []
+
+
+def _loc_names(line: str, aliases: dict[str, str] | None = None) -> list[str]:
+    """Names in the location at the end of an MLIR line (aliases resolved)."""
+    at = line.rfind(" loc(")
+    if at < 0:
+        at = line.find("loc(")
+        if at < 0:
+            return []
+    loc = line[at:]
+    for _ in range(8):  # aliases may refer to aliases
+        refs = re.findall(r"#loc\w*", loc)
+        if not refs or not aliases:
+            break
+        for ref in refs:
+            loc = loc.replace(ref, aliases.get(ref, ""), 1)
+    return _QUOTED.findall(loc)
+
+
+def _body_ops_and_locs(body: list[str], aliases: dict[str, str], node_names: dict[str, int]) -> tuple[list[str], list[str], list[str]]:
+    """The compute ops of a dispatch, the ONNX nodes their locations name (in order) and the
+    nodes the function itself is located at (the fallback for a pure copy)."""
+    ops, fused, own = [], [], []
+    for raw in body:
+        line = raw.strip()
+        if line.startswith("^") or not line:
+            continue
+        if line.startswith("}"):
+            target = fused if line.startswith("} ->") else own  # "} ->" closes a linalg op
+            for n in _loc_names(line, aliases):
+                if n in node_names and n not in target:
+                    target.append(n)
+            continue
+        match = _OP.match(line)
+        if match is None or match.group(1).startswith(_PLUMBING) or match.group(1) == "return":
+            continue
+        ops.append(match.group(1))
+        for n in _loc_names(line, aliases):
+            if n in node_names and n not in fused:
+                fused.append(n)
+    return ops, fused, own[-1:] if own else []
+
+
+def _name_tokens(name: str) -> list[str]:
+    tail = re.split(r"dispatch_\d+_?", name, maxsplit=1)
+    return [t for t in (tail[1] if len(tail) > 1 else name).split("_") if t]
+
+
+def dispatch_op_type(name: str) -> str:
+    """The root op in a dispatch name: conv_8x8x8x3x3x3_f32 -> conv, matmul_like_... -> matmul_like."""
+    words = []
+    for token in _name_tokens(name):
+        if _SHAPE.match(token) or _ELEMENT.match(token) or all(_ELEMENT.match(t) for t in token.split("x")):
+            break
+        words.append(token)
+    return "_".join(words) or "dispatch"
+
+
+def _element_types(tokens: list[str]) -> list[str]:
+    types = []
+    for token in tokens:
+        types += [t for t in token.split("x") if _ELEMENT.match(t)]
+    return types
+
+
+def dispatch_precision(name: str, ops: list[str], body: list[str]) -> str:
+    """The precision a dispatch computes in, from the element types in its name (IREE names a
+    dispatch ``<root op>_<shape>_<operand types>``): a contraction (conv, matmul) by its narrowest
+    float input (the accumulator is wider by design), any other root op by its result type (a
+    reduction accumulates in it). Conversions and copies are "n/a"."""
+    if not any(op not in _MOVES for op in ops):
+        return "n/a"
+    types = _element_types(_name_tokens(name))
+    if not types:  # the name carries no types: take those the dispatch writes
+        types = re.findall(r"writeonly:tensor<(?:[\dx?]*x)?(\w+)>", "\n".join(body))
+    floats = [t for t in types if t.startswith(("f", "bf"))]
+    if dispatch_op_type(name).startswith(_CONTRACTIONS) and len(floats) > 1:
+        floats = floats[:-1]
+        chosen = min(floats, key=lambda t: next(i for i, p in enumerate(_NARROW_FIRST) if t.startswith(p)))
+    elif types and types[-1] in floats:
+        chosen = types[-1]
+    else:
+        return "int8" if "i8" in types else "n/a"  # integer index arithmetic is not judged
+    return "fp8" if chosen.startswith("f8") else _PRECISIONS.get(chosen, chosen)
+
+
+def _dispatch_sites(statistics: Path) -> int | None:
+    """How many dispatches the program issues: more than its executables when one executable
+    serves several identical call sites (reported once, under the site the compiler kept)."""
+    import json
+
+    try:
+        return int(json.loads(statistics.read_text())["stream-aggregate"]["execution"]["dispatch-count"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _resolved_target(sources: Path) -> dict[str, Any]:
+    """What the compiler resolved the target to (e.g. target_cpu host -> znver4 and its features)."""
+    for path in sorted(sources.glob("*.mlir")):
+        text = path.read_text()
+        variant = _VARIANT.search(text)
+        if variant is None:
+            continue
+        out: dict[str, Any] = {"backend": variant.group(1), "format": variant.group(2)}
+        for key, pattern in (("cpu", r'\bcpu = "([^"]*)"'), ("cpu_features", r'\bcpu_features = "([^"]*)"'),
+                             ("triple", r'\btarget_triple = "([^"]*)"'), ("gpu_arch", r'iree_gpu\.target<arch = "([^"]*)"'),
+                             ("gpu_features", r'iree_gpu\.target<arch = "[^"]*", features = "([^"]*)"')):
+            found = re.search(pattern, text)
+            if found:
+                out[key] = found.group(1)
+        if "cpu_features" in out:
+            # LLVM lists some features twice; keep the enabled ones, sorted, as the record
+            out["cpu_features"] = sorted({f for f in out["cpu_features"].split(",") if f.startswith("+")})
+        return out
+    return {}
+
+
+# --- running ------------------------------------------------------------------------------------
+
+
+class IreeRunner(Runner):
+    """A loaded vmfb on one HAL device. Calls are serialised: an IREE VM context is not safe to
+    invoke from several threads at once."""
+
+    def __init__(self, vmfb: Path, meta: dict[str, Any]):
+        import iree.runtime as rt
+        import numpy as np
+
+        super().__init__([TensorSig.model_validate(s) for s in meta["inputs"]], [o["name"] for o in meta["outputs"]])
+        self._rt, self._np = rt, np
+        self._out_dtypes = [np.dtype(o["dtype"]) for o in meta["outputs"]]
+        self._lock = threading.Lock()
+        driver, entry = meta["driver"], meta["entry"]
+        try:
+            self._config = rt.Config(driver)
+            self._context = rt.SystemContext(config=self._config)
+            module = rt.VmModule.copy_buffer(self._config.vm_instance, vmfb.read_bytes())
+            self._context.add_vm_module(module)
+        except (RuntimeError, ValueError) as exc:
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise InputError(f"{vmfb} cannot be loaded on the IREE {driver} driver: {detail}",
+                             hint="the file is damaged, from another IREE version or for another device: rebuild the engine") from exc
+        self._device, self._driver = self._config.device, driver
+        self._function = module.lookup_function(entry)
+        if self._function is None:
+            raise InputError(f"{vmfb} has no function {entry!r} (it has {', '.join(module.function_names)})",
+                             hint="engine.json and the vmfb disagree: rebuild the engine")
+
+    def _infer_impl(self, feeds: dict[str, "np.ndarray"]) -> dict[str, "np.ndarray"]:
+        rt, np = self._rt, self._np
+        from iree.runtime.array_interop import map_dtype_to_element_type
+
+        with self._lock:
+            args = rt.VmVariantList(len(self.inputs))
+            for sig in self.inputs:
+                arr = np.asarray(feeds[sig.name], order="C")  # keeps 0-d arrays 0-d
+                args.push_ref(self._device.allocator.allocate_buffer_copy(
+                    memory_type=rt.MemoryType.DEVICE_LOCAL, allowed_usage=rt.BufferUsage.DEFAULT, device=self._device,
+                    buffer=arr, element_type=map_dtype_to_element_type(arr.dtype)))
+            results = rt.VmVariantList(len(self.output_names))
+            try:
+                self._context.vm_context.invoke(self._function, args, results)
+            except (RuntimeError, ValueError) as exc:  # the runtime's status: a failed assertion, a lost device
+                raise EnvironmentProblem(f"the IREE {self._driver} runtime failed to run the engine: {exc}",
+                                         hint="the engine and this device or runtime disagree: rebuild it for this SKU, "
+                                              "or check the device") from exc
+            return {name: self._read(results.get_as_object(i, rt.HalBufferView), dtype)
+                    for i, (name, dtype) in enumerate(zip(self.output_names, self._out_dtypes))}
+
+    def _read(self, view: Any, dtype: "np.dtype") -> "np.ndarray":
+        """Copy an output to the host. A buffer the host cannot map (Vulkan device-local memory)
+        goes through a host-visible staging buffer: DeviceArray.to_host() would try to import a
+        numpy allocation instead, which lavapipe refuses (minImportedHostPointerAlignment 4096)."""
+        rt, np = self._rt, self._np
+        raw = rt.HalElementType.map_to_dtype(view.element_type)
+        buffer = view.get_buffer()
+        mappable = (buffer.memory_type() & int(rt.MemoryType.HOST_VISIBLE)) == int(rt.MemoryType.HOST_VISIBLE) and \
+            (buffer.allowed_usage() & int(rt.BufferUsage.MAPPING_SCOPED)) == int(rt.BufferUsage.MAPPING_SCOPED)
+        if not mappable:
+            staging = self._device.allocator.allocate_buffer(
+                memory_type=int(rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE),
+                allowed_usage=int(rt.BufferUsage.TRANSFER_TARGET | rt.BufferUsage.MAPPING_SCOPED),
+                allocation_size=buffer.byte_length())
+            sem = self._device.create_semaphore(0)
+            self._device.queue_copy(buffer, staging, rt.HalFence.create_at(sem, 0), rt.HalFence.create_at(sem, 1))
+            rt.HalFence.create_at(sem, 1).wait()
+            buffer = staging
+        host = np.array(buffer.map().asarray(list(view.shape), raw), copy=True)
+        return host if host.dtype == dtype else host.astype(dtype)
+
+    def close(self) -> None:
+        self._function = self._context = self._config = self._device = None
+

@@ -1,0 +1,363 @@
+"""IREE backend: CPU (llvm-cpu) FP32 and FP16, Vulkan on lavapipe, CUDA cross-compiled here and
+validated only where a GPU is; the dispatch report; refusals (INT8, an unsupported op, a
+damaged or foreign engine). Each (model, SKU) is compiled once, in a module-scoped project."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+pytest.importorskip("iree.compiler", reason="iree-base-compiler is not installed (pip install iree-base-compiler)")
+pytest.importorskip("iree.runtime", reason="iree-base-runtime is not installed (pip install iree-base-runtime)")
+
+import models  # noqa: E402
+from pipeline.backends import get_backend  # noqa: E402
+from pipeline.backends.base import ENGINE_META  # noqa: E402
+from pipeline.backends.iree import (IreeBackend, compile_flags, dispatch_op_type, dispatch_precision,  # noqa: E402
+                                    missing_cpu_features)
+from pipeline.config import SkuSpec, load_registry  # noqa: E402
+from pipeline.errors import ConfigError, EnvironmentProblem, InputError, UnsupportedOp  # noqa: E402
+from pipeline.paths import Layout  # noqa: E402
+from pipeline.runner.probe import cpu_info, host_arch  # noqa: E402
+from pipeline.stages.bench import bench  # noqa: E402
+from pipeline.stages.build import build  # noqa: E402
+from pipeline.stages.data import make_data  # noqa: E402
+from pipeline.stages.prepare import prepare  # noqa: E402
+from pipeline.stages.reference import reference  # noqa: E402
+from pipeline.stages.validate import validate  # noqa: E402
+
+if host_arch() != "x86_64":
+    pytest.skip("the IREE test SKUs target x86-64 hosts", allow_module_level=True)
+
+
+def iree_sku(precision: str = "fp32", device: str = "cpu", labels: tuple[str, ...] = ("self-hosted", "linux", "x64"),
+             **options) -> dict:
+    return {"backend": "iree", "precision": precision, "target": {"arch": "x86_64", "device": device, "os": "linux"},
+            "runner_labels": list(labels), "shapes": {"batch": 1}, "options": options,
+            "bench": {"warmup": 2, "iterations": 10, "min_seconds": 0.0}}
+
+
+CUDA_LABELS = ("self-hosted", "linux", "x64", "gpu", "cuda", "sm80")
+SKUS = {
+    "cpu_fp32": iree_sku("fp32"),
+    "cpu_fp16": iree_sku("fp16"),
+    "v3_fp32": iree_sku("fp32", target_cpu="x86-64-v3"),
+    "vk_fp32": iree_sku("fp32", labels=("self-hosted", "linux", "x64", "vulkan"), target_device="vulkan",
+                        vulkan_target="llvmpipe"),
+    "cuda_fp32": iree_sku("fp32", device="gpu", labels=CUDA_LABELS, target_device="cuda"),
+}
+MODELS = ("conv", "multi")
+CPU_SKUS = ("cpu_fp32", "cpu_fp16")
+DRIVER = {"cpu_fp32": "local-task", "cpu_fp16": "local-task", "v3_fp32": "local-task", "vk_fp32": "vulkan",
+          "cuda_fp32": "cuda"}
+# the fusions IREE makes of these graphs (prepare folded BatchNorm into the Conv)
+FUSED = {"conv": {"conv", "relu", "gap"}, "multi": {"matmul", "scale", "add"}}
+
+
+def vulkan_problems(reg) -> list[str]:
+    return IreeBackend().environment_problems(reg.sku("vk_fp32"), "run")
+
+
+@pytest.fixture(scope="module")
+def proj(tmp_path_factory):
+    root = tmp_path_factory.mktemp("iree")
+    models.conv_bn_model(root / "models/conv/model.onnx")
+    models.multi_io_model(root / "models/multi/model.onnx")
+    reg = load_registry(models.write_project(root, {"conv": models.conv_bn_spec(), "multi": models.multi_io_spec()}, SKUS))
+    r = SimpleNamespace(registry=reg, out=Layout(reg.root), build={}, validate={}, bench={}, graph={},
+                        vulkan=vulkan_problems(reg))
+    runnable = CPU_SKUS + (() if r.vulkan else ("vk_fp32",))
+    for m in MODELS:
+        prepare(reg, m)
+        make_data(reg, m)
+        reference(reg, m)
+        r.graph[m] = {n.name for n in onnx.load(str(r.out.prepared_model(m))).graph.node}
+        for s in (*CPU_SKUS, "vk_fp32", "cuda_fp32"):
+            r.build[m, s] = build(reg, m, s)
+        for s in runnable:
+            r.validate[m, s] = validate(reg, m, s)
+            r.bench[m, s] = bench(reg, m, s)
+    r.build["conv", "v3_fp32"] = build(reg, "conv", "v3_fp32")
+    return r
+
+
+# --- the dispatch report ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sku", [*CPU_SKUS, "vk_fp32", "cuda_fp32"])
+@pytest.mark.parametrize("model", MODELS)
+def test_dispatches_are_reported_with_their_fused_onnx_nodes(proj, model, sku):
+    rep = proj.build[model, sku]
+    assert rep.backend == "iree" and rep.requested_devices == [DRIVER[sku]]
+    assert rep.layers and rep.placement == {DRIVER[sku]: len(rep.layers)}
+    for layer in rep.layers:
+        assert "$async_dispatch_" in layer.name and layer.kernel == layer.name
+        assert layer.op_type and layer.op_type in layer.name
+    ops = {layer.op_type for layer in rep.layers}
+    assert "matmul" in ops and (model != "conv" or "conv" in ops)
+    fused = [set(layer.fused_from) for layer in rep.layers if len(layer.fused_from) > 1]
+    assert any(FUSED[model] <= f for f in fused), [layer.fused_from for layer in rep.layers]
+    if sku != "cpu_fp16":  # FP16 adds the converter's Cast nodes
+        assert set().union(*(layer.fused_from for layer in rep.layers)) <= proj.graph[model]
+    assert rep.options["fused_dispatches"] == len(fused) and rep.options["dispatches"] == len(rep.layers)
+    assert rep.versions["iree-base-runtime"] and rep.versions["iree-base-compiler"]
+    engine = proj.out.engine_dir(model, sku)
+    assert [f.path for f in rep.engine_files] == ["module.vmfb"]
+    meta = json.loads((engine / ENGINE_META).read_text())
+    assert meta["entry"] == {"conv": "conv_bn", "multi": "multi_io"}[model] and meta["driver"] == DRIVER[sku]
+    assert [i["name"] for i in meta["inputs"]] == {"conv": ["x"], "multi": ["x", "ids", "scale"]}[model]
+    assert [o["name"] for o in meta["outputs"]] == {"conv": ["probs"], "multi": ["y", "cls"]}[model]
+
+
+def test_host_cpu_target_is_resolved_and_recorded(proj):
+    rep = proj.build["conv", "cpu_fp32"]
+    assert "--iree-llvmcpu-target-cpu=host" in rep.options["compile_flags"]
+    target = rep.options["resolved_target"]
+    assert target["backend"] == "llvm-cpu" and target["cpu"] not in ("", "host", "generic")
+    host_flags = set(cpu_info()["flags"])
+    for flag in ("avx2", "fma", "avx512f"):
+        assert (f"+{flag}" in target["cpu_features"]) == (flag in host_flags)
+    assert rep.hardware_specific and any("target_cpu host resolved to" in w for w in rep.warnings)
+    assert not IreeBackend().cross_compiles(proj.registry.sku("cpu_fp32"))
+
+
+def test_a_named_cpu_target_cross_compiles_and_is_portable(proj):
+    rep = proj.build["conv", "v3_fp32"]
+    target = rep.options["resolved_target"]
+    assert target["cpu"] == "x86-64-v3" and "+avx2" in target["cpu_features"] and "+avx512f" not in target["cpu_features"]
+    assert not rep.hardware_specific and IreeBackend().cross_compiles(proj.registry.sku("v3_fp32"))
+    assert "--iree-llvmcpu-target-triple=x86_64-unknown-unknown-eabi-elf" in rep.options["compile_flags"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_fp16_dispatches_compute_in_fp16(proj, model):
+    rep = proj.build[model, "cpu_fp16"]
+    contractions = [layer for layer in rep.layers if layer.op_type in ("conv", "matmul")]
+    assert contractions and all(layer.precision == "fp16" and "f16" in layer.name for layer in contractions)
+    # the FP32 inputs and outputs are converted in dispatches of their own, which compute nothing
+    casts = [layer for layer in rep.layers if any(n.startswith("graph_input_cast") or n.startswith("graph_output_cast")
+                                                  for n in layer.fused_from) and len(layer.fused_from) == 1]
+    assert casts and all(layer.precision == "n/a" for layer in casts)
+    assert rep.precision_counts.get("fp16", 0) >= len(contractions)
+    assert "fp16" not in proj.build[model, "cpu_fp32"].precision_counts
+
+
+def test_fp16_softmax_runs_in_fp32_and_the_gate_says_so(proj):
+    # IREE's ONNX lowering upcasts an f16 Softmax to f32: the precision gate (warn) names it
+    softmax = [layer for layer in proj.build["conv", "cpu_fp16"].layers if layer.op_type == "softmax"]
+    assert [layer.precision for layer in softmax] == ["fp32"]
+    gate = proj.validate["conv", "cpu_fp16"].precision_gate
+    assert [layer.name for layer in gate.mismatched] == [softmax[0].name] and gate.passed
+
+
+def test_dispatch_names_parse():
+    assert dispatch_op_type("m$async_dispatch_1_conv_8x8x8x3x3x3_f16xf16xf32") == "conv"
+    assert dispatch_op_type("m$async_dispatch_0_slow_memcpy") == "slow_memcpy"
+    assert dispatch_op_type("m$async_dispatch_3_arg_compare_1x4xf16_dispatch_tensor_store") == "arg_compare"
+    assert dispatch_op_type("m$async_dispatch_2_matmul_like_Dx4x8_f32") == "matmul_like"
+    assert dispatch_precision("m$async_dispatch_1_conv_8x8_f16xf16xf32", ["linalg.conv_2d_nchw_fchw"], []) == "fp16"
+    assert dispatch_precision("m$async_dispatch_2_reduction_8x64_f32xf32xf16", ["arith.addf"], []) == "fp16"
+    assert dispatch_precision("m$async_dispatch_4_softmax_4xf32_generic", ["linalg.softmax"], []) == "fp32"
+    assert dispatch_precision("m$async_dispatch_0_elementwise_3_f32xf16", ["linalg.generic", "arith.truncf"], []) == "n/a"
+    assert dispatch_precision("m$async_dispatch_0_elementwise_3_i64", ["arith.addi"], []) == "n/a"
+
+
+# --- validate and bench -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sku", CPU_SKUS)
+@pytest.mark.parametrize("model", MODELS)
+def test_cpu_engines_pass_validation_and_bench(proj, model, sku):
+    rep = proj.validate[model, sku]
+    assert rep.passed and rep.placement.passed and rep.samples == {"golden": 32}
+    limit = 1e-4 if sku == "cpu_fp32" else 5e-2
+    assert all(e.max_abs_error <= limit for e in rep.outputs), [(e.output, e.max_abs_error) for e in rep.outputs]
+    if model == "multi":  # argmax ids are exact
+        assert next(e for e in rep.outputs if e.output == "cls").max_abs_error == 0
+    stats = proj.bench[model, sku].engine_only
+    assert stats.iterations >= 10 and 0 < stats.p50_ms <= stats.p99_ms
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_vulkan_engine_on_lavapipe(proj, model):
+    if proj.vulkan:
+        pytest.skip(f"no Vulkan device: {'; '.join(proj.vulkan)}")
+    rep = proj.validate[model, "vk_fp32"]
+    assert rep.passed and all(e.max_abs_error <= 1e-4 for e in rep.outputs)
+    assert proj.build[model, "vk_fp32"].options["resolved_target"]["gpu_arch"] == "llvmpipe"
+    assert proj.bench[model, "vk_fp32"].engine_only.p50_ms > 0
+
+
+def test_cuda_engine_is_built_here_and_validated_only_on_a_gpu(proj):
+    rep = proj.build["conv", "cuda_fp32"]
+    assert rep.options["resolved_target"]["gpu_arch"] == "sm_80"
+    assert IreeBackend().cross_compiles(proj.registry.sku("cuda_fp32"))
+    if not IreeBackend().environment_problems(proj.registry.sku("cuda_fp32"), "run"):
+        pytest.skip("this host has a CUDA device: test_cuda_engine_on_a_gpu covers it")
+    with pytest.raises(EnvironmentProblem) as info:
+        validate(proj.registry, "conv", "cuda_fp32")
+    assert info.value.exit_code == 3 and "cannot run SKU cuda_fp32" in info.value.message
+    assert f"[{', '.join(CUDA_LABELS)}]" in info.value.hint
+
+
+@pytest.mark.gpu
+def test_cuda_engine_on_a_gpu(proj):
+    problems = IreeBackend().environment_problems(proj.registry.sku("cuda_fp32"), "run")
+    if problems:
+        pytest.skip(f"no CUDA device for IREE: {'; '.join(problems)}")
+    for m in MODELS:
+        rep = validate(proj.registry, m, "cuda_fp32")
+        assert rep.passed and all(e.max_abs_error <= 1e-4 for e in rep.outputs)
+        assert bench(proj.registry, m, "cuda_fp32").engine_only.p50_ms > 0
+
+
+# --- refusals -----------------------------------------------------------------------------------
+
+
+def test_int8_and_inconsistent_options_are_config_errors(tmp_path):
+    def problems(**sku) -> list[str]:
+        return IreeBackend.check_sku(SkuSpec.model_validate(sku))
+
+    assert problems(**iree_sku("int8")) == ["precision: int8 is not supported by the iree backend; supported: fp32, fp16"]
+    assert "vulkan_target: required" in problems(**iree_sku(target_device="vulkan"))[0]
+    assert "driver: vulkan cannot run a local engine" in problems(**iree_sku(driver="vulkan"))[0]
+    assert "target.device: a cuda engine runs on a GPU" in problems(**iree_sku(target_device="cuda"))[0]
+    assert "target_cpu: only applies" in problems(**iree_sku(device="gpu", target_device="cuda", target_cpu="znver3"))[0]
+    assert "is set from the other options" in problems(**iree_sku(extra_flags=["--iree-hal-target-device=cuda"]))[0]
+    assert "unknown key" in problems(**iree_sku(target_cpus="host"))[0]
+    with pytest.raises(ConfigError, match="int8 is not supported by the iree backend"):
+        load_registry(models.write_project(tmp_path, {"conv": models.conv_bn_spec()}, {"q": iree_sku("int8")}))
+
+
+def test_compile_flags_follow_the_options():
+    assert compile_flags(IreeBackend.Options(target_device="vulkan", vulkan_target="valhall"), "x86_64") == [
+        "--iree-hal-target-device=vulkan", "--iree-vulkan-target=valhall"]
+    local = compile_flags(IreeBackend.Options(target_cpu="cortex-a76", target_cpu_features=["dotprod", "+fp16"],
+                                              extra_flags=["--iree-opt-level=O3"]), "aarch64")
+    assert local == ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
+                     "--iree-llvmcpu-target-cpu=cortex-a76", "--iree-llvmcpu-target-triple=aarch64-unknown-unknown-eabi-elf",
+                     "--iree-llvmcpu-target-cpu-features=+dotprod,+fp16", "--iree-opt-level=O3"]
+
+
+def dft_model(path: Path) -> Path:
+    """x[batch,8] -> Relu -> Unsqueeze -> DFT: IREE's ONNX lowering has no DFT."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="act"),
+             helper.make_node("Unsqueeze", ["r", "axes"], ["u"], name="unsqueeze"),
+             helper.make_node("DFT", ["u"], ["y"], name="spectrum", onesided=0)]
+    graph = helper.make_graph(nodes, "dft", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8, 2])],
+                              [numpy_helper.from_array(np.array([2], np.int64), "axes")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def test_an_unsupported_op_names_the_op_the_node_and_the_backend(tmp_path):
+    dft_model(tmp_path / "models/dft/model.onnx")
+    spec = {"dir": "models/dft", "source": "model.onnx", "inputs": [{"name": "x", "shape": ["batch", 8]}]}
+    skus = {"cpu": iree_sku("fp32", target_cpu="x86-64-v3"),
+            "bad_flag": iree_sku("fp32", target_cpu="x86-64-v3", extra_flags=["--iree-no-such-flag"])}
+    reg = load_registry(models.write_project(tmp_path, {"dft": spec}, skus))
+    for stage in (prepare, make_data, reference):
+        stage(reg, "dft")
+    with pytest.raises(UnsupportedOp) as info:
+        build(reg, "dft", "cpu")
+    err = info.value
+    assert (err.backend, err.op_type, err.node, err.exit_code) == ("iree", "DFT", "spectrum", 3)
+    assert "iree cannot compile op 'DFT' (node 'spectrum')" in err.message
+    assert not Layout(reg.root).engine_dir("dft", "cpu").exists()  # nothing half-built is left
+    with pytest.raises(ConfigError, match="--iree-no-such-flag"):
+        build(reg, "dft", "bad_flag")
+
+
+@pytest.fixture
+def engine_copy(proj, tmp_path) -> Path:
+    dst = tmp_path / "engine"
+    shutil.copytree(proj.out.engine_dir("conv", "v3_fp32"), dst)
+    return dst
+
+
+def rewrite_meta(engine: Path, **changes) -> None:
+    meta = json.loads((engine / ENGINE_META).read_text())
+    meta.update(changes)
+    (engine / ENGINE_META).write_text(json.dumps(meta))
+
+
+def test_a_copied_engine_loads_and_runs(proj, engine_copy):
+    feeds = {"x": np.full((1, 3, 8, 8), 0.5, np.float32)}
+    with get_backend("iree").load(engine_copy, proj.registry.sku("v3_fp32")) as runner:
+        probs = runner.infer(feeds)["probs"]
+    assert probs.shape == (1, 4) and probs.dtype == np.float32 and abs(float(probs.sum()) - 1) < 1e-5
+    with pytest.raises(InputError, match="must have shape"):
+        with get_backend("iree").load(engine_copy, proj.registry.sku("v3_fp32")) as runner:
+            runner.infer({"x": np.zeros((2, 3, 8, 8), np.float32)})
+
+
+def test_a_truncated_vmfb_is_refused(proj, engine_copy):
+    vmfb = engine_copy / "module.vmfb"
+    vmfb.write_bytes(vmfb.read_bytes()[: vmfb.stat().st_size // 2])
+    sku = proj.registry.sku("v3_fp32")
+    with pytest.raises(InputError, match="missing, truncated or altered"):
+        get_backend("iree").load(engine_copy, sku)
+    # even with engine.json rewritten to match, the runtime's refusal becomes an InputError
+    from pipeline.io import sha256_file
+
+    rewrite_meta(engine_copy, files=[{"path": "module.vmfb", "sha256": sha256_file(vmfb), "bytes": vmfb.stat().st_size}])
+    with pytest.raises(InputError, match="cannot be loaded on the IREE local-task driver"):
+        get_backend("iree").load(engine_copy, sku)
+
+
+def test_an_engine_from_another_runtime_version_is_refused(proj, engine_copy):
+    meta = json.loads((engine_copy / ENGINE_META).read_text())
+    rewrite_meta(engine_copy, versions={**meta["versions"], "iree-base-runtime": "3.1.0"})
+    with pytest.raises(InputError, match="built with iree-base-runtime 3.1.0"):
+        get_backend("iree").load(engine_copy, proj.registry.sku("v3_fp32"))
+
+
+def test_an_engine_for_cpu_features_this_host_lacks_is_refused(proj, engine_copy):
+    from pipeline.backends.iree import _host_cpu_features
+
+    lacking = sorted(f for f, present in _host_cpu_features().items() if not present)
+    if not lacking:
+        pytest.skip("this CPU has every feature iree-cpuinfo reports")
+    assert missing_cpu_features([f"+{lacking[0]}", "+sse2", "-avx"]) == [lacking[0]]
+    meta = json.loads((engine_copy / ENGINE_META).read_text())
+    target = {**meta["resolved_target"], "cpu_features": [*meta["resolved_target"]["cpu_features"], f"+{lacking[0]}"]}
+    rewrite_meta(engine_copy, resolved_target=target)
+    with pytest.raises(EnvironmentProblem, match=f"features this CPU lacks: {lacking[0]}"):
+        get_backend("iree").load(engine_copy, proj.registry.sku("v3_fp32"))
+
+
+def test_a_rebuild_gives_the_same_engine_bytes(proj):
+    first = proj.build["conv", "v3_fp32"]
+    again = build(proj.registry, "conv", "v3_fp32")
+    assert [f.sha256 for f in again.engine_files] == [f.sha256 for f in first.engine_files]
+    assert again.options["dispatch_sites"] >= again.options["dispatches"] == len(again.layers)
+
+
+def test_compiler_diagnostics_become_errors_the_user_can_act_on():
+    from pipeline.backends.iree import compile_error
+
+    nodes = {"spectrum": "DFT", "act": "Relu"}
+    cmd = ["iree-compile", "input.mlir", "--iree-hal-target-device=local"]
+    legalize = ('<unknown>:0: error: loc("spectrum"): failed to legalize operation \'torch.operator\' that was explicitly '
+                'marked illegal: %1 = "torch.operator"(%arg0) <{name = "onnx.DFT"}> : (!torch.vtensor<[1,8,1],f32>) -> '
+                '!torch.vtensor<[1,8,2],f32>\n<unknown>:0: note: loc("spectrum"): see current operation')
+    err = compile_error(1, legalize, nodes, cmd)
+    assert isinstance(err, UnsupportedOp) and (err.op_type, err.node) == ("DFT", "spectrum")
+    assert "no lowering for onnx.DFT" in err.message
+    crash = "Please report issues to https://github.com/iree-org/iree/issues\nStack dump:\n0.\tProgram arguments: iree-compile"
+    err = compile_error(-11, crash, nodes, cmd)
+    assert isinstance(err, UnsupportedOp) and err.exit_code == 3 and "crashed (exit -11)" in err.message
+    assert isinstance(compile_error(1, "<unknown>:0: error: Unknown Vulkan target 'cpu'", nodes, cmd), ConfigError)
+    other = compile_error(1, "<unknown>:0: error: something else", nodes, cmd)
+    assert type(other) is EnvironmentProblem and "something else" in other.message
