@@ -13,6 +13,15 @@ REFERENCE_SPLITS: tuple[str, ...] = ("golden", "evaluation", "hard_tail")
 class Layout:
     root: Path
 
+    def config_dir(self) -> Path:
+        return self.root / "build" / "config"
+
+    def config_file(self, model: str, sku: str | None = None, example: bool = False) -> Path:
+        """The resolved settings one stage reads: what DVC tracks instead of params.yaml keys."""
+        if example:
+            return self.config_dir() / f"example-{model}.json"
+        return self.config_dir() / (f"{model}-{sku}.json" if sku else f"model-{model}.json")
+
     def model_dir(self, model: str) -> Path:
         return self.root / "build" / model
 

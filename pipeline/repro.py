@@ -3,6 +3,7 @@ the manifests."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -59,16 +60,61 @@ def targets(registry: Registry, models: list[str] | None, skus: list[str] | None
     return out, [s for s in statuses if not (s.buildable and s.runnable)]
 
 
-class DvcFailed(SkuforgeError):
-    """``dvc repro`` failed; carries the exit code of the stage command that failed."""
+# Stage families of dvc.yaml (tests/test_paths.py keeps them in step with it).
+GLOBAL_STAGES = ("config",)
+EXAMPLE_STAGES = ("export",)
+MODEL_STAGES = ("prepare", "data", "reference", "calibrate")
+PAIR_STAGES = ("build", "validate", "bench", "manifest")
 
 
-def run_dvc_repro(root: Path, dvc_targets: list[str], force: bool = False, dry: bool = False) -> None:
+def upstream_stages(registry: Registry, dvc_targets: list[str]) -> set[str]:
+    """The dvc.yaml stages the targets depend on, targets included."""
+    names: set[str] = set(GLOBAL_STAGES) | {f"{s}@{e}" for s in EXAMPLE_STAGES for e in registry.examples}
+    for target in dvc_targets:
+        stage, _, pair = target.partition("@")
+        model, sku = next((m, pair[len(m) + 1:]) for m in registry.models if pair.startswith(f"{m}-"))
+        names |= {f"{s}@{model}" for s in MODEL_STAGES}
+        names |= {f"{s}@{model}-{sku}" for s in PAIR_STAGES[: PAIR_STAGES.index(stage) + 1]}
+    return names
+
+
+def _dvc(root: Path) -> str:
     dvc = shutil.which("dvc") or str(Path(sys.executable).with_name("dvc"))
     if not Path(dvc).exists():
         raise EnvironmentProblem("dvc is not installed", hint="pip install dvc (it comes with skuforge)")
     if not (root / ".dvc").is_dir():
         raise InputError(f"{root} is not a DVC repository", hint="run `git init && dvc init` in the project root")
+    return dvc
+
+
+class ProjectStatus:
+    """One `dvc status` of the whole project, started at once and read when needed.
+
+    `dvc repro T1 T2 ...` re-reads dvc.yaml and dvc.lock once per target, which makes a no-op
+    run slow with many SKUs; one status call answers "is anything to do?" at the cost of one
+    read, and runs while skuforge checks the host.
+    """
+
+    def __init__(self, root: Path):
+        self.proc = subprocess.Popen([_dvc(root), "status", "--json"], cwd=root, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)
+
+    def stale(self, stages: set[str]) -> list[str] | None:
+        """Which of ``stages`` DVC would run; None when the status could not be read."""
+        out, _ = self.proc.communicate()
+        try:
+            status = json.loads(out) if self.proc.returncode == 0 else None
+        except ValueError:
+            status = None
+        return None if status is None else sorted(set(status) & stages)
+
+
+class DvcFailed(SkuforgeError):
+    """``dvc repro`` failed; carries the exit code of the stage command that failed."""
+
+
+def run_dvc_repro(root: Path, dvc_targets: list[str], force: bool = False, dry: bool = False) -> None:
+    dvc = _dvc(root)
     # `dvc repro --dry` hashes dependencies that no stage has made yet and fails in a new
     # project; `dvc status` answers "what would run" without that.
     cmd = [dvc, "status", "--with-deps", *dvc_targets] if dry else [dvc, "repro", *(["--force"] if force else []), *dvc_targets]

@@ -64,3 +64,24 @@ def test_stage_commands_name_existing_cli_commands():
         assert cmd.startswith(f"skuforge {name} "), cmd
         args = parser.parse_args(substitute(cmd).split()[1:])
         assert args.command == name
+
+
+def test_every_stage_depends_on_its_resolved_config_file():
+    stages = dvc_stages()
+    assert names(stages["config"]["outs"]) == {L.config_dir()}
+    assert expand(stages["export"]["do"]["deps"][0]) == L.config_file("M", example=True)
+    for name in ("prepare", "data", "reference", "calibrate"):
+        assert expand(stages[name]["do"]["deps"][0]) == L.config_file("M"), name
+        assert "params" not in stages[name]["do"], name
+    for name in ("build", "validate", "bench", "manifest"):
+        assert expand(stages[name]["deps"][0]) == L.config_file("M", "S"), name
+        assert "params" not in stages[name], name
+
+
+def test_stage_families_in_repro_match_dvc_yaml():
+    from pipeline.repro import EXAMPLE_STAGES, GLOBAL_STAGES, MODEL_STAGES, PAIR_STAGES
+
+    stages = dvc_stages()
+    assert set(stages) == {*GLOBAL_STAGES, *EXAMPLE_STAGES, *MODEL_STAGES, *PAIR_STAGES}
+    assert all("foreach" in stages[s] for s in (*EXAMPLE_STAGES, *MODEL_STAGES))
+    assert all("matrix" in stages[s] for s in PAIR_STAGES)

@@ -70,6 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     v = csub.add_parser("validate", help="validate params.yaml")
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=config_validate)
+    r = csub.add_parser("resolve", help="write the resolved settings per model and (model, SKU) that DVC tracks")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=config_resolve)
 
     skus = sub.add_parser("skus", help="list SKUs and whether this host can build them")
     skus.add_argument("--buildable-here", action="store_true", help="only the SKUs this host can build")
@@ -109,6 +112,15 @@ def config_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def config_resolve(args: argparse.Namespace) -> int:
+    from ..stages.config import write_config
+
+    result = write_config(_registry(args))
+    _emit(args, result, lambda: f"{result['files']} resolved config files, {len(result['changed'])} changed, "
+                                f"{len(result['removed'])} removed")
+    return 0
+
+
 def list_skus(args: argparse.Namespace) -> int:
     from ..repro import sku_statuses
 
@@ -143,9 +155,12 @@ def export_example(args: argparse.Namespace) -> int:
 
 
 def repro(args: argparse.Namespace) -> int:
-    from ..repro import run_dvc_repro, summary as summarize, targets
+    from ..repro import ProjectStatus, run_dvc_repro, upstream_stages
+    from ..repro import summary as summarize
+    from ..repro import targets
 
     reg = _registry(args)
+    status = None if args.force else ProjectStatus(reg.root)
     dvc_targets, skipped = targets(reg, args.model, args.sku)
     for s in skipped:
         what = "building only (validate and bench need the target)" if s.buildable else "skipping"
@@ -154,7 +169,11 @@ def repro(args: argparse.Namespace) -> int:
     if not dvc_targets:
         print("nothing this host can build", file=sys.stderr)
         return 0
-    run_dvc_repro(reg.root, dvc_targets, force=args.force, dry=args.dry)
+    stale = None if status is None else status.stale(upstream_stages(reg, dvc_targets))
+    if stale == []:
+        print("Data and pipelines are up to date.", file=sys.stderr)
+    else:
+        run_dvc_repro(reg.root, dvc_targets, force=args.force, dry=args.dry)
     rows = [] if args.dry else summarize(reg)
     _emit(args, {"targets": dvc_targets, "skipped": [s.to_json() for s in skipped], "summary": rows},
           lambda: "" if args.dry else _table(rows))

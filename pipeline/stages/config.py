@@ -1,0 +1,54 @@
+"""config: the registry resolved into one small JSON file per example, model and (model, SKU).
+
+DVC tracks these files instead of params.yaml keys: it then parses params.yaml once per run (in
+this stage) rather than once per stage, which keeps a no-op `dvc repro` fast as SKUs multiply,
+and a stage re-runs exactly when the settings it reads change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import Registry
+from ..io import atomic_write_bytes, to_json
+from . import Progress
+from .common import layout
+
+
+def resolved(registry: Registry) -> dict[str, dict[str, Any]]:
+    """File name -> the settings a stage of that example, model or pair reads."""
+    out = layout(registry)
+    files: dict[str, dict[str, Any]] = {}
+    for name, example in registry.examples.items():
+        files[out.config_file(name, example=True).name] = {"example": name, **example.model_dump(mode="json")}
+    for model, spec in registry.models.items():
+        files[out.config_file(model).name] = {"model": model, "spec": spec.model_dump(mode="json"),
+                                              "pins": registry.pins(model)}
+        for sku, sku_spec in registry.skus.items():
+            files[out.config_file(model, sku).name] = {
+                "model": model, "sku": sku,
+                "spec": spec.model_dump(mode="json"), "sku_spec": sku_spec.model_dump(mode="json"),
+                "pins": registry.pins(model, sku),
+                "tolerance": registry.tolerance(model, sku).model_dump(mode="json"),
+                "metric_gate": registry.metric_gate(model, sku).model_dump(mode="json"),
+                "bench": registry.bench(sku).model_dump(mode="json"),
+            }
+    return files
+
+
+def write_config(registry: Registry, progress: Progress | None = None) -> dict[str, Any]:
+    """Write the resolved files; unchanged ones are left alone, stale ones removed."""
+    folder = layout(registry).config_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    files = resolved(registry)
+    changed = []
+    for name, content in files.items():
+        data = to_json(content).encode()
+        path = folder / name
+        if not path.is_file() or path.read_bytes() != data:
+            atomic_write_bytes(path, data)
+            changed.append(name)
+    stale = [p.name for p in folder.glob("*.json") if p.name not in files]
+    for name in stale:
+        (folder / name).unlink()
+    return {"files": len(files), "changed": sorted(changed), "removed": sorted(stale)}
