@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 import models
@@ -48,39 +49,9 @@ from pipeline.stages.validate import placement_gate, precision_gate, validate
 
 MODULE = Path(trt_backend.__file__)
 
-# The example SKUs proposed for params.yaml (docs/backends/tensorrt.md explains the choices).
-EXAMPLE_SKUS = {
-    "jetson_orin_trt_fp16": {
-        "description": "Jetson AGX Orin / Orin NX (JetPack 6.1), TensorRT on the GPU, FP16",
-        "backend": "tensorrt", "precision": "fp16",
-        "target": {"arch": "aarch64", "device": "gpu", "os": "linux"},
-        "runner_labels": ["self-hosted", "linux", "arm64", "jetson-orin"],
-        "toolchain": {"tensorrt": "==10.3.*"},
-        "shapes": {"batch": 1},
-        "options": {"builder_optimization_level": 3, "workspace_mb": 1024, "min_compute_capability": 8.7},
-        "placement": {"allowed": ["gpu"]},
-    },
-    "jetson_orin_trt_int8": {
-        "description": "Jetson AGX Orin / Orin NX (JetPack 6.1), TensorRT on the GPU, INT8 explicit quantization (Q/DQ)",
-        "backend": "tensorrt", "precision": "int8",
-        "target": {"arch": "aarch64", "device": "gpu", "os": "linux"},
-        "runner_labels": ["self-hosted", "linux", "arm64", "jetson-orin"],
-        "toolchain": {"tensorrt": "==10.3.*"},
-        "shapes": {"batch": 1},
-        "options": {"builder_optimization_level": 3, "workspace_mb": 1024, "min_compute_capability": 8.7},
-        "placement": {"allowed": ["gpu"]},
-    },
-    "x86_nv_trt_fp16": {
-        "description": "x86-64 Linux with an NVIDIA GPU (Ampere or newer), TensorRT 10, FP16",
-        "backend": "tensorrt", "precision": "fp16",
-        "target": {"arch": "x86_64", "device": "gpu", "os": "linux"},
-        "runner_labels": ["self-hosted", "linux", "x64", "gpu", "nvidia"],
-        "toolchain": {"tensorrt": ">=10.0,<11"},
-        "shapes": {"batch": 1},
-        "options": {"builder_optimization_level": 3, "min_compute_capability": 8.0},
-        "placement": {"allowed": ["gpu"]},
-    },
-}
+# The repository's TensorRT SKUs, as params.yaml declares them (docs/backends/tensorrt.md explains them).
+EXAMPLE_SKUS = {name: sku for name, sku in yaml.safe_load((MODULE.parents[2] / "params.yaml").read_text())["skus"].items()
+                if sku["backend"] == "tensorrt"}
 
 
 def trt_sku(precision: str = "fp32", **extra) -> dict:
