@@ -271,12 +271,73 @@ class Example(Strict):
     opset: int = 17
 
 
+ALIAS_PATTERN = re.compile(r"^[A-Za-z0-9_-]+$")
+NAME_FORBIDDEN = ("/", ":", "'", '"', "`")  # MLflow refuses '/' and ':'; quotes would break its filter strings
+
+
+class PerformanceGate(Strict):
+    """Promotion gate on latency: the candidate's steady-state samples against the alias holder's."""
+
+    max_regression: float = Field(0.05, ge=0, description="allowed growth of the median latency (0.05 = 5%)")
+    alpha: float = Field(0.05, gt=0, lt=1, description="significance level of the one-sided Mann-Whitney U test")
+    confidence: float = Field(0.95, gt=0, lt=1, description="level of the bootstrap interval of the median ratio")
+    bootstrap: int = Field(2000, ge=100, description="bootstrap resamples")
+    min_samples: int = Field(30, ge=5, description="fewer samples on either side: too noisy to decide")
+    on_noisy: Literal["block", "allow"] = Field("block", description="what 'too noisy to decide' does to a promotion")
+
+
+class TrackingSpec(Strict):
+    """How MLflow calls are retried: exponential backoff on connection errors, 5xx and a locked database."""
+
+    retries: int = Field(4, ge=0, description="retries after the first attempt")
+    backoff_seconds: float = Field(0.5, ge=0, description="first wait; doubles each retry")
+    max_backoff_seconds: float = Field(8.0, ge=0)
+    timeout_seconds: float = Field(30.0, gt=0, description="per HTTP request (MLFLOW_HTTP_REQUEST_TIMEOUT wins)")
+
+
+class Release(Strict):
+    """MLflow: experiment and registered-model names, the alias chain, promotion gates."""
+
+    name_prefix: str = Field("", description="prepended to the experiment '<model>' and registered model '<model>.<sku>'")
+    aliases: list[str] = Field(default_factory=lambda: ["candidate", "staging", "production"], min_length=1,
+                               description="the promotion chain, first to last")
+    reason_required: list[str] = Field(default_factory=lambda: ["production"],
+                                       description="aliases whose moves need --reason")
+    skus: list[str] | None = Field(None, description="SKUs a release (promote --all-skus) requires; default: every SKU")
+    history: int = Field(50, ge=1, description="alias moves kept per alias (rollback reads them)")
+    performance: PerformanceGate = PerformanceGate()
+    tracking: TrackingSpec = TrackingSpec()
+
+    @field_validator("name_prefix")
+    @classmethod
+    def _prefix(cls, prefix: str) -> str:
+        bad = [c for c in NAME_FORBIDDEN if c in prefix]
+        if bad:
+            raise ValueError(f"may not contain {' '.join(bad)} (MLflow names)")
+        return prefix
+
+    @model_validator(mode="after")
+    def _chain(self) -> Release:
+        for alias in self.aliases:
+            if not ALIAS_PATTERN.match(alias):
+                raise ValueError(f"aliases: {alias!r} is not a valid MLflow alias (letters, digits, _ and - only)")
+            if alias.lower() == "latest" or re.fullmatch(r"[vV]\d+", alias):
+                raise ValueError(f"aliases: {alias!r} is reserved by MLflow ('latest' and v<number>)")
+        if len(set(self.aliases)) != len(self.aliases):
+            raise ValueError(f"aliases repeat: {self.aliases}")
+        unknown = [a for a in self.reason_required if a not in self.aliases]
+        if unknown:
+            raise ValueError(f"reason_required: {unknown} not in aliases {self.aliases}")
+        return self
+
+
 class Registry(Strict):
     # Both keys are required because dvc.yaml names them (DVC has no default for a missing key).
     defaults: Defaults = Field(description="dvc.yaml tracks it: write `defaults: {}` to take the built-in defaults")
     examples: dict[str, Example] = Field(description="dvc.yaml iterates over it: write `examples: {}` if you have none")
     models: dict[str, ModelSpec]
     skus: dict[str, SkuSpec]
+    release: Release = Field(default_factory=Release)
     _root: Path = PrivateAttr(default_factory=lambda: Path("."))
 
     @property
@@ -331,6 +392,10 @@ class Registry(Strict):
 
     def pairs(self) -> list[tuple[str, str]]:
         return [(m, s) for m in self.models for s in self.skus]
+
+    def release_skus(self) -> list[str]:
+        """The SKUs a release requires (promote --all-skus)."""
+        return list(self.release.skus) if self.release.skus is not None else list(self.skus)
 
 
 def _lookup(table: dict[str, Any], name: str, what: str) -> Any:
@@ -444,6 +509,10 @@ def _check_cross_references(registry: Registry, source: str) -> None:
                         f"skus.{sname}.shapes.{axis}: only the batch axis may be re-pinned per SKU "
                         f"(datasets are generated at models.{name}.pins.{axis}={model.pins[axis]})"
                     )
+    for sku in registry.release.skus or []:
+        if sku not in registry.skus:
+            problems.append(f"release.skus: unknown SKU {sku!r}{_did_you_mean(sku, registry.skus)}; "
+                            f"known SKUs: {', '.join(sorted(registry.skus))}")
     if problems:
         raise _invalid(source, problems)
 

@@ -44,11 +44,13 @@ def sku_statuses(registry: Registry) -> list[SkuStatus]:
     return out
 
 
-def targets(registry: Registry, models: list[str] | None, skus: list[str] | None) -> tuple[list[str], list[SkuStatus]]:
+def targets(registry: Registry, models: list[str] | None, skus: list[str] | None,
+            publish: bool = True) -> tuple[list[str], list[SkuStatus]]:
     """dvc targets for this host, and the SKUs it cannot take all the way.
 
-    A SKU this host can build and run goes to its manifest; one it can only build (a
-    cross-compiled engine) goes to its build stage, and its runner validates and benches it.
+    A SKU this host can build and run goes to its publish stage (its manifest with
+    ``publish=False``); one it can only build (a cross-compiled engine) goes to its build stage,
+    and its runner validates, benches and publishes it.
     """
     for m in models or []:
         registry.model(m)
@@ -56,7 +58,8 @@ def targets(registry: Registry, models: list[str] | None, skus: list[str] | None
         registry.sku(s)
     statuses = [s for s in sku_statuses(registry) if not skus or s.sku in skus]
     wanted_models = models or list(registry.models)
-    out = [f"{'manifest' if s.runnable else 'build'}@{m}-{s.sku}" for m in wanted_models for s in statuses if s.buildable]
+    last = PAIR_STAGES[-1] if publish else "manifest"
+    out = [f"{last if s.runnable else 'build'}@{m}-{s.sku}" for m in wanted_models for s in statuses if s.buildable]
     return out, [s for s in statuses if not (s.buildable and s.runnable)]
 
 
@@ -64,7 +67,7 @@ def targets(registry: Registry, models: list[str] | None, skus: list[str] | None
 GLOBAL_STAGES = ("config",)
 EXAMPLE_STAGES = ("export",)
 MODEL_STAGES = ("prepare", "data", "reference", "calibrate")
-PAIR_STAGES = ("build", "validate", "bench", "manifest")
+PAIR_STAGES = ("build", "validate", "bench", "manifest", "publish")
 
 
 def upstream_stages(registry: Registry, dvc_targets: list[str]) -> set[str]:
@@ -149,12 +152,18 @@ def summary(registry: Registry) -> list[dict[str, Any]]:
     from .paths import Layout
 
     rows = []
+    out = Layout(registry.root)
     for model in registry.models:
         for sku in registry.skus:
-            path = Layout(registry.root).manifest(model, sku)
+            path = out.manifest(model, sku)
             if not path.is_file():
                 continue
             m = load_manifest(path)
+            receipt = out.report(model, sku, "publish")  # the MLflow version this checkout published
+            try:
+                published = json.loads(receipt.read_text()) if receipt.is_file() else {}
+            except ValueError:
+                published = {}
             metrics = {x["split"]: x for x in m.correctness["metrics"]}
             rows.append({
                 "model": model, "sku": sku, "backend": m.backend, "precision": m.precision,
@@ -166,5 +175,6 @@ def summary(registry: Registry) -> list[dict[str, Any]]:
                 "p50_ms": m.benchmark["engine_only"]["p50_ms"], "p99_ms": m.benchmark["engine_only"]["p99_ms"],
                 "e2e_p50_ms": m.benchmark["end_to_end"]["p50_ms"], "throughput_per_s": m.benchmark["throughput_per_s"],
                 "digest": m.digest[:12],
+                "mlflow": f"v{published['version']}" if published.get("digest") == m.digest else None,
             })
     return rows

@@ -46,6 +46,17 @@ def test_per_sku_stage_outputs_match_the_layout():
     assert names(stages["bench"]["metrics"]) == {L.report("M", "S", "bench")}
     assert names(stages["bench"]["plots"]) == {L.latency_csv("M", "S")}
     assert names(stages["manifest"]["outs"]) == {L.manifest("M", "S")}
+    assert names(stages["publish"]["outs"]) == {L.report("M", "S", "publish")}
+
+
+def test_publish_reads_what_the_earlier_stages_wrote():
+    stages = dvc_stages()
+    assert names(stages["publish"]["deps"]) == {
+        L.config_file("M", "S"), L.manifest("M", "S"), L.engine_dir("M", "S"), L.report("M", "S", "build"),
+        L.report("M", "S", "validate"), L.report("M", "S", "bench"), L.latency_csv("M", "S")}
+    # a receipt of an external side effect: never restored from DVC's cache without running
+    (receipt,) = stages["publish"]["outs"]
+    assert next(iter(receipt.values())) == {"cache": False, "persist": True}
 
 
 def test_reports_sit_next_to_their_outputs():
@@ -73,7 +84,7 @@ def test_every_stage_depends_on_its_resolved_config_file():
     for name in ("prepare", "data", "reference", "calibrate"):
         assert expand(stages[name]["do"]["deps"][0]) == L.config_file("M"), name
         assert "params" not in stages[name]["do"], name
-    for name in ("build", "validate", "bench", "manifest"):
+    for name in ("build", "validate", "bench", "manifest", "publish"):
         assert expand(stages[name]["deps"][0]) == L.config_file("M", "S"), name
         assert "params" not in stages[name], name
 

@@ -32,10 +32,20 @@ def test_sku_statuses(registry):
 
 def test_targets_are_the_buildable_pairs(registry):
     built, skipped = targets(registry, None, None)
-    assert built == ["manifest@a-here", "manifest@a-here_int8", "manifest@b-here", "manifest@b-here_int8"]
+    assert built == ["publish@a-here", "publish@a-here_int8", "publish@b-here", "publish@b-here_int8"]
     assert [s.sku for s in skipped] == ["there"]
     built, skipped = targets(registry, ["b"], ["here", "there"])
-    assert built == ["manifest@b-here"] and [s.sku for s in skipped] == ["there"]
+    assert built == ["publish@b-here"] and [s.sku for s in skipped] == ["there"]
+    built, _ = targets(registry, ["b"], ["here"], publish=False)
+    assert built == ["manifest@b-here"]
+
+
+def test_upstream_of_a_publish_target_is_the_whole_chain(registry):
+    from pipeline.repro import upstream_stages
+
+    names = upstream_stages(registry, ["publish@a-here"])
+    assert {f"{s}@a-here" for s in ("build", "validate", "bench", "manifest", "publish")} <= names
+    assert not any(n.endswith("-here_int8") or n.startswith("publish@b") for n in names)
 
 
 def test_targets_refuse_unknown_names(registry):

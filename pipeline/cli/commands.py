@@ -92,11 +92,38 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--json", action="store_true", help="print the report as JSON")
         p.set_defaults(func=_stage(fn, needs_sku, summarize))
 
+    p = sub.add_parser("publish", help="record engines in MLflow (a run each) and register them (idempotent)")
+    p.add_argument("--model", help="the model of the pair to publish")
+    p.add_argument("--sku", help="the SKU of the pair to publish")
+    p.add_argument("--all", action="store_true", help="every (model, SKU) with a manifest")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=publish)
+
+    p = sub.add_parser("promote", help="move a registry alias along the chain when the gates pass, or roll it back")
+    p.add_argument("model")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--sku", action="append", help="the SKU (repeatable)")
+    which.add_argument("--all-skus", action="store_true", help="every SKU the release requires (release.skus)")
+    p.add_argument("--to", required=True, metavar="ALIAS", help="the alias to move (release.aliases)")
+    p.add_argument("--version", help="the version to move (default: newest for the first alias, else the holder "
+                                     "of the alias before)")
+    p.add_argument("--reason", help="why (required for the aliases in release.reason_required)")
+    p.add_argument("--rollback", action="store_true", help="move the alias back to its previous holder")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=promote)
+
+    p = sub.add_parser("releases", help="registered versions and aliases per SKU of a model")
+    p.add_argument("model")
+    p.add_argument("--history", action="store_true", help="also the alias moves (who, when, why)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=releases)
+
     r = sub.add_parser("repro", help="dvc repro for the SKUs this host can build; list the others")
     r.add_argument("--model", action="append", help="only this model (repeatable)")
     r.add_argument("--sku", action="append", help="only this SKU (repeatable)")
     r.add_argument("--force", action="store_true", help="rerun stages even if unchanged")
     r.add_argument("--dry", action="store_true", help="show what would run (dvc status), run nothing")
+    r.add_argument("--no-publish", action="store_true", help="stop at the manifests: record nothing in MLflow")
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=repro)
 
@@ -161,7 +188,7 @@ def repro(args: argparse.Namespace) -> int:
 
     reg = _registry(args)
     status = None if args.force else ProjectStatus(reg.root)
-    dvc_targets, skipped = targets(reg, args.model, args.sku)
+    dvc_targets, skipped = targets(reg, args.model, args.sku, publish=not args.no_publish)
     for s in skipped:
         what = "building only (validate and bench need the target)" if s.buildable else "skipping"
         print(f"{what} SKU {s.sku}: {'; '.join(s.problems)}; "
@@ -180,6 +207,113 @@ def repro(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quiet_mlflow() -> None:
+    # MLflow logs every store migration and registry wait at INFO on its own handler; keep the
+    # user's stderr to skuforge's lines (MLFLOW_LOGGING_LEVEL set by the user wins).
+    import os
+
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+
+
+def publish(args: argparse.Namespace) -> int:
+    from ..errors import ConfigError
+    from ..paths import Layout
+    from ..registry.tracking import require_mlflow
+    from ..stages.publish import publish as publish_pair
+    from .progress import ProgressLine
+
+    _quiet_mlflow()
+    reg = _registry(args)
+    if (args.model or args.sku) if args.all else not (args.model and args.sku):
+        raise ConfigError("say what to publish", hint="give --model M --sku S, or --all (every manifest)")
+    pairs = ([(m, s) for m, s in reg.pairs() if Layout(reg.root).manifest(m, s).is_file()] if args.all
+             else [(args.model, args.sku)])
+    results = []
+    require_mlflow()  # before the progress line starts: it should time publishing, not a 2 s import
+    progress = ProgressLine()
+    try:
+        for model, sku in pairs:
+            results.append(publish_pair(reg, model, sku, progress=progress))
+    finally:
+        progress.close()
+
+    def line(r) -> str:
+        state = "registered" if r.created_version else "already registered"
+        return (f"published {r.model}/{r.sku}: {r.registered_model} version {r.version} {state} "
+                f"(run {r.run_id[:12]}{', resumed' if r.resumed else ''}) at {r.tracking_uri}")
+
+    data = [r.to_json() for r in results]
+    _emit(args, data if args.all else data[0], lambda: "\n".join(line(r) for r in results) or "no manifests to publish")
+    return 0
+
+
+def _gate_lines(gates, indent: str) -> list[str]:
+    return [f"{indent}{'ok  ' if g.passed else 'FAIL'}  {g.name:12} {g.detail}" for g in gates]
+
+
+def _promotion_text(report) -> str:
+    lines = [f"{report.action} {report.model}: {report.alias!r} by {report.who} at {report.when} ({report.why})"]
+    for m in report.moves:
+        to = "no version" if m.version is None and report.action == "promote" else \
+            "removed" if m.version is None else f"version {m.version}"
+        state = "already there" if m.already else "moved" if m.moved else "not moved"
+        lines.append(f"  {m.sku}: {to} (was {m.previous or 'none'}) - {state}")
+        lines += _gate_lines(m.gates, "    ")
+    lines += _gate_lines(report.gates, "  ")
+    return "\n".join(lines)
+
+
+def promote(args: argparse.Namespace) -> int:
+    from ..registry.promotion import PromotionBlocked, rollback
+    from ..registry.promotion import promote as promote_alias
+
+    _quiet_mlflow()
+    reg = _registry(args)
+    skus = None if args.all_skus else args.sku
+    try:
+        if args.rollback:
+            if args.version:
+                from ..errors import ConfigError
+
+                raise ConfigError("--rollback moves the alias to its previous holder", hint="leave out --version")
+            report = rollback(reg, args.model, args.to, skus=skus, reason=args.reason)
+        else:
+            report = promote_alias(reg, args.model, args.to, skus=skus, version=args.version, reason=args.reason)
+    except PromotionBlocked as exc:  # show every gate, then exit 1
+        _emit(args, exc.report.to_json(), lambda: _promotion_text(exc.report))
+        raise
+    _emit(args, report.to_json(), lambda: _promotion_text(report))
+    return 0
+
+
+def releases(args: argparse.Namespace) -> int:
+    from ..registry.releases import list_releases
+
+    _quiet_mlflow()
+    listing = list_releases(_registry(args), args.model, with_history=args.history)
+
+    def text() -> str:
+        lines = [f"{listing.model} at {listing.tracking_uri} (chain: {' -> '.join(listing.chain)})"]
+        cols = ("SKU", "VERSION", "DIGEST", "CREATED", "CORRECTNESS", "P50_MS", "ALIASES")
+        rows = [(s.sku, v.version, (v.digest or "-")[:12], v.created, v.correctness or "-",
+                 f"{v.p50_ms:.4g}" if v.p50_ms is not None else "-", ",".join(v.aliases) or "-")
+                for s in listing.skus for v in s.versions]
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)] if rows else [len(c) for c in cols]
+        lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+        lines += ["  ".join(x.ljust(w) for x, w in zip(r, widths)) for r in rows]
+        for s in listing.skus:
+            for alias, entries in s.history.items():
+                for e in entries:
+                    lines.append(f"  {s.sku} {alias} #{e.id} {e.action}: {e.previous or 'none'} -> {e.version or 'none'} "
+                                 f"by {e.who} at {e.when}: {e.why}")
+        if listing.missing:
+            lines.append(f"required by the release but never published: {', '.join(listing.missing)}")
+        return "\n".join(lines)
+
+    _emit(args, listing.to_json(), text)
+    return 0
+
+
 def summary(args: argparse.Namespace) -> int:
     from ..repro import summary as summarize
 
@@ -192,7 +326,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "no manifests yet"
     cols = ["model", "sku", "precision", "passed", "build_s", "layers", "fused_layers", "max_abs_error", "evaluation_reference", "evaluation_delta",
-            "hard_tail_delta", "p50_ms", "p99_ms", "e2e_p50_ms", "throughput_per_s"]
+            "hard_tail_delta", "p50_ms", "p99_ms", "e2e_p50_ms", "throughput_per_s", "mlflow"]
 
     def fmt(v: Any) -> str:
         if isinstance(v, bool):

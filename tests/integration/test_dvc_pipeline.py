@@ -45,6 +45,8 @@ def _env() -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     for var in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "DVC_ROOT"):  # never touch the enclosing checkout
         env.pop(var, None)
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):  # publish into the project's embedded store
+        env.pop(var, None)
     return env
 
 
@@ -79,6 +81,26 @@ def run(root: Path, *args: str, timeout: float = 300) -> Run:
 def must(result: Run) -> Run:
     assert result.returncode == 0, str(result)
     return result
+
+
+def store_state(root: Path) -> dict[str, dict[str, Any]]:
+    """Per pair, what the project's embedded MLflow store holds: runs, versions, metrics, artifacts."""
+    from pipeline.config import load_registry
+    from pipeline.registry.tracking import connect, embedded_uri
+
+    client = connect(load_registry(root / "params.yaml"), uri=embedded_uri(root)).client
+    state = {}
+    for m in MODELS:
+        exp = client.get_experiment_by_name(m)
+        for s in (*BUILDABLE, "far"):
+            runs = client.search_runs([exp.experiment_id], f"tags.`skuforge.sku` = '{s}'") if exp else []
+            versions = client.search_model_versions(f"name = '{m}.{s}'")
+            state[f"{m}/{s}"] = {
+                "runs": len(runs), "versions": sorted(int(v.version) for v in versions),
+                "metrics": all("latency.engine_only.p50_ms" in r.data.metrics for r in runs),
+                "artifacts": sorted({f.path for r in runs for f in client.list_artifacts(r.info.run_id)}),
+            }
+    return state
 
 
 def snapshot(root: Path, pattern: str) -> dict[str, bytes]:
@@ -136,6 +158,7 @@ def first(project) -> Run:
     """1. `skuforge repro` in a fresh project."""
     result = run(project, "skuforge", "repro")
     result.files = snapshot(project, "manifests/**/*.json")
+    result.files["mlflow"] = store_state(project) if result.returncode == 0 else {}
     print(f"first skuforge repro: {result.seconds:.1f}s")
     return result
 
@@ -165,6 +188,7 @@ def sku_edit(project, noop) -> Run:
         "after": snapshot(project, "manifests/*/cpu_fp32.json"),
         "int8": snapshot(project, "manifests/*/cpu_int8.json"),
         "builds": snapshot(project, "build/*/cpu_int8/build.json"),
+        "mlflow": store_state(project) if result.returncode == 0 else {},
     }
     return result
 
@@ -193,7 +217,7 @@ def test_empty_examples_foreach_is_accepted(project):
     names = {line.split()[0] for line in listed.stdout.splitlines() if line.strip()}
     assert not any(n.startswith("export") for n in names)
     assert {f"prepare@{m}" for m in MODELS} <= names
-    assert {f"{stage}@{m}-{s}" for stage in ("build", "validate", "bench", "manifest")
+    assert {f"{stage}@{m}-{s}" for stage in ("build", "validate", "bench", "manifest", "publish")
             for m in MODELS for s in (*BUILDABLE, "far")} <= names
 
 
@@ -201,8 +225,10 @@ def test_repro_builds_every_buildable_pair(project, first):
     assert first.returncode == 0, str(first)
     assert re.search(r"skipping SKU far: .*needs a runner with labels \[self-hosted, arm64, jetson\]", first.stderr), str(first)
     expected = {f"manifests/{m}/{s}.json" for m in MODELS for s in BUILDABLE}
-    assert set(first.files) == expected
+    assert set(first.files) - {"mlflow"} == expected
     for path, raw in first.files.items():
+        if path == "mlflow":
+            continue
         doc = json.loads(raw)
         validate_document(doc, path)
         model, sku = Path(path).parent.name, Path(path).stem
@@ -214,6 +240,17 @@ def test_repro_builds_every_buildable_pair(project, first):
     for m in MODELS:
         for s in BUILDABLE:
             assert re.search(rf"^{m}\s+{s}\s", first.stdout, re.M), first.stdout
+
+
+def test_repro_records_every_pair_in_the_embedded_mlflow_store(project, first):
+    assert first.returncode == 0, str(first)
+    assert (project / "mlflow.db").is_file() and (project / "mlartifacts").is_dir()
+    for m in MODELS:
+        for s in BUILDABLE:
+            assert first.files["mlflow"][f"{m}/{s}"] == {
+                "runs": 1, "versions": [1], "metrics": True, "artifacts": ["engine", "manifest.json", "reports"]}, (m, s)
+        assert first.files["mlflow"][f"{m}/far"]["runs"] == 0
+    assert re.search(r"^conv\s+cpu_fp32\s.*\sv1\s*$", first.stdout, re.M), first.stdout  # summary: version
 
 
 def test_noop_rerun_runs_no_stage(noop):
@@ -231,7 +268,7 @@ def test_sku_edit_reruns_only_that_sku(sku_edit):
     assert ran, str(sku_edit)
     # the config stage re-resolves the registry; only cpu_int8's resolved files change
     assert ran[0] == "config" and all(name.endswith("-cpu_int8") for name in ran[1:]), ran
-    assert {f"{stage}@{m}-cpu_int8" for stage in ("build", "validate", "manifest") for m in MODELS} <= set(ran), ran
+    assert {f"{stage}@{m}-cpu_int8" for stage in ("build", "validate", "manifest", "publish") for m in MODELS} <= set(ran), ran
     files = sku_edit.files
     assert files["after"] == files["before"] and len(files["after"]) == len(MODELS)  # byte for byte
     assert len(files["builds"]) == len(MODELS)
@@ -239,6 +276,10 @@ def test_sku_edit_reruns_only_that_sku(sku_edit):
         assert json.loads(raw)["options"]["intra_op_num_threads"] == 1, path
     for path, raw in files["int8"].items():
         validate_document(json.loads(raw), path)
+    # a new engine is a new version; the untouched SKU keeps its one version
+    for m in MODELS:
+        assert files["mlflow"][f"{m}/cpu_int8"]["versions"] == [1, 2], files["mlflow"]
+        assert files["mlflow"][f"{m}/cpu_fp32"]["versions"] == [1], files["mlflow"]
 
 
 def test_plain_dvc_repro_of_far_sku_exits_3_with_labels(far_by_dvc):

@@ -1,0 +1,262 @@
+"""The MLflow client: which store, names, and calls retried with backoff.
+
+The store is ``MLFLOW_TRACKING_URI`` when set (any tracking server or database), else the embedded
+``sqlite:///<project root>/mlflow.db`` with artifacts in ``<project root>/mlartifacts`` (both kept
+out of git), so the example project records its engines with no server.
+
+Every MLflow call goes through :meth:`Tracking.call`: connection errors, 5xx answers, a locked
+SQLite database and a concurrent writer's unique-key clash are retried with exponential backoff;
+after the last attempt, or on any other MLflow error, it raises ``ServiceError`` (exit 4) naming the
+URI and the operation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Collection, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+from ..config import NAME_FORBIDDEN, Registry, Release, TrackingSpec
+from ..errors import ConfigError, EnvironmentProblem, ServiceError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+ENV_TRACKING_URI = "MLFLOW_TRACKING_URI"
+ENV_REGISTRY_URI = "MLFLOW_REGISTRY_URI"
+EMBEDDED_DB = "mlflow.db"
+EMBEDDED_ARTIFACTS = "mlartifacts"
+
+# Tags skuforge writes (runs, versions, registered models).
+TAG_MODEL = "skuforge.model"
+TAG_SKU = "skuforge.sku"
+TAG_DIGEST = "skuforge.manifest_digest"
+TAG_LOGGED = "skuforge.logged"  # params, inputs and metrics are in (set in the metrics batch)
+TAG_COMPLETE = "skuforge.artifacts_complete"  # every artifact uploaded and checked
+TAG_HISTORY = "skuforge.history."  # + alias: JSON list of moves, on the registered model
+
+_TRANSIENT_CODES = {"TEMPORARILY_UNAVAILABLE", "INTERNAL_ERROR", "REQUEST_LIMIT_EXCEEDED"}
+_TRANSIENT_TEXT = ("database is locked", "unique constraint failed", "integrityerror", "duplicate key",
+                   "failed with exception", "connection refused", "connection reset", "timed out",
+                   "max retries exceeded", "remotedisconnected", "bad gateway", "service unavailable")
+
+
+def _check_name(name: str, what: str) -> str:
+    bad = [c for c in NAME_FORBIDDEN if c in name]
+    if bad or not name.strip():
+        raise ConfigError(f"{what} {name!r} cannot be an MLflow name (it contains {' '.join(bad) or 'nothing'})",
+                          hint=f"rename it in params.yaml without {' '.join(NAME_FORBIDDEN)}")
+    return name
+
+
+def registered_model_name(release: Release, model: str, sku: str) -> str:
+    """One registered model per (model, SKU): aliases then move per SKU (production on one SKU
+    says nothing about another)."""
+    _check_name(model, "model")
+    _check_name(sku, "SKU")
+    return f"{release.name_prefix}{model}.{sku}"
+
+
+def experiment_name(release: Release, model: str) -> str:
+    """One experiment per model: its SKUs' runs sit side by side in the MLflow UI."""
+    return f"{release.name_prefix}{_check_name(model, 'model')}"
+
+
+def redact(uri: str) -> str:
+    """The URI without user and password (safe to print)."""
+    parts = urlsplit(uri)
+    if parts.username is None and parts.password is None:
+        return uri
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def transient(exc: BaseException) -> bool:
+    """Worth retrying: the server or database was unreachable, overloaded or busy."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (ConnectionError, TimeoutError)):
+            return True
+        if getattr(current, "error_code", None) in _TRANSIENT_CODES:
+            return True
+        status = getattr(getattr(current, "response", None), "status_code", None)
+        if isinstance(status, int) and (status >= 500 or status == 429):
+            return True
+        text = str(current).lower()
+        if any(t in text for t in _TRANSIENT_TEXT):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _is_service_error(exc: BaseException) -> bool:
+    """An error of MLflow or of the network under it (not a local bug or file problem)."""
+    for cls in type(exc).__mro__:
+        module = cls.__module__.split(".")[0]
+        if module in ("mlflow", "requests", "urllib3", "sqlalchemy"):
+            return True
+    return isinstance(exc, (ConnectionError, TimeoutError))
+
+
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else type(exc).__name__
+    return line if len(line) <= limit else line[:limit] + "…"
+
+
+@dataclass
+class Tracking:
+    """An MLflow client bound to one store, with the project's retry policy."""
+
+    uri: str
+    registry_uri: str
+    embedded: bool
+    artifact_location: str | None
+    policy: TrackingSpec = field(default_factory=TrackingSpec)
+    sleep: Callable[[float], None] = time.sleep
+    _client: Any = field(default=None, init=False, repr=False)
+
+    @property
+    def display(self) -> str:
+        return redact(self.uri)
+
+    @property
+    def client(self):
+        if self._client is None:
+            _configure_mlflow(self.policy)
+            self._client = require_mlflow().MlflowClient(tracking_uri=self.uri, registry_uri=self.registry_uri)
+        return self._client
+
+    def hint(self) -> str:
+        if self.embedded:
+            return (f"the embedded store is {self.uri}; if another process holds it, run again, or route "
+                    f"parallel jobs through one `mlflow server` ({ENV_TRACKING_URI})")
+        return (f"check that the tracking server at {self.display} is up and reachable ({ENV_TRACKING_URI}); "
+                f"publish and promote are idempotent: run the same command again when it is back")
+
+    def call(self, what: str, fn: Callable[..., T], *args: Any, expect: Collection[str] = (), **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` with retries on transient failures.
+
+        MLflow errors whose ``error_code`` is in ``expect`` are raised as they are, for the caller
+        to handle (e.g. RESOURCE_ALREADY_EXISTS from a concurrent writer); any other MLflow or
+        network error ends in ``ServiceError`` naming the URI and ``what``.
+        """
+        attempts = self.policy.retries + 1
+        for attempt in range(1, attempts + 1):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:
+                if getattr(exc, "error_code", None) in expect:
+                    raise
+                if not _is_service_error(exc):
+                    raise
+                if not transient(exc):
+                    raise ServiceError(f"MLflow at {self.display}: {what} failed: {_first_line(exc)}",
+                                       hint=self.hint()) from exc
+                if attempt == attempts:
+                    raise ServiceError(f"MLflow at {self.display}: {what} failed after {attempts} attempt"
+                                       f"{'s' if attempts > 1 else ''}: {_first_line(exc)}", hint=self.hint()) from exc
+                delay = min(self.policy.max_backoff_seconds, self.policy.backoff_seconds * 2 ** (attempt - 1))
+                delay *= random.uniform(0.8, 1.2)  # concurrent writers should not retry in lockstep
+                log.warning("MLflow at %s: %s failed (%s); retry %d of %d in %.1fs", self.display, what,
+                            _first_line(exc, 120), attempt, attempts - 1, delay)
+                self.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def experiment_id(self, name: str) -> str:
+        """The experiment's id, created when missing (a concurrent creator wins harmlessly)."""
+        exp = self.call(f"read experiment {name!r}", self.client.get_experiment_by_name, name)
+        if exp is None:
+            try:
+                return self.call(f"create experiment {name!r}", self.client.create_experiment, name,
+                                 artifact_location=self.artifact_location, expect={"RESOURCE_ALREADY_EXISTS"})
+            except Exception as exc:
+                if getattr(exc, "error_code", None) != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                exp = self.call(f"read experiment {name!r}", self.client.get_experiment_by_name, name)
+        if exp is None:
+            raise ServiceError(f"MLflow at {self.display}: experiment {name!r} vanished while being created",
+                               hint="run the command again")
+        if exp.lifecycle_stage != "active":
+            raise ServiceError(f"MLflow at {self.display}: experiment {name!r} is deleted",
+                               hint=f"restore it (mlflow experiments restore --experiment-id {exp.experiment_id}) "
+                                    "or set release.name_prefix in params.yaml")
+        return exp.experiment_id
+
+    def registered_model(self, name: str, tags: dict[str, str], description: str | None = None):
+        """The registered model, created when missing."""
+        try:
+            return self.call(f"create registered model {name!r}", self.client.create_registered_model, name,
+                             tags=tags, description=description, expect={"RESOURCE_ALREADY_EXISTS"})
+        except Exception as exc:
+            if getattr(exc, "error_code", None) != "RESOURCE_ALREADY_EXISTS":
+                raise
+        return self.call(f"read registered model {name!r}", self.client.get_registered_model, name)
+
+    def get_registered_model(self, name: str):
+        """The registered model, or None when it does not exist."""
+        try:
+            return self.call(f"read registered model {name!r}", self.client.get_registered_model, name,
+                             expect={"RESOURCE_DOES_NOT_EXIST"})
+        except Exception as exc:
+            if getattr(exc, "error_code", None) != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            return None
+
+
+def require_mlflow():
+    """The mlflow module, or EnvironmentProblem saying how to get it."""
+    try:
+        import mlflow
+    except ImportError as exc:
+        raise EnvironmentProblem(f"mlflow is not importable here ({exc})",
+                                 hint="pip install 'mlflow>=3,<4' (a skuforge dependency)") from exc
+    return mlflow
+
+
+def _configure_mlflow(policy: TrackingSpec) -> None:
+    # MLflow reads these per request. Its own HTTP retries (7 by default, minutes of backoff)
+    # would hide an unreachable server behind our policy, so they are off unless the user set them.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(1, policy.timeout_seconds))))
+    # Ending a run prints "View run ... at" to stdout for servers: it would corrupt --json output.
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # tqdm bars in CI logs
+
+
+def embedded_uri(root: Path) -> str:
+    return f"sqlite:///{(root / EMBEDDED_DB).resolve()}"
+
+
+def connect(registry: Registry, uri: str | None = None) -> Tracking:
+    """The store for this project: ``uri``, else MLFLOW_TRACKING_URI, else the embedded one."""
+    uri = uri or os.environ.get(ENV_TRACKING_URI) or None
+    policy = registry.release.tracking
+    if uri:
+        return Tracking(uri=uri, registry_uri=os.environ.get(ENV_REGISTRY_URI) or uri, embedded=False,
+                        artifact_location=None, policy=policy)
+    root = registry.root.resolve()
+    local = embedded_uri(root)
+    return Tracking(uri=local, registry_uri=local, embedded=True,
+                    artifact_location=(root / EMBEDDED_ARTIFACTS).as_uri(), policy=policy)
+
+
+def actor(env: dict[str, str] | None = None) -> str:
+    """Who acts: the CI user (GITHUB_ACTOR) when there is one, else the local user."""
+    env = os.environ if env is None else env
+    if env.get("GITHUB_ACTOR"):
+        return env["GITHUB_ACTOR"]
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # a container user without a passwd entry
+        return "unknown"

@@ -1,0 +1,82 @@
+"""publish: record one (model, SKU) in MLflow and register its engine (pipeline/registry/publish.py).
+
+The stage reads what the earlier stages wrote (manifest, reports, engine, latency samples), checks
+that they belong together, and writes ``publish.json``: the store, run and registered version.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..config import Registry
+from ..errors import InputError
+from ..io import atomic_write_json, sha256_file
+from ..manifest import load_manifest
+from ..registry.publish import PublishInputs, publish_engine
+from ..registry.reports import PublishResult
+from ..registry.stats import read_latency_csv
+from ..registry.tracking import Tracking, connect
+from ..results import BenchReport, BuildReport, ValidationReport
+from . import Progress
+from .common import layout, log, read_report
+from .config import resolved
+
+
+def collect(registry: Registry, model: str, sku: str) -> PublishInputs:
+    """The manifest, reports and engine of one pair, refused when they do not match each other."""
+    out = layout(registry)
+    manifest_path = out.manifest(model, sku)
+    manifest = load_manifest(manifest_path)
+    if (manifest.model, manifest.sku) != (model, sku):
+        raise InputError(f"{manifest_path} describes {manifest.model}/{manifest.sku}, not {model}/{sku}",
+                         hint=f"regenerate it: skuforge manifest --model {model} --sku {sku}")
+    build = read_report(out.report(model, sku, "build"), BuildReport, "build")
+    val = read_report(out.report(model, sku, "validate"), ValidationReport, "validate")
+    bench = read_report(out.report(model, sku, "bench"), BenchReport, "bench")
+    stale = []
+    if build.config_sha256 != manifest.build_config_sha256 or build.engine_files != manifest.engine:
+        stale.append("build.json")
+    if val.passed != manifest.correctness["passed"] or [o.to_json() for o in val.outputs] != manifest.correctness["outputs"]:
+        stale.append("validate.json")
+    if bench.engine_only.to_json() != manifest.benchmark["engine_only"]:
+        stale.append("bench.json")
+    latency = out.latency_csv(model, sku)
+    try:
+        samples = read_latency_csv(latency.read_text())
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{latency} is missing or unreadable: {exc}", hint="rerun the bench stage") from exc
+    if len(samples) != bench.engine_only.iterations:
+        stale.append("latency.csv")
+    if stale:
+        raise InputError(f"{', '.join(stale)} of {model}/{sku} do not match {manifest_path} (written from other "
+                         "reports)", hint=f"run skuforge manifest --model {model} --sku {sku} (or dvc repro)")
+    engine_dir = out.engine_dir(model, sku)
+    for rec in manifest.engine:
+        path = engine_dir / rec.path
+        if not path.is_file() or path.stat().st_size != rec.bytes or sha256_file(path) != rec.sha256:
+            raise InputError(f"engine file {path} is missing or differs from {manifest_path}",
+                             hint=f"rebuild: skuforge build --model {model} --sku {sku} (or dvc repro)")
+    engine_files = [rec.path for rec in manifest.engine]
+    if (engine_dir / "engine.json").is_file():
+        engine_files.append("engine.json")
+    sku_dir = out.sku_dir(model, sku)
+    reports = [out.report(model, sku, s) for s in ("build", "validate", "bench")] + [latency]
+    reports += sorted(sku_dir.glob("*.html"))  # an HTML report, where a stage wrote one
+    config = resolved(registry)[out.config_file(model, sku).name]
+    settings = {"sku": config["sku_spec"], **{k: config[k] for k in ("pins", "tolerance", "metric_gate", "bench")}}
+    datasets = {split: (sha, Path(os.path.relpath(out.split(model, split), registry.root)).as_posix())
+                for split, sha in manifest.datasets.items()}
+    return PublishInputs(manifest=manifest, manifest_path=manifest_path, engine_dir=engine_dir,
+                         engine_files=engine_files, reports=reports, config=settings, datasets=datasets,
+                         env=dict(os.environ))
+
+
+def publish(registry: Registry, model: str, sku: str, progress: Progress | None = None,
+            tracking: Tracking | None = None) -> PublishResult:
+    inputs = collect(registry, model, sku)
+    result = publish_engine(tracking or connect(registry), registry.release, inputs, progress)
+    atomic_write_json(layout(registry).report(model, sku, "publish"), result.receipt())
+    log(model, sku).info("published: %s version %s (run %s%s)", result.registered_model, result.version,
+                         result.run_id[:12], ", new" if result.created_version else "")
+    return result

@@ -1,0 +1,176 @@
+"""Publish and promote against the embedded store (no server): where it lives, crashes that a
+re-run completes, inputs that do not belong together, and the commands' arguments."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import InputError
+from pipeline.io import read_json
+from pipeline.paths import Layout
+from pipeline.manifest import load_manifest
+from pipeline.registry.promotion import promote, rollback
+from pipeline.registry.publish import ci_tags, flatten, manifest_metrics
+from pipeline.registry.tracking import EMBEDDED_ARTIFACTS, EMBEDDED_DB, TAG_DIGEST, connect
+from pipeline.stages.publish import publish
+from registry_helpers import make_project, sku
+
+REPO = Path(__file__).resolve().parents[2]
+SKUFORGE = Path(sys.executable).with_name("skuforge")
+
+
+class Crash(Exception):
+    """Stands for the process dying at a chosen step."""
+
+
+def crash_at(step: str):
+    def progress(label: str, fraction: float) -> None:
+        if label == step:
+            raise Crash(step)
+
+    return progress
+
+
+@pytest.fixture(scope="module")
+def proj(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+    yield make_project(tmp_path_factory.mktemp("embedded"), {s: sku("fp32", iterations=40) for s in "abcd"})
+    mp.undo()
+
+
+def one_run_one_version(proj, result):
+    client = connect(proj).client
+    runs = client.search_runs([result.experiment_id], f"tags.`{TAG_DIGEST}` = '{result.digest}'")
+    versions = client.search_model_versions(f"name = '{result.registered_model}' and tags.`{TAG_DIGEST}` = '{result.digest}'")
+    assert [r.info.run_id for r in runs] == [result.run_id]
+    assert [str(v.version) for v in versions] == [result.version]
+    return runs[0]
+
+
+def test_the_embedded_store_lives_at_the_project_root(proj):
+    (Layout(proj.root).sku_dir("conv", "a") / "report.html").write_text("<html><body>conv on a</body></html>")
+    result = publish(proj, "conv", "a")
+    root = proj.root.resolve()
+    assert (root / EMBEDDED_DB).is_file()
+    assert result.artifact_uri.startswith((root / EMBEDDED_ARTIFACTS).as_uri())
+    assert (root / EMBEDDED_ARTIFACTS).is_dir() and list((root / EMBEDDED_ARTIFACTS).rglob("model.onnx"))
+    assert read_json(Layout(proj.root).report("conv", "a", "publish")) == result.receipt()
+    assert result.created_run and result.created_version and result.version == "1"
+    names = [f.path for f in connect(proj).client.list_artifacts(result.run_id, "reports")]
+    assert names == [f"reports/{n}" for n in ("bench.json", "build.json", "latency.csv", "report.html", "validate.json")]
+
+
+def test_tags_name_the_commit_runner_and_ci_run(proj):
+    manifest = load_manifest(Layout(proj.root).manifest("conv", "a"))
+    manifest = manifest.model_copy(update={"provenance": manifest.provenance.model_copy(update={"git_commit": "abc123"})})
+    tags = ci_tags(manifest, {"GITHUB_SERVER_URL": "https://github.com", "GITHUB_REPOSITORY": "acme/engines",
+                              "GITHUB_RUN_ID": "42", "GITHUB_RUN_ATTEMPT": "2", "RUNNER_NAME": "jetson-07"})
+    assert tags == {"skuforge.runner": "jetson-07", "mlflow.source.git.commit": "abc123", "skuforge.git_commit": "abc123",
+                    "skuforge.ci_run_url": "https://github.com/acme/engines/actions/runs/42/attempts/2"}
+    assert ci_tags(manifest, {})["skuforge.runner"] == manifest.provenance.host
+    assert "skuforge.ci_run_url" not in ci_tags(manifest, {})
+    metrics = manifest_metrics(manifest)
+    assert metrics["latency.engine_only.p50_ms"] == manifest.benchmark["engine_only"]["p50_ms"]
+    assert metrics["gate.placement_passed"] == 1.0 and metrics["layers"] == len(manifest.layers)
+    assert flatten({"a": {"b": [1, 2], "c": None, "d": "x"}, "e": {}}) == {"a.b": "[1, 2]", "a.c": "null", "a.d": "x", "e": "{}"}
+
+
+def test_a_crash_mid_upload_is_resumed(proj):
+    with pytest.raises(Crash):
+        publish(proj, "conv", "b", progress=crash_at("publish: artifacts"))
+    assert not Layout(proj.root).report("conv", "b", "publish").exists()
+    result = publish(proj, "conv", "b")
+    assert result.resumed and not result.created_run and result.created_version
+    run = one_run_one_version(proj, result)
+    assert run.info.status == "FINISHED" and run.data.metrics["latency.engine_only.iterations"] == 40.0
+
+
+def test_a_crash_between_run_and_version_registers_on_rerun(proj):
+    with pytest.raises(Crash):
+        publish(proj, "conv", "c", progress=crash_at("publish: register"))
+    assert connect(proj).client.search_model_versions("name = 'conv.c'") == []
+    result = publish(proj, "conv", "c")
+    assert not result.created_run and not result.resumed and result.created_version
+    one_run_one_version(proj, result)
+
+
+def test_reports_that_do_not_match_the_manifest_are_refused(proj):
+    out = Layout(proj.root)
+    bench = out.report("conv", "d", "bench")
+    saved = bench.read_bytes()
+    doc = json.loads(saved)
+    doc["engine_only"]["p50_ms"] *= 2  # bench ran again, the manifest was not rewritten
+    bench.write_text(json.dumps(doc))
+    try:
+        with pytest.raises(InputError, match="bench.json of conv/d do not match") as info:
+            publish(proj, "conv", "d")
+        assert "skuforge manifest" in info.value.hint
+    finally:
+        bench.write_bytes(saved)
+    engine = out.engine_dir("conv", "d") / "model.onnx"
+    saved = engine.read_bytes()
+    engine.write_bytes(saved[:-1] + bytes([saved[-1] ^ 1]))
+    try:
+        with pytest.raises(InputError, match="differs from"):
+            publish(proj, "conv", "d")
+    finally:
+        engine.write_bytes(saved)
+    assert publish(proj, "conv", "d").created_version
+
+
+def test_promote_and_roll_back_on_the_embedded_store(proj):
+    publish(proj, "conv", "a")
+    report = promote(proj, "conv", "candidate", ["a"])
+    assert report.passed and report.moves[0].moved
+    back = rollback(proj, "conv", "candidate", ["a"])
+    assert back.moves[0].version is None and back.moves[0].previous == "1"
+    assert "candidate" not in connect(proj).client.get_registered_model("conv.a").aliases
+
+
+# --- the commands -------------------------------------------------------------------------------
+
+
+def run(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(SKUFORGE), *args], cwd=root, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, words", [
+    (("publish",), ["--model M --sku S, or --all"]),
+    (("publish", "--all", "--sku", "a"), ["--all"]),
+    (("promote", "conv", "--sku", "a", "--to", "prod"), ["unknown alias 'prod'", "did you mean 'production'",
+                                                        "candidate -> staging -> production"]),
+    (("promote", "conv", "--sku", "a", "--to", "production"), ["needs a reason", "--reason"]),
+    (("promote", "conv", "--sku", "zz", "--to", "candidate"), ["unknown SKU 'zz'"]),
+    (("promote", "conv", "--sku", "a", "--to", "candidate", "--rollback", "--version", "1"), ["--rollback"]),
+    (("releases", "nope"), ["unknown model 'nope'"]),
+])
+def test_argument_errors_exit_2_before_touching_the_store(proj, args, words):
+    proc = run(proj.root, *args)
+    assert proc.returncode == 2, proc.stderr
+    assert "hint:" in proc.stderr and "Traceback" not in proc.stderr
+    for word in words:
+        assert word in proc.stderr, (word, proc.stderr)
+
+
+@pytest.mark.parametrize("argv", [["publish", "--help"], ["promote", "--help"], ["releases", "--help"]])
+def test_parsing_the_new_commands_imports_no_mlflow(argv):
+    code = f"""
+import contextlib, io, sys, json
+from pipeline.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    try:
+        main({argv!r})
+    except SystemExit as exc:
+        assert exc.code == 0, exc.code
+heavy = ("mlflow", "sqlalchemy", "requests", "numpy", "onnx", "onnxruntime", "dvc", "pydantic")
+print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules if m.split('.')[0] in heavy}})))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []

@@ -1,0 +1,118 @@
+"""The MLflow client: store selection, names, retries with backoff and the errors they end in."""
+
+from __future__ import annotations
+
+import pytest
+
+import models
+from pipeline.config import Release, TrackingSpec, parse_registry
+from pipeline.errors import ConfigError, ServiceError
+from pipeline.registry.tracking import (EMBEDDED_ARTIFACTS, EMBEDDED_DB, Tracking, actor, connect, experiment_name,
+                                        redact, registered_model_name, transient)
+from registry_helpers import free_port
+
+
+def registry(root, **release):
+    return parse_registry({"defaults": {}, "examples": {}, "models": {"conv": models.conv_bn_spec()},
+                           "skus": {"cpu": models.ort_sku()}, "release": release}, root=root)
+
+
+def test_names():
+    assert registered_model_name(Release(), "digits_cnn", "x86_ort_fp32") == "digits_cnn.x86_ort_fp32"
+    assert registered_model_name(Release(name_prefix="team-"), "m", "s") == "team-m.s"
+    assert experiment_name(Release(name_prefix="team-"), "m") == "team-m"
+    for bad in ("a/b", "a:b", "it's"):
+        with pytest.raises(ConfigError, match="cannot be an MLflow name"):
+            registered_model_name(Release(), bad, "s")
+
+
+def test_redact_strips_credentials():
+    assert redact("https://user:secret@mlflow.example.com:8443/x") == "https://mlflow.example.com:8443/x"
+    assert redact("sqlite:////tmp/mlflow.db") == "sqlite:////tmp/mlflow.db"
+
+
+def test_store_defaults_to_the_embedded_one_at_the_project_root(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    t = connect(registry(tmp_path))
+    assert t.embedded and t.uri == f"sqlite:///{tmp_path.resolve() / EMBEDDED_DB}"
+    assert t.artifact_location == (tmp_path.resolve() / EMBEDDED_ARTIFACTS).as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")
+    t = connect(registry(tmp_path))
+    assert not t.embedded and t.uri == t.registry_uri == "http://127.0.0.1:1" and t.artifact_location is None
+
+
+def test_actor_prefers_the_ci_user():
+    assert actor({"GITHUB_ACTOR": "octocat"}) == "octocat"
+    assert actor({}) != ""
+
+
+def test_unreachable_server_is_retried_with_backoff_then_exit_4():
+    from mlflow import MlflowClient
+
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    waits: list[float] = []
+    t = Tracking(uri=uri, registry_uri=uri, embedded=False, artifact_location=None,
+                 policy=TrackingSpec(retries=3, backoff_seconds=0.5, max_backoff_seconds=1.0, timeout_seconds=5),
+                 sleep=waits.append)
+    with pytest.raises(ServiceError) as info:
+        t.call("read experiment 'x'", t.client.get_experiment_by_name, "x")
+    assert info.value.exit_code == 4
+    assert info.value.message.startswith(f"MLflow at {uri}: read experiment 'x' failed after 4 attempts")
+    assert uri in info.value.hint and "again" in info.value.hint
+    assert len(waits) == 3
+    for wait, nominal in zip(waits, (0.5, 1.0, 1.0)):  # doubling, capped, with +-20% jitter
+        assert 0.8 * nominal <= wait <= 1.2 * nominal
+    assert isinstance(t.client, MlflowClient)
+
+
+def test_errors_that_retrying_cannot_fix_fail_at_once(tmp_path):
+    from mlflow.exceptions import MlflowException
+
+    t = connect(registry(tmp_path))
+    waits: list[float] = []
+    t.sleep = waits.append
+    with pytest.raises(ServiceError, match="read version 7 of nope") as info:
+        t.call("read version 7 of nope", t.client.get_model_version, "nope", "7")
+    assert waits == [] and isinstance(info.value.__cause__, MlflowException)
+    # an expected error code is the caller's to handle
+    with pytest.raises(MlflowException) as raw:
+        t.call("read", t.client.get_model_version, "nope", "7", expect={"RESOURCE_DOES_NOT_EXIST"})
+    assert raw.value.error_code == "RESOURCE_DOES_NOT_EXIST"
+    # a local bug is not a service failure
+    with pytest.raises(ZeroDivisionError):
+        t.call("divide", lambda: 1 / 0)
+
+
+def test_transient_classification():
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import BAD_REQUEST, RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
+
+    assert transient(MlflowException("(sqlite3.OperationalError) database is locked", error_code=BAD_REQUEST))
+    assert transient(MlflowException("busy", error_code=TEMPORARILY_UNAVAILABLE))
+    assert transient(ConnectionRefusedError())
+    assert not transient(MlflowException("no such model", error_code=RESOURCE_DOES_NOT_EXIST))
+    assert not transient(MlflowException("bad name", error_code=BAD_REQUEST))
+    try:
+        try:
+            raise ConnectionResetError("peer reset")
+        except ConnectionResetError as inner:
+            raise MlflowException("API call", error_code=BAD_REQUEST) from inner
+    except MlflowException as outer:
+        assert transient(outer)  # the cause decides
+
+
+def test_release_section_is_checked():
+    with pytest.raises(ConfigError, match="reserved"):
+        registry(None, aliases=["candidate", "latest"])
+    with pytest.raises(ConfigError, match="not a valid MLflow alias"):
+        registry(None, aliases=["pre prod"])
+    with pytest.raises(ConfigError, match=r"reason_required: \['prod'\] not in aliases"):
+        registry(None, aliases=["staging"], reason_required=["prod"])
+    with pytest.raises(ConfigError, match="release.skus: unknown SKU 'cpuu' \\(did you mean 'cpu'"):
+        registry(None, skus=["cpuu"])
+    with pytest.raises(ConfigError, match="release.name_prefix"):
+        registry(None, name_prefix="a/b")
+    with pytest.raises(ConfigError, match="release.performance.on_noisy"):
+        registry(None, performance={"on_noisy": "maybe"})
+    reg = registry(None)
+    assert reg.release.aliases == ["candidate", "staging", "production"] and reg.release_skus() == ["cpu"]
