@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-HEAVY = ("onnx", "onnxruntime", "numpy", "torch", "dvc", "pydantic", "jsonschema", "openvino", "iree", "tvm", "tensorrt")
+HEAVY = ("onnx", "onnxruntime", "numpy", "torch", "dvc", "pydantic", "jsonschema", "mlflow", "openvino", "iree", "tvm", "tensorrt")
 
 
 def timed(cmd: list[str], runs: int, env: dict[str, str]) -> tuple[float, float]:

@@ -23,7 +23,7 @@ from pipeline.stages.prepare import prepare
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(sys.executable).with_name("skuforge")
 COMMAND = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-c", "from pipeline.cli import main; raise SystemExit(main())"]
-HEAVY = ("onnx", "onnxruntime", "numpy", "torch", "dvc", "pydantic", "jsonschema")
+HEAVY = ("onnx", "onnxruntime", "numpy", "torch", "dvc", "pydantic", "jsonschema", "mlflow", "openvino", "iree")
 OTHER_ARCH = "aarch64" if host_arch() == "x86_64" else "x86_64"
 
 
