@@ -131,6 +131,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=summary)
 
+    rn = sub.add_parser("runner", help="this host as a CI runner: its state, whether it matches a SKU, runner labels")
+    rsub = rn.add_subparsers(dest="runner_command", metavar="ACTION", required=True)
+    p = rsub.add_parser("probe", help="the host's hardware, device state, GPU, toolchain and the SKUs it can build/run")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=runner_probe)
+    p = rsub.add_parser("check", help="exit 3 with every difference when this host does not match the SKU")
+    p.add_argument("--sku", required=True)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=runner_check)
+    p = rsub.add_parser("labels", help="the labels of a runner class (for setup-runner.sh)")
+    p.add_argument("--class", dest="runner_class", required=True, metavar="NAME")
+    p.add_argument("--classes", default="runners/classes.yaml", help="the runner classes (default: runners/classes.yaml)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=runner_labels)
+
 
 def config_validate(args: argparse.Namespace) -> int:
     reg = _registry(args)
@@ -280,7 +295,8 @@ def promote(args: argparse.Namespace) -> int:
         else:
             report = promote_alias(reg, args.model, args.to, skus=skus, version=args.version, reason=args.reason)
     except PromotionBlocked as exc:  # show every gate, then exit 1
-        _emit(args, exc.report.to_json(), lambda: _promotion_text(exc.report))
+        blocked = exc.report
+        _emit(args, blocked.to_json(), lambda: _promotion_text(blocked))
         raise
     _emit(args, report.to_json(), lambda: _promotion_text(report))
     return 0
@@ -319,6 +335,39 @@ def summary(args: argparse.Namespace) -> int:
 
     rows = summarize(_registry(args))
     _emit(args, rows, lambda: _table(rows))
+    return 0
+
+
+def runner_probe(args: argparse.Namespace) -> int:
+    from ..runner.report import probe_report
+
+    report = probe_report(_registry(args))
+    # the probe is a JSON document either way (pin-device-state.sh and the benchmark record it)
+    print(json.dumps(report, indent=2, sort_keys=True))
+    return 0
+
+
+def runner_check(args: argparse.Namespace) -> int:
+    from ..errors import EnvironmentProblem
+    from ..runner.report import check_report
+
+    report = check_report(_registry(args), args.sku)
+    if report["matches"]:
+        _emit(args, report, lambda: f"host matches SKU {args.sku}")
+        return 0
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    raise EnvironmentProblem(
+        f"host does not match SKU {args.sku}:\n" + "\n".join(f"  - {p}" for p in report["problems"]),
+        hint=f"run on a runner with labels [{', '.join(report['runner_labels'])}] and the SKU's toolchain "
+             f"{report['toolchain'] or '(none pinned)'}; `skuforge runner probe` shows this host")
+
+
+def runner_labels(args: argparse.Namespace) -> int:
+    from ..runner.report import class_labels, load_classes
+
+    labels = class_labels(load_classes(args.classes), args.runner_class)
+    _emit(args, labels, lambda: ",".join(labels))
     return 0
 
 
