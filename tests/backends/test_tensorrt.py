@@ -23,7 +23,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import yaml
-from onnx import TensorProto, helper, numpy_helper
+from onnx import numpy_helper
 
 import models
 from pipeline.backends import get_backend
