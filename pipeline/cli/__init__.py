@@ -13,7 +13,7 @@ import sys
 from typing import Sequence
 
 from ..errors import EXIT_INTERNAL, SkuforgeError
-from . import commands
+from . import ci, commands
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     commands.register(sub)
+    ci.register(sub)
     return parser
 
 

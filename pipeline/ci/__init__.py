@@ -1,0 +1,1 @@
+"""GitHub Actions workflows rendered from the registry (``skuforge ci``)."""

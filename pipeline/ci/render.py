@@ -1,0 +1,103 @@
+"""Render the GitHub Actions workflows from the registry, and check committed ones are current.
+
+Templates use ``[[ ]]`` / ``[% %]`` delimiters so GitHub's own ``${{ }}`` expressions pass through
+untouched. Output is deterministic: the same registry renders the same bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import Registry, SkuSpec
+
+WORKFLOW_DIR = Path(".github") / "workflows"
+TEMPLATES = {"build.yml": "build.yml.j2", "promote.yml": "promote.yml.j2"}
+# GitHub-hosted runners for CPU SKUs that do not ask for a self-hosted one.
+HOSTED = {"x86_64": "ubuntu-24.04", "aarch64": "ubuntu-24.04-arm"}
+
+
+def runs_on(sku: SkuSpec) -> list[str]:
+    """A SKU's runner labels when they name a self-hosted runner; a hosted runner for other CPU SKUs."""
+    if "self-hosted" not in sku.runner_labels and sku.target.device == "cpu" and sku.target.arch in HOSTED:
+        return [HOSTED[sku.target.arch]]
+    return list(sku.runner_labels)
+
+
+def matrix(registry: Registry) -> list[dict[str, Any]]:
+    """One entry per SKU, in registry order: what the build job's matrix lists."""
+    return [{"sku": name, "runs-on": runs_on(sku)} for name, sku in registry.skus.items()]
+
+
+def _environment():
+    import jinja2
+
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(Path(__file__).parent / "templates")),
+        variable_start_string="[[", variable_end_string="]]",
+        block_start_string="[%", block_end_string="%]",
+        comment_start_string="[#", comment_end_string="#]",
+        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined, autoescape=False,
+    )
+
+
+def _flow(value: Any) -> str:
+    """A YAML flow value (lists of labels, option lists) on one line."""
+    import json
+
+    return json.dumps(value)
+
+
+def workflows(registry: Registry) -> dict[str, str]:
+    """File name -> rendered text of every workflow the registry describes."""
+    env = _environment()
+    env.filters["flow"] = _flow
+    release = registry.release
+    context = {
+        "matrix": matrix(registry),
+        "models": sorted(registry.models),
+        "aliases": list(release.aliases),
+        "skus": list(registry.skus),
+    }
+    return {name: env.get_template(template).render(**context) for name, template in TEMPLATES.items()}
+
+
+@dataclass
+class RenderResult:
+    directory: Path
+    files: list[str]      # every rendered file, relative to the project root
+    differ: list[str]     # files whose content differs from (or is missing in) the directory
+
+    def to_json(self) -> dict[str, Any]:
+        return {"directory": str(self.directory), "files": self.files, "differ": self.differ}
+
+
+def render(registry: Registry, output: Path | None = None, check: bool = False) -> RenderResult:
+    """Write the workflows into ``output`` (default: .github/workflows/ at the project root).
+
+    With ``check`` nothing is written; ``differ`` lists the files that are stale or missing.
+    """
+    from ..io import atomic_write_bytes
+
+    directory = Path(output) if output is not None else registry.root / WORKFLOW_DIR
+    files, differ = [], []
+    for name, text in workflows(registry).items():
+        path = directory / name
+        shown = _shown(path, registry.root)
+        files.append(shown)
+        current = path.read_bytes() if path.is_file() else None
+        if current == text.encode():
+            continue
+        differ.append(shown)
+        if not check:
+            atomic_write_bytes(path, text.encode())
+    return RenderResult(directory, files, differ)
+
+
+def _shown(path: Path, root: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path)

@@ -1,0 +1,282 @@
+"""The rendered GitHub workflows: current in the repository, schema-valid, lint-clean, and the
+build job's `run:` steps for a CPU SKU replayed in a clone of a tiny project."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from pipeline.ci.render import matrix, runs_on  # noqa: E402
+from pipeline.config import load_registry  # noqa: E402
+from pipeline.manifest import validate_document  # noqa: E402
+from tests.models import conv_bn_model, conv_bn_spec, ort_sku, write_project  # noqa: E402
+
+BIN = Path(sys.executable).parent
+EXPR = re.compile(r"\$\{\{\s*([^}]*?)\s*\}\}")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
+    env["DVC_NO_ANALYTICS"] = "1"
+    for var in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "DVC_ROOT", "MLFLOW_TRACKING_URI",
+                "MLFLOW_REGISTRY_URI", "GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY"):
+        env.pop(var, None)
+    env.update(extra)
+    return env
+
+
+def sh(cwd: Path, *args: str, check: bool = True, **env: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(list(args), cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        pytest.fail(f"$ {' '.join(args)} -> {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def skuforge(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return sh(cwd, str(BIN / "skuforge"), *args, check=check)
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory) -> Path:
+    """The repository's registry rendered into a scratch folder."""
+    out = tmp_path_factory.mktemp("workflows")
+    skuforge(REPO, "ci", "render", "--output", str(out))
+    return out
+
+
+# --- current -----------------------------------------------------------------------------------
+
+
+def test_committed_workflows_are_current():
+    proc = skuforge(REPO, "ci", "render", "--check", check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_check_fails_naming_the_stale_file_after_a_registry_edit(tmp_path):
+    shutil.copytree(REPO / ".github" / "workflows", tmp_path / ".github" / "workflows")
+    doc = yaml.safe_load((REPO / "params.yaml").read_text())
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(doc, sort_keys=False))
+    assert skuforge(tmp_path, "--params", str(params), "ci", "render", "--check", check=False).returncode == 0
+
+    sku = next(iter(doc["skus"]))
+    doc["skus"][sku]["runner_labels"] = [*doc["skus"][sku]["runner_labels"], "new-label"]
+    params.write_text(yaml.safe_dump(doc, sort_keys=False))
+    before = (tmp_path / ".github/workflows/build.yml").read_bytes()
+    proc = skuforge(tmp_path, "--params", str(params), "ci", "render", "--check", check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert ".github/workflows/build.yml" in proc.stderr
+    assert "promote.yml" not in proc.stderr  # unaffected by runner labels
+    assert (tmp_path / ".github/workflows/build.yml").read_bytes() == before  # --check writes nothing
+
+    proc = skuforge(tmp_path, "--params", str(params), "ci", "render")
+    assert "wrote .github/workflows/build.yml" in proc.stdout
+    assert '"new-label"' in (tmp_path / ".github/workflows/build.yml").read_text()
+    assert skuforge(tmp_path, "--params", str(params), "ci", "render", "--check", check=False).returncode == 0
+
+
+def test_matrix_and_hosted_runner_rule(tmp_path):
+    write_project(tmp_path, {"conv": conv_bn_spec()}, {
+        "hw": ort_sku(runner_labels=["self-hosted", "linux", "x64", "cpu-avx2"]),
+        "hosted": ort_sku(runner_labels=["linux"], target={"arch": "x86_64", "device": "cpu", "os": "linux"}),
+        "gpu": ort_sku(runner_labels=["gpu-box"], target={"arch": "x86_64", "device": "gpu", "os": "linux"}),
+    })
+    reg = load_registry(tmp_path / "params.yaml")
+    assert runs_on(reg.skus["hw"]) == ["self-hosted", "linux", "x64", "cpu-avx2"]
+    assert runs_on(reg.skus["hosted"]) == ["ubuntu-24.04"]
+    assert runs_on(reg.skus["gpu"]) == ["gpu-box"]  # never a hosted runner for a GPU SKU
+    assert [e["sku"] for e in matrix(reg)] == ["hw", "hosted", "gpu"]
+
+
+def test_build_workflow_shape(rendered):
+    reg = load_registry(REPO / "params.yaml")
+    doc = yaml.safe_load((rendered / "build.yml").read_text())
+    job = doc["jobs"]["sku"]
+    assert job["strategy"]["fail-fast"] is False
+    assert job["strategy"]["matrix"]["include"] == matrix(reg)
+    assert "${{ matrix.sku }}" in job["concurrency"]["group"]
+    assert doc["permissions"] == {}
+    runs = "\n".join(s.get("run", "") for s in job["steps"])
+    for needle in ("skuforge runner check", "dvc pull --run-cache", "skuforge repro --sku", "dvc push --run-cache",
+                   "GITHUB_STEP_SUMMARY"):
+        assert needle in runs
+    promote = yaml.safe_load((rendered / "promote.yml").read_text())
+    assert promote["jobs"]["promote"]["environment"] == "release"
+    inputs = promote[True]["workflow_dispatch"]["inputs"]  # YAML 1.1 reads the key `on` as True
+    assert inputs["alias"]["options"] == reg.release.aliases
+    assert inputs["model"]["options"] == sorted(reg.models)
+
+
+# --- validation --------------------------------------------------------------------------------
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name, path=str(BIN)) or shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed (pip install -e '.[test]' installs it)")
+    return path
+
+
+def test_workflows_pass_the_github_workflow_schema(rendered):
+    files = sorted(rendered.glob("*.yml"))
+    assert [f.name for f in files] == ["build.yml", "promote.yml"]
+    proc = sh(REPO, _tool("check-jsonschema"), "--builtin-schema", "vendor.github-workflows", *map(str, files),
+              check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_schema_check_rejects_a_broken_workflow(tmp_path, rendered):
+    """The schema check can fail: a job without runs-on is not a workflow."""
+    doc = yaml.safe_load((rendered / "build.yml").read_text())
+    del doc["jobs"]["plan"]["runs-on"]
+    bad = tmp_path / "bad.yml"
+    bad.write_text(yaml.safe_dump(doc))
+    proc = sh(REPO, _tool("check-jsonschema"), "--builtin-schema", "vendor.github-workflows", str(bad), check=False)
+    assert proc.returncode != 0
+
+
+def _zizmor(*files: Path) -> subprocess.CompletedProcess:
+    return sh(REPO, _tool("zizmor"), "--offline", "--no-progress", "--config", str(REPO / ".github/zizmor.yml"),
+              *map(str, files), check=False)
+
+
+def test_workflows_pass_zizmor(rendered):
+    proc = _zizmor(*sorted(rendered.glob("*.yml")))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_zizmor_flags_an_injection(tmp_path, rendered):
+    """The linter can fail: a pull request title expanded into a shell script is an injection."""
+    doc = yaml.safe_load((rendered / "build.yml").read_text())
+    doc["jobs"]["plan"]["steps"].append({"name": "echo", "run": "echo ${{ github.event.pull_request.title }}"})
+    bad = tmp_path / "bad.yml"
+    bad.write_text(yaml.safe_dump(doc).replace("true:", "on:"))
+    proc = _zizmor(bad)
+    assert proc.returncode != 0 and "template-injection" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+# --- step replay -------------------------------------------------------------------------------
+
+
+def _substitute(text: str, context: dict[str, dict[str, str]]) -> str:
+    def one(m: re.Match) -> str:
+        scope, _, key = m.group(1).partition(".")
+        if scope == "secrets":
+            return ""  # an unset secret is empty on GitHub too
+        if scope in context and key in context[scope]:
+            return context[scope][key]
+        pytest.fail(f"the replay cannot evaluate ${{{{ {m.group(1)} }}}}")
+    return EXPR.sub(one, str(text))
+
+
+@pytest.mark.slow
+def test_build_job_steps_replay_for_a_cpu_sku(tmp_path):
+    """Render the workflow in a tiny project, clone it, and run the SKU job's `run:` steps in order.
+
+    Skipped: `uses:` steps (GitHub infrastructure: checkout is the clone, artifacts stay on disk)
+    and the step with `id: setup` (it creates the venv; the test's venv is on PATH instead).
+    """
+    started = time.perf_counter()
+    origin = tmp_path / "origin"
+    origin.mkdir()
+    sh(origin, "git", "init", "-q")
+    shutil.copyfile(REPO / "dvc.yaml", origin / "dvc.yaml")
+    sh(origin, str(BIN / "dvc"), "init", "-q")
+    conv_bn_model(origin / "models/conv/model.onnx")
+    write_project(origin, {"conv": conv_bn_spec("models/conv")}, {"cpu_fp32": ort_sku("fp32")})
+    skuforge(origin, "ci", "render")
+    remote = tmp_path / "dvc-remote"  # a local DVC remote: the pull and push steps really move data
+    remote.mkdir()
+    sh(origin, str(BIN / "dvc"), "remote", "add", "-q", "-d", "store", str(remote))
+    (origin / ".gitignore").write_text("/build/\n/mlflow.db\n/mlartifacts/\n")
+    sh(origin, "git", "add", "-A")
+    sh(origin, "git", "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-qm", "project")
+    work = tmp_path / "work"
+    sh(tmp_path, "git", "clone", "-q", str(origin), str(work))
+
+    job = yaml.safe_load((work / ".github/workflows/build.yml").read_text())["jobs"]["sku"]
+    entry = next(e for e in job["strategy"]["matrix"]["include"] if e["sku"] == "cpu_fp32")
+    context = {"matrix": {k: str(v) for k, v in entry.items()}}
+    gh = tmp_path / "gh"
+    gh.mkdir()
+    files = {name: gh / name for name in ("GITHUB_STEP_SUMMARY", "GITHUB_PATH", "GITHUB_OUTPUT", "GITHUB_ENV")}
+    for f in files.values():
+        f.touch()
+    base = {**{k: str(v) for k, v in files.items()}, "CI": "true", "GITHUB_WORKSPACE": str(work),
+            "GITHUB_RUN_ID": "1", "RUNNER_TEMP": str(gh)}
+    base.update({k: _substitute(v, context) for k, v in job.get("env", {}).items()})
+
+    ran, skipped = [], []
+    for step in job["steps"]:
+        name = step.get("name") or step.get("uses")
+        if "uses" in step or step.get("id") == "setup":
+            skipped.append(name)
+            continue
+        script = gh / "step.sh"
+        script.write_text(_substitute(step["run"], context))
+        env = {**base, **{k: _substitute(v, context) for k, v in step.get("env", {}).items()}}
+        proc = sh(work, "bash", "--noprofile", "--norc", "-e", "-o", "pipefail", str(script), check=False, **env)
+        assert proc.returncode == 0, f"step {name!r} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        ran.append(name)
+
+    assert skipped == ["actions/checkout@v4", "setup", "actions/upload-artifact@v4"]
+    assert {"runner matches the SKU", "dvc pull", "stages", "dvc push", "job summary"} <= set(ran)
+    manifest = work / "manifests/conv/cpu_fp32.json"
+    validate_document(json.loads(manifest.read_text()))
+    assert (work / "build/ci/cpu_fp32/dvc.lock").is_file()
+    summary = files["GITHUB_STEP_SUMMARY"].read_text()
+    assert "### skuforge: cpu_fp32" in summary and "| conv | yes |" in summary
+    assert any((remote / "runs").rglob("*")), "dvc push --run-cache pushed no run cache"
+    assert any((remote / "files").rglob("*")), "dvc push pushed no outputs"
+    assert (work / "mlflow.db").is_file()  # no tracking server: the embedded store got the run
+
+    # The assemble job's merge, over the lock this job kept: the same stages, nothing lost.
+    lock = yaml.safe_load((work / "dvc.lock").read_text())
+    (work / "dvc.lock").unlink()
+    skuforge(work, "ci", "assemble", "build/ci")
+    assert yaml.safe_load((work / "dvc.lock").read_text())["stages"] == dict(sorted(lock["stages"].items()))
+    assert time.perf_counter() - started < 120
+
+
+# --- assemble ----------------------------------------------------------------------------------
+
+
+def test_assemble_takes_each_skus_stages_from_its_own_job(tmp_path):
+    write_project(tmp_path, {"conv": conv_bn_spec()}, {"a": ort_sku(), "b": ort_sku()})
+    reg = load_registry(tmp_path / "params.yaml")
+
+    def lock(sku: str, tag: str) -> None:
+        stages = {"prepare@conv": {"cmd": f"prepare {tag}"},
+                  "build@conv-a": {"cmd": f"build a {tag}"}, "build@conv-b": {"cmd": f"build b {tag}"}}
+        path = tmp_path / "locks" / sku / "dvc.lock"
+        path.parent.mkdir(parents=True)
+        path.write_text(yaml.safe_dump({"schema": "2.0", "stages": stages}))
+
+    from pipeline.ci.assemble import assemble
+    from pipeline.errors import InputError
+
+    with pytest.raises(InputError, match="no <sku>/dvc.lock"):
+        assemble(reg, tmp_path / "locks")
+    (tmp_path / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": {"config": {"cmd": "old"}}}))
+    lock("b", "from-b")
+    lock("a", "from-a")
+    result = assemble(reg, tmp_path / "locks")
+    assert result["skus"] == ["a", "b"] and result["changed"]
+    stages = yaml.safe_load((tmp_path / "dvc.lock").read_text())["stages"]
+    assert stages == {"build@conv-a": {"cmd": "build a from-a"}, "build@conv-b": {"cmd": "build b from-b"},
+                      "config": {"cmd": "old"}, "prepare@conv": {"cmd": "prepare from-a"}}
+    assert assemble(reg, tmp_path / "locks")["changed"] is False
