@@ -214,7 +214,9 @@ def test_building_the_parser_imports_nothing_heavy():
     assert _heavy_after("from pipeline.cli import build_parser\nbuild_parser()") == []
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["build", "--help"], ["config", "validate", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["build", "--help"], ["config", "validate", "--help"],
+                                  ["publish", "--help"], ["promote", "--help"], ["releases", "--help"],
+                                  ["ci", "render", "--help"], ["runner", "check", "--help"]])
 def test_help_imports_nothing_heavy(argv):
     code = f"""
 import contextlib, io

@@ -156,21 +156,3 @@ def test_argument_errors_exit_2_before_touching_the_store(proj, args, words):
     assert "hint:" in proc.stderr and "Traceback" not in proc.stderr
     for word in words:
         assert word in proc.stderr, (word, proc.stderr)
-
-
-@pytest.mark.parametrize("argv", [["publish", "--help"], ["promote", "--help"], ["releases", "--help"]])
-def test_parsing_the_new_commands_imports_no_mlflow(argv):
-    code = f"""
-import contextlib, io, sys, json
-from pipeline.cli import main
-with contextlib.redirect_stdout(io.StringIO()):
-    try:
-        main({argv!r})
-    except SystemExit as exc:
-        assert exc.code == 0, exc.code
-heavy = ("mlflow", "sqlalchemy", "requests", "numpy", "onnx", "onnxruntime", "dvc", "pydantic")
-print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules if m.split('.')[0] in heavy}})))
-"""
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
