@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -87,3 +89,42 @@ def rss_mb() -> dict[str, float]:
         if line.startswith(("VmRSS:", "VmHWM:")):
             out[line.split(":")[0]] = int(line.split()[1]) / 1024
     return {"rss": out.get("VmRSS", 0.0), "peak_rss": out.get("VmHWM", 0.0)}
+
+
+def _command(*argv: str, timeout: float = 10.0) -> str | None:
+    """stdout of a host tool, or None where it is absent or fails (a probe never raises)."""
+    if not shutil.which(argv[0]):
+        return None
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def nvidia_gpus() -> list[dict[str, str]]:
+    out = _command("nvidia-smi", "--query-gpu=name,driver_version,compute_cap,memory.total",
+                   "--format=csv,noheader,nounits")
+    gpus = []
+    for line in (out or "").splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 4:
+            gpus.append(dict(zip(("name", "driver", "compute_capability", "memory_mb"), parts)))
+    return gpus
+
+
+def jetson() -> dict[str, Any] | None:
+    release = _read("/etc/nv_tegra_release")
+    if release is None:
+        return None
+    # nvpmodel -q prints "NV Power Mode: MAXN" then the mode number
+    mode = _command("nvpmodel", "-q")
+    return {"l4t_release": release.splitlines()[0], "power_mode": mode.splitlines() if mode else None}
+
+
+def gpu() -> dict[str, Any]:
+    return {"nvidia": nvidia_gpus(), "jetson": jetson()}
+
+
+def has_gpu(info: dict[str, Any]) -> bool:
+    return bool(info["nvidia"] or info["jetson"])

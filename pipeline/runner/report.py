@@ -3,8 +3,6 @@ the runner classes (runners/classes.yaml) that say which machine serves which SK
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -13,45 +11,6 @@ from ..config import Registry
 from ..errors import ConfigError, InputError
 from . import probe
 from .check import host_problems
-
-
-def _command(*argv: str, timeout: float = 10.0) -> str | None:
-    """stdout of a host tool, or None where it is absent or fails (a probe never raises)."""
-    if not shutil.which(argv[0]):
-        return None
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
-def nvidia_gpus() -> list[dict[str, str]]:
-    out = _command("nvidia-smi", "--query-gpu=name,driver_version,compute_cap,memory.total",
-                   "--format=csv,noheader,nounits")
-    gpus = []
-    for line in (out or "").splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 4:
-            gpus.append(dict(zip(("name", "driver", "compute_capability", "memory_mb"), parts)))
-    return gpus
-
-
-def jetson() -> dict[str, Any] | None:
-    release = probe._read("/etc/nv_tegra_release")
-    if release is None:
-        return None
-    # nvpmodel -q prints "NV Power Mode: MAXN" then the mode number
-    mode = _command("nvpmodel", "-q")
-    return {"l4t_release": release.splitlines()[0], "power_mode": mode.splitlines() if mode else None}
-
-
-def gpu() -> dict[str, Any]:
-    return {"nvidia": nvidia_gpus(), "jetson": jetson()}
-
-
-def has_gpu(info: dict[str, Any]) -> bool:
-    return bool(info["nvidia"] or info["jetson"])
 
 
 def toolchain_versions(registry: Registry) -> dict[str, str | None]:
@@ -86,7 +45,7 @@ def probe_report(registry: Registry) -> dict[str, Any]:
     return {
         "host": probe.host(),
         "device_state": probe.device_state(),
-        "gpu": gpu(),
+        "gpu": probe.gpu(),
         "toolchain": toolchain_versions(registry),
         "backends": backend_versions(registry),
         "skus": {"buildable": [s.sku for s in statuses if s.buildable],
@@ -94,18 +53,10 @@ def probe_report(registry: Registry) -> dict[str, Any]:
     }
 
 
-def device_problems(registry: Registry, sku: str, gpu_info: dict[str, Any] | None = None) -> list[str]:
-    device = registry.sku(sku).target.device
-    if device == "gpu" and not has_gpu(gpu_info if gpu_info is not None else gpu()):
-        return ["needs device gpu, this host shows none (no nvidia-smi GPU, no /etc/nv_tegra_release)"]
-    return []
-
-
 def check_report(registry: Registry, sku: str) -> dict[str, Any]:
     """Host versus SKU for building and running its engines: every difference, named."""
     spec = registry.sku(sku)
-    problems = list(dict.fromkeys(device_problems(registry, sku) + host_problems(registry, sku, "build")
-                                  + host_problems(registry, sku, "run")))
+    problems = list(dict.fromkeys(host_problems(registry, sku, "build") + host_problems(registry, sku, "run")))
     return {"sku": sku, "matches": not problems, "problems": problems,
             "target": spec.target.model_dump(), "toolchain": spec.toolchain, "runner_labels": spec.runner_labels}
 
