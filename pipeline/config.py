@@ -14,7 +14,8 @@ from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from .errors import ConfigError
+from .errors import ConfigError, SkuforgeError
+from .paths import PATH_RULE, Layout, inside, path_problem
 
 Precision = Literal["fp32", "fp16", "int8"]
 DType = Literal["float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"]
@@ -132,6 +133,7 @@ class DatasetSource(Strict):
     generate: GenerateSpec | None = None
     take: int | None = Field(None, ge=1, description="use only the first N samples")
     labels: str = Field("labels", description="key of the label array in an .npz")
+    allow_non_finite: bool = Field(False, description="accept NaN/Inf inputs (golden and hard_tail only)")
 
     @model_validator(mode="after")
     def _one_source(self) -> DatasetSource:
@@ -149,6 +151,15 @@ class Datasets(Strict):
     calibration: DatasetSource = Field(default_factory=lambda: _generated(64))
     evaluation: DatasetSource | None = None
     hard_tail: DatasetSource | None = None
+
+    @model_validator(mode="after")
+    def _finite_where_needed(self) -> Datasets:
+        # calibration ranges and the metric are meaningless over NaN/Inf
+        for split in ("calibration", "evaluation"):
+            source = getattr(self, split)
+            if source is not None and source.allow_non_finite:
+                raise ValueError(f"{split}.allow_non_finite: only golden and hard_tail may hold NaN/Inf values")
+        return self
 
 
 class Metric(Strict):
@@ -261,6 +272,22 @@ class SkuSpec(Strict):
             raise ValueError(f"axes {sorted(both)} are in both 'shapes' and 'profiles': pick one")
         return self
 
+    @field_validator("toolchain")
+    @classmethod
+    def _toolchain(cls, toolchain: dict[str, str]) -> dict[str, str]:
+        from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+        for package, spec in toolchain.items():
+            if not PACKAGE_PATTERN.match(package):
+                raise ValueError(f"{package!r} is not a package name (PEP 508: letters, digits, '.', '_', '-'; "
+                                 "a letter or digit at both ends)")
+            try:
+                SpecifierSet(spec)
+            except InvalidSpecifier:
+                raise ValueError(f"{package}: {spec!r} is not a PEP 440 version specifier "
+                                 "(e.g. '==1.20.1', '>=1.20,<2' or '==3.13.*')") from None
+        return toolchain
+
 
 class Example(Strict):
     """An example model trained from code by the export stage."""
@@ -273,6 +300,33 @@ class Example(Strict):
 
 ALIAS_PATTERN = re.compile(r"^[A-Za-z0-9_-]+$")
 NAME_FORBIDDEN = ("/", ":", "'", '"', "`")  # MLflow refuses '/' and ':'; quotes would break its filter strings
+# Model, SKU and example names become shell words (dvc.yaml), paths, workflow values and MLflow
+# names: one strict rule keeps them inert everywhere and keeps '<model>-<sku>' unambiguous.
+NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,63}")
+NAME_RULE = "a lowercase letter, then lowercase letters, digits or '_', at most 64 characters"
+PREFIX_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+PACKAGE_PATTERN = re.compile(r"^([A-Z0-9]|[A-Z0-9][A-Z0-9._-]*[A-Z0-9])$", re.IGNORECASE)
+RESERVED_MODEL_NAMES = ("config", "ci")  # build/config and build/ci hold the resolved config and CI locks
+
+
+def suggest_name(name: str) -> str:
+    """A valid spelling of ``name``: lower-cased, each run of other characters replaced by one '_'."""
+    fixed = re.sub(r"[^a-z0-9_]+", "_", str(name).lower()).strip("_")
+    fixed = fixed if "a" <= fixed[:1] <= "z" else f"n_{fixed}".rstrip("_")
+    return fixed[:64].rstrip("_")
+
+
+def name_problem(name: Any) -> str | None:
+    """Why ``name`` cannot name a model, SKU or example, with a valid spelling; None when it can."""
+    if not isinstance(name, str):
+        return f"is not a string ({type(name).__name__}); quote it or use e.g. {suggest_name(name)!r}"
+    if NAME_PATTERN.fullmatch(name):
+        return None
+    bad = sorted({c for c in name if not ("a" <= c <= "z" or "0" <= c <= "9" or c == "_")})
+    what = [f"is {len(name)} characters long"] if len(name) > 64 else []
+    what += ["is empty"] if not name else [] if "a" <= name[0] <= "z" else ["does not start with a lowercase letter"]
+    what += [f"contains {' '.join(repr(c) for c in bad)}"] if bad else []
+    return f"{', '.join(what)}: names are {NAME_RULE}; use e.g. {suggest_name(name)!r}"
 
 
 class PerformanceGate(Strict):
@@ -295,6 +349,45 @@ class TrackingSpec(Strict):
     timeout_seconds: float = Field(30.0, gt=0, description="per HTTP request (MLFLOW_HTTP_REQUEST_TIMEOUT wins)")
 
 
+class SigningSpec(Strict):
+    """Who may publish what reaches each alias (pipeline/signing.py verifies).
+
+    ``trust.<alias>`` lists key names, or ``"*"``: any signature that verifies, whoever signed
+    (integrity only: the manifest was not altered after it was signed). An alias missing from
+    ``trust`` refuses every version, unless ``trust`` is empty as a whole (an unconfigured project:
+    every alias accepts ``"*"``).
+    """
+
+    keys: dict[str, str] = Field(default_factory=dict,
+                                 description="name -> public key 'ed25519:<base64>' (`skuforge keys show` prints it)")
+    trust: dict[str, list[str]] = Field(default_factory=dict, description="alias -> key names, or '*' for any signer")
+
+    @field_validator("keys")
+    @classmethod
+    def _keys(cls, keys: dict[str, str]) -> dict[str, str]:
+        from .signing import parse_public_key
+
+        for name, text in keys.items():
+            if not ALIAS_PATTERN.match(name):
+                raise ValueError(f"keys: {name!r} is not a key name (letters, digits, _ and - only)")
+            try:
+                parse_public_key(text)
+            except ValueError as exc:
+                raise ValueError(f"keys.{name}: {exc}") from None
+        return keys
+
+    @model_validator(mode="after")
+    def _names(self) -> SigningSpec:
+        for alias, names in self.trust.items():
+            if not names:
+                raise ValueError(f"trust.{alias}: an empty list trusts no key; list key names or '*'")
+            for name in names:
+                if name != "*" and name not in self.keys:
+                    raise ValueError(f"trust.{alias}: unknown key {name!r}{_did_you_mean(name, self.keys)}; "
+                                     f"known keys: {', '.join(sorted(self.keys)) or '(none: add release.signing.keys)'}")
+        return self
+
+
 class Release(Strict):
     """MLflow: experiment and registered-model names, the alias chain, promotion gates."""
 
@@ -307,6 +400,7 @@ class Release(Strict):
     history: int = Field(50, ge=1, description="alias moves kept per alias (rollback reads them)")
     performance: PerformanceGate = PerformanceGate()
     tracking: TrackingSpec = TrackingSpec()
+    signing: SigningSpec = SigningSpec()
 
     @field_validator("name_prefix")
     @classmethod
@@ -314,6 +408,9 @@ class Release(Strict):
         bad = [c for c in NAME_FORBIDDEN if c in prefix]
         if bad:
             raise ValueError(f"may not contain {' '.join(bad)} (MLflow names)")
+        if prefix and not PREFIX_PATTERN.fullmatch(prefix):
+            raise ValueError(f"{prefix!r}: a prefix is empty or a letter or digit, then letters, digits, "
+                             "'_', '.' or '-', at most 64 characters (e.g. 'team-')")
         return prefix
 
     @model_validator(mode="after")
@@ -328,6 +425,9 @@ class Release(Strict):
         unknown = [a for a in self.reason_required if a not in self.aliases]
         if unknown:
             raise ValueError(f"reason_required: {unknown} not in aliases {self.aliases}")
+        unknown = [a for a in self.signing.trust if a not in self.aliases]
+        if unknown:
+            raise ValueError(f"signing.trust: {unknown} not in aliases {self.aliases}")
         return self
 
 
@@ -352,7 +452,8 @@ class Registry(Strict):
         return _lookup(self.skus, name, "SKU")
 
     def path(self, *parts: str) -> Path:
-        return self.root.joinpath(*parts)
+        """``parts`` under the root; an InputError when they resolve (symlinks too) outside it."""
+        return inside(self.root, *parts)
 
     def model_file(self, model: str) -> Path:
         spec = self.model(model)
@@ -471,13 +572,56 @@ def _invalid(source: str, problems: list[str]) -> ConfigError:
 def parse_registry(data: Any, source: str = "params.yaml", root: Path | None = None) -> Registry:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping with 'models' and 'skus' at the top level")
+    problems = _name_problems(data)
     try:
         registry = Registry.model_validate(data)
     except ValidationError as exc:
-        raise _invalid(source, validation_problems(exc, Registry)) from None
+        problems += validation_problems(exc, Registry)
+    if problems:
+        raise _invalid(source, problems) from None
     registry._root = root or Path(".")
+    problems = _path_problems(registry, resolve=root is not None)
+    if problems:
+        raise _invalid(source, problems)
     _check_cross_references(registry, source)
     return registry
+
+
+def _name_problems(data: dict) -> list[str]:
+    """Every model, SKU and example name that breaks the name rule, checked before anything else."""
+    problems = []
+    for section in ("examples", "models", "skus"):
+        table = data.get(section)
+        for name in table if isinstance(table, dict) else ():
+            problem = name_problem(name)
+            if problem is None and section == "models" and name in RESERVED_MODEL_NAMES:
+                problem = f"is reserved (build/{name} holds other files); use e.g. {name + '_model'!r}"
+            if problem is not None:
+                problems.append(f"{section}.{name!r}: name {problem}")
+    return problems
+
+
+def _path_problems(registry: Registry, resolve: bool) -> list[str]:
+    """Every registry path that would lead outside the project; ``resolve`` also follows symlinks."""
+    paths = [(f"examples.{n}.dir", e.dir, (e.dir,)) for n, e in registry.examples.items()]
+    for name, m in registry.models.items():
+        paths += [(f"models.{name}.dir", m.dir, (m.dir,)), (f"models.{name}.source", m.source, (m.dir, m.source))]
+        for split in Datasets.model_fields:
+            ds = getattr(m.datasets, split)
+            if ds is not None and ds.path is not None:
+                paths.append((f"models.{name}.datasets.{split}.path", ds.path, (m.dir, ds.path)))
+    problems = []
+    for key, value, parts in paths:
+        problem = path_problem(value) or path_problem("/".join(parts))
+        if problem is None and resolve:
+            try:
+                inside(registry.root, *parts)
+            except SkuforgeError:
+                problem = f"resolves to {registry.root.joinpath(*parts).resolve()}, outside the project (a symlink leads out)"
+        if problem is not None:
+            joined = f" (joined with dir: {'/'.join(parts)!r})" if len(parts) > 1 else ""
+            problems.append(f"{key}: {value!r}{joined} {problem}; paths are {PATH_RULE}")
+    return problems
 
 
 def _check_cross_references(registry: Registry, source: str) -> None:
@@ -513,8 +657,22 @@ def _check_cross_references(registry: Registry, source: str) -> None:
         if sku not in registry.skus:
             problems.append(f"release.skus: unknown SKU {sku!r}{_did_you_mean(sku, registry.skus)}; "
                             f"known SKUs: {', '.join(sorted(registry.skus))}")
+    problems += _collisions(registry)
     if problems:
         raise _invalid(source, problems)
+
+
+def _collisions(registry: Registry) -> list[str]:
+    """Two entries whose resolved-config files coincide (e.g. pair keys '<model>-<sku>'): one would be lost."""
+    layout, owners, problems = Layout(Path(".")), {}, []
+    entries = [(f"examples.{e}", layout.config_file(e, example=True)) for e in registry.examples]
+    entries += [(f"models.{m}", layout.config_file(m)) for m in registry.models]
+    entries += [(f"models.{m} x skus.{s}", layout.config_file(m, s)) for m, s in registry.pairs()]
+    for owner, path in entries:
+        if path in owners:
+            problems.append(f"{owner}: its key {path.stem!r} is also the key of {owners[path]}; rename one of them")
+        owners.setdefault(path, owner)
+    return problems
 
 
 def load_registry(path: str | os.PathLike = "params.yaml") -> Registry:
@@ -527,7 +685,51 @@ def load_registry(path: str | os.PathLike = "params.yaml") -> Registry:
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file", hint="run from the project root or pass --params") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as exc:
+        raise ConfigError(f"{path}: key {exc.key} appears twice in one mapping (lines {exc.first} and {exc.second}); "
+                          "YAML would silently keep only the last", hint="remove or merge one of them") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}", hint="fix the syntax at the position shown") from None
     return parse_registry(data, str(path), root=path.resolve().parent)
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str, first: int, second: int):
+        super().__init__(key)
+        self.key, self.first, self.second = key, first, second
+
+
+def _unique_key_loader() -> type:
+    """A SafeLoader that refuses a key repeated in one mapping (PyYAML would keep the last)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_document(self, node: yaml.Node) -> Any:
+            _check_unique_keys(node, (), set())
+            return super().construct_document(node)
+
+    return UniqueKeyLoader
+
+
+def _check_unique_keys(node: Any, path: tuple[str, ...], seen: set[int]) -> None:
+    import yaml
+
+    if id(node) in seen:  # an alias: checked where its anchor is
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[tuple[str, str], int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<' keys may be overridden on purpose
+                _check_unique_keys(value_node, path, seen)
+                continue
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else f"<{key_node.tag}>"
+            line = key_node.start_mark.line + 1
+            if (key_node.tag, key) in lines:
+                raise _DuplicateKey(repr(".".join((*path, str(key)))), lines[(key_node.tag, key)], line)
+            lines[(key_node.tag, key)] = line
+            _check_unique_keys(value_node, (*path, str(key)), seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_unique_keys(item, (*path, str(i)), seen)

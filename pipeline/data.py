@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from .config import DatasetSource, ModelSpec
 from .errors import InputError
+from .paths import inside
 
 if TYPE_CHECKING:
     import numpy as np
@@ -50,37 +51,113 @@ def generate(spec: ModelSpec, pins: dict[str, int], source: DatasetSource) -> "A
                 span = max(abs(lo), abs(hi), 1.0)
                 arr[-3] = rng.uniform(-4 * span, 4 * span, size=shape[1:])  # large magnitudes
                 arr[-4] = 0.0
-        out[inp.name] = arr.astype(inp.dtype)
+        with np.errstate(over="ignore"):  # a range beyond the dtype gives Inf: check_finite names it
+            out[inp.name] = arr.astype(inp.dtype)
     return out
 
 
 def load_file(spec: ModelSpec, root: Path, source: DatasetSource, split: str) -> "Arrays":
+    """The arrays of a .npz (keyed by input name) or .npy (single-input models), each checked to be
+    a numeric array with a sample axis, labels integer class indices; ``take`` applied."""
     import numpy as np
 
     assert source.path is not None
-    path = root / spec.dir / source.path
+    path = inside(root, spec.dir, source.path)  # a symlink made after validation must not lead out
     if not path.is_file():
         raise InputError(f"dataset {split}: {path} does not exist",
                          hint=f"fix models.<name>.datasets.{split}.path (relative to the model's dir)")
     try:
         loaded = np.load(path, allow_pickle=False)
-        arrays = {spec.inputs[0].name: loaded} if isinstance(loaded, np.ndarray) else {k: loaded[k] for k in loaded.files}
     except Exception as exc:  # zip, pickle and format errors all mean the same to the user
-        raise InputError(f"dataset {split}: {path} is not a readable .npy/.npz ({type(exc).__name__}: {exc})",
-                         hint="re-save it with numpy.save / numpy.savez (numeric arrays, no objects)") from exc
-    if isinstance(loaded, np.ndarray) and len(spec.inputs) != 1:
-        raise InputError(f"dataset {split}: {path} is one .npy array but the model has {len(spec.inputs)} inputs",
-                         hint="use an .npz keyed by input name")
-    missing = [i.name for i in spec.inputs if i.name not in arrays]
+        raise _unreadable(split, path, None, exc) from exc
+    if isinstance(loaded, np.ndarray):
+        if len(spec.inputs) != 1:
+            raise InputError(f"dataset {split}: {path} is one .npy array but the model has {len(spec.inputs)} inputs",
+                             hint="use an .npz keyed by input name")
+        files = {spec.inputs[0].name: loaded}
+    else:
+        files = dict.fromkeys(loaded.files)
+    missing = [i.name for i in spec.inputs if i.name not in files]
     if missing:
-        raise InputError(f"dataset {split}: {path} has no arrays for inputs {missing} (keys: {sorted(arrays)})",
+        raise InputError(f"dataset {split}: {path} has no arrays for inputs {missing} (keys: {sorted(files)})",
                          hint="key the .npz by the model's input names")
-    out = {i.name: arrays[i.name] for i in spec.inputs}
-    if source.labels in arrays:
-        out[LABELS] = arrays[source.labels].astype("int64")
+
+    def read(key: str) -> "np.ndarray":
+        try:  # an .npz reads each array on access: an object array fails here, by key
+            return files[key] if files[key] is not None else loaded[key]
+        except Exception as exc:
+            raise _unreadable(split, path, key, exc) from exc
+
+    out = {i.name: _numeric(read(i.name), i.dtype, split, path, i.name) for i in spec.inputs}
+    if source.labels in files:
+        out[LABELS] = _labels(read(source.labels), split, path, source.labels)
     if source.take is not None:
         out = {k: v[: source.take] for k, v in out.items()}
     return out
+
+
+def _unreadable(split: str, path: Path, key: str | None, exc: Exception) -> InputError:
+    where = f"{path} key {key!r}" if key else str(path)
+    pickled = "allow_pickle" in str(exc)
+    detail = "holds an object (pickled) array, which is never loaded" if pickled else \
+        f"is not a readable .npy/.npz ({type(exc).__name__}: {exc})"
+    return InputError(f"dataset {split}: {where} {detail}",
+                      hint="re-save it with numpy.save / numpy.savez: numeric arrays, no objects or strings")
+
+
+def _numeric(arr: "np.ndarray", dtype: str, split: str, path: Path, key: str) -> "np.ndarray":
+    """A real numeric array with a sample axis (the cast to ``dtype`` comes with preprocessing)."""
+    if arr.ndim == 0:
+        raise InputError(f"dataset {split}: {path} key {key!r} is a 0-d array (a single {arr.dtype} value), "
+                         f"expected samples of {dtype} stacked on a first axis",
+                         hint="save an array of shape (samples, *sample_shape), e.g. value[None] for one sample")
+    if arr.dtype.kind not in "biuf":
+        raise InputError(f"dataset {split}: {path} key {key!r} holds {_kind(arr)} values, expected numbers castable to {dtype}",
+                         hint=f"convert it before saving, e.g. numpy.asarray(values, dtype='{dtype}')")
+    return arr
+
+
+def _labels(arr: "np.ndarray", split: str, path: Path, key: str) -> "np.ndarray":
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        got = f"{_kind(arr)} values of shape {arr.shape}" if arr.dtype.kind not in "iu" else f"shape {arr.shape}"
+        raise InputError(f"dataset {split}: {path} key {key!r} holds {got}, expected integer class indices, one per sample",
+                         hint="save the labels as a 1-d integer array (e.g. labels.astype('int64')); "
+                              "map class names to their output index first")
+    if len(arr) and int(arr.min()) < 0:
+        raise InputError(f"dataset {split}: {path} key {key!r} has a negative class index at sample {int(arr.argmin())}",
+                         hint="class indices are output positions, 0 and up")
+    return arr.astype("int64")
+
+
+def _kind(arr: "np.ndarray") -> str:
+    names = {"U": "string", "S": "bytes", "O": "object", "c": "complex", "V": "structured/void",
+             "M": "datetime", "m": "timedelta", "b": "bool"}
+    return f"{names.get(arr.dtype.kind, arr.dtype.kind)} ({arr.dtype})" if arr.dtype.kind in names else str(arr.dtype)
+
+
+def check_finite(arrays: "Arrays", split: str, origin: str, allow: bool = False) -> None:
+    """Refuse NaN/Inf inputs: name the source, the key and the first sample holding one.
+
+    ``allow`` (datasets.<split>.allow_non_finite) lets a golden or hard-tail set test a model
+    that handles them; calibration and evaluation never hold them (config refuses the flag).
+    """
+    import numpy as np
+
+    if allow:
+        return
+    for key, arr in arrays.items():
+        if key == LABELS or arr.dtype.kind not in "fc" or arr.size == 0:
+            continue
+        bad = ~np.isfinite(arr.reshape(len(arr), -1)).all(axis=1)
+        if bad.any():
+            first = int(np.argmax(bad))
+            sample = arr[first]
+            what = "NaN" if np.isnan(sample).any() else "Inf"
+            optin = "" if split in ("calibration", "evaluation") else \
+                f", or set datasets.{split}.allow_non_finite: true if the model is meant to handle them"
+            raise InputError(f"dataset {split}: {origin} key {key!r} has NaN/Inf values in {int(bad.sum())} of "
+                             f"{len(arr)} samples (first: sample {first}, {what})",
+                             hint=f"drop or fix those samples{optin}")
 
 
 def check_dataset(spec: ModelSpec, arrays: "Arrays", pins: dict[str, int], split: str, raw: bool) -> int:
@@ -106,14 +183,19 @@ def check_dataset(spec: ModelSpec, arrays: "Arrays", pins: dict[str, int], split
 
 
 def preprocess(spec: ModelSpec, raw: "Arrays") -> "Arrays":
-    """Raw samples to model inputs: the declared affine transform, then the input dtype."""
+    """Raw samples to model inputs: the declared affine transform, then the input dtype.
+
+    An overflow to Inf is left for ``check_finite`` to name, not warned about here."""
+    import numpy as np
+
     out = {}
     for inp in spec.inputs:
         arr = raw[inp.name]
         affine = spec.preprocess.get(inp.name)
-        if affine is not None:
-            arr = arr.astype("float64") * affine.scale + affine.offset
-        out[inp.name] = arr.astype(inp.dtype)
+        with np.errstate(over="ignore", invalid="ignore"):
+            if affine is not None:
+                arr = arr.astype("float64") * affine.scale + affine.offset
+            out[inp.name] = arr.astype(inp.dtype)
     if LABELS in raw:
         out[LABELS] = raw[LABELS]
     return out

@@ -38,10 +38,23 @@ class InputError(SkuforgeError):
     exit_code = 2
 
 
+class MalformedFile(InputError, ValueError):
+    """A file is not what it should be (not JSON, not UTF-8). Also a ValueError, so callers that
+    handle a corrupt file (and rebuild it) keep doing so."""
+
+
 class EnvironmentProblem(SkuforgeError):
     """A backend SDK, device or toolchain is missing or does not match the SKU."""
 
     exit_code = 3
+
+
+class StorageError(EnvironmentProblem):
+    """A folder is read-only, or the disk (or quota) is full: names the path and what to do."""
+
+    def __init__(self, message: str, hint: str | None = None, path: str | None = None):
+        super().__init__(message, hint)
+        self.path = path
 
 
 class UnsupportedOp(EnvironmentProblem):

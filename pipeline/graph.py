@@ -20,25 +20,132 @@ if TYPE_CHECKING:
 _NONDETERMINISTIC = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
 
-def load_model(path: Path, what: str = "model") -> "onnx.ModelProto":
-    """Load and check an ONNX file; a missing, truncated or invalid file is an InputError."""
+# ONNX Runtime (the reference) implements ai.onnx from opset 7 on, up to the opset of the onnx
+# package it is installed with; other domains it implements. Any other domain is a custom op.
+MIN_OPSET = 7
+SUGGESTED_OPSET = 17
+_STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml", "com.microsoft")
+
+
+def load_model(path: Path, what: str = "model", root: Path | None = None) -> "onnx.ModelProto":
+    """Load and check an ONNX file and its external data; a missing, truncated or invalid file, an
+    external-data file outside ``root`` (default: the model's folder), a custom op or an opset
+    the reference runtime lacks is an InputError."""
     import onnx
 
     if not path.is_file():
         raise InputError(f"{what} file {path} does not exist", hint="check models.<name>.dir and .source in params.yaml, or run the export stage")
     try:
-        model = onnx.load(str(path))
+        model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises DecodeError, RuntimeError or others on truncation
         raise InputError(f"{path} is not a readable ONNX file ({type(exc).__name__}: {exc})",
                          hint="the file is truncated or not ONNX: re-export it") from exc
     if not model.graph.node and not model.graph.output:
         raise InputError(f"{path} holds no ONNX graph (empty or not a model)", hint="re-export the model")
+    if external_data_files(model, path, root or path.parent):
+        try:
+            onnx.load_external_data_for_model(model, str(path.parent))
+        except Exception as exc:  # a short or unreadable side file
+            raise InputError(f"{path}: its external data cannot be read ({type(exc).__name__}: {exc})",
+                             hint="the external-data file is truncated or from another export: re-export the model") from exc
+    check_ops(model, path)
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as exc:
         raise InputError(f"{path} fails the ONNX checker: {str(exc).strip().splitlines()[0]}",
                          hint="fix the exporter settings (opset, op domains) and re-export") from exc
     return model
+
+
+def _all_tensors(graph: "onnx.GraphProto"):
+    """Every TensorProto of a graph: initializers, sparse ones, node attributes, subgraphs."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield from (sparse.values, sparse.indices)
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                yield from _all_tensors(sub)
+
+
+def external_data_files(model: "onnx.ModelProto", path: Path, root: Path) -> list[Path]:
+    """The external-data files ``model`` (loaded from ``path`` without them) references, sorted by
+    location, each once; every one must exist inside ``root``."""
+    import onnx
+
+    files: dict[str, Path] = {}
+    tensors = [*_all_tensors(model.graph), *(t for f in model.functions for n in f.node for a in n.attribute
+                                              for t in ([a.t] if a.HasField("t") else []))]
+    inside = root.resolve()
+    for tensor in tensors:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        if location in files:
+            continue
+        target = (path.parent / location).resolve()
+        if not location or Path(location).is_absolute() or not target.is_relative_to(inside) or target == inside:
+            raise InputError(f"{path}: tensor {tensor.name!r} keeps its data in {location!r}, outside the model's folder {root}",
+                             hint="keep external-data files inside models.<name>.dir: re-save with "
+                                  "onnx.save_model(model, path, save_as_external_data=True, location='<file name>')")
+        if not target.is_file():
+            raise InputError(f"{path}: external-data file {path.parent / location} (tensor {tensor.name!r}) does not exist",
+                             hint="copy it next to the model (ONNX resolves 'location' relative to the .onnx file), or re-export")
+        files[location] = target
+    return [files[k] for k in sorted(files)]
+
+
+def source_sha256(path: Path, root: Path) -> str:
+    """sha256 of an ONNX file; with external data, of the list '<sha256>  <location>' of the
+    file and then each external-data file in location order, so a change to any one shows."""
+    import onnx
+
+    from .io import sha256_bytes, sha256_file
+
+    externals = external_data_files(onnx.load(str(path), load_external_data=False), path, root)
+    if not externals:
+        return sha256_file(path)
+    lines = [f"{sha256_file(path)}  {path.name}"]
+    lines += [f"{sha256_file(f)}  {f.relative_to(path.parent.resolve()).as_posix()}" for f in externals]
+    return sha256_bytes("\n".join(lines).encode())
+
+
+def check_ops(model: "onnx.ModelProto", path: Path) -> None:
+    """Refuse what no runtime here can run: ops of a custom domain, an ai.onnx opset out of range."""
+    import onnx
+
+    opsets = {o.domain or "": o.version for o in model.opset_import}
+    version = opsets.get("", opsets.get("ai.onnx"))
+    newest = onnx.defs.onnx_opset_version()
+    if version is not None and version < MIN_OPSET:
+        raise InputError(
+            f"{path}: the model imports ai.onnx opset {version}; supported opsets are {MIN_OPSET} to {newest}",
+            hint=f"convert it: onnx.save(onnx.version_converter.convert_version(onnx.load('{path.name}'), {SUGGESTED_OPSET}), "
+                 f"'{path.name}'), or re-export at opset {SUGGESTED_OPSET}")
+    if version is not None and version > newest:  # the converter knows no opset newer than its onnx either
+        raise InputError(
+            f"{path}: the model imports ai.onnx opset {version}; supported opsets are {MIN_OPSET} to {newest}",
+            hint=f"re-export at opset {newest} or lower (the exporter's opset setting), "
+                 "or upgrade onnx and onnxruntime together to versions that know it")
+    local = {(f.domain, f.name) for f in model.functions}  # model-local functions are defined in the file
+    for node in _all_nodes(model.graph):
+        if (node.domain or "") not in _STANDARD_DOMAINS and (node.domain, node.op_type) not in local:
+            raise InputError(
+                f"{path}: node {node.name or node.output[0]!r} is op {node.op_type!r} of the custom domain "
+                f"{node.domain!r}, which has no implementation in ONNX Runtime (the reference runtime) or any backend",
+                hint="export the model without it (decompose it into standard ONNX ops); "
+                     "registering a custom op library is not supported yet")
+
+
+def _all_nodes(graph: "onnx.GraphProto"):
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                yield from _all_nodes(sub)
 
 
 def infer_shapes(model: "onnx.ModelProto", path: Path) -> "onnx.ModelProto":

@@ -2,8 +2,38 @@
 
 from __future__ import annotations
 
+import os
+import posixpath
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
+
+from .errors import InputError
+
+PATH_RULE = "relative to the folder holding params.yaml, and inside it (no absolute path, no '..' above it)"
+
+
+def path_problem(path: str) -> str | None:
+    """Why a registry path cannot name a place inside the project, or None. Lexical only."""
+    if not path:
+        return "is empty"
+    if "\0" in path:
+        return "contains a NUL character"
+    if PurePosixPath(path).is_absolute() or PureWindowsPath(path).anchor:
+        return "is absolute"
+    if posixpath.normpath(path.replace("\\", "/")).split("/")[0] == "..":
+        return "leaves the project root ('..')"
+    return None
+
+
+def inside(root: str | os.PathLike, *parts: str | os.PathLike) -> Path:
+    """``root`` joined with ``parts``; an InputError when that resolves (symlinks followed) outside root."""
+    path = Path(root).joinpath(*parts)
+    base, resolved = Path(root).resolve(), path.resolve()
+    if resolved != base and base not in resolved.parents:
+        raise InputError(f"{path} resolves to {resolved}, outside the project root {base}",
+                         hint=f"registry paths must be {PATH_RULE}; a symlink must not lead out of it either")
+    return path
+
 
 SPLITS: tuple[str, ...] = ("golden", "calibration", "evaluation", "hard_tail")
 REFERENCE_SPLITS: tuple[str, ...] = ("golden", "evaluation", "hard_tail")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from typing import Any
 
 from .config import Registry
 from .errors import EnvironmentProblem, InputError, SkuforgeError
+from .redact import redact
 from .runner.check import host_problems
 
 
@@ -125,25 +127,87 @@ def run_dvc_repro(root: Path, dvc_targets: list[str], force: bool = False, dry: 
     tail: list[str] = []
     assert proc.stdout is not None
     for line in proc.stdout:
+        line = redact(line)
         sys.stderr.write(line)
         tail = (tail + [line])[-50:]
-    if proc.wait() != 0:
-        text = "".join(tail)
-        code = re.findall(r"exited with (\d+)", text)
-        if code:  # a stage command failed: pass its exit code on
-            err = DvcFailed(f"dvc failed: {_first_error(text)}", hint="the failing stage's own message is above")
-            err.exit_code = int(code[-1]) if int(code[-1]) in (1, 2, 3, 4) else 70
-        else:  # dvc refused the pipeline itself (dvc.yaml, params.yaml, missing dependency)
-            err = DvcFailed(f"dvc failed: {_first_error(text)}", hint="fix dvc.yaml / params.yaml as dvc says above")
-            err.exit_code = 2
-        raise err
+    returncode = proc.wait()
+    if returncode != 0:
+        raise dvc_failure(root, returncode, "".join(tail))
 
 
-def _first_error(text: str) -> str:
+def dvc_failure(root: Path, returncode: int, text: str) -> DvcFailed:
+    """Why ``dvc`` exited with ``returncode`` after printing ``text``, with the exit code to pass on."""
+    killed = _signal(returncode)
+    if killed:  # OOM killer, a CI timeout, kill -9: nothing in dvc.yaml to fix
+        return _failed(f"dvc was killed by {killed} (exit {returncode}) before it finished", 3,
+                       "something stopped it from outside (out of memory? a CI timeout?): run `skuforge repro` "
+                       "again; the stages that finished are kept")
+    if "Unable to acquire lock" in text or "is being blocked by" in text:
+        lock, holder = _lock_holder(root, text)
+        return _failed(f"another dvc process is running in this workspace ({holder}): dvc could not take {lock}", 3,
+                       f"wait for it to finish (or stop it), then run again; if no such process is running, "
+                       f"remove {lock} and run again")
+    code = re.findall(r"exited with (-?\d+)", text)
+    if code:  # a stage command failed: pass its exit code on
+        status = int(code[-1])
+        killed = _signal(status)
+        if killed:
+            return _failed(f"dvc failed: {_first_error(text)}: the stage was killed by {killed}", 3,
+                           "something stopped it from outside (out of memory? a CI timeout?): run `skuforge repro` "
+                           "again; the stages that finished are kept")
+        return _failed(f"dvc failed: {_first_error(text)}", status if status in (1, 2, 3, 4) else 70,
+                       "the failing stage's own message is above")
+    if _first_error(text, None) is None:  # no ERROR line: dvc itself broke; its own last words say why
+        return _failed(f"dvc exited with {returncode}: {_last_lines(text) or 'no output'}", 3,
+                       f"run `dvc repro` in {root} to see dvc's whole output; `dvc doctor` checks its installation")
+    # dvc refused the pipeline itself (dvc.yaml, params.yaml, missing dependency)
+    return _failed(f"dvc failed: {_first_error(text)}", 2, "fix dvc.yaml / params.yaml as dvc says above")
+
+
+def _failed(message: str, exit_code: int, hint: str) -> DvcFailed:
+    err = DvcFailed(message, hint=hint)
+    err.exit_code = exit_code
+    return err
+
+
+def _signal(status: int) -> str | None:
+    """The signal's name when ``status`` says a process died of one (-9 from Python, 137 from a shell)."""
+    number = -status if status < 0 else status - 128 if 128 < status < 128 + 65 else 0
+    try:
+        return signal.Signals(number).name if number else None
+    except ValueError:
+        return None
+
+
+def _lock_holder(root: Path, text: str) -> tuple[Path, str]:
+    """The lock dvc could not take and who holds it (pid and command line), as far as it can be told."""
+    tmp = root / ".dvc" / "tmp"
+    blocked = re.findall(r"\(PID (\d+)\): (.+)", text)  # the rwlock's own words
+    if blocked:
+        return tmp / "rwlock", ", ".join(f"pid {pid}: {cmd.strip()}" for pid, cmd in blocked)
+    lock = tmp / "lock"
+    try:  # zc.lockfile writes " <pid>\n" into the lock it holds
+        pid = int(lock.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return lock, "its pid is not recorded"
+    try:
+        cmd = " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split())
+    except OSError:
+        cmd = ""
+    cmd = cmd if len(cmd) <= 200 else cmd[:200] + "…"
+    return lock, f"pid {pid}: {redact(cmd)}" if cmd else f"pid {pid}"
+
+
+def _last_lines(text: str, count: int = 3) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return " / ".join(lines[-count:])
+
+
+def _first_error(text: str, default: str | None = "see the output above") -> str | None:
     for line in text.splitlines():
         if line.startswith("ERROR"):
             return line.removeprefix("ERROR: ").strip()
-    return "see the output above"
+    return default
 
 
 def summary(registry: Registry) -> list[dict[str, Any]]:
@@ -164,16 +228,16 @@ def summary(registry: Registry) -> list[dict[str, Any]]:
                 published = json.loads(receipt.read_text()) if receipt.is_file() else {}
             except ValueError:
                 published = {}
-            metrics = {x["split"]: x for x in m.correctness["metrics"]}
+            metrics = {x.split: x for x in m.correctness.metrics}
             rows.append({
                 "model": model, "sku": sku, "backend": m.backend, "precision": m.precision,
-                "passed": m.correctness["passed"], "build_s": m.build["seconds"],
+                "passed": m.correctness.passed, "build_s": m.build.seconds,
                 "layers": len(m.layers), "fused_layers": sum(1 for layer in m.layers if len(layer.fused_from) > 1),
-                "max_abs_error": max((o["max_abs_error"] for o in m.correctness["outputs"]), default=None),
-                **{f"{k}_reference": v["reference"] for k, v in metrics.items()},
-                **{f"{k}_delta": v["delta"] for k, v in metrics.items()},
-                "p50_ms": m.benchmark["engine_only"]["p50_ms"], "p99_ms": m.benchmark["engine_only"]["p99_ms"],
-                "e2e_p50_ms": m.benchmark["end_to_end"]["p50_ms"], "throughput_per_s": m.benchmark["throughput_per_s"],
+                "max_abs_error": max((o.max_abs_error for o in m.correctness.outputs), default=None),
+                **{f"{k}_reference": v.reference for k, v in metrics.items()},
+                **{f"{k}_delta": v.delta for k, v in metrics.items()},
+                "p50_ms": m.benchmark.engine_only.p50_ms, "p99_ms": m.benchmark.engine_only.p99_ms,
+                "e2e_p50_ms": m.benchmark.end_to_end.p50_ms, "throughput_per_s": m.benchmark.throughput_per_s,
                 "digest": m.digest[:12],
                 "mlflow": f"v{published['version']}" if published.get("digest") == m.digest else None,
             })

@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .io import sha256_json
+
 
 class Result(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -99,7 +101,21 @@ class FileRecord(Result):
     bytes: int
 
 
-class BuildReport(Result):
+def engine_digest(files: "list[FileRecord] | list[dict[str, Any]]") -> str:
+    """One hash naming an engine: its files' paths, sizes and sha256, in path order. Every report
+    about an engine carries it, so evidence of one build cannot be passed off as another's."""
+    records = [f.to_json() if isinstance(f, FileRecord) else dict(f) for f in files]
+    return sha256_json(sorted(records, key=lambda r: r["path"]))
+
+
+class EngineBound(Result):
+    """A report about one built engine: which engine (files) and which build settings."""
+
+    engine_sha256: str = Field(description="engine_digest of the engine files the report is about")
+    build_config_sha256: str = Field(description="hash of everything that decided the engine's bytes")
+
+
+class BuildReport(EngineBound):
     model: str
     sku: str
     backend: str
@@ -108,7 +124,6 @@ class BuildReport(Result):
     options: dict[str, Any]
     shapes: dict[str, int]
     profiles: dict[str, dict[str, int]] = Field(default_factory=dict)
-    config_sha256: str
     prepared_sha256: str
     calibration: dict[str, Any] | None = None
     timing_cache: FileRecord | None = None
@@ -160,7 +175,7 @@ class PrecisionResult(Result):
     passed: bool
 
 
-class ValidationReport(Result):
+class ValidationReport(EngineBound):
     model: str
     sku: str
     precision: str
@@ -185,7 +200,7 @@ class LatencyStats(Result):
     max_ms: float
 
 
-class BenchReport(Result):
+class BenchReport(EngineBound):
     model: str
     sku: str
     batch: int
@@ -198,6 +213,7 @@ class BenchReport(Result):
     throughput_per_s: float = Field(description="samples per second at the SKU's batch and concurrency")
     memory_mb: dict[str, float]
     device_state: dict[str, Any]
+    latency_sha256: str = Field(description="sha256 of the latency samples file (latency.csv) written with this report")
 
 
 class Provenance(Result):
@@ -207,15 +223,98 @@ class Provenance(Result):
     skuforge_version: str
 
 
+class SourceInfo(Result):
+    path: str
+    sha256: str = Field(description="the ONNX file and every external-data file it references")
+    prepared_sha256: str
+    opset: dict[str, int]
+    producer: str
+    passes: list[PassRecord]
+
+
+class TargetInfo(Result):
+    arch: str
+    device: str
+    os: str
+    cpu_features: list[str]
+    runner_labels: list[str]
+
+
+class BuildInfo(Result):
+    seconds: float
+    warnings: list[str]
+    options: dict[str, Any] = Field(description="the backend options as applied (backend-specific keys)")
+
+
+class CalibrationInfo(Result):
+    method: str
+    calibration_set_sha256: str
+    samples: int
+    table_sha256: str | None
+    settings: dict[str, Any] = Field(description="the backend's quantization settings as applied")
+
+
+class PlacementSummary(Result):
+    passed: bool
+    allowed: list[str] | None
+    offending: int
+    partition_boundaries: int
+
+
+class PrecisionSummary(Result):
+    passed: bool
+    requested: str
+    policy: str
+    mismatched_layers: int
+
+
+class Correctness(Result):
+    passed: bool
+    failures: list[str]
+    outputs: list[OutputError]
+    metrics: list[MetricResult]
+    placement: PlacementSummary
+    precision: PrecisionSummary
+    warnings: list[str]
+
+
+class Benchmark(Result):
+    batch: int
+    concurrency: int
+    engine_only: LatencyStats
+    end_to_end: LatencyStats
+    throughput_per_s: float
+    first_inference_ms: float
+    load_seconds: float
+    memory_mb: dict[str, float]
+    device_state: dict[str, Any] = Field(description="observed host state before and after (free-form readings)")
+
+
+class HostInfo(Result):
+    arch: str
+    os: str
+    cpu_model: str | None
+    cpu_cores: int | None
+    cpu_features: list[str]
+    python: str
+
+
+class Evidence(Result):
+    """What the manifest summarises, by hash: the engine and every report and sample file."""
+
+    engine_sha256: str
+    files: dict[str, str] = Field(description="report file name (build.json, validate.json, bench.json, latency.csv) -> sha256")
+
+
 class Manifest(Result):
     """One engine, described. Everything but ``provenance`` is a function of the inputs."""
 
-    schema_version: Literal[1] = 1
+    schema_version: Literal[2] = 2
     model: str
     sku: str
     digest: str = Field(description="sha256 of this document without 'digest' and 'provenance'")
-    source: dict[str, Any]
-    target: dict[str, Any]
+    source: SourceInfo
+    target: TargetInfo
     backend: str
     precision: str
     toolchain: dict[str, str]
@@ -224,15 +323,16 @@ class Manifest(Result):
     profiles: dict[str, dict[str, int]]
     signature: Signature
     engine: list[FileRecord]
-    build: dict[str, Any] = Field(description="build time, warnings and backend options as applied")
+    evidence: Evidence
+    build: BuildInfo
     hardware_specific: bool
-    calibration: dict[str, Any] | None
+    calibration: CalibrationInfo | None
     timing_cache_sha256: str | None
     datasets: dict[str, str]
     layers: list[LayerInfo]
     placement: dict[str, int]
     precision_counts: dict[str, int]
-    correctness: dict[str, Any]
-    benchmark: dict[str, Any]
-    host: dict[str, Any]
+    correctness: Correctness
+    benchmark: Benchmark
+    host: HostInfo
     provenance: Provenance

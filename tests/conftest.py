@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+import pytest
 
 TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _developer_key_in_tmp(tmp_path_factory):
+    """Publish signs with a developer key made on first use: keep it out of the real home."""
+    if "SKUFORGE_KEY_DIR" not in os.environ:
+        os.environ["SKUFORGE_KEY_DIR"] = str(tmp_path_factory.mktemp("skuforge-keys"))
+    yield

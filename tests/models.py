@@ -132,3 +132,40 @@ def write_project(root: Path, models: dict, skus: dict, **top) -> Path:
     doc = {"defaults": {}, "examples": {}, "models": models, "skus": skus, **top}
     (root / "params.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     return root / "params.yaml"
+
+
+def external_data_model(path: Path, location: str = "weights.bin", seed: int = 0) -> Path:
+    """y[batch,4] = x[batch,4] @ W + B, with W and B stored in the side file ``location`` (ONNX external data)."""
+    rng = np.random.default_rng(seed)
+    init = [numpy_helper.from_array(rng.normal(0, 0.5, (4, 4)).astype(np.float32), "W"),
+            numpy_helper.from_array(rng.normal(0, 0.1, (4,)).astype(np.float32), "B")]
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["xw"], name="matmul"), helper.make_node("Add", ["xw", "B"], ["y"], name="add")]
+    graph = helper.make_graph(nodes, "external", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])], init)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="skuforge-tests")
+    model.ir_version = 8
+    (path.parent / location).parent.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=location,
+                    size_threshold=0)
+    return path
+
+
+def relu_model(path: Path, opset: int = OPSET, custom_domain: str | None = None) -> Path:
+    """y[batch,4] = Relu(x), at ``opset``; with ``custom_domain`` a MyOp node of that domain follows (node 'my_op')."""
+    nodes = [helper.make_node("Relu", ["x"], ["r" if custom_domain else "y"], name="relu")]
+    opsets = [helper.make_opsetid("", opset)]
+    if custom_domain:
+        nodes.append(helper.make_node("MyOp", ["r"], ["y"], name="my_op", domain=custom_domain))
+        opsets.append(helper.make_opsetid(custom_domain, 1))
+    graph = helper.make_graph(nodes, "relu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])])
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="skuforge-tests")
+    model.ir_version = 8 if opset >= 7 else 3
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))  # unchecked: the checker's view of these is what the tests are about
+    return path
+
+
+def vector_spec(dir_: str) -> dict:
+    """The params.yaml entry for external_data_model and relu_model."""
+    return {"dir": dir_, "source": "model.onnx", "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}]}

@@ -13,6 +13,7 @@ from pipeline.config import DatasetSource, GenerateSpec, ModelSpec
 from pipeline.data import (
     LABELS,
     check_dataset,
+    check_finite,
     generate,
     iter_batches,
     load_file,
@@ -170,6 +171,45 @@ def test_load_npz_with_an_object_array_is_an_input_error(tmp_path):
     np.savez(folder / "golden.npz", x=np.array([object(), object()], dtype=object))
     with pytest.raises(InputError):
         load_file(spec, tmp_path, DatasetSource(path="golden.npz"), "golden")
+
+
+def test_load_refuses_labels_that_are_not_integer_class_indices(tmp_path):
+    spec, folder = spec_with(CONV, tmp_path)
+    x = np.zeros((3, 3, 8, 8), np.float32)
+    for bad, words in [(np.array([0.0, 1.0, 2.0]), "float64"), (np.array(["a", "b", "c"]), "string"),
+                       (np.zeros((3, 2), np.int64), "shape (3, 2)"), (np.array([0, -1, 2]), "negative class index at sample 1")]:
+        np.savez(folder / "eval.npz", x=x, labels=bad)
+        with pytest.raises(InputError, match="'labels'") as info:
+            load_file(spec, tmp_path, DatasetSource(path="eval.npz"), "evaluation")
+        assert words in info.value.message
+
+
+@pytest.mark.parametrize("value, kind", [(np.full((2, 3, 8, 8), "s"), "string"), (np.full((2, 3, 8, 8), b"s"), "bytes"),
+                                         (np.zeros((2, 3, 8, 8), np.complex64), "complex"),
+                                         (np.zeros((2, 3, 8, 8), "datetime64[s]"), "datetime")])
+def test_load_refuses_non_numeric_inputs(tmp_path, value, kind):
+    spec, folder = spec_with(CONV, tmp_path)
+    np.savez(folder / "golden.npz", x=value)
+    with pytest.raises(InputError) as info:
+        load_file(spec, tmp_path, DatasetSource(path="golden.npz"), "golden")
+    assert "'x'" in info.value.message and kind in info.value.message and "float32" in info.value.message
+
+
+def test_load_takes_uint8_and_bool_raw_inputs(tmp_path):
+    spec, folder = spec_with(CONV, tmp_path)
+    np.savez(folder / "golden.npz", x=np.zeros((2, 3, 8, 8), np.uint8))
+    assert load_file(spec, tmp_path, DatasetSource(path="golden.npz"), "golden")["x"].dtype == np.uint8
+
+
+def test_check_finite_names_key_and_first_sample():
+    x = np.zeros((5, 2), np.float32)
+    x[3, 1], x[4, 0] = np.inf, np.nan
+    with pytest.raises(InputError) as info:
+        check_finite({"x": x, LABELS: np.arange(5)}, "hard_tail", "m/h.npz")
+    assert "m/h.npz key 'x'" in info.value.message and "2 of 5 samples" in info.value.message
+    assert "sample 3, Inf" in info.value.message and "datasets.hard_tail.allow_non_finite" in info.value.hint
+    check_finite({"x": x}, "hard_tail", "m/h.npz", allow=True)
+    check_finite({"ids": np.arange(5)}, "calibration", "m/c.npz")  # integers are always finite
 
 
 # --- check_dataset ------------------------------------------------------------------------------

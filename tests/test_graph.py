@@ -15,8 +15,11 @@ import models
 from pipeline.config import InputSpec
 from pipeline.errors import InputError
 from pipeline.graph import (
+    MIN_OPSET,
     PASSES,
+    check_ops,
     eliminate_dead_code,
+    external_data_files,
     fold_batchnorm,
     fold_constants,
     infer_shapes,
@@ -26,6 +29,7 @@ from pipeline.graph import (
     rename_axes,
     run_passes,
     signature,
+    source_sha256,
 )
 
 
@@ -319,3 +323,85 @@ def test_load_model_fails_the_checker(tmp_path):
     with pytest.raises(InputError) as info:
         load_model(path)
     assert "checker" in info.value.message
+
+
+# --- external data ------------------------------------------------------------------------------
+
+
+def test_external_data_is_loaded_and_listed(tmp_path):
+    path = models.external_data_model(tmp_path / "m" / "model.onnx")
+    model = load_model(path)
+    assert {i.name for i in model.graph.initializer} == {"W", "B"}
+    assert all(i.data_location == TensorProto.DEFAULT and i.raw_data for i in model.graph.initializer)
+    bare = onnx.load(str(path), load_external_data=False)
+    assert external_data_files(bare, path, path.parent) == [(tmp_path / "m" / "weights.bin").resolve()]
+
+
+def test_source_sha256_covers_the_external_data(tmp_path, conv_path):
+    from pipeline.io import sha256_file
+
+    assert source_sha256(conv_path, conv_path.parent) == sha256_file(conv_path)  # no external data: the file's hash
+    path = models.external_data_model(tmp_path / "m" / "model.onnx", location="sub/weights.bin")
+    before = source_sha256(path, path.parent)
+    assert before != sha256_file(path)
+    weights = tmp_path / "m" / "sub" / "weights.bin"
+    weights.write_bytes(weights.read_bytes()[::-1])
+    assert source_sha256(path, path.parent) != before
+
+
+def test_external_data_in_a_sibling_folder_of_the_model_dir_is_refused(tmp_path):
+    path = models.external_data_model(tmp_path / "m" / "model.onnx", location="weights.bin")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "m" / "weights.bin").rename(tmp_path / "other" / "weights.bin")
+    model = onnx.load(str(path), load_external_data=False)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "../other/weights.bin"
+    onnx.save(model, str(path))
+    with pytest.raises(InputError, match="outside the model's folder"):
+        load_model(path)
+    # a model in a subfolder of the model dir may reach up into the dir, not out of it
+    assert external_data_files(model, path, tmp_path) == [(tmp_path / "other" / "weights.bin").resolve()]
+
+
+def test_truncated_external_data_is_an_input_error(tmp_path):
+    path = models.external_data_model(tmp_path / "m" / "model.onnx")
+    weights = tmp_path / "m" / "weights.bin"
+    weights.write_bytes(weights.read_bytes()[:8])
+    with pytest.raises(InputError, match="external data cannot be read"):
+        load_model(path)
+
+
+# --- ops and opsets -----------------------------------------------------------------------------
+
+
+def test_check_ops_accepts_standard_domains_and_model_local_functions(tmp_path):
+    load_model(models.relu_model(tmp_path / "a.onnx", opset=MIN_OPSET))
+    func = helper.make_function("my.funcs", "Twice", ["a"], ["b"], [helper.make_node("Add", ["a", "a"], ["b"])],
+                                [helper.make_opsetid("", 17)])
+    graph = helper.make_graph([helper.make_node("Twice", ["x"], ["y"], domain="my.funcs", name="twice")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, functions=[func],
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("my.funcs", 1)])
+    check_ops(model, tmp_path / "f.onnx")
+
+
+def test_check_ops_finds_a_custom_op_inside_a_subgraph(tmp_path):
+    inner = helper.make_graph([helper.make_node("MyOp", ["x"], ["z"], domain="com.example", name="deep")], "then", [],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2])])
+    outer = helper.make_graph([helper.make_node("If", ["c"], ["y"], then_branch=inner, else_branch=inner, name="if")], "g",
+                              [helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+                               helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(outer, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.example", 1)])
+    with pytest.raises(InputError, match="node 'deep' is op 'MyOp' of the custom domain 'com.example'"):
+        check_ops(model, tmp_path / "m.onnx")
+
+
+@pytest.mark.parametrize("opset", [MIN_OPSET - 1, onnx.defs.onnx_opset_version() + 1])
+def test_check_ops_refuses_an_opset_out_of_range(tmp_path, opset):
+    with pytest.raises(InputError) as info:
+        load_model(models.relu_model(tmp_path / "m.onnx", opset=opset))
+    assert f"opset {opset}" in info.value.message and "skuforge prepare" not in info.value.hint

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from ..errors import ConfigError, InputError
 from ..io import atomic_write_json, read_json, sha256_file
-from ..results import FileRecord, LayerInfo, TensorSig
+from ..results import FileRecord, LayerInfo, TensorSig, engine_digest
 
 if TYPE_CHECKING:
     import numpy as np
@@ -58,6 +58,8 @@ class BuildOutcome:
 
 class Runner(abc.ABC):
     """A loaded engine. ``infer`` checks its inputs, then calls ``_infer_impl``."""
+
+    engine_sha256: str | None = None  # set by Backend.load from the verified engine files
 
     def __init__(self, inputs: list[TensorSig], outputs: list[str]):
         self.inputs = inputs
@@ -146,7 +148,9 @@ class Backend(abc.ABC):
             if built != have.get(key):
                 raise InputError(f"{engine_dir} was built with {key} {built}, this host has {have.get(key)}",
                                  hint="rebuild the engine here, or install the version it was built with")
-        return self._load_impl(engine_dir, meta, sku)
+        runner = self._load_impl(engine_dir, meta, sku)
+        runner.engine_sha256 = engine_digest(meta.get("files", []))
+        return runner
 
     @abc.abstractmethod
     def _load_impl(self, engine_dir: Path, meta: dict[str, Any], sku: "SkuSpec") -> Runner: ...

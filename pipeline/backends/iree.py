@@ -314,19 +314,26 @@ def _compile(work: Path, flags: list[str], out: Path, node_types: dict[str, str]
                                  hint="the model may be too large for this host, or the compiler hangs on an op: "
                                       "report it to IREE with the model") from exc
     if proc.returncode != 0:
-        raise compile_error(proc.returncode, proc.stderr, node_types, cmd)
+        raise compile_error(proc.returncode, proc.stderr, node_types, cmd, work)
 
 
 _LEGALIZE = re.compile(r"failed to legalize operation '([^']+)'")
 _TORCH_OP = re.compile(r'name = "onnx\.(\w+)"')
 
 
-def compile_error(returncode: int, stderr: str, node_types: dict[str, str], cmd: list[str]) -> Exception:
-    """Turn iree-compile's diagnostics into the error the user can act on."""
+def compile_error(returncode: int, stderr: str, node_types: dict[str, str], cmd: list[str],
+                  work: Path | None = None) -> Exception:
+    """Turn iree-compile's diagnostics into the error the user can act on (``work``: its scratch folder)."""
     lines = [line for line in stderr.splitlines() if line.strip()]
     errors = [line for line in lines if "error:" in line]
     first = errors[0] if errors else (lines[0] if lines else f"exit status {returncode}")
     shown = "\n".join(lines[:12])
+    if "No space left on device" in stderr or "ENOSPC" in stderr:  # before the crash check: LLVM may abort on it
+        out = Path(cmd[cmd.index("-o") + 1]).parent if "-o" in cmd[:-1] else None
+        folders = " and ".join(f"{name} {folder}" for name, folder in (("the engine folder", out), ("the scratch folder", work)) if folder)
+        line = next((ln for ln in lines if "No space left on device" in ln or "ENOSPC" in ln), first)
+        return EnvironmentProblem(f"iree-compile ran out of disk space writing {folders or 'its output'}: {line.strip()}",
+                                  hint="free space on that disk (the scratch folder is under TMPDIR: point it at a larger disk) and rebuild")
     if "Unknown command line argument" in stderr or "Unknown Vulkan target" in stderr or "missing GPU target" in stderr:
         return ConfigError(f"iree-compile refused the flags {' '.join(cmd[2:])}: {first.strip()}",
                            hint="fix options.extra_flags / vulkan_target / cuda_target (iree-compile --help lists flags)")

@@ -107,7 +107,10 @@ def create_session(model: Path | bytes, so: "ort.SessionOptions", providers: lis
             raise UnsupportedOp("onnxruntime", missing.group(1) if missing else None, missing.group(2) if missing else None,
                                 f"no kernel on {', '.join(providers)} ({msg})",
                                 hint="list a provider that implements it, or replace the op before export") from exc
-        raise InputError(f"ONNX Runtime could not load the model: {msg}", hint="check the model with `skuforge prepare`") from exc
+        raise InputError(f"ONNX Runtime could not load the model: {msg}",
+                         hint="the model is valid ONNX but this ONNX Runtime refuses it for the reason above: "
+                              "re-export it without what is named (for an opset: onnx.version_converter), "
+                              "or use another onnxruntime version") from exc
 
 
 class SessionRunner(Runner):

@@ -304,7 +304,8 @@ def _read_model(path: Path, onnx_model: Any) -> "ov.Model":
         unconverted = _unconverted_ops(path)
         if not unconverted:
             raise InputError(f"OpenVINO could not read the model: {_first_line(exc)}",
-                             hint="check the model with `skuforge prepare`") from exc
+                             hint="the prepared model is valid ONNX but OpenVINO's ONNX frontend refuses it for the "
+                                  "reason above: upgrade openvino, re-export at another opset, or use another backend") from exc
         found = [(op, node.name or node.output[0]) for op in unconverted for node in onnx_model.graph.node
                  if (node.domain or "", node.op_type) == op]
         named = [f"{f'{d}.' if d else ''}{t} (node {n!r})" for (d, t), n in found] or \

@@ -1,7 +1,9 @@
 """Render the GitHub Actions workflows from the registry, and check committed ones are current.
 
 Templates use ``[[ ]]`` / ``[% %]`` delimiters so GitHub's own ``${{ }}`` expressions pass through
-untouched. Output is deterministic: the same registry renders the same bytes.
+untouched. Every registry value goes through one filter, ``yaml_value``: a quoted YAML scalar that
+can add no key and hold no GitHub expression. Scripts (``run:``) read registry values from ``env:``,
+never as pasted text. Output is deterministic: the same registry renders the same bytes.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Registry, SkuSpec
+from ..errors import ConfigError
 
 WORKFLOW_DIR = Path(".github") / "workflows"
 TEMPLATES = {"build.yml": "build.yml.j2", "promote.yml": "promote.yml.j2"}
@@ -39,21 +42,38 @@ def _environment():
         block_start_string="[%", block_end_string="%]",
         comment_start_string="[#", comment_end_string="#]",
         trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
-        undefined=jinja2.StrictUndefined, autoescape=False,
+        undefined=jinja2.StrictUndefined, autoescape=False, finalize=_serialized,
     )
 
 
-def _flow(value: Any) -> str:
-    """A YAML flow value (lists of labels, option lists) on one line."""
+class _Serialized(str):
+    """Text made by ``yaml_value``: the only kind a template may print."""
+
+
+def _serialized(value: Any) -> str:
+    if not isinstance(value, _Serialized):
+        raise TypeError(f"a template prints {value!r} without '| yaml_value'")  # a template bug, not a user error
+    return value
+
+
+def yaml_value(value: Any) -> str:
+    """``value`` as one YAML flow value on one line (JSON is YAML: quotes, escapes, no comments).
+
+    GitHub evaluates ``${{`` in any string, quoted or not, so a value holding it is refused.
+    """
     import json
 
-    return json.dumps(value)
+    text = json.dumps(value)
+    if "${{" in text:
+        raise ConfigError(f"registry value {value!r} holds '${{{{': GitHub would evaluate it as an expression",
+                          hint="rename it in params.yaml (see the name rule in docs/registry.md)")
+    return _Serialized(text)
 
 
 def workflows(registry: Registry) -> dict[str, str]:
     """File name -> rendered text of every workflow the registry describes."""
     env = _environment()
-    env.filters["flow"] = _flow
+    env.filters["yaml_value"] = yaml_value
     release = registry.release
     context = {
         "matrix": matrix(registry),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..config import Registry
+from ..redact import redact
 
 COLUMNS = [("model", "model"), ("passed", "correct"), ("max_abs_error", "max abs error"), ("p50_ms", "p50 ms"),
            ("p99_ms", "p99 ms"), ("throughput_per_s", "samples/s"), ("build_s", "build s"), ("digest", "digest"),
@@ -27,8 +28,9 @@ def markdown(registry: Registry, sku: str) -> str:
     rows = [r for r in summary(registry) if r["sku"] == sku]
     lines = [f"### skuforge: {sku}", ""]
     if not rows:
-        return "\n".join(lines + ["No manifest was written for this SKU (see the job log).", ""])
-    lines.append("| " + " | ".join(title for _, title in COLUMNS) + " |")
-    lines.append("|" + "---|" * len(COLUMNS))
-    lines += ["| " + " | ".join(_cell(r.get(key)) for key, _ in COLUMNS) + " |" for r in rows]
-    return "\n".join(lines + [""])
+        lines.append("No manifest was written for this SKU (see the job log).")
+    else:
+        lines.append("| " + " | ".join(title for _, title in COLUMNS) + " |")
+        lines.append("|" + "---|" * len(COLUMNS))
+        lines += ["| " + " | ".join(_cell(r.get(key)) for key, _ in COLUMNS) + " |" for r in rows]
+    return redact("\n".join(lines + [""]))  # the summary is public on the run's page

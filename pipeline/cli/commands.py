@@ -8,6 +8,14 @@ import sys
 from typing import Any, Callable
 
 
+def positive_int(value: str) -> str:
+    """A registered version number (MLflow counts from 1), checked before any store is opened."""
+    if not value.strip().isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a version number: give a positive integer such as 3 "
+                                         "(`skuforge releases MODEL` lists the versions)")
+    return str(int(value))
+
+
 def _registry(args: argparse.Namespace):
     from ..config import load_registry
 
@@ -105,7 +113,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     which.add_argument("--sku", action="append", help="the SKU (repeatable)")
     which.add_argument("--all-skus", action="store_true", help="every SKU the release requires (release.skus)")
     p.add_argument("--to", required=True, metavar="ALIAS", help="the alias to move (release.aliases)")
-    p.add_argument("--version", help="the version to move (default: newest for the first alias, else the holder "
+    p.add_argument("--version", type=positive_int, metavar="N", help="the version to move (default: newest for the first alias, else the holder "
                                      "of the alias before)")
     p.add_argument("--reason", help="why (required for the aliases in release.reason_required)")
     p.add_argument("--rollback", action="store_true", help="move the alias back to its previous holder")

@@ -6,10 +6,14 @@ folder: promotion runs wherever the registry is reachable (a release job, a lapt
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
 from typing import Any, Sequence
 
-from ..config import PerformanceGate
+from ..config import PerformanceGate, Registry
 from ..errors import InputError
+from ..io import sha256_file
+from ..results import Manifest, engine_digest
 from .reports import GateResult
 from .stats import compare_latency
 
@@ -27,33 +31,78 @@ def chain_gate(chain: Sequence[str], alias: str, version: str, holds: Sequence[s
                              f"promote it to {before!r} first", data={"required": before, "holds": list(holds)})
 
 
-def correctness_gate(manifest: dict[str, Any]) -> GateResult:
-    """Outputs within tolerance, task metric within its allowed drop, precision gate (placement
-    is its own gate)."""
-    c = manifest["correctness"]
-    bad = [f"output {o['output']}: max abs error {o['max_abs_error']:.3g}, {o['mismatch_fraction']:.1%} beyond tolerance"
-           for o in c.get("outputs", []) if not o.get("passed")]
-    bad += [f"{m['split']} metric dropped {-m['delta']:.4f} (allowed {m['max_drop']})"
-            for m in c.get("metrics", []) if not m.get("passed")]
-    if not (c.get("precision") or {}).get("passed", True):
-        bad.append(f"{c['precision']['mismatched_layers']} layers ran in another precision than {c['precision']['requested']}")
+def correctness_problems(m: Manifest, registry: Registry) -> list[str]:
+    """Why the manifest's evidence does not show a correct engine, recomputed against the SKU's
+    tolerances in params.yaml; every recorded ``passed`` flag and failure list must agree too.
+    An empty list is a pass; anything missing or contradictory is a problem (fail closed)."""
+    c, bad = m.correctness, []
+    tol = registry.tolerance(m.model, m.sku)
+    gate = registry.metric_gate(m.model, m.sku)
+    spec = registry.model(m.model)
+    eps = 1e-12
+    wanted = spec.outputs if spec.outputs is not None else [o.name for o in m.signature.outputs]
+    seen = {o.output for o in c.outputs}
+    bad += [f"output {name}: no error figures in the manifest" for name in wanted if name not in seen]
+    for o in c.outputs:
+        if o.atol > tol.atol + eps or o.rtol > tol.rtol + eps:
+            bad.append(f"output {o.output}: measured with atol={o.atol} rtol={o.rtol}, looser than the SKU's "
+                       f"atol={tol.atol} rtol={tol.rtol}")
+        if not (math.isfinite(o.max_abs_error) and math.isfinite(o.mismatch_fraction)):
+            bad.append(f"output {o.output}: non-finite error figures")
+        elif o.mismatch_fraction > tol.max_mismatch + eps:
+            bad.append(f"output {o.output}: {o.mismatch_fraction:.2%} of elements beyond tolerance "
+                       f"(allowed {tol.max_mismatch:.2%}; max abs error {o.max_abs_error:.3g})")
+        if not o.passed:
+            bad.append(f"output {o.output}: recorded as failed")
+    if spec.metric is not None and not any(x.split == "evaluation" for x in c.metrics):
+        bad.append("task metric: no evaluation figure in the manifest")
+    for x in c.metrics:
+        allowed = gate.max_drop_hard_tail if x.split == "hard_tail" else gate.max_drop
+        if not all(math.isfinite(v) for v in (x.engine, x.reference, x.delta)) or abs(x.engine - x.reference - x.delta) > 1e-9:
+            bad.append(f"{x.split} metric: figures do not add up (engine {x.engine}, reference {x.reference}, delta {x.delta})")
+        elif -x.delta > allowed + eps:
+            bad.append(f"{x.split} metric dropped {-x.delta:.4f} (allowed {allowed})")
+        if not x.passed:
+            bad.append(f"{x.split} metric: recorded as failed")
+    if not c.precision.passed:
+        bad.append(f"{c.precision.mismatched_layers} layers ran in another precision than {c.precision.requested}")
+    if not c.passed or c.failures:
+        bad.append("validation recorded as failed" + (f": {'; '.join(c.failures)}" if c.failures else ""))
+    return list(dict.fromkeys(bad))
+
+
+def correctness_gate(m: Manifest, registry: Registry, version_tag: str | None = None) -> GateResult:
+    """Outputs within tolerance, task metric within its allowed drop, precision gate (placement is
+    its own gate), recomputed from the figures; the version's correctness tag must agree."""
+    bad = correctness_problems(m, registry)
+    if version_tag != "passed":
+        bad.append(f"the registered version is tagged correctness={version_tag or 'nothing'}")
     if bad:
-        return GateResult(name="correctness", passed=False, detail="; ".join(bad), data={"failures": c.get("failures", [])})
+        return GateResult(name="correctness", passed=False, detail="; ".join(bad), data={"failures": bad})
     return GateResult(name="correctness", passed=True,
-                      detail=f"{len(c.get('outputs', []))} outputs within tolerance, {len(c.get('metrics', []))} task metrics within their drop")
+                      detail=f"{len(m.correctness.outputs)} outputs within tolerance, {len(m.correctness.metrics)} "
+                             "task metrics within their drop (recomputed against params.yaml)")
 
 
-def placement_gate(manifest: dict[str, Any]) -> GateResult:
-    p = manifest["correctness"].get("placement") or {}
-    allowed = ", ".join(p.get("allowed") or []) or "the requested devices"
-    if p.get("passed"):
-        return GateResult(name="placement", passed=True, detail=f"every layer on {allowed}")
-    return GateResult(name="placement", passed=False, detail=f"{p.get('offending')} layers ran outside {allowed}",
-                      data={"offending": p.get("offending"), "allowed": p.get("allowed")})
+def placement_gate(m: Manifest, registry: Registry) -> GateResult:
+    """Layers on devices the SKU allows, counted again from the manifest's layers."""
+    sku = registry.sku(m.sku)
+    allowed = sku.placement.allowed if sku.placement.allowed is not None else m.correctness.placement.allowed
+    if allowed is None:
+        return GateResult(name="placement", passed=False, detail="no allowed devices recorded or configured")
+    offending = [layer.name for layer in m.layers if layer.device is not None and layer.device not in allowed]
+    shown = ", ".join(allowed)
+    if len(offending) > sku.placement.max_fallback_nodes or not m.correctness.placement.passed:
+        return GateResult(name="placement", passed=False,
+                          detail=f"{len(offending)} layers ran outside {shown} (allowed {sku.placement.max_fallback_nodes})"
+                                 + ("" if m.correctness.placement.passed else "; recorded as failed"),
+                          data={"offending": offending[:50], "allowed": allowed})
+    return GateResult(name="placement", passed=True, detail=f"every layer on {shown}")
 
 
-def manifest_gate(document: Any, version_digest: str | None) -> GateResult:
-    """The uploaded manifest matches its schema, its own digest and the version's digest tag."""
+def manifest_gate(document: Any, version_digest: str | None, registry: Registry | None = None) -> GateResult:
+    """The uploaded manifest matches its schema, its own digest, the version's digest tag and,
+    with ``registry``, the SKU it claims to be for (backend, precision, toolchain, architecture)."""
     from ..manifest import validate_document
 
     try:
@@ -64,8 +113,63 @@ def manifest_gate(document: Any, version_digest: str | None) -> GateResult:
         return GateResult(name="manifest", passed=False,
                           detail=f"the manifest artifact has digest {document['digest'][:12]}, the version's tag says "
                                  f"{(version_digest or 'nothing')[:12]}: the artifact was replaced after registration")
-    # Manifest signing does not exist yet; when it does, this gate checks the signature too.
-    return GateResult(name="manifest", passed=True, detail=f"schema-valid, digest {document['digest'][:12]} (unsigned)")
+    if registry is not None:
+        bad = sku_mismatches(Manifest.model_validate(document), registry)
+        if bad:
+            return GateResult(name="manifest", passed=False, detail="; ".join(bad))
+    return GateResult(name="manifest", passed=True, detail=f"schema-valid, digest {document['digest'][:12]}")
+
+
+def sku_mismatches(m: Manifest, registry: Registry) -> list[str]:
+    """What in the manifest contradicts its SKU in params.yaml."""
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    sku, bad = registry.sku(m.sku), []
+    if m.backend != sku.backend:
+        bad.append(f"built by {m.backend}, the SKU asks for {sku.backend}")
+    if m.precision != sku.precision:
+        bad.append(f"precision {m.precision}, the SKU asks for {sku.precision}")
+    if m.target.arch != sku.target.arch or m.host.arch != sku.target.arch:
+        bad.append(f"target/host architecture {m.target.arch}/{m.host.arch}, the SKU is {sku.target.arch}")
+    for package, spec in sku.toolchain.items():
+        have = m.toolchain.get(package)
+        try:
+            ok = have is not None and Version(have) in SpecifierSet(spec)
+        except (InvalidVersion, InvalidSpecifier):
+            ok = False
+        if not ok:
+            bad.append(f"toolchain {package} {have or '(not recorded)'} does not satisfy {spec!r}")
+    if engine_digest(m.engine) != m.evidence.engine_sha256:
+        bad.append("the engine file list does not match the engine hash its reports were bound to")
+    return bad
+
+
+def signature_gate(signature: Any, m: Manifest, alias: str, registry: Registry) -> GateResult:
+    """The manifest digest signed by a key params.yaml trusts for ``alias``."""
+    from ..signing import verify
+
+    verdict = verify(signature, m.digest, m.model, m.sku, alias, registry.release.signing)
+    return GateResult(name="signature", passed=verdict.passed, detail=verdict.detail,
+                      data={"key": verdict.key_name} if verdict.key_name else {})
+
+
+def engine_gate(m: Manifest, files: dict[str, Path] | None, where: str) -> GateResult:
+    """The engine files in the artifact store, hashed against the manifest."""
+    if files is None:
+        return GateResult(name="engine", passed=False, detail=f"no engine artifacts under {where}")
+    bad = []
+    for rec in m.engine:
+        path = files.get(rec.path)
+        if path is None:
+            bad.append(f"{rec.path} missing")
+        elif path.stat().st_size != rec.bytes or sha256_file(path) != rec.sha256:
+            bad.append(f"{rec.path} differs from the manifest (sha256 {sha256_file(path)[:12]}, manifest {rec.sha256[:12]})")
+    if bad:
+        return GateResult(name="engine", passed=False, detail=f"engine in the store at {where}: " + "; ".join(bad),
+                          data={"problems": bad})
+    return GateResult(name="engine", passed=True,
+                      detail=f"{len(m.engine)} engine files in the store match the manifest's sha256")
 
 
 def performance_gate(candidate: Sequence[float] | None, incumbent: Sequence[float] | None, incumbent_version: str | None,

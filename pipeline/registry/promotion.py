@@ -20,13 +20,19 @@ from typing import Any
 
 from ..config import Registry, _did_you_mean
 from ..errors import ConfigError, GateFailed, InputError, ServiceError
-from .gates import chain_gate, correctness_gate, manifest_gate, performance_gate, placement_gate, release_gate
-from .publish import LATENCY_ARTIFACT, MANIFEST_ARTIFACT
+from ..io import sha256_bytes
+from ..results import Manifest
+from .gates import (chain_gate, correctness_gate, engine_gate, manifest_gate, performance_gate, placement_gate,
+                    release_gate, signature_gate)
+from .publish import ENGINE_ARTIFACTS, LATENCY_ARTIFACT, LATENCY_FILE, MANIFEST_ARTIFACT
 from .reports import GateResult, HistoryEntry, Move, PromotionReport
 from .stats import read_latency_csv
-from .tracking import TAG_DIGEST, TAG_HISTORY, Tracking, actor, connect, registered_model_name
+from .tracking import (TAG_CORRECTNESS, TAG_DIGEST, TAG_HISTORY, TAG_SIGNATURE, Tracking, actor, connect,
+                       registered_model_name)
 
 log = logging.getLogger(__name__)
+# Gates that read the manifest's evidence: all fail when the manifest cannot be trusted.
+EVIDENCE_GATES = ("manifest", "signature", "correctness", "placement", "engine", "performance")
 
 
 class PromotionBlocked(GateFailed):
@@ -80,28 +86,50 @@ def history(registered_model: Any, alias: str) -> list[HistoryEntry]:
         return []
 
 
-def _download_text(tracking: Tracking, run_id: str | None, path: str) -> str | None:
+def _download(tracking: Tracking, run_id: str | None, path: str, into: str) -> Path | None:
+    """An artifact (file or folder) of a run downloaded under ``into``; None when it does not exist."""
     if not run_id:
         return None
-    with tempfile.TemporaryDirectory(prefix="skuforge-promote-") as tmp:
-        try:
-            local = tracking.call(f"download {path} of run {run_id}", tracking.client.download_artifacts, run_id, path,
-                                  tmp, expect={"RESOURCE_DOES_NOT_EXIST"})
-        except Exception as exc:
-            if getattr(exc, "error_code", None) == "RESOURCE_DOES_NOT_EXIST":
-                return None
-            raise
-        return Path(local).read_text(encoding="utf-8")
-
-
-def _samples(tracking: Tracking, run_id: str | None) -> list[float] | None:
-    text = _download_text(tracking, run_id, LATENCY_ARTIFACT)
-    if text is None:
-        return None
     try:
-        return read_latency_csv(text)
+        local = tracking.call(f"download {path} of run {run_id}", tracking.client.download_artifacts, run_id, path,
+                              into, expect={"RESOURCE_DOES_NOT_EXIST"})
+    except Exception as exc:
+        if getattr(exc, "error_code", None) == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
+    local = Path(local)
+    return local if local.exists() else None
+
+
+def _download_text(tracking: Tracking, run_id: str | None, path: str) -> str | None:
+    with tempfile.TemporaryDirectory(prefix="skuforge-promote-") as tmp:
+        local = _download(tracking, run_id, path, tmp)
+        return local.read_text(encoding="utf-8") if local is not None and local.is_file() else None
+
+
+def _manifest(tracking: Tracking, run_id: str | None) -> dict | None:
+    text = _download_text(tracking, run_id, MANIFEST_ARTIFACT)
+    try:
+        doc = json.loads(text) if text is not None else None
     except ValueError:
         return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _samples(tracking: Tracking, run_id: str | None, expected_sha256: str | None) -> tuple[list[float] | None, str | None]:
+    """Latency samples of a run, checked against the sha256 its manifest recorded: (samples, problem)."""
+    with tempfile.TemporaryDirectory(prefix="skuforge-promote-") as tmp:
+        local = _download(tracking, run_id, LATENCY_ARTIFACT, tmp)
+        if local is None or not local.is_file():
+            return None, None
+        data = local.read_bytes()
+    if expected_sha256 is None or sha256_bytes(data) != expected_sha256:
+        return None, (f"the latency samples of run {run_id} are not the ones its manifest recorded "
+                      f"(sha256 {sha256_bytes(data)[:12]}, manifest {(expected_sha256 or 'nothing')[:12]})")
+    try:
+        return read_latency_csv(data.decode("utf-8")), None
+    except (UnicodeDecodeError, ValueError):
+        return None, f"the latency samples of run {run_id} are unreadable"
 
 
 def _version(tracking: Tracking, name: str, version: str):
@@ -136,25 +164,49 @@ def _source(tracking: Tracking, registry: Registry, rm: Any, name: str, index: i
     return (found, "") if found is not None else (None, f"version {holder} holding {before!r} is gone")
 
 
+def _engine_files(tracking: Tracking, run_id: str, into: str) -> dict[str, Path] | None:
+    local = _download(tracking, run_id, ENGINE_ARTIFACTS, into)
+    if local is None or not local.is_dir():
+        return None
+    return {p.relative_to(local).as_posix(): p for p in local.rglob("*") if p.is_file()}
+
+
 def _gates(tracking: Tracking, registry: Registry, alias: str, rm: Any, src: Any, incumbent: str | None) -> list[GateResult]:
+    """Every gate of one SKU's move, recomputed from what the store holds (fail closed)."""
     holds = [a for a, v in (rm.aliases or {}).items() if str(v) == str(src.version)]
+    tags = src.tags or {}
     gates = [chain_gate(registry.release.aliases, alias, str(src.version), holds)]
-    text = _download_text(tracking, src.run_id, MANIFEST_ARTIFACT)
-    try:
-        doc = json.loads(text) if text is not None else None
-    except ValueError:
-        doc = None
-    if not isinstance(doc, dict) or "correctness" not in doc:
+    doc = _manifest(tracking, src.run_id)
+    if doc is None:
         missing = f"the manifest artifact of run {src.run_id} is missing or not JSON"
-        gates += [GateResult(name=n, passed=False, detail=missing) for n in ("correctness", "placement", "manifest")]
-    else:
-        gates += [correctness_gate(doc), placement_gate(doc), manifest_gate(doc, (src.tags or {}).get(TAG_DIGEST))]
+        return gates + [GateResult(name=n, passed=False, detail=missing) for n in EVIDENCE_GATES]
+    gate = manifest_gate(doc, tags.get(TAG_DIGEST), registry)
+    gates.append(gate)
+    if not gate.passed:
+        return gates + [GateResult(name=n, passed=False, detail="the manifest cannot be trusted (see the manifest gate)")
+                        for n in EVIDENCE_GATES if n != "manifest"]
+    m = Manifest.model_validate(doc)
+    try:
+        signature = json.loads(tags[TAG_SIGNATURE]) if TAG_SIGNATURE in tags else None
+    except ValueError:
+        signature = "unreadable"
+    gates += [signature_gate(signature, m, alias, registry), correctness_gate(m, registry, tags.get(TAG_CORRECTNESS)),
+              placement_gate(m, registry)]
+    with tempfile.TemporaryDirectory(prefix="skuforge-promote-") as tmp:
+        gates.append(engine_gate(m, _engine_files(tracking, src.run_id, tmp), f"run {src.run_id}/{ENGINE_ARTIFACTS}"))
+    candidate, problem = _samples(tracking, src.run_id, m.evidence.files.get(LATENCY_FILE))
+    if problem:
+        gates.append(GateResult(name="performance", passed=False, detail=problem))
+        return gates
     incumbent_samples = None
     if incumbent is not None:
         holder = _version(tracking, rm.name, incumbent)
-        incumbent_samples = _samples(tracking, holder.run_id if holder else None)
-    gates.append(performance_gate(_samples(tracking, src.run_id), incumbent_samples, incumbent, alias,
-                                  registry.release.performance))
+        held = _manifest(tracking, holder.run_id) if holder else None
+        expected = ((held or {}).get("evidence") or {}).get("files", {}).get(LATENCY_FILE)
+        incumbent_samples, problem = _samples(tracking, holder.run_id if holder else None, expected)
+        if problem:
+            log.warning("%s: %s; the latency comparison treats version %s as having no samples", rm.name, problem, incumbent)
+    gates.append(performance_gate(candidate, incumbent_samples, incumbent, alias, registry.release.performance))
     return gates
 
 

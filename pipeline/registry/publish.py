@@ -28,13 +28,14 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
 
 from .. import __version__
-from ..config import Release
+from ..config import Registry, Release
 from ..errors import ServiceError
 from ..results import Manifest
 from ..stages import Progress
 from .reports import PublishResult
-from .tracking import (TAG_COMPLETE, TAG_DIGEST, TAG_LOGGED, TAG_MODEL, TAG_SKU, Tracking, actor, experiment_name,
-                       registered_model_name)
+from .gates import correctness_problems
+from .tracking import (TAG_COMPLETE, TAG_CORRECTNESS, TAG_DIGEST, TAG_LOGGED, TAG_MODEL, TAG_SIGNATURE, TAG_SKU, Tracking,
+                       actor, experiment_name, registered_model_name)
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,8 @@ METRICS_PER_BATCH = 1000
 MANIFEST_ARTIFACT = "manifest.json"
 ENGINE_ARTIFACTS = "engine"
 REPORT_ARTIFACTS = "reports"
-LATENCY_ARTIFACT = f"{REPORT_ARTIFACTS}/latency.csv"
+LATENCY_FILE = "latency.csv"
+LATENCY_ARTIFACT = f"{REPORT_ARTIFACTS}/{LATENCY_FILE}"
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ def flatten(obj: Any, prefix: str = "") -> dict[str, str]:
 def params(inputs: PublishInputs) -> dict[str, str]:
     m = inputs.manifest
     return flatten({**inputs.config, "toolchain": m.toolchain, "skuforge_version": __version__,
-                    "model_source_sha256": m.source.get("sha256"), "build_config_sha256": m.build_config_sha256})
+                    "model_source_sha256": m.source.sha256, "build_config_sha256": m.build_config_sha256})
 
 
 def manifest_metrics(m: Manifest) -> dict[str, float]:
@@ -89,25 +91,25 @@ def manifest_metrics(m: Manifest) -> dict[str, float]:
     out: dict[str, Any] = {}
     bench = m.benchmark
     for kind in ("engine_only", "end_to_end"):
-        for key, value in (bench.get(kind) or {}).items():
+        for key, value in getattr(bench, kind).to_json().items():
             out[f"latency.{kind}.{key}"] = value
     for key in ("throughput_per_s", "first_inference_ms", "load_seconds"):
-        out[key] = bench.get(key)
-    for key, value in (bench.get("memory_mb") or {}).items():
+        out[key] = getattr(bench, key)
+    for key, value in bench.memory_mb.items():
         out[f"memory.{key}_mb"] = value
     c = m.correctness
-    for o in c.get("outputs", []):
+    for o in c.outputs:
         for key in ("max_abs_error", "max_rel_error", "mean_abs_error", "mismatch_fraction"):
-            out[f"error.{o['output']}.{key}"] = o.get(key)
-    for x in c.get("metrics", []):
+            out[f"error.{o.output}.{key}"] = getattr(o, key)
+    for x in c.metrics:
         for key in ("delta", "engine", "reference"):
-            out[f"task.{x['split']}.{key}"] = x.get(key)
-    out["gate.correctness_passed"] = c.get("passed")
-    out["gate.placement_passed"] = (c.get("placement") or {}).get("passed")
-    out["gate.precision_passed"] = (c.get("precision") or {}).get("passed")
-    out["placement.offending_layers"] = (c.get("placement") or {}).get("offending")
-    out["precision.mismatched_layers"] = (c.get("precision") or {}).get("mismatched_layers")
-    out["build.seconds"] = m.build.get("seconds")
+            out[f"task.{x.split}.{key}"] = getattr(x, key)
+    out["gate.correctness_passed"] = c.passed
+    out["gate.placement_passed"] = c.placement.passed
+    out["gate.precision_passed"] = c.precision.passed
+    out["placement.offending_layers"] = c.placement.offending
+    out["precision.mismatched_layers"] = c.precision.mismatched_layers
+    out["build.seconds"] = m.build.seconds
     out["layers"] = len(m.layers)
     out["layers.fused"] = sum(1 for layer in m.layers if len(layer.fused_from) > 1)
     return {_name(k): float(v) for k, v in out.items()
@@ -131,10 +133,10 @@ def ci_tags(m: Manifest, env: Mapping[str, str]) -> dict[str, str]:
 
 
 def _summary(m: Manifest) -> str:
-    e = m.benchmark["engine_only"]
-    state = "passed" if m.correctness["passed"] else "FAILED"
-    return (f"{m.model} on {m.sku}: {m.backend} {m.precision}, correctness {state}, p50 {e['p50_ms']:.4g} ms, "
-            f"p99 {e['p99_ms']:.4g} ms, {m.benchmark['throughput_per_s']:.4g} samples/s; manifest {m.digest[:12]}")
+    e = m.benchmark.engine_only
+    state = "passed" if m.correctness.passed else "FAILED"
+    return (f"{m.model} on {m.sku}: {m.backend} {m.precision}, correctness {state}, p50 {e.p50_ms:.4g} ms, "
+            f"p99 {e.p99_ms:.4g} ms, {m.benchmark.throughput_per_s:.4g} samples/s; manifest {m.digest[:12]}")
 
 
 def _run_tags(m: Manifest, env: Mapping[str, str]) -> dict[str, str]:
@@ -227,9 +229,16 @@ def _upload(tracking: Tracking, run_id: str, inputs: PublishInputs, progress: Pr
             tracking.call(f"upload {path.name}", client.log_artifact, run_id, str(path), where)
 
 
-def publish_engine(tracking: Tracking, release: Release, inputs: PublishInputs,
+def publish_engine(tracking: Tracking, registry: Registry, inputs: PublishInputs,
                    progress: Progress | None = None) -> PublishResult:
-    """Record one engine in MLflow and register it; see the module docstring for the steps."""
+    """Record one engine in MLflow and register it; see the module docstring for the steps.
+
+    The version is tagged with the correctness verdict recomputed from the manifest's figures
+    against params.yaml (not the manifest's own flag) and with the publisher's signature of the
+    manifest digest, which promotion verifies against the keys params.yaml trusts."""
+    from ..signing import signing_key
+
+    release = registry.release
     started = time.perf_counter()
     step = progress or (lambda label, fraction: None)
     m = inputs.manifest
@@ -237,6 +246,7 @@ def publish_engine(tracking: Tracking, release: Release, inputs: PublishInputs,
     client = tracking.client
     where = f"{m.model}/{m.sku}"
 
+    key = signing_key()  # before anything is written: a bad key fails the publish cleanly
     step("publish: look up", 0.05)
     version = tracking.call(f"search versions of {name}", _version_by_digest, client, name, m.digest)
     created_run = created_version = resumed = False
@@ -276,8 +286,9 @@ def publish_engine(tracking: Tracking, release: Release, inputs: PublishInputs,
         engine_path = f"{run.info.artifact_uri.rstrip('/')}/{ENGINE_ARTIFACTS}"
         version_tags = {TAG_DIGEST: m.digest, TAG_MODEL: m.model, TAG_SKU: m.sku, "skuforge.backend": m.backend,
                         "skuforge.precision": m.precision,
-                        "skuforge.correctness": "passed" if m.correctness["passed"] else "failed",
-                        "skuforge.p50_ms": f"{m.benchmark['engine_only']['p50_ms']:.6g}"}
+                        TAG_CORRECTNESS: "failed" if correctness_problems(m, registry) else "passed",
+                        TAG_SIGNATURE: json.dumps(key.sign(m.digest, m.model, m.sku).to_json(), sort_keys=True),
+                        "skuforge.p50_ms": f"{m.benchmark.engine_only.p50_ms:.6g}"}
         if m.provenance.git_commit:
             version_tags["skuforge.git_commit"] = m.provenance.git_commit
 

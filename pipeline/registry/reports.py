@@ -8,7 +8,7 @@ from pydantic import Field
 
 from ..results import Result
 
-GateName = Literal["chain", "correctness", "placement", "manifest", "performance", "release_skus"]
+GateName = Literal["chain", "manifest", "signature", "correctness", "placement", "engine", "performance", "release_skus"]
 
 
 class PublishResult(Result):

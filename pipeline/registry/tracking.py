@@ -7,7 +7,10 @@ out of git), so the example project records its engines with no server.
 Every MLflow call goes through :meth:`Tracking.call`: connection errors, 5xx answers, a locked
 SQLite database and a concurrent writer's unique-key clash are retried with exponential backoff;
 after the last attempt, or on any other MLflow error, it raises ``ServiceError`` (exit 4) naming the
-URI and the operation.
+URI and the operation. What retrying cannot heal fails at once: an unsupported URI scheme
+(``ConfigError``), a missing database driver (``EnvironmentProblem``), a read-only or full local
+database (``StorageError``). Every message is redacted (no credentials of the URI or the
+environment).
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Collection, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from ..config import NAME_FORBIDDEN, Registry, Release, TrackingSpec
-from ..errors import ConfigError, EnvironmentProblem, ServiceError
+from ..errors import ConfigError, EnvironmentProblem, ServiceError, SkuforgeError, StorageError
+from ..redact import redact  # also imported from here by older callers
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -36,6 +40,8 @@ EMBEDDED_ARTIFACTS = "mlartifacts"
 TAG_MODEL = "skuforge.model"
 TAG_SKU = "skuforge.sku"
 TAG_DIGEST = "skuforge.manifest_digest"
+TAG_CORRECTNESS = "skuforge.correctness"  # on a version: passed or failed, recomputed from the manifest at publish
+TAG_SIGNATURE = "skuforge.signature"  # on a version: the publisher's signature of the manifest digest (JSON)
 TAG_LOGGED = "skuforge.logged"  # params, inputs and metrics are in (set in the metrics batch)
 TAG_COMPLETE = "skuforge.artifacts_complete"  # every artifact uploaded and checked
 TAG_HISTORY = "skuforge.history."  # + alias: JSON list of moves, on the registered model
@@ -44,6 +50,13 @@ _TRANSIENT_CODES = {"TEMPORARILY_UNAVAILABLE", "INTERNAL_ERROR", "REQUEST_LIMIT_
 _TRANSIENT_TEXT = ("database is locked", "unique constraint failed", "integrityerror", "duplicate key",
                    "failed with exception", "connection refused", "connection reset", "timed out",
                    "max retries exceeded", "remotedisconnected", "bad gateway", "service unavailable")
+# Checked first: a 500 answer or a wrapped OperationalError that no retry heals.
+_READ_ONLY_TEXT = ("readonly database", "read-only database", "read-only file system", "unable to open database file")
+_FULL_TEXT = ("database or disk is full", "no space left on device")
+# Database drivers SQLAlchemy imports for a scheme, and the pip package that provides each.
+_DRIVERS = {"psycopg2": "psycopg2-binary", "psycopg": "'psycopg[binary]'", "MySQLdb": "mysqlclient",
+            "pymysql": "pymysql", "pyodbc": "pyodbc", "pymssql": "pymssql", "asyncpg": "asyncpg",
+            "sqlite3": "a Python built with sqlite3", "pg8000": "pg8000", "mysql": "mysql-connector-python"}
 
 
 def _check_name(name: str, what: str) -> str:
@@ -67,22 +80,22 @@ def experiment_name(release: Release, model: str) -> str:
     return f"{release.name_prefix}{_check_name(model, 'model')}"
 
 
-def redact(uri: str) -> str:
-    """The URI without user and password (safe to print)."""
-    parts = urlsplit(uri)
-    if parts.username is None and parts.password is None:
-        return uri
-    host = parts.hostname or ""
-    netloc = f"{host}:{parts.port}" if parts.port else host
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
-
-
-def transient(exc: BaseException) -> bool:
-    """Worth retrying: the server or database was unreachable, overloaded or busy."""
+def _chain(exc: BaseException):
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def transient(exc: BaseException) -> bool:
+    """Worth retrying: the server or database was unreachable, overloaded or busy."""
+    chain = list(_chain(exc))
+    texts = [str(e).lower() for e in chain]
+    if any(t in text for text in texts for t in _READ_ONLY_TEXT + _FULL_TEXT):
+        return False
+    for current, text in zip(chain, texts):
         if isinstance(current, (ConnectionError, TimeoutError)):
             return True
         if getattr(current, "error_code", None) in _TRANSIENT_CODES:
@@ -90,10 +103,8 @@ def transient(exc: BaseException) -> bool:
         status = getattr(getattr(current, "response", None), "status_code", None)
         if isinstance(status, int) and (status >= 500 or status == 429):
             return True
-        text = str(current).lower()
         if any(t in text for t in _TRANSIENT_TEXT):
             return True
-        current = current.__cause__ or current.__context__
     return False
 
 
@@ -107,9 +118,24 @@ def _is_service_error(exc: BaseException) -> bool:
 
 
 def _first_line(exc: BaseException, limit: int = 300) -> str:
-    text = str(exc).strip().splitlines()
+    """The first line of the error, redacted (MLflow's text repeats the URI with its password)."""
+    text = redact(str(exc)).strip().splitlines()
     line = text[0] if text else type(exc).__name__
     return line if len(line) <= limit else line[:limit] + "…"
+
+
+def _missing_driver(exc: BaseException) -> str | None:
+    for e in _chain(exc):
+        if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] in _DRIVERS:
+            return e.name.split(".")[0]
+    return None
+
+
+def _sqlite_path(uri: str) -> str | None:
+    parts = urlsplit(uri)
+    if parts.scheme != "sqlite" or not parts.path:
+        return None
+    return parts.path[1:] if parts.path.startswith("//") else parts.path.lstrip("/") or None
 
 
 @dataclass
@@ -132,8 +158,47 @@ class Tracking:
     def client(self):
         if self._client is None:
             _configure_mlflow(self.policy)
-            self._client = require_mlflow().MlflowClient(tracking_uri=self.uri, registry_uri=self.registry_uri)
+            mlflow = require_mlflow()
+            try:
+                self._client = mlflow.MlflowClient(tracking_uri=self.uri, registry_uri=self.registry_uri)
+            except Exception as exc:
+                problem = self.store_problem(exc, "open the store")
+                if problem is None:
+                    raise
+                raise problem from exc
         return self._client
+
+    def store_problem(self, exc: BaseException, what: str) -> SkuforgeError | None:
+        """What no retry heals, as the error to raise: an unsupported scheme, a missing database
+        driver, a read-only or full database. None for anything else."""
+        text = " ".join(str(e) for e in _chain(exc)).lower()
+        where = f"MLflow at {self.display}"
+        if "unsupported uri" in text or any("Unsupported" in type(e).__name__ and "URI" in type(e).__name__
+                                            for e in _chain(exc)):
+            return ConfigError(f"{where}: {what} failed: the URI scheme {urlsplit(self.uri).scheme + '://'!r} is not "
+                               "one MLflow supports", hint=f"set {ENV_TRACKING_URI} to http(s)://HOST:PORT of a tracking "
+                               "server, or a database URI (sqlite:///PATH, postgresql://…, mysql://…); unset it to use "
+                               "the project's embedded store")
+        driver = _missing_driver(exc)
+        if driver:
+            return EnvironmentProblem(f"{where}: {what} failed: the database driver {driver!r} is not installed",
+                                      hint=f"pip install {_DRIVERS[driver]} in this environment, or point "
+                                           f"{ENV_TRACKING_URI} at a tracking server (http://HOST:PORT)")
+        local = _sqlite_path(self.uri)
+        if any(t in text for t in _READ_ONLY_TEXT):
+            if local:
+                return StorageError(f"{where}: {what} failed: the database {local} is read-only",
+                                    hint=f"make {local} and its folder writable (permissions, `lsattr`, read-only "
+                                         "mounts), then run again", path=local)
+            return ServiceError(f"{where}: {what} failed: the server's database is read-only ({_first_line(exc, 200)})",
+                                hint="ask the server's operator to make its backend store writable; then run again")
+        if any(t in text for t in _FULL_TEXT):
+            if local:
+                return StorageError(f"{where}: {what} failed: no space left for the database {local}",
+                                    hint=f"free space on the disk holding {local}, then run again", path=local)
+            return ServiceError(f"{where}: {what} failed: the server's disk is full ({_first_line(exc, 200)})",
+                                hint="ask the server's operator to free space; then run again")
+        return None
 
     def hint(self) -> str:
         if self.embedded:
@@ -156,6 +221,9 @@ class Tracking:
             except Exception as exc:
                 if getattr(exc, "error_code", None) in expect:
                     raise
+                problem = self.store_problem(exc, what)
+                if problem is not None:
+                    raise problem from exc
                 if not _is_service_error(exc):
                     raise
                 if not transient(exc):

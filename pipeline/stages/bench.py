@@ -10,12 +10,12 @@ from typing import Callable
 from ..backends import get_backend
 from ..config import Registry
 from ..data import LABELS, iter_batches, postprocess, preprocess
-from ..io import atomic_write_bytes, atomic_write_json
-from ..results import BenchReport, LatencyStats, PrepareReport
+from ..io import atomic_write_bytes, atomic_write_json, sha256_bytes
+from ..results import BenchReport, BuildReport, LatencyStats, PrepareReport
 from ..runner.probe import device_state, rss_mb
 from . import Progress
 from .build import require_host
-from .common import batch_indices, layout, load_arrays, log, read_report
+from .common import batch_indices, check_engine, layout, load_arrays, log, read_report
 
 
 def latency_stats(samples_ms: list[float]) -> LatencyStats:
@@ -64,6 +64,7 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
     cfg = registry.bench(sku)
     out = layout(registry)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
+    build = read_report(out.report(model, sku, "build"), BuildReport, "build")
     batch = registry.pins(model, sku).get(spec.batch_axis or "", 1)
     in_idx, _ = batch_indices(registry, model, prep.signature)
     golden = load_arrays(out.split(model, "golden"), "data")
@@ -77,6 +78,7 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
     t0 = time.perf_counter()
     with get_backend(sku_spec.backend).load(out.engine_dir(model, sku), sku_spec) as runner:
         load_seconds = time.perf_counter() - t0
+        engine_sha = check_engine(runner, build, out.engine_dir(model, sku), model, sku)
         mem_loaded = rss_mb()
         t0 = time.perf_counter()
         runner.infer(feeds)
@@ -95,8 +97,10 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
 
         e2e = time_calls(end_to_end, cfg.iterations, cfg.min_seconds, progress, "bench end-to-end")
         mem_after = rss_mb()
+    samples = ("iteration,latency_ms\n" + "".join(f"{i},{v:.4f}\n" for i, v in enumerate(steady))).encode()
     report = BenchReport(
-        model=model, sku=sku, batch=batch, concurrency=cfg.concurrency, load_seconds=round(load_seconds, 4),
+        model=model, sku=sku, engine_sha256=engine_sha, build_config_sha256=build.build_config_sha256,
+        latency_sha256=sha256_bytes(samples), batch=batch, concurrency=cfg.concurrency, load_seconds=round(load_seconds, 4),
         first_inference_ms=first_ms, warmup=latency_stats(warm) if warm else None,
         engine_only=latency_stats(steady), end_to_end=latency_stats(e2e),
         throughput_per_s=len(steady) * batch / wall if wall > 0 else 0.0,
@@ -105,9 +109,8 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
                    "peak_rss": mem_after["peak_rss"]},
         device_state={"before": state_before, "after": device_state()},
     )
+    atomic_write_bytes(out.latency_csv(model, sku), samples)  # samples first: the report names their hash
     atomic_write_json(out.report(model, sku, "bench"), report.to_json())
-    atomic_write_bytes(out.latency_csv(model, sku),
-                       ("iteration,latency_ms\n" + "".join(f"{i},{v:.4f}\n" for i, v in enumerate(steady))).encode())
     s = report.engine_only
     log(model, sku).info("bench: p50 %.3f ms p95 %.3f ms p99 %.3f ms, %.0f samples/s", s.p50_ms, s.p95_ms, s.p99_ms,
                          report.throughput_per_s)

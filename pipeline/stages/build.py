@@ -11,7 +11,7 @@ from ..config import Registry
 from ..data import LABELS, iter_batches
 from ..errors import EnvironmentProblem
 from ..io import atomic_dir, atomic_write_json, sha256_file, sha256_json
-from ..results import BuildReport, FileRecord, LayerInfo, PrepareReport
+from ..results import BuildReport, FileRecord, LayerInfo, PrepareReport, engine_digest
 from ..runner.check import Purpose, host_problems
 from . import Progress
 from .calibrate import calibration_table
@@ -70,7 +70,7 @@ def build(registry: Registry, model: str, sku: str, progress: Progress | None = 
     report = BuildReport(
         model=model, sku=sku, backend=backend.name, precision=sku_spec.precision, versions=backend.versions(),
         options=outcome.options, shapes=pins, profiles={k: v.model_dump() for k, v in sku_spec.profiles.items()},
-        config_sha256=config_hash(registry, model, sku, prep.prepared_sha256, table_sha),
+        build_config_sha256=config_hash(registry, model, sku, prep.prepared_sha256, table_sha), engine_sha256=engine_digest(files),
         prepared_sha256=prep.prepared_sha256, calibration=calibration,
         timing_cache=_file_record(outcome.timing_cache, registry) if outcome.timing_cache else None,
         engine_files=files, layers=outcome.layers, placement=_counts(outcome.layers, "device"),

@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 
 from ..config import Registry
-from ..data import LABELS, iter_batches
+from ..data import LABELS, check_finite, iter_batches
 from ..io import atomic_write_json, sha256_file
 from ..results import CalibrationReport, DataReport, PrepareReport
 from . import Progress
@@ -31,6 +31,8 @@ def calibrate(registry: Registry, model: str, progress: Progress | None = None) 
     data = read_report(out.report(model, None, "data"), DataReport, "data")
     arrays = load_arrays(out.split(model, "calibration"), "data")
     arrays.pop(LABELS, None)
+    # NaN/Inf would give infinite ranges; the data stage refuses them, this catches data written before it did
+    check_finite(arrays, "calibration", str(out.split(model, "calibration")))
     if spec.calibration.samples is not None:
         arrays = {k: v[: spec.calibration.samples] for k, v in arrays.items()}
     pins = registry.pins(model)

@@ -15,6 +15,8 @@ from ..results import Result
 if TYPE_CHECKING:
     import numpy as np
 
+    from ..results import BuildReport
+
 R = TypeVar("R", bound=Result)
 
 
@@ -51,6 +53,15 @@ def load_arrays(path: Path, producer: str) -> dict[str, "np.ndarray"]:
             return {k: data[k] for k in data.files}
     except Exception as exc:  # a damaged archive: zipfile, OSError or ValueError
         raise InputError(f"{path} is damaged ({type(exc).__name__}: {exc})", hint=f"rerun the {producer} stage") from exc
+
+
+def check_engine(runner, build: "BuildReport", engine_dir: Path, model: str, sku: str) -> str:
+    """The loaded engine is the one the build report describes; returns its engine_sha256."""
+    if runner.engine_sha256 != build.engine_sha256:
+        raise InputError(f"{engine_dir} is not the engine build.json describes (engine sha256 "
+                         f"{(runner.engine_sha256 or '?')[:12]}, build report {build.engine_sha256[:12]})",
+                         hint=f"rebuild it: skuforge build --model {model} --sku {sku} (or dvc repro)")
+    return build.engine_sha256
 
 
 def batch_indices(registry: Registry, model: str, signature) -> tuple[dict[str, int | None], dict[str, int | None]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..config import Registry
-from ..data import LABELS, check_dataset, generate, load_file, preprocess
+from ..data import LABELS, check_dataset, check_finite, generate, load_file, preprocess
 from ..errors import InputError
 from ..io import atomic_savez, atomic_write_json, sha256_arrays
 from ..paths import SPLITS
@@ -21,17 +21,22 @@ def make_data(registry: Registry, model: str, progress: Progress | None = None) 
         source = getattr(spec.datasets, split)
         if source is None:
             continue
+        # everything is checked before anything is written: a refused set leaves no file behind
         if source.generate is not None:
+            origin = f"generated (seed {source.generate.seed}, {source.generate.count} samples)"
             inputs = generate(spec, pins, source)
             check_dataset(spec, inputs, pins, split, raw=False)
             raw = {k: _unprocess(spec, k, v) for k, v in inputs.items()}
-            origin = f"generated (seed {source.generate.seed}, {source.generate.count} samples)"
         else:
+            origin = f"{spec.dir}/{source.path}"
             raw = load_file(spec, registry.root, source, split)
             check_dataset(spec, raw, pins, split, raw=True)
+            check_finite(raw, split, origin, source.allow_non_finite)
             inputs = preprocess(spec, raw)
             check_dataset(spec, inputs, pins, split, raw=False)
-            origin = f"{spec.dir}/{source.path}"
+        # preprocessing or a narrow dtype (float16) can overflow to Inf
+        where = f"{origin} after preprocessing" if spec.preprocess and source.path else origin
+        check_finite(inputs, split, where, source.allow_non_finite)
         staged[split] = (inputs, raw, origin)
     if spec.metric is not None:
         for split in ("evaluation", "hard_tail"):

@@ -3,16 +3,32 @@
 from __future__ import annotations
 
 from ..config import Registry
-from ..io import atomic_write_json, read_json
+from ..errors import InputError
+from ..io import atomic_write_json, read_json, sha256_file
 from ..manifest import digest, provenance, validate_document
-from ..results import (BenchReport, BuildReport, CalibrationReport, DataReport, Manifest, PrepareReport,
-                       ValidationReport)
+from ..results import (BenchReport, Benchmark, BuildInfo, BuildReport, CalibrationInfo, CalibrationReport, Correctness,
+                       DataReport, EngineBound, Evidence, HostInfo, Manifest, PlacementSummary, PrecisionSummary,
+                       PrepareReport, SourceInfo, TargetInfo, ValidationReport)
 from ..runner.probe import host
 from . import Progress
 from .common import layout, log, read_report
 
 
-def write_manifest(registry: Registry, model: str, sku: str, progress: Progress | None = None) -> Manifest:
+def _bound(build: BuildReport, reports: dict[str, EngineBound], model: str, sku: str) -> None:
+    """Refuse reports written about another engine or other build settings than build.json's."""
+    other = [name for name, r in reports.items()
+             if (r.engine_sha256, r.build_config_sha256) != (build.engine_sha256, build.build_config_sha256)]
+    if other:
+        raise InputError(f"{', '.join(other)} of {model}/{sku} describe another build than build.json "
+                         f"(engine {build.engine_sha256[:12]})",
+                         hint=f"rerun them for this engine: skuforge repro --model {model} --sku {sku} (or dvc repro)")
+
+
+def assemble(registry: Registry, model: str, sku: str, host_info: dict | None = None) -> dict:
+    """The manifest document of one pair from its reports (with digest, without provenance).
+
+    Refuses reports of different builds and latency samples that are not the bench report's.
+    ``host_info`` defaults to this host; publish passes the manifest's own to re-derive it."""
     out = layout(registry)
     sku_spec = registry.sku(sku)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
@@ -20,60 +36,75 @@ def write_manifest(registry: Registry, model: str, sku: str, progress: Progress 
     build = read_report(out.report(model, sku, "build"), BuildReport, "build")
     val = read_report(out.report(model, sku, "validate"), ValidationReport, "validate")
     bench = read_report(out.report(model, sku, "bench"), BenchReport, "bench")
+    _bound(build, {"validate.json": val, "bench.json": bench}, model, sku)
+    latency = out.latency_csv(model, sku)
+    latency_sha = sha256_file(latency) if latency.is_file() else None
+    if latency_sha != bench.latency_sha256:
+        raise InputError(f"{latency} is {'missing' if latency_sha is None else 'not the samples bench.json was written with'}",
+                         hint=f"rerun the bench stage: skuforge bench --model {model} --sku {sku}")
+    files = {f"{stage}.json": sha256_file(out.report(model, sku, stage)) for stage in ("build", "validate", "bench")}
+    files[latency.name] = latency_sha
     calibration = None
     if build.calibration is not None:
         cal = read_report(out.report(model, None, "calibrate"), CalibrationReport, "calibrate")
-        calibration = {**build.calibration, "calibration_set_sha256": cal.calibration_set_sha256, "samples": cal.samples}
-    body = {
-        "schema_version": 1,
-        "model": model,
-        "sku": sku,
-        "source": {"path": f"{registry.model(model).dir}/{registry.model(model).source}", "sha256": prep.source_sha256,
-                   "prepared_sha256": prep.prepared_sha256, "opset": prep.opset, "producer": prep.producer,
-                   "passes": [p.to_json() for p in prep.passes]},
-        "target": sku_spec.target.model_dump(mode="json") | {"runner_labels": sku_spec.runner_labels},
-        "backend": build.backend,
-        "precision": build.precision,
-        "toolchain": build.versions,
-        "build_config_sha256": build.config_sha256,
-        "shapes": build.shapes,
-        "profiles": build.profiles,
-        "signature": prep.signature.to_json(),
-        "engine": [f.to_json() for f in build.engine_files],
-        "build": {"seconds": build.build_seconds, "warnings": build.warnings, "options": build.options},
-        "hardware_specific": build.hardware_specific,
-        "calibration": calibration,
-        "timing_cache_sha256": build.timing_cache.sha256 if build.timing_cache else None,
-        "datasets": {k: v.sha256 for k, v in data.splits.items()},
-        "layers": [layer.to_json() for layer in build.layers],
-        "placement": build.placement,
-        "precision_counts": build.precision_counts,
-        "correctness": {"passed": val.passed, "failures": val.failures,
-                        "outputs": [e.to_json() for e in val.outputs], "metrics": [m.to_json() for m in val.metrics],
-                        "placement": {"passed": val.placement.passed, "allowed": val.placement.allowed,
-                                      "offending": len(val.placement.offending),
-                                      "partition_boundaries": val.placement.partition_boundaries},
-                        "precision": {"passed": val.precision_gate.passed, "requested": val.precision_gate.requested,
-                                      "policy": val.precision_gate.policy,
-                                      "mismatched_layers": len(val.precision_gate.mismatched)},
-                        "warnings": val.warnings},
-        "benchmark": {"batch": bench.batch, "concurrency": bench.concurrency, "engine_only": bench.engine_only.to_json(),
-                      "end_to_end": bench.end_to_end.to_json(), "throughput_per_s": bench.throughput_per_s,
-                      "first_inference_ms": bench.first_inference_ms, "load_seconds": bench.load_seconds,
-                      "memory_mb": bench.memory_mb, "device_state": bench.device_state},
-        "host": host(),
-    }
-    body["digest"] = digest(body)
-    path = out.manifest(model, sku)
-    if path.is_file():  # unchanged content keeps its provenance: a no-op rebuild leaves no diff
-        old = read_json(path)
-        prov = old.get("provenance") if old.get("digest") == body["digest"] else None
-    else:
-        prov = None
-    body["provenance"] = prov or provenance(registry.root).to_json()
-    manifest = Manifest.model_validate(body)
+        settings = {k: v for k, v in build.calibration.items() if k not in ("method", "table_sha256")}
+        calibration = CalibrationInfo(method=build.calibration.get("method", cal.method),
+                                      calibration_set_sha256=cal.calibration_set_sha256, samples=cal.samples,
+                                      table_sha256=build.calibration.get("table_sha256"), settings=settings)
+    spec = registry.model(model)
+    body = Manifest.model_construct(
+        model=model, sku=sku,
+        source=SourceInfo(path=f"{spec.dir}/{spec.source}", sha256=prep.source_sha256,
+                          prepared_sha256=prep.prepared_sha256, opset=prep.opset, producer=prep.producer,
+                          passes=prep.passes),
+        target=TargetInfo(**sku_spec.target.model_dump(mode="json"), runner_labels=sku_spec.runner_labels),
+        backend=build.backend, precision=build.precision, toolchain=build.versions,
+        build_config_sha256=build.build_config_sha256, shapes=build.shapes, profiles=build.profiles,
+        signature=prep.signature, engine=build.engine_files,
+        evidence=Evidence(engine_sha256=build.engine_sha256, files=files),
+        build=BuildInfo(seconds=build.build_seconds, warnings=build.warnings, options=build.options),
+        hardware_specific=build.hardware_specific, calibration=calibration,
+        timing_cache_sha256=build.timing_cache.sha256 if build.timing_cache else None,
+        datasets={k: v.sha256 for k, v in data.splits.items()},
+        layers=build.layers, placement=build.placement, precision_counts=build.precision_counts,
+        correctness=Correctness(
+            passed=val.passed, failures=val.failures, outputs=val.outputs, metrics=val.metrics,
+            placement=PlacementSummary(passed=val.placement.passed, allowed=val.placement.allowed,
+                                       offending=len(val.placement.offending),
+                                       partition_boundaries=val.placement.partition_boundaries),
+            precision=PrecisionSummary(passed=val.precision_gate.passed, requested=val.precision_gate.requested,
+                                       policy=val.precision_gate.policy,
+                                       mismatched_layers=len(val.precision_gate.mismatched)),
+            warnings=val.warnings),
+        benchmark=Benchmark(batch=bench.batch, concurrency=bench.concurrency, engine_only=bench.engine_only,
+                            end_to_end=bench.end_to_end, throughput_per_s=bench.throughput_per_s,
+                            first_inference_ms=bench.first_inference_ms, load_seconds=bench.load_seconds,
+                            memory_mb=bench.memory_mb, device_state=bench.device_state),
+        host=HostInfo(**(host() if host_info is None else host_info)),
+    )
+    doc = body.model_dump(mode="json", exclude={"digest", "provenance"})
+    doc["digest"] = digest(doc)
+    return doc
+
+
+def write_manifest(registry: Registry, model: str, sku: str, progress: Progress | None = None) -> Manifest:
+    doc = assemble(registry, model, sku)
+    path = layout(registry).manifest(model, sku)
+    old = _previous(path)
+    prov = old.get("provenance") if old.get("digest") == doc["digest"] else None  # a no-op rebuild leaves no diff
+    doc["provenance"] = prov or provenance(registry.root).to_json()
+    manifest = Manifest.model_validate(doc)
     doc = manifest.to_json()
     validate_document(doc, str(path))
     atomic_write_json(path, doc)
-    log(model, sku).info("manifest %s (digest %s)", path, body["digest"][:12])
+    log(model, sku).info("manifest %s (digest %s)", path, doc["digest"][:12])
     return manifest
+
+
+def _previous(path) -> dict:
+    """The manifest already there (for its provenance), or {} when absent or unreadable."""
+    try:
+        old = read_json(path)
+    except (OSError, ValueError):
+        return {}
+    return old if isinstance(old, dict) else {}

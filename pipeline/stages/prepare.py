@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 from ..config import DatasetSource, GenerateSpec, Registry
 from ..errors import GateFailed, InputError
-from ..graph import infer_shapes, load_model, op_counts, rename_axes, run_passes, signature
-from ..io import atomic_write_bytes, atomic_write_json, sha256_bytes, sha256_file
+from ..graph import infer_shapes, load_model, op_counts, rename_axes, run_passes, signature, source_sha256
+from ..io import atomic_write_bytes, atomic_write_json, sha256_bytes
 from ..results import PrepareReport
 from . import Progress
 from .common import layout, log
@@ -21,7 +21,7 @@ SELF_CHECK_SAMPLES = 4
 def load_source(registry: Registry, model: str) -> "onnx.ModelProto":
     """The source model, checked against the spec, dynamic axes named as in params.yaml."""
     path = registry.model_file(model)
-    proto = load_model(path)
+    proto = load_model(path, root=registry.path(registry.model(model).dir))
     rename_axes(proto, registry.model(model).inputs, path)
     return infer_shapes(proto, path)
 
@@ -71,7 +71,7 @@ def prepare(registry: Registry, model: str, progress: Progress | None = None) ->
 
     report = PrepareReport(
         model=model,
-        source_sha256=sha256_file(path),
+        source_sha256=source_sha256(path, registry.path(spec.dir)),
         prepared_sha256=sha256_bytes(data),
         opset={o.domain or "ai.onnx": o.version for o in prepared.opset_import},
         producer=f"{source.producer_name} {source.producer_version}".strip(),

@@ -15,12 +15,11 @@ from ..io import atomic_write_json, sha256_file
 from ..manifest import load_manifest
 from ..registry.publish import PublishInputs, publish_engine
 from ..registry.reports import PublishResult
-from ..registry.stats import read_latency_csv
 from ..registry.tracking import Tracking, connect
-from ..results import BenchReport, BuildReport, ValidationReport
 from . import Progress
-from .common import layout, log, read_report
+from .common import layout, log
 from .config import resolved
+from .manifest import assemble
 
 
 def collect(registry: Registry, model: str, sku: str) -> PublishInputs:
@@ -31,26 +30,17 @@ def collect(registry: Registry, model: str, sku: str) -> PublishInputs:
     if (manifest.model, manifest.sku) != (model, sku):
         raise InputError(f"{manifest_path} describes {manifest.model}/{manifest.sku}, not {model}/{sku}",
                          hint=f"regenerate it: skuforge manifest --model {model} --sku {sku}")
-    build = read_report(out.report(model, sku, "build"), BuildReport, "build")
-    val = read_report(out.report(model, sku, "validate"), ValidationReport, "validate")
-    bench = read_report(out.report(model, sku, "bench"), BenchReport, "bench")
-    stale = []
-    if build.config_sha256 != manifest.build_config_sha256 or build.engine_files != manifest.engine:
-        stale.append("build.json")
-    if val.passed != manifest.correctness["passed"] or [o.to_json() for o in val.outputs] != manifest.correctness["outputs"]:
-        stale.append("validate.json")
-    if bench.engine_only.to_json() != manifest.benchmark["engine_only"]:
-        stale.append("bench.json")
     latency = out.latency_csv(model, sku)
-    try:
-        samples = read_latency_csv(latency.read_text())
-    except (OSError, ValueError) as exc:
-        raise InputError(f"{latency} is missing or unreadable: {exc}", hint="rerun the bench stage") from exc
-    if len(samples) != bench.engine_only.iterations:
-        stale.append("latency.csv")
+    evidence = {f"{stage}.json": out.report(model, sku, stage) for stage in ("build", "validate", "bench")}
+    evidence[latency.name] = latency
+    stale = [name for name, path in evidence.items()
+             if not path.is_file() or sha256_file(path) != manifest.evidence.files.get(name)]
     if stale:
-        raise InputError(f"{', '.join(stale)} of {model}/{sku} do not match {manifest_path} (written from other "
-                         "reports)", hint=f"run skuforge manifest --model {model} --sku {sku} (or dvc repro)")
+        raise InputError(f"{', '.join(stale)} of {model}/{sku} are missing or are not the files {manifest_path} "
+                         "was written from", hint=f"run skuforge manifest --model {model} --sku {sku} (or dvc repro)")
+    if assemble(registry, model, sku, manifest.host.to_json())["digest"] != manifest.digest:
+        raise InputError(f"{manifest_path} says other things than the reports it names (edited after it was written?)",
+                         hint=f"regenerate it: skuforge manifest --model {model} --sku {sku} (or dvc repro)")
     engine_dir = out.engine_dir(model, sku)
     for rec in manifest.engine:
         path = engine_dir / rec.path
@@ -61,7 +51,7 @@ def collect(registry: Registry, model: str, sku: str) -> PublishInputs:
     if (engine_dir / "engine.json").is_file():
         engine_files.append("engine.json")
     sku_dir = out.sku_dir(model, sku)
-    reports = [out.report(model, sku, s) for s in ("build", "validate", "bench")] + [latency]
+    reports = list(evidence.values())
     reports += sorted(sku_dir.glob("*.html"))  # an HTML report, where a stage wrote one
     config = resolved(registry)[out.config_file(model, sku).name]
     settings = {"sku": config["sku_spec"], **{k: config[k] for k in ("pins", "tolerance", "metric_gate", "bench")}}
@@ -75,7 +65,7 @@ def collect(registry: Registry, model: str, sku: str) -> PublishInputs:
 def publish(registry: Registry, model: str, sku: str, progress: Progress | None = None,
             tracking: Tracking | None = None) -> PublishResult:
     inputs = collect(registry, model, sku)
-    result = publish_engine(tracking or connect(registry), registry.release, inputs, progress)
+    result = publish_engine(tracking or connect(registry), registry, inputs, progress)
     atomic_write_json(layout(registry).report(model, sku, "publish"), result.receipt())
     log(model, sku).info("published: %s version %s (run %s%s)", result.registered_model, result.version,
                          result.run_id[:12], ", new" if result.created_version else "")

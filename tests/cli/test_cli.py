@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import models
+from cli_helpers import COMMAND, assert_user_error, project, skuforge
 from pipeline.config import load_registry
 from pipeline.runner.probe import host_arch
 from pipeline.stages.build import build
@@ -21,30 +22,8 @@ from pipeline.stages.data import make_data
 from pipeline.stages.prepare import prepare
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = Path(sys.executable).with_name("skuforge")
-COMMAND = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-c", "from pipeline.cli import main; raise SystemExit(main())"]
 HEAVY = ("onnx", "onnxruntime", "numpy", "torch", "dvc", "pydantic", "jsonschema", "mlflow", "openvino", "iree")
 OTHER_ARCH = "aarch64" if host_arch() == "x86_64" else "x86_64"
-
-
-def skuforge(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([*COMMAND, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
-
-
-def assert_user_error(proc: subprocess.CompletedProcess, code: int, *words: str) -> None:
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == code, out
-    assert "skuforge: error:" in proc.stderr, out
-    assert "hint:" in proc.stderr, out
-    assert "Traceback" not in out and "internal error" not in out, out
-    for word in words:
-        assert word in proc.stderr, (word, out)
-
-
-def project(root: Path, spec: dict | None = None, builder=models.conv_bn_model, skus: dict | None = None, **top) -> Path:
-    spec = spec or models.conv_bn_spec()
-    builder(root / spec["dir"] / spec["source"])
-    return models.write_project(root, {"m": spec}, skus or {"cpu": models.ort_sku("fp32")}, **top)
 
 
 # --- bad inputs ---------------------------------------------------------------------------------

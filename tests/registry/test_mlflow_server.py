@@ -174,9 +174,9 @@ def test_run_holds_params_metrics_tags_inputs_and_artifacts(proj, published, tra
     assert p["toolchain.onnxruntime"] == manifest.toolchain["onnxruntime"]
     assert p["tolerance.atol"] == "0.0001" and p["bench.iterations"] == "60"
     m = run.data.metrics
-    assert m["latency.engine_only.p50_ms"] == pytest.approx(manifest.benchmark["engine_only"]["p50_ms"])
-    assert m["throughput_per_s"] == pytest.approx(manifest.benchmark["throughput_per_s"])
-    assert m["error.probs.max_abs_error"] == pytest.approx(manifest.correctness["outputs"][0]["max_abs_error"])
+    assert m["latency.engine_only.p50_ms"] == pytest.approx(manifest.benchmark.engine_only.p50_ms)
+    assert m["throughput_per_s"] == pytest.approx(manifest.benchmark.throughput_per_s)
+    assert m["error.probs.max_abs_error"] == pytest.approx(manifest.correctness.outputs[0].max_abs_error)
     assert m["gate.correctness_passed"] == 1.0 and "memory.peak_rss_mb" in m
     t = run.data.tags
     assert t[TAG_DIGEST] == manifest.digest and t["skuforge.sku"] == "cpu_fp32"
@@ -256,7 +256,7 @@ def test_first_alias_takes_the_newest_version_when_every_gate_passes(story, trac
     assert report.passed and report.who == "alice" and report.why == "promote to candidate with skuforge"
     move = report.moves[0]
     assert (move.version, move.previous, move.moved) == ("1", None, True)
-    assert [g.name for g in move.gates] == ["chain", "correctness", "placement", "manifest", "performance"]
+    assert [g.name for g in move.gates] == ["chain", "manifest", "signature", "correctness", "placement", "engine", "performance"]
     assert all(g.passed for g in move.gates), move.gates
     assert "nothing to compare" in gate(move, "performance").detail
     assert story["candidate_again"].moves[0].already and not story["candidate_again"].moves[0].moved

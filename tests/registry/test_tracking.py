@@ -26,8 +26,8 @@ def test_names():
             registered_model_name(Release(), bad, "s")
 
 
-def test_redact_strips_credentials():
-    assert redact("https://user:secret@mlflow.example.com:8443/x") == "https://mlflow.example.com:8443/x"
+def test_redact_masks_credentials():
+    assert redact("https://user:secret@mlflow.example.com:8443/x") == "https://***@mlflow.example.com:8443/x"
     assert redact("sqlite:////tmp/mlflow.db") == "sqlite:////tmp/mlflow.db"
 
 

@@ -172,11 +172,11 @@ def test_fp32_build_has_no_int8_layers(proj, model):
 
 def test_build_config_hash_covers_what_decides_the_engine(proj):
     b = proj.build
-    assert b["conv", "cpu_fp32"].config_sha256 != b["conv", "cpu_int8"].config_sha256
-    assert b["conv", "cpu_fp32"].config_sha256 != b["multi", "cpu_fp32"].config_sha256
+    assert b["conv", "cpu_fp32"].build_config_sha256 != b["conv", "cpu_int8"].build_config_sha256
+    assert b["conv", "cpu_fp32"].build_config_sha256 != b["multi", "cpu_fp32"].build_config_sha256
     # placement and tolerances gate an engine but do not change it
-    assert b["conv", "cpu_fp32"].config_sha256 == b["conv", "elsewhere"].config_sha256 == b["conv", "tamper"].config_sha256
-    assert b["conv", "cpu_int8"].config_sha256 == b["conv", "strict_int8"].config_sha256
+    assert b["conv", "cpu_fp32"].build_config_sha256 == b["conv", "elsewhere"].build_config_sha256 == b["conv", "tamper"].build_config_sha256
+    assert b["conv", "cpu_int8"].build_config_sha256 == b["conv", "strict_int8"].build_config_sha256
 
 
 # --- validate and bench -------------------------------------------------------------------------

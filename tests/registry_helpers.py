@@ -18,7 +18,7 @@ import pytest
 import models
 from pipeline.config import Registry, load_registry
 from pipeline.errors import GateFailed
-from pipeline.io import atomic_write_bytes, atomic_write_json
+from pipeline.io import atomic_write_bytes, atomic_write_json, sha256_bytes
 from pipeline.paths import Layout
 from pipeline.results import BenchReport
 from pipeline.stages.bench import bench, latency_stats
@@ -145,9 +145,10 @@ def fake_bench(reg: Registry, model: str, sku_name: str, samples_ms) -> str:
     a new digest for the same engine, whose latency the test chose. Returns the digest."""
     out = Layout(reg.root)
     samples = [round(float(x), 4) for x in samples_ms]  # as latency.csv holds them
+    csv = ("iteration,latency_ms\n" + "".join(f"{i},{v:.4f}\n" for i, v in enumerate(samples))).encode()
     report = BenchReport.model_validate_json(out.report(model, sku_name, "bench").read_text())
     atomic_write_json(out.report(model, sku_name, "bench"),
-                      report.model_copy(update={"engine_only": latency_stats(samples)}).to_json())
-    atomic_write_bytes(out.latency_csv(model, sku_name),
-                       ("iteration,latency_ms\n" + "".join(f"{i},{v:.4f}\n" for i, v in enumerate(samples))).encode())
+                      report.model_copy(update={"engine_only": latency_stats(samples),
+                                                "latency_sha256": sha256_bytes(csv)}).to_json())
+    atomic_write_bytes(out.latency_csv(model, sku_name), csv)
     return write_manifest(reg, model, sku_name).digest
