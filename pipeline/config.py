@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from .errors import ConfigError, SkuforgeError
+from .errors import ConfigError, InputError
 from .paths import PATH_RULE, Layout, inside, path_problem
 
 Precision = Literal["fp32", "fp16", "int8"]
@@ -616,7 +616,7 @@ def _path_problems(registry: Registry, resolve: bool) -> list[str]:
         if problem is None and resolve:
             try:
                 inside(registry.root, *parts)
-            except SkuforgeError:
+            except InputError:
                 problem = f"resolves to {registry.root.joinpath(*parts).resolve()}, outside the project (a symlink leads out)"
         if problem is not None:
             joined = f" (joined with dir: {'/'.join(parts)!r})" if len(parts) > 1 else ""

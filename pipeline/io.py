@@ -18,6 +18,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -32,12 +33,14 @@ STALE_SECONDS = 3600  # a temporary sibling without a pid in its name is left be
 _READ_ONLY = {errno.EACCES, errno.EPERM, errno.EROFS}
 _FULL = {errno.ENOSPC, errno.EDQUOT}
 _FULL_OR_TOO_BIG = frozenset(_FULL | {errno.EFBIG})
+_STAGING = re.compile(r"\.([^/]+)\.\d+\.[^/.]+\.tmp(?=/|$)")
 
 
 def storage_error(exc: OSError, path: str | os.PathLike | None = None) -> StorageError | None:
     """``exc`` as a StorageError naming ``path`` (else the error's file) and what to do; None when
     it is not a read-only folder, a full disk, a too-large file or a file where a folder should be."""
     where = Path(path if path is not None else exc.filename if exc.filename is not None else ".")
+    where = Path(_STAGING.sub(r"\1", str(where)))  # name the target, not its staging sibling
     reason = exc.strerror or str(exc)
     if exc.errno in _READ_ONLY:
         folder = where.parent  # files are written as temporary siblings: the folder must take new entries

@@ -331,9 +331,9 @@ def compile_error(returncode: int, stderr: str, node_types: dict[str, str], cmd:
     if "No space left on device" in stderr or "ENOSPC" in stderr:  # before the crash check: LLVM may abort on it
         out = Path(cmd[cmd.index("-o") + 1]).parent if "-o" in cmd[:-1] else None
         folders = " and ".join(f"{name} {folder}" for name, folder in (("the engine folder", out), ("the scratch folder", work)) if folder)
-        line = next((ln for ln in lines if "No space left on device" in ln or "ENOSPC" in ln), first)
+        line = next((ln for ln in reversed(lines) if "No space left on device" in ln or "ENOSPC" in ln), first)
         return EnvironmentProblem(f"iree-compile ran out of disk space writing {folders or 'its output'}: {line.strip()}",
-                                  hint="free space on that disk (the scratch folder is under TMPDIR: point it at a larger disk) and rebuild")
+                                  hint="free space on the disk(s) holding those folders (the scratch folder is under TMPDIR: point it at a larger disk) and rebuild")
     if "Unknown command line argument" in stderr or "Unknown Vulkan target" in stderr or "missing GPU target" in stderr:
         return ConfigError(f"iree-compile refused the flags {' '.join(cmd[2:])}: {first.strip()}",
                            hint="fix options.extra_flags / vulkan_target / cuda_target (iree-compile --help lists flags)")

@@ -287,7 +287,7 @@ def test_plain_dvc_repro_of_far_sku_exits_3_with_labels(far_by_dvc):
     out = far_by_dvc.output
     assert "cannot build SKU far" in out, str(far_by_dvc)
     assert "self-hosted, arm64, jetson" in out, str(far_by_dvc)
-    assert re.search(r"skuforge build --model conv --sku far.*exited with 3", out), str(far_by_dvc)
+    assert re.search(r"skuforge build --model 'conv' --sku 'far'.*exited with 3", out), str(far_by_dvc)
 
 
 def test_failing_gate_under_dvc_exits_1_and_keeps_report(gate_fail):

@@ -6,7 +6,7 @@ import pytest
 
 import models
 from pipeline.config import Release, TrackingSpec, parse_registry
-from pipeline.errors import ConfigError, ServiceError
+from pipeline.errors import ConfigError, EnvironmentProblem, ServiceError, StorageError
 from pipeline.registry.tracking import (EMBEDDED_ARTIFACTS, EMBEDDED_DB, Tracking, actor, connect, experiment_name,
                                         redact, registered_model_name, transient)
 from registry_helpers import free_port
@@ -63,6 +63,36 @@ def test_unreachable_server_is_retried_with_backoff_then_exit_4():
     for wait, nominal in zip(waits, (0.5, 1.0, 1.0)):  # doubling, capped, with +-20% jitter
         assert 0.8 * nominal <= wait <= 1.2 * nominal
     assert isinstance(t.client, MlflowClient)
+
+
+def test_retry_warnings_and_the_final_error_never_show_the_password(caplog):
+    uri = f"http://ci-user:pa55-w0rd-x@127.0.0.1:{free_port()}"
+    t = Tracking(uri=uri, registry_uri=uri, embedded=False, artifact_location=None,
+                 policy=TrackingSpec(retries=2, backoff_seconds=0.01, max_backoff_seconds=0.01, timeout_seconds=5),
+                 sleep=lambda s: None)
+    with caplog.at_level("WARNING"), pytest.raises(ServiceError) as info:
+        t.call("read experiment 'x'", t.client.get_experiment_by_name, "x")
+    shown = [r.getMessage() for r in caplog.records] + [str(info.value)]
+    assert len(shown) == 3 and all("pa55-w0rd-x" not in m and "ci-user" not in m for m in shown), shown
+    assert f"http://***@127.0.0.1" in str(info.value)
+
+
+def test_store_problems_are_not_retried(tmp_path):
+    bad = Tracking(uri="foo://x", registry_uri="foo://x", embedded=False, artifact_location=None)
+    with pytest.raises(ConfigError, match="'foo://' is not one MLflow supports"):
+        bad.client
+    t = connect(registry(tmp_path), uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    for text, cls in (("(sqlite3.OperationalError) attempt to write a readonly database", StorageError),
+                      ("(sqlite3.OperationalError) database or disk is full", StorageError)):
+        assert not transient(RuntimeError(text))
+        assert isinstance(t.store_problem(RuntimeError(text), "write"), cls)
+    missing = ModuleNotFoundError("No module named 'psycopg2'", name="psycopg2")
+    problem = t.store_problem(missing, "open the store")
+    assert isinstance(problem, EnvironmentProblem) and "psycopg2-binary" in problem.hint
+    assert t.store_problem(ModuleNotFoundError("No module named 'nope'", name="nope"), "x") is None  # a bug
+    remote = Tracking(uri="http://h:5000", registry_uri="http://h:5000", embedded=False, artifact_location=None)
+    readonly_server = remote.store_problem(RuntimeError("500: attempt to write a readonly database"), "log")
+    assert isinstance(readonly_server, ServiceError) and readonly_server.exit_code == 4
 
 
 def test_errors_that_retrying_cannot_fix_fail_at_once(tmp_path):

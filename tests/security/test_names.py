@@ -92,7 +92,7 @@ def test_dotdot_model_name(sandbox):
     ("b #c", "contains ' ' '#'", "b_c"),
     ("x\ninjected: 1", "contains '\\n' ' ' ':'", "x_injected_1"),
     ("1st", "does not start with a lowercase letter", "n_1st"),
-])
+], ids=["slash", "space", "uppercase", "too_long", "hash_comment", "newline", "digit_first"])
 def test_bad_names(sandbox, section, name, why, suggestion):
     root, check = sandbox
     if section == "models":
@@ -163,7 +163,8 @@ def test_name_rule_unit():
     ("models.m.source", {"source": "../../../x.onnx"}, "leaves the project root"),
     ("models.m.datasets.golden.path", {"datasets": {"golden": {"path": "../../../golden.npz"}}}, "leaves the project root"),
     ("models.m.datasets.evaluation.path", {"datasets": {"evaluation": {"path": "/tmp/eval.npz"}}}, "is absolute"),
-])
+], ids=["dir_absolute", "dir_dotdot", "dir_inner_dotdot", "source_absolute", "source_dotdot", "dataset_dotdot",
+        "dataset_absolute"])
 def test_paths_outside_the_project(sandbox, key, change, why):
     root, check = sandbox
     spec = {**models.conv_bn_spec(), **change}
@@ -259,7 +260,7 @@ def test_merge_keys_may_override():
     ({"onnxruntime": "1.20"}, "'1.20' is not a PEP 440"),
     ({"onnx runtime": ">=1.20"}, "'onnx runtime' is not a package name"),
     ({"-ort": ">=1.20"}, "'-ort' is not a package name"),
-])
+], ids=["words", "no_operator", "space_in_package", "dash_first_package"])
 def test_bad_toolchain(sandbox, toolchain, culprit):
     root, check = sandbox
     write(root, sku=models.ort_sku("fp32", toolchain=toolchain))
