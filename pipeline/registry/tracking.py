@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,15 +49,19 @@ TAG_HISTORY = "skuforge.history."  # + alias: JSON list of moves, on the registe
 
 _TRANSIENT_CODES = {"TEMPORARILY_UNAVAILABLE", "INTERNAL_ERROR", "REQUEST_LIMIT_EXCEEDED"}
 _TRANSIENT_TEXT = ("database is locked", "unique constraint failed", "integrityerror", "duplicate key",
-                   "failed with exception", "connection refused", "connection reset", "timed out",
-                   "max retries exceeded", "remotedisconnected", "bad gateway", "service unavailable")
+                   "connection refused", "connection reset", "connection aborted", "connection broken", "timed out",
+                   "max retries exceeded", "remotedisconnected", "bad gateway", "service unavailable",
+                   "temporary failure in name resolution")
 # Checked first: a 500 answer or a wrapped OperationalError that no retry heals.
 _READ_ONLY_TEXT = ("readonly database", "read-only database", "read-only file system", "unable to open database file")
 _FULL_TEXT = ("database or disk is full", "no space left on device")
+# Wrapped in urllib3's "Max retries exceeded" like a refused connection, but no retry heals them.
+_PERMANENT_TEXT = ("certificate verify failed", "sslerror", "wrong version number", "no connection adapters",
+                   "invalid url", "name or service not known", "nodename nor servname")
 # Database drivers SQLAlchemy imports for a scheme, and the pip package that provides each.
 _DRIVERS = {"psycopg2": "psycopg2-binary", "psycopg": "'psycopg[binary]'", "MySQLdb": "mysqlclient",
             "pymysql": "pymysql", "pyodbc": "pyodbc", "pymssql": "pymssql", "asyncpg": "asyncpg",
-            "sqlite3": "a Python built with sqlite3", "pg8000": "pg8000", "mysql": "mysql-connector-python"}
+            "pg8000": "pg8000", "mysql": "mysql-connector-python"}
 
 
 def _check_name(name: str, what: str) -> str:
@@ -93,7 +98,7 @@ def transient(exc: BaseException) -> bool:
     """Worth retrying: the server or database was unreachable, overloaded or busy."""
     chain = list(_chain(exc))
     texts = [str(e).lower() for e in chain]
-    if any(t in text for text in texts for t in _READ_ONLY_TEXT + _FULL_TEXT):
+    if any(t in text for text in texts for t in _READ_ONLY_TEXT + _FULL_TEXT + _PERMANENT_TEXT):
         return False
     for current, text in zip(chain, texts):
         if isinstance(current, (ConnectionError, TimeoutError)):
@@ -117,11 +122,18 @@ def _is_service_error(exc: BaseException) -> bool:
     return isinstance(exc, (ConnectionError, TimeoutError))
 
 
+_REASON = re.compile(r"\[(?:Errno -?\d+|SSL: [A-Z_]+)\][^'\")(]+|Caused by \w+")
+
+
 def _first_line(exc: BaseException, limit: int = 300) -> str:
     """The first line of the error, redacted (MLflow's text repeats the URI with its password)."""
     text = redact(str(exc)).strip().splitlines()
     line = text[0] if text else type(exc).__name__
-    return line if len(line) <= limit else line[:limit] + "…"
+    if len(line) <= limit:
+        return line
+    # urllib3 puts the reason after a long URL: keep it ("[Errno 111] Connection refused")
+    reasons = _REASON.findall(line[limit:])
+    return line[:limit] + "…" + (f" ({reasons[-1].strip()})" if reasons else "")
 
 
 def _missing_driver(exc: BaseException) -> str | None:
@@ -187,7 +199,9 @@ class Tracking:
         local = _sqlite_path(self.uri)
         if any(t in text for t in _READ_ONLY_TEXT):
             if local:
-                return StorageError(f"{where}: {what} failed: the database {local} is read-only",
+                state = ("cannot be opened (its folder is missing or read-only)" if "unable to open" in text
+                         else "is read-only")
+                return StorageError(f"{where}: {what} failed: the database {local} {state}",
                                     hint=f"make {local} and its folder writable (permissions, `lsattr`, read-only "
                                          "mounts), then run again", path=local)
             return ServiceError(f"{where}: {what} failed: the server's database is read-only ({_first_line(exc, 200)})",

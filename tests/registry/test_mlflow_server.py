@@ -289,7 +289,10 @@ def test_a_failing_gate_blocks_and_moves_nothing(story, tracking, step, sku_name
     exc = story[step]
     assert isinstance(exc, PromotionBlocked), exc
     move = exc.report.moves[0]
-    assert [g.name for g in move.gates if not g.passed] == [failing], move.gates
+    failed = [g.name for g in move.gates if not g.passed]
+    # gates that read the same evidence fail with the expected one (a failed placement is also a
+    # failed validation; an untrusted manifest fails every gate after it), the others pass
+    assert failing in failed and (failing == "chain") == ("chain" in failed), move.gates
     assert not move.moved and failing in exc.message
     assert alias not in tracking.client.get_registered_model(f"conv.{sku_name}").aliases
 

@@ -74,7 +74,7 @@ def test_retry_warnings_and_the_final_error_never_show_the_password(caplog):
         t.call("read experiment 'x'", t.client.get_experiment_by_name, "x")
     shown = [r.getMessage() for r in caplog.records] + [str(info.value)]
     assert len(shown) == 3 and all("pa55-w0rd-x" not in m and "ci-user" not in m for m in shown), shown
-    assert f"http://***@127.0.0.1" in str(info.value)
+    assert "http://***@127.0.0.1" in str(info.value)
 
 
 def test_store_problems_are_not_retried(tmp_path):
@@ -122,6 +122,12 @@ def test_transient_classification():
     assert transient(ConnectionRefusedError())
     assert not transient(MlflowException("no such model", error_code=RESOURCE_DOES_NOT_EXIST))
     assert not transient(MlflowException("bad name", error_code=BAD_REQUEST))
+    assert not transient(MlflowException(  # urllib3 says "max retries" for a bad certificate too
+        "API request to https://h/api failed with exception HTTPSConnectionPool(host='h', port=443): Max retries "
+        "exceeded with url: /api (Caused by SSLError(SSLCertVerificationError(1, '[SSL: CERTIFICATE_VERIFY_FAILED] "
+        "certificate verify failed')))"))
+    assert not transient(MlflowException("(sqlite3.OperationalError) attempt to write a readonly database",
+                                          error_code="INTERNAL_ERROR"))
     try:
         try:
             raise ConnectionResetError("peer reset")

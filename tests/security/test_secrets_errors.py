@@ -194,6 +194,15 @@ def test_token_and_password_with_a_live_server(pair, server):
 # --- the store: what no retry heals -------------------------------------------------------------
 
 
+def test_https_to_a_plain_http_server_is_not_retried(pair, server):
+    uri = server.uri.replace("http://", f"https://ci-user:{PASSWORD}@")
+    proc = skuforge("publish", "--model", "conv", "--sku", "cpu", cwd=pair, env=env(MLFLOW_TRACKING_URI=uri))
+    assert_user_error(proc, 4, f"https://***@127.0.0.1:{server.port}", "SSL")
+    assert "retry" not in proc.stderr
+    assert_no_secret(proc, PASSWORD, "ci-user")
+
+
+
 def test_unsupported_uri_scheme(pair):
     proc = skuforge("publish", "--model", "conv", "--sku", "cpu", cwd=pair, env=env(MLFLOW_TRACKING_URI="foo://x"))
     assert_user_error(proc, 2, "foo://", "MLFLOW_TRACKING_URI")
