@@ -19,3 +19,16 @@ def _developer_key_in_tmp(tmp_path_factory):
     if "SKUFORGE_KEY_DIR" not in os.environ:
         os.environ["SKUFORGE_KEY_DIR"] = str(tmp_path_factory.mktemp("skuforge-keys"))
     yield
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """One real `mlflow server` on loopback per test process (see registry_helpers.Server)."""
+    from registry_helpers import MLFLOW, Server
+
+    if not MLFLOW.is_file():
+        pytest.skip(f"no mlflow executable next to {sys.executable} (pip install mlflow)")
+    srv = Server(tmp_path_factory.mktemp("mlflow_server"))
+    srv.start(new_port_if_taken=True)
+    yield srv
+    srv.stop()

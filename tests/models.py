@@ -169,3 +169,16 @@ def relu_model(path: Path, opset: int = OPSET, custom_domain: str | None = None)
 def vector_spec(dir_: str) -> dict:
     """The params.yaml entry for external_data_model and relu_model."""
     return {"dir": dir_, "source": "model.onnx", "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}]}
+
+
+def set_external_location(path: Path, location: str) -> None:
+    """Point every external-data tensor of the ONNX file at ``location`` (as a hostile or careless
+    exporter could write it)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = location
+    onnx.save(model, str(path))

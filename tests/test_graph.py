@@ -353,14 +353,10 @@ def test_external_data_in_a_sibling_folder_of_the_model_dir_is_refused(tmp_path)
     path = models.external_data_model(tmp_path / "m" / "model.onnx", location="weights.bin")
     (tmp_path / "other").mkdir()
     (tmp_path / "m" / "weights.bin").rename(tmp_path / "other" / "weights.bin")
-    model = onnx.load(str(path), load_external_data=False)
-    for tensor in model.graph.initializer:
-        for entry in tensor.external_data:
-            if entry.key == "location":
-                entry.value = "../other/weights.bin"
-    onnx.save(model, str(path))
+    models.set_external_location(path, "../other/weights.bin")
     with pytest.raises(InputError, match="outside the model's folder"):
         load_model(path)
+    model = onnx.load(str(path), load_external_data=False)
     # a model in a subfolder of the model dir may reach up into the dir, not out of it
     assert external_data_files(model, path, tmp_path) == [(tmp_path / "other" / "weights.bin").resolve()]
 

@@ -18,7 +18,7 @@ import models
 from cli_helpers import assert_user_error, skuforge
 from pipeline.config import SigningSpec, load_registry, parse_registry
 from pipeline.errors import ConfigError, EnvironmentProblem
-from pipeline.signing import (ENV_KEY_DIR, ENV_SIGNING_KEY, Signature, SigningKey, aliases_accepting, canonical_payload,
+from pipeline.signing import (ENV_KEY_DIR, ENV_SIGNING_KEY, SigningKey, aliases_accepting, canonical_payload,
                               generate_key_file, signing_key, verify, write_private_key)
 
 REPO = Path(__file__).resolve().parents[1]

@@ -217,6 +217,12 @@ def repro(args: argparse.Namespace) -> int:
         print(f"{what} SKU {s.sku}: {'; '.join(s.problems)}; "
               f"needs a runner with labels [{', '.join(s.runner_labels)}]", file=sys.stderr)
     if not dvc_targets:
+        if args.sku:  # asked for by name (a CI job for one SKU): building nothing is not success
+            from ..errors import EnvironmentProblem
+
+            raise EnvironmentProblem(f"this host can build none of the SKUs asked for: {', '.join(args.sku)}",
+                                     hint="run it on a runner with the labels printed above "
+                                          "(skuforge skus --buildable-here lists what this host can build)")
         print("nothing this host can build", file=sys.stderr)
         return 0
     stale = None if status is None else status.stale(upstream_stages(reg, dvc_targets))

@@ -28,7 +28,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
 
 from .. import __version__
-from ..config import Registry, Release
+from ..config import Registry
 from ..errors import ServiceError
 from ..results import Manifest
 from ..stages import Progress

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import models
-from cli_helpers import COMMAND, assert_user_error, project, skuforge
+from cli_helpers import assert_user_error, project, skuforge
 from pipeline.config import load_registry
 from pipeline.runner.probe import host_arch
 from pipeline.stages.build import build
@@ -108,6 +108,14 @@ def test_sku_for_another_host(tmp_path):
     foreign = models.ort_sku("fp32", target={"arch": OTHER_ARCH}, runner_labels=["self-hosted", "far-away"])
     project(tmp_path, skus={"foreign": foreign})
     assert_user_error(skuforge("build", "--model", "m", "--sku", "foreign", cwd=tmp_path), 3, "far-away")
+
+
+def test_repro_of_a_named_sku_this_host_cannot_build_exits_3(tmp_path):
+    """A CI job for one SKU on the wrong runner must not pass having built nothing."""
+    foreign = models.ort_sku("fp32", target={"arch": OTHER_ARCH}, runner_labels=["self-hosted", "far-away"])
+    project(tmp_path, skus={"foreign": foreign})
+    (tmp_path / ".dvc").mkdir()
+    assert_user_error(skuforge("repro", "--sku", "foreign", cwd=tmp_path), 3, "foreign", "far-away")
 
 
 def test_failed_gate_exits_1(tmp_path):

@@ -106,7 +106,7 @@ def test_opt_in_refused_on_calibration_and_evaluation(tmp_path, split):
     data_project(tmp_path, {"d.npz": {"x": finite(), "labels": np.zeros(6, np.int64)}},
                  **{split: {"path": "d.npz", "allow_non_finite": True}})
     proc = skuforge("config", "validate", cwd=tmp_path)
-    assert_user_error(proc, 2, f"models.m.datasets", f"{split}.allow_non_finite", "golden and hard_tail")
+    assert_user_error(proc, 2, "models.m.datasets", f"{split}.allow_non_finite", "golden and hard_tail")
 
 
 # --- types and shapes ---------------------------------------------------------------------------
@@ -193,14 +193,7 @@ def test_external_data_file_missing(tmp_path):
 def test_external_data_location_escaping_the_model_dir(tmp_path):
     external_project(tmp_path)
     path = tmp_path / "models/ext/model.onnx"
-    import onnx
-
-    model = onnx.load(str(path), load_external_data=False)
-    for tensor in model.graph.initializer:
-        for entry in tensor.external_data:
-            if entry.key == "location":
-                entry.value = "../../../etc/passwd"
-    onnx.save(model, str(path))
+    models.set_external_location(path, "../../../etc/passwd")
     proc = skuforge("prepare", "--model", "m", cwd=tmp_path)
     assert_user_error(proc, 2, "'../../../etc/passwd'", "outside the model's folder", "tensor 'W'")
     assert not (tmp_path / "build").exists()

@@ -24,19 +24,15 @@ from pathlib import Path
 
 import pytest
 
-REGISTRY_TESTS = Path(__file__).resolve().parents[1] / "registry"
-if str(REGISTRY_TESTS) not in sys.path:
-    sys.path.insert(0, str(REGISTRY_TESTS))
-
-import models  # noqa: E402
-from cli_helpers import REPO, assert_user_error, skuforge  # noqa: E402
-from pipeline import io as pio  # noqa: E402
-from pipeline import redact as rd  # noqa: E402
-from pipeline.cli import main  # noqa: E402
-from pipeline.io import atomic_dir, atomic_write_bytes  # noqa: E402
-from pipeline.paths import Layout  # noqa: E402
-from pipeline.repro import dvc_failure  # noqa: E402
-from registry_helpers import FAST_RETRIES, MLFLOW, Server, free_port, make_project, sku  # noqa: E402
+import models
+from cli_helpers import REPO, assert_user_error, skuforge
+from pipeline import io as pio
+from pipeline import redact as rd
+from pipeline.cli import main
+from pipeline.io import atomic_dir, atomic_write_bytes
+from pipeline.paths import Layout
+from pipeline.repro import dvc_failure
+from registry_helpers import free_port, make_project, sku
 
 PASSWORD = "S3cr3t-pa55word"
 TOKEN = "tok-9f8e7d6c5b4a"
@@ -164,16 +160,6 @@ def test_token_in_env_on_a_dead_port(pair):
                     env=env(MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port()}", MLFLOW_TRACKING_TOKEN=TOKEN))
     assert_user_error(proc, 4, "127.0.0.1")
     assert_no_secret(proc, TOKEN)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    if not MLFLOW.is_file():
-        pytest.skip(f"no mlflow executable next to {sys.executable} (pip install mlflow)")
-    srv = Server(tmp_path_factory.mktemp("mlflow_server"))
-    srv.start(new_port_if_taken=True)
-    yield srv
-    srv.stop()
 
 
 def test_token_and_password_with_a_live_server(pair, server):
