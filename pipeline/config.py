@@ -100,7 +100,8 @@ class InputSpec(Strict):
     def _dims(cls, shape: list[int | str]) -> list[int | str]:
         for dim in shape:
             if isinstance(dim, int) and dim < 1:
-                raise ValueError(f"fixed dimensions must be >= 1, got {dim}")
+                raise ValueError(f"fixed dimensions must be >= 1, got {dim}: write a dynamic dimension as an axis name "
+                                 f"(e.g. batch; every axis but the batch axis needs a value under pins)")
         return shape
 
     @property
@@ -123,7 +124,8 @@ class Affine(Strict):
 class GenerateSpec(Strict):
     count: int = Field(32, ge=1)
     seed: int = 0
-    edge_cases: bool = Field(True, description="append zeros, range ends and large magnitudes")
+    edge_cases: bool = Field(False, description="replace the last 4 samples by range ends, zeros and values at up to "
+                                                "4x the range (outside it); not for calibration")
 
 
 class DatasetSource(Strict):
@@ -159,6 +161,10 @@ class Datasets(Strict):
             source = getattr(self, split)
             if source is not None and source.allow_non_finite:
                 raise ValueError(f"{split}.allow_non_finite: only golden and hard_tail may hold NaN/Inf values")
+        # INT8 ranges are taken over the calibration set: values outside the declared range would widen them
+        if self.calibration.generate is not None and self.calibration.generate.edge_cases:
+            raise ValueError("calibration.generate.edge_cases: calibration data stays inside each input's range; "
+                             "put edge cases in golden or hard_tail")
         return self
 
 

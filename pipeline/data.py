@@ -28,7 +28,9 @@ def sample_shape(spec: ModelSpec, name: str, pins: dict[str, int]) -> tuple[int,
 
 
 def generate(spec: ModelSpec, pins: dict[str, int], source: DatasetSource) -> "Arrays":
-    """Seeded inputs across each input's range; edge cases at the end (the hard tail)."""
+    """Seeded inputs inside each input's range. With ``edge_cases`` (count >= 4) the last samples
+    are replaced: the range's low and high ends; for floats also a sample at up to 4x the range
+    (outside it) and a zero sample (outside it where 0 is)."""
     import numpy as np
 
     gen = source.generate
@@ -160,6 +162,28 @@ def check_finite(arrays: "Arrays", split: str, origin: str, allow: bool = False)
                              hint=f"drop or fix those samples{optin}")
 
 
+def check_range(spec: ModelSpec, arrays: "Arrays", split: str, origin: str) -> None:
+    """Refuse values outside an input's declared ``range`` (model-input space, after preprocessing):
+    calibration ranges taken over them would not be the ones the model was declared for."""
+    import numpy as np
+
+    for inp in spec.inputs:
+        if inp.range is None or inp.dtype == "bool" or inp.name not in arrays or arrays[inp.name].size == 0:
+            continue
+        lo, hi = inp.range
+        arr = arrays[inp.name]
+        with np.errstate(over="ignore"):  # compared in the input's dtype: float32(0.3) is inside [0, 0.3]
+            low_end, high_end = np.asarray(lo).astype(arr.dtype), np.asarray(hi).astype(arr.dtype)
+        outside = int(((arr < low_end) | (arr > high_end)).sum())
+        if outside:
+            low, high = min(lo, float(arr.min())), max(hi, float(arr.max()))
+            index = spec.inputs.index(inp)
+            raise InputError(f"dataset {split}: {origin} key {inp.name!r} has {outside} of {arr.size} values outside "
+                             f"the declared range [{lo!r}, {hi!r}] (min {float(arr.min())!r}, max {float(arr.max())!r})",
+                             hint=f"widen models.<name>.inputs[{index}].range to [{low!r}, {high!r}] if the model is meant "
+                                  f"for such inputs, or fix the data (calibration ranges are taken over this set)")
+
+
 def check_dataset(spec: ModelSpec, arrays: "Arrays", pins: dict[str, int], split: str, raw: bool) -> int:
     """Check sample shapes and counts against the spec; return the sample count."""
     import numpy as np
@@ -246,7 +270,7 @@ def run_dataset(
         unbatched = [o for o, i in output_batch_index.items() if i is None]
         if unbatched:
             raise InputError(f"outputs {unbatched} have no batch axis, so batched samples cannot be split apart",
-                             hint="pin the batch axis to 1 for this model")
+                             hint="run at batch 1: set models.<name>.pins.<batch axis>: 1 (and the SKU's shapes)")
     n = len(next(iter(arrays.values())))
     results: dict[str, list[np.ndarray]] = {}
     done = 0

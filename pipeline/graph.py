@@ -7,6 +7,7 @@ it changed, so the prepare report can list each change.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -158,15 +159,24 @@ def infer_shapes(model: "onnx.ModelProto", path: Path) -> "onnx.ModelProto":
                          hint="the graph is inconsistent; check the input shapes in params.yaml and the exporter") from exc
 
 
+def _dims(value_info: "onnx.ValueInfoProto") -> list[int | str | None]:
+    """A tensor's dims: an int where fixed (>= 1), the name where named, None where unnamed. Exporters
+    write a dynamic dim as -1, 0, no value at all, or a name of their own: all are dynamic."""
+    dims: list[int | str | None] = []
+    for d in value_info.type.tensor_type.shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(d.dim_value if d.dim_value >= 1 else None)
+        else:
+            dims.append(d.dim_param or None)
+    return dims
+
+
 def _tensor_sig(value_info: "onnx.ValueInfoProto") -> TensorSig:
     import onnx
 
     tt = value_info.type.tensor_type
-    dims: list[int | str | None] = []
-    for d in tt.shape.dim:
-        dims.append(d.dim_value if d.HasField("dim_value") else (d.dim_param or None))
     dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type).name if tt.elem_type else "unknown"
-    return TensorSig(name=value_info.name, dtype=dtype, shape=dims)
+    return TensorSig(name=value_info.name, dtype=dtype, shape=_dims(value_info))
 
 
 def signature(model: "onnx.ModelProto") -> Signature:
@@ -177,46 +187,103 @@ def signature(model: "onnx.ModelProto") -> Signature:
     )
 
 
-def rename_axes(model: "onnx.ModelProto", spec_inputs: list, path: Path) -> None:
+def suggested_shape(model_shape: list[int | str | None], spec_shape: list[int | str] | None = None,
+                    batch_axis: str | None = "batch") -> list[int | str]:
+    """A params.yaml ``shape`` the model accepts: its fixed dims, and for each dynamic dim the spec's
+    entry at that position when the ranks agree, else ``batch_axis`` for the first dim and the
+    exporter's name (or ``dim<i>``) for the others."""
+    out: list[int | str] = []
+    for i, mdim in enumerate(model_shape):
+        if isinstance(mdim, int):
+            out.append(mdim)
+        elif spec_shape is not None and len(spec_shape) == len(model_shape):
+            out.append(spec_shape[i])
+        elif i == 0 and batch_axis:
+            out.append(batch_axis)
+        else:
+            out.append(mdim if isinstance(mdim, str) and mdim.isidentifier() else f"dim{i}")
+    return out
+
+
+def _flow(shape: list[int | str]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def rename_axes(model: "onnx.ModelProto", spec_inputs: list, path: Path, batch_axis: str | None = "batch") -> None:
     """Check the model's inputs against the spec; give the model's dynamic dims the spec's names.
 
-    A fixed dim in the spec pins a dynamic dim of the model; a fixed dim of the model that the
-    spec contradicts, an unknown or missing input, a wrong rank or dtype is an InputError.
+    A dynamic dim of the model (-1, 0, unnamed or any name) takes the spec's axis name, or its
+    value where the spec gives an int; a fixed dim the spec contradicts, an unknown or missing
+    input, a wrong rank or dtype is an InputError whose hint is a params.yaml entry that works.
+    Dynamic output dims and intermediate shapes are dropped: shape inference then derives them
+    from the spec's names, so an exporter's per-tensor names (``output_dim_0``) cannot hide which
+    output dim is the batch.
     """
     sig = {t.name: t for t in signature(model).inputs}
     declared = {s.name for s in spec_inputs}
-    missing = sorted(set(sig) - declared)
+    missing = [n for n in sig if n not in declared]
+    pin_rest = f"pin any axis but {batch_axis!r} under pins" if batch_axis else "pin every axis under pins"
     if missing:
+        entries = "; ".join(f"{{name: {n}, dtype: {sig[n].dtype}, shape: {_flow(suggested_shape(sig[n].shape, None, batch_axis))}}}"
+                            for n in missing)
         raise InputError(f"{path}: model inputs {missing} are not declared in params.yaml",
-                         hint=f"add them under models.<name>.inputs (model inputs: {sorted(sig)})")
+                         hint=f"add under models.<name>.inputs: {entries} (and {pin_rest})")
     inputs = {v.name: v for v in model.graph.input}
-    renames: dict[str, str] = {}
     for spec in spec_inputs:
         if spec.name not in sig:
             raise InputError(f"{path}: params.yaml declares input {spec.name!r} but the model has none",
-                             hint=f"model inputs: {sorted(sig)}")
+                             hint=f"remove it from models.<name>.inputs (model inputs: {sorted(sig)})")
         have = sig[spec.name]
         if have.dtype != spec.dtype:
             raise InputError(f"{path}: input {spec.name!r} is {have.dtype} in the model but {spec.dtype} in params.yaml",
                              hint=f"set dtype: {have.dtype}")
+        dims = inputs[spec.name].type.tensor_type.shape.dim
+        want = suggested_shape(have.shape, list(spec.shape), batch_axis)
         if len(have.shape) != len(spec.shape):
             raise InputError(f"{path}: input {spec.name!r} has rank {len(have.shape)} {have.shape} in the model "
-                             f"but params.yaml gives {spec.shape}", hint="give one entry per model dimension")
-        dims = inputs[spec.name].type.tensor_type.shape.dim
+                             f"but params.yaml gives {list(spec.shape)}",
+                             hint=f"set shape: {_flow(want)} (one entry per model dimension; {pin_rest})")
         for i, (mdim, sdim) in enumerate(zip(have.shape, spec.shape)):
             if isinstance(mdim, int) and mdim != sdim:
                 raise InputError(f"{path}: input {spec.name!r} dim {i} is fixed to {mdim} in the model "
-                                 f"but params.yaml gives {sdim!r}", hint=f"use {mdim} (model shape {have.shape})")
+                                 f"but params.yaml gives {sdim!r}", hint=f"set shape: {_flow(want)}")
+            d = dims[i]
             if isinstance(sdim, str):
-                if isinstance(mdim, str) and mdim != sdim:
-                    renames[mdim] = sdim
-                dims[i].dim_param = sdim
-            elif mdim is None or isinstance(mdim, str):
-                dims[i].dim_value = sdim
-    for value in [*model.graph.output, *model.graph.value_info]:
+                d.dim_param = sdim
+            else:
+                d.dim_value = sdim
+    for value in model.graph.output:
         for d in value.type.tensor_type.shape.dim:
-            if d.dim_param in renames:
-                d.dim_param = renames[d.dim_param]
+            if not (d.HasField("dim_value") and d.dim_value >= 1):
+                d.Clear()
+    del model.graph.value_info[:]
+
+
+def output_batch_axes(model: "onnx.ModelProto", batch_axis: str | None, axes: set[str]) -> dict[str, int | None]:
+    """Each output's batch axis as shape inference propagated it from the inputs (``model`` inferred
+    after rename_axes): the first dim inferred as ``batch_axis``; None where every dim is fixed or
+    another of the spec's ``axes``. Outputs with an unknown dim and no batch dim are left out:
+    inference cannot tell, the caller probes them."""
+    found: dict[str, int | None] = {}
+    for value in model.graph.output:
+        dims = _dims(value)
+        if batch_axis is not None and batch_axis in dims:
+            found[value.name] = dims.index(batch_axis)
+        elif value.type.tensor_type.HasField("shape") and all(isinstance(d, int) or d in axes for d in dims):
+            found[value.name] = None
+    return found
+
+
+def mark_batch_axes(model: "onnx.ModelProto", batch_axis: str, found: dict[str, int | None]) -> None:
+    """Name each output's batch dim ``batch_axis`` (the signature then carries it)."""
+    for value in model.graph.output:
+        index = found.get(value.name)
+        if index is None:
+            continue
+        shape = value.type.tensor_type.shape
+        while len(shape.dim) <= index:  # an output inference left without a shape
+            shape.dim.add()
+        shape.dim[index].dim_param = batch_axis
 
 
 def pin_axes(model: "onnx.ModelProto", pins: dict[str, int], path: Path) -> "onnx.ModelProto":
@@ -382,3 +449,121 @@ def run_passes(model: "onnx.ModelProto") -> list[PassRecord]:
         records.append(PassRecord(name=name, changed=bool(details), nodes_before=before,
                                   nodes_after=len(model.graph.node), details=details))
     return records
+
+
+# --- tensor storage and opset conversion (for the backends' importers) --------------------------
+
+# outputs of an opset conversion may differ from the original's by this much, relative to the
+# largest output magnitude (at least 1): an adapter that changes the function is refused
+OPSET_CONVERSION_RTOL = 1e-5
+_TYPED_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data")
+
+
+def tensors_to_raw(model: "onnx.ModelProto") -> int:
+    """Store every initializer and Constant tensor (subgraphs included) as ``raw_data``; returns
+    how many moved. Importers differ in which typed fields they read (IREE's refuses FP16 in
+    ``int32_data``, where converters put it); all of them read raw_data. External data is left as is."""
+    from onnx import TensorProto, numpy_helper
+
+    moved = 0
+    for tensor in _all_tensors(model.graph):
+        if tensor.data_location == TensorProto.EXTERNAL or tensor.data_type == TensorProto.STRING:
+            continue
+        if not any(len(getattr(tensor, f)) for f in _TYPED_FIELDS if f != "string_data"):
+            continue
+        array = numpy_helper.to_array(tensor)
+        tensor.CopyFrom(numpy_helper.from_array(array, tensor.name))
+        moved += 1
+    return moved
+
+
+def default_opset(model: "onnx.ModelProto") -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+
+
+@dataclass(frozen=True)
+class OpsetConversion:
+    """An opset conversion done for a backend, checked on the probe inputs; lands in the manifest."""
+
+    from_opset: int
+    to_opset: int
+    reason: str
+    max_abs_error: float
+    relative_error: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def warning(self) -> str:
+        return (f"opset converted from {self.from_opset} to {self.to_opset} ({self.reason}) with onnx.version_converter; "
+                f"outputs on the probe batch unchanged (max abs error {self.max_abs_error:.3g})")
+
+
+def convert_opset(model: "onnx.ModelProto", target: int, probe_inputs: dict, reason: str
+                  ) -> tuple["onnx.ModelProto", OpsetConversion | None]:
+    """``model`` at ai.onnx opset ``target``: converted with ONNX's version converter (up or down,
+    tensors stored as raw_data) when at another opset, else returned as is (record None). The
+    conversion is refused (InputError) when the converter fails or ONNX Runtime's outputs on
+    ``probe_inputs`` differ between the two models by more than OPSET_CONVERSION_RTOL."""
+    import numpy as np
+    import onnx
+    from onnx import version_converter
+
+    from .backends.onnxruntime import reference_runner
+
+    have = default_opset(model)
+    if have == target:
+        return model, None
+    redo = f"re-export the model from its framework at opset {target}"
+    try:
+        converted = version_converter.convert_version(model, target)
+        onnx.checker.check_model(converted)
+    except Exception as exc:  # the converter raises plain RuntimeError/ValidationError from C++
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputError(f"converting the model from opset {have} to {target} ({reason}) failed: {detail}",
+                         hint=redo) from exc
+    tensors_to_raw(converted)
+    try:
+        with reference_runner(model.SerializeToString()) as old, reference_runner(converted.SerializeToString()) as new:
+            want, got = old.infer(probe_inputs), new.infer(probe_inputs)
+    except InputError as exc:
+        raise InputError(f"the model converted from opset {have} to {target} ({reason}) does not run: {exc.message}",
+                         hint=redo) from exc
+    worst_abs, worst_rel = 0.0, 0.0
+    for name, a in want.items():
+        b = got[name]
+        if a.shape != b.shape or (not np.issubdtype(a.dtype, np.floating) and not np.array_equal(a, b)):
+            worst_abs = worst_rel = float("inf")
+            continue
+        if np.issubdtype(a.dtype, np.floating):
+            diff = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)), initial=0.0))
+            worst_abs = max(worst_abs, diff)
+            worst_rel = max(worst_rel, diff / max(1.0, float(np.max(np.abs(a), initial=0.0))))
+    if not worst_rel <= OPSET_CONVERSION_RTOL:
+        raise InputError(f"converting the model from opset {have} to {target} ({reason}) changed its outputs on the "
+                         f"probe batch (max abs error {worst_abs:.3g}, relative {worst_rel:.3g} > {OPSET_CONVERSION_RTOL})",
+                         hint=redo)
+    return converted, OpsetConversion(from_opset=have, to_opset=target, reason=reason,
+                                      max_abs_error=worst_abs, relative_error=worst_rel)
+
+
+def pin_subgraph_axes(model: "onnx.ModelProto", pins: dict[str, int]) -> int:
+    """Fix the pinned named dims inside subgraphs (If branches, Loop and Scan bodies) as ``pin_axes``
+    fixes them on the graph: a body that keeps ``batch`` dynamic while its inputs are pinned has
+    mismatched types for IREE's importer. Returns how many dims were fixed."""
+    fixed = 0
+
+    def visit(graph: "onnx.GraphProto") -> None:
+        nonlocal fixed
+        for node in graph.node:
+            for attr in node.attribute:
+                for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                    for value in [*sub.input, *sub.output, *sub.value_info]:
+                        for d in value.type.tensor_type.shape.dim:
+                            if d.dim_param in pins:
+                                d.dim_value = pins[d.dim_param]
+                                fixed += 1
+                    visit(sub)
+
+    visit(model.graph)
+    return fixed

@@ -20,6 +20,9 @@ from .errors import InputError
 if TYPE_CHECKING:
     from .backends.base import BuildContext
 
+# QuantizeLinear/DequantizeLinear take a per-channel ``axis`` from opset 13
+QDQ_MIN_OPSET = 13
+
 
 @dataclass(frozen=True)
 class QdqSettings:
@@ -53,15 +56,36 @@ class QdqOptions(BaseModel):
                            nodes_to_exclude=tuple(self.nodes_to_exclude))
 
 
-def quantize_qdq(source: Path, out: Path, ctx: "BuildContext", settings: QdqSettings) -> dict[str, Any]:
-    """Write ``out``: ``source`` with QuantizeLinear/DequantizeLinear pairs from the calibration table."""
+def quantize_qdq(source: Path, out: Path, ctx: "BuildContext", settings: QdqSettings,
+                 newest_opset: int | None = None) -> dict[str, Any]:
+    """Write ``out``: ``source`` with QuantizeLinear/DequantizeLinear pairs from the calibration table.
+
+    A model older than opset 13 is converted to opset 17 first (checked on the probe batch):
+    per-channel QDQ needs the ``axis`` of QuantizeLinear/DequantizeLinear-13, and OpenVINO and
+    TensorRT read per-channel scales only from those. ``newest_opset``: the newest opset whose
+    QuantizeLinear/DequantizeLinear the backend runs; a newer model is converted down to it. The
+    conversion is in the returned record."""
+    import onnx
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.calibrate import load_tensors_data
+
+    from .graph import SUGGESTED_OPSET, convert_opset, default_opset, tensors_to_raw
 
     if ctx.calibration_table is None or not ctx.calibration_table.is_file():
         raise InputError(f"INT8 build of {ctx.model} for {ctx.sku} needs the calibration table",
                          hint=f"run: skuforge calibrate --model {ctx.model}")
     with tempfile.TemporaryDirectory(prefix="skuforge-qdq-") as tmp:
+        conversion = None
+        model = onnx.load(str(source))
+        have = default_opset(model)
+        target = SUGGESTED_OPSET if have < QDQ_MIN_OPSET else have
+        target = min(target, newest_opset) if newest_opset else target
+        if target != have:
+            reason = (f"INT8 QDQ needs opset {QDQ_MIN_OPSET} or newer" if have < QDQ_MIN_OPSET else
+                      f"the backend runs QuantizeLinear/DequantizeLinear up to opset {newest_opset}")
+            model, conversion = convert_opset(model, target, ctx.probe_inputs, reason)
+            source = Path(tmp) / "converted.onnx"
+            onnx.save(model, str(source))
         table = Path(tmp) / "calibration.json"  # a copy: quantize_static may rewrite its cache
         shutil.copyfile(ctx.calibration_table, table)
         try:
@@ -84,20 +108,36 @@ def quantize_qdq(source: Path, out: Path, ctx: "BuildContext", settings: QdqSett
         except (ValueError, KeyError) as exc:
             raise InputError(f"INT8 quantization failed: {exc}",
                              hint=f"the calibration table does not match the prepared model: rerun skuforge calibrate --model {ctx.model}") from exc
+    quantized = onnx.load(str(out))
+    if tensors_to_raw(quantized):
+        onnx.save(quantized, str(out))
     record = asdict(settings)
     record["op_types_to_quantize"] = list(settings.op_types_to_quantize) if settings.op_types_to_quantize else None
     record["nodes_to_exclude"] = list(settings.nodes_to_exclude)
+    if conversion is not None:
+        record["opset_conversion"] = conversion.to_json()
     return {"format": "QDQ", **record}
+
+
+def conversion_warnings(calibration: dict[str, Any] | None) -> list[str]:
+    """The build warning for the opset conversion recorded by ``quantize_qdq`` (if any)."""
+    from .graph import OpsetConversion
+
+    record = (calibration or {}).get("opset_conversion")
+    return [OpsetConversion(**record).warning()] if record else []
 
 
 def to_fp16(source: Path, out: Path) -> Path:
     """FP16 weights and compute, FP32 inputs and outputs, nodes topologically sorted (the
-    converter can leave them unsorted, which importers such as IREE's refuse)."""
+    converter can leave them unsorted, which importers such as IREE's refuse), tensors in raw_data."""
     import onnx
     from onnxruntime.transformers.float16 import convert_float_to_float16
     from onnxruntime.transformers.onnx_model import OnnxModel
 
+    from .graph import tensors_to_raw
+
     converted = OnnxModel(convert_float_to_float16(onnx.load(str(source)), keep_io_types=True))
     converted.topological_sort()
+    tensors_to_raw(converted.model)  # the converter writes FP16 into int32_data, which IREE's importer refuses
     onnx.save(converted.model, str(out))
     return out

@@ -9,11 +9,12 @@ import pytest
 
 import models
 from pipeline.backends.onnxruntime import reference_runner
-from pipeline.config import DatasetSource, GenerateSpec, ModelSpec
+from pipeline.config import Datasets, DatasetSource, GenerateSpec, ModelSpec
 from pipeline.data import (
     LABELS,
     check_dataset,
     check_finite,
+    check_range,
     generate,
     iter_batches,
     load_file,
@@ -98,6 +99,19 @@ def test_generate_appends_edge_cases():
 def test_no_edge_cases_below_four_samples():
     arrays = generate(MULTI, PINS, gen(count=3))
     assert arrays["x"].min() >= -1.0 and arrays["x"].max() <= 1.0
+
+
+def test_generated_sets_have_no_edge_cases_by_default():
+    assert GenerateSpec().edge_cases is False
+    arrays = generate(MULTI, PINS, DatasetSource(generate=GenerateSpec(count=64)))
+    assert arrays["x"].min() >= -1.0 and arrays["x"].max() <= 1.0
+    assert arrays["scale"].min() >= 0.5 and arrays["scale"].max() <= 2.0
+
+
+def test_calibration_refuses_generated_edge_cases():
+    with pytest.raises(ValueError, match="calibration.generate.edge_cases"):
+        Datasets(calibration=gen(count=16, edge_cases=True))
+    assert Datasets(golden=gen(count=16, edge_cases=True), hard_tail=gen(count=8, edge_cases=True))
 
 
 def test_generate_bool_and_pinned_axes():
@@ -213,6 +227,23 @@ def test_check_finite_names_key_and_first_sample():
 
 
 # --- check_dataset ------------------------------------------------------------------------------
+
+
+def test_check_range_counts_values_outside_the_declared_range():
+    arrays = generate(MULTI, PINS, gen(count=8, edge_cases=False))
+    check_range(MULTI, arrays, "calibration", "cal.npz")  # inside
+    arrays["x"][2, :3] = 1.5
+    arrays["ids"][0, 0] = 11
+    with pytest.raises(InputError) as info:
+        check_range(MULTI, arrays, "calibration", "cal.npz")
+    assert "cal.npz key 'x' has 3 of 48 values outside the declared range [-1.0, 1.0]" in info.value.message
+    assert "inputs[0].range to [-1.0, 1.5]" in info.value.hint and info.value.exit_code == 2
+
+
+def test_check_range_compares_in_the_input_dtype_and_skips_undeclared_ranges():
+    spec = ModelSpec.model_validate({"dir": "m", "source": "model.onnx", "inputs": [
+        {"name": "a", "shape": ["batch", 2], "range": [0.0, 0.3]}, {"name": "b", "shape": ["batch", 2]}]})
+    check_range(spec, {"a": np.full((3, 2), 0.3, np.float32), "b": np.full((3, 2), 100.0, np.float32)}, "calibration", "f")
 
 
 def test_check_dataset_counts_samples():

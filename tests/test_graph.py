@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 import models
@@ -24,7 +25,9 @@ from pipeline.graph import (
     fold_constants,
     infer_shapes,
     load_model,
+    mark_batch_axes,
     op_counts,
+    output_batch_axes,
     pin_axes,
     rename_axes,
     run_passes,
@@ -267,6 +270,73 @@ def test_rename_axes_refuses_a_wrong_integer_dtype(multi_path):
     with pytest.raises(InputError) as info:
         rename_axes(load_model(multi_path), specs(*wrong), multi_path)
     assert "'ids'" in info.value.message and "int64" in info.value.message and "int32" in info.value.message
+
+
+DENSE_X = {"name": "x", "shape": ["batch", 6]}
+
+
+@pytest.mark.parametrize("dim", [-1, 0, None, "batch_size", "s0"])
+def test_exporter_dynamic_dims_take_the_spec_name(tmp_path, dim):
+    path = models.exporter_dense_model(tmp_path / "model.onnx", [dim, 6], [dim, 4])
+    model = load_model(path)
+    assert signature(model).inputs[0].shape == [dim if isinstance(dim, str) else None, 6]  # -1 and 0 read as dynamic
+    rename_axes(model, specs(DENSE_X), path)
+    sig = signature(infer_shapes(model, path))
+    assert sig.inputs[0].shape == ["batch", 6] and sig.outputs[0].shape == ["batch", 4]
+
+
+@pytest.mark.parametrize("dim", [-1, 0, None, "batch_size"])
+def test_exporter_dynamic_dims_can_be_pinned(tmp_path, dim):
+    path = models.exporter_dense_model(tmp_path / "model.onnx", [dim, 6], [dim, 4])
+    model = load_model(path)
+    rename_axes(model, specs({"name": "x", "shape": [2, 6]}), path)
+    assert signature(infer_shapes(model, path)).outputs[0].shape == [2, 4]
+
+
+def test_rename_axes_drops_per_tensor_output_names_and_stale_value_info(tmp_path):
+    path = models.exporter_dense_model(tmp_path / "model.onnx")  # batch_size in, output_dim_0 out
+    model = load_model(path)
+    model.graph.value_info.append(models.value_info("xw", ["s0", 4]))
+    rename_axes(model, specs(DENSE_X), path)
+    assert signature(model).outputs[0].shape == [None, 4] and not model.graph.value_info
+    inferred = infer_shapes(model, path)
+    assert signature(inferred).outputs[0].shape == ["batch", 4]
+    assert {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in inferred.graph.value_info}["xw"] == ["batch", 4]
+
+
+def test_output_batch_axes_by_inference_leaves_unknown_dims_to_the_probe(tmp_path):
+    path = models.batch_positions_model(tmp_path / "model.onnx")
+    model = load_model(path)
+    rename_axes(model, specs(DENSE_X), path)
+    model = infer_shapes(model, path)
+    # y and t propagate the name; r and rt pass through a Reshape(-1): unknown, left for the probe
+    assert output_batch_axes(model, "batch", {"batch"}) == {"y": 0, "t": 1, "total": None}
+    mark_batch_axes(model, "batch", {"r": 0, "rt": 1, "total": None})
+    shapes = {t.name: t.shape for t in signature(model).outputs}
+    assert shapes["r"] == ["batch", 2, 2] and shapes["rt"] == [2, "batch", 2] and shapes["total"] == []
+    assert output_batch_axes(model, "batch", {"batch"}) == {"y": 0, "t": 1, "r": 0, "rt": 1, "total": None}
+
+
+@pytest.mark.parametrize("spec_shape, hint", [
+    (["batch", 3, 8, 9], "set shape: [batch, 3, 8, 8]"),
+    (["n", 3, 8], "set shape: [batch, 3, 8, 8]"),
+    ([4, 3, 8, 9], "set shape: [4, 3, 8, 8]"),
+])
+def test_rename_axes_hints_give_a_shape_that_works(conv_path, spec_shape, hint):
+    with pytest.raises(InputError) as info:
+        rename_axes(load_model(conv_path), specs({"name": "x", "shape": spec_shape}), conv_path)
+    assert hint in info.value.hint
+    fixed = yaml.safe_load(hint.removeprefix("set shape: "))
+    model = load_model(conv_path)
+    rename_axes(model, specs({"name": "x", "shape": fixed}), conv_path)  # followed: accepted
+    infer_shapes(model, conv_path)
+
+
+def test_rename_axes_hint_for_an_undeclared_input_is_an_entry(multi_path):
+    with pytest.raises(InputError) as info:
+        rename_axes(load_model(multi_path), specs(MULTI_INPUTS[0]), multi_path)
+    assert "{name: ids, dtype: int64, shape: [batch, 3]}; {name: scale, dtype: float32, shape: []}" in info.value.hint
 
 
 def test_infer_shapes_reports_an_inconsistent_graph(tmp_path):

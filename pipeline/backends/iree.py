@@ -3,7 +3,10 @@ CPU (``llvm-cpu``), a Vulkan (SPIR-V) or a CUDA device, run through ``iree.runti
 
 IREE cross-compiles: the compiler builds any target on any host, and only running the engine
 needs the device. The one exception is ``target_cpu: host``, which compiles for the build host's
-CPU: such a SKU is built on its target hardware.
+CPU: such a SKU is built on its target hardware. "host" is resolved here, not by LLVM: the
+architecture's generic CPU plus the features the host reports (``pipeline.runner.probe``). LLVM's
+own host detection goes by the CPU's name, and a name implies features a virtual machine may hide
+(an Emerald Rapids guest without AMX is still "emeraldrapids", which implies AMX).
 
 The build report lists the dispatches (fusion groups) the compiler produced, read from the
 executable sources it dumps: the op and element types are in each dispatch's name, and the ONNX
@@ -26,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import ConfigError, EnvironmentProblem, InputError, UnsupportedOp
 from ..results import LayerInfo, TensorSig
+from ..runner import probe
 from .base import Backend, BuildContext, BuildOutcome, Runner
 
 if TYPE_CHECKING:
@@ -35,6 +39,7 @@ if TYPE_CHECKING:
     from ..config import SkuSpec
 
 VMFB = "module.vmfb"
+IMPORTER_MIN_OPSET = 17
 COMPILE_TIMEOUT_S = 1800  # a hung compiler must not hang CI; tiny models compile in seconds
 _DRIVERS = {"local": ("local-task", "local-sync"), "vulkan": ("vulkan",), "cuda": ("cuda",)}
 # the embedded-ELF triples IREE's llvm-cpu backend uses per SKU architecture
@@ -52,7 +57,8 @@ class IreeOptions(BaseModel):
 
     target_device: Literal["local", "vulkan", "cuda"] = "local"
     target_backend: Literal["llvm-cpu"] = Field("llvm-cpu", description="code generator of the local device")
-    target_cpu: str = Field("host", description="LLVM CPU name (e.g. x86-64-v3, znver3, cortex-a76); host: the build host's CPU")
+    target_cpu: str = Field("host", description="LLVM CPU name (e.g. x86-64-v3, znver3, cortex-a76); host: the build "
+                                                "host's CPU, as a generic CPU with the features the host reports")
     target_cpu_features: list[str] = Field(default_factory=list, description="LLVM features, e.g. [+avx2, +fma]")
     vulkan_target: str | None = Field(None, description="e.g. llvmpipe (lavapipe), valhall, rdna3, ampere; required for vulkan")
     cuda_target: str = "sm_80"
@@ -123,7 +129,7 @@ class IreeBackend(Backend):
     def build(self, ctx: BuildContext) -> BuildOutcome:
         import onnx
 
-        from ..graph import pin_axes, signature
+        from ..graph import convert_opset, default_opset, pin_axes, pin_subgraph_axes, signature, tensors_to_raw
         from ..quantize import to_fp16
 
         opts: IreeOptions = self.options(ctx.sku_spec)
@@ -131,6 +137,11 @@ class IreeBackend(Backend):
         if problems:
             raise EnvironmentProblem("; ".join(problems), hint=self.install_hint)
         model = pin_axes(onnx.load(str(ctx.prepared)), ctx.pins, ctx.prepared)
+        pin_subgraph_axes(model, ctx.pins)
+        # the importer lowers ops as defined from opset 17 on (older MaxPool, Slice, ... have no lowering)
+        model, conversion = convert_opset(model, max(default_opset(model), IMPORTER_MIN_OPSET), ctx.probe_inputs,
+                                          f"IREE's ONNX importer lowers ops from opset {IMPORTER_MIN_OPSET} on")
+        tensors_to_raw(model)  # the importer reads raw_data, not every typed field (FP16 in int32_data)
         entry = _entry_name(model)
         sig = signature(model)
         with tempfile.TemporaryDirectory(prefix="skuforge-iree-") as tmp:
@@ -152,20 +163,26 @@ class IreeBackend(Backend):
         if not dispatches:
             raise EnvironmentProblem("iree-compile dumped no executable sources: the dispatch report would be empty",
                                      hint="check the extra_flags; this IREE version may name its dumps differently")
-        warnings = []
+        warnings = [conversion.warning()] if conversion else []
         hardware_specific = opts.target_device == "local" and opts.target_cpu == "host"
+        requested = ({"cpu": opts.target_cpu, "cpu_features": opts.target_cpu_features}
+                     if opts.target_device == "local" else {})
         if hardware_specific:
             warnings.append(f"target_cpu host resolved to {target.get('cpu')} with {len(target.get('cpu_features', []))} "
-                            "CPU features: the engine runs only on CPUs that have them (a CPU without one crashes "
-                            "with an illegal instruction; loading checks this)")
+                            "CPU features (those this host reports): the engine runs only on CPUs that have them (a CPU "
+                            "without one crashes with an illegal instruction; loading checks this)")
         fused = sum(1 for d in dispatches if len(d.fused_from) > 1)
         if not any(d.fused_from for d in dispatches):
             warnings.append("no ONNX node locations survived in the dumped dispatches: fused_from is empty")
         meta = {"entry": entry, "driver": opts.runtime_driver, "target_device": opts.target_device,
                 "inputs": [s.to_json() for s in sig.inputs], "outputs": [s.to_json() for s in sig.outputs],
-                "compile_flags": flags, "resolved_target": target}
-        options = {**opts.model_dump(mode="json"), "compile_flags": flags, "resolved_target": target,
-                   "dispatches": len(dispatches), "fused_dispatches": fused, "dispatch_sites": sites}
+                "compile_flags": flags, "requested_target": requested, "resolved_target": target}
+        if hardware_specific:
+            meta["host_cpu"] = probe.cpu_record()  # the reported flags the target was resolved from
+        options = {**opts.model_dump(mode="json"), "compile_flags": flags, "requested_target": requested,
+                   "resolved_target": target,
+                   "dispatches": len(dispatches), "fused_dispatches": fused, "dispatch_sites": sites,
+                   "opset_conversion": conversion.to_json() if conversion else None}
         return BuildOutcome(files=[VMFB], layers=dispatches, requested_devices=[opts.runtime_driver],
                             partition_boundaries=0, options=options, hardware_specific=hardware_specific,
                             warnings=warnings, meta=meta)
@@ -183,7 +200,8 @@ class IreeBackend(Backend):
                 raise EnvironmentProblem(
                     f"{engine_dir} was compiled for CPU {meta['resolved_target'].get('cpu')} with features this CPU "
                     f"lacks: {', '.join(missing)}",
-                    hint="rebuild with an options.target_cpu this CPU supports (e.g. x86-64-v3), or run on the SKU's runner")
+                    hint="rebuild it on this host (target_cpu: host), or with an options.target_cpu this CPU supports "
+                         "(e.g. x86-64-v3), or run it on the SKU's runner")
         return IreeRunner(engine_dir / VMFB, meta)
 
 
@@ -228,25 +246,11 @@ def _iree_compile() -> str | None:
         return None
 
 
-@functools.lru_cache(maxsize=1)
-def _host_cpu_features() -> dict[str, bool]:
-    """The runtime's view of this CPU (``iree-cpuinfo``: LLVM feature names, 0 or 1)."""
-    spec = importlib.util.find_spec("iree._runtime_libs")
-    exe = Path(spec.submodule_search_locations[0]) / "iree-cpuinfo" if spec and spec.submodule_search_locations else None
-    if exe is None or not exe.is_file():
-        return {}
-    try:
-        out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    return {parts[0]: parts[1] == "1" for parts in (line.split() for line in out.splitlines()) if len(parts) == 2}
-
-
 def missing_cpu_features(required: list[str]) -> list[str]:
-    """Features an engine was compiled for (``+name``) that this CPU lacks, among those the
-    runtime can query (others are not judged)."""
-    host = _host_cpu_features()
-    return [f[1:] for f in required if f.startswith("+") and host.get(f[1:]) is False]
+    """Features an engine was compiled for (``+name``, LLVM names) that this CPU does not report
+    (``/proc/cpuinfo``, the probe every host target is resolved from); features without a
+    reported flag are not judged."""
+    return probe.missing_llvm_features(required)
 
 
 # --- import and compile -------------------------------------------------------------------------
@@ -276,24 +280,57 @@ def _import_onnx(source: Path, out: Path, node_types: dict[str, str]) -> None:
         module = info.create_module(context=Context()).operation
         onnx_importer.NodeImporter.define_function(info.main_graph, module).import_all()
         module.verify()
-    except Exception as exc:  # OnnxImportError or an MLIR error: both name the op in the message
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        node = next((n for n in node_types if f"'{n}'" in detail or f'"{n}"' in detail), None)
-        raise UnsupportedOp("iree", node_types.get(node) if node else None, node, f"the ONNX importer failed: {detail}") from exc
+    except Exception as exc:  # OnnxImportError or an MLIR error: both name the node or tensor in the message
+        raise import_error(str(exc) or type(exc).__name__, model, node_types) from exc
     with open(out, "w") as fh:
         module.print(file=fh, enable_debug_info=True)
 
 
+_PROTO_NAME = re.compile(r'^name: "((?:[^"\\]|\\.)*)"', re.M)
+
+
+def import_error(message: str, model: "onnx.ModelProto", node_types: dict[str, str]) -> Exception:
+    """The importer's failure as the error the user can act on: UnsupportedOp naming the node the
+    message names (directly, or through a tensor the node reads), else InputError (never an
+    environment problem: the importer ran)."""
+    from ..graph import _all_nodes
+
+    detail = message.strip().splitlines()[0] if message.strip() else "unknown error"
+    quoted = [n for n in node_types if f"'{n}'" in message or f'"{n}"' in message]
+    named = _PROTO_NAME.findall(message)  # the importer prints the offending NodeProto or TensorProto
+    node = next((n for n in named if n in node_types), None) or next(iter(quoted), None)
+    tensor = None
+    if node is None:
+        for name in named + [q for q in re.findall(r"'([^']+)'", message)]:
+            reader = next((n for n in _all_nodes(model.graph) if name in n.input), None)
+            if reader is not None:
+                tensor, node = name, reader.name or reader.output[0]
+                node_types = {**node_types, node: reader.op_type}
+                break
+    if node is None:
+        return InputError(f"IREE's ONNX importer refused the model: {detail}",
+                          hint="ONNX Runtime runs this model but iree-import-onnx cannot read it: use another backend "
+                               "for this model, or report it to iree-org/iree with the model")
+    what = f" (its input {tensor!r})" if tensor else ""
+    return UnsupportedOp("iree", node_types[node], node, f"the ONNX importer failed{what}: {detail}")
+
+
 def compile_flags(opts: IreeOptions, arch: str) -> list[str]:
-    """iree-compile flags for the options (recorded in the engine and the build report)."""
+    """iree-compile flags for the options (recorded in the engine and the build report).
+    ``target_cpu: host`` becomes the generic CPU of ``arch`` and the features this host reports."""
     flags = [f"--iree-hal-target-device={opts.target_device}"]
     if opts.target_device == "local":
+        cpu, features = opts.target_cpu, [f if f[:1] in "+-" else f"+{f}" for f in opts.target_cpu_features]
+        if cpu == "host":
+            host = probe.llvm_cpu_target(arch=arch)
+            # the options' features refine the host's: "-avx512f" drops it, "+x" adds it
+            dropped = {f[1:] for f in features}
+            cpu, features = host["cpu"], [f for f in host["cpu_features"] if f[1:] not in dropped] + features
         flags += [f"--iree-hal-local-target-device-backends={opts.target_backend}",
-                  f"--iree-llvmcpu-target-cpu={opts.target_cpu}"]
+                  f"--iree-llvmcpu-target-cpu={cpu}"]
         if arch in _TRIPLES:
             flags.append(f"--iree-llvmcpu-target-triple={_TRIPLES[arch]}")
-        if opts.target_cpu_features:
-            features = [f if f[:1] in "+-" else f"+{f}" for f in opts.target_cpu_features]
+        if features:
             flags.append(f"--iree-llvmcpu-target-cpu-features={','.join(features)}")
     elif opts.target_device == "vulkan":
         flags.append(f"--iree-vulkan-target={opts.vulkan_target}")
@@ -504,7 +541,7 @@ def _dispatch_sites(statistics: Path) -> int | None:
 
 
 def _resolved_target(sources: Path) -> dict[str, Any]:
-    """What the compiler resolved the target to (e.g. target_cpu host -> znver4 and its features)."""
+    """What the compiler resolved the target to (e.g. target_cpu x86-64-v3 -> its features)."""
     for path in sorted(sources.glob("*.mlir")):
         text = path.read_text()
         variant = _VARIANT.search(text)

@@ -7,6 +7,7 @@ quantization with the calibration table of the calibrate stage.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -19,7 +20,8 @@ from pydantic import Field
 from ..errors import EnvironmentProblem, InputError, UnsupportedOp
 from ..io import atomic_write_bytes
 from ..results import LayerInfo, TensorSig
-from ..quantize import QdqOptions, quantize_qdq, to_fp16
+from ..runner import probe
+from ..quantize import QdqOptions, conversion_warnings, quantize_qdq, to_fp16
 from .base import Backend, BuildContext, BuildOutcome, Runner
 
 if TYPE_CHECKING:
@@ -165,6 +167,30 @@ def calibrate(model: Path, batches: list[dict[str, "np.ndarray"]], method: str, 
     return len(ranges.data)
 
 
+@functools.lru_cache(maxsize=1)
+def newest_qdq_opset() -> int | None:
+    """The newest ai.onnx opset whose QuantizeLinear this onnxruntime runs (it can lag the onnx
+    package: 1.32 has no QuantizeLinear-28); None when none from 13 on."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    ort = _ort()
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    graph = helper.make_graph([helper.make_node("QuantizeLinear", ["x", "s"], ["y"])], "q",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.UINT8, [2])],
+                              [helper.make_tensor("s", TensorProto.FLOAT, [], [0.1])])
+    for opset in range(onnx.defs.onnx_opset_version(), 12, -1):
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        try:
+            ort.InferenceSession(model.SerializeToString(), so, providers=[CPU])
+            return opset
+        except Exception:  # NOT_IMPLEMENTED (no kernel) or an IR/opset this build refuses
+            continue
+    return None
+
+
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
     Options = OnnxRuntimeOptions
@@ -222,7 +248,8 @@ class OnnxRuntimeBackend(Backend):
             onnx.save(model, str(source))
             precision = ctx.sku_spec.precision
             if precision == "int8":
-                calibration = quantize_qdq(source, tmpdir / "quantized.onnx", ctx, opts.qdq_settings())
+                calibration = quantize_qdq(source, tmpdir / "quantized.onnx", ctx, opts.qdq_settings(),
+                                           newest_opset=newest_qdq_opset())
                 source = tmpdir / "quantized.onnx"
             elif precision == "fp16":
                 source = to_fp16(source, tmpdir / "fp16.onnx")
@@ -236,9 +263,12 @@ class OnnxRuntimeBackend(Backend):
         hardware_specific = any(n.domain == "com.microsoft.nchwc" for n in optimized.graph.node)
         meta = {"providers": opts.providers, "provider_options": opts.provider_options,
                 "load_optimization_level": "disable", "intra_op_num_threads": opts.intra_op_num_threads,
-                "inter_op_num_threads": opts.inter_op_num_threads}
+                "inter_op_num_threads": opts.inter_op_num_threads, "host_cpu": probe.cpu_record()}
+        if hardware_specific:
+            meta["nchwc_block"] = nchwc_block()
         layers, boundaries = self._probe(optimized, engine, opts, ctx.probe_inputs)
         warnings = [f"execution provider {p} is not in this onnxruntime build: skipped" for p in skipped]
+        warnings += conversion_warnings(calibration)
         if hardware_specific:
             warnings.append("optimized at level 'all': the engine holds NCHWc layout ops specific to this CPU's vector width")
         return BuildOutcome(files=["model.onnx"], layers=layers, requested_devices=requested,
@@ -276,11 +306,37 @@ class OnnxRuntimeBackend(Backend):
         return layers, boundaries
 
     def _load_impl(self, engine_dir: Path, meta: dict[str, Any], sku: "SkuSpec") -> Runner:
+        problem = nchwc_problem(meta)
+        if problem:
+            raise EnvironmentProblem(f"{engine_dir}: {problem}", hint="rebuild the engine on this CPU, or build it with "
+                                     "options.graph_optimization_level: extended (portable, no NCHWc ops)")
         opts = self.options(sku)
         so = session_options(opts.model_copy(update={"intra_op_num_threads": meta["intra_op_num_threads"],
                                                      "inter_op_num_threads": meta["inter_op_num_threads"]}),
                              meta["load_optimization_level"])
         return SessionRunner(create_session(engine_dir / "model.onnx", so, meta["providers"], meta["provider_options"]))
+
+
+def nchwc_block(flags: "Any" = None, arch: str | None = None) -> int | None:
+    """The channel block of ONNX Runtime's NCHWc ops on a CPU (MLAS: 16 floats with AVX-512F, 8 on
+    other x86-64 CPUs), from the flags the host reports; None where it is not known."""
+    if (arch or probe.host_arch()) != "x86_64":
+        return None
+    return 16 if "avx512f" in (probe.cpu_features() if flags is None else set(flags)) else 8
+
+
+def nchwc_problem(meta: dict[str, Any], flags: "Any" = None, arch: str | None = None) -> str | None:
+    """Why an engine with NCHWc ops cannot run on this CPU: its weights and channel padding are laid
+    out in blocks of the build CPU's vector width and ORT reads them in this CPU's. ORT does not
+    check at load; at run time a ReorderOutput may fail its channel assertion, or, where the
+    channel counts are multiples of both blocks, the engine silently computes wrong numbers."""
+    built = meta.get("nchwc_block")
+    have = nchwc_block(flags, arch)
+    if built is None or have is None or built == have:
+        return None
+    decided = "avx512f" if built == 16 else "no avx512f"
+    return (f"the engine holds NCHWc ops in blocks of {built} channels (built on a CPU with {decided}); this CPU "
+            f"{'has' if have == 16 else 'lacks'} avx512f and uses blocks of {have}")
 
 
 def _layer_precision(op_type: str, type_shapes: list[dict[str, Any]]) -> str | None:

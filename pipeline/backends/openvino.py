@@ -10,6 +10,7 @@ as (type, precision, kernel, the ONNX nodes fused into it) comes from the runtim
 from __future__ import annotations
 
 import functools
+import re
 import tempfile
 import threading
 from io import BytesIO
@@ -20,8 +21,9 @@ from pydantic import Field
 
 from ..errors import EnvironmentProblem, InputError, UnsupportedOp
 from ..io import atomic_write_bytes
-from ..quantize import QdqOptions, quantize_qdq
+from ..quantize import QdqOptions, conversion_warnings, quantize_qdq
 from ..results import LayerInfo, TensorSig
+from ..runner import probe
 from .base import Backend, BuildContext, BuildOutcome, Runner
 
 if TYPE_CHECKING:
@@ -266,6 +268,7 @@ class OpenVinoBackend(Backend):
         _set_profiles(model, onnx_model, ctx.profiles)
         affinity = _refuse_unsupported(model, device)
         config, warnings = _supported_config(device, _compile_config(opts, precision))
+        warnings += conversion_warnings(calibration)
         compiled = _compile(model, device, config)
         blob = compiled.export_model().getvalue()
         atomic_write_bytes(ctx.engine_dir / BLOB, blob)
@@ -284,7 +287,10 @@ class OpenVinoBackend(Backend):
         layers, boundaries = runtime_layers(engine, affinity, onnx_op_types(onnx_model))
         meta = {"blob": BLOB, "device": device, "config": config, "inputs": input_names, "outputs": output_names,
                 "devices": props, "execution_devices": [str(d) for d in engine.get_property("EXECUTION_DEVICES")],
-                "inference_precision": inference_precision}
+                "inference_precision": inference_precision,
+                # the blob holds the transformed graph; the CPU plugin picks its kernels for the loading
+                # CPU at import, so this is a record for people, not a load-time check
+                "host_cpu": probe.cpu_record()}
         return BuildOutcome(files=[BLOB], layers=layers, requested_devices=member_devices(device),
                             partition_boundaries=boundaries, options=opts.model_dump(mode="json"),
                             calibration=calibration, warnings=warnings, meta=meta)
@@ -302,6 +308,13 @@ def _read_model(path: Path, onnx_model: Any) -> "ov.Model":
         return _core().read_model(str(path))
     except Exception as exc:  # the frontend raises RuntimeError or OpConversionFailure
         unconverted = _unconverted_ops(path)
+        failures = _conversion_failures(str(exc))
+        if not unconverted and failures:
+            # ops the frontend knows but could not convert in this model (its detail says why)
+            op_type, node, _ = failures[0]
+            listed = "; ".join(f"{t} (node {n!r}): {d}" for t, n, d in failures)
+            raise UnsupportedOp("openvino", op_type, node,
+                                f"OpenVINO {ov.get_version()}'s ONNX frontend could not convert {listed}") from exc
         if not unconverted:
             raise InputError(f"OpenVINO could not read the model: {_first_line(exc)}",
                              hint="the prepared model is valid ONNX but OpenVINO's ONNX frontend refuses it for the "
@@ -313,6 +326,24 @@ def _read_model(path: Path, onnx_model: Any) -> "ov.Model":
         (domain, op_type), node = found[0] if found else (unconverted[0], None)
         raise UnsupportedOp("openvino", f"{domain}.{op_type}" if domain else op_type, node,
                             f"OpenVINO {ov.get_version()} has no conversion for {', '.join(named)}") from exc
+
+
+_FAILED_OP = re.compile(r"^-- (\S+?)-\d+ with a message:\n(.*?)(?=^-- |^Summary:|\Z)", re.S | re.M)
+_FAILED_NODE = re.compile(r"ONNX node '<Node\(([^)]*)\): ([^>]*)>'")
+_PLUMBING_LINES = ("While validating", "Check '", "FrontEnd API failed", "Exception from")
+
+
+def _conversion_failures(message: str) -> list[tuple[str, str | None, str]]:
+    """(op type, node, reason) of each op in the frontend's "Failed operations detailed log" (its
+    first line alone, "OpConversionFailure:", says nothing)."""
+    out = []
+    for block in _FAILED_OP.finditer(message):
+        node = _FAILED_NODE.search(block.group(2))
+        lines = [ln.strip() for ln in block.group(2).splitlines() if ln.strip()]
+        reasons = [ln for ln in lines if not ln.startswith(_PLUMBING_LINES)]
+        out.append((node.group(1) if node else block.group(1), node.group(2) if node else None,
+                    (reasons or lines or ["no reason given"])[-1]))
+    return out
 
 
 def _unconverted_ops(path: Path) -> list[tuple[str, str]]:

@@ -20,7 +20,6 @@ import functools
 import json
 import logging
 import re
-import subprocess
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from ..errors import ConfigError, EnvironmentProblem, InputError, SkuforgeError,
 from ..io import atomic_write_bytes, read_json, sha256_bytes
 from ..quantize import QdqSettings, quantize_qdq, to_fp16
 from ..results import LayerInfo, Signature, TensorSig
+from ..runner.probe import NO_GPU, GpuInfo, cuda_runtime_api, gpu_info, jetson_gpu, parse_nvidia_smi  # noqa: F401 (re-exported)
 from .base import ENGINE_META, Backend, BuildContext, BuildOutcome, Runner, verify_engine
 
 if TYPE_CHECKING:
@@ -334,43 +334,17 @@ def builder_failure(messages: list[str], onnx_ops: dict[str, str]) -> SkuforgeEr
 # --- versions, GPU and timing cache ------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class GpuInfo:
-    name: str
-    compute_capability: str | None = None  # "8.7"
-    driver: str | None = None  # NVIDIA driver release, e.g. "550.54.15"
-
-    @property
-    def cc(self) -> float | None:
-        return float(self.compute_capability) if self.compute_capability else None
-
-
-def parse_nvidia_smi(text: str) -> GpuInfo | None:
-    """The first GPU from ``nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader``."""
-    for line in text.strip().splitlines():
-        fields = [f.strip() for f in line.split(",")]
-        if fields and fields[0]:
-            def known(i: int) -> str | None:
-                return fields[i] if len(fields) > i and re.fullmatch(r"[\d.]+", fields[i]) else None
-            return GpuInfo(name=fields[0], compute_capability=known(1), driver=known(2))
-    return None
-
-
 def cuda_version_string(version: int) -> str:
     """CUDA's integer version (12040) as "12.4"."""
     return f"{version // 1000}.{(version % 1000) // 10}"
 
 
 def _cudart() -> Any:
-    """cuda-python's runtime API (``cuda.bindings.runtime`` since 12.6, ``cuda.cudart`` before)."""
-    try:
-        from cuda.bindings import runtime
-    except ImportError:
-        try:
-            from cuda import cudart as runtime
-        except ImportError as exc:
-            raise EnvironmentProblem("cuda-python is not installed (the TensorRT runner's device buffers use it)",
-                                     hint="pip install cuda-python, the CUDA major version of your TensorRT") from exc
+    """cuda-python's runtime API, or an EnvironmentProblem saying how to get it."""
+    runtime = cuda_runtime_api()
+    if runtime is None:
+        raise EnvironmentProblem("cuda-python is not installed (the TensorRT runner's device buffers use it)",
+                                 hint="pip install cuda-python, the CUDA major version of your TensorRT")
     return runtime
 
 
@@ -380,82 +354,6 @@ def _cuda(result: tuple, what: str) -> Any:
         raise EnvironmentProblem(f"CUDA {what} failed: {getattr(err, 'name', err)}",
                                  hint="check the GPU with nvidia-smi; another process may hold its memory")
     return rest[0] if len(rest) == 1 else rest
-
-
-def _gpu_from_nvml() -> GpuInfo | None:
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-            name = pynvml.nvmlDeviceGetName(handle)
-            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
-            driver = pynvml.nvmlSystemGetDriverVersion()
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # NVMLError_*: no driver, no device (Jetson has no NVML)
-        return None
-    as_str = lambda v: v.decode() if isinstance(v, bytes) else str(v)  # noqa: E731 (older bindings return bytes)
-    return GpuInfo(name=as_str(name), compute_capability=f"{major}.{minor}", driver=as_str(driver))
-
-
-def _gpu_from_nvidia_smi() -> GpuInfo | None:
-    try:
-        proc = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap,driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return parse_nvidia_smi(proc.stdout) if proc.returncode == 0 else None
-
-
-def _gpu_from_cudart() -> GpuInfo | None:
-    try:
-        cudart = _cudart()
-        if _cuda(cudart.cudaGetDeviceCount(), "cudaGetDeviceCount") < 1:
-            return None
-        prop = _cuda(cudart.cudaGetDeviceProperties(0), "cudaGetDeviceProperties")
-    except EnvironmentProblem:
-        return None
-    name = prop.name.split(b"\0")[0].decode() if isinstance(prop.name, bytes) else str(prop.name)
-    return GpuInfo(name=name, compute_capability=f"{prop.major}.{prop.minor}")
-
-
-# Jetson modules by the name in /proc/device-tree/model, and their GPU's compute capability.
-_JETSON_CC = {"Orin": "8.7", "Xavier": "7.2", "TX2": "6.2", "Nano": "5.3"}
-
-
-def jetson_gpu(model: str) -> GpuInfo | None:
-    """The integrated GPU of a Jetson from its device-tree model ("NVIDIA Jetson AGX Orin Developer Kit")."""
-    model = model.strip("\0 \n")
-    if "Jetson" not in model:
-        return None
-    cc = next((cc for family, cc in _JETSON_CC.items() if family in model), None)
-    return GpuInfo(name=model, compute_capability=cc)
-
-
-def _gpu_from_device_tree() -> GpuInfo | None:
-    try:
-        return jetson_gpu(Path("/proc/device-tree/model").read_text(errors="replace"))
-    except OSError:
-        return None
-
-
-@functools.lru_cache(maxsize=1)
-def gpu_info() -> GpuInfo | None:
-    """GPU 0 of this host: NVML, then nvidia-smi, then the CUDA runtime, then a Jetson's device tree
-    (Jetson has no NVML and a partial nvidia-smi); a missing compute capability is filled in from
-    the CUDA runtime or the Jetson table."""
-    info = _gpu_from_nvml() or _gpu_from_nvidia_smi()
-    for fallback in (_gpu_from_cudart, _gpu_from_device_tree):
-        if info is not None and info.compute_capability is not None:
-            break
-        found = fallback()
-        if found is not None:
-            info = found if info is None else dataclasses.replace(info, compute_capability=found.compute_capability)
-    return info
 
 
 def cuda_runtime_version() -> str | None:
@@ -670,7 +568,7 @@ class TensorRtBackend(Backend):
             trt, problems = None, [exc.message]
         gpu = gpu_info()
         if gpu is None:
-            problems.append("no NVIDIA GPU is visible on this host (NVML, nvidia-smi, the CUDA runtime and a Jetson device tree found none)")
+            problems.append(NO_GPU)
         elif gpu.cc is not None:
             wants = [(opts.min_compute_capability, "options.min_compute_capability"),
                      (FP8_MIN_CC if opts.fp8 else None, "options.fp8"),

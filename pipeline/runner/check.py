@@ -47,9 +47,9 @@ def hardware_problems(registry: Registry, sku: str) -> list[str]:
         problems.append(f"needs arch {target.arch}, this host is {probe.host_arch()}")
     if target.os != probe.host_os():
         problems.append(f"needs os {target.os}, this host runs {probe.host_os()}")
-    if target.device == "gpu" and not probe.has_gpu(probe.gpu()):
-        problems.append("needs device gpu, this host shows none (no nvidia-smi GPU, no /etc/nv_tegra_release)")
-    flags = set(probe.cpu_info()["flags"])
+    if target.device == "gpu" and probe.gpu_info() is None:
+        problems.append(f"needs device gpu: {probe.NO_GPU}")
+    flags = probe.cpu_features()
     missing = [f for f in target.cpu_features if f not in flags]
     if missing:
         problems.append(f"needs CPU features {missing} this host lacks")

@@ -68,3 +68,25 @@ def batch_indices(registry: Registry, model: str, signature) -> tuple[dict[str, 
     axis = registry.model(model).batch_axis
     return ({t.name: t.batch_index(axis) for t in signature.inputs},
             {t.name: t.batch_index(axis) for t in signature.outputs})
+
+
+def run_plan(registry: Registry, model: str, signature, sku: str | None = None
+             ) -> tuple[dict[str, int | None], dict[str, int | None], int]:
+    """Batch axes of the inputs and outputs, and the batch to run at: the SKU's pin, else the
+    model's (1 by default). A batch above 1 is split back into samples along each output's batch
+    axis (found by the prepare stage), so every output needs one."""
+    spec = registry.model(model)
+    axis = spec.batch_axis
+    in_idx, out_idx = batch_indices(registry, model, signature)
+    batch = registry.pins(model, sku).get(axis or "", 1)
+    unbatched = [o for o, i in out_idx.items() if i is None]
+    if batch > 1 and unbatched and all(i is not None for i in in_idx.values()):
+        where = f"models.{model}.pins.{axis}: 1"
+        if sku is not None and axis in registry.sku(sku).profiles:
+            where = f"skus.{sku}.shapes.{axis}: 1 in place of skus.{sku}.profiles.{axis}"
+        elif sku is not None and axis in registry.sku(sku).shapes:
+            where = f"skus.{sku}.shapes.{axis}: 1"
+        raise InputError(f"{model}{'/' + sku if sku else ''} runs at {axis}={batch}, but outputs {unbatched} have no "
+                         f"batch axis (see the prepare report's signature), so batched samples cannot be split apart",
+                         hint=f"set {where} in params.yaml (one sample per call)")
+    return in_idx, out_idx, batch

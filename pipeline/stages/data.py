@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..config import Registry
-from ..data import LABELS, check_dataset, check_finite, generate, load_file, preprocess
+from ..data import LABELS, check_dataset, check_finite, check_range, generate, load_file, preprocess
 from ..errors import InputError
 from ..io import atomic_savez, atomic_write_json, sha256_arrays
 from ..paths import SPLITS
@@ -37,6 +37,8 @@ def make_data(registry: Registry, model: str, progress: Progress | None = None) 
         # preprocessing or a narrow dtype (float16) can overflow to Inf
         where = f"{origin} after preprocessing" if spec.preprocess and source.path else origin
         check_finite(inputs, split, where, source.allow_non_finite)
+        if split == "calibration" and source.path is not None:  # generated sets stay in range by construction
+            check_range(spec, inputs, split, where)
         staged[split] = (inputs, raw, origin)
     if spec.metric is not None:
         for split in ("evaluation", "hard_tail"):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..config import DatasetSource, GenerateSpec, Registry
+from ..config import DatasetSource, GenerateSpec, ModelSpec, Registry
 from ..errors import GateFailed, InputError
-from ..graph import infer_shapes, load_model, op_counts, rename_axes, run_passes, signature, source_sha256
+from ..graph import (infer_shapes, load_model, mark_batch_axes, op_counts, output_batch_axes, rename_axes, run_passes,
+                     signature, source_sha256)
 from ..io import atomic_write_bytes, atomic_write_json, sha256_bytes
 from ..results import PrepareReport
 from . import Progress
@@ -22,8 +23,53 @@ def load_source(registry: Registry, model: str) -> "onnx.ModelProto":
     """The source model, checked against the spec, dynamic axes named as in params.yaml."""
     path = registry.model_file(model)
     proto = load_model(path, root=registry.path(registry.model(model).dir))
-    rename_axes(proto, registry.model(model).inputs, path)
+    rename_axes(proto, registry.model(model).inputs, path, registry.model(model).batch_axis)
     return infer_shapes(proto, path)
+
+
+def batch_axes(model: str, spec: ModelSpec, pins: dict[str, int], prepared: "onnx.ModelProto") -> dict[str, int | None]:
+    """Each output's batch axis (None: it has none). Shape inference from the spec's axis names
+    decides where it can; an output it leaves open (an unnamed or unknown dim) is probed: the
+    model runs at batch 1 and 2 and the one axis whose size follows the batch is it."""
+    axes = {a for i in spec.inputs for a in i.axes}
+    if spec.batch_axis not in axes:  # a fixed batch: nothing to split
+        return {o.name: None for o in prepared.graph.output}
+    found = output_batch_axes(prepared, spec.batch_axis, axes)
+    open_ = [o.name for o in prepared.graph.output if o.name not in found]
+    if open_:
+        found.update(probe_batch_axes(model, spec, pins, prepared.SerializeToString(), open_))
+    return found
+
+
+def probe_batch_axes(model: str, spec: ModelSpec, pins: dict[str, int], model_bytes: bytes, outputs: list[str]) -> dict[str, int | None]:
+    """The axis of each of ``outputs`` whose size is 1 at batch 1 and 2 at batch 2, all other dims
+    unchanged; None where no single axis does, or the model does not run at batch 2 (then only
+    batch 1 works, which needs no batch axis)."""
+    import numpy as np
+
+    from ..backends.onnxruntime import reference_runner
+    from ..data import generate, iter_batches
+
+    feeds = generate(spec, pins, DatasetSource(generate=GenerateSpec(count=1, seed=4321)))
+    bidx = {i.name: (i.shape.index(spec.batch_axis) if spec.batch_axis in i.shape else None) for i in spec.inputs}
+    shapes = []
+    with reference_runner(model_bytes) as runner:
+        for batch in (1, 2):
+            _, batched = next(iter_batches(feeds, bidx, batch))
+            try:
+                got = runner.infer(batched)
+            except Exception as exc:  # ORT raises its own classes; a model fixed to batch 1 fails here
+                log(model).warning("batch-axis probe: the model does not run at batch %d (%s); outputs %s are taken "
+                                   "to have no batch axis, so only batch 1 works", batch, str(exc).strip()[:200], outputs)
+                return dict.fromkeys(outputs)
+            shapes.append({k: np.shape(got[k]) for k in outputs})
+    found: dict[str, int | None] = {}
+    for name in outputs:
+        one, two = shapes[0][name], shapes[1][name]
+        follows = [i for i in range(len(one)) if len(one) == len(two) and one[i] == 1 and two[i] == 2
+                   and all(a == b for j, (a, b) in enumerate(zip(one, two)) if j != i)]
+        found[name] = follows[0] if len(follows) == 1 else None
+    return found
 
 
 def prepare(registry: Registry, model: str, progress: Progress | None = None) -> PrepareReport:
@@ -46,11 +92,14 @@ def prepare(registry: Registry, model: str, progress: Progress | None = None) ->
     work = copy.deepcopy(source)
     records = run_passes(work)
     prepared = infer_shapes(work, path)
+    pins = registry.pins(model)
+    found = batch_axes(model, spec, pins, prepared)
+    if spec.batch_axis is not None:
+        mark_batch_axes(prepared, spec.batch_axis, found)
     data = prepared.SerializeToString()
 
     # The passes must not change the function: compare both on a few seeded inputs.
-    pins = registry.pins(model)
-    feeds_all = generate(spec, pins, DatasetSource(generate=GenerateSpec(count=SELF_CHECK_SAMPLES, seed=1234, edge_cases=False)))
+    feeds_all = generate(spec, pins, DatasetSource(generate=GenerateSpec(count=SELF_CHECK_SAMPLES, seed=1234)))
     bidx = {t.name: t.batch_index(spec.batch_axis) for t in sig.inputs}
     worst = 0.0
     with reference_runner(source.SerializeToString()) as ref, reference_runner(data) as new:

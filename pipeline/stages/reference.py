@@ -10,10 +10,8 @@ from ..io import atomic_savez, atomic_write_json, sha256_arrays
 from ..paths import REFERENCE_SPLITS
 from ..results import DataReport, PrepareReport, ReferenceReport
 from . import Progress
-from .common import batch_indices, layout, load_arrays, log, read_report
+from .common import layout, load_arrays, log, read_report, run_plan
 from .prepare import load_source
-
-REFERENCE_BATCH = 64  # when the source model's batch axis is dynamic
 
 
 def reference(registry: Registry, model: str, progress: Progress | None = None) -> ReferenceReport:
@@ -25,11 +23,8 @@ def reference(registry: Registry, model: str, progress: Progress | None = None) 
     out = layout(registry)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
     data = read_report(out.report(model, None, "data"), DataReport, "data")
-    in_idx, out_idx = batch_indices(registry, model, prep.signature)
+    in_idx, out_idx, batch = run_plan(registry, model, prep.signature)  # the model's pin: no SKU's
     source = load_source(registry, model)
-    dynamic = any(isinstance(d.dim_param, str) and d.dim_param == spec.batch_axis
-                  for i in source.graph.input for d in i.type.tensor_type.shape.dim)
-    batch = REFERENCE_BATCH if dynamic else registry.pins(model).get(spec.batch_axis or "", 1)
     outputs = spec.outputs or [o.name for o in prep.signature.outputs]
     metric, hashes, samples = {}, {}, {}
     with reference_runner(source.SerializeToString()) as runner:

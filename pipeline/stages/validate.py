@@ -17,7 +17,7 @@ from ..results import (BuildReport, MetricResult, PlacementResult, PrecisionResu
                        ValidationReport)
 from . import Progress
 from .build import require_host
-from .common import batch_indices, check_engine, layout, load_arrays, log, read_report
+from .common import check_engine, layout, load_arrays, log, read_report, run_plan
 
 
 def placement_gate(build: BuildReport, allowed: list[str] | None, max_fallback: int) -> PlacementResult:
@@ -48,8 +48,7 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
     build = read_report(out.report(model, sku, "build"), BuildReport, "build")
     tol = registry.tolerance(model, sku)
     gate = registry.metric_gate(model, sku)
-    batch = registry.pins(model, sku).get(spec.batch_axis or "", 1)
-    in_idx, out_idx = batch_indices(registry, model, prep.signature)
+    in_idx, out_idx, batch = run_plan(registry, model, prep.signature, sku)
     errors, metrics, samples = [], [], {}
     with get_backend(sku_spec.backend).load(out.engine_dir(model, sku), sku_spec) as runner:
         engine_sha = check_engine(runner, build, out.engine_dir(model, sku), model, sku)

@@ -25,7 +25,7 @@ from pipeline.backends.iree import (IreeBackend, compile_flags, dispatch_op_type
 from pipeline.config import SkuSpec, load_registry  # noqa: E402
 from pipeline.errors import ConfigError, EnvironmentProblem, InputError, UnsupportedOp  # noqa: E402
 from pipeline.paths import Layout  # noqa: E402
-from pipeline.runner.probe import cpu_info, host_arch  # noqa: E402
+from pipeline.runner.probe import ENV_FAKE_CPU_FLAGS, cpu_features, host_arch, llvm_cpu_target  # noqa: E402
 from pipeline.stages.bench import bench  # noqa: E402
 from pipeline.stages.build import build  # noqa: E402
 from pipeline.stages.data import make_data  # noqa: E402
@@ -117,13 +117,19 @@ def test_dispatches_are_reported_with_their_fused_onnx_nodes(proj, model, sku):
 
 
 def test_host_cpu_target_is_resolved_and_recorded(proj):
+    """target_cpu host: a generic CPU plus the features /proc/cpuinfo reports, never LLVM's CPU name
+    (which implies features a VM may hide); the request and the resolution are both recorded."""
     rep = proj.build["conv", "cpu_fp32"]
-    assert "--iree-llvmcpu-target-cpu=host" in rep.options["compile_flags"]
+    host = llvm_cpu_target()
+    assert "--iree-llvmcpu-target-cpu=x86-64" in rep.options["compile_flags"]
+    assert f"--iree-llvmcpu-target-cpu-features={','.join(host['cpu_features'])}" in rep.options["compile_flags"]
+    assert rep.options["target_cpu"] == "host" and rep.options["requested_target"] == {"cpu": "host", "cpu_features": []}
     target = rep.options["resolved_target"]
-    assert target["backend"] == "llvm-cpu" and target["cpu"] not in ("", "host", "generic")
-    host_flags = set(cpu_info()["flags"])
-    for flag in ("avx2", "fma", "avx512f"):
-        assert (f"+{flag}" in target["cpu_features"]) == (flag in host_flags)
+    assert target["backend"] == "llvm-cpu" and target["cpu"] == "x86-64"
+    assert set(host["cpu_features"]) <= set(target["cpu_features"])
+    host_flags = cpu_features()
+    for flag, feature in (("avx2", "avx2"), ("fma", "fma"), ("avx512f", "avx512f"), ("amx_tile", "amx-tile")):
+        assert (f"+{feature}" in target["cpu_features"]) == (flag in host_flags)
     assert rep.hardware_specific and any("target_cpu host resolved to" in w for w in rep.warnings)
     assert not IreeBackend().cross_compiles(proj.registry.sku("cpu_fp32"))
 
@@ -323,18 +329,15 @@ def test_an_engine_from_another_runtime_version_is_refused(proj, engine_copy):
         get_backend("iree").load(engine_copy, proj.registry.sku("v3_fp32"))
 
 
-def test_an_engine_for_cpu_features_this_host_lacks_is_refused(proj, engine_copy):
-    from pipeline.backends.iree import _host_cpu_features
-
-    lacking = sorted(f for f, present in _host_cpu_features().items() if not present)
-    if not lacking:
-        pytest.skip("this CPU has every feature iree-cpuinfo reports")
-    assert missing_cpu_features([f"+{lacking[0]}", "+sse2", "-avx"]) == [lacking[0]]
-    meta = json.loads((engine_copy / ENGINE_META).read_text())
-    target = {**meta["resolved_target"], "cpu_features": [*meta["resolved_target"]["cpu_features"], f"+{lacking[0]}"]}
-    rewrite_meta(engine_copy, resolved_target=target)
-    with pytest.raises(EnvironmentProblem, match=f"features this CPU lacks: {lacking[0]}"):
+def test_an_engine_for_cpu_features_this_host_lacks_is_refused(proj, engine_copy, monkeypatch):
+    # a faked x86-64-v2 host (no AVX): the x86-64-v3 engine needs avx, avx2, bmi, bmi2, f16c, fma, ...
+    monkeypatch.setenv(ENV_FAKE_CPU_FLAGS, "sse sse2 pni ssse3 sse4_1 sse4_2 popcnt cx16 lahf_lm")
+    assert missing_cpu_features(["+amx-tile", "+sse2", "-avx", "+evex512", "+crc32"]) == ["amx-tile"]
+    with pytest.raises(EnvironmentProblem, match=r"compiled for CPU x86-64-v3 with features this CPU lacks: .*\bavx2\b"):
         get_backend("iree").load(engine_copy, proj.registry.sku("v3_fp32"))
+    monkeypatch.delenv(ENV_FAKE_CPU_FLAGS)
+    with get_backend("iree").load(engine_copy, proj.registry.sku("v3_fp32")):
+        pass
 
 
 def test_a_rebuild_gives_the_same_engine_bytes(proj):

@@ -33,9 +33,9 @@ def planted(tmp_path: Path, **changes) -> Path:
     data["skus"]["x86_ort_fp32"].update(changes)
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(data))
-    for sub in ("examples", "models"):  # the registry may point at project folders
+    for sub in ("examples", "models"):  # the registry's paths must stay inside the project: a copy, not a symlink
         if (ROOT / sub).exists() and not (tmp_path / sub).exists():
-            (tmp_path / sub).symlink_to(ROOT / sub)
+            shutil.copytree(ROOT / sub, tmp_path / sub, ignore=shutil.ignore_patterns(".dvc", "__pycache__"))
     return path
 
 

@@ -1,0 +1,178 @@
+"""The corpus: models as other exporters write them (old opsets, weights in float_data, control
+flow, recurrent state, several outputs, external data), each through the whole pipeline on every
+CPU SKU kind this host can build. Each (fixture, SKU) must pass, or stop with a clean
+UnsupportedOp naming the op, the node and the backend: never a traceback, never another error.
+
+The outcomes are collected into a matrix printed at the end of the module (and written to
+``corpus-matrix.txt`` in the module's temporary folder).
+"""
+
+from __future__ import annotations
+
+import platform
+from types import SimpleNamespace
+
+import onnx
+import pytest
+
+import models
+from pipeline.config import load_registry
+from pipeline.errors import GateFailed, UnsupportedOp
+from pipeline.paths import Layout
+from pipeline.stages.bench import bench
+from pipeline.stages.build import build
+from pipeline.stages.calibrate import calibrate
+from pipeline.stages.data import make_data
+from pipeline.stages.manifest import write_manifest
+from pipeline.stages.prepare import prepare
+from pipeline.stages.reference import reference
+from pipeline.stages.validate import validate
+
+pytestmark = pytest.mark.slow
+
+NEWEST = onnx.defs.onnx_opset_version()
+ARCH = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
+# a portable CPU where params.yaml names one; elsewhere the build host's own
+IREE_CPU = "x86-64-v3" if ARCH == "x86_64" else "host"
+
+
+def _sku(backend: str, precision: str, options: dict) -> dict:
+    return {"backend": backend, "precision": precision, "target": {"arch": ARCH, "device": "cpu", "os": "linux"},
+            "runner_labels": ["self-hosted", "linux"], "shapes": {"batch": 1}, "options": options,
+            "bench": {"warmup": 1, "iterations": 3, "min_seconds": 0.0}}
+
+
+SKUS = {
+    "ort_fp32": _sku("onnxruntime", "fp32", {}),
+    "ort_int8": _sku("onnxruntime", "int8", {"per_channel": True}),
+    "ov_fp32": _sku("openvino", "fp32", {"device": "CPU"}),
+    "ov_int8": _sku("openvino", "int8", {"device": "CPU", "per_channel": True}),
+    "iree_fp32": _sku("iree", "fp32", {"target_device": "local", "target_cpu": IREE_CPU}),
+    "iree_fp16": _sku("iree", "fp16", {"target_device": "local", "target_cpu": IREE_CPU}),
+}
+
+
+def _conv(opset: int):
+    return (lambda path: models.conv_pool_slice_model(path, opset)), models.vector_spec("m") | {
+        "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 3, 8, 8]}]}
+
+
+FIXTURES = {
+    **{f"conv_opset{o}": _conv(o) for o in sorted({11, 12, 13, 17, NEWEST})},
+    "if": (models.if_model, {"dir": "m", "source": "model.onnx",
+                             "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4], "range": [-1.0, 1.0]},
+                                        {"name": "flag", "dtype": "float32", "shape": [], "range": [-1.0, 1.0]}]}),
+    "loop": (models.loop_model, models.vector_spec("m")),
+    "lstm": (lambda path: models.rnn_model(path, "LSTM"), models.rnn_spec("m", "LSTM")),
+    "gru": (lambda path: models.rnn_model(path, "GRU"), models.rnn_spec("m", "GRU")),
+    "multi_output": (models.multi_io_model, models.multi_io_spec("m")),
+    "external_data": (models.external_data_model, models.vector_spec("m")),
+}
+MATRIX: dict[tuple[str, str], str] = {}
+# Pairs that build and run but miss the accuracy gate, and why (strict: a fix turns them red)
+KNOWN_GATE_FAILURES = {
+    ("multi_output", "ov_int8"): "OpenVINO 2026.4 CPU computes the QDQ graph's quantized Gather (embedding) path "
+                                 "wrong (ONNX Runtime runs the same graph within 0.04; with the intermediates made "
+                                 "outputs OpenVINO matches exactly: a CPU graph transformation); nodes_to_exclude: "
+                                 "[embed] passes",
+}
+
+
+def _available(backend: str) -> bool:
+    import importlib.util
+
+    module = {"onnxruntime": "onnxruntime", "openvino": "openvino", "iree": "iree.compiler"}[backend]
+    return importlib.util.find_spec(module.split(".")[0]) is not None and importlib.util.find_spec(module) is not None
+
+
+def render_matrix(matrix: dict[tuple[str, str], str]) -> str:
+    skus = [s for s in SKUS if any(k[1] == s for k in matrix)]
+    fixtures = [f for f in FIXTURES if any(k[0] == f for k in matrix)]
+    width = max([len(f) for f in fixtures] + [7])
+    cells = {k: v for k, v in matrix.items()}
+    col = {s: max([len(s)] + [len(cells.get((f, s), "")) for f in fixtures]) for s in skus}
+    lines = [f"{'fixture':<{width}} | " + " | ".join(f"{s:<{col[s]}}" for s in skus)]
+    lines.append("-" * len(lines[0]))
+    for f in fixtures:
+        lines.append(f"{f:<{width}} | " + " | ".join(f"{cells.get((f, s), '-'):<{col[s]}}" for s in skus))
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, request):
+    """One project per fixture, prepared, with data, reference and calibration table."""
+    root = tmp_path_factory.mktemp("corpus")
+    projects = {}
+    for name, (builder, spec) in FIXTURES.items():
+        proj = root / name
+        builder(proj / spec["dir"] / spec["source"])
+        reg = load_registry(models.write_project(proj, {name: spec}, SKUS))
+        prepare(reg, name)
+        make_data(reg, name)
+        reference(reg, name)
+        calibrate(reg, name)
+        projects[name] = SimpleNamespace(registry=reg, out=Layout(reg.root))
+    yield projects
+    table = render_matrix(MATRIX)
+    (root / "corpus-matrix.txt").write_text(table + "\n")
+    reporter = request.config.pluginmanager.getplugin("terminalreporter")
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():  # teardown output is captured otherwise
+            reporter.write_line(f"\ncorpus matrix (fixture x SKU):\n{table}")
+
+
+def _pairs():
+    for fixture in FIXTURES:
+        for sku in SKUS:
+            reason = KNOWN_GATE_FAILURES.get((fixture, sku))
+            marks = [pytest.mark.xfail(raises=GateFailed, strict=True, reason=reason)] if reason else []
+            yield pytest.param(fixture, sku, id=f"{fixture}-{sku}", marks=marks)
+
+
+@pytest.mark.parametrize(("fixture", "sku"), list(_pairs()))
+def test_corpus(corpus, fixture, sku):
+    backend = SKUS[sku]["backend"]
+    if not _available(backend):
+        MATRIX[fixture, sku] = "skipped: no SDK"
+        pytest.skip(f"{backend} is not installed")
+    reg = corpus[fixture].registry
+    try:
+        report = build(reg, fixture, sku)
+    except UnsupportedOp as exc:
+        MATRIX[fixture, sku] = f"unsupported: {exc.op_type} ({exc.node})" if exc.op_type else "unsupported"
+        assert exc.backend == backend
+        assert exc.op_type and exc.node, f"the refusal must name the op and the node: {exc}"
+        return
+    except BaseException:
+        MATRIX[fixture, sku] = "ERROR (build)"
+        raise
+    try:
+        validate(reg, fixture, sku)
+        bench(reg, fixture, sku)
+        manifest = write_manifest(reg, fixture, sku)
+    except GateFailed:
+        MATRIX[fixture, sku] = "gate failed" + (" (known)" if (fixture, sku) in KNOWN_GATE_FAILURES else "")
+        raise
+    except BaseException as exc:
+        MATRIX[fixture, sku] = f"ERROR ({type(exc).__name__})"
+        raise
+    record = (report.calibration or {}).get("opset_conversion") or report.options.get("opset_conversion")
+    MATRIX[fixture, sku] = "passed" + (f" (opset {record['from_opset']}->{record['to_opset']})" if record else "")
+    if record:  # recorded where the manifest carries it: the build's warnings
+        assert any(w.startswith(f"opset converted from {record['from_opset']} to {record['to_opset']}")
+                   for w in manifest.build.warnings), manifest.build.warnings
+
+
+def test_openvino_int8_gather_workaround(tmp_path):
+    """The known OpenVINO INT8 gate failure above goes away with the option it names."""
+    if not _available("openvino"):
+        pytest.skip("openvino is not installed")
+    builder, spec = FIXTURES["multi_output"]
+    builder(tmp_path / spec["dir"] / spec["source"])
+    sku = _sku("openvino", "int8", {"device": "CPU", "per_channel": True, "nodes_to_exclude": ["embed"]})
+    reg = load_registry(models.write_project(tmp_path, {"multi_output": spec}, {"ov_int8": sku}))
+    for stage in (prepare, make_data, reference, calibrate):
+        stage(reg, "multi_output")
+    build(reg, "multi_output", "ov_int8")
+    assert validate(reg, "multi_output", "ov_int8").passed
