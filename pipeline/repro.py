@@ -1,5 +1,5 @@
-"""Which (model, SKU) pairs this host builds, running ``dvc repro`` for them, and a summary of
-the manifests."""
+"""Which (model, SKU) pairs this host builds, running ``dvc repro`` for them, what each stage
+command's failure was (outcome records), and the matrix of outcomes per (model, SKU)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from .config import Registry
 from .errors import EnvironmentProblem, InputError, SkuforgeError
@@ -77,7 +78,7 @@ def upstream_stages(registry: Registry, dvc_targets: list[str]) -> set[str]:
     names: set[str] = set(GLOBAL_STAGES) | {f"{s}@{e}" for s in EXAMPLE_STAGES for e in registry.examples}
     for target in dvc_targets:
         stage, _, pair = target.partition("@")
-        model, sku = next((m, pair[len(m) + 1:]) for m in registry.models if pair.startswith(f"{m}-"))
+        model, sku = _split_pair(registry, pair)
         names |= {f"{s}@{model}" for s in MODEL_STAGES}
         names |= {f"{s}@{model}-{sku}" for s in PAIR_STAGES[: PAIR_STAGES.index(stage) + 1]}
     return names
@@ -115,28 +116,67 @@ class ProjectStatus:
 
 
 class DvcFailed(SkuforgeError):
-    """``dvc repro`` failed; carries the exit code of the stage command that failed."""
+    """``dvc repro`` failed; carries the exit code of the stage command that failed.
+
+    ``stage_failed`` is true when stage commands failed (their outcome records say why) and dvc
+    itself did not: the caller can then show the matrix instead of this message.
+    """
+
+    stage_failed = False
 
 
-def run_dvc_repro(root: Path, dvc_targets: list[str], force: bool = False, dry: bool = False) -> None:
+# How long dvc gets to stop its stage command and write its lock after Ctrl-C.
+INTERRUPT_GRACE_S = 10.0
+
+
+def run_dvc_repro(root: Path, dvc_targets: list[str], force: bool = False, dry: bool = False,
+                  keep_going: bool = False) -> None:
+    """Run ``dvc repro`` (``dvc status`` when ``dry``), its output passed on to stderr; DvcFailed when it fails.
+
+    With ``keep_going`` dvc runs every stage whose upstream did not fail. On Ctrl-C (it reaches dvc
+    too: same process group) this waits for dvc to stop its stage, then raises KeyboardInterrupt.
+    """
     dvc = _dvc(root)
     # `dvc repro --dry` hashes dependencies that no stage has made yet and fails in a new
     # project; `dvc status` answers "what would run" without that.
-    cmd = [dvc, "status", "--with-deps", *dvc_targets] if dry else [dvc, "repro", *(["--force"] if force else []), *dvc_targets]
-    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [dvc, "status", "--with-deps", *dvc_targets] if dry else \
+        [dvc, "repro", *(["--force"] if force else []), *(["--keep-going"] if keep_going else []), *dvc_targets]
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace")
     tail: list[str] = []
     assert proc.stdout is not None
-    for line in proc.stdout:
-        line = redact(line)
-        sys.stderr.write(line)
-        tail = (tail + [line])[-50:]
-    returncode = proc.wait()
+    try:
+        for line in proc.stdout:
+            line = redact(line)
+            sys.stderr.write(line)
+            tail = (tail + [line])[-50:]
+        returncode = proc.wait()
+    except KeyboardInterrupt:
+        _stop(proc)
+        raise
     if returncode != 0:
         raise dvc_failure(root, returncode, "".join(tail))
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """Let dvc finish handling the SIGINT it got with us (its last words still shown); terminate it
+    when it does not, kill it last."""
+    for action in (None, proc.terminate, proc.kill):
+        try:
+            if action is not None:
+                action()
+            rest, _ = proc.communicate(timeout=INTERRUPT_GRACE_S)
+            sys.stderr.write(redact(rest or ""))
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        except KeyboardInterrupt:  # a second Ctrl-C: stop waiting politely
+            continue
+
+
 def dvc_failure(root: Path, returncode: int, text: str) -> DvcFailed:
     """Why ``dvc`` exited with ``returncode`` after printing ``text``, with the exit code to pass on."""
+    text = _ANSI.sub("", text)
     killed = _signal(returncode)
     if killed:  # OOM killer, a CI timeout, kill -9: nothing in dvc.yaml to fix
         return _failed(f"dvc was killed by {killed} (exit {returncode}) before it finished", 3,
@@ -149,19 +189,24 @@ def dvc_failure(root: Path, returncode: int, text: str) -> DvcFailed:
                        f"remove {lock} and run again")
     code = re.findall(r"exited with (-?\d+)", text)
     if code:  # a stage command failed: pass its exit code on
-        status = int(code[-1])
-        killed = _signal(status)
+        statuses = [int(c) for c in code]
+        killed = next((k for k in map(_signal, statuses) if k), None)
         if killed:
             return _failed(f"dvc failed: {_first_error(text)}: the stage was killed by {killed}", 3,
                            "something stopped it from outside (out of memory? a CI timeout?): run `skuforge repro` "
                            "again; the stages that finished are kept")
-        return _failed(f"dvc failed: {_first_error(text)}", status if status in (1, 2, 3, 4) else 70,
-                       "the failing stage's own message is above")
+        worst = max(s if s in (1, 2, 3, 4) else 70 for s in statuses)
+        err = _failed(f"dvc failed: {_first_error(text)}", worst, "the failing stage's own message is above")
+        err.stage_failed = True
+        return err
+    if _first_error(text, None) is None and re.search(r"dvc\.yaml|dvc\.lock|params\.yaml|is invalid", _first_lines(text, 1)):
+        # dvc's parse errors come without the ERROR prefix, their explanation below the first line
+        return _failed(f"dvc failed: {_first_lines(text)}", 2, "fix dvc.yaml / params.yaml as dvc says")
     if _first_error(text, None) is None:  # no ERROR line: dvc itself broke; its own last words say why
         return _failed(f"dvc exited with {returncode}: {_last_lines(text) or 'no output'}", 3,
                        f"run `dvc repro` in {root} to see dvc's whole output; `dvc doctor` checks its installation")
     # dvc refused the pipeline itself (dvc.yaml, params.yaml, missing dependency)
-    return _failed(f"dvc failed: {_first_error(text)}", 2, "fix dvc.yaml / params.yaml as dvc says above")
+    return _failed(f"dvc failed: {_first_error(text)}", 2, "fix dvc.yaml / params.yaml as dvc says")
 
 
 def _failed(message: str, exit_code: int, hint: str) -> DvcFailed:
@@ -198,47 +243,241 @@ def _lock_holder(root: Path, text: str) -> tuple[Path, str]:
     return lock, f"pid {pid}: {redact(cmd)}" if cmd else f"pid {pid}"
 
 
+# colour codes and the carriage returns of progress bars, so "ERROR" is found at a line's start
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
+
+
 def _last_lines(text: str, count: int = 3) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return " / ".join(lines[-count:])
 
 
-def _first_error(text: str, default: str | None = "see the output above") -> str | None:
-    for line in text.splitlines():
+def _first_lines(text: str, count: int = 4) -> str:
+    lines = [" ".join(line.split()) for line in text.splitlines() if line.strip()]
+    return " / ".join(lines[:count])
+
+
+def _first_error(text: str, default: str | None = "") -> str | None:
+    """dvc's first ERROR line with the lines that explain it (up to three); without one, ``default``
+    (by default dvc's last lines: never a bare "see above" when above may be empty)."""
+    lines = [line.strip() for line in text.splitlines()]
+    for i, line in enumerate(lines):
         if line.startswith("ERROR"):
-            return line.removeprefix("ERROR: ").strip()
+            more = []
+            for nxt in lines[i + 1:i + 4]:
+                if not nxt or nxt.startswith(("ERROR", "WARNING", "Running stage", "Having any troubles")):
+                    break
+                more.append(nxt)
+            return " / ".join([line.removeprefix("ERROR:").strip(), *more])
+    if default == "":
+        return _last_lines(text) or "no output"
     return default
 
 
-def summary(registry: Registry) -> list[dict[str, Any]]:
-    """One row per manifest present: gate results, metric deltas, latency."""
+# --- outcome records: what a stage command's failure was, where DVC does not look -------------
+
+OUTCOMES_DIR = Path("build") / ".outcomes"  # not inside any stage's outs: dvc neither removes nor tracks it
+
+
+def outcome_path(root: Path, stage: str, model: str | None = None, sku: str | None = None) -> Path:
+    """``build/.outcomes/config.json``, ``<model>/<stage>.json`` or ``<model>/<stage>@<sku>.json``."""
+    base = Path(root) / OUTCOMES_DIR
+    if model is None:
+        return base / f"{stage}.json"
+    return base / model / (f"{stage}@{sku}.json" if sku else f"{stage}.json")
+
+
+def record_outcome(root: Path, stage: str, model: str | None, sku: str | None, exit_code: int, message: str,
+                   error: BaseException | None = None) -> Path:
+    """Write the failure of one stage command (atomically): stage, exit code, one-line message and,
+    for an UnsupportedOp, the backend, op and node."""
+    from .errors import UnsupportedOp
+    from .io import atomic_write_bytes, atomic_write_json
+
+    base = Path(root) / OUTCOMES_DIR
+    if not (base / ".gitignore").exists():  # local state of this checkout, like build/
+        atomic_write_bytes(base / ".gitignore", b"*\n")
+    lines = [line.strip() for line in redact(message).splitlines() if line.strip()]
+    record = {"stage": stage, "model": model, "sku": sku, "exit_code": exit_code,
+              "message": " / ".join(lines[:4]) or "failed without a message",
+              "time": datetime.now(timezone.utc).isoformat(timespec="microseconds"), "unsupported": None}
+    if isinstance(error, UnsupportedOp):
+        record["unsupported"] = {"backend": error.backend, "op_type": error.op_type, "node": error.node}
+    return atomic_write_json(outcome_path(root, stage, model, sku), record)
+
+
+def clear_outcome(root: Path, stage: str, model: str | None = None, sku: str | None = None) -> None:
+    outcome_path(root, stage, model, sku).unlink(missing_ok=True)
+
+
+def clear_outcomes(registry: Registry, dvc_targets: list[str]) -> None:
+    """Forget the recorded failures of every stage the targets depend on: the run about to start
+    records them again where they still fail (a stage dvc skips as up to date has succeeded)."""
+    for name in upstream_stages(registry, dvc_targets):
+        stage, _, item = name.partition("@")
+        if not item:
+            clear_outcome(registry.root, stage)
+        elif stage in MODEL_STAGES:
+            clear_outcome(registry.root, stage, item)
+        elif stage in PAIR_STAGES:
+            model, sku = _split_pair(registry, item)
+            clear_outcome(registry.root, stage, model, sku)
+
+
+def _split_pair(registry: Registry, item: str) -> tuple[str, str]:
+    return next((m, item[len(m) + 1:]) for m in registry.models if item.startswith(f"{m}-") and item[len(m) + 1:] in registry.skus)
+
+
+def _read_outcome(path: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads(path.read_text())
+        record["_mtime"] = path.stat().st_mtime
+        return record if isinstance(record, dict) and "stage" in record else None
+    except (OSError, ValueError):
+        return None  # half-written or foreign: a record is a hint, never a reason to fail
+
+
+# --- the matrix ---------------------------------------------------------------------------------
+
+Outcome = Literal["passed", "gate failed", "build failed", "unsupported", "publish failed", "built only",
+                  "not buildable here", "not run"]
+OUTCOMES: tuple[str, ...] = get_args(Outcome)
+
+
+@dataclass
+class PairOutcome:
+    """What became of one (model, SKU): ``outcome`` (one of OUTCOMES), the exit code it stands for,
+    a one-line ``detail``, the stage it concerns, and the manifest's figures where there is one."""
+
+    model: str
+    sku: str
+    outcome: Outcome
+    exit_code: int = 0
+    detail: str = ""
+    stage: str | None = None
+    p50_ms: float | None = None
+    unsupported: dict[str, Any] | None = None
+    runner_labels: list[str] = field(default_factory=list)
+    manifest: dict[str, Any] | None = None  # the summary row of its manifest
+
+    def to_json(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+def matrix(registry: Registry, models: list[str] | None = None, skus: list[str] | None = None,
+           statuses: list[SkuStatus] | None = None) -> list[PairOutcome]:
+    """One outcome per (model, SKU), in registry order, from the manifests, the outcome records the
+    stage commands left and what this host can do (``statuses``: sku_statuses, computed when None).
+
+    A record counts only when it is newer than the pair's manifest; of several, the newest (a
+    stage that succeeds removes its own record, and `skuforge repro` clears those of its targets).
+    """
+    statuses = statuses if statuses is not None else sku_statuses(registry)
+    by_sku = {s.sku: s for s in statuses}
+    base = registry.root / OUTCOMES_DIR
+    config = _read_outcome(base / "config.json")
+    rows = []
+    for model in models or list(registry.models):
+        upstream = [r for r in (config, *(_read_outcome(base / model / f"{st}.json") for st in MODEL_STAGES)) if r]
+        for sku in skus or list(registry.skus):
+            row = _pair_outcome(registry, model, sku, by_sku.get(sku), upstream)
+            if row.manifest is not None:
+                row.manifest.pop("failures")  # said in ``detail``
+            rows.append(row)
+    return rows
+
+
+def _pair_outcome(registry: Registry, model: str, sku: str, status: SkuStatus | None,
+                  upstream: list[dict[str, Any]]) -> PairOutcome:
+    from .paths import Layout
+
+    out = Layout(registry.root)
+    manifest_path = out.manifest(model, sku)
+    row = _manifest_row(registry, model, sku) if manifest_path.is_file() else None
+    if row is None and status is not None and not status.buildable:
+        # whatever an attempt here recorded, this host was never going to build it
+        return PairOutcome(model, sku, "not buildable here", 0, "; ".join(status.problems),
+                           runner_labels=status.runner_labels)
+    made = manifest_path.stat().st_mtime if row else None
+    base = registry.root / OUTCOMES_DIR / model
+    records = [(r, False) for r in (_read_outcome(base / f"{st}@{sku}.json") for st in PAIR_STAGES) if r]
+    records += [(r, True) for r in upstream]
+    fresh = [(r, up) for r, up in records if made is None or r["_mtime"] > made]
+    if fresh:
+        record, from_upstream = max(fresh, key=lambda x: x[0]["_mtime"])
+        if not from_upstream:
+            return _failed_pair(registry, model, sku, record, row)
+        where = f"{record['stage']}@{model}" if record.get("model") else record["stage"]
+        return PairOutcome(model, sku, "not run", int(record["exit_code"]), f"{where} failed: {record['message']}",
+                           record["stage"], manifest=row)
+    if row is not None:
+        if row["passed"]:
+            return PairOutcome(model, sku, "passed", 0, "", None, row["p50_ms"], manifest=row)
+        return PairOutcome(model, sku, "gate failed", 1, "; ".join(row["failures"]) or "correctness gate failed",
+                           "validate", row["p50_ms"], manifest=row)
+    if status is not None and not status.runnable and out.report(model, sku, "build").is_file():
+        return PairOutcome(model, sku, "built only", 0,
+                           "; ".join(status.problems) + ": its runner validates, benches and publishes it",
+                           "build", runner_labels=status.runner_labels)
+    return PairOutcome(model, sku, "not run", 0, "no manifest and no recorded failure yet")
+
+
+def _failed_pair(registry: Registry, model: str, sku: str, record: dict[str, Any],
+                 row: dict[str, Any] | None) -> PairOutcome:
+    from .paths import Layout
+
+    stage, code, message = record["stage"], int(record["exit_code"]), str(record["message"])
+    if stage == "validate" and code == 1:
+        failures = _validate_failures(Layout(registry.root).report(model, sku, "validate"))
+        return PairOutcome(model, sku, "gate failed", 1, "; ".join(failures) or message, stage, manifest=row)
+    if record.get("unsupported"):
+        return PairOutcome(model, sku, "unsupported", code, message, stage, unsupported=record["unsupported"],
+                           manifest=row)
+    kind = "publish failed" if stage == "publish" else "build failed"
+    return PairOutcome(model, sku, kind, code, f"{stage}: {message}", stage,
+                       row["p50_ms"] if row and kind == "publish failed" else None, manifest=row)
+
+
+def _validate_failures(path: Path) -> list[str]:
+    try:
+        failures = json.loads(path.read_text()).get("failures") or []
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [str(f) for f in failures]
+
+
+EXIT_ORDER = (0, 1, 2, 3, 4, 70)
+
+
+def worst_exit(rows: list[PairOutcome]) -> int:
+    """The exit code of the worst outcome: the highest of 0 ok, 1 gate failed, 2 bad input,
+    3 environment or unsupported, 4 service, 70 a bug (a signal's code counts as 3)."""
+    codes = [r.exit_code if r.exit_code in EXIT_ORDER else 3 for r in rows]
+    return max(codes, default=0)
+
+
+def _manifest_row(registry: Registry, model: str, sku: str) -> dict[str, Any]:
+    """The summary row of one manifest: gate results, metric deltas, latency, MLflow version."""
     from .manifest import load_manifest
     from .paths import Layout
 
-    rows = []
     out = Layout(registry.root)
-    for model in registry.models:
-        for sku in registry.skus:
-            path = out.manifest(model, sku)
-            if not path.is_file():
-                continue
-            m = load_manifest(path)
-            receipt = out.report(model, sku, "publish")  # the MLflow version this checkout published
-            try:
-                published = json.loads(receipt.read_text()) if receipt.is_file() else {}
-            except ValueError:
-                published = {}
-            metrics = {x.split: x for x in m.correctness.metrics}
-            rows.append({
-                "model": model, "sku": sku, "backend": m.backend, "precision": m.precision,
-                "passed": m.correctness.passed, "build_s": m.build.seconds,
-                "layers": len(m.layers), "fused_layers": sum(1 for layer in m.layers if len(layer.fused_from) > 1),
-                "max_abs_error": max((o.max_abs_error for o in m.correctness.outputs), default=None),
-                **{f"{k}_reference": v.reference for k, v in metrics.items()},
-                **{f"{k}_delta": v.delta for k, v in metrics.items()},
-                "p50_ms": m.benchmark.engine_only.p50_ms, "p99_ms": m.benchmark.engine_only.p99_ms,
-                "e2e_p50_ms": m.benchmark.end_to_end.p50_ms, "throughput_per_s": m.benchmark.throughput_per_s,
-                "digest": m.digest[:12],
-                "mlflow": f"v{published['version']}" if published.get("digest") == m.digest else None,
-            })
-    return rows
+    m = load_manifest(out.manifest(model, sku))
+    receipt = out.report(model, sku, "publish")  # the MLflow version this checkout published
+    try:
+        published = json.loads(receipt.read_text()) if receipt.is_file() else {}
+    except ValueError:
+        published = {}
+    metrics = {x.split: x for x in m.correctness.metrics}
+    return {
+        "model": model, "sku": sku, "backend": m.backend, "precision": m.precision,
+        "passed": m.correctness.passed, "failures": list(m.correctness.failures), "build_s": m.build.seconds,
+        "layers": len(m.layers), "fused_layers": sum(1 for layer in m.layers if len(layer.fused_from) > 1),
+        "max_abs_error": max((o.max_abs_error for o in m.correctness.outputs), default=None),
+        **{f"{k}_reference": v.reference for k, v in metrics.items()},
+        **{f"{k}_delta": v.delta for k, v in metrics.items()},
+        "p50_ms": m.benchmark.engine_only.p50_ms, "p99_ms": m.benchmark.engine_only.p99_ms,
+        "e2e_p50_ms": m.benchmark.end_to_end.p50_ms, "throughput_per_s": m.benchmark.throughput_per_s,
+        "digest": m.digest[:12],
+        "mlflow": f"v{published['version']}" if published.get("digest") == m.digest else None,
+    }

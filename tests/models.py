@@ -11,8 +11,8 @@ from onnx import TensorProto, helper, numpy_helper
 OPSET = 17
 
 
-def _save(graph: onnx.GraphProto, path: Path) -> Path:
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="skuforge-tests")
+def _save(graph: onnx.GraphProto, path: Path, opset: int = OPSET) -> Path:
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="skuforge-tests")
     model.ir_version = 8
     onnx.checker.check_model(model)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -382,12 +382,7 @@ def sequence_model(path: Path, seed: int = 0) -> Path:
     graph = helper.make_graph(nodes, "sequence", [value_info("tokens", ["batch_size", "sequence"], TensorProto.INT64),
                                                   value_info("k", [], TensorProto.INT64)],
                               [value_info("emb", ["emb_dim_0", "emb_dim_1", 4]), value_info("pooled", [None, 4])], init)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="skuforge-tests")
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return _save(graph, path, opset=18)
 
 
 def sequence_spec(dir_: str, seq: int = 7) -> dict:
@@ -438,12 +433,7 @@ def batch_mixing_model(path: Path) -> Path:
     nodes = [helper.make_node("ReduceMean", ["x", "axis0"], ["m"], keepdims=1, name="batch_mean"),
              helper.make_node("Sub", ["x", "m"], ["y"], name="sub")]
     graph = helper.make_graph(nodes, "batch_mixing", [value_info("x", ["N", 6])], [value_info("y", ["N", 6])], init)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="skuforge-tests")
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return _save(graph, path, opset=18)
 
 
 def batch_one_reshape_model(path: Path) -> Path:

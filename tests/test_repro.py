@@ -59,3 +59,17 @@ def test_repro_outside_a_dvc_repository(tmp_path):
     with pytest.raises(InputError) as info:
         run_dvc_repro(tmp_path, ["manifest@a-here"])
     assert "not a DVC repository" in info.value.message and "dvc init" in info.value.hint
+
+
+def test_dvc_failure_without_an_error_line_quotes_dvc(tmp_path):
+    from pipeline.repro import dvc_failure
+
+    err = dvc_failure(tmp_path, 255, "\x1b[31mERROR\x1b[39m: failed to reproduce 'build@m-cpu': failed to run: "
+                                     "skuforge build, exited with 3\n")
+    assert err.stage_failed and err.exit_code == 3 and "failed to reproduce 'build@m-cpu'" in err.message
+    err = dvc_failure(tmp_path, 255, "ERROR: './dvc.yaml' is invalid.\nwhile parsing a flow sequence\n  in line 3\n")
+    assert err.exit_code == 2 and "is invalid" in err.message and "while parsing a flow sequence" in err.message
+    assert not err.stage_failed
+    # several stages failed (--keep-going): the worst exit code
+    err = dvc_failure(tmp_path, 255, "x, exited with 1\ny, exited with 3\nz, exited with 2\nERROR: failed\n")
+    assert err.exit_code == 3 and err.stage_failed

@@ -21,16 +21,24 @@ def _cell(value) -> str:
 
 
 def markdown(registry: Registry, sku: str) -> str:
-    """A heading and one row per model with a manifest for ``sku`` (correctness and benchmark)."""
-    from ..repro import summary
+    """A heading and one row per model for ``sku``: correctness and benchmark where a manifest was
+    written; otherwise the outcome (gate failed, build failed, unsupported, not run) and why."""
+    from ..repro import matrix
 
     registry.sku(sku)  # an unknown SKU is a config error naming the known ones
-    rows = [r for r in summary(registry) if r["sku"] == sku]
+    pairs = [p for p in matrix(registry, skus=[sku]) if p.manifest is not None or p.outcome != "not run" or p.exit_code]
     lines = [f"### skuforge: {sku}", ""]
-    if not rows:
+    if not pairs:
         lines.append("No manifest was written for this SKU (see the job log).")
     else:
-        lines.append("| " + " | ".join(title for _, title in COLUMNS) + " |")
-        lines.append("|" + "---|" * len(COLUMNS))
-        lines += ["| " + " | ".join(_cell(r.get(key)) for key, _ in COLUMNS) + " |" for r in rows]
+        lines.append("| " + " | ".join(title for _, title in COLUMNS) + " | outcome |")
+        lines.append("|" + "---|" * (len(COLUMNS) + 1))
+        for p in pairs:
+            row = {**(p.manifest or {}), "model": p.model}
+            outcome = p.outcome if p.outcome == "passed" else f"**{p.outcome}**: {_escape(p.detail)}"
+            lines.append("| " + " | ".join(_cell(row.get(key)) for key, _ in COLUMNS) + f" | {outcome} |")
     return redact("\n".join(lines + [""]))  # the summary is public on the run's page
+
+
+def _escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")

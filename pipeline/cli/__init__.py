@@ -2,14 +2,16 @@
 
 Argument parsing imports nothing heavy: each command imports the library when it runs.
 Exit codes: 0 ok, 1 gate failed, 2 bad config or input, 3 environment, 4 external service,
-70 internal error. Everything the command prints (its output, log records, warnings, errors and
-the traceback of a bug) passes through :func:`pipeline.redact.redact`: no credential leaves it.
+70 internal error, 130 interrupted (Ctrl-C). Everything the command prints (its output, log
+records, warnings, errors and the traceback of a bug) passes through :func:`pipeline.redact.redact`:
+no credential leaves it. A stage command also records its failure for ``skuforge repro``'s matrix.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Sequence
 
@@ -26,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="skuforge",
         description="Build, gate, benchmark and describe ML inference engines per device SKU.",
         epilog="exit codes: 0 ok, 1 gate failed, 2 bad config or input, 3 environment (backend, hardware, "
-               "toolchain), 4 external service, 70 internal error",
+               "toolchain), 4 external service, 70 internal error, 130 interrupted",
     )
     parser.add_argument("--params", default="params.yaml", help="the registry (default: params.yaml)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -89,19 +91,57 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
     except SkuforgeError as exc:
-        return _error(exc)
+        return _record(args, _error(exc), exc)
     except KeyboardInterrupt:
+        # The interrupted frames hold the loaded engine in reference cycles: release it now, not
+        # during interpreter shutdown, where ONNX Runtime aborts ("terminate called ...", exit -6).
+        import gc
+
+        gc.collect()
         print("skuforge: interrupted", file=sys.stderr)
         return 130
     except OSError as exc:
         err = _os_error(exc)
         if err is not None:
-            return _error(err)
-        return _bug()
-    except Exception:
-        return _bug()
+            return _record(args, _error(err), err)
+        return _record(args, _bug(), exc)
+    except Exception as exc:
+        return _record(args, _bug(), exc)
+    return _record(args, code, None)
+
+
+def _stage_of(args: argparse.Namespace) -> tuple[str, str | None, str | None] | None:
+    """(stage, model, SKU) when the command is a dvc.yaml stage's command, else None."""
+    if args.command in commands.STAGES or (args.command == "publish" and not args.all and args.model and args.sku):
+        return args.command, args.model, getattr(args, "sku", None)
+    if args.command == "config" and args.config_command == "resolve":
+        return "config", None, None
+    return None
+
+
+def _record(args: argparse.Namespace, code: int, exc: BaseException | None) -> int:
+    """A stage command run by dvc leaves its failure where `skuforge repro` and `summary` read it
+    (dvc's own output says only "exited with N"); any run of it removes that record when it succeeds.
+    Run by hand, a failure writes nothing: its message is on the user's screen."""
+    stage = _stage_of(args)
+    if stage is None or (code != 0 and "DVC_STAGE" not in os.environ):  # dvc sets DVC_STAGE for its stages
+        return code
+    from pathlib import Path
+
+    from ..repro import clear_outcome, record_outcome
+
+    root = Path(args.params).resolve().parent
+    try:
+        if code == 0:
+            clear_outcome(root, *stage)
+        else:
+            message = exc.message if isinstance(exc, SkuforgeError) else f"internal error (a bug): {type(exc).__name__}: {exc}"
+            record_outcome(root, *stage, exit_code=code, message=message, error=exc)
+    except (OSError, SkuforgeError) as err:  # a full disk, say: never let the record hide the stage's own result
+        logging.getLogger(__name__).debug("could not update the outcome record of %s: %s", stage, err)
+    return code
 
 
 def _bug() -> int:
@@ -113,4 +153,9 @@ def _bug() -> int:
 
 
 def run() -> None:
-    sys.exit(main())
+    try:
+        code = main()
+    except KeyboardInterrupt:  # Ctrl-C outside a command (while parsing, importing, flushing)
+        print("skuforge: interrupted", file=sys.stderr)
+        code = 130
+    sys.exit(code)

@@ -126,7 +126,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=releases)
 
-    r = sub.add_parser("repro", help="dvc repro for the SKUs this host can build; list the others")
+    r = sub.add_parser("repro", help="dvc repro (keep going) for the SKUs this host can build; the outcome of every pair")
     r.add_argument("--model", action="append", help="only this model (repeatable)")
     r.add_argument("--sku", action="append", help="only this SKU (repeatable)")
     r.add_argument("--force", action="store_true", help="rerun stages even if unchanged")
@@ -135,7 +135,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=repro)
 
-    s = sub.add_parser("summary", help="table of the manifests: gates, metric deltas, latency")
+    s = sub.add_parser("summary", help="the outcome of every (model, SKU) with its manifest's gates, metric deltas, latency")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=summary)
 
@@ -205,9 +205,8 @@ def export_example(args: argparse.Namespace) -> int:
 
 
 def repro(args: argparse.Namespace) -> int:
-    from ..repro import ProjectStatus, run_dvc_repro, upstream_stages
-    from ..repro import summary as summarize
-    from ..repro import targets
+    from ..repro import (DvcFailed, ProjectStatus, clear_outcomes, matrix, run_dvc_repro, sku_statuses, targets,
+                         upstream_stages, worst_exit)
 
     reg = _registry(args)
     status = None if args.force else ProjectStatus(reg.root)
@@ -226,14 +225,27 @@ def repro(args: argparse.Namespace) -> int:
         print("nothing this host can build", file=sys.stderr)
         return 0
     stale = None if status is None else status.stale(upstream_stages(reg, dvc_targets))
+    failed = None
+    if not args.dry:
+        clear_outcomes(reg, dvc_targets)  # this run records again what still fails
     if stale == []:
         print("Data and pipelines are up to date.", file=sys.stderr)
     else:
-        run_dvc_repro(reg.root, dvc_targets, force=args.force, dry=args.dry)
-    rows = [] if args.dry else summarize(reg)
-    _emit(args, {"targets": dvc_targets, "skipped": [s.to_json() for s in skipped], "summary": rows},
-          lambda: "" if args.dry else _table(rows))
-    return 0
+        try:
+            run_dvc_repro(reg.root, dvc_targets, force=args.force, dry=args.dry, keep_going=True)
+        except DvcFailed as exc:
+            if not exc.stage_failed or args.dry:
+                raise
+            failed = exc  # the matrix below says which pairs and why
+    if args.dry:
+        _emit(args, {"targets": dvc_targets, "skipped": [s.to_json() for s in skipped]}, lambda: "")
+        return 0
+    statuses = [s for s in sku_statuses(reg) if not args.sku or s.sku in args.sku]
+    rows = matrix(reg, args.model, [s.sku for s in statuses], statuses)
+    code = max(worst_exit(rows), failed.exit_code if failed else 0)
+    _emit(args, {"targets": dvc_targets, "skipped": [s.to_json() for s in skipped],
+                 "matrix": [r.to_json() for r in rows], "exit_code": code}, lambda: _matrix_text(rows))
+    return code
 
 
 def _quiet_mlflow() -> None:
@@ -345,10 +357,10 @@ def releases(args: argparse.Namespace) -> int:
 
 
 def summary(args: argparse.Namespace) -> int:
-    from ..repro import summary as summarize
+    from ..repro import matrix
 
-    rows = summarize(_registry(args))
-    _emit(args, rows, lambda: _table(rows))
+    rows = matrix(_registry(args))
+    _emit(args, [r.to_json() for r in rows], lambda: _matrix_text(rows))
     return 0
 
 
@@ -385,20 +397,32 @@ def runner_labels(args: argparse.Namespace) -> int:
     return 0
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
+MATRIX_COLUMNS = ["model", "sku", "outcome", "precision", "build_s", "layers", "fused_layers", "max_abs_error",
+                  "evaluation_reference", "evaluation_delta", "hard_tail_delta", "p50_ms", "p99_ms", "e2e_p50_ms",
+                  "throughput_per_s", "mlflow"]
+
+
+def _matrix_text(rows) -> str:
+    """One line per (model, SKU): its outcome and its manifest's figures; under a pair that did not
+    pass, why (indented)."""
     if not rows:
-        return "no manifests yet"
-    cols = ["model", "sku", "precision", "passed", "build_s", "layers", "fused_layers", "max_abs_error", "evaluation_reference", "evaluation_delta",
-            "hard_tail_delta", "p50_ms", "p99_ms", "e2e_p50_ms", "throughput_per_s", "mlflow"]
+        return "no models or SKUs"
 
     def fmt(v: Any) -> str:
-        if isinstance(v, bool):
-            return "yes" if v else "NO"
         if isinstance(v, float):
             return f"{v:.4g}"
         return "-" if v is None else str(v)
 
-    widths = {c: max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in cols}
-    lines = ["  ".join(c.ljust(widths[c]) for c in cols)]
-    lines += ["  ".join(fmt(r.get(c)).ljust(widths[c]) for c in cols) for r in rows]
+    cells = [{**(r.manifest or {}), "model": r.model, "sku": r.sku, "outcome": r.outcome} for r in rows]
+    widths = {c: max(len(c), *(len(fmt(x.get(c))) for x in cells)) for c in MATRIX_COLUMNS}
+    lines = ["  ".join(c.ljust(widths[c]) for c in MATRIX_COLUMNS).rstrip()]
+    for r, x in zip(rows, cells):
+        lines.append("  ".join(fmt(x.get(c)).ljust(widths[c]) for c in MATRIX_COLUMNS).rstrip())
+        if r.detail and r.outcome != "passed":
+            labels = f" (runner labels [{', '.join(r.runner_labels)}])" if r.runner_labels else ""
+            lines.append(f"    {r.detail}{labels}")
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.outcome] = counts.get(r.outcome, 0) + 1
+    lines.append(", ".join(f"{n} {k}" for k, n in counts.items()))
     return "\n".join(lines)

@@ -28,11 +28,12 @@ def latency_stats(samples_ms: list[float]) -> LatencyStats:
 
 
 def time_calls(fn: Callable[[], object], iterations: int, min_seconds: float = 0.0,
-               progress: Progress | None = None, label: str = "") -> list[float]:
-    """Call ``fn`` at least ``iterations`` times and for at least ``min_seconds``; ms per call."""
+               progress: Progress | None = None, label: str = "", stop: threading.Event | None = None) -> list[float]:
+    """Call ``fn`` at least ``iterations`` times and for at least ``min_seconds`` (until ``stop`` is
+    set); ms per call."""
     out: list[float] = []
     start = time.perf_counter()
-    while len(out) < iterations or time.perf_counter() - start < min_seconds:
+    while (len(out) < iterations or time.perf_counter() - start < min_seconds) and not (stop and stop.is_set()):
         t0 = time.perf_counter()
         fn()
         out.append((time.perf_counter() - t0) * 1000)
@@ -42,19 +43,31 @@ def time_calls(fn: Callable[[], object], iterations: int, min_seconds: float = 0
 
 
 def _concurrent(fn: Callable[[], object], threads: int, iterations: int, min_seconds: float) -> tuple[list[float], float]:
-    """Each thread times its own calls; returns all latencies and the wall time."""
+    """Each thread times its own calls; returns all latencies and the wall time.
+
+    On Ctrl-C (delivered to the main thread only) the workers are told to stop and are waited
+    for a moment; they are daemons, so one stuck in a long inference call cannot hold the exit.
+    """
     results: list[list[float]] = [[] for _ in range(threads)]
     per_thread = max(1, iterations // threads)
+    stop = threading.Event()
 
     def work(i: int) -> None:
-        results[i] = time_calls(fn, per_thread, min_seconds)
+        results[i] = time_calls(fn, per_thread, min_seconds, stop=stop)
 
-    workers = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    workers = [threading.Thread(target=work, args=(i,), daemon=True, name=f"bench-{i}") for i in range(threads)]
     start = time.perf_counter()
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    try:
+        for w in workers:
+            w.start()
+        for w in workers:
+            while w.is_alive():  # a join with a timeout: Ctrl-C gets through on every platform
+                w.join(0.2)
+    finally:
+        stop.set()
+        for w in workers:
+            if w.is_alive():
+                w.join(2.0)
     return [x for r in results for x in r], time.perf_counter() - start
 
 

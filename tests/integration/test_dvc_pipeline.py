@@ -293,8 +293,10 @@ def test_plain_dvc_repro_of_far_sku_exits_3_with_labels(far_by_dvc):
 def test_failing_gate_under_dvc_exits_1_and_keeps_report(gate_fail):
     assert gate_fail.returncode == 1, str(gate_fail)
     assert "failed validation" in gate_fail.output, str(gate_fail)
-    failed = re.findall(r"failed to reproduce 'validate@(\w+)-cpu_int8'", gate_fail.output)
+    # dvc keeps going: one line names every stage that failed
+    failed = re.findall(r"'validate@(\w+)-cpu_int8'", gate_fail.output)
     assert failed, str(gate_fail)
+    assert re.search(rf"^{failed[0]}\s+cpu_int8\s+gate failed", gate_fail.stdout, re.M), str(gate_fail)
     report = json.loads(gate_fail.files[f"build/{failed[0]}/cpu_int8/validate.json"])
     assert report["passed"] is False
     assert report["failures"]
