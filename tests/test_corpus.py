@@ -158,7 +158,8 @@ def test_corpus(corpus, fixture, sku):
         MATRIX[fixture, sku] = f"ERROR ({type(exc).__name__})"
         raise
     record = (report.calibration or {}).get("opset_conversion") or report.options.get("opset_conversion")
-    MATRIX[fixture, sku] = "passed" + (f" (opset {record['from_opset']}->{record['to_opset']})" if record else "")
+    MATRIX[fixture, sku] = (f"passed, p50 {manifest.benchmark.engine_only.p50_ms:.3g} ms"
+                            + (f" (opset {record['from_opset']}->{record['to_opset']})" if record else ""))
     if record:  # recorded where the manifest carries it: the build's warnings
         assert any(w.startswith(f"opset converted from {record['from_opset']} to {record['to_opset']}")
                    for w in manifest.build.warnings), manifest.build.warnings
