@@ -287,11 +287,13 @@ def mark_batch_axes(model: "onnx.ModelProto", batch_axis: str, found: dict[str, 
 
 
 def pin_axes(model: "onnx.ModelProto", pins: dict[str, int], path: Path) -> "onnx.ModelProto":
-    """Fix named dynamic dims of inputs (and outputs) to values, then re-infer shapes."""
+    """Fix named dynamic dims of inputs (and outputs) to values, the same dims inside subgraphs
+    (If branches, Loop and Scan bodies), then re-infer shapes."""
     for value in [*model.graph.input, *model.graph.output]:
         for d in value.type.tensor_type.shape.dim:
             if d.dim_param in pins:
                 d.dim_value = pins[d.dim_param]
+    pin_subgraph_axes(model, pins)
     del model.graph.value_info[:]
     return infer_shapes(model, path)
 
@@ -548,9 +550,9 @@ def convert_opset(model: "onnx.ModelProto", target: int, probe_inputs: dict, rea
 
 
 def pin_subgraph_axes(model: "onnx.ModelProto", pins: dict[str, int]) -> int:
-    """Fix the pinned named dims inside subgraphs (If branches, Loop and Scan bodies) as ``pin_axes``
-    fixes them on the graph: a body that keeps ``batch`` dynamic while its inputs are pinned has
-    mismatched types for IREE's importer. Returns how many dims were fixed."""
+    """Fix the pinned named dims inside subgraphs (If branches, Loop and Scan bodies), for
+    ``pin_axes``: a body that keeps ``batch`` dynamic while its inputs are pinned has mismatched
+    types (IREE's importer refused such a Loop). Returns how many dims were fixed."""
     fixed = 0
 
     def visit(graph: "onnx.GraphProto") -> None:

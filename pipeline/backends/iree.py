@@ -129,7 +129,7 @@ class IreeBackend(Backend):
     def build(self, ctx: BuildContext) -> BuildOutcome:
         import onnx
 
-        from ..graph import convert_opset, default_opset, pin_axes, pin_subgraph_axes, signature, tensors_to_raw
+        from ..graph import convert_opset, default_opset, pin_axes, signature, tensors_to_raw
         from ..quantize import to_fp16
 
         opts: IreeOptions = self.options(ctx.sku_spec)
@@ -137,7 +137,6 @@ class IreeBackend(Backend):
         if problems:
             raise EnvironmentProblem("; ".join(problems), hint=self.install_hint)
         model = pin_axes(onnx.load(str(ctx.prepared)), ctx.pins, ctx.prepared)
-        pin_subgraph_axes(model, ctx.pins)
         # the importer lowers ops as defined from opset 17 on (older MaxPool, Slice, ... have no lowering)
         model, conversion = convert_opset(model, max(default_opset(model), IMPORTER_MIN_OPSET), ctx.probe_inputs,
                                           f"IREE's ONNX importer lowers ops from opset {IMPORTER_MIN_OPSET} on")

@@ -122,8 +122,7 @@ def manifest_gate(document: Any, version_digest: str | None, registry: Registry 
 
 def sku_mismatches(m: Manifest, registry: Registry) -> list[str]:
     """What in the manifest contradicts its SKU in params.yaml."""
-    from packaging.specifiers import InvalidSpecifier, SpecifierSet
-    from packaging.version import InvalidVersion, Version
+    from ..runner.check import satisfies
 
     sku, bad = registry.sku(m.sku), []
     if m.backend != sku.backend:
@@ -134,11 +133,7 @@ def sku_mismatches(m: Manifest, registry: Registry) -> list[str]:
         bad.append(f"target/host architecture {m.target.arch}/{m.host.arch}, the SKU is {sku.target.arch}")
     for package, spec in sku.toolchain.items():
         have = m.toolchain.get(package)
-        try:
-            ok = have is not None and Version(have) in SpecifierSet(spec)
-        except (InvalidVersion, InvalidSpecifier):
-            ok = False
-        if not ok:
+        if not satisfies(have, spec):
             bad.append(f"toolchain {package} {have or '(not recorded)'} does not satisfy {spec!r}")
     if engine_digest(m.engine) != m.evidence.engine_sha256:
         bad.append("the engine file list does not match the engine hash its reports were bound to")

@@ -229,6 +229,13 @@ def _upload(tracking: Tracking, run_id: str, inputs: PublishInputs, progress: Pr
             tracking.call(f"upload {path.name}", client.log_artifact, run_id, str(path), where)
 
 
+def _verdict_tags(m: Manifest, registry: Registry, key) -> dict[str, str]:
+    """The version tags promotion trusts: correctness recomputed against params.yaml, and the
+    publisher's signature of the manifest digest."""
+    return {TAG_CORRECTNESS: "failed" if correctness_problems(m, registry) else "passed",
+            TAG_SIGNATURE: json.dumps(key.sign(m.digest, m.model, m.sku).to_json(), sort_keys=True)}
+
+
 def publish_engine(tracking: Tracking, registry: Registry, inputs: PublishInputs,
                    progress: Progress | None = None) -> PublishResult:
     """Record one engine in MLflow and register it; see the module docstring for the steps.
@@ -253,6 +260,12 @@ def publish_engine(tracking: Tracking, registry: Registry, inputs: PublishInputs
     if version is not None and version.run_id:
         run = tracking.call("read run", client.get_run, version.run_id)
         log.debug("[%s] manifest %s already published: %s version %s", where, m.digest[:12], name, version.version)
+        # a version registered before publish signed (or by an interrupted older skuforge) gets the
+        # tags promotion needs; tags it already has are left alone
+        for tag, value in _verdict_tags(m, registry, key).items():
+            if tag not in (version.tags or {}):
+                tracking.call(f"tag version {version.version} of {name}", client.set_model_version_tag, name,
+                              version.version, tag, value)
     else:
         experiment_id = tracking.experiment_id(experiment_name(release, m.model))
 
@@ -286,8 +299,7 @@ def publish_engine(tracking: Tracking, registry: Registry, inputs: PublishInputs
         engine_path = f"{run.info.artifact_uri.rstrip('/')}/{ENGINE_ARTIFACTS}"
         version_tags = {TAG_DIGEST: m.digest, TAG_MODEL: m.model, TAG_SKU: m.sku, "skuforge.backend": m.backend,
                         "skuforge.precision": m.precision,
-                        TAG_CORRECTNESS: "failed" if correctness_problems(m, registry) else "passed",
-                        TAG_SIGNATURE: json.dumps(key.sign(m.digest, m.model, m.sku).to_json(), sort_keys=True),
+                        **_verdict_tags(m, registry, key),
                         "skuforge.p50_ms": f"{m.benchmark.engine_only.p50_ms:.6g}"}
         if m.provenance.git_commit:
             version_tags["skuforge.git_commit"] = m.provenance.git_commit

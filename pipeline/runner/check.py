@@ -17,6 +17,17 @@ from . import probe
 Purpose = Literal["build", "run"]
 
 
+def satisfies(version: str | None, spec: str) -> bool:
+    """``version`` meets the PEP 440 specifier ``spec``; False for anything unparsable or absent."""
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return version is not None and Version(str(version)) in SpecifierSet(spec)
+    except (InvalidVersion, InvalidSpecifier):
+        return False
+
+
 def toolchain_problems(pins: dict[str, str], installed_only: bool = False) -> list[str]:
     """Pinned package versions this host does not satisfy. ``installed_only`` skips absent
     packages (a device that runs engines need not carry the compiler)."""
@@ -25,7 +36,7 @@ def toolchain_problems(pins: dict[str, str], installed_only: bool = False) -> li
     problems = []
     for package, spec in sorted(pins.items()):
         try:
-            wanted = SpecifierSet(spec)
+            SpecifierSet(spec)
         except InvalidSpecifier:
             problems.append(f"toolchain.{package}: {spec!r} is not a version specifier (e.g. '==1.20.1' or '>=1.20,<2')")
             continue
@@ -35,7 +46,7 @@ def toolchain_problems(pins: dict[str, str], installed_only: bool = False) -> li
             if not installed_only:
                 problems.append(f"{package} is not installed (the SKU pins {spec})")
             continue
-        if have not in wanted:
+        if not satisfies(have, spec):
             problems.append(f"{package} {have} is installed, the SKU pins {spec}")
     return problems
 

@@ -363,9 +363,3 @@ def jetson() -> dict[str, Any] | None:
 def gpu() -> dict[str, Any]:
     """The GPUs as recorded in reports: ``nvidia`` (nvidia_gpus) and the Jetson's L4T release."""
     return {"nvidia": [g.to_json() for g in nvidia_gpus()], "jetson": jetson()}
-
-
-def has_gpu(info: dict[str, Any] | None = None) -> bool:
-    """Whether this host (or a recorded ``gpu()`` report) shows a GPU: the answer the TensorRT
-    backend gets from gpu_info(), since both read nvidia_gpus()."""
-    return bool((gpu() if info is None else info)["nvidia"])

@@ -91,7 +91,7 @@ def class_labels(classes: dict[str, dict[str, Any]], name: str) -> list[str]:
 
 def classes_problems(registry: Registry, classes: dict[str, dict[str, Any]]) -> list[str]:
     """Every SKU's labels served by a class whose hardware and pins agree with the SKU."""
-    from packaging.specifiers import SpecifierSet
+    from .check import satisfies
 
     problems = []
     for sku, spec in sorted(registry.skus.items()):
@@ -114,6 +114,6 @@ def classes_problems(registry: Registry, classes: dict[str, dict[str, Any]]) -> 
                 have = pins.get(package)
                 if have is None:
                     problems.append(f"SKU {sku} / class {name}: the class does not pin {package} (the SKU wants {wanted})")
-                elif str(have) not in SpecifierSet(wanted):
+                elif not satisfies(have, wanted):
                     problems.append(f"SKU {sku} / class {name}: pins {package} {have}, the SKU wants {wanted}")
     return problems

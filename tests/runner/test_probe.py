@@ -68,7 +68,7 @@ def test_a_faked_gpu_is_seen_alike_by_the_runner_check_and_tensorrt(tmp_path, mo
     assert probe.gpu_info() == GpuInfo("NVIDIA H100 80GB HBM3", "9.0", "550.54.15", "81559")
     report = probe.gpu()
     assert len(report["nvidia"]) == 2 and report["nvidia"][0]["compute_capability"] == "9.0"
-    assert probe.has_gpu() and probe.has_gpu(report)
+    assert probe.gpu_info() is not None and report["nvidia"]
     from pipeline.backends import tensorrt
 
     assert tensorrt.gpu_info() == probe.gpu_info()  # one probe, not two
@@ -77,7 +77,7 @@ def test_a_faked_gpu_is_seen_alike_by_the_runner_check_and_tensorrt(tmp_path, mo
 
 def test_no_gpu_is_seen_alike(tmp_path, monkeypatch):
     fake_nvidia_smi(tmp_path, monkeypatch, "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.", 9)
-    assert probe.gpu_info() is None and probe.gpu() == {"nvidia": [], "jetson": probe.jetson()} and not probe.has_gpu()
+    assert probe.gpu_info() is None and probe.gpu() == {"nvidia": [], "jetson": probe.jetson()}
     assert verdicts() == (False, False)
     reg = gpu_registry()
     assert f"needs device gpu: {NO_GPU}" in hardware_problems(reg, "g")

@@ -204,6 +204,9 @@ def test_a_garbage_signature_tag_fails_closed(proj):
         client.delete_model_version_tag(result.registered_model, result.version, TAG_SIGNATURE)
     exc = _blocked(proj, "candidate", "good")
     assert "the manifest is unsigned" in _gate(exc, "signature").detail
+    publish(proj, "conv", "good")  # the hint: re-publish signs the version
+    assert TAG_SIGNATURE in client.get_model_version(result.registered_model, result.version).tags
+    promote(proj, "conv", "candidate", ["good"])
 
 
 def test_a_falsified_toolchain_and_host_are_refused(proj):
