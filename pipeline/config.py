@@ -192,6 +192,10 @@ class ModelSpec(Strict):
     metric: Metric | None = None
     calibration: CalibrationSpec = CalibrationSpec()
     tolerances: dict[Precision, ToleranceOverride] = Field(default_factory=dict)
+    higher_precision: dict[str, list[str]] = Field(
+        default_factory=dict, description="SKU -> ONNX nodes of the prepared model kept in higher precision than the "
+                                          "SKU's (excluded from INT8 quantization, FP32 in an FP16 engine); "
+                                          "skuforge bisect --fix writes it")
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelSpec:
@@ -241,6 +245,17 @@ class PrecisionGate(Strict):
     max_mismatched_layers: int = Field(0, ge=0, description="mismatches tolerated before the policy applies")
 
 
+class BisectSpec(Strict):
+    """Bisection to the first divergent layer when validate fails, and its remedy."""
+
+    on_failure: bool = Field(True, description="bisect when validate fails a correctness gate (result in validate.json)")
+    max_builds: int = Field(12, ge=1, le=200, description="engine builds one bisection may take")
+    marks_per_build: int = Field(3, ge=1, le=64, description="intermediate tensors marked as outputs per build")
+    fix_during_build: bool = Field(False, description="build: when the engine fails the gate, bisect and keep the "
+                                                     "suspects in higher precision until it passes")
+    max_fix_rounds: int = Field(4, ge=1, le=20, description="rebuild-and-revalidate rounds of the remedy")
+
+
 class Profile(Strict):
     min: int = Field(ge=1)
     opt: int = Field(ge=1)
@@ -269,6 +284,7 @@ class SkuSpec(Strict):
     tolerance: ToleranceOverride = ToleranceOverride()
     metric: MetricGateOverride = MetricGateOverride()
     bench: BenchOverride = BenchOverride()
+    bisect: BisectSpec = BisectSpec()
     description: str = ""
 
     @model_validator(mode="after")
@@ -473,6 +489,11 @@ class Registry(Strict):
                 base = base.model_copy(update=override.model_dump(exclude_none=True))
         return base
 
+    def higher_precision(self, model: str, sku: str) -> list[str]:
+        """ONNX nodes of ``model`` kept in higher precision than ``sku``'s (params.yaml override)."""
+        self.sku(sku)
+        return list(self.model(model).higher_precision.get(sku, []))
+
     def metric_gate(self, model: str, sku: str) -> MetricGate:
         base = self.defaults.metric
         m = self.model(model).metric
@@ -648,6 +669,13 @@ def _check_cross_references(registry: Registry, source: str) -> None:
             if axis not in axes:
                 problems.append(f"skus.{name}: axis {axis!r} is not a dynamic axis of any model (axes: {sorted(axes)})")
     for name, model in registry.models.items():
+        for sname, nodes in model.higher_precision.items():
+            if sname not in registry.skus:
+                problems.append(f"models.{name}.higher_precision: unknown SKU {sname!r}{_did_you_mean(sname, registry.skus)}; "
+                                f"known SKUs: {', '.join(sorted(registry.skus))}")
+            elif registry.skus[sname].precision == "fp32" and nodes:
+                problems.append(f"models.{name}.higher_precision.{sname}: the SKU builds in fp32, there is no higher "
+                                "precision to keep nodes in; remove the entry")
         if model.metric is not None and model.outputs is not None and model.metric.output not in model.outputs:
             problems.append(f"models.{name}.metric.output: {model.metric.output!r} is not in outputs {model.outputs}")
         for axis in model.pins:

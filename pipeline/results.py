@@ -134,6 +134,7 @@ class BuildReport(EngineBound):
     partition_boundaries: int
     precision_counts: dict[str, int]
     hardware_specific: bool = False
+    keep_precise: list[str] = Field(default_factory=list, description="ONNX nodes kept in higher precision than the SKU's")
     warnings: list[str] = Field(default_factory=list)
     build_seconds: float
 

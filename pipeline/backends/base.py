@@ -38,6 +38,9 @@ class BuildContext:
     probe_inputs: dict[str, "np.ndarray"]
     cache_dir: Path
     progress: Callable[[str, float], None] | None = None
+    # ONNX node names (of the prepared model) kept in higher precision than the SKU's: excluded from
+    # INT8 quantization, kept FP32 in an FP16 engine (a bisection remedy, or params.yaml's override)
+    keep_precise: tuple[str, ...] = ()
 
 
 @dataclass

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
 
 from ..backends import get_backend
-from ..backends.base import BuildContext
+from ..backends.base import BuildContext, BuildOutcome
 from ..config import Registry
 from ..data import LABELS, iter_batches
 from ..errors import EnvironmentProblem
@@ -37,11 +39,28 @@ def config_hash(registry: Registry, model: str, sku: str, prepared_sha256: str, 
         "pins": registry.pins(model, sku),
         "prepared_sha256": prepared_sha256,
         "calibration_sha256": calibration_sha256 if spec.precision == "int8" else None,
+        # nodes kept in higher precision change the engine; an empty list leaves the hash as it was
+        **({"keep_precise": registry.higher_precision(model, sku)} if registry.higher_precision(model, sku) else {}),
     })
 
 
-def build(registry: Registry, model: str, sku: str, progress: Progress | None = None) -> BuildReport:
-    require_host(registry, sku, "build")
+@dataclass(frozen=True)
+class Built:
+    """An engine written by ``build_engine``: the backend's outcome and the engine's file records."""
+
+    outcome: BuildOutcome
+    files: list[FileRecord]
+    seconds: float
+
+
+def build_engine(registry: Registry, model: str, sku: str, engine_dir: Path, *, prepared: Path | None = None,
+                 cache_dir: Path | None = None, keep_precise: tuple[str, ...] | None = None,
+                 progress: Progress | None = None) -> Built:
+    """Build ``model`` for ``sku`` into ``engine_dir`` (written whole or not at all).
+
+    The build stage, bisection (``prepared``: the model with intermediate tensors marked as
+    outputs) and the reproducibility check share it, so they build exactly as the stage does.
+    ``keep_precise``: ONNX node names kept in higher precision (default: the registry's)."""
     spec, sku_spec = registry.model(model), registry.sku(sku)
     backend = get_backend(sku_spec.backend)
     out = layout(registry)
@@ -53,16 +72,31 @@ def build(registry: Registry, model: str, sku: str, progress: Progress | None = 
     in_idx, _ = batch_indices(registry, model, prep.signature)
     _, probe = next(iter_batches(golden, in_idx, run_at.get(spec.batch_axis or "", 1)))
     table = calibration_table(registry, model) if sku_spec.precision == "int8" else None
-    table_sha = sha256_file(table) if table is not None and table.is_file() else None
+    keep = tuple(registry.higher_precision(model, sku)) if keep_precise is None else tuple(keep_precise)
     started = time.perf_counter()
-    engine_dir = out.engine_dir(model, sku)
     with atomic_dir(engine_dir) as staging:
-        ctx = BuildContext(model=model, sku=sku, spec=spec, sku_spec=sku_spec, prepared=out.prepared_model(model),
-                           pins=pins, profiles=dict(sku_spec.profiles), engine_dir=staging, calibration_table=table,
-                           probe_inputs=probe, cache_dir=out.cache_dir(model, sku), progress=progress)
+        ctx = BuildContext(model=model, sku=sku, spec=spec, sku_spec=sku_spec,
+                           prepared=prepared or out.prepared_model(model), pins=pins, profiles=dict(sku_spec.profiles),
+                           engine_dir=staging, calibration_table=table, probe_inputs=probe,
+                           cache_dir=cache_dir or out.cache_dir(model, sku), progress=progress, keep_precise=keep)
         outcome = backend.build(ctx)
-        files = backend.write_meta(staging, outcome.files, {**outcome.meta, "model": model, "sku": sku})
-    seconds = time.perf_counter() - started
+        files = backend.write_meta(staging, outcome.files, {**outcome.meta, "model": model, "sku": sku,
+                                                            "keep_precise": list(keep)})
+    return Built(outcome=outcome, files=files, seconds=time.perf_counter() - started)
+
+
+def build(registry: Registry, model: str, sku: str, progress: Progress | None = None) -> BuildReport:
+    require_host(registry, sku, "build")
+    spec, sku_spec = registry.model(model), registry.sku(sku)
+    backend = get_backend(sku_spec.backend)
+    out = layout(registry)
+    prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
+    pins = {k: v for k, v in registry.pins(model, sku).items() if k not in sku_spec.profiles}
+    table = calibration_table(registry, model) if sku_spec.precision == "int8" else None
+    table_sha = sha256_file(table) if table is not None and table.is_file() else None
+    keep = registry.higher_precision(model, sku)
+    built = build_engine(registry, model, sku, out.engine_dir(model, sku), progress=progress)
+    outcome, files, seconds = built.outcome, built.files, built.seconds
     _index_cache(out.cache_dir(model, sku), backend.name)
     calibration = None
     if outcome.calibration is not None:
@@ -76,7 +110,7 @@ def build(registry: Registry, model: str, sku: str, progress: Progress | None = 
         engine_files=files, layers=outcome.layers, placement=_counts(outcome.layers, "device"),
         requested_devices=outcome.requested_devices, partition_boundaries=outcome.partition_boundaries,
         precision_counts=_counts(outcome.layers, "precision"), hardware_specific=outcome.hardware_specific,
-        warnings=outcome.warnings, build_seconds=round(seconds, 3),
+        keep_precise=list(keep), warnings=outcome.warnings, build_seconds=round(seconds, 3),
     )
     atomic_write_json(out.report(model, sku, "build"), report.to_json())
     log(model, sku).info("built in %.1fs: %d layers, placement %s", seconds, len(outcome.layers), report.placement)

@@ -22,12 +22,15 @@ def resolved(registry: Registry) -> dict[str, dict[str, Any]]:
     for name, example in registry.examples.items():
         files[out.config_file(name, example=True).name] = {"example": name, **example.model_dump(mode="json")}
     for model, spec in registry.models.items():
-        files[out.config_file(model).name] = {"model": model, "spec": spec.model_dump(mode="json"),
+        # per-SKU overrides are read by the pair's stages only: editing them reruns no model stage
+        files[out.config_file(model).name] = {"model": model, "spec": spec.model_dump(mode="json", exclude={"higher_precision"}),
                                               "pins": registry.pins(model)}
         for sku, sku_spec in registry.skus.items():
             files[out.config_file(model, sku).name] = {
                 "model": model, "sku": sku,
-                "spec": spec.model_dump(mode="json"), "sku_spec": sku_spec.model_dump(mode="json"),
+                "spec": spec.model_dump(mode="json", exclude={"higher_precision"}),
+                "sku_spec": sku_spec.model_dump(mode="json"),
+                "higher_precision": registry.higher_precision(model, sku),
                 "pins": registry.pins(model, sku),
                 "tolerance": registry.tolerance(model, sku).model_dump(mode="json"),
                 "metric_gate": registry.metric_gate(model, sku).model_dump(mode="json"),
