@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from .errors import ConfigError, InputError
 from .paths import PATH_RULE, Layout, inside, path_problem
+from .results import OutputKind, ReproducibilityLevel
 
 Precision = Literal["fp32", "fp16", "int8"]
 DType = Literal["float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"]
@@ -25,6 +26,8 @@ Postprocess = Literal["none", "argmax"]
 
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 DTYPES: tuple[str, ...] = get_args(DType)
+OUTPUT_KINDS: tuple[str, ...] = get_args(OutputKind)
+CLASS_KINDS: tuple[str, ...] = ("probabilities", "logits")  # class scores on the last axis: agreement is gated
 
 
 class Strict(BaseModel):
@@ -32,17 +35,33 @@ class Strict(BaseModel):
 
 
 class Tolerance(Strict):
-    """Element-wise check |engine - reference| <= atol + rtol * |reference|."""
+    """Element-wise check |engine - reference| <= atol + rtol * |reference|, and for class scores
+    (probabilities, logits) the share of samples whose top-1 class agrees with the reference's."""
 
     atol: float = Field(ge=0)
     rtol: float = Field(ge=0)
     max_mismatch: float = Field(0.0, ge=0, le=1, description="fraction of elements allowed beyond")
+    min_top1_agreement: float = Field(0.0, ge=0, le=1, description="least fraction of samples whose top-1 class "
+                                                                   "agrees with the reference (probabilities, logits)")
 
 
 class ToleranceOverride(Strict):
     atol: float | None = Field(None, ge=0)
     rtol: float | None = Field(None, ge=0)
     max_mismatch: float | None = Field(None, ge=0, le=1)
+    min_top1_agreement: float | None = Field(None, ge=0, le=1)
+
+
+class TolerancePolicy(Strict):
+    """The tolerances of one (model, SKU): one per output kind, and the kinds params.yaml declares.
+    An output whose kind is not declared is judged by the kind inferred from its reference values."""
+
+    precision: Precision
+    kinds: dict[OutputKind, Tolerance]
+    declared: dict[str, OutputKind] = Field(default_factory=dict, description="output -> kind (models.*.output_kinds)")
+
+    def for_kind(self, kind: OutputKind) -> Tolerance:
+        return self.kinds[kind]
 
 
 class MetricGate(Strict):
@@ -71,16 +90,29 @@ class BenchOverride(Strict):
     concurrency: int | None = Field(None, ge=1)
 
 
-def _default_tolerances() -> dict[str, Tolerance]:
+def _default_tolerances() -> dict[str, dict[str, Tolerance]]:
+    """Built-in tolerances per precision and output kind; docs/correctness.md gives the reasoning."""
+    t = Tolerance
     return {
-        "fp32": Tolerance(atol=1e-4, rtol=1e-3),
-        "fp16": Tolerance(atol=1e-2, rtol=1e-2),
-        "int8": Tolerance(atol=0.1, rtol=0.1, max_mismatch=0.05),
+        "fp32": {"probabilities": t(atol=1e-4, rtol=1e-3, min_top1_agreement=0.99),
+                 "logits": t(atol=1e-4, rtol=1e-3, min_top1_agreement=0.99),
+                 "regression": t(atol=1e-4, rtol=1e-3),
+                 "state": t(atol=1e-4, rtol=1e-3)},
+        "fp16": {"probabilities": t(atol=1e-2, rtol=1e-2, max_mismatch=1e-3, min_top1_agreement=0.99),
+                 "logits": t(atol=5e-2, rtol=1e-2, max_mismatch=1e-3, min_top1_agreement=0.99),
+                 "regression": t(atol=1e-2, rtol=1e-2),
+                 "state": t(atol=1e-2, rtol=1e-2)},
+        "int8": {"probabilities": t(atol=0.05, rtol=0.1, max_mismatch=0.05, min_top1_agreement=0.97),
+                 "logits": t(atol=0.1, rtol=0.1, max_mismatch=0.05, min_top1_agreement=0.97),
+                 "regression": t(atol=0.1, rtol=0.1, max_mismatch=0.05),
+                 "state": t(atol=0.1, rtol=0.1, max_mismatch=0.01)},
     }
 
 
 class Defaults(Strict):
-    tolerances: dict[Precision, Tolerance] = Field(default_factory=_default_tolerances)
+    tolerances: dict[Precision, ToleranceOverride] = Field(
+        default_factory=dict, description="per precision; a key set here wins over the built-in default of every "
+                                          "output kind (docs/correctness.md)")
     metric: MetricGate = MetricGate()
     bench: BenchSpec = BenchSpec()
 
@@ -192,6 +224,9 @@ class ModelSpec(Strict):
     metric: Metric | None = None
     calibration: CalibrationSpec = CalibrationSpec()
     tolerances: dict[Precision, ToleranceOverride] = Field(default_factory=dict)
+    output_kinds: dict[str, OutputKind] = Field(
+        default_factory=dict, description="output -> probabilities, logits, regression or state; an output not "
+                                          "listed is inferred from its reference values (docs/correctness.md)")
     higher_precision: dict[str, list[str]] = Field(
         default_factory=dict, description="SKU -> ONNX nodes of the prepared model kept in higher precision than the "
                                           "SKU's (excluded from INT8 quantization, FP32 in an FP16 engine); "
@@ -256,6 +291,14 @@ class BisectSpec(Strict):
     max_fix_rounds: int = Field(4, ge=1, le=20, description="rebuild-and-revalidate rounds of the remedy")
 
 
+class ReproducibilitySpec(Strict):
+    """Build the engine a second time and compare it with the first (the build report's verdict)."""
+
+    check: bool = Field(False, description="check on every build (skuforge build --check-reproducible checks once)")
+    require: ReproducibilityLevel = Field(
+        "none", description="the least verdict a build must reach, else it exits 1 (anything but none implies check)")
+
+
 class Profile(Strict):
     min: int = Field(ge=1)
     opt: int = Field(ge=1)
@@ -285,6 +328,7 @@ class SkuSpec(Strict):
     metric: MetricGateOverride = MetricGateOverride()
     bench: BenchOverride = BenchOverride()
     bisect: BisectSpec = BisectSpec()
+    reproducibility: ReproducibilitySpec = ReproducibilitySpec()
     description: str = ""
 
     @model_validator(mode="after")
@@ -481,13 +525,14 @@ class Registry(Strict):
         spec = self.model(model)
         return self.path(spec.dir, spec.source)
 
-    def tolerance(self, model: str, sku: str) -> Tolerance:
-        s = self.sku(sku)
-        base = self.defaults.tolerances.get(s.precision) or _default_tolerances()[s.precision]
-        for override in (self.model(model).tolerances.get(s.precision), s.tolerance):
-            if override is not None:
-                base = base.model_copy(update=override.model_dump(exclude_none=True))
-        return base
+    def tolerance(self, model: str, sku: str) -> TolerancePolicy:
+        """Per output kind: the built-in default for the SKU's precision, then the keys set in
+        defaults, the model and the SKU (each wins over the one before, for every kind)."""
+        s, spec = self.sku(sku), self.model(model)
+        overrides = [self.defaults.tolerances.get(s.precision), spec.tolerances.get(s.precision), s.tolerance]
+        update = {k: v for o in overrides if o is not None for k, v in o.model_dump(exclude_none=True).items()}
+        kinds = {kind: tol.model_copy(update=update) for kind, tol in _default_tolerances()[s.precision].items()}
+        return TolerancePolicy(precision=s.precision, kinds=kinds, declared=dict(spec.output_kinds))
 
     def higher_precision(self, model: str, sku: str) -> list[str]:
         """ONNX nodes of ``model`` kept in higher precision than ``sku``'s (params.yaml override)."""
@@ -678,6 +723,9 @@ def _check_cross_references(registry: Registry, source: str) -> None:
                                 "precision to keep nodes in; remove the entry")
         if model.metric is not None and model.outputs is not None and model.metric.output not in model.outputs:
             problems.append(f"models.{name}.metric.output: {model.metric.output!r} is not in outputs {model.outputs}")
+        for output in model.output_kinds:
+            if model.outputs is not None and output not in model.outputs:
+                problems.append(f"models.{name}.output_kinds.{output}: not in outputs {model.outputs}{_did_you_mean(output, model.outputs)}")
         for axis in model.pins:
             if model.batch_axis == axis:
                 continue

@@ -91,6 +91,14 @@ class Layout:
             return folder / f"{stage}.json"
         return self.sku_dir(model, sku) / f"{stage}.json"
 
+    def engine_outputs(self, model: str, sku: str) -> Path:
+        """The engine's outputs on the golden set, written by validate (the consistency matrix reads them)."""
+        return self.sku_dir(model, sku) / "outputs.npz"
+
+    def consistency_report(self, model: str, suffix: str = ".json") -> Path:
+        """The cross-SKU consistency matrix of a model (``.json`` and ``.md``): checked into git."""
+        return self.root / "reports" / "consistency" / f"{model}{suffix}"
+
     def latency_csv(self, model: str, sku: str) -> Path:
         return self.sku_dir(model, sku) / "latency.csv"
 

@@ -86,6 +86,9 @@ def quantize_qdq(source: Path, out: Path, ctx: "BuildContext", settings: QdqSett
             model, conversion = convert_opset(model, target, ctx.probe_inputs, reason)
             source = Path(tmp) / "converted.onnx"
             onnx.save(model, str(source))
+        # nodes kept precise (params.yaml higher_precision, a bisection remedy) stay in float
+        excluded = tuple(dict.fromkeys([*settings.nodes_to_exclude, *ctx.keep_precise]))
+        check_nodes(model, excluded, f"nodes to keep out of INT8 quantization for {ctx.model}/{ctx.sku}")
         table = Path(tmp) / "calibration.json"  # a copy: quantize_static may rewrite its cache
         shutil.copyfile(ctx.calibration_table, table)
         try:
@@ -101,7 +104,7 @@ def quantize_qdq(source: Path, out: Path, ctx: "BuildContext", settings: QdqSett
                 activation_type=types[settings.activation_type], weight_type=types[settings.weight_type],
                 calibrate_method=method, calibration_cache_path=str(table),
                 op_types_to_quantize=list(settings.op_types_to_quantize) if settings.op_types_to_quantize else None,
-                nodes_to_exclude=list(settings.nodes_to_exclude) or None,
+                nodes_to_exclude=list(excluded) or None,
                 extra_options={"ActivationSymmetric": settings.symmetric_activations,
                                "QuantizeBias": settings.quantize_bias},
             )
@@ -113,7 +116,7 @@ def quantize_qdq(source: Path, out: Path, ctx: "BuildContext", settings: QdqSett
         onnx.save(quantized, str(out))
     record = asdict(settings)
     record["op_types_to_quantize"] = list(settings.op_types_to_quantize) if settings.op_types_to_quantize else None
-    record["nodes_to_exclude"] = list(settings.nodes_to_exclude)
+    record["nodes_to_exclude"] = list(excluded)
     if conversion is not None:
         record["opset_conversion"] = conversion.to_json()
     return {"format": "QDQ", **record}
@@ -127,17 +130,64 @@ def conversion_warnings(calibration: dict[str, Any] | None) -> list[str]:
     return [OpsetConversion(**record).warning()] if record else []
 
 
-def to_fp16(source: Path, out: Path) -> Path:
+def check_nodes(model: Any, names: tuple[str, ...] | list[str], what: str) -> None:
+    """Refuse node names the model does not have (a typo would silently keep nothing precise)."""
+    have = {n.name for n in model.graph.node}
+    unknown = [n for n in names if n not in have]
+    if unknown:
+        raise InputError(f"{what}: the prepared model has no node named {', '.join(map(repr, unknown))}",
+                         hint="names are those of the prepared model (build/<model>/prepared/model.onnx), as "
+                              "skuforge bisect reports them; fix models.<model>.higher_precision or the SKU's nodes_to_exclude")
+
+
+def to_fp16(source: Path, out: Path, keep: tuple[str, ...] = ()) -> Path:
     """FP16 weights and compute, FP32 inputs and outputs, nodes topologically sorted (the
-    converter can leave them unsorted, which importers such as IREE's refuse), tensors in raw_data."""
+    converter can leave them unsorted, which importers such as IREE's refuse), tensors in raw_data.
+    ``keep``: nodes left in FP32 (the converter casts around them)."""
     import onnx
     from onnxruntime.transformers.float16 import convert_float_to_float16
     from onnxruntime.transformers.onnx_model import OnnxModel
 
     from .graph import tensors_to_raw
 
-    converted = OnnxModel(convert_float_to_float16(onnx.load(str(source)), keep_io_types=True))
+    model = onnx.load(str(source))
+    check_nodes(model, keep, "nodes to keep in FP32")
+    converted = OnnxModel(convert_float_to_float16(model, keep_io_types=True, node_block_list=list(keep) or None))
+    if keep:
+        _drop_round_trips(converted.model)
     converted.topological_sort()
     tensors_to_raw(converted.model)  # the converter writes FP16 into int32_data, which IREE's importer refuses
     onnx.save(converted.model, str(out))
     return out
+
+
+def _drop_round_trips(model: Any) -> int:
+    """Remove FP32 -> FP16 -> FP32 cast pairs. The converter casts each blocked node's output back to
+    FP16 and again to FP32 for the next blocked node, so a value that only fits FP32 (the reason
+    for keeping the nodes) still overflows between them; the second cast's readers take the FP32
+    value directly. Returns how many pairs went."""
+    import onnx
+
+    by_output = {o: n for n in model.graph.node for o in n.output}
+    outputs = {o.name for o in model.graph.output}
+
+    def cast_to(node: Any) -> int | None:
+        return next((a.i for a in node.attribute if a.name == "to"), None) if node.op_type == "Cast" else None
+
+    dropped = []
+    for node in model.graph.node:
+        first = by_output.get(node.input[0]) if node.input else None
+        if (cast_to(node) == onnx.TensorProto.FLOAT and first is not None and cast_to(first) == onnx.TensorProto.FLOAT16
+                and node.output[0] not in outputs):
+            source = first.input[0]
+            for reader in model.graph.node:
+                for i, name in enumerate(reader.input):
+                    if name == node.output[0]:
+                        reader.input[i] = source
+            dropped.append(node)
+    for node in dropped:
+        model.graph.node.remove(node)
+    read = {i for n in model.graph.node for i in n.input} | outputs
+    for node in [n for n in model.graph.node if cast_to(n) == onnx.TensorProto.FLOAT16 and n.output[0] not in read]:
+        model.graph.node.remove(node)
+    return len(dropped)

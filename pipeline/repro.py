@@ -473,7 +473,7 @@ def _manifest_row(registry: Registry, model: str, sku: str) -> dict[str, Any]:
         "model": model, "sku": sku, "backend": m.backend, "precision": m.precision,
         "passed": m.correctness.passed, "failures": list(m.correctness.failures), "build_s": m.build.seconds,
         "layers": len(m.layers), "fused_layers": sum(1 for layer in m.layers if len(layer.fused_from) > 1),
-        "max_abs_error": max((o.max_abs_error for o in m.correctness.outputs), default=None),
+        "max_abs_error": max((o.max_abs_error for o in m.correctness.outputs if o.max_abs_error is not None), default=None),
         **{f"{k}_reference": v.reference for k, v in metrics.items()},
         **{f"{k}_delta": v.delta for k, v in metrics.items()},
         "p50_ms": m.benchmark.engine_only.p50_ms, "p99_ms": m.benchmark.engine_only.p99_ms,

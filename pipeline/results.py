@@ -115,6 +115,36 @@ class EngineBound(Result):
     build_config_sha256: str = Field(description="hash of everything that decided the engine's bytes")
 
 
+# A reproducibility verdict, worst to best, and the least one a SKU may require ("none": any)
+ReproducibilityVerdict = Literal["differs", "unverified", "equivalent", "bitwise"]
+ReproducibilityLevel = Literal["none", "equivalent", "bitwise"]
+
+
+class OutputDiff(Result):
+    output: str
+    max_abs_diff: float = Field(description="largest |first - second| (the largest float64 where one side is NaN or inf)")
+    differing: float = Field(description="fraction of elements whose bits differ")
+
+
+class Reproducibility(Result):
+    """The engine built a second time and compared with the first (pipeline/reproducible.py)."""
+
+    verdict: ReproducibilityVerdict = Field(
+        description="bitwise: identical engine files; equivalent: files differ but layers and golden outputs are "
+                    "identical bit for bit; unverified: files differ, layers are identical, but this host cannot "
+                    "run the engines to compare outputs; differs: layers or outputs differ")
+    required: ReproducibilityLevel = Field(description="the SKU's reproducibility.require")
+    passed: bool
+    differing_files: list[str] = Field(description="engine files whose bytes differ (or that only one build wrote)")
+    layers_added: list[str] = Field(default_factory=list, description="layers only the second build has")
+    layers_removed: list[str] = Field(default_factory=list, description="layers only the first build has")
+    layers_changed: list[str] = Field(default_factory=list, description="'<layer>: <field> <first> -> <second>'")
+    outputs: list[OutputDiff] = Field(default_factory=list, description="golden outputs whose bits differ")
+    samples: int = Field(description="golden samples run through both engines (0 when the files are identical)")
+    not_run: list[str] = Field(default_factory=list, description="why the outputs were not compared (unverified)")
+    second_build_seconds: float
+
+
 class BuildReport(EngineBound):
     model: str
     sku: str
@@ -135,19 +165,52 @@ class BuildReport(EngineBound):
     precision_counts: dict[str, int]
     hardware_specific: bool = False
     keep_precise: list[str] = Field(default_factory=list, description="ONNX nodes kept in higher precision than the SKU's")
+    remedy: Remedy | None = Field(None, description="the bisection remedy run during the build (bisect.fix_during_build)")
     warnings: list[str] = Field(default_factory=list)
     build_seconds: float
+    # left out when unchecked, so reports and manifests of unchecked builds read as before
+    reproducibility: Reproducibility | None = Field(None, exclude_if=lambda v: v is None,
+                                                    description="set when the build was checked (build "
+                                                                "--check-reproducible, skus.<s>.reproducibility)")
+
+
+OutputKind = Literal["probabilities", "logits", "regression", "state"]
 
 
 class OutputError(Result):
+    """One output of the engine against the reference. Error statistics are taken over the elements
+    finite in both; a statistic over no elements is null (JSON has no infinity). docs/correctness.md"""
+
     output: str
-    max_abs_error: float
-    max_rel_error: float
-    mean_abs_error: float
-    mismatch_fraction: float
+    kind: OutputKind
+    kind_inferred: bool = Field(description="the kind was inferred from the reference values, not declared")
+    elements: int = Field(description="elements compared (0 when the shapes differ)")
+    shape_mismatch: str | None = Field(None, description="engine shape vs reference shape, when they differ")
+    nan_count: int = Field(description="NaN in the engine output where the reference is finite")
+    inf_count: int = Field(description="+-Inf in the engine output where the reference is finite")
+    first_non_finite: list[int] | None = Field(description="index of the first of them")
+    reference_non_finite: int = Field(description="NaN/Inf in the reference (must be matched in kind and sign)")
+    max_abs_error: float | None
+    mean_abs_error: float | None
+    median_abs_error: float | None
+    p99_abs_error: float | None
+    max_rel_error: float | None = Field(description="|e - r| / |r| over elements where r != 0")
+    median_rel_error: float | None
+    p99_rel_error: float | None
+    cosine_similarity: float | None = Field(description="of the flattened outputs (float64); null when one is all zeros")
+    top1_agreement: float | None = Field(description="samples (rows of the last axis) whose top-1 class is one of the "
+                                                     "reference's; probabilities and logits only")
+    top5_agreement: float | None = Field(description="samples whose reference top-1 class is in the engine's top 5; "
+                                                     "with more than 5 classes")
+    mismatch_fraction: float = Field(description="elements beyond atol + rtol * |reference|, non-finite ones included")
+    min_passing_atol: float | None = Field(description="smallest atol that passes the element-wise check at this rtol "
+                                                       "and max_mismatch; null: none does (non-finite values)")
+    min_passing_rtol: float | None = Field(description="smallest rtol that passes it at this atol and max_mismatch; "
+                                                       "null: none does")
     atol: float
     rtol: float
     max_mismatch: float
+    min_top1_agreement: float | None = Field(description="the agreement gate applied; null for regression and state")
     passed: bool
 
 
@@ -176,6 +239,104 @@ class PrecisionResult(Result):
     passed: bool
 
 
+# --- bisection and its remedy (pipeline/bisect.py, pipeline/remedy.py) ---------------------------
+
+Cause = Literal["overflow", "range", "accumulation", "compiler"]
+
+
+class TensorError(Result):
+    tensor: str
+    node: str
+    op_type: str
+    relative_error: float | None = Field(None, description="||engine - reference|| / ||reference|| over finite elements, "
+                                                           "per engine run (batch); the median run")
+    channel_relative_error: float | None = Field(None, description="the median channel's relative error (median run)")
+    worst_run_relative_error: float | None = Field(None, description="the worst run's relative error (hard-tail inputs)")
+    max_abs_error: float | None = None
+    nan: int = 0
+    inf: int = 0
+    first_nonfinite: list[int] | None = Field(None, description="index of the first NaN/Inf (batch run, then tensor index)")
+    reference_min: float | None = None
+    reference_max: float | None = None
+    reference_abs_max: float | None = None
+    channel_axis: int | None = None
+    channel_abs_max: dict[str, float] = Field(default_factory=dict, description="largest channels' reference abs-max, "
+                                                                                 "and 'median' over all channels")
+    divergent: bool
+
+
+class EngineLayer(Result):
+    name: str
+    op_type: str
+    fused_from: list[str]
+
+
+class Suspect(Result):
+    node: str
+    op_type: str
+    tensor: str
+    error: TensorError
+    inputs: list[TensorError]
+    cause: Cause
+    explanation: str
+    engine_layers: list[EngineLayer] = Field(description="layers of the SKU's engine holding the node (fusion)")
+    keep: list[str] = Field(description="nodes the remedy keeps in higher precision for this suspect")
+
+
+class Probe(Result):
+    marked: list[str]
+    divergent: list[str]
+
+
+class Bisection(Result):
+    model: str
+    sku: str
+    backend: str
+    precision: str
+    verdict: Literal["diverges", "clean", "inconclusive"]
+    summary: str
+    failing_outputs: list[str]
+    candidates: int
+    builds: int
+    marks_per_build: int
+    samples: int
+    keep_precise: list[str] = Field(default_factory=list, description="nodes already kept precise in these builds")
+    suspects: list[Suspect] = Field(default_factory=list)
+    first_nonfinite: str | None = Field(None, description="node whose output first holds NaN/Inf")
+    outputs: list[TensorError] = Field(default_factory=list)
+    probes: list[Probe] = Field(default_factory=list)
+    search_range: list[str] = Field(default_factory=list, description="inconclusive: the candidates still in question")
+    tensors: list[TensorError] = Field(default_factory=list, description="scan: every candidate tensor's error")
+
+
+class Outcome(Result):
+    """One engine configuration, judged and timed."""
+
+    keep_precise: list[str]
+    passed: bool
+    failures: list[str]
+    outputs: list[OutputError]
+    metrics: list[MetricResult]
+    p50_ms: float | None = Field(None, description="engine-only median latency of one golden batch, "
+                                                   "timed interleaved with the other configuration")
+
+
+class Remedy(Result):
+    model: str
+    sku: str
+    backend: str
+    precision: str
+    passed: bool
+    summary: str
+    keep_precise: list[str] = Field(description="nodes kept in higher precision after the remedy")
+    rounds: list[Bisection]
+    builds: int = Field(description="engine builds, bisection and re-validation together")
+    before: Outcome
+    after: Outcome
+    latency_ratio: float | None = Field(None, description="after p50 / before p50: what the fix costs")
+    overrides: str = Field(description="params.yaml fragment that applies the remedy")
+
+
 class ValidationReport(EngineBound):
     model: str
     sku: str
@@ -188,6 +349,9 @@ class ValidationReport(EngineBound):
     precision_gate: PrecisionResult
     warnings: list[str] = Field(default_factory=list)
     samples: dict[str, int]
+    outputs_sha256: str | None = Field(None, description="sha256_arrays of the engine's golden outputs (outputs.npz) "
+                                                         "written with this report")
+    bisection: Bisection | None = Field(None, description="first divergent node, when a correctness gate failed")
 
 
 class LatencyStats(Result):
@@ -245,6 +409,12 @@ class BuildInfo(Result):
     seconds: float
     warnings: list[str]
     options: dict[str, Any] = Field(description="the backend options as applied (backend-specific keys)")
+    reproducibility: Reproducibility | None = Field(None, exclude_if=lambda v: v is None,
+                                                    description="the build's reproducibility check (absent: not checked)")
+    keep_precise: list[str] = Field(default_factory=list, exclude_if=lambda v: not v,
+                                    description="ONNX nodes kept in higher precision (params.yaml higher_precision)")
+    remedy: Remedy | None = Field(None, exclude_if=lambda v: v is None,
+                                  description="the bisection remedy the build ran (skus.<s>.bisect.fix_during_build)")
 
 
 class CalibrationInfo(Result):
@@ -277,6 +447,8 @@ class Correctness(Result):
     placement: PlacementSummary
     precision: PrecisionSummary
     warnings: list[str]
+    bisection: Bisection | None = Field(None, exclude_if=lambda v: v is None,
+                                        description="first divergent node, when a correctness gate failed")
 
 
 class Benchmark(Result):
@@ -337,3 +509,6 @@ class Manifest(Result):
     benchmark: Benchmark
     host: HostInfo
     provenance: Provenance
+
+
+BuildReport.model_rebuild()  # it names Remedy, defined further down

@@ -445,3 +445,77 @@ def batch_one_reshape_model(path: Path) -> Path:
              helper.make_node("Reshape", ["xw", "shape"], ["y"], name="reshape")]
     graph = helper.make_graph(nodes, "batch_one_reshape", [value_info("x", [-1, 6])], [value_info("y", [None, None])], init)
     return _save(graph, path)
+
+
+# --- planted defects for bisection (tests/test_bisect.py) ---------------------------------------
+
+
+def outlier_channel_model(path: Path, seed: int = 0, factor: float = 500.0) -> Path:
+    """An INT8 defect in one named node. x[batch,4,8,8] -> conv1 -> relu1 -> ``outlier_scale`` (Mul:
+    channel 7 times ``factor``) -> conv2 (divides channel 7 back) -> relu2 -> GAP -> fc -> probs[batch,10].
+
+    In FP32 nothing is wrong. Quantized with one scale per activation tensor, ``outlier_scale``'s
+    output spends its 255 levels on channel 7: the seven other channels fall to a level or two."""
+    rng = np.random.default_rng(seed)
+    scale = np.ones((1, 8, 1, 1), np.float32)
+    scale[0, 7] = factor
+    w2 = rng.normal(0, 0.4, (8, 8, 1, 1)).astype(np.float32)
+    w2[:, 7] /= factor
+    init = [
+        numpy_helper.from_array(rng.normal(0, 0.4, (8, 4, 3, 3)).astype(np.float32), "w1"),
+        numpy_helper.from_array(rng.normal(0.1, 0.05, (8,)).astype(np.float32), "b1"),
+        numpy_helper.from_array(scale, "channel_scale"),
+        numpy_helper.from_array(w2, "w2"),
+        numpy_helper.from_array(rng.normal(0, 0.05, (8,)).astype(np.float32), "b2"),
+        numpy_helper.from_array(rng.normal(0, 2.0, (10, 8)).astype(np.float32), "fc_w"),
+        numpy_helper.from_array(np.zeros((10,), np.float32), "fc_b"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Mul", ["r1", "channel_scale"], ["scaled"], name="outlier_scale"),
+        helper.make_node("Conv", ["scaled", "w2", "b2"], ["c2"], name="conv2"),
+        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+        helper.make_node("GlobalAveragePool", ["r2"], ["gap"], name="gap"),
+        helper.make_node("Flatten", ["gap"], ["flat"], name="flatten"),
+        helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"], transB=1, name="fc"),
+        helper.make_node("Softmax", ["logits"], ["probs"], axis=-1, name="softmax"),
+    ]
+    graph = helper.make_graph(nodes, "outlier_channel",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 8, 8])],
+                              [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 10])], init)
+    return _save(graph, path)
+
+
+def outlier_channel_spec(dir_: str = "m") -> dict:
+    return {"dir": dir_, "source": "model.onnx",
+            "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4, 8, 8], "range": [0.0, 1.0]}]}
+
+
+def fp16_overflow_model(path: Path, seed: int = 0, factor: float = 4000.0) -> Path:
+    """An FP16 defect in one named node. x[batch,16] -> fc1 -> ``overflow_scale`` (Mul by ``factor``:
+    values past FP16's 65504) -> relu -> ``rescale`` (Mul by 1/factor, back in range) -> fc2 -> y[batch,8].
+
+    In FP32 the scaling cancels; in FP16 ``overflow_scale``'s output is Inf, and fc2 turns Inf into NaN."""
+    rng = np.random.default_rng(seed)
+    init = [
+        numpy_helper.from_array(rng.normal(0, 6.0, (16, 32)).astype(np.float32), "w1"),
+        numpy_helper.from_array(np.array(factor, np.float32), "up"),
+        numpy_helper.from_array(np.array(1.0 / factor, np.float32), "down"),
+        numpy_helper.from_array(rng.normal(0, 0.3, (32, 8)).astype(np.float32), "w2"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"], name="fc1"),
+        helper.make_node("Mul", ["h", "up"], ["big"], name="overflow_scale"),
+        helper.make_node("Relu", ["big"], ["big_relu"], name="relu"),
+        helper.make_node("Mul", ["big_relu", "down"], ["small"], name="rescale"),
+        helper.make_node("MatMul", ["small", "w2"], ["y"], name="fc2"),
+    ]
+    graph = helper.make_graph(nodes, "fp16_overflow", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])], init)
+    return _save(graph, path)
+
+
+def fp16_overflow_spec(dir_: str = "m") -> dict:
+    return {"dir": dir_, "source": "model.onnx",
+            "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 16], "range": [-1.0, 1.0]}]}

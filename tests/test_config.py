@@ -10,6 +10,7 @@ import pytest
 import models
 from pipeline.backends import backend_class, known_backends
 from pipeline.config import (
+    OUTPUT_KINDS,
     BenchSpec,
     MetricGate,
     Registry,
@@ -277,22 +278,50 @@ def test_tolerance_overrides_merge_defaults_then_model_then_sku():
     data["models"]["conv"]["tolerances"] = {"int8": {"atol": 0.5}}
     data["skus"]["cpu_int8"]["tolerance"] = {"rtol": 0.7}
     reg = parse_registry(data)
-    assert reg.tolerance("conv", "cpu_int8") == Tolerance(atol=0.5, rtol=0.7, max_mismatch=0.1)
-    assert reg.tolerance("multi", "cpu_int8") == Tolerance(atol=0.2, rtol=0.7, max_mismatch=0.1)
+    # keys set in params.yaml win over the built-in default of every output kind
+    for kind in OUTPUT_KINDS:
+        int8 = reg.tolerance("conv", "cpu_int8").for_kind(kind)
+        assert (int8.atol, int8.rtol, int8.max_mismatch) == (0.5, 0.7, 0.1)
+        assert reg.tolerance("multi", "cpu_int8").for_kind(kind).atol == 0.2
+    # a key no one sets keeps the built-in per-kind default
+    assert reg.tolerance("conv", "cpu_int8").for_kind("probabilities").min_top1_agreement == 0.97
+    assert reg.tolerance("conv", "cpu_int8").for_kind("regression").min_top1_agreement == 0.0
     # a precision the defaults leave out falls back to the built-in default
-    assert reg.tolerance("conv", "cpu") == Tolerance(atol=1e-4, rtol=1e-3)
+    assert reg.tolerance("conv", "cpu").for_kind("regression") == Tolerance(atol=1e-4, rtol=1e-3)
 
 
-def test_tolerance_builtin_defaults():
+def test_tolerance_builtin_defaults_per_precision_and_kind():
     reg = parse_registry(base())
-    assert reg.tolerance("conv", "cpu") == Tolerance(atol=1e-4, rtol=1e-3, max_mismatch=0.0)
-    assert reg.tolerance("conv", "cpu_int8").max_mismatch == 0.05
+    fp32, int8 = reg.tolerance("conv", "cpu"), reg.tolerance("conv", "cpu_int8")
+    assert fp32.precision == "fp32" and set(fp32.kinds) == set(OUTPUT_KINDS)
+    assert fp32.for_kind("regression") == Tolerance(atol=1e-4, rtol=1e-3, max_mismatch=0.0)
+    assert fp32.for_kind("probabilities").min_top1_agreement == 0.99
+    assert int8.for_kind("regression").max_mismatch == 0.05
+    assert int8.for_kind("probabilities").atol == 0.05 and int8.for_kind("state").max_mismatch == 0.01
+
+
+def test_agreement_minimum_and_output_kinds_are_overridable():
+    data = base()
+    data["defaults"] = {"tolerances": {"int8": {"min_top1_agreement": 0.9}}}
+    data["skus"]["cpu_int8"]["tolerance"] = {"min_top1_agreement": 0.95}
+    data["models"]["conv"]["output_kinds"] = {"probs": "logits"}
+    reg = parse_registry(data)
+    assert reg.tolerance("conv", "cpu_int8").for_kind("logits").min_top1_agreement == 0.95
+    assert reg.tolerance("conv", "cpu_int8").declared == {"probs": "logits"}
+    assert reg.tolerance("multi", "cpu_int8").declared == {}
+
+
+def test_output_kinds_are_checked():
+    assert "output_kinds.probs" in config_error(mutated("models.conv.output_kinds", {"probs": "softmax"})).message
+    data = mutated("models.conv.output_kinds", {"prob": "probabilities"})
+    data["models"]["conv"]["outputs"] = ["probs"]
+    assert "output_kinds.prob: not in outputs ['probs'] (did you mean 'probs'?)" in config_error(data).message
 
 
 def test_model_tolerance_for_another_precision_does_not_apply():
     data = base()
     data["models"]["conv"]["tolerances"] = {"int8": {"atol": 0.5}}
-    assert parse_registry(data).tolerance("conv", "cpu").atol == 1e-4
+    assert parse_registry(data).tolerance("conv", "cpu").for_kind("regression").atol == 1e-4
 
 
 def test_metric_gate_overrides():

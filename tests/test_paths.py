@@ -44,7 +44,7 @@ def test_per_model_stage_outputs_match_the_layout():
 def test_per_sku_stage_outputs_match_the_layout():
     stages = dvc_stages()
     assert names(stages["build"]["outs"]) == {L.engine_dir("M", "S"), L.report("M", "S", "build"), L.cache_dir("M", "S")}
-    assert names(stages["validate"]["outs"]) == {L.report("M", "S", "validate")}
+    assert names(stages["validate"]["outs"]) == {L.report("M", "S", "validate"), L.engine_outputs("M", "S")}
     assert names(stages["bench"]["metrics"]) == {L.report("M", "S", "bench")}
     assert names(stages["bench"]["plots"]) == {L.latency_csv("M", "S")}
     assert names(stages["manifest"]["outs"]) == {L.manifest("M", "S")}

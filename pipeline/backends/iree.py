@@ -148,7 +148,7 @@ class IreeBackend(Backend):
             source = work / "model.onnx"
             onnx.save(model, str(source))
             if ctx.sku_spec.precision == "fp16":
-                source = to_fp16(source, work / "fp16.onnx")
+                source = to_fp16(source, work / "fp16.onnx", ctx.keep_precise)
             # the graph as imported (with the FP16 converter's casts), in graph order
             node_types = {n.name: n.op_type for n in onnx.load(str(source), load_external_data=False).graph.node if n.name}
             _progress(ctx, "iree import", 0.1)

@@ -252,7 +252,7 @@ class OnnxRuntimeBackend(Backend):
                                            newest_opset=newest_qdq_opset())
                 source = tmpdir / "quantized.onnx"
             elif precision == "fp16":
-                source = to_fp16(source, tmpdir / "fp16.onnx")
+                source = to_fp16(source, tmpdir / "fp16.onnx", ctx.keep_precise)
             engine = ctx.engine_dir / "model.onnx"
             so = session_options(opts, opts.graph_optimization_level)
             so.optimized_model_filepath = str(engine)

@@ -50,6 +50,9 @@ _DATA_MOVEMENT = {"Reorder", "Reshape", "Transpose", "Concatenation", "Gather", 
                   "Squeeze", "Unsqueeze", "Pad", "DepthToSpace", "SpaceToDepth", "ScatterUpdate", "FakeQuantize"}
 # A layer made only of these ONNX ops is a quantization boundary, not compute (as in ONNX Runtime's report).
 _QDQ = {"QuantizeLinear", "DequantizeLinear"}
+# ONNX ops the CPU plugin computes only in float inside a fused subgraph
+_FLOAT_ONLY = {"Erf", "Div", "Tanh", "Sigmoid", "Exp", "Log", "Sqrt", "Pow", "Reciprocal", "Softmax", "Gelu",
+               "LayerNormalization", "ReduceMean", "HardSigmoid", "Softplus", "Mish", "HardSwish"}
 
 
 class OpenVinoOptions(QdqOptions):
@@ -266,8 +269,13 @@ class OpenVinoBackend(Backend):
                 onnx_model = onnx.load(str(source))
             model = _read_model(source, onnx_model)
         _set_profiles(model, onnx_model, ctx.profiles)
+        if precision != "int8" and ctx.keep_precise:  # INT8 keeps them out of the QDQ graph instead
+            warnings_keep = keep_precise(model, onnx_model, ctx.keep_precise)
+        else:
+            warnings_keep = []
         affinity = _refuse_unsupported(model, device)
         config, warnings = _supported_config(device, _compile_config(opts, precision))
+        warnings += warnings_keep
         warnings += conversion_warnings(calibration)
         compiled = _compile(model, device, config)
         blob = compiled.export_model().getvalue()
@@ -284,7 +292,9 @@ class OpenVinoBackend(Backend):
             caps = {d: p["optimization_capabilities"] for d, p in props.items()}
             warnings.append(f"FP16 was asked for but {device} compiled with inference precision {inference_precision} "
                             f"(capabilities: {caps}); the precision gate lists the layers")
-        layers, boundaries = runtime_layers(engine, affinity, onnx_op_types(onnx_model))
+        # the layers of the model as compiled: the same graph as the exported blob, but import keeps only
+        # each fused layer's own name (38 of 42 in a small transformer), which hides what ran in fp32
+        layers, boundaries = runtime_layers(compiled, affinity, onnx_op_types(onnx_model))
         meta = {"blob": BLOB, "device": device, "config": config, "inputs": input_names, "outputs": output_names,
                 "devices": props, "execution_devices": [str(d) for d in engine.get_property("EXECUTION_DEVICES")],
                 "inference_precision": inference_precision,
@@ -387,6 +397,30 @@ def _set_profiles(model: "ov.Model", onnx_model: Any, profiles: dict[str, Any]) 
     model.reshape(shapes)
 
 
+# OpenVINO's run-time attribute that keeps a node out of FP16 compression (ov::disable_fp16_compression);
+# its own partial-upcast tooling sets it from Python under this name
+DISABLE_FP16 = "disable_fp16_compression_0"
+
+
+def keep_precise(model: "ov.Model", onnx_model: Any, nodes: tuple[str, ...]) -> list[str]:
+    """Mark the ops made from the named ONNX nodes to stay FP32 under an FP16 (or BF16) inference
+    precision. The ONNX frontend names an op after its node or the node's output, so both are
+    looked up. Whether the plugin honours the mark shows in the runtime layers' precision (the
+    precision gate): OpenVINO 2026.4's CPU plugin under a bf16 hint did not, here."""
+    wanted = set(nodes)
+    for node in onnx_model.graph.node:
+        if node.name in nodes:
+            wanted.update(o for o in node.output if o)
+    marked = 0
+    for op in model.get_ordered_ops():
+        if op.get_friendly_name() in wanted:
+            op.get_rt_info()[DISABLE_FP16] = ""
+            marked += 1
+    if not marked:
+        return [f"none of the nodes to keep in fp32 ({', '.join(nodes)}) is an op of the converted model: nothing marked"]
+    return []
+
+
 def _refuse_unsupported(model: "ov.Model", device: str) -> dict[str, str]:
     """Ask the plugin which ops it runs before compiling: an op it lacks is named, not a crash.
     Returns op name -> device (HETERO's split of the model)."""
@@ -437,16 +471,21 @@ def onnx_op_types(onnx_model: Any) -> dict[str, str]:
     return types
 
 
-def _precision(layer_type: str, runtime_precision: str, origins: list[str]) -> str | None:
-    """``origins``: ONNX op types of the nodes fused into the layer (those the plugin kept names of)."""
+def _precision(layer_type: str, runtime_precision: str, origins: list[str | None]) -> str | None:
+    """``origins``: ONNX op types of the names fused into the layer (None for a name the plugin made)."""
     if layer_type in _DATA_MOVEMENT:
         return "n/a"
     if not runtime_precision or runtime_precision in ("undefined", "dynamic"):
         return None
     precision = _OV_PRECISIONS.get(runtime_precision, runtime_precision)
-    # a quantize step (fp32 in, int8 out) is the QDQ boundary; one that reads int8 stays int8
-    if origins and set(origins) <= _QDQ and precision != "int8":
+    # a layer made only of QuantizeLinear/DequantizeLinear converts between int8 and float at the QDQ
+    # boundary (the plugin reports the precision it reads): data conversion, not compute
+    if origins and set(origins) <= _QDQ:  # every fused name an ONNX Q/DQ node (None: a plugin-made name)
         return "n/a"
+    # a fused elementwise subgraph reports the precision it reads (u8 after a quantized layer) but
+    # dequantizes and computes in float where it holds ops with no integer form (GELU's Erf and Div)
+    if precision == "int8" and layer_type == "Subgraph" and _FLOAT_ONLY & set(origins):
+        return "fp32"
     return precision
 
 
@@ -475,7 +514,7 @@ def runtime_layers(compiled: "ov.CompiledModel", affinity: dict[str, str],
             continue
         layers.append(LayerInfo(name=op.get_friendly_name(), op_type=layer_type, device=where,
                                 precision=_precision(layer_type, info.get("runtimePrecision", ""),
-                                                     [onnx_types[n] for n in fused if n in onnx_types]),
+                                                     [onnx_types.get(n) for n in fused]),
                                 kernel=info.get("primitiveType"), fused_from=fused))
     boundaries = 0
     for op in ops:

@@ -497,6 +497,28 @@ def configure(trt: Any, config: Any, opts: TensorRtOptions, precision: str) -> d
     return applied
 
 
+def keep_fp32(trt: Any, network: Any, config: Any, nodes: tuple[str, ...], applied: dict[str, Any]) -> list[str]:
+    """Constrain the layers the ONNX parser made from the named nodes to FP32 (precision and output
+    types) and make the builder obey it (UNVERIFIED here: no GPU). The parser names a layer after
+    its ONNX node, with a suffix where one node became several layers."""
+    found = set()
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        node = next((n for n in nodes if layer.name == n or layer.name.startswith(f"{n}_")), None)
+        if node is None:
+            continue
+        found.add(node)
+        layer.precision = trt.float32
+        for j in range(layer.num_outputs):
+            if layer.get_output(j).dtype in (trt.float32, trt.float16):
+                layer.set_output_type(j, trt.float32)
+    config.set_flag(_flag(trt, "OBEY_PRECISION_CONSTRAINTS"))
+    applied["flags"].append("OBEY_PRECISION_CONSTRAINTS")
+    applied["fp32_layers_for"] = sorted(found)
+    missing = [n for n in nodes if n not in found]
+    return [f"no TensorRT layer was made from {', '.join(missing)}: not kept in fp32"] if missing else []
+
+
 class _TimingCache:
     """The SKU's checked-in timing cache: loaded into the config, written back after the build,
     merged with a copy another build of the same SKU wrote meanwhile."""
@@ -622,7 +644,7 @@ class TensorRtBackend(Backend):
                 calibration = quantize_for_tensorrt(source, Path(tmp) / "qdq.onnx", ctx)
                 source = Path(tmp) / "qdq.onnx"
             elif precision == "fp16" and opts.strongly_typed:
-                source = to_fp16(source, Path(tmp) / "fp16.onnx")
+                source = to_fp16(source, Path(tmp) / "fp16.onnx", ctx.keep_precise)
             onnx_ops = {n.name: n.op_type for n in onnx.load(str(source), load_external_data=False).graph.node if n.name}
             builder = trt.Builder(logger)
             flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if opts.strongly_typed else 0
@@ -633,6 +655,8 @@ class TensorRtBackend(Backend):
             config = builder.create_builder_config()
             applied = configure(trt, config, opts, precision)
             warnings = []
+            if precision == "fp16" and ctx.keep_precise and not opts.strongly_typed:
+                warnings += keep_fp32(trt, network, config, ctx.keep_precise, applied)
             if precision == "fp16" and getattr(builder, "platform_has_fast_fp16", True) is False:
                 warnings.append("this GPU has no fast FP16: TensorRT keeps layers in fp32 where fp16 is slower "
                                 "(the precision gate lists them)")

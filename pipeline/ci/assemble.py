@@ -1,4 +1,5 @@
-"""Assemble dvc.lock from the locks the per-SKU build jobs uploaded.
+"""Assemble dvc.lock from the locks the per-SKU build jobs uploaded, and the cross-SKU consistency
+reports from the golden outputs they uploaded.
 
 Each matrix job runs its SKU's stages in its own checkout and uploads its dvc.lock; parallel jobs
 never share one lock file. This merges them: from the lock of SKU S it takes only the stages of
@@ -32,7 +33,9 @@ def _load(path: Path) -> dict[str, Any]:
 
 
 def assemble(registry: Registry, locks_dir: Path, lock: Path | None = None) -> dict[str, Any]:
-    """Merge ``locks_dir/<sku>/dvc.lock`` into ``lock`` (default: the project's dvc.lock)."""
+    """Merge ``locks_dir/<sku>/dvc.lock`` into ``lock`` (default: the project's dvc.lock), then
+    refresh ``reports/consistency/`` from the SKUs' outputs in ``build/`` (``consistency``: model ->
+    the files written, or why not)."""
     import yaml
 
     from ..io import atomic_write_bytes
@@ -63,4 +66,6 @@ def assemble(registry: Registry, locks_dir: Path, lock: Path | None = None) -> d
     changed = not lock.is_file() or lock.read_text() != text
     if changed:
         atomic_write_bytes(lock, text.encode())
-    return {"lock": str(lock), "skus": found, "changed": changed}
+    from ..consistency import refresh_reports
+
+    return {"lock": str(lock), "skus": found, "changed": changed, "consistency": refresh_reports(registry)}

@@ -17,7 +17,7 @@ from typing import Sequence
 
 from .. import redact
 from ..errors import EXIT_INTERNAL, EnvironmentProblem, InputError, SkuforgeError
-from . import ci, commands, keys
+from . import bisect, ci, commands, compare, keys
 
 # Loggers that log a traceback for an error skuforge reports itself in one line (-v shows them).
 _NOISY = ("mlflow.store.db.utils",)
@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands.register(sub)
     ci.register(sub)
     keys.register(sub)
+    bisect.register(sub)
+    compare.register(sub)
     return parser
 
 

@@ -20,7 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--sku", required=True)
     s.set_defaults(func=summary)
 
-    a = csub.add_parser("assemble", help="merge the SKU jobs' <sku>/dvc.lock files into dvc.lock")
+    a = csub.add_parser("assemble", help="merge the SKU jobs' <sku>/dvc.lock files into dvc.lock; write the "
+                                         "consistency reports from their golden outputs")
     a.add_argument("locks_dir", type=Path, help="the folder holding <sku>/dvc.lock")
     a.set_defaults(func=assemble)
 
@@ -58,7 +59,10 @@ def summary(args: argparse.Namespace) -> int:
 
 def assemble(args: argparse.Namespace) -> int:
     from ..ci.assemble import assemble as do_assemble
+    from .compare import refresh_lines
 
     result = do_assemble(_registry(args), args.locks_dir)
     print(f"dvc.lock {'updated' if result['changed'] else 'unchanged'} from the SKUs {', '.join(result['skus'])}")
+    for line in refresh_lines(result["consistency"]):
+        print(line)
     return 0

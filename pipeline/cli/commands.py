@@ -29,7 +29,8 @@ def _emit(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None:
         print(text())
 
 
-def _stage(fn_path: str, needs_sku: bool, summarize: Callable[[Any], str]) -> Callable[[argparse.Namespace], int]:
+def _stage(fn_path: str, needs_sku: bool, summarize: Callable[[Any], str],
+           flags: tuple[str, ...] = ()) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         import importlib
 
@@ -41,7 +42,7 @@ def _stage(fn_path: str, needs_sku: bool, summarize: Callable[[Any], str]) -> Ca
         progress = ProgressLine()
         try:
             target = (args.model, args.sku) if needs_sku else (args.model,)
-            result = fn(registry, *target, progress=progress)
+            result = fn(registry, *target, progress=progress, **{kw: getattr(args, kw) for kw in flags})
         finally:
             progress.close()
         data = result.to_json() if hasattr(result, "to_json") else result
@@ -61,7 +62,8 @@ STAGES: dict[str, tuple[str, bool, str, Callable[[Any], str]]] = {
     "calibrate": ("pipeline.stages.calibrate:calibrate", False, "INT8 calibration table",
                   lambda r: f"calibrated {r.model}: {r.method}, {r.samples} samples, {r.tensors} tensors"),
     "build": ("pipeline.stages.build:build", True, "build the engine with the SKU's backend",
-              lambda r: f"built {r.model}/{r.sku} in {r.build_seconds:.1f}s: placement {r.placement}, precision {r.precision_counts}"),
+              lambda r: f"built {r.model}/{r.sku} in {r.build_seconds:.1f}s: placement {r.placement}, precision {r.precision_counts}"
+                        + (f", reproducible: {r.reproducibility.verdict}" if r.reproducibility else "")),
     "validate": ("pipeline.stages.validate:validate", True, "correctness and placement gates",
                  lambda r: f"validated {r.model}/{r.sku}: passed"),
     "bench": ("pipeline.stages.bench:bench", True, "latency, throughput and memory",
@@ -69,6 +71,14 @@ STAGES: dict[str, tuple[str, bool, str, Callable[[Any], str]]] = {
                         f"{r.throughput_per_s:.0f} samples/s"),
     "manifest": ("pipeline.stages.manifest:write_manifest", True, "write the manifest",
                  lambda r: f"manifest {r.model}/{r.sku}: digest {r.digest[:12]}"),
+}
+
+# Extra switches of a stage command: flag -> (keyword argument of the stage function, help)
+STAGE_FLAGS: dict[str, dict[str, tuple[str, str]]] = {
+    "build": {"--check-reproducible": ("check_reproducible", "build the engine a second time (new process, temporary "
+                                       "folder and cache copy) and record the verdict (bitwise, equivalent, "
+                                       "unverified, differs) in build.json; exit 1 below the SKU's "
+                                       "reproducibility.require")},
 }
 
 
@@ -98,7 +108,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         if needs_sku:
             p.add_argument("--sku", required=True)
         p.add_argument("--json", action="store_true", help="print the report as JSON")
-        p.set_defaults(func=_stage(fn, needs_sku, summarize))
+        flags = STAGE_FLAGS.get(name, {})
+        for flag, (kw, flag_help) in flags.items():
+            p.add_argument(flag, dest=kw, action="store_true", help=flag_help)
+        p.set_defaults(func=_stage(fn, needs_sku, summarize, tuple(kw for kw, _ in flags.values())))
 
     p = sub.add_parser("publish", help="record engines in MLflow (a run each) and register them (idempotent)")
     p.add_argument("--model", help="the model of the pair to publish")
@@ -242,10 +255,29 @@ def repro(args: argparse.Namespace) -> int:
         return 0
     statuses = [s for s in sku_statuses(reg) if not args.sku or s.sku in args.sku]
     rows = matrix(reg, args.model, [s.sku for s in statuses], statuses)
-    code = max(worst_exit(rows), failed.exit_code if failed else 0)
+    consistency, consistency_exit = _consistency_reports(reg, args.model)
+    code = max(worst_exit(rows), failed.exit_code if failed else 0, consistency_exit)
     _emit(args, {"targets": dvc_targets, "skipped": [s.to_json() for s in skipped],
-                 "matrix": [r.to_json() for r in rows], "exit_code": code}, lambda: _matrix_text(rows))
+                 "matrix": [r.to_json() for r in rows], "consistency": consistency, "exit_code": code},
+          lambda: _matrix_text(rows))
     return code
+
+
+def _consistency_reports(reg, models: list[str] | None) -> tuple[dict[str, Any], int]:
+    """Refresh the checked-in consistency matrix of each model (reports/consistency/) after a run:
+    model -> the files written or why not, and an exit code for a failure to write them."""
+    from ..consistency import refresh_reports
+    from ..errors import SkuforgeError
+    from .compare import refresh_lines
+
+    try:
+        done = refresh_reports(reg, models)
+    except SkuforgeError as exc:  # a read-only reports/ folder, say: the matrix below still shows
+        print(f"skuforge: error: consistency reports not written: {exc}", file=sys.stderr)
+        return {}, exc.exit_code
+    for line in refresh_lines(done):
+        print(line, file=sys.stderr)
+    return done, 0
 
 
 def _quiet_mlflow() -> None:

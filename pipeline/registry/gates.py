@@ -10,10 +10,11 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..compare import output_problems
 from ..config import PerformanceGate, Registry
 from ..errors import InputError
 from ..io import sha256_file
-from ..results import Manifest, engine_digest
+from ..results import Manifest, OutputError, engine_digest
 from .reports import GateResult
 from .stats import compare_latency
 
@@ -36,7 +37,7 @@ def correctness_problems(m: Manifest, registry: Registry) -> list[str]:
     tolerances in params.yaml; every recorded ``passed`` flag and failure list must agree too.
     An empty list is a pass; anything missing or contradictory is a problem (fail closed)."""
     c, bad = m.correctness, []
-    tol = registry.tolerance(m.model, m.sku)
+    policy = registry.tolerance(m.model, m.sku)
     gate = registry.metric_gate(m.model, m.sku)
     spec = registry.model(m.model)
     eps = 1e-12
@@ -44,14 +45,16 @@ def correctness_problems(m: Manifest, registry: Registry) -> list[str]:
     seen = {o.output for o in c.outputs}
     bad += [f"output {name}: no error figures in the manifest" for name in wanted if name not in seen]
     for o in c.outputs:
+        bad += _kind_problems(o, policy.declared.get(o.output))
+        tol = policy.for_kind(o.kind)
         if o.atol > tol.atol + eps or o.rtol > tol.rtol + eps:
             bad.append(f"output {o.output}: measured with atol={o.atol} rtol={o.rtol}, looser than the SKU's "
-                       f"atol={tol.atol} rtol={tol.rtol}")
-        if not (math.isfinite(o.max_abs_error) and math.isfinite(o.mismatch_fraction)):
-            bad.append(f"output {o.output}: non-finite error figures")
-        elif o.mismatch_fraction > tol.max_mismatch + eps:
-            bad.append(f"output {o.output}: {o.mismatch_fraction:.2%} of elements beyond tolerance "
-                       f"(allowed {tol.max_mismatch:.2%}; max abs error {o.max_abs_error:.3g})")
+                       f"atol={tol.atol} rtol={tol.rtol} for {o.kind} outputs")
+        contradictions = _figure_problems(o)
+        bad += [f"output {o.output}: {p}" for p in contradictions]
+        if not contradictions:
+            bad += output_problems(o, tol.model_copy(update={"max_mismatch": tol.max_mismatch + eps,
+                                                             "min_top1_agreement": max(0.0, tol.min_top1_agreement - eps)}))
         if not o.passed:
             bad.append(f"output {o.output}: recorded as failed")
     if spec.metric is not None and not any(x.split == "evaluation" for x in c.metrics):
@@ -69,6 +72,40 @@ def correctness_problems(m: Manifest, registry: Registry) -> list[str]:
     if not c.passed or c.failures:
         bad.append("validation recorded as failed" + (f": {'; '.join(c.failures)}" if c.failures else ""))
     return list(dict.fromkeys(bad))
+
+
+def _kind_problems(o: OutputError, declared: str | None) -> list[str]:
+    """The kind an output was judged as must be the one params.yaml declares, or inferred where it declares none."""
+    how = "inferred" if o.kind_inferred else "declared"
+    if declared is not None and (o.kind != declared or o.kind_inferred):
+        return [f"output {o.output}: judged as {o.kind} ({how}), params.yaml declares {declared}"]
+    if declared is None and not o.kind_inferred:
+        return [f"output {o.output}: judged as {o.kind} (declared), params.yaml declares no kind for it"]
+    return []
+
+
+def _figure_problems(o: OutputError) -> list[str]:
+    """Figures that are missing where the output had values, out of range, or contradict each other."""
+    stats = (o.max_abs_error, o.mean_abs_error, o.median_abs_error, o.p99_abs_error, o.max_rel_error,
+             o.median_rel_error, o.p99_rel_error, o.cosine_similarity, o.min_passing_atol, o.min_passing_rtol)
+    fractions = (o.mismatch_fraction, o.top1_agreement, o.top5_agreement)
+    if not all(x is None or math.isfinite(x) for x in stats + fractions):
+        return ["non-finite error figures"]
+    if not all(x is None or 0 <= x <= 1 for x in fractions) or min(o.nan_count, o.inf_count, o.elements) < 0:
+        return ["error figures out of range"]
+    if o.shape_mismatch is not None:
+        return [] if o.mismatch_fraction == 1 else ["a shape mismatch recorded with elements within tolerance"]
+    bad, unexpected = [], o.nan_count + o.inf_count
+    if (unexpected > 0) != (o.first_non_finite is not None) or o.mismatch_fraction * o.elements + 0.5 < unexpected:
+        bad.append(f"non-finite counts ({o.nan_count} NaN, {o.inf_count} Inf) contradict the other figures")
+    if o.max_abs_error is None and o.elements > unexpected + o.reference_non_finite:
+        bad.append("no error figures for its finite elements")
+    # the element-wise verdict and the smallest passing atol come from one measurement: they agree
+    within = o.mismatch_fraction <= o.max_mismatch
+    if o.elements and not unexpected and within != (o.min_passing_atol is not None and o.min_passing_atol <= o.atol):
+        bad.append(f"{o.mismatch_fraction:.2%} beyond tolerance (allowed {o.max_mismatch:.2%}) contradicts the smallest "
+                   f"passing atol {o.min_passing_atol} at atol={o.atol}")
+    return bad
 
 
 def correctness_gate(m: Manifest, registry: Registry, version_tag: str | None = None) -> GateResult:

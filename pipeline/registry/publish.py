@@ -99,8 +99,10 @@ def manifest_metrics(m: Manifest) -> dict[str, float]:
         out[f"memory.{key}_mb"] = value
     c = m.correctness
     for o in c.outputs:
-        for key in ("max_abs_error", "max_rel_error", "mean_abs_error", "mismatch_fraction"):
-            out[f"error.{o.output}.{key}"] = getattr(o, key)
+        for key in ("max_abs_error", "max_rel_error", "mean_abs_error", "p99_abs_error", "mismatch_fraction",
+                    "cosine_similarity", "top1_agreement", "min_passing_atol"):
+            if getattr(o, key) is not None:  # a figure over no elements does not exist
+                out[f"error.{o.output}.{key}"] = getattr(o, key)
     for x in c.metrics:
         for key in ("delta", "engine", "reference"):
             out[f"task.{x.split}.{key}"] = getattr(x, key)

@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import reproducible
 from ..backends import get_backend
 from ..backends.base import BuildContext, BuildOutcome
 from ..config import Registry
@@ -31,16 +32,19 @@ def require_host(registry: Registry, sku: str, purpose: Purpose = "run") -> None
                                  hint=f"build it on a runner with labels [{labels}] (skuforge skus --buildable-here lists what this host can build)")
 
 
-def config_hash(registry: Registry, model: str, sku: str, prepared_sha256: str, calibration_sha256: str | None) -> str:
-    """Everything that decides the engine's bytes, hashed."""
+def config_hash(registry: Registry, model: str, sku: str, prepared_sha256: str, calibration_sha256: str | None,
+                keep: list[str] | None = None) -> str:
+    """Everything that decides the engine's bytes, hashed. ``keep``: the nodes kept precise (default:
+    params.yaml's; a remedy run during the build adds to them)."""
     spec = registry.sku(sku)
+    keep = registry.higher_precision(model, sku) if keep is None else keep
     return sha256_json({
         "sku": spec.model_dump(mode="json", include={"backend", "precision", "target", "shapes", "profiles", "options"}),
         "pins": registry.pins(model, sku),
         "prepared_sha256": prepared_sha256,
         "calibration_sha256": calibration_sha256 if spec.precision == "int8" else None,
         # nodes kept in higher precision change the engine; an empty list leaves the hash as it was
-        **({"keep_precise": registry.higher_precision(model, sku)} if registry.higher_precision(model, sku) else {}),
+        **({"keep_precise": list(keep)} if keep else {}),
     })
 
 
@@ -51,6 +55,7 @@ class Built:
     outcome: BuildOutcome
     files: list[FileRecord]
     seconds: float
+    keep_precise: tuple[str, ...] = ()
 
 
 def build_engine(registry: Registry, model: str, sku: str, engine_dir: Path, *, prepared: Path | None = None,
@@ -82,10 +87,13 @@ def build_engine(registry: Registry, model: str, sku: str, engine_dir: Path, *, 
         outcome = backend.build(ctx)
         files = backend.write_meta(staging, outcome.files, {**outcome.meta, "model": model, "sku": sku,
                                                             "keep_precise": list(keep)})
-    return Built(outcome=outcome, files=files, seconds=time.perf_counter() - started)
+    return Built(outcome=outcome, files=files, seconds=time.perf_counter() - started, keep_precise=keep)
 
 
-def build(registry: Registry, model: str, sku: str, progress: Progress | None = None) -> BuildReport:
+def build(registry: Registry, model: str, sku: str, progress: Progress | None = None,
+          check_reproducible: bool = False) -> BuildReport:
+    """Build the engine and write build.json; ``check_reproducible`` (or the SKU's reproducibility
+    option) also builds it a second time and records the verdict (exit 1 below the SKU's require)."""
     require_host(registry, sku, "build")
     spec, sku_spec = registry.model(model), registry.sku(sku)
     backend = get_backend(sku_spec.backend)
@@ -96,24 +104,42 @@ def build(registry: Registry, model: str, sku: str, progress: Progress | None = 
     table_sha = sha256_file(table) if table is not None and table.is_file() else None
     keep = registry.higher_precision(model, sku)
     built = build_engine(registry, model, sku, out.engine_dir(model, sku), progress=progress)
+    remedy = None
+    if sku_spec.bisect.fix_during_build and sku_spec.precision != "fp32":
+        from ..remedy import fix, judged
+
+        if not judged(registry, model, sku, out.engine_dir(model, sku))[2]:
+            remedy = fix(registry, model, sku, progress=progress)
+            if remedy.passed and remedy.keep_precise != keep:
+                keep = remedy.keep_precise
+                built = build_engine(registry, model, sku, out.engine_dir(model, sku), keep_precise=tuple(keep),
+                                     progress=progress)
+            log(model, sku).info("remedy during the build: %s", remedy.summary)
     outcome, files, seconds = built.outcome, built.files, built.seconds
     _index_cache(out.cache_dir(model, sku), backend.name)
+    reproducibility = None
+    if reproducible.wanted(sku_spec, check_reproducible):
+        reproducibility = reproducible.check(registry, model, sku, built, out.engine_dir(model, sku), progress=progress)
     calibration = None
     if outcome.calibration is not None:
         calibration = {**outcome.calibration, "method": spec.calibration.method, "table_sha256": table_sha}
     report = BuildReport(
         model=model, sku=sku, backend=backend.name, precision=sku_spec.precision, versions=backend.versions(),
         options=outcome.options, shapes=pins, profiles={k: v.model_dump() for k, v in sku_spec.profiles.items()},
-        build_config_sha256=config_hash(registry, model, sku, prep.prepared_sha256, table_sha), engine_sha256=engine_digest(files),
+        build_config_sha256=config_hash(registry, model, sku, prep.prepared_sha256, table_sha, keep),
+        engine_sha256=engine_digest(files),
         prepared_sha256=prep.prepared_sha256, calibration=calibration,
         timing_cache=_file_record(outcome.timing_cache, registry) if outcome.timing_cache else None,
         engine_files=files, layers=outcome.layers, placement=_counts(outcome.layers, "device"),
         requested_devices=outcome.requested_devices, partition_boundaries=outcome.partition_boundaries,
         precision_counts=_counts(outcome.layers, "precision"), hardware_specific=outcome.hardware_specific,
-        keep_precise=list(keep), warnings=outcome.warnings, build_seconds=round(seconds, 3),
+        keep_precise=list(keep), remedy=remedy, warnings=outcome.warnings, build_seconds=round(seconds, 3),
+        reproducibility=reproducibility,
     )
     atomic_write_json(out.report(model, sku, "build"), report.to_json())
     log(model, sku).info("built in %.1fs: %d layers, placement %s", seconds, len(outcome.layers), report.placement)
+    if reproducibility is not None:
+        reproducible.require(reproducibility, model, sku, out.report(model, sku, "build"))
     return report
 
 

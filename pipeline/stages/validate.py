@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections import Counter
 
 from ..backends import get_backend
-from ..compare import METRICS, output_error
+from ..compare import METRICS, output_errors, output_problems
 from ..config import Registry
 from ..data import LABELS, run_dataset
 from ..errors import GateFailed
-from ..io import atomic_write_json
+from ..io import atomic_savez, atomic_write_json, sha256_arrays
 from ..paths import REFERENCE_SPLITS
 from ..results import (BuildReport, MetricResult, PlacementResult, PrecisionResult, PrepareReport, ReferenceReport,
                        ValidationReport)
@@ -39,40 +39,76 @@ def precision_gate(build: BuildReport, policy: str, max_mismatched: int) -> Prec
                            passed=policy == "warn" or len(mismatched) <= max_mismatched)
 
 
+def correctness(registry: Registry, model: str, sku: str, runner, progress: Progress | None = None):
+    """A loaded engine against the reference: per-output errors on the golden split, the task
+    metric per labelled split, samples per split, and the engine's golden outputs. The remedy
+    (pipeline/remedy.py) judges its rebuilt engines with it too."""
+    spec = registry.model(model)
+    out = layout(registry)
+    prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
+    ref = read_report(out.report(model, None, "reference"), ReferenceReport, "reference")
+    tol = registry.tolerance(model, sku)
+    gate = registry.metric_gate(model, sku)
+    in_idx, out_idx, batch = run_plan(registry, model, prep.signature, sku)
+    errors, metrics, samples, golden = [], [], {}, {}
+    for split in REFERENCE_SPLITS:
+        if split not in ref.samples:
+            continue
+        arrays = load_arrays(out.split(model, split), "data")
+        expected = load_arrays(out.reference_dir(model) / f"{split}.npz", "reference")
+        got = run_dataset(runner.infer, arrays, in_idx, out_idx, batch, progress, f"validate {split}")
+        samples[split] = len(arrays[spec.inputs[0].name])
+        if split == "golden":
+            errors = output_errors(got, expected, ref.outputs, tol, model)
+            golden = {name: got[name] for name in ref.outputs}  # for the cross-SKU consistency matrix
+        if spec.metric is not None and LABELS in arrays:
+            engine_score = METRICS[spec.metric.kind](got[spec.metric.output], arrays[LABELS])
+            max_drop = gate.max_drop_hard_tail if split == "hard_tail" else gate.max_drop
+            delta = engine_score - ref.metric[split]
+            metrics.append(MetricResult(split=split, reference=ref.metric[split], engine=engine_score,
+                                        delta=delta, max_drop=max_drop, passed=-delta <= max_drop + 1e-12))
+    return errors, metrics, samples, golden
+
+
+def correctness_failures(registry: Registry, model: str, errors: list, metrics: list) -> list[str]:
+    """One line per failed output or metric, with its figures."""
+    spec = registry.model(model)
+    failures = [line for e in errors for line in output_problems(e)]
+    failures += [f"{spec.metric.kind if spec.metric else 'metric'} on {m.split}: {m.engine:.4f} vs reference {m.reference:.4f} "
+                 f"(drop {-m.delta:.4f} > allowed {m.max_drop})" for m in metrics if not m.passed]
+    return failures
+
+
+def _bisect(registry: Registry, model: str, sku: str):
+    """The first divergent node of a failing engine (skus.<sku>.bisect.on_failure); a bisection that
+    cannot run is recorded as inconclusive with the reason, never raised over the gate's own failure."""
+    from ..bisect import Bisection, bisect
+    from ..errors import SkuforgeError
+
+    try:
+        return bisect(registry, model, sku)
+    except SkuforgeError as exc:
+        spec = registry.sku(sku)
+        return Bisection(model=model, sku=sku, backend=spec.backend, precision=spec.precision, verdict="inconclusive",
+                         summary=f"bisection could not run: {exc.message}", failing_outputs=[], candidates=0, builds=0,
+                         marks_per_build=spec.bisect.marks_per_build, samples=0)
+
+
 def validate(registry: Registry, model: str, sku: str, progress: Progress | None = None) -> ValidationReport:
     require_host(registry, sku)
     spec, sku_spec = registry.model(model), registry.sku(sku)
     out = layout(registry)
-    prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
-    ref = read_report(out.report(model, None, "reference"), ReferenceReport, "reference")
     build = read_report(out.report(model, sku, "build"), BuildReport, "build")
-    tol = registry.tolerance(model, sku)
-    gate = registry.metric_gate(model, sku)
-    in_idx, out_idx, batch = run_plan(registry, model, prep.signature, sku)
-    errors, metrics, samples = [], [], {}
+    outputs_sha = None
     with get_backend(sku_spec.backend).load(out.engine_dir(model, sku), sku_spec) as runner:
         engine_sha = check_engine(runner, build, out.engine_dir(model, sku), model, sku)
-        for split in REFERENCE_SPLITS:
-            if split not in ref.samples:
-                continue
-            arrays = load_arrays(out.split(model, split), "data")
-            expected = load_arrays(out.reference_dir(model) / f"{split}.npz", "reference")
-            got = run_dataset(runner.infer, arrays, in_idx, out_idx, batch, progress, f"validate {split}")
-            samples[split] = len(arrays[spec.inputs[0].name])
-            if split == "golden":
-                errors = [output_error(name, got[name], expected[name], tol) for name in ref.outputs]
-            if spec.metric is not None and LABELS in arrays:
-                engine_score = METRICS[spec.metric.kind](got[spec.metric.output], arrays[LABELS])
-                max_drop = gate.max_drop_hard_tail if split == "hard_tail" else gate.max_drop
-                delta = engine_score - ref.metric[split]
-                metrics.append(MetricResult(split=split, reference=ref.metric[split], engine=engine_score,
-                                            delta=delta, max_drop=max_drop, passed=-delta <= max_drop + 1e-12))
+        errors, metrics, samples, golden = correctness(registry, model, sku, runner, progress)
+    if golden:
+        atomic_savez(out.engine_outputs(model, sku), **golden)
+        outputs_sha = sha256_arrays(golden)
     placement = placement_gate(build, sku_spec.placement.allowed, sku_spec.placement.max_fallback_nodes)
     precision = precision_gate(build, sku_spec.precision_gate.policy, sku_spec.precision_gate.max_mismatched_layers)
-    failures = [f"output {e.output}: {e.mismatch_fraction:.2%} of elements beyond atol={e.atol} rtol={e.rtol} "
-                f"(allowed {e.max_mismatch:.2%}; max abs error {e.max_abs_error:.3g})" for e in errors if not e.passed]
-    failures += [f"{spec.metric.kind if spec.metric else 'metric'} on {m.split}: {m.engine:.4f} vs reference {m.reference:.4f} "
-                 f"(drop {-m.delta:.4f} > allowed {m.max_drop})" for m in metrics if not m.passed]
+    failures = correctness_failures(registry, model, errors, metrics)
     if not placement.passed:
         nodes = ", ".join(f"{layer.name} ({layer.op_type}) on {layer.device}" for layer in placement.offending)
         failures.append(f"placement: {len(placement.offending)} nodes ran outside {placement.allowed} "
@@ -85,10 +121,14 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
                 + ", ".join(f"{layer.name} ({layer.op_type}, {layer.precision})" for layer in precision.mismatched[:20])
                 + (" …" if len(precision.mismatched) > 20 else ""))
         (warnings if precision.passed else failures).append(line)
+    bisection = None
+    if (errors or metrics) and correctness_failures(registry, model, errors, metrics) and sku_spec.bisect.on_failure:
+        bisection = _bisect(registry, model, sku)
     report = ValidationReport(model=model, sku=sku, precision=sku_spec.precision, passed=not failures, failures=failures,
                               outputs=errors, metrics=metrics, placement=placement, precision_gate=precision,
                               warnings=warnings, samples=samples, engine_sha256=engine_sha,
-                              build_config_sha256=build.build_config_sha256)
+                              build_config_sha256=build.build_config_sha256, outputs_sha256=outputs_sha,
+                              bisection=bisection)
     atomic_write_json(out.report(model, sku, "validate"), report.to_json())
     lg = log(model, sku)
     for w in warnings:
@@ -96,6 +136,10 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
     for m in metrics:
         lg.info("%s %s: engine %.4f reference %.4f delta %+.4f", spec.metric.kind, m.split, m.engine, m.reference, m.delta)
     if failures:
-        raise GateFailed(f"{model}/{sku} failed validation:\n" + "\n".join(f"  - {f}" for f in failures),
-                         hint=f"see {out.report(model, sku, 'validate')}; loosen the SKU's tolerance only if the error is understood")
+        hint = f"see {out.report(model, sku, 'validate')}; loosen the SKU's tolerance only if the error is understood"
+        lines = failures + ([f"bisection ({bisection.builds} builds): {bisection.summary}"] if bisection else [])
+        if bisection is not None and bisection.suspects and sku_spec.precision != "fp32":
+            hint = (f"keep the suspects in higher precision and re-validate: skuforge bisect --model {model} --sku {sku} "
+                    f"--fix (--apply writes params.yaml); {hint}")
+        raise GateFailed(f"{model}/{sku} failed validation:\n" + "\n".join(f"  - {f}" for f in lines), hint=hint)
     return report

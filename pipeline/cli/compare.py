@@ -1,0 +1,64 @@
+"""``skuforge compare``: the cross-SKU consistency matrix of one model (a report, not a gate)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="every SKU's golden outputs against the reference and each other "
+                                       "(max/mean abs error, top-1 agreement)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--write", action="store_true",
+                   help="also write reports/consistency/<model>.json and .md (checked in)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=compare)
+
+
+def compare(args: argparse.Namespace) -> int:
+    from ..config import load_registry
+    from ..consistency import consistency, write_report
+
+    registry = load_registry(args.params)
+    report = consistency(registry, args.model)
+    if args.write:
+        for path in write_report(registry, report):
+            print(f"wrote {path}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2, sort_keys=True))
+    else:
+        print(text(report))
+    return 0
+
+
+def _aligned(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def text(report) -> str:
+    """Per output, the max abs error matrix (top-1 agreement in brackets for classification scores)."""
+    from ..consistency import describe, nonfinite_line, table
+
+    skus = ", ".join(f"{s.sku} ({s.backend} {s.precision}{'' if s.validate_passed else ', validate FAILED'})"
+                     for s in report.skus)
+    lines = [f"{report.model}: {report.samples} golden samples; {len(report.skus)} SKUs compared"
+             + (f": {skus}" if skus else "")]
+    lines += [f"  not compared: {s.sku}: {s.reason}" for s in report.skipped]
+    if not report.skus:
+        return "\n".join(lines)
+    for m in report.outputs:
+        lines.append(describe(m).replace("`", ""))
+        lines += _aligned(table(m))
+        extra = nonfinite_line(m)
+        if extra:
+            lines.append(f"  {extra}")
+    return "\n".join(lines)
+
+
+def refresh_lines(done: dict) -> list[str]:
+    """One line per model of ``consistency.refresh_reports``'s result (`repro`, `ci assemble`)."""
+    return [f"consistency {model}: " + (f"wrote {', '.join(r)}" if isinstance(r, list) else f"not written: {r}")
+            for model, r in done.items()]

@@ -1,0 +1,125 @@
+"""The correctness gate recomputed from a manifest's figures against params.yaml: per-kind
+tolerances, the agreement gate, non-finite counts, and figures that are missing or contradict
+each other (fail closed). The figures come from real comparisons of numpy arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import models
+from pipeline.compare import output_error
+from pipeline.config import parse_registry
+from pipeline.registry.gates import correctness_gate, correctness_problems
+from pipeline.results import (Correctness, Manifest, OutputError, PlacementSummary, PrecisionSummary, Signature,
+                              TensorSig)
+
+RNG = np.random.default_rng(0)
+LOGITS = RNG.normal(scale=3.0, size=(200, 4))
+REFERENCE = (np.exp(LOGITS) / np.exp(LOGITS).sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def registry(sku_tolerance: dict | None = None, **model_keys):
+    spec = {**models.conv_bn_spec(), **model_keys}
+    return parse_registry({"defaults": {}, "examples": {}, "models": {"conv": spec},
+                           "skus": {"cpu_int8": models.ort_sku("int8", tolerance=sku_tolerance or {})}})
+
+
+def flipped(rows: int) -> np.ndarray:
+    """The reference with the top two classes swapped in the first ``rows`` rows."""
+    out = REFERENCE.copy()
+    for i in range(rows):
+        a, b = np.argsort(out[i])[-2:]
+        out[i, [a, b]] = out[i, [b, a]]
+    return out
+
+
+def manifest(*outputs: OutputError) -> Manifest:
+    """The parts of a manifest the correctness gate reads, as the manifest stage writes them."""
+    passed = all(o.passed for o in outputs)
+    c = Correctness(passed=passed, failures=[] if passed else ["output failed"], outputs=list(outputs), metrics=[],
+                    placement=PlacementSummary(passed=True, allowed=["CPUExecutionProvider"], offending=0,
+                                               partition_boundaries=0),
+                    precision=PrecisionSummary(passed=True, requested="int8", policy="warn", mismatched_layers=0),
+                    warnings=[])
+    sig = Signature(inputs=[TensorSig(name="x", dtype="float32", shape=["batch", 3, 8, 8])],
+                    outputs=[TensorSig(name="probs", dtype="float32", shape=["batch", 4])])
+    return Manifest.model_construct(model="conv", sku="cpu_int8", correctness=c, signature=sig)
+
+
+def measured(engine: np.ndarray, reg=None) -> OutputError:
+    reg = reg or registry()
+    return output_error("probs", engine, REFERENCE, reg.tolerance("conv", "cpu_int8"))
+
+
+def test_a_good_engine_passes():
+    reg = registry()
+    m = manifest(measured(flipped(2), reg))  # 99% agreement, INT8 asks for 97%
+    assert correctness_problems(m, reg) == []
+    assert correctness_gate(m, reg, "passed").passed
+
+
+def test_agreement_below_the_configured_minimum_fails_even_when_recorded_as_passed():
+    loose = registry(tolerances={"int8": {"min_top1_agreement": 0.5}})
+    o = measured(flipped(10), loose)  # 95% agreement
+    assert o.passed
+    bad = correctness_problems(manifest(o), registry())
+    assert bad == ["output probs: top-1 agreement 95.00% < 97.00% (probabilities)"]
+
+
+def test_the_agreement_minimum_is_overridable_per_sku():
+    strict = registry({"min_top1_agreement": 0.999})
+    assert any("top-1 agreement 99.00% < 99.90%" in p for p in correctness_problems(manifest(measured(flipped(2))), strict))
+
+
+def test_nan_in_the_engine_output_fails():
+    engine = REFERENCE.copy()
+    engine[7, 2] = np.nan
+    bad = correctness_problems(manifest(measured(engine)), registry())
+    assert "output probs: 1 NaN where the reference is finite, first at [7, 2]" in bad
+    assert "output probs: recorded as failed" in bad
+
+
+def test_a_missing_agreement_figure_fails_closed():
+    o = measured(REFERENCE.copy()).model_copy(update={"top1_agreement": None})
+    assert any("no top-1 agreement" in p for p in correctness_problems(manifest(o), registry()))
+
+
+@pytest.mark.parametrize("update, words", [
+    ({"nan_count": 3}, "non-finite counts (3 NaN, 0 Inf) contradict"),
+    ({"min_passing_atol": 0.2}, "contradicts the smallest passing atol 0.2"),
+    ({"min_passing_atol": None}, "contradicts the smallest passing atol None"),
+    ({"max_abs_error": None}, "no error figures for its finite elements"),
+    ({"top1_agreement": 1.5}, "error figures out of range"),
+    ({"cosine_similarity": float("nan")}, "non-finite error figures"),
+    ({"shape_mismatch": "engine [1] vs reference [2]"}, "a shape mismatch recorded with elements within tolerance"),
+    ({"atol": 0.5}, "measured with atol=0.5 rtol=0.1, looser than the SKU's atol=0.05 rtol=0.1 for probabilities"),
+])
+def test_contradictory_or_loosened_figures_fail_closed(update, words):
+    o = measured(flipped(1)).model_copy(update=update)
+    bad = correctness_problems(manifest(o), registry())
+    assert any(words in p for p in bad), bad
+
+
+def test_a_stricter_params_yaml_after_validation_fails():
+    o = measured(flipped(1) * np.float32(0.9))  # every probability 10% low: within INT8's rtol
+    assert o.passed and correctness_problems(manifest(o), registry()) == []
+    stricter = registry(tolerances={"int8": {"atol": 0.01, "rtol": 0.01}})
+    assert any("looser than the SKU's atol=0.01 rtol=0.01" in p for p in correctness_problems(manifest(o), stricter))
+
+
+def test_the_kind_must_be_the_declared_one():
+    inferred = measured(flipped(1))
+    assert inferred.kind == "probabilities" and inferred.kind_inferred
+    bad = correctness_problems(manifest(inferred), registry(output_kinds={"probs": "logits"}))
+    assert "output probs: judged as probabilities (inferred), params.yaml declares logits" in bad
+    declared = measured(flipped(1), registry(output_kinds={"probs": "regression"}))
+    assert declared.kind == "regression" and declared.top1_agreement is None
+    assert "output probs: judged as regression (declared), params.yaml declares no kind for it" in \
+        correctness_problems(manifest(declared), registry())
+    assert correctness_problems(manifest(declared), registry(output_kinds={"probs": "regression"})) == []
+
+
+def test_a_missing_output_fails_closed():
+    m = manifest()
+    assert correctness_problems(m, registry()) == ["output probs: no error figures in the manifest"]

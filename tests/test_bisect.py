@@ -1,0 +1,226 @@
+"""Bisection and its remedy on planted defects, on every backend here that builds each model.
+
+Two models carry one defect each in a named node (tests/models.py):
+- ``outlier_channel``: node ``outlier_scale`` multiplies one channel by 500 (the next Conv divides
+  it back). INT8 with one scale per activation tensor wipes out the other channels.
+- ``fp16_overflow``: node ``overflow_scale`` pushes values past FP16's 65504, ``rescale`` brings
+  them back. FP16 turns them into Inf, then NaN.
+
+For each (model, SKU): validate fails and its report carries the bisection naming the node; the
+remedy (``skuforge bisect --fix --apply``) writes the override into params.yaml; the rebuilt
+engine passes, and the manifest records the override. Engines that pass are scanned tensor by
+tensor: no tensor may be called divergent (no false alarms).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+
+import pytest
+import yaml
+
+import models
+from cli_helpers import skuforge
+from pipeline.bisect import Graph, channel_axis, remedy_nodes, tensor_error
+from pipeline.config import load_registry
+from pipeline.errors import GateFailed
+from pipeline.paths import Layout
+from pipeline.stages.bench import bench
+from pipeline.stages.build import build
+from pipeline.stages.calibrate import calibrate
+from pipeline.stages.data import make_data
+from pipeline.stages.manifest import write_manifest
+from pipeline.stages.prepare import prepare
+from pipeline.stages.reference import reference
+from pipeline.stages.validate import validate
+
+ARCH = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
+IREE_CPU = "x86-64-v3" if ARCH == "x86_64" else "host"
+
+
+def _sku(backend: str, precision: str, options: dict) -> dict:
+    return {"backend": backend, "precision": precision, "target": {"arch": ARCH, "device": "cpu", "os": "linux"},
+            "runner_labels": ["self-hosted", "linux"], "shapes": {"batch": 1}, "options": options,
+            "bench": {"warmup": 1, "iterations": 3, "min_seconds": 0.0}}
+
+
+SKUS = {
+    "ort_int8": _sku("onnxruntime", "int8", {"per_channel": True}),
+    "ov_int8": _sku("openvino", "int8", {"device": "CPU", "per_channel": True}),
+    "iree_fp16": _sku("iree", "fp16", {"target_device": "local", "target_cpu": IREE_CPU}),
+    "ort_fp32": _sku("onnxruntime", "fp32", {}),
+    "ov_fp32": _sku("openvino", "fp32", {"device": "CPU"}),
+    "iree_fp32": _sku("iree", "fp32", {"target_device": "local", "target_cpu": IREE_CPU}),
+}
+# (defect, SKU) -> the planted node, the cause bisection must give, the nodes the remedy keeps
+PLANTED = {
+    ("outlier", "ort_int8"): ("outlier_scale", "range", ["outlier_scale", "conv2"]),
+    ("outlier", "ov_int8"): ("outlier_scale", "range", ["outlier_scale", "conv2"]),
+    ("overflow", "iree_fp16"): ("overflow_scale", "overflow", ["overflow_scale", "relu", "rescale"]),
+}
+BUILDERS = {"outlier": (models.outlier_channel_model, models.outlier_channel_spec()),
+            "overflow": (models.fp16_overflow_model, models.fp16_overflow_spec())}
+
+
+def _project(root, defect: str, sku: str):
+    builder, spec = BUILDERS[defect]
+    builder(root / "m" / "model.onnx")
+    models.write_project(root, {"m": spec}, {sku: SKUS[sku]})
+    reg = load_registry(root / "params.yaml")
+    prepare(reg, "m")
+    make_data(reg, "m")
+    reference(reg, "m")
+    if reg.sku(sku).precision == "int8":
+        calibrate(reg, "m")
+    return reg
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("defect,sku", sorted(PLANTED))
+def test_planted_defect_is_found_and_fixed(tmp_path, defect, sku):
+    node, cause, keep = PLANTED[(defect, sku)]
+    reg = _project(tmp_path, defect, sku)
+    build(reg, "m", sku)
+    with pytest.raises(GateFailed) as failed:
+        validate(reg, "m", sku)
+    assert node in str(failed.value) and "skuforge bisect" in failed.value.hint
+    out = Layout(tmp_path)
+    report = json.loads(out.report("m", sku, "validate").read_text())
+    bisection = report["bisection"]
+    assert bisection["verdict"] == "diverges", bisection["summary"]
+    suspect = bisection["suspects"][0]
+    assert (suspect["node"], suspect["cause"]) == (node, cause), bisection["summary"]
+    # searched by parts: fewer builds than candidates + the anchor and the confirmation
+    assert 1 < bisection["builds"] <= bisection["candidates"] + 2
+    assert all(len(p["marked"]) <= SKUS[sku].get("bisect", {}).get("marks_per_build", 3) + 2 for p in bisection["probes"])
+    if cause == "overflow":
+        assert bisection["first_nonfinite"] == node and suspect["error"]["inf"] > 0
+    if cause == "range":
+        ratio = max(v for k, v in suspect["error"]["channel_abs_max"].items() if k != "median")
+        assert ratio > 100 * suspect["error"]["channel_abs_max"]["median"]
+    if sku.startswith("ov"):  # fused layers are reported with the ONNX nodes they came from
+        assert any({node, f"{suspect['tensor']}_QuantizeLinear"} & set(layer["fused_from"]) and len(layer["fused_from"]) > 1
+                   for layer in suspect["engine_layers"]), suspect["engine_layers"]
+
+    # the remedy from the command line, written into params.yaml
+    proc = skuforge("bisect", "--model", "m", "--sku", sku, "--fix", "--apply", "--json", cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    remedy = json.loads(proc.stdout)
+    assert remedy["passed"] and remedy["keep_precise"] == keep, remedy["summary"]
+    assert not remedy["before"]["passed"] and remedy["after"]["passed"]
+    assert remedy["before"]["p50_ms"] > 0 and remedy["after"]["p50_ms"] > 0 and remedy["latency_ratio"] > 0
+    params = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    assert params["models"]["m"]["higher_precision"] == {sku: keep}
+
+    # the stages from params.yaml alone: the engine passes and the manifest names the override
+    reg = load_registry(tmp_path / "params.yaml")
+    built = build(reg, "m", sku)
+    assert built.keep_precise == keep
+    assert validate(reg, "m", sku).passed
+    bench(reg, "m", sku)
+    manifest = write_manifest(reg, "m", sku)
+    assert manifest.build.keep_precise == keep
+
+
+@pytest.mark.slow
+def test_fix_during_build(tmp_path):
+    """skus.<s>.bisect.fix_during_build: the build itself bisects and keeps the suspects precise."""
+    reg = _project(tmp_path, "outlier", "ort_int8")
+    doc = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    doc["skus"]["ort_int8"]["bisect"] = {"fix_during_build": True}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(doc))
+    reg = load_registry(tmp_path / "params.yaml")
+    report = build(reg, "m", "ort_int8")
+    assert report.keep_precise == ["outlier_scale", "conv2"]
+    assert report.remedy is not None and report.remedy.passed
+    assert validate(reg, "m", "ort_int8").passed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sku", sorted(SKUS))
+def test_no_false_alarm_on_passing_engines(tmp_path, sku):
+    """A healthy model (conv_bn) on every SKU: bisection says clean, and a scan of every tensor
+    finds none divergent."""
+    models.conv_bn_model(tmp_path / "models/conv/model.onnx")
+    models.write_project(tmp_path, {"m": models.conv_bn_spec()}, {sku: SKUS[sku]})
+    reg = load_registry(tmp_path / "params.yaml")
+    prepare(reg, "m")
+    make_data(reg, "m")
+    reference(reg, "m")
+    if reg.sku(sku).precision == "int8":
+        calibrate(reg, "m")
+    build(reg, "m", sku)
+    assert validate(reg, "m", sku).passed
+    from pipeline.bisect import bisect
+
+    assert bisect(reg, "m", sku).verdict == "clean"
+    scanned = bisect(reg, "m", sku, scan=True)
+    assert scanned.tensors and not [t.node for t in scanned.tensors if t.divergent], scanned.summary
+
+
+def test_bisect_cli_errors(tmp_path):
+    models.conv_bn_model(tmp_path / "models/conv/model.onnx")
+    models.write_project(tmp_path, {"m": models.conv_bn_spec()}, {"ort_fp32": SKUS["ort_fp32"]})
+    proc = skuforge("bisect", "--model", "m", "--sku", "ort_fp32", "--apply", cwd=tmp_path)
+    assert proc.returncode == 2 and "--apply" in proc.stderr
+    proc = skuforge("bisect", "--model", "nope", "--sku", "ort_fp32", cwd=tmp_path)
+    assert proc.returncode == 2 and "nope" in proc.stderr
+    proc = skuforge("bisect", "--model", "m", "--sku", "ort_fp32", "--marks", "0", cwd=tmp_path)
+    assert proc.returncode == 2
+
+
+def test_unknown_node_to_keep_is_refused(tmp_path):
+    """A typo in higher_precision would silently keep nothing precise: the build names it."""
+    reg = _project(tmp_path, "outlier", "ort_int8")
+    doc = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    doc["models"]["m"]["higher_precision"] = {"ort_int8": ["outlier_scal"]}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(doc))
+    proc = skuforge("build", "--model", "m", "--sku", "ort_int8", cwd=tmp_path)
+    assert proc.returncode == 2 and "outlier_scal" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_higher_precision_config_checks(tmp_path):
+    models.conv_bn_model(tmp_path / "models/conv/model.onnx")
+    spec = models.conv_bn_spec() | {"higher_precision": {"nosuch": ["conv"], "ort_fp32": ["conv"]}}
+    models.write_project(tmp_path, {"m": spec}, {"ort_fp32": SKUS["ort_fp32"]})
+    proc = skuforge("config", "validate", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "unknown SKU 'nosuch'" in proc.stderr and "higher_precision.ort_fp32" in proc.stderr
+
+
+# --- the statistics, without builds ---------------------------------------------------------------
+
+
+def test_channel_axis():
+    assert [channel_axis(r) for r in (1, 2, 3, 4, 5)] == [None, 1, 2, 1, 1]
+
+
+def test_outlier_channel_is_divergent_though_the_tensor_error_is_small(tmp_path):
+    """One channel at 500x: a per-tensor INT8 scale zeroes the others. The tensor-wide relative
+    error stays small (the outlier carries the energy); the median channel's does not."""
+    import numpy as np
+
+    graph = Graph.of(__import__("onnx").load(str(models.outlier_channel_model(tmp_path / "m.onnx"))))
+    rng = np.random.default_rng(0)
+    ref = rng.uniform(0, 2, (4, 1, 8, 8, 8)).astype(np.float32)
+    ref[:, :, 7] *= 500
+    scale = ref.max() / 255
+    got = np.round(ref / scale) * scale  # uint8, one scale for the tensor
+    err = tensor_error(graph, "scaled", got, ref, "int8")
+    assert err.relative_error < 0.01 < 0.5 < err.channel_relative_error
+    assert err.divergent and err.channel_abs_max["7"] > 100 * err.channel_abs_max["median"]
+    fine = np.round(ref[:, :, :7] / (ref[:, :, :7].max() / 255)) * (ref[:, :, :7].max() / 255)
+    assert not tensor_error(graph, "scaled", fine, ref[:, :, :7], "int8").divergent
+
+
+def test_overflow_remedy_follows_the_values_out_of_range(tmp_path):
+    import numpy as np
+
+    graph = Graph.of(__import__("onnx").load(str(models.fp16_overflow_model(tmp_path / "m.onnx"))))
+    big = {"big": 2e5, "big_relu": 2e5, "small": 50.0, "h": 50.0}
+    assert remedy_nodes(graph, "big", "overflow", "fp16", big.get) == ["overflow_scale", "relu", "rescale"]
+    assert remedy_nodes(graph, "big", "compiler", "fp16", big.get) == ["overflow_scale"]
+    got = np.full((2, 1, 32), np.inf, np.float32)
+    err = tensor_error(graph, "big", got, np.ones((2, 1, 32), np.float32), "fp16")
+    assert err.divergent and err.inf == 64 and err.first_nonfinite == [0, 0, 0]
