@@ -30,6 +30,18 @@ TIMING_ROUNDS = 5
 TIMING_CALLS = 40
 
 
+def upstream(registry: "Registry", model: str, node: str) -> list[str]:
+    """The nodes of the prepared model whose outputs ``node`` reads (computed tensors only)."""
+    import onnx
+
+    from .stages.common import layout
+
+    graph = onnx.load(str(layout(registry).prepared_model(model)), load_external_data=False).graph
+    producer = {o: n.name for n in graph.node for o in n.output if n.name}
+    target = next((n for n in graph.node if n.name == node), None)
+    return [producer[i] for i in (target.input if target is not None else []) if i in producer]
+
+
 def override_yaml(model: str, sku: str, nodes: list[str]) -> str:
     import yaml
 
@@ -66,6 +78,10 @@ def fix(registry: "Registry", model: str, sku: str, *, max_rounds: int | None = 
             rounds.append(found)
             builds += found.builds
             new = [n for s in found.suspects for n in s.keep if n not in keep]
+            if not new and found.suspects:
+                # the suspect is already kept and still diverges: the fault sits in what feeds it
+                # (a compiler fuses the producer into the suspect's layer), so keep that too
+                new = [n for n in upstream(registry, model, found.suspects[0].node) if n not in keep]
             if found.verdict != "diverges" or not new:
                 break
             keep += new
