@@ -430,6 +430,8 @@ def _failed_pair(registry: Registry, model: str, sku: str, record: dict[str, Any
     if stage == "validate" and code == 1:
         failures = _validate_failures(Layout(registry.root).report(model, sku, "validate"))
         return PairOutcome(model, sku, "gate failed", 1, "; ".join(failures) or message, stage, manifest=row)
+    if stage == "build" and code == 1:  # the build's own gate: the reproducibility check's required verdict
+        return PairOutcome(model, sku, "gate failed", 1, f"build: {message}", stage, manifest=row)
     if record.get("unsupported"):
         return PairOutcome(model, sku, "unsupported", code, message, stage, unsupported=record["unsupported"],
                            manifest=row)

@@ -224,3 +224,29 @@ def test_overflow_remedy_follows_the_values_out_of_range(tmp_path):
     got = np.full((2, 1, 32), np.inf, np.float32)
     err = tensor_error(graph, "big", got, np.ones((2, 1, 32), np.float32), "fp16")
     assert err.divergent and err.inf == 64 and err.first_nonfinite == [0, 0, 0]
+
+
+@pytest.mark.slow
+def test_openvino_qdq_gather_fault_found_through_fusion(tmp_path):
+    """A real compiler fault, not a planted one: OpenVINO 2026.4's CPU plugin computes the QDQ
+    graph's quantized Gather -> ReduceSum path of multi_io_model wrong, and right as soon as the
+    Gather's output is a graph output (tests/test_corpus.py keeps the pair as a strict xfail).
+    Marking a few tensors per build still finds it, and the remedy walks up from the kept
+    ReduceSum to the Gather."""
+    models.multi_io_model(tmp_path / "m" / "model.onnx")
+    models.write_project(tmp_path, {"m": models.multi_io_spec("m")}, {"ov_int8": SKUS["ov_int8"]})
+    reg = load_registry(tmp_path / "params.yaml")
+    for stage in (prepare, make_data, reference, calibrate):
+        stage(reg, "m")
+    build(reg, "m", "ov_int8")
+    with pytest.raises(GateFailed):
+        validate(reg, "m", "ov_int8")
+    bisection = json.loads(Layout(tmp_path).report("m", "ov_int8", "validate").read_text())["bisection"]
+    suspect = bisection["suspects"][0]
+    assert (suspect["node"], suspect["cause"]) == ("pool", "compiler"), bisection["summary"]
+    # the first build marked the Gather's output beside the ReduceSum's and saw nothing wrong
+    assert any(not p["divergent"] for p in bisection["probes"])
+    from pipeline.remedy import fix
+
+    remedy = fix(reg, "m", "ov_int8")
+    assert remedy.passed and "embed" in remedy.keep_precise, remedy.summary
