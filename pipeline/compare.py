@@ -4,7 +4,8 @@ docs/correctness.md describes every figure and the tolerance policy."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from .config import CLASS_KINDS, Tolerance, TolerancePolicy
 from .errors import ConfigError
@@ -60,8 +61,9 @@ def output_error(name: str, engine: "np.ndarray", reference: "np.ndarray", tol: 
     declared = kind or (tol.declared.get(name) if isinstance(tol, TolerancePolicy) else None)
     kind = declared or infer_kind(reference)
     t = tol.for_kind(kind) if isinstance(tol, TolerancePolicy) else tol
-    head = dict(output=name, kind=kind, kind_inferred=declared is None, atol=t.atol, rtol=t.rtol,
-                max_mismatch=t.max_mismatch, min_top1_agreement=t.min_top1_agreement if kind in CLASS_KINDS else None)
+    head = {"output": name, "kind": kind, "kind_inferred": declared is None, "atol": t.atol, "rtol": t.rtol,
+            "max_mismatch": t.max_mismatch,
+            "min_top1_agreement": t.min_top1_agreement if kind in CLASS_KINDS else None}
     if np.shape(engine) != np.shape(reference):
         return OutputError(**head, **_no_figures(), shape_mismatch=f"engine {list(np.shape(engine))} vs reference "
                                                                    f"{list(np.shape(reference))}",

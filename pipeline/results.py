@@ -482,7 +482,7 @@ class Evidence(Result):
 class Manifest(Result):
     """One engine, described. Everything but ``provenance`` is a function of the inputs."""
 
-    schema_version: Literal[2] = 2
+    schema_version: Literal[3] = 3
     model: str
     sku: str
     digest: str = Field(description="sha256 of this document without 'digest' and 'provenance'")

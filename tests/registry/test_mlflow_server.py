@@ -172,7 +172,7 @@ def test_run_holds_params_metrics_tags_inputs_and_artifacts(proj, published, tra
     p = run.data.params
     assert p["sku.backend"] == "onnxruntime" and p["sku.precision"] == "fp32"
     assert p["toolchain.onnxruntime"] == manifest.toolchain["onnxruntime"]
-    assert p["tolerance.atol"] == "0.0001" and p["bench.iterations"] == "60"
+    assert p["tolerance.kinds.probabilities.atol"] == "0.0001" and p["bench.iterations"] == "60"
     m = run.data.metrics
     assert m["latency.engine_only.p50_ms"] == pytest.approx(manifest.benchmark.engine_only.p50_ms)
     assert m["throughput_per_s"] == pytest.approx(manifest.benchmark.throughput_per_s)
