@@ -124,6 +124,34 @@ def ort_sku(precision: str = "fp32", **extra) -> dict:
     return sku
 
 
+def cpu_sku(backend: str, precision: str, options: dict) -> dict:
+    """A SKU of ``backend`` for this host's CPU, benchmarked briefly."""
+    import platform
+
+    arch = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
+    return {"backend": backend, "precision": precision, "target": {"arch": arch, "device": "cpu", "os": "linux"},
+            "runner_labels": ["self-hosted", "linux"], "shapes": {"batch": 1}, "options": options,
+            "bench": {"warmup": 1, "iterations": 3, "min_seconds": 0.0}}
+
+
+def _iree_cpu() -> str:
+    """A portable CPU where params.yaml names one; elsewhere the build host's own."""
+    import platform
+
+    return "x86-64-v3" if platform.machine().lower() in ("x86_64", "amd64") else "host"
+
+
+# every CPU SKU kind this host builds (tests/test_corpus.py, tests/test_bisect.py)
+CPU_SKUS = {
+    "ort_fp32": cpu_sku("onnxruntime", "fp32", {}),
+    "ort_int8": cpu_sku("onnxruntime", "int8", {"per_channel": True}),
+    "ov_fp32": cpu_sku("openvino", "fp32", {"device": "CPU"}),
+    "ov_int8": cpu_sku("openvino", "int8", {"device": "CPU", "per_channel": True}),
+    "iree_fp32": cpu_sku("iree", "fp32", {"target_device": "local", "target_cpu": _iree_cpu()}),
+    "iree_fp16": cpu_sku("iree", "fp16", {"target_device": "local", "target_cpu": _iree_cpu()}),
+}
+
+
 def write_project(root: Path, models: dict, skus: dict, **top) -> Path:
     """Write params.yaml for a project rooted at ``root``."""
     import yaml

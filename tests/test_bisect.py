@@ -15,8 +15,6 @@ tensor: no tensor may be called divergent (no false alarms).
 from __future__ import annotations
 
 import json
-import platform
-
 import pytest
 import yaml
 
@@ -35,24 +33,7 @@ from pipeline.stages.prepare import prepare
 from pipeline.stages.reference import reference
 from pipeline.stages.validate import validate
 
-ARCH = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
-IREE_CPU = "x86-64-v3" if ARCH == "x86_64" else "host"
-
-
-def _sku(backend: str, precision: str, options: dict) -> dict:
-    return {"backend": backend, "precision": precision, "target": {"arch": ARCH, "device": "cpu", "os": "linux"},
-            "runner_labels": ["self-hosted", "linux"], "shapes": {"batch": 1}, "options": options,
-            "bench": {"warmup": 1, "iterations": 3, "min_seconds": 0.0}}
-
-
-SKUS = {
-    "ort_int8": _sku("onnxruntime", "int8", {"per_channel": True}),
-    "ov_int8": _sku("openvino", "int8", {"device": "CPU", "per_channel": True}),
-    "iree_fp16": _sku("iree", "fp16", {"target_device": "local", "target_cpu": IREE_CPU}),
-    "ort_fp32": _sku("onnxruntime", "fp32", {}),
-    "ov_fp32": _sku("openvino", "fp32", {"device": "CPU"}),
-    "iree_fp32": _sku("iree", "fp32", {"target_device": "local", "target_cpu": IREE_CPU}),
-}
+SKUS = models.CPU_SKUS
 # (defect, SKU) -> the planted node, the cause bisection must give, the nodes the remedy keeps
 PLANTED = {
     ("outlier", "ort_int8"): ("outlier_scale", "range", ["outlier_scale", "conv2"]),
@@ -67,7 +48,11 @@ def _project(root, defect: str, sku: str):
     builder, spec = BUILDERS[defect]
     builder(root / "m" / "model.onnx")
     models.write_project(root, {"m": spec}, {sku: SKUS[sku]})
-    reg = load_registry(root / "params.yaml")
+    return _stages(load_registry(root / "params.yaml"), sku)
+
+
+def _stages(reg, sku: str):
+    """The model stages before build (calibrate for an INT8 SKU)."""
     prepare(reg, "m")
     make_data(reg, "m")
     reference(reg, "m")
@@ -144,12 +129,7 @@ def test_no_false_alarm_on_passing_engines(tmp_path, sku):
     finds none divergent."""
     models.conv_bn_model(tmp_path / "models/conv/model.onnx")
     models.write_project(tmp_path, {"m": models.conv_bn_spec()}, {sku: SKUS[sku]})
-    reg = load_registry(tmp_path / "params.yaml")
-    prepare(reg, "m")
-    make_data(reg, "m")
-    reference(reg, "m")
-    if reg.sku(sku).precision == "int8":
-        calibrate(reg, "m")
+    reg = _stages(load_registry(tmp_path / "params.yaml"), sku)
     build(reg, "m", sku)
     assert validate(reg, "m", sku).passed
     from pipeline.bisect import bisect
@@ -172,7 +152,7 @@ def test_bisect_cli_errors(tmp_path):
 
 def test_unknown_node_to_keep_is_refused(tmp_path):
     """A typo in higher_precision would silently keep nothing precise: the build names it."""
-    reg = _project(tmp_path, "outlier", "ort_int8")
+    _project(tmp_path, "outlier", "ort_int8")
     doc = yaml.safe_load((tmp_path / "params.yaml").read_text())
     doc["models"]["m"]["higher_precision"] = {"ort_int8": ["outlier_scal"]}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(doc))
@@ -235,9 +215,7 @@ def test_openvino_qdq_gather_fault_found_through_fusion(tmp_path):
     ReduceSum to the Gather."""
     models.multi_io_model(tmp_path / "m" / "model.onnx")
     models.write_project(tmp_path, {"m": models.multi_io_spec("m")}, {"ov_int8": SKUS["ov_int8"]})
-    reg = load_registry(tmp_path / "params.yaml")
-    for stage in (prepare, make_data, reference, calibrate):
-        stage(reg, "m")
+    reg = _stages(load_registry(tmp_path / "params.yaml"), "ov_int8")
     build(reg, "m", "ov_int8")
     with pytest.raises(GateFailed):
         validate(reg, "m", "ov_int8")

@@ -9,7 +9,6 @@ The outcomes are collected into a matrix printed at the end of the module (and w
 
 from __future__ import annotations
 
-import platform
 from types import SimpleNamespace
 
 import onnx
@@ -31,25 +30,7 @@ from pipeline.stages.validate import validate
 pytestmark = pytest.mark.slow
 
 NEWEST = onnx.defs.onnx_opset_version()
-ARCH = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
-# a portable CPU where params.yaml names one; elsewhere the build host's own
-IREE_CPU = "x86-64-v3" if ARCH == "x86_64" else "host"
-
-
-def _sku(backend: str, precision: str, options: dict) -> dict:
-    return {"backend": backend, "precision": precision, "target": {"arch": ARCH, "device": "cpu", "os": "linux"},
-            "runner_labels": ["self-hosted", "linux"], "shapes": {"batch": 1}, "options": options,
-            "bench": {"warmup": 1, "iterations": 3, "min_seconds": 0.0}}
-
-
-SKUS = {
-    "ort_fp32": _sku("onnxruntime", "fp32", {}),
-    "ort_int8": _sku("onnxruntime", "int8", {"per_channel": True}),
-    "ov_fp32": _sku("openvino", "fp32", {"device": "CPU"}),
-    "ov_int8": _sku("openvino", "int8", {"device": "CPU", "per_channel": True}),
-    "iree_fp32": _sku("iree", "fp32", {"target_device": "local", "target_cpu": IREE_CPU}),
-    "iree_fp16": _sku("iree", "fp16", {"target_device": "local", "target_cpu": IREE_CPU}),
-}
+SKUS = models.CPU_SKUS
 
 
 def _conv(opset: int):
@@ -172,7 +153,7 @@ def test_openvino_int8_gather_workaround(tmp_path):
         pytest.skip("openvino is not installed")
     builder, spec = FIXTURES["multi_output"]
     builder(tmp_path / spec["dir"] / spec["source"])
-    sku = _sku("openvino", "int8", {"device": "CPU", "per_channel": True, "nodes_to_exclude": ["embed"]})
+    sku = models.cpu_sku("openvino", "int8", {"device": "CPU", "per_channel": True, "nodes_to_exclude": ["embed"]})
     reg = load_registry(models.write_project(tmp_path, {"multi_output": spec}, {"ov_int8": sku}))
     for stage in (prepare, make_data, reference, calibrate):
         stage(reg, "multi_output")
