@@ -331,11 +331,11 @@ def markdown(report: ConsistencyReport) -> str:
         lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
         return lines + ["| " + " | ".join(r) + " |" for r in rows[1:]]
 
-    lines = [f"# Cross-SKU consistency: {report.model}", "",
-             f"Every SKU's outputs on the {report.samples} golden samples, against the ONNX Runtime CPU FP32 reference "
+    intro = (f"Every SKU's outputs on the {report.samples} golden samples, against the ONNX Runtime CPU FP32 reference "
              f"(golden outputs `{report.reference_sha256[:12]}`) and against each other. Written by "
              f"`skuforge compare --model {report.model} --write` (and `skuforge repro`); a report, not a gate: "
-             f"validate gates each SKU against the reference.", ""]
+             f"validate gates each SKU against the reference.")
+    lines = [f"# Cross-SKU consistency: {report.model}", "", intro, ""]
     if report.skus:
         lines += md_table([["SKU", "backend", "precision", "validate", "engine", "outputs"]]
                           + [[s.sku, s.backend, s.precision, "passed" if s.validate_passed else "FAILED",

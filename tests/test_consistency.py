@@ -10,13 +10,19 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
+import models
 import numpy as np
 import pytest
-
-import models
 from cli_helpers import assert_user_error, skuforge
+
 from pipeline.config import load_registry
-from pipeline.consistency import REFERENCE, consistency, pair_stats, refresh_reports, write_report
+from pipeline.consistency import (
+    REFERENCE,
+    consistency,
+    pair_stats,
+    refresh_reports,
+    write_report,
+)
 from pipeline.io import atomic_savez, read_json, sha256_arrays
 from pipeline.paths import Layout
 from pipeline.results import ValidationReport
@@ -126,7 +132,7 @@ def test_tampered_outputs_are_skipped_with_the_reason(proj, restore):
     atomic_savez(path, probs=probs)
     report = consistency(proj.registry, "conv")
     assert "tamper" not in [s.sku for s in report.skus]
-    reason = dict((s.sku, s.reason) for s in report.skipped)["tamper"]
+    reason = {s.sku: s.reason for s in report.skipped}["tamper"]
     assert "sha256" in reason and "validate.json records" in reason and "skuforge validate" in reason, reason
     assert "tamper" not in report.outputs[0].labels
 
@@ -138,7 +144,7 @@ def test_missing_or_damaged_outputs_are_skipped(proj, restore, damage):
         path.unlink()
     else:
         path.write_bytes(b"not a zip")
-    reason = dict((s.sku, s.reason) for s in consistency(proj.registry, "conv").skipped)["tamper"]
+    reason = {s.sku: s.reason for s in consistency(proj.registry, "conv").skipped}["tamper"]
     assert ("does not exist" if damage == "deleted" else "damaged") in reason, reason
     assert str(proj.root) not in reason  # relative paths: the checked-in report does not depend on the checkout
 
@@ -148,7 +154,7 @@ def test_report_of_another_engine_is_skipped(proj, restore):
     doc = read_json(path)
     doc["engine_sha256"] = "0" * 64
     path.write_text(json.dumps(doc))
-    reason = dict((s.sku, s.reason) for s in consistency(proj.registry, "conv").skipped)["tamper"]
+    reason = {s.sku: s.reason for s in consistency(proj.registry, "conv").skipped}["tamper"]
     assert "validate.json is about engine 000000000000" in reason and "build.json describes" in reason, reason
 
 
@@ -157,7 +163,7 @@ def test_report_without_recorded_outputs_is_skipped(proj, restore):
     doc = read_json(path)
     doc.pop("outputs_sha256")
     path.write_text(json.dumps(doc))
-    reason = dict((s.sku, s.reason) for s in consistency(proj.registry, "conv").skipped)["tamper"]
+    reason = {s.sku: s.reason for s in consistency(proj.registry, "conv").skipped}["tamper"]
     assert "records no golden outputs" in reason, reason
 
 
