@@ -287,6 +287,21 @@ def remedy_nodes(graph: Graph, suspect_tensor: str, cause: str, precision: str,
 # --- running ----------------------------------------------------------------------------------------
 
 
+def scratch_build(registry: "Registry", model: str, sku: str, folder: Path, keep: tuple[str, ...] | list[str],
+                  prepared: Path | None = None) -> Path:
+    """The build stage's engine, built into ``folder/engine`` with a copy of the SKU's cache (the
+    real engine and cache are never touched); returns the engine folder."""
+    from .stages.build import build_engine
+    from .stages.common import layout
+
+    real = layout(registry).cache_dir(model, sku)
+    if real.is_dir():
+        shutil.copytree(real, folder / "cache")
+    build_engine(registry, model, sku, folder / "engine", prepared=prepared, cache_dir=folder / "cache",
+                 keep_precise=tuple(keep))
+    return folder / "engine"
+
+
 @dataclass
 class Session:
     """One bisection's fixed inputs: the graph, the golden samples, the reference of every candidate."""
@@ -314,19 +329,12 @@ class Session:
 
         from .backends import get_backend
         from .data import run_dataset
-        from .stages.build import build_engine
-
         self.builds += 1
         folder = Path(tempfile.mkdtemp(prefix="build-", dir=self.work))
         try:
             prepared = folder / "marked.onnx"
             onnx.save(self.graph.with_outputs(marked), str(prepared))
-            cache = folder / "cache"
-            real_cache = self._cache_dir()
-            if real_cache.is_dir():
-                shutil.copytree(real_cache, cache)
-            build_engine(self.registry, self.model, self.sku, folder / "engine", prepared=prepared, cache_dir=cache,
-                         keep_precise=self.keep)
+            scratch_build(self.registry, self.model, self.sku, folder, self.keep, prepared)
             sku_spec = self.registry.sku(self.sku)
             with get_backend(sku_spec.backend).load(folder / "engine", sku_spec) as runner:
                 missing = [t for t in marked if t not in runner.output_names]
@@ -337,11 +345,6 @@ class Session:
                                    self.batch)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-
-    def _cache_dir(self) -> Path:
-        from .stages.common import layout
-
-        return layout(self.registry).cache_dir(self.model, self.sku)
 
     def probe(self, marked: list[str]) -> dict[str, TensorError]:
         got = self.run_engine(marked)

@@ -11,13 +11,12 @@ the build report and the manifest, so the engine is reproducible from params.yam
 from __future__ import annotations
 
 import io
-import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from .bisect import bisect
+from .bisect import bisect, scratch_build
 from .errors import ConfigError, InputError
 from .io import atomic_write_bytes
 from .results import Bisection, MetricResult, Outcome, OutputError, Remedy
@@ -69,7 +68,7 @@ def fix(registry: "Registry", model: str, sku: str, *, max_rounds: int | None = 
     builds = 0
     with tempfile.TemporaryDirectory(prefix="skuforge-fix-") as tmp:
         work = Path(tmp)
-        before_dir = _engine(registry, model, sku, work / "before", keep)
+        before_dir = scratch_build(registry, model, sku, work / "before", keep)
         builds += 1
         current = before_dir
         passed, failures = judged(registry, model, sku, current)[2:]
@@ -85,7 +84,7 @@ def fix(registry: "Registry", model: str, sku: str, *, max_rounds: int | None = 
             if found.verdict != "diverges" or not new:
                 break
             keep += new
-            current = _engine(registry, model, sku, work / f"round{len(rounds)}", keep)
+            current = scratch_build(registry, model, sku, work / f"round{len(rounds)}", keep)
             builds += 1
             passed, failures = judged(registry, model, sku, current)[2:]
         before, after = _compare(registry, model, sku, before_dir, current, list(registry.higher_precision(model, sku)), keep)
@@ -100,18 +99,6 @@ def fix(registry: "Registry", model: str, sku: str, *, max_rounds: int | None = 
     return Remedy(model=model, sku=sku, backend=spec.backend, precision=spec.precision, passed=after.passed,
                   summary=summary, keep_precise=keep, rounds=rounds, builds=builds, before=before, after=after,
                   latency_ratio=round(ratio, 4) if ratio else None, overrides=override_yaml(model, sku, keep))
-
-
-def _engine(registry: "Registry", model: str, sku: str, folder: Path, keep: list[str]) -> Path:
-    from .stages.build import build_engine
-    from .stages.common import layout
-
-    cache = folder / "cache"
-    real = layout(registry).cache_dir(model, sku)
-    if real.is_dir():
-        shutil.copytree(real, cache)
-    build_engine(registry, model, sku, folder / "engine", cache_dir=cache, keep_precise=tuple(keep))
-    return folder / "engine"
 
 
 def judged(registry: "Registry", model: str, sku: str, engine: Path) -> tuple[list, list, bool, list[str]]:
