@@ -497,6 +497,69 @@ class Release(Strict):
         return self
 
 
+class Wave(Strict):
+    """One step of a rollout: a share of the fleet (by a stable hash of the device id) or named rings."""
+
+    name: str = Field(description="shown in status and logs, e.g. canary")
+    percent: float | None = Field(None, gt=0, le=100, description="cumulative share of each SKU's devices")
+    rings: list[str] | None = Field(None, min_length=1, description="devices whose ring is listed (cumulative with earlier waves)")
+    bake_minutes: float = Field(60, ge=0, description="how long the wave runs before the next may start")
+
+    @model_validator(mode="after")
+    def _one(self) -> Wave:
+        if (self.percent is None) == (self.rings is None):
+            raise ValueError(f"wave {self.name!r}: give exactly one of percent or rings")
+        if not ALIAS_PATTERN.match(self.name):
+            raise ValueError(f"wave {self.name!r}: letters, digits, _ and - only")
+        return self
+
+
+class HealthGates(Strict):
+    """When a wave is healthy enough to go on; any failed gate aborts the rollout and rolls it back."""
+
+    min_reports: int = Field(20, ge=1, description="device reports a wave needs before it can pass (fewer: wait)")
+    max_failure_rate: float = Field(0.02, ge=0, le=1, description="failed reports / reports: smoke-test, "
+                                                                   "verification and other errors")
+    max_fallback_rate: float = Field(0.05, ge=0, le=1, description="reports of devices that could not run their SKU's "
+                                                                    "engine (runtime, architecture) and took the portable one")
+    max_smoke_failures: int = Field(0, ge=0, description="devices whose smoke test failed on the new engine")
+    max_latency_regression: float = Field(0.10, ge=0, description="median of (new / previous engine latency) - 1 "
+                                                                   "over devices that ran both")
+
+
+class Expiry(Strict):
+    """Lifetimes of the signed TUF metadata; a device refuses metadata past its expiry (freeze attack)."""
+
+    root_days: float = Field(365, gt=0)
+    targets_days: float = Field(90, gt=0)
+    snapshot_days: float = Field(90, gt=0)
+    timestamp_days: float = Field(1, gt=0, description="`skuforge rollout advance` (scheduled) re-signs it at half life")
+
+
+class RolloutSpec(Strict):
+    """Shipping engines to devices: the release store, waves, health gates (docs/rollout.md)."""
+
+    store: str = Field("build/release-store", description="a folder (relative to params.yaml) or s3://bucket/prefix; "
+                                                          "SKUFORGE_STORE overrides it")
+    fallback_sku: str | None = Field(None, description="the portable ONNX Runtime CPU FP32 SKU every release carries")
+    waves: list[Wave] = Field(default_factory=lambda: [Wave(name="canary", percent=1, bake_minutes=60),
+                                                       Wave(name="early", percent=10, bake_minutes=240),
+                                                       Wave(name="half", percent=50, bake_minutes=720),
+                                                       Wave(name="all", percent=100, bake_minutes=0)], min_length=1)
+    gates: HealthGates = HealthGates()
+    expiry: Expiry = Expiry()
+
+    @model_validator(mode="after")
+    def _waves(self) -> RolloutSpec:
+        names = [w.name for w in self.waves]
+        if len(set(names)) != len(names):
+            raise ValueError(f"waves: names repeat: {names}")
+        shares = [w.percent for w in self.waves if w.percent is not None]
+        if any(b < a for a, b in zip(shares, shares[1:])):
+            raise ValueError(f"waves: percentages are cumulative and may not shrink: {shares}")
+        return self
+
+
 class Registry(Strict):
     # Both keys are required because dvc.yaml names them (DVC has no default for a missing key).
     defaults: Defaults = Field(description="dvc.yaml tracks it: write `defaults: {}` to take the built-in defaults")
@@ -504,6 +567,7 @@ class Registry(Strict):
     models: dict[str, ModelSpec]
     skus: dict[str, SkuSpec]
     release: Release = Field(default_factory=Release)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     _root: Path = PrivateAttr(default_factory=lambda: Path("."))
 
     @property
@@ -739,9 +803,35 @@ def _check_cross_references(registry: Registry, source: str) -> None:
         if sku not in registry.skus:
             problems.append(f"release.skus: unknown SKU {sku!r}{_did_you_mean(sku, registry.skus)}; "
                             f"known SKUs: {', '.join(sorted(registry.skus))}")
+    problems += _fallback_problems(registry)
     problems += _collisions(registry)
     if problems:
         raise _invalid(source, problems)
+
+
+PORTABLE_LEVELS = ("disable", "basic", "extended")
+
+
+def _fallback_problems(registry: Registry) -> list[str]:
+    """The fallback SKU must build an engine any device with ONNX Runtime can run: CPU FP32, no
+    layout-specific optimisation, no CPU feature requirement."""
+    name = registry.rollout.fallback_sku
+    if name is None:
+        return []
+    if name not in registry.skus:
+        return [f"rollout.fallback_sku: unknown SKU {name!r}{_did_you_mean(name, registry.skus)}; "
+                f"known SKUs: {', '.join(sorted(registry.skus))}"]
+    sku = registry.skus[name]
+    level = sku.options.get("graph_optimization_level", "all")
+    wrong = [what for what, bad in (
+        (f"backend {sku.backend!r} (needs onnxruntime)", sku.backend != "onnxruntime"),
+        (f"precision {sku.precision!r} (needs fp32)", sku.precision != "fp32"),
+        (f"device {sku.target.device!r} (needs cpu)", sku.target.device != "cpu"),
+        (f"cpu_features {sku.target.cpu_features} (needs none)", bool(sku.target.cpu_features)),
+        (f"options.graph_optimization_level {level!r} (needs one of {', '.join(PORTABLE_LEVELS)}: higher levels "
+         "write CPU-specific layout ops into the engine)", level not in PORTABLE_LEVELS),
+    ) if bad]
+    return [f"rollout.fallback_sku: {name!r} is not portable: {'; '.join(wrong)}"] if wrong else []
 
 
 def _collisions(registry: Registry) -> list[str]:

@@ -170,6 +170,12 @@ class SigningKey:
         return Signature(key_id=self.key_id, public_key=self.public_key, signature=base64.b64encode(raw).decode("ascii"),
                          payload=Payload(digest=digest, model=model, sku=sku))
 
+    def tuf_signer(self):
+        """This key as a securesystemslib signer for TUF metadata (pipeline/rollout/trust.py)."""
+        from securesystemslib.signer import CryptoSigner, SSlibKey
+
+        return CryptoSigner(self._private, SSlibKey.from_crypto(self._private.public_key()))
+
     def private_pem(self) -> bytes:
         from cryptography.hazmat.primitives import serialization
 
@@ -281,6 +287,17 @@ def write_private_key(path: str | os.PathLike, key: SigningKey, replace: bool = 
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+
+
+def read_key_file(path: str | os.PathLike) -> SigningKey:
+    """A private key from a file (PEM, or base64 of the 32 raw bytes), e.g. an offline root key."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the key file {path}: {exc.strerror}", hint="check the path") from exc
+    return SigningKey(_load_private(data, f"key file {path}", hint="give an ed25519 private key file "
+                                    "(`skuforge keys generate --out FILE` writes one)"), str(path))
 
 
 def generate_key_file(path: str | os.PathLike) -> SigningKey:

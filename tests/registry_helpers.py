@@ -113,7 +113,8 @@ def sku(precision: str = "fp32", iterations: int = 60, **extra) -> dict:
     return models.ort_sku(precision, bench={"warmup": 2, "iterations": iterations, "min_seconds": 0.0}, **extra)
 
 
-def make_project(root: Path, skus: dict, release: dict | None = None, failing: tuple[str, ...] = ()) -> Registry:
+def make_project(root: Path, skus: dict, release: dict | None = None, failing: tuple[str, ...] = (),
+                 **top) -> Registry:
     """conv_bn model, the given SKUs built, validated, benched and described by a manifest.
 
     SKUs in ``failing`` are expected to fail validation (their report and manifest are still
@@ -121,7 +122,7 @@ def make_project(root: Path, skus: dict, release: dict | None = None, failing: t
     """
     models.conv_bn_model(root / "models/conv/model.onnx")
     params = models.write_project(root, {"conv": models.conv_bn_spec()}, skus,
-                                  release=release or {"tracking": FAST_RETRIES})
+                                  release=release or {"tracking": FAST_RETRIES}, **top)
     reg = load_registry(params)
     prepare(reg, "conv")
     make_data(reg, "conv")

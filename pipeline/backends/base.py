@@ -146,7 +146,7 @@ class Backend(abc.ABC):
         """Load an engine after checking it is whole and was built by this backend and version."""
         meta = verify_engine(engine_dir, self.engine_format)
         have = self.versions()
-        for key in self.runtime_keys:
+        for key in self.runtime_keys if not meta.get("portable") else ():
             built = meta.get("versions", {}).get(key)
             if built != have.get(key):
                 raise InputError(f"{engine_dir} was built with {key} {built}, this host has {have.get(key)}",

@@ -266,6 +266,9 @@ class OnnxRuntimeBackend(Backend):
                 "inter_op_num_threads": opts.inter_op_num_threads, "host_cpu": probe.cpu_record()}
         if hardware_specific:
             meta["nchwc_block"] = nchwc_block()
+        # standard ONNX ops only: any ONNX Runtime with the opset runs it, so loading does not insist
+        # on the version that built it (the rollout's portable fallback relies on this)
+        meta["portable"] = all(n.domain in ("", "ai.onnx") for n in optimized.graph.node)
         layers, boundaries = self._probe(optimized, engine, opts, ctx.probe_inputs)
         warnings = [f"execution provider {p} is not in this onnxruntime build: skipped" for p in skipped]
         warnings += conversion_warnings(calibration)

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import Registry, SkuSpec
+from ..config import NAME_PATTERN, Registry, SkuSpec
 from ..errors import ConfigError
 
 WORKFLOW_DIR = Path(".github") / "workflows"
-TEMPLATES = {"build.yml": "build.yml.j2", "promote.yml": "promote.yml.j2"}
+TEMPLATES = {"build.yml": "build.yml.j2", "promote.yml": "promote.yml.j2", "rollout.yml": "rollout.yml.j2"}
 # GitHub-hosted runners for CPU SKUs that do not ask for a self-hosted one.
 HOSTED = {"x86_64": "ubuntu-24.04", "aarch64": "ubuntu-24.04-arm"}
 
@@ -80,6 +80,8 @@ def workflows(registry: Registry) -> dict[str, str]:
         "models": sorted(registry.models),
         "aliases": list(release.aliases),
         "skus": list(registry.skus),
+        # the rollout workflow checks a dispatched model name with the registry's own rule
+        "model_rule": f"^{NAME_PATTERN.pattern}$",
     }
     return {name: env.get_template(template).render(**context) for name, template in TEMPLATES.items()}
 

@@ -53,6 +53,9 @@ def collect(registry: Registry, model: str, sku: str) -> PublishInputs:
     sku_dir = out.sku_dir(model, sku)
     reports = list(evidence.values())
     reports += sorted(sku_dir.glob("*.html"))  # an HTML report, where a stage wrote one
+    # what a release needs for the device's smoke test: the golden inputs and the engine's outputs on
+    # them, bound to the manifest by datasets.golden and validate.json's outputs_sha256
+    reports += [p for p in (out.engine_outputs(model, sku), out.split(model, "golden")) if p.is_file()]
     config = resolved(registry)[out.config_file(model, sku).name]
     settings = {"sku": config["sku_spec"], **{k: config[k] for k in ("pins", "tolerance", "metric_gate", "bench")}}
     datasets = {split: (sha, Path(os.path.relpath(out.split(model, split), registry.root)).as_posix())

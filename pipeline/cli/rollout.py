@@ -1,0 +1,272 @@
+"""``skuforge release``, ``skuforge rollout`` and ``skuforge agent``: shipping engines to devices."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ACTIONS = ("pause", "resume", "abort", "rollback")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    rel = sub.add_parser("release", help="signed releases in the release store (TUF)")
+    rsub = rel.add_subparsers(dest="release_command", metavar="ACTION", required=True)
+    p = rsub.add_parser("init", help="create the store's signed root and empty metadata (once per store)")
+    _store_arg(p)
+    p.add_argument("--root-key", action="append", type=Path, default=[],
+                   help="offline root key file (repeat for several; default: the publishing key)")
+    p.add_argument("--threshold", type=int, default=1, help="root keys needed to sign a new root (default 1)")
+    p.set_defaults(func=release_init)
+    p = rsub.add_parser("publish", help="sign one model's engines (every release SKU and the fallback) into the store")
+    p.add_argument("--model", required=True)
+    p.add_argument("--alias", help="take the MLflow versions holding this alias (default: this project's build folder)")
+    p.add_argument("--sku", action="append", help="only these SKUs (repeat); the fallback SKU is always included")
+    _store_arg(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=release_publish)
+    p = rsub.add_parser("root", help="write the store's trusted root: the file devices are provisioned with")
+    p.add_argument("--out", type=Path, required=True)
+    _store_arg(p)
+    p.set_defaults(func=release_root)
+
+    ro = sub.add_parser("rollout", help="move a release over the fleet in waves with health gates")
+    osub = ro.add_subparsers(dest="rollout_command", metavar="ACTION", required=True)
+    p = osub.add_parser("plan", help="which devices each wave reaches (nothing is written)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--inventory", type=Path, required=True, help="fleet inventory, YAML or CSV")
+    p.add_argument("--release", help="default: the newest in the store (an id is needed only to salt the hash)")
+    _store_arg(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=rollout_plan)
+    p = osub.add_parser("start", help="start rolling a release out (wave 1)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--release", help="default: the newest in the store")
+    p.add_argument("--inventory", type=Path, help="fleet inventory: sizes the waves' minimum report counts")
+    p.add_argument("--reason", default="")
+    _store_arg(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=rollout_start)
+    for name, text in (("status", "each rollout's wave, device reports and gate verdicts"),
+                       ("advance", "check the gates: roll back on failure, else next wave once baked")):
+        p = osub.add_parser(name, help=text)
+        _which(p)
+        _store_arg(p)
+        p.add_argument("--json", action="store_true")
+        if name == "status":
+            p.add_argument("--markdown", action="store_true", help="a table for a CI job summary")
+        p.set_defaults(func=rollout_status if name == "status" else rollout_advance)
+    for name in ACTIONS:
+        p = osub.add_parser(name, help={"pause": "stop advancing (devices keep what they run)",
+                                        "resume": "advance again (the wave's bake time restarts)",
+                                        "abort": "end the rollout where it is (no more devices take it)",
+                                        "rollback": "every device returns to the previous release"}[name])
+        _which(p)
+        p.add_argument("--reason", required=True, help="goes into the rollout's log")
+        _store_arg(p)
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(func=rollout_move, action=name)
+
+    p = sub.add_parser("agent", help="the device agent: fetch, verify, smoke-test, activate and report")
+    p.add_argument("--device", type=Path, required=True, help="the device file (id, sku, models; docs/rollout.md)")
+    p.add_argument("--state", type=Path, required=True, help="the agent's folder (engines, A/B slots, trusted metadata)")
+    p.add_argument("--root", type=Path, help="the trusted root.json (needed on the first run)")
+    p.add_argument("--store", help="s3://bucket/prefix or a folder (default: $SKUFORGE_STORE)")
+    p.add_argument("--interval", type=float, default=0, help="seconds between passes (default 0: one pass)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_agent)
+
+
+def _store_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", help="s3://bucket/prefix or a folder (default: $SKUFORGE_STORE, else rollout.store)")
+
+
+def _which(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--model")
+    g.add_argument("--all", action="store_true", help="every model with a live rollout")
+
+
+def _context(args: argparse.Namespace, keys: bool = True):
+    from ..config import load_registry
+    from ..rollout.store import open_store, store_url
+    from ..rollout.trust import Keys
+    from ..signing import signing_key
+
+    reg = load_registry(args.params)
+    store = open_store(args.store or store_url(reg.rollout.store), reg.root)
+    return reg, store, (Keys.single(signing_key()) if keys else None)
+
+
+def _actor() -> str:
+    from ..registry.tracking import actor
+
+    return actor()
+
+
+def _print(args: argparse.Namespace, data, text: str) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True) if getattr(args, "json", False) else text)
+
+
+def release_init(args: argparse.Namespace) -> int:
+    from ..rollout.trust import Keys, initialise
+    from ..signing import read_key_file
+
+    reg, store, keys = _context(args)
+    if args.root_key:
+        keys = Keys(root=[read_key_file(p) for p in args.root_key], online=keys.online, root_threshold=args.threshold)
+    made = initialise(store, keys, reg.rollout.expiry)
+    print(f"{'created' if made else 'already initialised:'} signed release store at {store.url}")
+    return 0
+
+
+def release_publish(args: argparse.Namespace) -> int:
+    from ..rollout.release import publish_release
+
+    reg, store, keys = _context(args)
+    r = publish_release(reg, store, keys, args.model, alias=args.alias, skus=args.sku, actor=_actor())
+    lines = [f"{'published' if r.created else 'unchanged, already'} {r.model} release {r.release} in {r.store} "
+             f"({r.seconds:.1f} s)"]
+    lines += [f"  {s.sku:24s} {s.backend}/{s.precision}  manifest {s.manifest_digest[:12]}  {s.bytes} bytes  from {s.source}"
+              + ("  (portable fallback)" if s.sku == r.fallback_sku else "") for s in r.skus]
+    _print(args, r.to_json(), "\n".join(lines))
+    return 0
+
+
+def release_root(args: argparse.Namespace) -> int:
+    from ..io import atomic_write_bytes
+    from ..rollout.trust import root_bytes
+
+    _, store, _ = _context(args, keys=False)
+    atomic_write_bytes(args.out, root_bytes(store))
+    print(f"wrote the trusted root of {store.url} to {args.out}: provision devices with it (`skuforge agent --root`)")
+    return 0
+
+
+def rollout_plan(args: argparse.Namespace) -> int:
+    from ..rollout import trust
+    from ..rollout.inventory import load_inventory
+    from ..rollout.plan import plan
+    from ..rollout.release import release_doc, releases_of
+
+    reg, store, _ = _context(args, keys=False)
+    inventory = load_inventory(args.inventory)
+    state = trust.read_state(store)
+    released = releases_of(state.targets.signed, args.model)
+    rid = args.release or (released[-1] if released else None)
+    doc = release_doc(store, args.model, rid) if rid in released else None
+    skus = list(doc["skus"]) if doc else reg.release_skus()
+    p = plan(inventory, reg.rollout.waves, f"{args.model}-{rid or 'next'}", skus, reg.rollout.fallback_sku)
+    lines = [f"plan for {args.model} {rid or '(no release yet)'}: {len(inventory)} devices, planned in {p.seconds * 1000:.0f} ms"]
+    for w in p.waves:
+        lines.append(f"  {w.name:10s} {w.devices:8d} devices (+{w.new_devices})  bake {w.bake_minutes:g} min")
+    _print(args, p.to_json(), "\n".join(lines))
+    return 0
+
+
+def rollout_start(args: argparse.Namespace) -> int:
+    from ..rollout import controller
+
+    reg, store, keys = _context(args)
+    inventory = None
+    if args.inventory is not None:
+        from ..rollout.inventory import load_inventory
+
+        inventory = load_inventory(args.inventory)
+    doc = controller.start(reg, store, keys, args.model, args.release, inventory=inventory, actor=_actor(),
+                           reason=args.reason)
+    _print(args, doc.to_json(), f"started {doc.id}: {doc.release} (previous {doc.previous or 'none'}), "
+                                f"wave {doc.waves[0].name}")
+    return 0
+
+
+def _models(args: argparse.Namespace, store) -> list[str]:
+    from ..rollout.controller import live_models
+
+    return live_models(store) if args.all else [args.model]
+
+
+def _status_line(model: str, s) -> str:
+    d = s.rollout
+    if d is None:
+        return f"{model}: no rollout"
+    h = s.health
+    head = f"{model}: {d.id} {d.status}, wave {d.wave + 1}/{len(d.waves)} ({d.waves[d.wave].name})"
+    if h is not None:
+        head += f", {h.reports} reports: " + ", ".join(f"{k} {v}" for k, v in h.counts.items() if v)
+    lines = [head, f"  next: {s.action} ({s.reason})"]
+    if h is not None:
+        lines += [f"  gate {g.name}: {'pass' if g.passed else 'FAIL' if g.passed is False else 'wait'} - {g.detail}"
+                  for g in h.gates]
+    return "\n".join(lines)
+
+
+def _markdown(rows) -> str:
+    out = ["| model | rollout | status | wave | reports | failures | next |", "|---|---|---|---|---|---|---|"]
+    for model, s in rows:
+        d, h = s.rollout, s.health
+        if d is None:
+            out.append(f"| {model} | - | none | - | - | - | - |")
+            continue
+        failed = h.reports - h.counts.get("ok", 0) if h else 0
+        out.append(f"| {model} | {d.id} | {d.status} | {d.waves[d.wave].name} | {h.reports if h else 0} | {failed} | "
+                   f"{s.action}: {s.reason.replace('|', '/')} |")
+    return "\n".join(out)
+
+
+def rollout_status(args: argparse.Namespace) -> int:
+    from ..rollout.controller import status
+
+    reg, store, _ = _context(args, keys=False)
+    rows = [(m, status(reg, store, m)) for m in _models(args, store)]
+    if args.markdown:
+        print(_markdown(rows) if rows else "no live rollouts")
+        return 0
+    _print(args, {m: s.to_json() for m, s in rows}, "\n".join(_status_line(m, s) for m, s in rows) or "no live rollouts")
+    return 0
+
+
+def rollout_advance(args: argparse.Namespace) -> int:
+    from ..rollout.controller import advance
+
+    reg, store, keys = _context(args)
+    rows = [(m, advance(reg, store, keys, m, actor=_actor())) for m in _models(args, store)]
+    _print(args, {m: s.to_json() for m, s in rows},
+           "\n".join(f"{m}: {s.action}: {s.reason}" for m, s in rows) or "no live rollouts")
+    return 1 if any(s.action == "rolled_back" for _, s in rows) else 0
+
+
+def rollout_move(args: argparse.Namespace) -> int:
+    from ..rollout.controller import move
+
+    reg, store, keys = _context(args)
+    docs = [move(reg, store, keys, m, args.action, actor=_actor(), reason=args.reason) for m in _models(args, store)]
+    _print(args, [d.to_json() for d in docs], "\n".join(f"{d.model}: {d.id} is {d.status}" for d in docs)
+           or "no live rollouts")
+    return 0
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    import time
+
+    from ..errors import ConfigError
+    from ..rollout.agent import Agent, Device, load_device
+    from ..rollout.store import open_store, store_url
+
+    url = args.store or store_url("")
+    if not url:
+        raise ConfigError("which store?", hint="give --store s3://bucket/prefix (or a folder), or set SKUFORGE_STORE")
+    cfg = load_device(args.device)
+    root = args.root.read_bytes() if args.root is not None else None
+    agent = Agent(open_store(url), Device.from_config(cfg), args.state, root)
+    code = 0
+    while True:
+        for model in cfg.models:
+            r = agent.run_once(model)
+            active = r.active or {}
+            _print(args, r.to_json(), f"{r.device} {model}: {r.outcome}: {r.detail} (active: "
+                                      f"{active.get('release', 'none')} {active.get('sku', '')} {active.get('kind', '')})")
+            code = max(code, 0 if r.outcome in ("ok", "idle", "current") else 1)
+        if args.interval <= 0:
+            return code
+        time.sleep(args.interval)

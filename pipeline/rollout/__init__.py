@@ -1,0 +1,1 @@
+"""Shipping engines to devices: release store, TUF signing, waves, health gates, device agent."""

@@ -1,0 +1,434 @@
+"""The device agent: fetch, verify, check, stage, smoke-test, activate, report.
+
+One pass (``run_once``) per model:
+
+1. refresh the signed metadata (TUF: signatures, expiry, versions never going back);
+2. read the rollout document and decide the release this device should run;
+3. pick the engine: the device's SKU if the release has it and the device can run it (architecture,
+   CPU features, runtime versions from the release document), else the portable fallback;
+4. download every file through TUF (length and sha256 verified) into the inactive slot (A/B);
+5. smoke-test the staged engine: load it with its backend, run the golden inputs, compare with the
+   engine's outputs recorded at validation within the SKU's tolerance, time it and the active engine;
+6. flip the active pointer (one atomic rename) only when the smoke test passed;
+7. report the outcome to the store.
+
+On any failure the active engine stays (a staged engine never becomes active unverified or
+untested); a device with no working engine takes the portable one. Only the backend of the engine
+being loaded is imported, so a device needs only its own runtime.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import io
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import Field
+
+from ..config import SkuSpec, Strict
+from ..errors import ServiceError, SkuforgeError
+from ..io import atomic_write_json, read_json, sha256_bytes
+from ..results import Result
+from . import controller, release as rel, trust
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+RUNTIME_PACKAGES = ("onnxruntime", "openvino", "iree-base-runtime", "tensorrt")
+ACTIVE = "active.json"
+SLOT_DOC = "slot.json"
+
+
+class DeviceConfig(Strict):
+    """What a device is: written at provisioning (``device.yaml``)."""
+
+    id: str
+    sku: str
+    models: list[str] = Field(min_length=1)
+    arch: str | None = Field(None, description="default: this machine's")
+    runtime: dict[str, str] | None = Field(None, description="package -> version; default: the installed ones")
+    cpu_features: list[str] | None = Field(None, description="default: this CPU's")
+    ring: str | None = None
+    labels: list[str] = Field(default_factory=list)
+
+
+@dataclass
+class Device:
+    """A device's identity with the defaults resolved from the machine it runs on."""
+
+    id: str
+    sku: str
+    arch: str
+    runtime: dict[str, str]
+    cpu_features: frozenset[str]
+    ring: str | None = None
+
+    @classmethod
+    def from_config(cls, cfg: DeviceConfig) -> Device:
+        from ..runner.probe import cpu_features, host_arch
+
+        return cls(id=cfg.id, sku=cfg.sku, arch=cfg.arch or host_arch(),
+                   runtime=cfg.runtime if cfg.runtime is not None else installed_runtimes(),
+                   cpu_features=frozenset(cfg.cpu_features) if cfg.cpu_features is not None else cpu_features(),
+                   ring=cfg.ring)
+
+
+def installed_runtimes() -> dict[str, str]:
+    out = {}
+    for pkg in RUNTIME_PACKAGES:
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+class AgentResult(Result):
+    device: str
+    model: str
+    rollout: str | None
+    desired: str | None
+    outcome: str = Field(description="idle, current, ok, fallback, smoke_failed, incompatible, verify_failed, error")
+    detail: str
+    active: dict[str, Any] | None = Field(description="the engine active after this pass")
+    latency_ms: float | None = None
+    previous_latency_ms: float | None = None
+    reported: str | None = None
+    seconds: float
+
+
+def compatibility(requires: dict[str, Any], device: Device) -> list[str]:
+    """Why ``device`` cannot run an engine with these requirements (empty: it can)."""
+    from ..runner.check import satisfies
+
+    bad = []
+    if requires.get("arch") and requires["arch"] != device.arch:
+        bad.append(f"built for {requires['arch']}, the device is {device.arch}")
+    missing = sorted(set(requires.get("cpu_features", [])) - device.cpu_features)
+    if missing:
+        bad.append(f"needs CPU features {', '.join(missing)}")
+    for pkg, version in requires.get("exact", {}).items():
+        if device.runtime.get(pkg) != version:
+            bad.append(f"needs {pkg} {version} exactly, the device has {device.runtime.get(pkg) or 'none'}")
+    for pkg, spec in requires.get("specifiers", {}).items():
+        if not satisfies(device.runtime.get(pkg), spec):
+            bad.append(f"needs {pkg} {spec}, the device has {device.runtime.get(pkg) or 'none'}")
+    return bad
+
+
+# --- the smoke test ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Smoke:
+    passed: bool
+    detail: str
+    latency_ms: float | None = None
+
+
+def _arrays(data: bytes) -> dict[str, Any]:
+    import numpy as np
+
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def _load(entry: dict[str, Any], engine_dir: Path):
+    from ..backends import get_backend
+
+    return get_backend(entry["backend"]).load(engine_dir, SkuSpec.model_validate(entry["sku_spec"]))
+
+
+def _timed(runner, golden: dict[str, Any], entry: dict[str, Any], repeats: int = 3) -> tuple[dict[str, Any], float]:
+    """Outputs on the golden inputs and the median time of one inference call (ms)."""
+    from ..data import iter_batches, run_dataset
+
+    run = entry["run"]
+    outputs = run_dataset(runner.infer, golden, run["inputs"], run["outputs"], run["batch"])
+    times = []
+    for _ in range(repeats):
+        for _, feeds in iter_batches(golden, run["inputs"], run["batch"]):
+            t0 = time.perf_counter()
+            runner.infer(feeds)
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return outputs, 1000 * times[len(times) // 2]
+
+
+def smoke_test(entry: dict[str, Any], slot: Path) -> Smoke:
+    """Load the staged engine, run the golden inputs, compare with the outputs it gave at validation."""
+    import numpy as np
+
+    try:
+        golden = _arrays((slot / "golden.npz").read_bytes())
+        expected = _arrays((slot / "expected.npz").read_bytes())
+        with _load(entry, slot / "engine") as runner:
+            got, latency = _timed(runner, golden, entry)
+    except SkuforgeError as exc:
+        return Smoke(False, f"the engine does not load or run: {exc.message}")
+    except Exception as exc:  # a runtime crash on this device is exactly what the smoke test is for
+        return Smoke(False, f"the engine does not load or run: {type(exc).__name__}: {exc}")
+    bad = []
+    for tol in entry["tolerance"]:
+        name = tol["output"]
+        e, r = np.asarray(got.get(name)), np.asarray(expected.get(name))
+        if e.shape != r.shape:
+            bad.append(f"{name}: shape {list(e.shape)}, expected {list(r.shape)}")
+            continue
+        e64, r64 = e.astype(np.float64), r.astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            beyond = ~(np.abs(e64 - r64) <= tol["atol"] + tol["rtol"] * np.abs(r64))
+        beyond &= ~(np.isnan(e64) & np.isnan(r64))
+        frac = float(beyond.mean()) if beyond.size else 0.0
+        if frac > tol["max_mismatch"]:
+            bad.append(f"{name}: {frac:.2%} of elements beyond atol {tol['atol']:g} + rtol {tol['rtol']:g} "
+                       f"(allowed {tol['max_mismatch']:.2%})")
+    if bad:
+        return Smoke(False, "outputs differ from validation: " + "; ".join(bad), latency)
+    return Smoke(True, f"{len(entry['tolerance'])} outputs match validation", latency)
+
+
+# --- device state (A/B slots) -----------------------------------------------------------------------
+
+
+@dataclass
+class Agent:
+    """One device's agent over one store. ``smoke`` is the smoke test (the fleet simulation passes a
+    memoised one: identical simulated devices would compute identical results)."""
+
+    store: Store
+    device: Device
+    state_dir: Path
+    root: bytes | None = None
+    smoke: Callable[[dict[str, Any], Path], Smoke] = smoke_test
+    client: trust.Client | None = field(default=None, init=False)
+
+    def _model_dir(self, model: str) -> Path:
+        return self.state_dir / "models" / model
+
+    def active(self, model: str) -> dict[str, Any] | None:
+        path = self._model_dir(model) / ACTIVE
+        try:
+            return read_json(path)
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def active_engine_dir(self, model: str) -> Path | None:
+        act = self.active(model)
+        return None if act is None else self._model_dir(model) / "slots" / act["slot"] / "engine"
+
+    def _slot_doc(self, model: str, slot: str) -> dict[str, Any] | None:
+        try:
+            return read_json(self._model_dir(model) / "slots" / slot / SLOT_DOC)
+        except (FileNotFoundError, NotADirectoryError, ValueError):
+            return None
+
+    def _stage(self, model: str, slot: str, rid: str, sku: str, entry: dict[str, Any], kind: str) -> Path:
+        """Download and verify every file of the engine into ``slot`` (replaced whole, or not at all)."""
+        from ..io import atomic_dir
+
+        files = entry["files"]
+        wanted = {"golden.npz": files["golden"], "expected.npz": files["expected"], "manifest.json": files["manifest"]}
+        wanted.update({f"engine/{n}": p for n, p in files["engine"].items()})
+        target = self._model_dir(model) / "slots" / slot
+        with atomic_dir(target) as tmp:
+            for name, path in wanted.items():
+                data = self.client.fetch(path)
+                if data is None:
+                    raise trust.VerificationFailed(f"{path} is not in the signed targets",
+                                                   hint="the release document names a file the store does not sign")
+                dest = tmp / name
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(data)
+            atomic_write_json(tmp / SLOT_DOC, {"release": rid, "sku": sku, "kind": kind, "entry": entry})
+        return target
+
+    def _verified_slot(self, model: str, slot: str, rid: str, sku: str, entry: dict[str, Any]) -> bool:
+        """The slot still holds exactly the files the signed release names (after a rollback)."""
+        doc = self._slot_doc(model, slot)
+        if doc is None or (doc["release"], doc["sku"]) != (rid, sku):
+            return False
+        base = self._model_dir(model) / "slots" / slot
+        for name, sha in entry["sha256"].items():
+            local = base / name
+            if name == "signature.json":  # not staged: the release, not the device, checks it
+                continue
+            try:
+                if sha256_bytes(local.read_bytes()) != sha:
+                    return False
+            except OSError:
+                return False
+        return True
+
+    def _activate(self, model: str, slot: str, rid: str, sku: str, kind: str, rollout: str | None) -> dict[str, Any]:
+        doc = {"slot": slot, "release": rid, "sku": sku, "kind": kind, "rollout": rollout,
+               "activated": datetime.now(timezone.utc).replace(microsecond=0).isoformat()}
+        atomic_write_json(self._model_dir(model) / ACTIVE, doc)  # the one atomic switch
+        return doc
+
+    # --- one pass -----------------------------------------------------------------------------------
+
+    def run_once(self, model: str) -> AgentResult:
+        t0 = time.perf_counter()
+        act = self.active(model)
+        rollout_id, desired = None, None
+        try:
+            if self.client is None:
+                self.client = trust.Client(self.store, self.state_dir / "tuf", self.root)
+            self.client.refresh()
+            raw = self.client.fetch(controller.rollout_path(model))
+            doc = controller.RolloutDoc.model_validate_json(raw) if raw is not None else None
+            rollout_id = doc.id if doc is not None else None
+            desired, why = controller.desired_release(doc, self.device.id, self.device.ring)
+            if desired is None or (act is not None and act["release"] == desired):
+                outcome = "idle" if desired is None else "current"
+                return self._result(model, rollout_id, desired, outcome, why, act, t0)
+            release_raw = self.client.fetch(rel.release_path(model, desired, rel.RELEASE_DOC))
+            if release_raw is None:
+                raise trust.VerificationFailed(f"release {desired} of {model} is not in the signed targets",
+                                               hint="the rollout names a release the store does not hold")
+            return self._install(model, json.loads(release_raw), doc, t0)
+        except trust.VerificationFailed as exc:
+            result = self._result(model, rollout_id, desired, "verify_failed", exc.message, self.active(model), t0)
+        except ServiceError as exc:  # the store is unreachable: keep running what we have, try next pass
+            return self._result(model, rollout_id, desired, "error", exc.message, self.active(model), t0)
+        return self._report(model, result, doc_release=desired)
+
+    def _install(self, model: str, release: dict[str, Any], doc, t0: float) -> AgentResult:
+        rid = release["release"]
+        act = self.active(model)
+        slot = "b" if act is not None and act["slot"] == "a" else "a"
+        entry = release["skus"].get(self.device.sku)
+        fallback = release["skus"].get(release.get("fallback_sku") or "")
+        outcome, detail = "ok", ""
+        choice = None
+        if entry is None:
+            outcome, detail = "incompatible", f"release {rid} has no engine for SKU {self.device.sku}"
+        else:
+            problems = compatibility(entry["requires"], self.device)
+            if problems:
+                outcome, detail = "incompatible", "; ".join(problems)
+            else:
+                choice = (self.device.sku, entry, "optimized")
+        previous_latency = None
+        if choice is not None:
+            if self._verified_slot(model, slot, rid, choice[0], choice[1]):
+                staged = self._model_dir(model) / "slots" / slot  # A/B: the other slot already holds it
+            else:
+                staged = self._stage(model, slot, rid, choice[0], choice[1], choice[2])
+            smoke = self.smoke(choice[1], staged)
+            if smoke.passed:
+                previous_latency = self._previous_latency(model, act, choice[1], staged)
+                active = self._activate(model, slot, rid, choice[0], choice[2], doc.id if doc else None)
+                return self._report(model, self._result(model, doc.id if doc else None, rid, "ok", smoke.detail, active,
+                                                        t0, smoke.latency_ms, previous_latency), doc_release=rid,
+                                    rollout_release=doc.release if doc else None)
+            outcome, detail = "smoke_failed", smoke.detail
+            if act is not None:  # keep the engine that works
+                return self._report(model, self._result(model, doc.id if doc else None, rid, outcome,
+                                                        f"{detail}; kept {act['release']}", act, t0, smoke.latency_ms),
+                                    doc_release=rid, rollout_release=doc.release if doc else None)
+        # incompatible, or failed with nothing to keep: the portable engine of the same release
+        if fallback is None or compatibility(fallback["requires"], self.device):
+            why = "no fallback in the release" if fallback is None else "; ".join(compatibility(fallback["requires"], self.device))
+            return self._report(model, self._result(model, doc.id if doc else None, rid, outcome,
+                                                    f"{detail}; portable fallback unusable: {why}", act, t0),
+                                doc_release=rid, rollout_release=doc.release if doc else None)
+        fsku = release["fallback_sku"]
+        if act is not None and act["release"] == rid and act["sku"] == fsku:
+            return self._result(model, doc.id if doc else None, rid, "current", "on the portable fallback already", act, t0)
+        staged = self._stage(model, slot, rid, fsku, fallback, "fallback")
+        smoke = self.smoke(fallback, staged)
+        if not smoke.passed:
+            return self._report(model, self._result(model, doc.id if doc else None, rid, outcome,
+                                                    f"{detail}; the portable fallback failed too: {smoke.detail}", act, t0),
+                                doc_release=rid, rollout_release=doc.release if doc else None)
+        active = self._activate(model, slot, rid, fsku, "fallback", doc.id if doc else None)
+        outcome = outcome if outcome == "smoke_failed" else "fallback"
+        return self._report(model, self._result(model, doc.id if doc else None, rid, outcome,
+                                                f"{detail}; running the portable fallback {fsku}", active, t0,
+                                                smoke.latency_ms),
+                            doc_release=rid, rollout_release=doc.release if doc else None)
+
+    def _previous_latency(self, model: str, act: dict[str, Any] | None, entry: dict[str, Any], staged: Path) -> float | None:
+        """The active engine's time on the same golden inputs, for the latency-regression gate."""
+        if act is None:
+            return None
+        prev = self._slot_doc(model, act["slot"])
+        if prev is None:
+            return None
+        try:
+            golden = _arrays((staged / "golden.npz").read_bytes())
+            with _load(prev["entry"], self._model_dir(model) / "slots" / act["slot"] / "engine") as runner:
+                return _timed(runner, golden, entry)[1]
+        except Exception as exc:  # the old engine cannot time the new inputs: no ratio, not a failure
+            log.debug("%s: previous engine not timed: %s", self.device.id, exc)
+            return None
+
+    def _result(self, model: str, rollout: str | None, desired: str | None, outcome: str, detail: str,
+                active: dict[str, Any] | None, t0: float, latency: float | None = None,
+                previous: float | None = None) -> AgentResult:
+        return AgentResult(device=self.device.id, model=model, rollout=rollout, desired=desired, outcome=outcome,
+                           detail=detail, active=active, latency_ms=latency, previous_latency_ms=previous,
+                           seconds=round(time.perf_counter() - t0, 4))
+
+    def _report(self, model: str, result: AgentResult, doc_release: str | None,
+                rollout_release: str | None = None) -> AgentResult:
+        """Tell the controller, for installs of the rollout's own release (returning to the previous
+        release on a rollback is not evidence about the new one)."""
+        if result.rollout is None or (rollout_release is not None and doc_release != rollout_release):
+            return result
+        key = controller.report_key(model, result.rollout, result.outcome, self.device.id)
+        ratio = (result.latency_ms / result.previous_latency_ms
+                 if result.latency_ms and result.previous_latency_ms else None)
+        body = {"device": self.device.id, "sku": self.device.sku, "arch": self.device.arch, "ring": self.device.ring,
+                "release": result.desired, "active": result.active, "outcome": result.outcome, "detail": result.detail,
+                "latency_ms": result.latency_ms, "previous_latency_ms": result.previous_latency_ms,
+                "latency_ratio": ratio, "at": datetime.now(timezone.utc).replace(microsecond=0).isoformat()}
+        marker = self._model_dir(model) / "reported.json"
+        try:
+            before = read_json(marker)
+        except (FileNotFoundError, ValueError):
+            before = {}
+        try:
+            self.store.put(key, json.dumps(body, sort_keys=True).encode())
+            old = before.get(result.rollout)
+            if old and old != key:
+                self.store.delete(old)  # one report per device and rollout: its latest outcome
+        except ServiceError as exc:
+            log.warning("%s: report not delivered (%s); the next pass sends it", self.device.id, exc.message)
+            return result
+        before[result.rollout] = key
+        atomic_write_json(marker, before)
+        return result.model_copy(update={"reported": key})
+
+
+def load_device(path: str | os.PathLike) -> DeviceConfig:
+    import yaml
+
+    from ..config import validation_problems
+    from ..errors import InputError
+
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read the device file {path}: {exc}", hint="write a YAML mapping (docs/rollout.md)") from exc
+    from pydantic import ValidationError
+
+    try:
+        return DeviceConfig.model_validate(data)
+    except ValidationError as exc:
+        raise InputError(f"{path}: " + "; ".join(validation_problems(exc, DeviceConfig, ())),
+                         hint="see docs/rollout.md for the device file") from None
+
+
+def remove_state(state_dir: Path) -> None:
+    shutil.rmtree(state_dir, ignore_errors=True)

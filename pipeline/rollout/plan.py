@@ -1,0 +1,145 @@
+"""Which wave each device of the fleet joins a rollout in: deterministic, no I/O.
+
+A device's bucket is a stable hash of the rollout id and its id, so the same rollout always picks
+the same devices, and another rollout picks another canary (no device is always first). Waves are
+cumulative: a device in wave k is in every later wave.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections import Counter
+from collections.abc import Collection, Iterable, Sequence
+
+from pydantic import Field
+
+from ..config import Wave
+from ..errors import ConfigError
+from ..results import Result
+from .inventory import Device, Inventory
+
+MAX_EXAMPLES = 20
+_BELOW_100 = math.nextafter(100.0, 0.0)
+
+
+def bucket(rollout_id: str, device_id: str) -> float:
+    """The device's place in [0, 100) for this rollout."""
+    digest = hashlib.sha256(f"{rollout_id}\0{device_id}".encode()).digest()
+    # float rounding takes the top 2**10 hash values to 100.0, which a 100% wave must still include
+    return min(int.from_bytes(digest[:8], "big") / 2**64 * 100, _BELOW_100)
+
+
+def first_wave(waves: Sequence[Wave], rollout_id: str, device_id: str, ring: str | None) -> int | None:
+    """Index of the first wave that takes the device (by bucket < percent, or by ring), None if none does."""
+    share = None
+    for index, wave in enumerate(waves):
+        if wave.percent is not None:
+            if share is None:
+                share = bucket(rollout_id, device_id)
+            if share < wave.percent:
+                return index
+        elif ring is not None and ring in wave.rings:
+            return index
+    return None
+
+
+def included(waves: Sequence[Wave], wave_index: int, rollout_id: str, device_id: str, ring: str | None) -> bool:
+    """Whether the device is in wave ``wave_index`` (it or an earlier wave took it)."""
+    if not 0 <= wave_index < len(waves):
+        raise IndexError(f"wave {wave_index} of a rollout with {len(waves)} wave(s)")
+    return first_wave(waves[: wave_index + 1], rollout_id, device_id, ring) is not None
+
+
+class DeviceGroup(Result):
+    """Devices the plan sets apart, counted, with the first few ids (inventory order) to look at."""
+
+    devices: int = 0
+    by_sku: dict[str, int] = Field(default_factory=dict)
+    by_ring: dict[str, int] = Field(default_factory=dict, description="'' for devices without a ring")
+    examples: list[str] = Field(default_factory=list)
+
+
+class WavePlan(Result):
+    name: str
+    percent: float | None = None
+    rings: list[str] | None = None
+    bake_minutes: float
+    devices: int = Field(description="devices in this wave and the earlier ones (cumulative)")
+    new_devices: int = Field(description="devices this wave adds")
+    on_fallback: int = Field(description="of `devices`, those whose SKU the release lacks: they get the fallback engine")
+    by_sku: dict[str, int] = Field(description="`devices` per device SKU (cumulative)")
+
+
+class RolloutPlan(Result):
+    rollout_id: str
+    release_skus: list[str]
+    fallback_sku: str | None
+    devices: int = Field(description="devices in the inventory")
+    waves: list[WavePlan]
+    never_included: DeviceGroup = Field(description="served devices no wave takes (e.g. a ring no wave lists)")
+    fallback: DeviceGroup = Field(description="devices whose SKU the release lacks, served the fallback engine")
+    not_served: DeviceGroup = Field(description="devices whose SKU the release lacks, with no fallback SKU set")
+    seconds: float = Field(description="time taken to plan")
+
+
+def plan(inventory: Inventory | Iterable[Device], waves: Sequence[Wave], rollout_id: str,
+         release_skus: Collection[str], fallback_sku: str | None = None) -> RolloutPlan:
+    """Assign every device its first wave and count each wave's devices."""
+    start = time.perf_counter()
+    release = frozenset(release_skus)
+    if fallback_sku is not None and fallback_sku not in release:
+        raise ConfigError(f"rollout {rollout_id}: the release has no engine for the fallback SKU {fallback_sku!r} "
+                          f"(it has {', '.join(sorted(release)) or 'none'})",
+                          hint="add the fallback SKU to release.skus and promote the release again")
+    first: list[Counter[str]] = [Counter() for _ in waves]  # SKU counts of the devices each wave adds
+    first_fallback = [0] * len(waves)
+    never, fallback, unserved = _Group(), _Group(), _Group()
+    total = 0
+    for device in inventory:
+        total += 1
+        served = device.sku in release
+        if not served:
+            if fallback_sku is None:
+                unserved.add(device)
+                continue
+            fallback.add(device)
+        index = first_wave(waves, rollout_id, device.id, device.ring)
+        if index is None:
+            never.add(device)
+            continue
+        first[index][device.sku] += 1
+        if not served:
+            first_fallback[index] += 1
+
+    wave_plans, cumulative, on_fallback = [], Counter(), 0
+    for wave, added, added_fallback in zip(waves, first, first_fallback):
+        cumulative.update(added)
+        on_fallback += added_fallback
+        wave_plans.append(WavePlan(name=wave.name, percent=wave.percent, rings=wave.rings,
+                                   bake_minutes=wave.bake_minutes, devices=cumulative.total(),
+                                   new_devices=added.total(), on_fallback=on_fallback,
+                                   by_sku=dict(sorted(cumulative.items()))))
+    return RolloutPlan(rollout_id=rollout_id, release_skus=sorted(release), fallback_sku=fallback_sku,
+                       devices=total, waves=wave_plans, never_included=never.result(), fallback=fallback.result(),
+                       not_served=unserved.result(), seconds=time.perf_counter() - start)
+
+
+class _Group:
+    __slots__ = ("skus", "rings", "examples")
+
+    def __init__(self) -> None:
+        self.skus: Counter[str] = Counter()
+        self.rings: Counter[str] = Counter()
+        self.examples: list[str] = []
+
+    def add(self, device: Device) -> None:
+        self.skus[device.sku] += 1
+        self.rings[device.ring or ""] += 1
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append(device.id)
+
+    def result(self) -> DeviceGroup:
+        return DeviceGroup(devices=self.skus.total(), by_sku=dict(sorted(self.skus.items())),
+                           by_ring=dict(sorted(self.rings.items())), examples=self.examples)

@@ -1,0 +1,355 @@
+"""Releases: the engines of one model version, per SKU, signed into the release store.
+
+``publish_release`` gathers each SKU's engine with its manifest, signature, golden inputs and the
+engine's own outputs on them (from the MLflow version holding an alias, or from this project's
+build folder), re-checks every gate from that evidence (fail closed), stores the files by content
+and commits one TUF targets update holding them, the release document and the per-(model, SKU)
+channel pointers. The commit is the last write: until it lands no reader sees any of it.
+
+Every release carries the portable fallback (``rollout.fallback_sku``, an ONNX Runtime CPU FP32
+engine built and validated like any other); a release without it is refused.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import Registry
+from ..errors import ConfigError, GateFailed, InputError
+from ..io import read_json, sha256_arrays, sha256_bytes, sha256_file
+from ..manifest import Manifest
+from ..registry.gates import correctness_problems, engine_gate, manifest_gate, placement_gate, signature_gate
+from ..results import Result
+from . import trust
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+RELEASES = "releases"
+CHANNELS = "channels"
+RELEASE_DOC = "release.json"
+RELEASE_ID = re.compile(r"r(\d+)")
+SCHEMA = 1
+
+
+@dataclass
+class Candidate:
+    """One SKU's engine and its evidence, as gathered for a release (files on local disk)."""
+
+    sku: str
+    manifest: Manifest
+    manifest_doc: dict
+    signature: Any
+    engine: dict[str, Path]  # relative path -> file, engine.json included
+    golden: Path
+    expected: Path
+    validate: Path
+    source: str
+    problems: list[str] = field(default_factory=list)
+
+
+class ReleaseSku(Result):
+    sku: str
+    backend: str
+    precision: str
+    manifest_digest: str
+    source: str
+    files: dict[str, Any]
+    bytes: int
+
+
+class ReleaseResult(Result):
+    model: str
+    release: str
+    created: bool
+    store: str
+    fallback_sku: str | None
+    skus: list[ReleaseSku]
+    seconds: float
+
+
+def release_path(model: str, release: str, *parts: str) -> str:
+    return "/".join((RELEASES, model, release, *parts))
+
+
+def channel_path(model: str, sku: str) -> str:
+    return f"{CHANNELS}/{model}/{sku}.json"
+
+
+def releases_of(targets, model: str) -> list[str]:
+    """Release ids of ``model`` in the signed targets, oldest first."""
+    found = set()
+    prefix = f"{RELEASES}/{model}/"
+    for path in targets.targets:
+        if path.startswith(prefix) and path.endswith("/" + RELEASE_DOC):
+            rid = path[len(prefix):].split("/", 1)[0]
+            if RELEASE_ID.fullmatch(rid):
+                found.add(rid)
+    return sorted(found, key=lambda r: int(r[1:]))
+
+
+# --- gathering --------------------------------------------------------------------------------------
+
+
+def local_candidate(registry: Registry, model: str, sku: str) -> Candidate:
+    """The pair as this project's build folder holds it, signed now with the publishing key."""
+    from ..signing import signing_key
+    from ..stages.common import layout
+    from ..stages.publish import collect
+
+    inputs = collect(registry, model, sku)  # refuses a manifest that does not match its reports and engine
+    out = layout(registry)
+    m = inputs.manifest
+    return Candidate(sku=sku, manifest=m, manifest_doc=read_json(inputs.manifest_path),
+                     signature=signing_key().sign(m.digest, model, sku).to_json(),
+                     engine={rel: inputs.engine_dir / rel for rel in inputs.engine_files},
+                     golden=out.split(model, "golden"), expected=out.engine_outputs(model, sku),
+                     validate=out.report(model, sku, "validate"), source=str(inputs.manifest_path))
+
+
+def mlflow_candidate(tracking, registry: Registry, model: str, sku: str, alias: str, into: Path) -> Candidate | None:
+    """The version of ``<model>.<sku>`` holding ``alias``, downloaded under ``into``; None when no
+    version holds it."""
+    from ..registry.promotion import _download, _engine_files
+    from ..registry.publish import MANIFEST_ARTIFACT, REPORT_ARTIFACTS
+    from ..registry.tracking import TAG_SIGNATURE, registered_model_name
+
+    name = registered_model_name(registry.release, model, sku)
+    try:
+        version = tracking.call(f"read alias {alias} of {name}", tracking.client.get_model_version_by_alias, name, alias,
+                                expect={"RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"})
+    except Exception as exc:
+        if getattr(exc, "error_code", None) in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
+    run = version.run_id
+    into = into / sku
+    into.mkdir(parents=True)
+    manifest_file = _download(tracking, run, MANIFEST_ARTIFACT, str(into))
+    problems = []
+    doc: dict = {}
+    if manifest_file is None:
+        problems.append(f"{name} v{version.version}: no manifest artifact")
+    else:
+        try:
+            doc = json.loads(manifest_file.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            problems.append(f"{name} v{version.version}: the manifest artifact is not JSON")
+    gate = manifest_gate(doc, (version.tags or {}).get("skuforge.digest", doc.get("digest")), registry) if doc else None
+    if gate is not None and not gate.passed:
+        problems.append(f"{name} v{version.version}: manifest: {gate.detail}")
+    reports = {n: _download(tracking, run, f"{REPORT_ARTIFACTS}/{n}", str(into))
+               for n in ("validate.json", "outputs.npz", "golden.npz")}
+    missing = [n for n, p in reports.items() if p is None]
+    if missing:
+        problems.append(f"{name} v{version.version}: no {', '.join(missing)} among its reports (published before "
+                        "releases needed them: publish the engine again)")
+    engine = _engine_files(tracking, run, str(into / "engine-dl")) or {}
+    try:
+        signature = json.loads(version.tags[TAG_SIGNATURE]) if TAG_SIGNATURE in (version.tags or {}) else None
+    except ValueError:
+        signature = "unreadable"
+    manifest = Manifest.model_validate(doc) if doc and not problems else None
+    return Candidate(sku=sku, manifest=manifest, manifest_doc=doc, signature=signature, engine=engine,
+                     golden=reports["golden.npz"], expected=reports["outputs.npz"], validate=reports["validate.json"],
+                     source=f"mlflow {name} v{version.version} ({alias})", problems=problems)
+
+
+def check(registry: Registry, model: str, c: Candidate, alias: str | None) -> list[str]:
+    """Every reason not to ship this engine, recomputed from its evidence."""
+    import numpy as np
+
+    if c.problems or c.manifest is None:
+        return c.problems or [f"{c.sku}: no usable manifest"]
+    m, bad = c.manifest, []
+    if (m.model, m.sku) != (model, c.sku):
+        return [f"{c.sku}: the manifest describes {m.model}/{m.sku}"]
+    bad += [f"{c.sku}: correctness: {p}" for p in correctness_problems(m, registry)]
+    for gate in (placement_gate(m, registry), engine_gate(m, c.engine, c.source)):
+        if not gate.passed:
+            bad.append(f"{c.sku}: {gate.name}: {gate.detail}")
+    if alias is not None:
+        gate = signature_gate(c.signature, m, alias, registry)
+        if not gate.passed:
+            bad.append(f"{c.sku}: signature: {gate.detail}")
+    if sha256_file(c.validate) != m.evidence.files.get("validate.json"):
+        bad.append(f"{c.sku}: validate.json is not the report the manifest was written from")
+        return bad
+    want = read_json(c.validate).get("outputs_sha256")
+    try:
+        with np.load(c.expected, allow_pickle=False) as z:
+            expected = {k: z[k] for k in z.files}
+        with np.load(c.golden, allow_pickle=False) as z:
+            golden = {k: z[k] for k in z.files}
+    except (OSError, ValueError) as exc:
+        return bad + [f"{c.sku}: golden data unreadable: {exc}"]
+    if want is None or sha256_arrays(expected) != want:
+        bad.append(f"{c.sku}: the engine's golden outputs are not the ones validate recorded")
+    inputs = {i.name: golden[i.name] for i in m.signature.inputs if i.name in golden}
+    if len(inputs) != len(m.signature.inputs) or sha256_arrays(inputs) != m.datasets.get("golden"):
+        bad.append(f"{c.sku}: the golden inputs are not the set the manifest was validated on")
+    return bad
+
+
+# --- the release document ---------------------------------------------------------------------------
+
+
+def _requires(registry: Registry, m: Manifest, engine_meta: dict) -> dict[str, Any]:
+    """What a device needs to run the engine: architecture, CPU features, runtime versions."""
+    from ..backends import backend_class
+
+    sku = registry.sku(m.sku)
+    backend = backend_class(m.backend)
+    portable = bool(engine_meta.get("portable"))
+    keys = backend.runtime_keys
+    return {
+        "arch": None if portable else sku.target.arch,
+        "cpu_features": [] if portable else list(sku.target.cpu_features),
+        "exact": {} if portable else {k: engine_meta.get("versions", {}).get(k) for k in keys},
+        "specifiers": {k: v for k, v in sku.toolchain.items() if k in keys},
+        "portable": portable,
+    }
+
+
+def _sku_entry(registry: Registry, model: str, rid: str, c: Candidate, shas: dict[str, str]) -> dict[str, Any]:
+    from ..stages.common import run_plan
+
+    m = c.manifest
+    base = release_path(model, rid, c.sku)
+    engine_meta = json.loads(c.engine["engine.json"].read_bytes()) if "engine.json" in c.engine else {}
+    in_idx, out_idx, batch = run_plan(registry, model, m.signature, c.sku)
+    return {
+        "backend": m.backend, "precision": m.precision, "manifest_digest": m.digest, "source": c.source,
+        "sku_spec": registry.sku(c.sku).model_dump(mode="json"),
+        "requires": _requires(registry, m, engine_meta),
+        "files": {"manifest": f"{base}/manifest.json", "signature": f"{base}/signature.json",
+                  "golden": f"{base}/golden.npz", "expected": f"{base}/expected.npz",
+                  "engine": {rel: f"{base}/engine/{rel}" for rel in sorted(c.engine)}},
+        "sha256": shas,
+        "run": {"batch": batch, "inputs": in_idx, "outputs": out_idx},
+        "tolerance": [{"output": o.output, "atol": o.atol, "rtol": o.rtol, "max_mismatch": o.max_mismatch}
+                      for o in m.correctness.outputs],
+        "p50_ms": m.benchmark.engine_only.p50_ms if m.benchmark is not None else None,
+    }
+
+
+def _files(c: Candidate) -> dict[str, bytes]:
+    """Target-relative name -> bytes of one SKU's release files."""
+    out = {"manifest.json": json.dumps(c.manifest_doc, indent=2, sort_keys=True).encode(),
+           "signature.json": json.dumps(c.signature, sort_keys=True).encode(),
+           "golden.npz": _inputs_only(c.golden, c.manifest), "expected.npz": c.expected.read_bytes()}
+    out.update({f"engine/{rel}": path.read_bytes() for rel, path in c.engine.items()})
+    return out
+
+
+def _inputs_only(path: Path, m: Manifest) -> bytes:
+    """The golden set without labels: a device needs the inputs only."""
+    import numpy as np
+
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {i.name: z[i.name] for i in m.signature.inputs}
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def publish_release(registry: Registry, store: Store, keys: trust.Keys, model: str, *, alias: str | None = None,
+                    tracking=None, skus: list[str] | None = None, actor: str = "unknown") -> ReleaseResult:
+    """Gather, check, upload and commit one release of ``model``. With ``alias``, the engines are the
+    MLflow versions holding it (and their signatures must be trusted for it); without, this
+    project's build folder. Idempotent: the same engines as the newest release publish nothing new."""
+    from ..registry.tracking import connect
+
+    t0 = time.perf_counter()
+    registry.model(model)
+    fallback = registry.rollout.fallback_sku
+    wanted = list(dict.fromkeys([*(skus or registry.release_skus()), *([fallback] if fallback else [])]))
+    for s in wanted:
+        registry.sku(s)
+    with tempfile.TemporaryDirectory(prefix="skuforge-release-") as tmp:
+        if alias is not None:
+            if alias not in registry.release.aliases:
+                raise ConfigError(f"unknown alias {alias!r}", hint=f"aliases: {', '.join(registry.release.aliases)}")
+            tracking = tracking or connect(registry)
+            found = {s: mlflow_candidate(tracking, registry, model, s, alias, Path(tmp)) for s in wanted}
+            absent = [s for s, c in found.items() if c is None]
+            candidates = [c for c in found.values() if c is not None]
+        else:
+            candidates, absent = [], []
+            for s in wanted:
+                try:
+                    candidates.append(local_candidate(registry, model, s))
+                except InputError as exc:
+                    if skus is not None or s == fallback:
+                        raise
+                    log.info("%s/%s: not in this build folder, left out of the release (%s)", model, s, exc.message)
+                    absent.append(s)
+        if fallback in absent:
+            raise GateFailed(f"the release of {model} lacks the portable fallback {fallback}"
+                             + (f" holding {alias!r}" if alias else ""),
+                             hint=f"build, validate and promote {model}/{fallback} with the other SKUs")
+        problems = [p for c in candidates for p in check(registry, model, c, alias)]
+        if problems:
+            raise GateFailed(f"release of {model} refused: " + "; ".join(problems),
+                             hint="fix or rebuild the engines named; nothing was published")
+        if not candidates:
+            raise InputError(f"no engine of {model} to release" + (f" holds {alias!r}" if alias else ""),
+                             hint="promote or build the engines first")
+        uploads = {c.sku: _files(c) for c in candidates}
+        shas = {s: {name: trust.put_blob(store, data) for name, data in files.items()} for s, files in uploads.items()}
+        digests = {c.sku: c.manifest.digest for c in candidates}
+        outcome: dict[str, Any] = {}
+
+        def change(targets, state) -> bool:
+            existing = releases_of(targets, model)
+            if existing:
+                doc = json.loads(trust.read_target(store, state, release_path(model, existing[-1], RELEASE_DOC)))
+                if {s: e["manifest_digest"] for s, e in doc["skus"].items()} == digests:
+                    outcome.update(release=existing[-1], created=False)
+                    return False
+            rid = f"r{int(existing[-1][1:]) + 1 if existing else 1}"
+            entries = {c.sku: _sku_entry(registry, model, rid, c, shas[c.sku]) for c in candidates}
+            for c in candidates:
+                base = release_path(model, rid, c.sku)
+                for name, data in uploads[c.sku].items():
+                    trust.add_target(targets, f"{base}/{name}", data, {"model": model, "sku": c.sku, "release": rid})
+            doc = {"schema": SCHEMA, "model": model, "release": rid, "previous": existing[-1] if existing else None,
+                   "created": trust._now().isoformat(), "actor": actor,
+                   "source": f"mlflow alias {alias}" if alias else "build folder", "fallback_sku": fallback,
+                   "skus": entries}
+            data = json.dumps(doc, indent=2, sort_keys=True).encode()
+            trust.put_blob(store, data)
+            trust.add_target(targets, release_path(model, rid, RELEASE_DOC), data, {"model": model, "release": rid})
+            for c in candidates:
+                pointer = json.dumps({"model": model, "sku": c.sku, "release": rid,
+                                      "release_doc": release_path(model, rid, RELEASE_DOC)}, sort_keys=True).encode()
+                trust.put_blob(store, pointer)
+                trust.add_target(targets, channel_path(model, c.sku), pointer, {"model": model, "sku": c.sku})
+            outcome.update(release=rid, created=True)
+            return True
+
+        trust.commit(store, keys, registry.rollout.expiry, change, what=f"release {model}")
+    rows = [ReleaseSku(sku=c.sku, backend=c.manifest.backend, precision=c.manifest.precision,
+                       manifest_digest=c.manifest.digest, source=c.source, files=shas[c.sku],
+                       bytes=sum(len(d) for d in uploads[c.sku].values())) for c in candidates]
+    return ReleaseResult(model=model, release=outcome["release"], created=outcome["created"], store=store.url,
+                         fallback_sku=fallback, skus=rows, seconds=round(time.perf_counter() - t0, 3))
+
+
+def release_doc(store: Store, model: str, release: str) -> dict | None:
+    """A release document as a writer reads it (hash-checked against the signed targets)."""
+    state = trust.read_state(store)
+    data = trust.read_target(store, state, release_path(model, release, RELEASE_DOC))
+    return None if data is None else json.loads(data)
+
+
+def sha_of(data: bytes) -> str:
+    return sha256_bytes(data)

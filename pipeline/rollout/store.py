@@ -1,0 +1,297 @@
+"""The release store: a flat key -> bytes space with compare-and-swap, on S3 or in a local folder.
+
+Everything rollout keeps lives here: content-addressed blobs (engines, manifests, golden data),
+signed TUF metadata, and the device reports. Two writers never corrupt it: a write that must not
+overwrite uses ``if_none_match``, one that replaces a value it read uses ``if_match=<etag>``; a lost
+race raises :class:`PreconditionFailed` and the caller re-reads and tries again.
+
+S3 (``s3://bucket/prefix``): boto3 with the usual credential chain; ``AWS_ENDPOINT_URL`` points it at
+any S3-compatible server. Conditional writes are S3's own ``If-None-Match: *`` / ``If-Match``.
+Local folder: writes go to a temporary file and are renamed into place; conditional writes hold an
+exclusive ``flock`` on the store's lock file, so processes sharing the folder serialise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import tempfile
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Protocol
+
+from ..errors import ConfigError, ServiceError, StorageError
+
+log = logging.getLogger(__name__)
+
+ENV_STORE = "SKUFORGE_STORE"
+"""Overrides ``rollout.store`` of params.yaml (a folder or ``s3://bucket/prefix``)."""
+
+KEY_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+=@-]*(/[A-Za-z0-9][A-Za-z0-9._:+=@-]*)*")
+
+
+class PreconditionFailed(Exception):
+    """A conditional write lost: the key exists (``if_none_match``) or changed (``if_match``)."""
+
+
+@dataclass(frozen=True)
+class Blob:
+    data: bytes
+    etag: str
+
+
+def check_key(key: str) -> str:
+    """A key is '/'-separated parts of safe characters: no '..', no leading '/', no spaces."""
+    if not isinstance(key, str) or len(key) > 900 or not KEY_PATTERN.fullmatch(key) or ".." in key.split("/"):
+        raise ValueError(f"not a valid store key: {key!r}")
+    return key
+
+
+class Store(Protocol):
+    url: str
+    requests: Counter
+
+    def get(self, key: str) -> Blob | None: ...
+
+    def put(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def list(self, prefix: str) -> Iterator[str]: ...
+
+    def delete(self, key: str) -> None: ...
+
+
+def _etag(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class LocalStore:
+    """A store in a folder; etags are the sha256 of the content."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root).resolve()
+        self.url = str(self.root)
+        self.requests: Counter = Counter()
+        self._lock = threading.Lock()
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def get(self, key: str) -> Blob | None:
+        self.requests["get"] += 1
+        try:
+            data = self._path(key).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise StorageError(f"cannot read {key} from the store {self.root}: {exc.strerror}",
+                               hint="check the folder's permissions", path=str(self._path(key))) from exc
+        return Blob(data, _etag(data))
+
+    def exists(self, key: str) -> bool:
+        self.requests["head"] += 1
+        return self._path(key).is_file()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        import fcntl
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        with self._lock, open(self.root / ".lock", "a+b") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def put(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str:
+        self.requests["put"] += 1
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(data)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                if not (if_none_match or if_match):
+                    os.replace(tmp, path)
+                    return _etag(data)
+                with self._locked():
+                    current = path.read_bytes() if path.is_file() else None
+                    if if_none_match and current is not None:
+                        raise PreconditionFailed(f"{key} exists")
+                    if if_match is not None and (current is None or _etag(current) != if_match):
+                        raise PreconditionFailed(f"{key} changed since it was read")
+                    os.replace(tmp, path)
+                return _etag(data)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+        except OSError as exc:
+            raise StorageError(f"cannot write {key} to the store {self.root}: {exc.strerror}",
+                               hint="check the folder's permissions and free space", path=str(path)) from exc
+
+    def list(self, prefix: str) -> Iterator[str]:
+        self.requests["list"] += 1
+        base = self.root / check_key(prefix.rstrip("/")) if prefix.strip("/") else self.root
+        if not base.is_dir():
+            return
+        for dirpath, _, files in os.walk(base):
+            for name in sorted(files):
+                if name.startswith("."):
+                    continue
+                yield Path(dirpath, name).relative_to(self.root).as_posix()
+
+    def delete(self, key: str) -> None:
+        self.requests["delete"] += 1
+        with contextlib.suppress(FileNotFoundError):
+            self._path(key).unlink()
+
+
+# --- S3 ---------------------------------------------------------------------------------------------
+
+_PRECONDITION = {"PreconditionFailed", "ConditionalRequestConflict", "412"}
+_MISSING = {"NoSuchKey", "404", "NotFound"}
+
+
+class S3Store:
+    """``s3://bucket/prefix`` through boto3. Retries transient errors (standard mode) and bounds
+    every request with connect/read timeouts; what still fails is a ServiceError (exit 4)."""
+
+    def __init__(self, url: str, client=None, *, retries: int = 4, connect_timeout: float = 5,
+                 read_timeout: float = 20):
+        bucket, _, prefix = url.removeprefix("s3://").partition("/")
+        if not bucket:
+            raise ConfigError(f"{url!r} names no bucket", hint="write s3://bucket or s3://bucket/prefix")
+        self.url, self.bucket, self.prefix = url, bucket, prefix.strip("/")
+        self.requests: Counter = Counter()
+        if client is None:
+            import boto3
+            from botocore.config import Config
+
+            client = boto3.session.Session().client("s3", config=Config(
+                retries={"mode": "standard", "total_max_attempts": retries + 1},
+                connect_timeout=connect_timeout, read_timeout=read_timeout,
+                s3={"addressing_style": "path"} if os.environ.get("AWS_ENDPOINT_URL") else None))
+        self.client = client
+
+    def _key(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _fail(self, what: str, key: str, exc: Exception) -> ServiceError:
+        from botocore.exceptions import ClientError, NoCredentialsError
+
+        if isinstance(exc, NoCredentialsError):
+            return ServiceError(f"S3: no credentials to {what} {self.url}/{key}",
+                                hint="set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or an instance role")
+        if isinstance(exc, ClientError):
+            err = exc.response.get("Error", {})
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return ServiceError(f"S3 refused to {what} {self.url}/{key}: {err.get('Code')} (HTTP {status})",
+                                hint="check the bucket, its permissions and AWS_ENDPOINT_URL; transient errors "
+                                     "were retried already")
+        return ServiceError(f"S3: could not {what} {self.url}/{key}: {type(exc).__name__}",
+                            hint="the S3 endpoint is unreachable or timed out; check AWS_ENDPOINT_URL and the "
+                                 "network, then run again (nothing was left half-written)")
+
+    @staticmethod
+    def _code(exc: Exception) -> str | None:
+        from botocore.exceptions import ClientError
+
+        if not isinstance(exc, ClientError):
+            return None
+        err = exc.response.get("Error", {})
+        return str(err.get("Code") or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode"))
+
+    def get(self, key: str) -> Blob | None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        self.requests["get"] += 1
+        try:
+            resp = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+            data = resp["Body"].read()
+        except (ClientError, BotoCoreError) as exc:
+            if self._code(exc) in _MISSING:
+                return None
+            raise self._fail("read", key, exc) from exc
+        return Blob(data, resp["ETag"])
+
+    def exists(self, key: str) -> bool:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        self.requests["head"] += 1
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except (ClientError, BotoCoreError) as exc:
+            if self._code(exc) in _MISSING:
+                return False
+            raise self._fail("look up", key, exc) from exc
+        return True
+
+    def put(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        self.requests["put"] += 1
+        extra = {"IfNoneMatch": "*"} if if_none_match else {"IfMatch": if_match} if if_match else {}
+        try:
+            resp = self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, **extra)
+        except (ClientError, BotoCoreError) as exc:
+            if self._code(exc) in _PRECONDITION:
+                raise PreconditionFailed(f"{key}: {self._code(exc)}") from exc
+            raise self._fail("write", key, exc) from exc
+        return resp["ETag"]
+
+    def list(self, prefix: str) -> Iterator[str]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        start = len(self.prefix) + 1 if self.prefix else 0
+        token = None
+        while True:
+            self.requests["list"] += 1
+            kwargs = {"Bucket": self.bucket, "Prefix": self._key(prefix.rstrip("/")) + "/" if prefix.strip("/") else
+                      (self.prefix + "/" if self.prefix else "")}
+            if token:
+                kwargs["ContinuationToken"] = token
+            try:
+                resp = self.client.list_objects_v2(**kwargs)
+            except (ClientError, BotoCoreError) as exc:
+                raise self._fail("list", prefix, exc) from exc
+            for obj in resp.get("Contents", []):
+                yield obj["Key"][start:]
+            if not resp.get("IsTruncated"):
+                return
+            token = resp["NextContinuationToken"]
+
+    def delete(self, key: str) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        self.requests["delete"] += 1
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+        except (ClientError, BotoCoreError) as exc:
+            raise self._fail("delete", key, exc) from exc
+
+
+def open_store(url: str, root: str | os.PathLike | None = None) -> Store:
+    """A store from ``s3://bucket/prefix`` or a folder (relative to ``root``, the project)."""
+    if url.startswith("s3://"):
+        return S3Store(url)
+    if "://" in url:
+        raise ConfigError(f"unsupported store {url!r}", hint="use a folder or s3://bucket/prefix")
+    path = Path(url)
+    if not path.is_absolute() and root is not None:
+        path = Path(root) / path
+    return LocalStore(path)
+
+
+def store_url(configured: str, env: dict[str, str] | os._Environ = os.environ) -> str:
+    return env.get(ENV_STORE) or configured

@@ -1,0 +1,62 @@
+"""Rollout fixtures: a real moto S3 server behind a fault-injecting proxy (tests/rollout/s3server.py),
+and a tiny built project with an optimized and a portable SKU."""
+
+from __future__ import annotations
+
+import pytest
+
+from .s3server import FaultProxy, MotoS3, s3_client
+
+FAST = {"connect_timeout": 1, "read_timeout": 2, "retries": {"mode": "standard", "total_max_attempts": 3}}
+
+WAVES = [{"name": "canary", "percent": 20, "bake_minutes": 30},
+         {"name": "half", "percent": 50, "bake_minutes": 30},
+         {"name": "all", "percent": 100, "bake_minutes": 0}]
+
+
+@pytest.fixture(scope="session")
+def moto_s3():
+    with MotoS3() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def proxy(moto_s3):
+    with FaultProxy(moto_s3.endpoint) as p:
+        yield p
+
+
+@pytest.fixture
+def s3_store(moto_s3, proxy):
+    """An S3Store on a fresh bucket, every request through the fault proxy."""
+    from pipeline.rollout.store import S3Store
+
+    proxy.clear()
+    bucket = moto_s3.make_bucket()
+    yield S3Store(f"s3://{bucket}/fleet", client=s3_client(proxy.endpoint, **FAST))
+    proxy.clear()
+
+
+@pytest.fixture
+def local_store(tmp_path):
+    from pipeline.rollout.store import LocalStore
+
+    return LocalStore(tmp_path / "store")
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request):
+    """Each test that takes ``store`` runs on the local folder and on S3 over HTTP."""
+    return request.getfixturevalue("local_store" if request.param == "local" else "s3_store")
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """conv_bn built for an optimized SKU (``cpu``) and the portable fallback (``portable``)."""
+    from registry_helpers import make_project, sku
+
+    root = tmp_path_factory.mktemp("rollout_project")
+    return make_project(root, {"cpu": sku(), "portable": sku(options={"graph_optimization_level": "basic"})},
+                        rollout={"fallback_sku": "portable", "waves": WAVES,
+                                 "gates": {"min_reports": 3, "max_failure_rate": 0.1, "max_smoke_failures": 0,
+                                           "max_latency_regression": 0.5}})
