@@ -279,8 +279,8 @@ def main() -> int:
                         print(f"   {name:8s} {count:8d} {pass_s:9.1f} {count / pass_s if pass_s else 0:7.0f} "
                               f"{adv_s:9.2f}  {action}: {why[:110]}")
                     per = max(reached, 1)
-                    print(f"   agent requests/device: " + ", ".join(f"{k} {v / per:.2f}" for k, v in sorted(edge_req.items())))
-                    print(f"   S3 requests/device:    " + ", ".join(f"{k} {v / per:.2f}" for k, v in sorted(origin_req.items()))
+                    print("   agent requests/device: " + ", ".join(f"{k} {v / per:.2f}" for k, v in sorted(edge_req.items())))
+                    print("   S3 requests/device:    " + ", ".join(f"{k} {v / per:.2f}" for k, v in sorted(origin_req.items()))
                           + f"  (total {sum(origin_req.values())})")
                     print(f"   outcomes: {dict(outcomes)}; rollout {doc.status}")
                     if doc.status == "rolled_back":

@@ -180,10 +180,13 @@ def rollout_start(args: argparse.Namespace) -> int:
     return 0
 
 
-def _models(args: argparse.Namespace, store) -> list[str]:
+def _models(args: argparse.Namespace, store, registry) -> list[str]:
     from ..rollout.controller import live_models
 
-    return live_models(store) if args.all else [args.model]
+    if args.all:
+        return live_models(store)
+    registry.model(args.model)  # unknown (or hostile) names stop here, named
+    return [args.model]
 
 
 def _status_line(model: str, s) -> str:
@@ -218,7 +221,7 @@ def rollout_status(args: argparse.Namespace) -> int:
     from ..rollout.controller import status
 
     reg, store, _ = _context(args, keys=False)
-    rows = [(m, status(reg, store, m)) for m in _models(args, store)]
+    rows = [(m, status(reg, store, m)) for m in _models(args, store, reg)]
     if args.markdown:
         print(_markdown(rows) if rows else "no live rollouts")
         return 0
@@ -230,7 +233,7 @@ def rollout_advance(args: argparse.Namespace) -> int:
     from ..rollout.controller import advance
 
     reg, store, keys = _context(args)
-    rows = [(m, advance(reg, store, keys, m, actor=_actor())) for m in _models(args, store)]
+    rows = [(m, advance(reg, store, keys, m, actor=_actor())) for m in _models(args, store, reg)]
     _print(args, {m: s.to_json() for m, s in rows},
            "\n".join(f"{m}: {s.action}: {s.reason}" for m, s in rows) or "no live rollouts")
     return 1 if any(s.action == "rolled_back" for _, s in rows) else 0
@@ -240,7 +243,7 @@ def rollout_move(args: argparse.Namespace) -> int:
     from ..rollout.controller import move
 
     reg, store, keys = _context(args)
-    docs = [move(reg, store, keys, m, args.action, actor=_actor(), reason=args.reason) for m in _models(args, store)]
+    docs = [move(reg, store, keys, m, args.action, actor=_actor(), reason=args.reason) for m in _models(args, store, reg)]
     _print(args, [d.to_json() for d in docs], "\n".join(f"{d.model}: {d.id} is {d.status}" for d in docs)
            or "no live rollouts")
     return 0

@@ -31,7 +31,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from ..config import SkuSpec, Strict
 from ..errors import ServiceError, SkuforgeError
@@ -58,6 +58,16 @@ class DeviceConfig(Strict):
     cpu_features: list[str] | None = Field(None, description="default: this CPU's")
     ring: str | None = None
     labels: list[str] = Field(default_factory=list)
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, value: str) -> str:
+        from .inventory import ID_PATTERN
+
+        if not ID_PATTERN.fullmatch(value) or ".." in value:
+            raise ValueError(f"{value!r} is not a device id: a letter or digit, then letters, digits, '.', '_', ':' "
+                             "or '-', at most 128 characters (ids name files and store keys)")
+        return value
 
 
 @dataclass

@@ -1,0 +1,110 @@
+"""`skuforge release`, `skuforge rollout` and `skuforge agent` as a user runs them: from a built
+project to an engine active on a device, and the errors a careless or hostile input gets."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import yaml
+from cli_helpers import assert_user_error, skuforge
+
+from pipeline.rollout.inventory import Device, write_inventory
+
+
+@pytest.fixture(scope="module")
+def shipped(project, tmp_path_factory):
+    """A copy of the project with its store initialised and r1 published, a fleet and a device file."""
+    root = tmp_path_factory.mktemp("cli") / "project"
+    shutil.copytree(project.root, root)
+    env = {**os.environ, "SKUFORGE_STORE": str(root / "store")}
+    for args in (("release", "init"), ("release", "publish", "--model", "conv"), ("release", "root", "--out", "root.json")):
+        proc = skuforge(*args, cwd=root, env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    write_inventory(root / "fleet.csv", [Device(id=f"dev-{i:03d}", sku="cpu", arch="x86_64",
+                                                runtime={"onnxruntime": "1.32.0"}) for i in range(200)])
+    return root, env
+
+
+def _device_file(path, device_id: str, **extra) -> None:
+    path.write_text(yaml.safe_dump({"id": device_id, "sku": "cpu", "models": ["conv"], "arch": "x86_64",
+                                    "cpu_features": [], **extra}))
+
+
+def test_ship_to_a_device(shipped, tmp_path):
+    root, env = shipped
+    proc = skuforge("rollout", "plan", "--model", "conv", "--inventory", "fleet.csv", "--json", cwd=root, env=env)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["devices"] == 200 and [w["name"] for w in plan["waves"]] == ["canary", "half", "all"]
+
+    proc = skuforge("rollout", "start", "--model", "conv", "--inventory", "fleet.csv", "--reason", "first ship",
+                    "--json", cwd=root, env=env)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["status"] == "active" and doc["release"] == "r1" and doc["planned"][-1] == 200
+
+    from pipeline.rollout.plan import included
+    from pipeline.config import Wave
+
+    waves = [Wave(**w) for w in doc["waves"]]
+    canary = next(f"dev-{i:03d}" for i in range(200) if included(waves, 0, doc["id"], f"dev-{i:03d}", None))
+    _device_file(tmp_path / "device.yaml", canary)
+    proc = skuforge("agent", "--device", "device.yaml", "--state", "state", "--root", str(root / "root.json"),
+                    "--json", cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["outcome"] == "ok" and result["active"]["release"] == "r1"
+    assert (tmp_path / "state/models/conv/slots/a/engine/model.onnx").is_file()
+
+    proc = skuforge("rollout", "status", "--all", "--json", cwd=root, env=env)
+    status = json.loads(proc.stdout)["conv"]
+    assert status["health"]["counts"]["ok"] == 1 and status["action"] == "wait"
+    proc = skuforge("rollout", "status", "--all", "--markdown", cwd=root, env=env)
+    assert proc.stdout.startswith("| model | rollout |") and "conv" in proc.stdout
+
+    proc = skuforge("rollout", "advance", "--all", cwd=root, env=env)
+    assert proc.returncode == 0 and "wait" in proc.stdout, proc.stdout + proc.stderr
+
+    proc = skuforge("rollout", "pause", "--model", "conv", cwd=root, env=env)
+    assert proc.returncode == 2 and "--reason" in proc.stderr  # argparse: the reason is required
+    for action, status_after in (("pause", "paused"), ("resume", "active"), ("abort", "aborted")):
+        proc = skuforge("rollout", action, "--model", "conv", "--reason", f"test {action}", "--json", cwd=root, env=env)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)[0]["status"] == status_after
+    proc = skuforge("rollout", "rollback", "--model", "conv", "--reason", "no previous", cwd=root, env=env)
+    assert_user_error(proc, 2, "no previous release")
+
+
+def test_agent_refuses_bad_device_files(shipped, tmp_path):
+    root, env = shipped
+    _device_file(tmp_path / "device.yaml", "../../etc")
+    proc = skuforge("agent", "--device", "device.yaml", "--state", "state", "--root", str(root / "root.json"),
+                    cwd=tmp_path, env=env)
+    assert_user_error(proc, 2, "device.yaml")
+    assert not (tmp_path / "state").exists()
+    (tmp_path / "device.yaml").write_text("id: [unclosed\n")
+    proc = skuforge("agent", "--device", "device.yaml", "--state", "state", cwd=tmp_path, env=env)
+    assert_user_error(proc, 2, "device.yaml")
+
+
+def test_agent_without_a_trusted_root(shipped, tmp_path):
+    root, env = shipped
+    _device_file(tmp_path / "device.yaml", "dev-new")
+    proc = skuforge("agent", "--device", "device.yaml", "--state", "state", cwd=tmp_path, env=env)
+    assert_user_error(proc, 2, "trusted root")
+
+
+@pytest.mark.parametrize("args, code, words", [
+    (("rollout", "status", "--model", "x; rm -rf ~"), 2, ("unknown model",)),
+    (("rollout", "start", "--model", "../../x"), 2, ("unknown model",)),
+    (("release", "publish", "--model", "conv", "--store", "ftp://host/x"), 2, ("unsupported store",)),
+    (("release", "publish", "--model", "conv", "--alias", "nope"), 2, ("unknown alias",)),
+])
+def test_hostile_arguments(shipped, args, code, words):
+    root, env = shipped
+    proc = skuforge(*args, cwd=root, env=env)
+    assert_user_error(proc, code, *words)
+    assert not (root / "x").exists()
