@@ -291,8 +291,8 @@ class Agent:
         act = self.active(model)
         rollout_id, desired = None, None
         try:
-            if self.client is None:
-                self.client = trust.Client(self.store, self.state_dir / "tuf", self.root)
+            # a fresh client per pass: ngclient refreshes once per Updater; the trusted state is on disk
+            self.client = trust.Client(self.store, self.state_dir / "tuf", self.root)
             self.client.refresh()
             raw = self.client.fetch(controller.rollout_path(model))
             doc = controller.RolloutDoc.model_validate_json(raw) if raw is not None else None

@@ -56,7 +56,8 @@ def test_rollout_triggers(rollout):
 
 def test_rollout_job_environment_permissions_and_concurrency(rollout):
     assert rollout["permissions"] == {}
-    assert rollout["concurrency"] == {"group": "skuforge-rollout", "cancel-in-progress": False}
+    # one group per trigger: a scheduled advance never cancels a queued manual abort
+    assert rollout["concurrency"] == {"group": "skuforge-rollout-${{ github.event_name }}", "cancel-in-progress": False}
     [job] = rollout["jobs"].values()
     assert job["environment"] == "rollout"
     assert job["permissions"] == {"contents": "read"}

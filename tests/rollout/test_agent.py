@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import shutil
 import socket
 from datetime import datetime, timedelta, timezone
@@ -95,7 +96,7 @@ def roll_out(registry, store, keys, release_id=None, complete=False) -> controll
     now = T0
     for n in range(registry.rollout.gates.min_reports):
         store.put(controller.report_key(MODEL, doc.id, "ok", f"sim{n}"), json.dumps({"latency_ratio": 1.0}).encode())
-    for wave in doc.waves[:-1 if not complete else None]:
+    for wave in doc.waves if complete else doc.waves[:-1]:
         now += timedelta(minutes=wave.bake_minutes + 1)
         doc = controller.advance(registry, store, keys, MODEL, now=now).rollout
     assert doc.status == ("completed" if complete else "active") and doc.wave == len(doc.waves) - 1
@@ -207,6 +208,23 @@ def test_rollback_flips_to_the_other_slot(project, project_r2, repo, keys, tmp_p
     assert back.reported is None  # returning to r1 is no evidence about r2
     downloaded = set(repo.read[reads:]) & release_blobs(repo, "r1")
     assert bool(downloaded) is slot_damaged, downloaded
+
+
+def test_interrupted_download_installs_nothing(project, s3_store, proxy, keys, tmp_path):
+    trust.initialise(s3_store, keys, project.rollout.expiry)
+    release.publish_release(project, s3_store, keys, MODEL)
+    doc = controller.start(project, s3_store, keys, MODEL, now=T0)
+    dev = device(first_in(doc, 0))
+    engine = release.release_doc(s3_store, MODEL, "r1")["skus"]["cpu"]["sha256"]["engine/model.onnx"]
+    proxy.fail(method="GET", key_pattern=re.escape(engine) + "$", times=None)
+    cut = make_agent(s3_store, tmp_path, dev).run_once(MODEL)
+    assert (cut.outcome, cut.active, cut.reported) == ("error", None, None), cut.detail
+    slots = tmp_path / "devices" / dev.id / "models" / MODEL / "slots"
+    assert not slots.exists() or not any(slots.iterdir()), "a half-staged slot was left behind"
+
+    proxy.clear()
+    result = make_agent(s3_store, tmp_path, dev).run_once(MODEL)
+    assert (result.outcome, result.active["slot"]) == ("ok", "a"), result.detail
 
 
 def test_unreachable_store_keeps_the_active_engine(project, repo, keys, tmp_path):

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from pipeline.errors import ConfigError, InputError
-from pipeline.rollout import agent, controller, plan, release, trust
+from pipeline.rollout import agent, controller, inventory, plan, release, trust
 from pipeline.rollout.store import LocalStore
 from pipeline.signing import signing_key
 
@@ -135,6 +135,17 @@ def test_failing_canary_rolls_back(project, repo, keys, tmp_path):
     back = agent.Agent(repo, devices[0], tmp_path / devices[0].id).run_once(MODEL)
     assert (back.outcome, back.active["release"], back.reported) == ("ok", "r1", None)
     assert controller.advance(project, repo, keys, MODEL, now=minutes(40)).action == "none"
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
+    "bug: health() with a wave planned empty (need 0, no reports) compares rate None <= max_failure_rate "
+    "(controller.py, failure_rate gate; fallback_rate divides by total 0 next)"))
+def test_a_wave_planned_empty_advances_after_its_bake(project, repo, keys):
+    fleet = [inventory.Device(id=f"d{i}", sku="cpu", arch="x86_64") for i in range(2)]
+    doc = controller.start(project, repo, keys, MODEL, inventory=fleet, now=T0)
+    assert doc.planned[0] == 0 < doc.planned[-1] == 2  # a small fleet: 20% of it is nobody
+    moved = controller.advance(project, repo, keys, MODEL, now=minutes(31))
+    assert (moved.action, moved.rollout.wave) == ("advanced", 1)
 
 
 def test_concurrent_advances_move_one_wave(project, repo, keys):
