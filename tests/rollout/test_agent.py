@@ -80,7 +80,6 @@ def device(device_id: str, runtime: dict[str, str] | None = None) -> agent.Devic
 
 
 def make_agent(store, tmp_path, dev: agent.Device, **kw) -> agent.Agent:
-    """The device's agent as a new process starts it: its state (slots, trusted metadata) is on disk."""
     return agent.Agent(store, dev, tmp_path / "devices" / dev.id, trust.root_bytes(store), **kw)
 
 
@@ -127,9 +126,8 @@ def test_first_wave_device_installs_then_stays_current(project, repo, keys, tmp_
 
     rollout_blob = trust.blob_key(trust.read_state(repo).targets.signed.targets[controller.rollout_path(MODEL)]
                                   .hashes["sha256"])
-    second = make_agent(repo, tmp_path, dev)
     gets, reads = repo.requests["get"], len(repo.read)
-    again = second.run_once(MODEL)
+    again = a.run_once(MODEL)
     assert (again.outcome, again.active) == ("current", result.active)
     assert repo.requests["get"] - gets <= 3  # next root version probed, timestamp, rollout document
     assert [k for k in repo.read[reads:] if not k.startswith("metadata/")] == [rollout_blob]
@@ -193,7 +191,7 @@ def test_rollback_flips_to_the_other_slot(project, project_r2, repo, keys, tmp_p
     assert a.run_once(MODEL).active["slot"] == "a"
     release.publish_release(project_r2, repo, keys, MODEL)
     roll_out(project, repo, keys, "r2")
-    on_r2 = make_agent(repo, tmp_path, a.device).run_once(MODEL)
+    on_r2 = a.run_once(MODEL)
     assert on_r2.outcome == "ok", on_r2.detail
     assert (on_r2.active["slot"], on_r2.active["release"]) == ("b", "r2")
     assert on_r2.previous_latency_ms is not None  # the r1 engine in slot a was timed too
@@ -202,7 +200,7 @@ def test_rollback_flips_to_the_other_slot(project, project_r2, repo, keys, tmp_p
         (a.state_dir / "models" / MODEL / "slots" / "a" / "engine" / "model.onnx").write_bytes(b"bit rot")
     controller.move(project, repo, keys, MODEL, "rollback", actor="oncall", reason="r2 misbehaves")
     reads = len(repo.read)
-    back = make_agent(repo, tmp_path, a.device).run_once(MODEL)
+    back = a.run_once(MODEL)
     assert back.outcome == "ok", back.detail
     assert (back.active["slot"], back.active["release"], back.active["sku"]) == ("a", "r1", "cpu")
     assert back.reported is None  # returning to r1 is no evidence about r2
@@ -217,13 +215,14 @@ def test_interrupted_download_installs_nothing(project, s3_store, proxy, keys, t
     dev = device(first_in(doc, 0))
     engine = release.release_doc(s3_store, MODEL, "r1")["skus"]["cpu"]["sha256"]["engine/model.onnx"]
     proxy.fail(method="GET", key_pattern=re.escape(engine) + "$", times=None)
-    cut = make_agent(s3_store, tmp_path, dev).run_once(MODEL)
+    a = make_agent(s3_store, tmp_path, dev)
+    cut = a.run_once(MODEL)
     assert (cut.outcome, cut.active, cut.reported) == ("error", None, None), cut.detail
     slots = tmp_path / "devices" / dev.id / "models" / MODEL / "slots"
     assert not slots.exists() or not any(slots.iterdir()), "a half-staged slot was left behind"
 
     proxy.clear()
-    result = make_agent(s3_store, tmp_path, dev).run_once(MODEL)
+    result = a.run_once(MODEL)
     assert (result.outcome, result.active["slot"]) == ("ok", "a"), result.detail
 
 
@@ -241,16 +240,6 @@ def test_unreachable_store_keeps_the_active_engine(project, repo, keys, tmp_path
     result = agent.Agent(dead, dev, tmp_path / "devices" / dev.id).run_once(MODEL)
     assert result.outcome == "error" and result.reported is None
     assert result.active == installed.active
-
-
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "bug: Agent keeps one trust.Client, whose tuf Updater refreshes only once: the second run_once "
-    "of an agent (the CLI's --interval loop, or a second model) raises RuntimeError"))
-def test_one_agent_runs_pass_after_pass(project, repo, keys, tmp_path):
-    doc = controller.start(project, repo, keys, MODEL, now=T0)
-    a = make_agent(repo, tmp_path, device(first_in(doc, 0)))
-    assert a.run_once(MODEL).outcome == "ok"
-    assert a.run_once(MODEL).outcome == "current"
 
 
 def test_no_trusted_root(repo, tmp_path):
