@@ -355,7 +355,10 @@ class Agent:
         fsku = release["fallback_sku"]
         if act is not None and act["release"] == rid and act["sku"] == fsku:
             return self._result(model, doc.id if doc else None, rid, "current", "on the portable fallback already", act, t0)
-        staged = self._stage(model, slot, rid, fsku, fallback, "fallback")
+        if self._verified_slot(model, slot, rid, fsku, fallback):
+            staged = self._model_dir(model) / "slots" / slot
+        else:
+            staged = self._stage(model, slot, rid, fsku, fallback, "fallback")
         smoke = self.smoke(fallback, staged)
         if not smoke.passed:
             return self._report(model, self._result(model, doc.id if doc else None, rid, outcome,

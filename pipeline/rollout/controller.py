@@ -172,12 +172,18 @@ def health(store: Store, doc: RolloutDoc, now: datetime | None = None) -> Health
     if doc.planned is not None:
         need = min(need, doc.planned[doc.wave])
     median = sorted(ratios)[len(ratios) // 2] if ratios else None
+
+    def share(count: int, limit: float) -> bool | None:
+        if total == 0:
+            return True if need == 0 else None  # a wave planned empty has nothing to judge
+        return None if total < need else count / total <= limit
+
     gates = [
         GateCheck(name="reports", passed=total >= need, detail=f"{total} reports, {need} needed"),
-        GateCheck(name="failure_rate", passed=None if total < need else rate <= g.max_failure_rate,
+        GateCheck(name="failure_rate", passed=share(failed, g.max_failure_rate),
                   detail=f"{failed}/{total} failed" + (f" ({rate:.1%}, max {g.max_failure_rate:.1%})" if total else "")
                          + "".join(f", {o} {n}" for o, n in counts.items() if n and o != "ok")),
-        GateCheck(name="fallback_rate", passed=None if total < need else degraded / total <= g.max_fallback_rate,
+        GateCheck(name="fallback_rate", passed=share(degraded, g.max_fallback_rate),
                   detail=f"{degraded}/{total} on the portable fallback or unserved"
                          + (f" ({degraded / total:.1%}, max {g.max_fallback_rate:.1%})" if total else "")),
         GateCheck(name="smoke_tests", passed=counts["smoke_failed"] <= g.max_smoke_failures,
@@ -246,8 +252,11 @@ def start(registry: Registry, store: Store, keys: trust.Keys, model: str, releas
                               hint="advance it to completion, or abort or roll it back first")
         previous = None
         if current is not None:  # what the fleet runs now
+            # a release aborted by a failed gate is not one to return to (devices it reached keep
+            # it until a wave of the new rollout includes them); one an operator halted may be
+            failed = any(t.action == "auto-abort" for t in current.log if t.at >= current.started)
             previous = {"completed": current.release, "rolled_back": current.previous,
-                        "aborted": current.previous or current.release}[current.status]
+                        "aborted": current.previous if failed else current.previous or current.release}[current.status]
         if previous == target:
             raise ConfigError(f"{model} {target} is already what the fleet runs", hint="publish a new release first")
         n = sum(1 for _ in current.log if _.action == "start") if current else 0

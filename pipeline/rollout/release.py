@@ -283,15 +283,21 @@ def publish_release(registry: Registry, store: Store, keys: trust.Keys, model: s
             absent = [s for s, c in found.items() if c is None]
             candidates = [c for c in found.values() if c is not None]
         else:
-            candidates, absent = [], []
+            from ..paths import Layout
+
+            candidates, absent, refused = [], [], []
             for s in wanted:
+                if not Layout(registry.root).manifest(model, s).is_file() and skus is None:
+                    log.info("%s/%s: no manifest in this build folder, left out of the release", model, s)
+                    absent.append(s)
+                    continue
                 try:
                     candidates.append(local_candidate(registry, model, s))
-                except InputError as exc:
-                    if skus is not None or s == fallback:
-                        raise
-                    log.info("%s/%s: not in this build folder, left out of the release (%s)", model, s, exc.message)
-                    absent.append(s)
+                except InputError as exc:  # there, but not what its manifest says: never shipped quietly
+                    refused.append(f"{s}: {exc.message}")
+            if refused:
+                raise GateFailed(f"release of {model} refused: " + "; ".join(refused),
+                                 hint="rebuild the engines named (skuforge repro); nothing was published")
         if fallback in absent:
             raise GateFailed(f"the release of {model} lacks the portable fallback {fallback}"
                              + (f" holding {alias!r}" if alias else ""),

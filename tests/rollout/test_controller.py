@@ -71,7 +71,8 @@ def test_start(project, repo, keys):
     assert doc.started == doc.wave_started == T0.isoformat()
     assert (doc.waves, doc.gates) == (project.rollout.waves, project.rollout.gates)
     [entry] = doc.log
-    assert (entry.actor, entry.action, entry.status, entry.wave, entry.reason) == ("ci", "start", "active", 0, "ship it")
+    assert (entry.actor, entry.action, entry.status, entry.wave, entry.reason) == (
+        "ci", "start", "active", 0, "ship it")
     assert controller.status(project, repo, MODEL, now=T0).rollout == doc  # what the store signs
 
     with pytest.raises(ConfigError, match="is active"):
@@ -137,15 +138,36 @@ def test_failing_canary_rolls_back(project, repo, keys, tmp_path):
     assert controller.advance(project, repo, keys, MODEL, now=minutes(40)).action == "none"
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "bug: health() with a wave planned empty (need 0, no reports) compares rate None <= max_failure_rate "
-    "(controller.py, failure_rate gate; fallback_rate divides by total 0 next)"))
 def test_a_wave_planned_empty_advances_after_its_bake(project, repo, keys):
     fleet = [inventory.Device(id=f"d{i}", sku="cpu", arch="x86_64") for i in range(2)]
     doc = controller.start(project, repo, keys, MODEL, inventory=fleet, now=T0)
     assert doc.planned[0] == 0 < doc.planned[-1] == 2  # a small fleet: 20% of it is nobody
     moved = controller.advance(project, repo, keys, MODEL, now=minutes(31))
     assert (moved.action, moved.rollout.wave) == ("advanced", 1)
+
+
+def abort_on_failing_canary(project, repo, keys) -> controller.RolloutStatus:
+    doc = controller.start(project, repo, keys, MODEL, now=T0)
+    report(repo, doc, first_in(doc, 0)[0], "smoke_failed")
+    return controller.advance(project, repo, keys, MODEL, actor="ci", now=minutes(5))
+
+
+def test_failing_first_release_halts(project, repo, keys):
+    halted = abort_on_failing_canary(project, repo, keys)
+    doc = halted.rollout
+    assert (halted.action, doc.status, doc.log[-1].action) == ("aborted", "aborted", "auto-abort")
+    assert "no previous release" in doc.log[-1].reason and "smoke_tests" in doc.log[-1].reason
+    [inside], [outside] = first_in(doc, 0), first_in(doc, 1)
+    assert controller.desired_release(doc, inside, None)[0] == "r1"  # halted: devices keep what they run
+    assert controller.desired_release(doc, outside, None)[0] is None
+
+
+def test_next_rollout_does_not_return_to_a_release_that_failed(project, repo, keys):
+    abort_on_failing_canary(project, repo, keys)
+    release.publish_release(project, repo, keys, MODEL, skus=["portable"])
+    doc = controller.start(project, repo, keys, MODEL, now=minutes(10))
+    assert doc.release == "r2"
+    assert controller.desired_release(doc, first_in(doc, 1)[0], None)[0] != "r1"
 
 
 def test_concurrent_advances_move_one_wave(project, repo, keys):
@@ -184,7 +206,8 @@ def test_pause_resume_abort(project, repo, keys):
     assert waiting.action == "wait" and "29 more minutes" in waiting.reason
     assert controller.advance(project, repo, keys, MODEL, now=minutes(71)).action == "advanced"
 
-    aborted = controller.move(project, repo, keys, MODEL, "abort", actor="oncall", reason="wrong release", now=minutes(72))
+    aborted = controller.move(project, repo, keys, MODEL, "abort", actor="oncall", reason="wrong release",
+                              now=minutes(72))
     assert aborted.status == "aborted"
     assert controller.advance(project, repo, keys, MODEL, now=minutes(200)).action == "none"
     with pytest.raises(ConfigError, match="it is aborted"):

@@ -98,9 +98,7 @@ def _replace_golden_outputs(root):
 
 
 @pytest.mark.parametrize("damage", [
-    pytest.param(_change_engine, id="engine-changed-after-manifest", marks=pytest.mark.xfail(strict=True, reason=(
-        "bug: publish_release takes collect()'s InputError for 'SKU not in this build folder' and "
-        "publishes the release without cpu instead of refusing it (release.py, local loop)"))),
+    pytest.param(_change_engine, id="engine-changed-after-manifest"),
     pytest.param(_replace_golden_outputs, id="golden-outputs-replaced"),
 ])
 def test_refused_when_evidence_does_not_hold(copy, local_store, keys, damage):
@@ -121,9 +119,6 @@ def test_refused_without_the_fallback(copy, local_store, keys):
     assert released(local_store) == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: the fallback's InputError from the build folder is re-raised as is (exit 2); the GateFailed "
-    "'lacks the portable fallback' of release.py is reached only on the MLflow path"))
 def test_missing_fallback_is_a_gate_failure(copy, local_store, keys):
     initialised(local_store, copy, keys)
     (copy.root / "manifests/conv/portable.json").unlink()
