@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 ACTIONS = ("pause", "resume", "abort", "rollback")
+PINNED_ROOT = "release-root.json"  # the store's root as this project created it: commit it
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -95,7 +96,9 @@ def _context(args: argparse.Namespace, keys: bool = True):
 
     reg = load_registry(args.params)
     store = open_store(args.store or store_url(reg.rollout.store), reg.root)
-    return reg, store, (Keys.single(signing_key()) if keys else None)
+    pinned = reg.root / PINNED_ROOT
+    anchor = pinned.read_bytes() if pinned.is_file() else None
+    return reg, store, (Keys.single(signing_key(), anchor=anchor) if keys else None)
 
 
 def _actor() -> str:
@@ -115,8 +118,15 @@ def release_init(args: argparse.Namespace) -> int:
     reg, store, keys = _context(args)
     if args.root_key:
         keys = Keys(root=[read_key_file(p) for p in args.root_key], online=keys.online, root_threshold=args.threshold)
+    from ..io import atomic_write_bytes
+    from ..rollout.trust import root_bytes
+
     made = initialise(store, keys, reg.rollout.expiry)
-    print(f"{'created' if made else 'already initialised:'} signed release store at {store.url}")
+    pinned = reg.root / PINNED_ROOT
+    if made or not pinned.is_file():
+        atomic_write_bytes(pinned, root_bytes(store, keys))
+    print(f"{'created' if made else 'already initialised:'} signed release store at {store.url}; its root is pinned "
+          f"in {PINNED_ROOT} (commit it: writers refuse a store whose root chain does not hold it)")
     return 0
 
 
@@ -137,8 +147,8 @@ def release_root(args: argparse.Namespace) -> int:
     from ..io import atomic_write_bytes
     from ..rollout.trust import root_bytes
 
-    _, store, _ = _context(args, keys=False)
-    atomic_write_bytes(args.out, root_bytes(store))
+    _, store, keys = _context(args)
+    atomic_write_bytes(args.out, root_bytes(store, keys))
     print(f"wrote the trusted root of {store.url} to {args.out}: provision devices with it (`skuforge agent --root`)")
     return 0
 

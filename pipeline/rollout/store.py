@@ -87,7 +87,7 @@ class LocalStore:
         self.requests["get"] += 1
         try:
             data = self._path(key).read_bytes()
-        except (FileNotFoundError, NotADirectoryError):
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return None
         except OSError as exc:
             raise StorageError(f"cannot read {key} from the store {self.root}: {exc.strerror}",
@@ -245,7 +245,7 @@ class S3Store:
         try:
             resp = self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, **extra)
         except (ClientError, BotoCoreError) as exc:
-            if self._code(exc) in _PRECONDITION:
+            if self._code(exc) in _PRECONDITION or (if_match and self._code(exc) in _MISSING):
                 raise PreconditionFailed(f"{key}: {self._code(exc)}") from exc
             raise self._fail("write", key, exc) from exc
         return resp["ETag"]

@@ -65,10 +65,11 @@ class Keys:
     root: list[SigningKey]
     online: SigningKey  # targets, snapshot and timestamp
     root_threshold: int = 1
+    anchor: bytes | None = None  # the project's pinned root.json: the store's chain must hold it
 
     @classmethod
-    def single(cls, key: SigningKey) -> Keys:
-        return cls(root=[key], online=key)
+    def single(cls, key: SigningKey, anchor: bytes | None = None) -> Keys:
+        return cls(root=[key], online=key, anchor=anchor)
 
 
 def _now() -> datetime:
@@ -163,26 +164,65 @@ def _parse(data: bytes, what: str) -> Metadata:
                                  hint="restore it from a backup; never edit store metadata by hand") from exc
 
 
-def _latest_root(store: Store) -> Metadata:
-    blob = store.get(f"{METADATA}/root.json")
-    if blob is None:
-        raise InputError(f"the store {store.url} has no signed root",
-                         hint="run `skuforge release init` once to create it")
-    root = _parse(blob.data, "root.json")
-    n = root.signed.version
-    while True:  # root.json is a convenience copy: the versioned chain is the truth
-        nxt = store.get(f"{METADATA}/{n + 1}.root.json")
-        if nxt is None:
-            return root
-        root, n = _parse(nxt.data, f"{n + 1}.root.json"), n + 1
-
-
-def read_state(store: Store) -> State:
-    """The current metadata, each verified against the root's keys (a writer never builds on
-    metadata it could not have signed itself)."""
+def _root_signed(md: Metadata, by: Metadata, what: str) -> None:
     from tuf.api.exceptions import UnsignedMetadataError
 
-    root = _latest_root(store)
+    try:
+        by.signed.verify_delegate("root", md.signed_bytes, md.signatures)
+    except UnsignedMetadataError as exc:
+        raise VerificationFailed(f"the store's {what} is not signed by the root keys it must be: {exc}",
+                                 hint="someone replaced the store's root; restore it from a backup") from exc
+
+
+def _latest_root(store: Store, keys: Keys | None = None) -> Metadata:
+    """The newest root, reached along the versioned chain from ``1.root.json`` as a device walks it:
+    each version signed by its own root keys and by the previous version's. A writer (``keys``)
+    also anchors the chain: the project's pinned root (``keys.anchor``) must be a link of it, or,
+    with none pinned, one of its own keys must be a root key of version 1; otherwise a store writer
+    could hand it a forged root listing the writer's public key and have it sign their targets."""
+    first = store.get(f"{METADATA}/1.root.json")
+    if first is None:
+        raise InputError(f"the store {store.url} has no signed root",
+                         hint="run `skuforge release init` once to create it")
+    root = _parse(first.data, "1.root.json")
+    _root_signed(root, root, "1.root.json")
+    anchor = _parse(keys.anchor, "pinned root") if keys is not None and keys.anchor else None
+    if keys is not None and anchor is None:
+        ours = {k.tuf_signer().public_key.keyid for k in keys.root}
+        if not ours & set(root.signed.roles["root"].keyids):
+            raise VerificationFailed(f"the root of {store.url} is not one this project created: none of its root "
+                                     "keys is the signing key",
+                                     hint="pin the store's genuine root in the project (release-root.json, written by "
+                                          "`skuforge release init` or `release root --out release-root.json`)")
+    chain = {1: root}
+    while True:
+        n = root.signed.version
+        nxt = store.get(f"{METADATA}/{n + 1}.root.json")
+        if nxt is None:
+            break
+        new = _parse(nxt.data, f"{n + 1}.root.json")
+        if new.signed.version != n + 1:
+            raise VerificationFailed(f"{n + 1}.root.json says version {new.signed.version}",
+                                     hint="the store's root chain was tampered with; restore it")
+        _root_signed(new, root, f"{n + 1}.root.json")
+        _root_signed(new, new, f"{n + 1}.root.json")
+        root = chain[n + 1] = new
+    if anchor is not None:
+        link = chain.get(anchor.signed.version)
+        if link is None or link.signed_bytes != anchor.signed_bytes:
+            raise VerificationFailed(f"the root chain of {store.url} does not contain the project's pinned root "
+                                     f"(version {anchor.signed.version})",
+                                     hint="the store was replaced or tampered with; restore it, or pin its root "
+                                          "again only if you know why it changed")
+    return root
+
+
+def read_state(store: Store, keys: Keys | None = None) -> State:
+    """The current metadata, each verified against the root's keys (a writer, with ``keys``, never
+    builds on metadata it could not have signed itself)."""
+    from tuf.api.exceptions import UnsignedMetadataError
+
+    root = _latest_root(store, keys)
     ts_blob = store.get(TIMESTAMP_KEY)
     if ts_blob is None:
         raise InputError(f"the store {store.url} has no timestamp.json", hint="run `skuforge release init`")
@@ -234,7 +274,7 @@ def commit(store: Store, keys: Keys, expiry: Expiry, change: Callable[[Targets, 
     from tuf.api.metadata import MetaFile
 
     for attempt in range(MAX_ATTEMPTS):
-        state = read_state(store)
+        state = read_state(store, keys)
         _check_online(state, keys)
         targets = state.targets.signed
         if not change(targets, state):
@@ -283,7 +323,7 @@ def refresh_timestamp(store: Store, keys: Keys, expiry: Expiry, force: bool = Fa
     """Re-sign the timestamp when less than half its lifetime is left (devices refuse an expired
     one). True when it was re-signed."""
     for _ in range(MAX_ATTEMPTS):
-        state = read_state(store)
+        state = read_state(store, keys)
         _check_online(state, keys)
         ts = state.timestamp.signed
         left = ts.expires - _now()
@@ -305,11 +345,12 @@ def add_target(targets: Targets, path: str, data: bytes, custom: dict | None = N
     targets.targets[path] = info
 
 
-def root_bytes(store: Store) -> bytes:
-    """The current root, for provisioning devices (their trust anchor)."""
+def root_bytes(store: Store, keys: Keys | None = None) -> bytes:
+    """The current root, for provisioning devices (their trust anchor); with ``keys``, only from a
+    chain this writer can vouch for."""
     from tuf.api.serialization.json import JSONSerializer
 
-    return _latest_root(store).to_bytes(JSONSerializer(compact=False))
+    return _latest_root(store, keys).to_bytes(JSONSerializer(compact=False))
 
 
 def read_target(store: Store, state: State, path: str) -> bytes | None:

@@ -55,10 +55,6 @@ def test_list_under_a_prefix(store):
 
 def test_get_of_a_prefix_is_missing(store, request):
     """A key that is only a prefix of others (a folder, locally) has no value."""
-    if isinstance(store, LocalStore):
-        request.applymarker(pytest.mark.xfail(
-            strict=True, raises=StorageError,
-            reason="LocalStore.get reads a folder: IsADirectoryError becomes StorageError, not None"))
     store.put("dir/file", b"x")
     assert not store.exists("dir")
     assert store.get("dir") is None
@@ -90,34 +86,37 @@ def test_if_match_needs_the_current_etag(store):
 
 def test_if_match_on_a_missing_key_is_a_lost_race(store, request):
     """A key deleted since it was read: the caller must re-read, as for any other lost race."""
-    if _is_s3(store):
-        request.applymarker(pytest.mark.xfail(
-            strict=True, raises=ServiceError,
-            reason="S3Store.put maps S3's 404 NoSuchKey for If-Match on a missing key to ServiceError, "
-                   "LocalStore raises PreconditionFailed"))
     with pytest.raises(PreconditionFailed):
         store.put("deleted", b"x", if_match='"0123456789abcdef0123456789abcdef"')
 
 
-def _increment(store, key: str, times: int) -> None:
+def _increment(store, key: str, times: int, written: list[int] | None = None) -> int:
+    """Add 1 to the counter ``times`` times by read-modify-write; how many swaps were lost."""
+    lost = 0
     for _ in range(times):
         while True:
             blob = store.get(key)
+            value = int(blob.data) + 1
             try:
-                store.put(key, str(int(blob.data) + 1).encode(), if_match=blob.etag)
+                store.put(key, str(value).encode(), if_match=blob.etag)
                 break
             except PreconditionFailed:
-                continue
+                lost += 1
+        if written is not None:
+            written.append(value)
+    return lost
 
 
 def test_concurrent_compare_and_swap_loses_no_update(store):
     threads, each = (8, 5) if _is_s3(store) else (16, 10)
     store.put("counter", b"0")
     errors: list[BaseException] = []
+    lost: list[int] = []
+    written: list[int] = []
 
     def work():
         try:
-            _increment(store, "counter", each)
+            lost.append(_increment(store, "counter", each, written))
         except BaseException as exc:  # reported below: a thread's exception would vanish
             errors.append(exc)
 
@@ -127,7 +126,12 @@ def test_concurrent_compare_and_swap_loses_no_update(store):
     for w in workers:
         w.join(timeout=60)
     assert not errors
-    assert int(store.get("counter").data) == threads * each
+    assert sum(lost) > 0  # the writers did race: the condition was sent and enforced
+    # moto checks If-Match and then writes without a lock, so two swaps from one etag can both win
+    # there, rarely (real S3 is atomic); such a pair writes the same value. None may happen locally.
+    server_races = len(written) - len(set(written))
+    assert server_races <= (2 if _is_s3(store) else 0)
+    assert int(store.get("counter").data) == threads * each - server_races
 
 
 @pytest.mark.parametrize("key", ["../x", "a/../x", "/abs", "a b", "", "a//b", "trailing/"])

@@ -248,10 +248,15 @@ def test_refresh_timestamp_waits_for_half_life(repo, keys):
 def test_writer_with_a_key_the_root_does_not_name_is_refused(repo):
     stranger = trust.Keys.single(SigningKey.generate())
     before = sorted(repo.list("metadata"))
-    with pytest.raises(ConfigError, match="may not sign"):
+    # not a root key of the store and nothing pinned: the store is not this writer's to sign
+    with pytest.raises(VerificationFailed, match="not one this project created"):
         publish(repo, stranger, ENGINE, b"engine")
-    with pytest.raises(ConfigError):
+    with pytest.raises(VerificationFailed):
         trust.refresh_timestamp(repo, stranger, Expiry(), force=True)
+    # pinned (it trusts this store's root) but not its online key: may not sign
+    pinned = trust.Keys.single(stranger.online, anchor=repo.get("metadata/1.root.json").data)
+    with pytest.raises(ConfigError, match="may not sign"):
+        publish(repo, pinned, ENGINE, b"engine")
     assert sorted(repo.list("metadata")) == before
 
 
@@ -269,8 +274,6 @@ def test_unreachable_store_is_a_service_error_on_the_device(s3_repo, keys, proxy
         dev.fetch(ENGINE)
 
 
-@pytest.mark.xfail(strict=True, reason="trust._latest_root trusts metadata/root.json (and any N.root.json) "
-                                       "without verifying a signature: a forged root is used to verify the rest")
 def test_forged_root_copy_is_refused(repo, keys):
     """Someone with write access to the store but no key replaces the root.json copy with a root
     that also names their key, and signs their own targets with it. A writer must not build on it
@@ -299,3 +302,23 @@ def test_forged_root_copy_is_refused(repo, keys):
 
     with pytest.raises(VerificationFailed):
         trust.read_state(repo)
+
+
+def test_a_forged_root_chain_is_refused_by_writers(repo, keys):
+    """A store writer replaces the whole chain with a root of their own that names the project's
+    (public) online key for every online role: self-consistent, so readers cannot tell; a writer
+    must, or it would sign the attacker's targets with the real key."""
+    from tuf.api.metadata import Metadata
+
+    attacker = SigningKey.generate()
+    forged = Metadata.from_bytes(repo.get("metadata/1.root.json").data)
+    forged.signed.roles["root"].keyids = []
+    forged.signed.add_key(attacker.tuf_signer().public_key, "root")
+    forged.sign(attacker.tuf_signer())
+    repo.put("metadata/1.root.json", forged.to_bytes())
+    repo.put("metadata/root.json", forged.to_bytes())
+
+    with pytest.raises(VerificationFailed, match="not one this project created"):
+        trust.commit(repo, keys, Expiry(), lambda targets, state: trust.add_target(targets, "evil", b"x") or True)
+    pinned = trust.Keys.single(keys.online, anchor=forged.to_bytes())  # pinning it says: trust this one
+    assert trust.read_state(repo, pinned).root.signed.version == 1
