@@ -43,17 +43,40 @@ class QdqOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     per_channel: bool = True
-    reduce_range: bool = False
+    reduce_range: bool | None = Field(None, description="7-bit weights; null: the backend decides from the target "
+                                                        "(see saturation_safe_range)")
     activation_type: Literal["uint8", "int8"] = "uint8"
     weight_type: Literal["int8", "uint8"] = "int8"
     op_types_to_quantize: list[str] | None = Field(None, description="quantize only these op types (default: all)")
     nodes_to_exclude: list[str] = Field(default_factory=list, description="nodes kept in float (e.g. after a failed gate)")
 
+    def for_target(self, target: Any) -> Any:
+        """These options with ``reduce_range`` decided for the SKU's target when left unset (the
+        build report then records what was used)."""
+        if self.reduce_range is not None:
+            return self
+        return self.model_copy(update={"reduce_range": saturation_safe_range(
+            target.arch, target.device, target.cpu_features, self.activation_type, self.weight_type)})
+
     def qdq_settings(self) -> QdqSettings:
-        return QdqSettings(per_channel=self.per_channel, reduce_range=self.reduce_range,
+        return QdqSettings(per_channel=self.per_channel, reduce_range=bool(self.reduce_range),
                            activation_type=self.activation_type, weight_type=self.weight_type,
                            op_types_to_quantize=tuple(self.op_types_to_quantize) if self.op_types_to_quantize else None,
                            nodes_to_exclude=tuple(self.nodes_to_exclude))
+
+
+VNNI = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+def saturation_safe_range(arch: str, device: str, cpu_features: "list[str] | frozenset[str]", activation_type: str,
+                          weight_type: str) -> bool:
+    """Whether u8s8 weights need 7 bits on this target. x86 CPUs without VNNI multiply uint8 by int8
+    with VPMADDUBSW, which sums pairs into int16 and saturates; ONNX Runtime's u8s8 kernels then
+    compute wrong numbers, and so do OpenVINO's (measured: 7.8-11.7% of outputs off on an AVX2
+    host). A SKU that declares no VNNI feature may run on such a CPU, so its engine must not
+    depend on it."""
+    return (arch == "x86_64" and device == "cpu" and activation_type == "uint8" and weight_type == "int8"
+            and not (VNNI & set(cpu_features)))
 
 
 def quantize_qdq(source: Path, out: Path, ctx: "BuildContext", settings: QdqSettings,

@@ -248,6 +248,7 @@ class OnnxRuntimeBackend(Backend):
             onnx.save(model, str(source))
             precision = ctx.sku_spec.precision
             if precision == "int8":
+                opts = opts.for_target(ctx.sku_spec.target)
                 calibration = quantize_qdq(source, tmpdir / "quantized.onnx", ctx, opts.qdq_settings(),
                                            newest_opset=newest_qdq_opset())
                 source = tmpdir / "quantized.onnx"

@@ -263,6 +263,7 @@ class OpenVinoBackend(Backend):
             source = Path(tmp) / "input.onnx"
             onnx.save(onnx_model, str(source))
             if precision == "int8":
+                opts = opts.for_target(ctx.sku_spec.target)
                 calibration = quantize_qdq(source, Path(tmp) / "quantized.onnx", ctx, opts.qdq_settings())
                 calibration["runtime"] = "OpenVINO reads the QDQ pairs as FakeQuantize; its low-precision transformations run them in int8"
                 source = Path(tmp) / "quantized.onnx"

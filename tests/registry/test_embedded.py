@@ -63,7 +63,8 @@ def test_the_embedded_store_lives_at_the_project_root(proj):
     assert read_json(Layout(proj.root).report("conv", "a", "publish")) == result.receipt()
     assert result.created_run and result.created_version and result.version == "1"
     names = [f.path for f in connect(proj).client.list_artifacts(result.run_id, "reports")]
-    assert names == [f"reports/{n}" for n in ("bench.json", "build.json", "latency.csv", "report.html", "validate.json")]
+    assert names == [f"reports/{n}" for n in ("bench.json", "build.json", "golden.npz", "latency.csv", "outputs.npz",
+                                              "report.html", "validate.json")]
 
 
 def test_tags_name_the_commit_runner_and_ci_run(proj):

@@ -60,3 +60,38 @@ def project(tmp_path_factory):
                         rollout={"fallback_sku": "portable", "waves": WAVES,
                                  "gates": {"min_reports": 3, "max_failure_rate": 0.1, "max_smoke_failures": 0,
                                            "max_latency_regression": 0.5}})
+
+
+MODEL = "conv"
+
+
+@pytest.fixture
+def keys():
+    from pipeline.rollout import trust
+    from pipeline.signing import signing_key
+
+    return trust.Keys.single(signing_key())
+
+
+@pytest.fixture(scope="module")
+def published(project, tmp_path_factory):
+    """A store holding release r1 of the module's project, copied by each test (publishing is the slow part)."""
+    from pipeline.rollout import release, trust
+    from pipeline.rollout.store import LocalStore
+    from pipeline.signing import signing_key
+
+    store = LocalStore(tmp_path_factory.mktemp("published") / "store")
+    keys = trust.Keys.single(signing_key())
+    trust.initialise(store, keys, project.rollout.expiry)
+    release.publish_release(project, store, keys, MODEL)
+    return store.root
+
+
+def first_in(doc, wave: int, n: int = 1) -> list[str]:
+    """``n`` device ids the rollout's wave ``wave`` is the first to take."""
+    import itertools
+
+    from pipeline.rollout import plan
+
+    ids = (f"dev{i}" for i in itertools.count())
+    return list(itertools.islice((i for i in ids if plan.first_wave(doc.waves, doc.id, i, None) == wave), n))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 import shutil
@@ -15,9 +14,8 @@ import yaml
 from pipeline.config import load_registry
 from pipeline.errors import ConfigError
 from pipeline.io import sha256_bytes
-from pipeline.rollout import agent, controller, plan, release, trust
+from pipeline.rollout import agent, controller, release, trust
 from pipeline.rollout.store import LocalStore, S3Store
-from pipeline.signing import signing_key
 from pipeline.stages.bench import bench
 from pipeline.stages.build import build
 from pipeline.stages.manifest import write_manifest
@@ -25,7 +23,7 @@ from pipeline.stages.validate import validate
 
 from .s3server import s3_client
 
-MODEL = "conv"
+from .conftest import MODEL, first_in
 T0 = datetime(2026, 1, 5, 12, 0, tzinfo=timezone.utc)
 
 
@@ -39,21 +37,6 @@ class ReadLog(LocalStore):
     def get(self, key):
         self.read.append(key)
         return super().get(key)
-
-
-@pytest.fixture
-def keys():
-    return trust.Keys.single(signing_key())
-
-
-@pytest.fixture(scope="module")
-def published(project, tmp_path_factory):
-    """A store holding release r1 of the module's project, copied by each test (publishing is the slow part)."""
-    store = LocalStore(tmp_path_factory.mktemp("published") / "store")
-    keys = trust.Keys.single(signing_key())
-    trust.initialise(store, keys, project.rollout.expiry)
-    release.publish_release(project, store, keys, MODEL)
-    return store.root
 
 
 @pytest.fixture
@@ -83,12 +66,6 @@ def make_agent(store, tmp_path, dev: agent.Device, **kw) -> agent.Agent:
     return agent.Agent(store, dev, tmp_path / "devices" / dev.id, trust.root_bytes(store), **kw)
 
 
-def first_in(doc: controller.RolloutDoc, wave: int) -> str:
-    """A device id the rollout's wave ``wave`` is the first to take."""
-    ids = (f"dev{i}" for i in itertools.count())
-    return next(i for i in ids if plan.first_wave(doc.waves, doc.id, i, None) == wave)
-
-
 def roll_out(registry, store, keys, release_id=None, complete=False) -> controller.RolloutDoc:
     """Start a rollout and advance it to its last wave (or past it) on healthy synthetic reports."""
     doc = controller.start(registry, store, keys, MODEL, release_id, now=T0)
@@ -110,7 +87,7 @@ def release_blobs(store, rid: str) -> set[str]:
 
 def test_first_wave_device_installs_then_stays_current(project, repo, keys, tmp_path):
     doc = controller.start(project, repo, keys, MODEL, now=T0)
-    dev = device(first_in(doc, 0))
+    dev = device(first_in(doc, 0)[0])
     a = make_agent(repo, tmp_path, dev)
     result = a.run_once(MODEL)
     assert result.outcome == "ok", result.detail
@@ -132,7 +109,7 @@ def test_first_wave_device_installs_then_stays_current(project, repo, keys, tmp_
     assert repo.requests["get"] - gets <= 3  # next root version probed, timestamp, rollout document
     assert [k for k in repo.read[reads:] if not k.startswith("metadata/")] == [rollout_blob]
 
-    outside = make_agent(repo, tmp_path, device(first_in(doc, 1)))
+    outside = make_agent(repo, tmp_path, device(first_in(doc, 1)[0]))
     left = outside.run_once(MODEL)
     assert (left.outcome, left.active, left.reported) == ("idle", None, None)
 
@@ -141,7 +118,7 @@ def test_corrupted_engine_is_never_activated(project, repo, keys, tmp_path):
     doc = controller.start(project, repo, keys, MODEL, now=T0)
     entry = release.release_doc(repo, MODEL, "r1")["skus"]["cpu"]
     repo.put(trust.blob_key(entry["sha256"]["engine/model.onnx"]), b"not the engine")
-    a = make_agent(repo, tmp_path, device(first_in(doc, 0)))
+    a = make_agent(repo, tmp_path, device(first_in(doc, 0)[0]))
     result = a.run_once(MODEL)
     assert result.outcome == "verify_failed" and "model.onnx" in result.detail
     assert result.active is None and a.active(MODEL) is None
@@ -152,7 +129,7 @@ def test_corrupted_engine_is_never_activated(project, repo, keys, tmp_path):
 
 def test_incompatible_runtime_takes_the_portable_engine(project, repo, keys, tmp_path):
     doc = controller.start(project, repo, keys, MODEL, now=T0)
-    dev = device(first_in(doc, 0), runtime={"onnxruntime": "0.1.0"})
+    dev = device(first_in(doc, 0)[0], runtime={"onnxruntime": "0.1.0"})
     skus = release.release_doc(repo, MODEL, "r1")["skus"]
     assert agent.compatibility(skus["cpu"]["requires"], dev) == [
         f"needs onnxruntime {agent.installed_runtimes()['onnxruntime']} exactly, the device has 0.1.0"]
@@ -212,7 +189,7 @@ def test_interrupted_download_installs_nothing(project, s3_store, proxy, keys, t
     trust.initialise(s3_store, keys, project.rollout.expiry)
     release.publish_release(project, s3_store, keys, MODEL)
     doc = controller.start(project, s3_store, keys, MODEL, now=T0)
-    dev = device(first_in(doc, 0))
+    dev = device(first_in(doc, 0)[0])
     engine = release.release_doc(s3_store, MODEL, "r1")["skus"]["cpu"]["sha256"]["engine/model.onnx"]
     proxy.fail(method="GET", key_pattern=re.escape(engine) + "$", times=None)
     a = make_agent(s3_store, tmp_path, dev)
@@ -228,7 +205,7 @@ def test_interrupted_download_installs_nothing(project, s3_store, proxy, keys, t
 
 def test_unreachable_store_keeps_the_active_engine(project, repo, keys, tmp_path):
     doc = controller.start(project, repo, keys, MODEL, now=T0)
-    dev = device(first_in(doc, 0))
+    dev = device(first_in(doc, 0)[0])
     installed = make_agent(repo, tmp_path, dev).run_once(MODEL)
     assert installed.outcome == "ok", installed.detail
 

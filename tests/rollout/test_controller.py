@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import shutil
 import threading
@@ -12,31 +11,15 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from pipeline.errors import ConfigError, InputError
-from pipeline.rollout import agent, controller, inventory, plan, release, trust
+from pipeline.rollout import agent, controller, inventory, release, trust
 from pipeline.rollout.store import LocalStore
-from pipeline.signing import signing_key
 
-MODEL = "conv"
+from .conftest import MODEL, first_in
 T0 = datetime(2026, 1, 5, 12, 0, tzinfo=timezone.utc)
 
 
 def minutes(n: float) -> datetime:
     return T0 + timedelta(minutes=n)
-
-
-@pytest.fixture
-def keys():
-    return trust.Keys.single(signing_key())
-
-
-@pytest.fixture(scope="module")
-def published(project, tmp_path_factory):
-    """A store holding release r1 of the module's project, copied by each test (publishing is the slow part)."""
-    store = LocalStore(tmp_path_factory.mktemp("published") / "store")
-    keys = trust.Keys.single(signing_key())
-    trust.initialise(store, keys, project.rollout.expiry)
-    release.publish_release(project, store, keys, MODEL)
-    return store.root
 
 
 @pytest.fixture
@@ -48,12 +31,6 @@ def report(store, doc: controller.RolloutDoc, device_id: str, outcome: str = "ok
     """A device report as the agent writes it (the fields the gates read)."""
     body = {"device": device_id, "outcome": outcome, "release": doc.release, "latency_ratio": latency_ratio}
     store.put(controller.report_key(MODEL, doc.id, outcome, device_id), json.dumps(body).encode())
-
-
-def first_in(doc: controller.RolloutDoc, wave: int, n: int = 1) -> list[str]:
-    """``n`` device ids the rollout's wave ``wave`` is the first to take."""
-    ids = (f"dev{i}" for i in itertools.count())
-    return list(itertools.islice((i for i in ids if plan.first_wave(doc.waves, doc.id, i, None) == wave), n))
 
 
 def test_start_needs_a_release(project, local_store, keys):

@@ -12,21 +12,12 @@ import time
 import pytest
 from botocore.exceptions import ClientError, ConnectionClosedError, ReadTimeoutError
 
-from .s3server import FaultProxy, MotoS3, object_key
+from .s3server import MotoS3, object_key
 
 NO_RETRIES = {"retries": {"total_max_attempts": 1}}  # "max_attempts" counts retries
 
 
-@pytest.fixture(scope="module")
-def moto_s3():
-    with MotoS3() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def proxy(moto_s3):
-    with FaultProxy(moto_s3.endpoint) as p:
-        yield p
+# moto_s3 and proxy: the session fixtures of conftest.py
 
 
 @pytest.fixture
@@ -144,10 +135,11 @@ def test_object_key():
     assert object_key("/b?list-type=2") is None and object_key("/b/") is None and object_key("/") is None
 
 
-def test_reset_forgets_buckets(moto_s3):
-    name = moto_s3.make_bucket()  # other tests make their own bucket after any reset
-    moto_s3.reset()
-    assert name not in [b["Name"] for b in moto_s3.client().list_buckets()["Buckets"]]
+def test_reset_forgets_buckets():
+    with MotoS3() as own:  # not the session server: other tests' buckets live there
+        name = own.make_bucket()
+        own.reset()
+        assert name not in [b["Name"] for b in own.client().list_buckets()["Buckets"]]
 
 
 def test_server_dies_with_its_test_process():

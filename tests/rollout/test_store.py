@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pipeline.errors import ServiceError, StorageError
+from pipeline.errors import ServiceError
 from pipeline.rollout.store import LocalStore, PreconditionFailed, S3Store
 
 from .conftest import FAST
