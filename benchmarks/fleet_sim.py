@@ -202,6 +202,9 @@ def main() -> int:
     ap.add_argument("--canary-failure", type=float, default=0.1, help="share of canary devices failing r2's smoke test")
     ap.add_argument("--incompatible", type=float, default=0.005, help="share of devices with an old ONNX Runtime")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    ap.add_argument("--state-dir", type=Path, default=Path("/dev/shm") if Path("/dev/shm").is_dir() else None,
+                    help="where the simulated devices keep their state (default: /dev/shm, a RAM disk: a real "
+                         "device pays its own disk's fsyncs, the simulation should not pay 100k of them)")
     args = ap.parse_args()
     os.environ.setdefault("SKUFORGE_KEY_DIR", tempfile.mkdtemp(prefix="fleet-keys-"))
 
@@ -246,7 +249,7 @@ def main() -> int:
                 inventory = load_inventory(inv_path)
                 load_s = time.perf_counter() - t
                 by_id = {d.id: (d.id, d.sku, d.runtime["onnxruntime"]) for d in inventory}
-                state = tmp / f"devices-{n}"
+                state = Path(tempfile.mkdtemp(prefix=f"fleet-devices-{n}-", dir=args.state_dir))
                 root = trust.root_bytes(store)
                 print(f"\n=== {n} devices (inventory CSV loaded in {load_s:.2f} s; store {url} on {s3.endpoint})",
                       flush=True)
