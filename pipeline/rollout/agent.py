@@ -24,7 +24,6 @@ import io
 import json
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -441,7 +440,3 @@ def load_device(path: str | os.PathLike) -> DeviceConfig:
     except ValidationError as exc:
         raise InputError(f"{path}: " + "; ".join(validation_problems(exc, DeviceConfig, ())),
                          hint="see docs/rollout.md for the device file") from None
-
-
-def remove_state(state_dir: Path) -> None:
-    shutil.rmtree(state_dir, ignore_errors=True)

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..config import Registry
 from ..errors import ConfigError, GateFailed, InputError
-from ..io import read_json, sha256_arrays, sha256_bytes, sha256_file
+from ..io import read_json, sha256_arrays, sha256_file
 from ..manifest import Manifest
 from ..registry.gates import correctness_problems, engine_gate, manifest_gate, placement_gate, signature_gate
 from ..results import Result
@@ -355,7 +355,3 @@ def release_doc(store: Store, model: str, release: str) -> dict | None:
     state = trust.read_state(store)
     data = trust.read_target(store, state, release_path(model, release, RELEASE_DOC))
     return None if data is None else json.loads(data)
-
-
-def sha_of(data: bytes) -> str:
-    return sha256_bytes(data)
