@@ -246,7 +246,7 @@ def rollout_advance(args: argparse.Namespace) -> int:
     rows = [(m, advance(reg, store, keys, m, actor=_actor())) for m in _models(args, store, reg)]
     _print(args, {m: s.to_json() for m, s in rows},
            "\n".join(f"{m}: {s.action}: {s.reason}" for m, s in rows) or "no live rollouts")
-    return 1 if any(s.action == "rolled_back" for _, s in rows) else 0
+    return 1 if any(s.action in ("rolled_back", "aborted") for _, s in rows) else 0  # a gate failed
 
 
 def rollout_move(args: argparse.Namespace) -> int:
