@@ -16,14 +16,15 @@ from pipeline.errors import ConfigError
 from pipeline.io import sha256_bytes
 from pipeline.rollout import agent, controller, release, trust
 from pipeline.rollout.store import LocalStore, S3Store
+from pipeline.runner.probe import host_arch
 from pipeline.stages.bench import bench
 from pipeline.stages.build import build
 from pipeline.stages.manifest import write_manifest
 from pipeline.stages.validate import validate
 
+from .conftest import MODEL, first_in
 from .s3server import s3_client
 
-from .conftest import MODEL, first_in
 T0 = datetime(2026, 1, 5, 12, 0, tzinfo=timezone.utc)
 
 
@@ -58,7 +59,7 @@ def project_r2(project, tmp_path_factory):
 
 
 def device(device_id: str, runtime: dict[str, str] | None = None) -> agent.Device:
-    return agent.Device(id=device_id, sku="cpu", arch="x86_64", runtime=runtime or agent.installed_runtimes(),
+    return agent.Device(id=device_id, sku="cpu", arch=host_arch(), runtime=runtime or agent.installed_runtimes(),
                         cpu_features=frozenset())
 
 

@@ -12,6 +12,7 @@ import yaml
 from cli_helpers import assert_user_error, skuforge
 
 from pipeline.rollout.inventory import Device, write_inventory
+from pipeline.runner.probe import host_arch
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def shipped(project, tmp_path_factory):
 
 
 def _device_file(path, device_id: str, **extra) -> None:
-    path.write_text(yaml.safe_dump({"id": device_id, "sku": "cpu", "models": ["conv"], "arch": "x86_64",
+    path.write_text(yaml.safe_dump({"id": device_id, "sku": "cpu", "models": ["conv"], "arch": host_arch(),
                                     "cpu_features": [], **extra}))
 
 
@@ -46,8 +47,8 @@ def test_ship_to_a_device(shipped, tmp_path):
     doc = json.loads(proc.stdout)
     assert doc["status"] == "active" and doc["release"] == "r1" and doc["planned"][-1] == 200
 
-    from pipeline.rollout.plan import included
     from pipeline.config import Wave
+    from pipeline.rollout.plan import included
 
     waves = [Wave(**w) for w in doc["waves"]]
     canary = next(f"dev-{i:03d}" for i in range(200) if included(waves, 0, doc["id"], f"dev-{i:03d}", None))

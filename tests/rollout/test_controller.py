@@ -13,8 +13,10 @@ import pytest
 from pipeline.errors import ConfigError, InputError
 from pipeline.rollout import agent, controller, inventory, release, trust
 from pipeline.rollout.store import LocalStore
+from pipeline.runner.probe import host_arch
 
 from .conftest import MODEL, first_in
+
 T0 = datetime(2026, 1, 5, 12, 0, tzinfo=timezone.utc)
 
 
@@ -96,7 +98,7 @@ def test_failing_canary_rolls_back(project, repo, keys, tmp_path):
     assert (doc.release, doc.previous) == ("r2", "r1")
 
     root = trust.root_bytes(repo)
-    devices = [agent.Device(id=i, sku="portable", arch="x86_64", runtime=agent.installed_runtimes(),
+    devices = [agent.Device(id=i, sku="portable", arch=host_arch(), runtime=agent.installed_runtimes(),
                             cpu_features=frozenset()) for i in first_in(doc, 0, 2)]
     for dev in devices:
         result = agent.Agent(repo, dev, tmp_path / dev.id, root,

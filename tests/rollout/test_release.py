@@ -12,6 +12,7 @@ from pipeline.config import load_registry
 from pipeline.errors import GateFailed, ServiceError, SkuforgeError
 from pipeline.io import sha256_bytes
 from pipeline.rollout import agent, release, trust
+from pipeline.runner.probe import host_arch
 from pipeline.signing import signing_key
 
 MODEL = "conv"
@@ -60,7 +61,7 @@ def test_publish_is_signed_and_idempotent(project, local_store, keys, tmp_path):
     assert (doc["model"], doc["release"], doc["previous"], doc["actor"]) == (MODEL, "r1", None, "ci")
     assert doc["fallback_sku"] == "portable" and sorted(doc["skus"]) == ["cpu", "portable"]
     cpu, portable = doc["skus"]["cpu"], doc["skus"]["portable"]
-    assert cpu["requires"]["portable"] is False and cpu["requires"]["arch"] == "x86_64"
+    assert cpu["requires"]["portable"] is False and cpu["requires"]["arch"] == host_arch()
     assert cpu["requires"]["exact"] == {"onnxruntime": agent.installed_runtimes()["onnxruntime"]}
     assert portable["requires"] == {"arch": None, "cpu_features": [], "exact": {}, "specifiers": {}, "portable": True}
     for entry in (cpu, portable):
