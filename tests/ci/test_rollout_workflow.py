@@ -134,6 +134,7 @@ def test_schedule_advances_every_rollout(run_step):
 
 @pytest.mark.parametrize("action, model, reason, expected", [
     ("advance", "", "", ["advance", "--all"]),
+    ("advance", "resnet", "a reason advance does not take", ["advance", "--model", "resnet"]),
     ("status", "", "", ["status", "--all"]),
     ("pause", "resnet", "canary looks slow", ["pause", "--model", "resnet", "--reason", "canary looks slow"]),
     ("rollback", "", "bad build", ["rollback", "--all", "--reason", "bad build"]),
@@ -144,6 +145,13 @@ def test_dispatch_passes_inputs_as_arguments(run_step, tmp_path, action, model, 
     assert rc == 0, out
     assert calls == [["rollout", *expected]]
     assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("action", ["pause", "resume", "abort", "rollback"])
+def test_dispatch_refuses_a_move_without_a_reason(run_step, action):
+    rc, out, calls = run_step("workflow_dispatch", action, "resnet", "")
+    assert rc == 1 and calls == []
+    assert f"::error::{action} needs a reason" in out
 
 
 @pytest.mark.parametrize("action", ["deploy", "", "advance --all", "ADVANCE"])
