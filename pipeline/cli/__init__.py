@@ -105,6 +105,10 @@ def _run(args: argparse.Namespace) -> int:
         gc.collect()
         print("skuforge: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`skuforge ... | head`): nothing left to say
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return _record(args, 0, None)
     except OSError as exc:
         err = _os_error(exc)
         if err is not None:

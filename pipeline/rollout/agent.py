@@ -24,6 +24,7 @@ import io
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -125,12 +126,21 @@ def compatibility(requires: dict[str, Any], device: Device) -> list[str]:
     if missing:
         bad.append(f"needs CPU features {', '.join(missing)}")
     for pkg, version in requires.get("exact", {}).items():
-        if device.runtime.get(pkg) != version:
+        if _release(device.runtime.get(pkg)) != _release(version):
             bad.append(f"needs {pkg} {version} exactly, the device has {device.runtime.get(pkg) or 'none'}")
     for pkg, spec in requires.get("specifiers", {}).items():
         if not satisfies(device.runtime.get(pkg), spec):
             bad.append(f"needs {pkg} {spec}, the device has {device.runtime.get(pkg) or 'none'}")
     return bad
+
+
+def _release(version: str | None) -> str | None:
+    """The release part of a version string: OpenVINO reports '2026.4.1-22982-e213a14...-releases/2026/4'
+    where its package says '2026.4.1'."""
+    if version is None:
+        return None
+    match = re.match(r"\d+(\.\d+)*", version)
+    return match.group(0) if match else version
 
 
 # --- the smoke test ---------------------------------------------------------------------------------

@@ -179,7 +179,7 @@ def health(store: Store, doc: RolloutDoc, now: datetime | None = None) -> Health
         return None if total < need else count / total <= limit
 
     gates = [
-        GateCheck(name="reports", passed=total >= need, detail=f"{total} reports, {need} needed"),
+        GateCheck(name="reports", passed=True if total >= need else None, detail=f"{total} reports, {need} needed"),
         GateCheck(name="failure_rate", passed=share(failed, g.max_failure_rate),
                   detail=f"{failed}/{total} failed" + (f" ({rate:.1%}, max {g.max_failure_rate:.1%})" if total else "")
                          + "".join(f", {o} {n}" for o, n in counts.items() if n and o != "ok")),
@@ -289,7 +289,7 @@ def advance(registry: Registry, store: Store, keys: trust.Keys, model: str, acto
             return None, "none", f"no active rollout of {model}" + (f" ({current.id} is {current.status})" if current else "")
         h = health(store, current, now)
         observed["health"] = h
-        failed = [g for g in h.gates if g.passed is False and g.name != "reports"]
+        failed = [g for g in h.gates if g.passed is False]
         doc = current.model_copy(deep=True)
         if failed:
             why = "; ".join(f"{g.name}: {g.detail}" for g in failed)
@@ -304,7 +304,7 @@ def advance(registry: Registry, store: Store, keys: trust.Keys, model: str, acto
         left = _bake_left(current, now)
         if left > 0:
             return None, "wait", f"wave {current.waves[current.wave].name} bakes {left:.0f} more minutes"
-        pending = [g for g in h.gates if g.passed is None or (g.name == "reports" and not g.passed)]
+        pending = [g for g in h.gates if g.passed is None]
         if pending:
             return None, "wait", "not enough evidence: " + "; ".join(g.detail for g in pending)
         if current.wave + 1 >= len(current.waves):
@@ -372,14 +372,14 @@ def status(registry: Registry, store: Store, model: str, now: datetime | None = 
                              reason=f"{model} has no rollout")
     h = health(store, doc, now)
     left = _bake_left(doc, now) if doc.status == "active" else None
-    failed = [g for g in h.gates if g.passed is False and g.name != "reports"]
+    failed = [g for g in h.gates if g.passed is False]
     if doc.status != "active":
         action, reason = "none", f"{doc.id} is {doc.status}"
     elif failed:
         action, reason = "rollback", "; ".join(f"{g.name}: {g.detail}" for g in failed)
     elif left:
         action, reason = "wait", f"bakes {left:.0f} more minutes"
-    elif any(g.passed is None or (g.name == "reports" and not g.passed) for g in h.gates):
+    elif any(g.passed is None for g in h.gates):
         action, reason = "wait", "not enough evidence yet"
     else:
         action, reason = "advance", "every gate passed"

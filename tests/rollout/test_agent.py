@@ -224,3 +224,15 @@ def test_no_trusted_root(repo, tmp_path):
     a = agent.Agent(repo, device("dev0"), tmp_path / "unprovisioned")
     with pytest.raises(ConfigError, match="no trusted root"):
         a.run_once(MODEL)
+
+
+def test_exact_runtime_versions_compare_their_release_part():
+    """OpenVINO's engines record get_version() ('2026.4.1-22982-...'); a device reports the package
+    version ('2026.4.1'): the same runtime."""
+    requires = {"arch": None, "cpu_features": [], "exact": {"openvino": "2026.4.1-22982-e213a147257-releases/2026/4"},
+                "specifiers": {"openvino": ">=2026.0,<2027"}}
+    dev = agent.Device(id="d", sku="ov", arch=host_arch(), runtime={"openvino": "2026.4.1"}, cpu_features=frozenset())
+    assert agent.compatibility(requires, dev) == []
+    older = agent.Device(id="d", sku="ov", arch=host_arch(), runtime={"openvino": "2026.3.0"}, cpu_features=frozenset())
+    assert agent.compatibility(requires, older) == [
+        "needs openvino 2026.4.1-22982-e213a147257-releases/2026/4 exactly, the device has 2026.3.0"]
