@@ -323,6 +323,7 @@ class Agent:
 
     def _install(self, model: str, release: dict[str, Any], doc, t0: float) -> AgentResult:
         rid = release["release"]
+        rollout = doc.id if doc else None
         act = self.active(model)
         slot = "b" if act is not None and act["slot"] == "a" else "a"
         entry = release["skus"].get(self.device.sku)
@@ -346,36 +347,36 @@ class Agent:
             smoke = self.smoke(choice[1], staged)
             if smoke.passed:
                 previous_latency = self._previous_latency(model, act, choice[1], staged)
-                active = self._activate(model, slot, rid, choice[0], choice[2], doc.id if doc else None)
-                return self._report(model, self._result(model, doc.id if doc else None, rid, "ok", smoke.detail, active,
+                active = self._activate(model, slot, rid, choice[0], choice[2], rollout)
+                return self._report(model, self._result(model, rollout, rid, "ok", smoke.detail, active,
                                                         t0, smoke.latency_ms, previous_latency), doc_release=rid,
                                     rollout_release=doc.release if doc else None)
             outcome, detail = "smoke_failed", smoke.detail
             if act is not None:  # keep the engine that works
-                return self._report(model, self._result(model, doc.id if doc else None, rid, outcome,
+                return self._report(model, self._result(model, rollout, rid, outcome,
                                                         f"{detail}; kept {act['release']}", act, t0, smoke.latency_ms),
                                     doc_release=rid, rollout_release=doc.release if doc else None)
         # incompatible, or failed with nothing to keep: the portable engine of the same release
         if fallback is None or compatibility(fallback["requires"], self.device):
             why = "no fallback in the release" if fallback is None else "; ".join(compatibility(fallback["requires"], self.device))
-            return self._report(model, self._result(model, doc.id if doc else None, rid, outcome,
+            return self._report(model, self._result(model, rollout, rid, outcome,
                                                     f"{detail}; portable fallback unusable: {why}", act, t0),
                                 doc_release=rid, rollout_release=doc.release if doc else None)
         fsku = release["fallback_sku"]
         if act is not None and act["release"] == rid and act["sku"] == fsku:
-            return self._result(model, doc.id if doc else None, rid, "current", "on the portable fallback already", act, t0)
+            return self._result(model, rollout, rid, "current", "on the portable fallback already", act, t0)
         if self._verified_slot(model, slot, rid, fsku, fallback):
             staged = self._model_dir(model) / "slots" / slot
         else:
             staged = self._stage(model, slot, rid, fsku, fallback, "fallback")
         smoke = self.smoke(fallback, staged)
         if not smoke.passed:
-            return self._report(model, self._result(model, doc.id if doc else None, rid, outcome,
+            return self._report(model, self._result(model, rollout, rid, outcome,
                                                     f"{detail}; the portable fallback failed too: {smoke.detail}", act, t0),
                                 doc_release=rid, rollout_release=doc.release if doc else None)
-        active = self._activate(model, slot, rid, fsku, "fallback", doc.id if doc else None)
+        active = self._activate(model, slot, rid, fsku, "fallback", rollout)
         outcome = outcome if outcome == "smoke_failed" else "fallback"
-        return self._report(model, self._result(model, doc.id if doc else None, rid, outcome,
+        return self._report(model, self._result(model, rollout, rid, outcome,
                                                 f"{detail}; running the portable fallback {fsku}", active, t0,
                                                 smoke.latency_ms),
                             doc_release=rid, rollout_release=doc.release if doc else None)

@@ -120,7 +120,7 @@ def mlflow_candidate(tracking, registry: Registry, model: str, sku: str, alias: 
     version holds it."""
     from ..registry.promotion import _download, _engine_files
     from ..registry.publish import MANIFEST_ARTIFACT, REPORT_ARTIFACTS
-    from ..registry.tracking import TAG_SIGNATURE, registered_model_name
+    from ..registry.tracking import TAG_DIGEST, TAG_SIGNATURE, registered_model_name
 
     name = registered_model_name(registry.release, model, sku)
     try:
@@ -143,7 +143,8 @@ def mlflow_candidate(tracking, registry: Registry, model: str, sku: str, alias: 
             doc = json.loads(manifest_file.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError):
             problems.append(f"{name} v{version.version}: the manifest artifact is not JSON")
-    gate = manifest_gate(doc, (version.tags or {}).get("skuforge.digest", doc.get("digest")), registry) if doc else None
+    # the digest tag set at registration: an artifact replaced afterwards no longer matches it
+    gate = manifest_gate(doc, (version.tags or {}).get(TAG_DIGEST), registry) if doc else None
     if gate is not None and not gate.passed:
         problems.append(f"{name} v{version.version}: manifest: {gate.detail}")
     reports = {n: _download(tracking, run, f"{REPORT_ARTIFACTS}/{n}", str(into))

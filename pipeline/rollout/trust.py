@@ -192,8 +192,9 @@ def _latest_root(store: Store, keys: Keys | None = None) -> Metadata:
         if not ours & set(root.signed.roles["root"].keyids):
             raise VerificationFailed(f"the root of {store.url} is not one this project created: none of its root "
                                      "keys is the signing key",
-                                     hint="pin the store's genuine root in the project (release-root.json, written by "
-                                          "`skuforge release init` or `release root --out release-root.json`)")
+                                     hint="commit the release-root.json that `skuforge release init` wrote when it "
+                                          "created this store (a copy of its genuine metadata/1.root.json, from a source "
+                                          "you trust, not from the store)")
     chain = {1: root}
     while True:
         n = root.signed.version
