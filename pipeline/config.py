@@ -299,6 +299,14 @@ class ReproducibilitySpec(Strict):
         "none", description="the least verdict a build must reach, else it exits 1 (anything but none implies check)")
 
 
+class CacheSpec(Strict):
+    """The SKU's checked-in compiler cache (TVM tuning database, TensorRT timing cache)."""
+
+    require: bool = Field(False, description="fail the build on any cache miss (a stale, corrupt or missing cache, "
+                                             "a tuning task not in the database): release builds replay the "
+                                             "checked-in decisions; SKUFORGE_REQUIRE_CACHE=1 sets it for every SKU")
+
+
 class Profile(Strict):
     min: int = Field(ge=1)
     opt: int = Field(ge=1)
@@ -329,6 +337,7 @@ class SkuSpec(Strict):
     bench: BenchOverride = BenchOverride()
     bisect: BisectSpec = BisectSpec()
     reproducibility: ReproducibilitySpec = ReproducibilitySpec()
+    cache: CacheSpec = CacheSpec()
     description: str = ""
 
     @model_validator(mode="after")

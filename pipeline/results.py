@@ -145,6 +145,23 @@ class Reproducibility(Result):
     second_build_seconds: float
 
 
+class CacheRecord(Result):
+    """How a build used the SKU's checked-in cache (pipeline.caches)."""
+
+    kind: str = Field(description="tuning-database or timing-cache")
+    state: str = Field(description="what the build found: fresh (trusted), stale, corrupt or missing")
+    reason: str
+    key: dict[str, str] = Field(description="what the cache is valid for: compiler version and target")
+    sha256: str | None = Field(description="sha256 over the cache files after the build (path and content)")
+    files: list[FileRecord] = Field(default_factory=list)
+    hits: int
+    misses: int
+    missed: list[str] = Field(default_factory=list, description="what was not in the cache (first 20)")
+    hit_rate: float | None
+    updated: bool = Field(description="the build wrote the cache (it was rebuilt or extended)")
+    required: bool = Field(description="a miss would have failed the build")
+
+
 class BuildReport(EngineBound):
     model: str
     sku: str
@@ -156,7 +173,7 @@ class BuildReport(EngineBound):
     profiles: dict[str, dict[str, int]] = Field(default_factory=dict)
     prepared_sha256: str
     calibration: dict[str, Any] | None = None
-    timing_cache: FileRecord | None = None
+    cache: CacheRecord | None = None
     engine_files: list[FileRecord]
     layers: list[LayerInfo]
     placement: dict[str, int] = Field(description="node count per device/provider")
@@ -417,6 +434,16 @@ class BuildInfo(Result):
                                   description="the bisection remedy the build ran (skus.<s>.bisect.fix_during_build)")
 
 
+class CacheInfo(Result):
+    kind: str
+    sha256: str | None = Field(description="sha256 over the cache files (pipeline.caches.files_digest)")
+    key: dict[str, str] = Field(description="compiler version and target the cache is valid for")
+    state: str = Field(description="fresh: the build replayed a trusted cache; stale, corrupt or missing: it rebuilt it")
+    hits: int
+    misses: int
+    required: bool
+
+
 class CalibrationInfo(Result):
     method: str
     calibration_set_sha256: str
@@ -482,7 +509,7 @@ class Evidence(Result):
 class Manifest(Result):
     """One engine, described. Everything but ``provenance`` is a function of the inputs."""
 
-    schema_version: Literal[3] = 3
+    schema_version: Literal[4] = 4
     model: str
     sku: str
     digest: str = Field(description="sha256 of this document without 'digest' and 'provenance'")
@@ -500,7 +527,8 @@ class Manifest(Result):
     build: BuildInfo
     hardware_specific: bool
     calibration: CalibrationInfo | None
-    timing_cache_sha256: str | None
+    cache: CacheInfo | None = Field(description="the checked-in compiler cache the build replayed; null where the "
+                                                "backend keeps none")
     datasets: dict[str, str]
     layers: list[LayerInfo]
     placement: dict[str, int]

@@ -19,7 +19,6 @@ import functools
 import importlib.util
 import re
 import subprocess
-import tempfile
 import threading
 from importlib import metadata
 from pathlib import Path
@@ -30,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import ConfigError, EnvironmentProblem, InputError, UnsupportedOp
 from ..results import LayerInfo, TensorSig
 from ..runner import probe
-from .base import Backend, BuildContext, BuildOutcome, Runner
+from .base import Backend, BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
 
 if TYPE_CHECKING:
     import numpy as np
@@ -81,9 +80,23 @@ def _versions() -> dict[str, str]:
     return out
 
 
+class IreeMeta(EngineMeta):
+    entry: str
+    driver: str
+    target_device: str
+    inputs: list[TensorSig]
+    outputs: list[TensorSig]
+    compile_flags: list[str]
+    requested_target: dict[str, Any]
+    resolved_target: dict[str, Any]
+
+
 class IreeBackend(Backend):
     name = "iree"
     Options = IreeOptions
+    Meta = IreeMeta
+    capabilities = Capabilities(precisions=("fp32", "fp16"), devices=("cpu", "gpu"),
+                                runtime_package="iree-base-runtime", per_node_precision=True)
     install_hint = _PIP
     engine_format = "skuforge-iree-vmfb/1"
     runtime_keys = ("iree-base-runtime",)  # a vmfb is tied to the runtime that loads it
@@ -91,8 +104,6 @@ class IreeBackend(Backend):
     @classmethod
     def _check_sku_impl(cls, sku: "SkuSpec", options: IreeOptions) -> list[str]:
         problems = []
-        if sku.precision not in ("fp32", "fp16"):
-            problems.append(f"precision: {sku.precision} is not supported by the iree backend; supported: fp32, fp16")
         if options.runtime_driver not in _DRIVERS[options.target_device]:
             problems.append(f"options.driver: {options.driver} cannot run a {options.target_device} engine "
                             f"(use {' or '.join(_DRIVERS[options.target_device])})")
@@ -126,39 +137,30 @@ class IreeBackend(Backend):
 
     # --- build ----------------------------------------------------------------------------------
 
-    def build(self, ctx: BuildContext) -> BuildOutcome:
-        import onnx
+    def _adapt(self, model: "onnx.ModelProto", ctx: BuildContext, staged: Staged) -> "onnx.ModelProto":
+        from ..graph import convert_opset, default_opset, signature, tensors_to_raw
 
-        from ..graph import convert_opset, default_opset, pin_axes, signature, tensors_to_raw
-        from ..quantize import to_fp16
-
-        opts: IreeOptions = self.options(ctx.sku_spec)
-        problems = _compiler_problems()
-        if problems:
-            raise EnvironmentProblem("; ".join(problems), hint=self.install_hint)
-        model = pin_axes(onnx.load(str(ctx.prepared)), ctx.pins, ctx.prepared)
         # the importer lowers ops as defined from opset 17 on (older MaxPool, Slice, ... have no lowering)
         model, conversion = convert_opset(model, max(default_opset(model), IMPORTER_MIN_OPSET), ctx.probe_inputs,
                                           f"IREE's ONNX importer lowers ops from opset {IMPORTER_MIN_OPSET} on")
         tensors_to_raw(model)  # the importer reads raw_data, not every typed field (FP16 in int32_data)
-        entry = _entry_name(model)
-        sig = signature(model)
-        with tempfile.TemporaryDirectory(prefix="skuforge-iree-") as tmp:
-            work = Path(tmp)
-            source = work / "model.onnx"
-            onnx.save(model, str(source))
-            if ctx.sku_spec.precision == "fp16":
-                source = to_fp16(source, work / "fp16.onnx", ctx.keep_precise)
-            # the graph as imported (with the FP16 converter's casts), in graph order
-            node_types = {n.name: n.op_type for n in onnx.load(str(source), load_external_data=False).graph.node if n.name}
-            _progress(ctx, "iree import", 0.1)
-            _import_onnx(source, work / "input.mlir", node_types)
-            flags = compile_flags(opts, ctx.sku_spec.target.arch)
-            _progress(ctx, "iree compile", 0.3)
-            _compile(work, flags, ctx.engine_dir / VMFB, node_types)
-            dispatches = parse_dispatches(work / "sources", list(node_types), opts.runtime_driver)
-            target = _resolved_target(work / "sources")
-            sites = _dispatch_sites(work / "statistics.json")
+        staged.notes.update(conversion=conversion, entry=_entry_name(model), signature=signature(model))
+        return model
+
+    def _build_impl(self, ctx: BuildContext, staged: Staged) -> BuildOutcome:
+        opts: IreeOptions = staged.options
+        conversion, entry, sig = staged.notes["conversion"], staged.notes["entry"], staged.notes["signature"]
+        work = staged.work
+        # the graph as imported (with the FP16 converter's casts), in graph order
+        node_types = {n.name: n.op_type for n in staged.model.graph.node if n.name}
+        _progress(ctx, "iree import", 0.1)
+        _import_onnx(staged.source, work / "input.mlir", node_types)
+        flags = compile_flags(opts, ctx.sku_spec.target.arch)
+        _progress(ctx, "iree compile", 0.3)
+        _compile(work, flags, ctx.engine_dir / VMFB, node_types)
+        dispatches = parse_dispatches(work / "sources", list(node_types), opts.runtime_driver)
+        target = _resolved_target(work / "sources")
+        sites = _dispatch_sites(work / "statistics.json")
         if not dispatches:
             raise EnvironmentProblem("iree-compile dumped no executable sources: the dispatch report would be empty",
                                      hint="check the extra_flags; this IREE version may name its dumps differently")
@@ -173,11 +175,11 @@ class IreeBackend(Backend):
         fused = sum(1 for d in dispatches if len(d.fused_from) > 1)
         if not any(d.fused_from for d in dispatches):
             warnings.append("no ONNX node locations survived in the dumped dispatches: fused_from is empty")
-        meta = {"entry": entry, "driver": opts.runtime_driver, "target_device": opts.target_device,
-                "inputs": [s.to_json() for s in sig.inputs], "outputs": [s.to_json() for s in sig.outputs],
-                "compile_flags": flags, "requested_target": requested, "resolved_target": target}
-        if hardware_specific:
-            meta["host_cpu"] = probe.cpu_record()  # the reported flags the target was resolved from
+        meta = IreeMeta(entry=entry, driver=opts.runtime_driver, target_device=opts.target_device,
+                        inputs=sig.inputs, outputs=sig.outputs, compile_flags=flags, requested_target=requested,
+                        resolved_target=target,
+                        # the reported flags the target was resolved from
+                        host_cpu=probe.cpu_record() if hardware_specific else None)
         options = {**opts.model_dump(mode="json"), "compile_flags": flags, "requested_target": requested,
                    "resolved_target": target,
                    "dispatches": len(dispatches), "fused_dispatches": fused, "dispatch_sites": sites,
@@ -188,16 +190,16 @@ class IreeBackend(Backend):
 
     # --- load -----------------------------------------------------------------------------------
 
-    def _load_impl(self, engine_dir: Path, meta: dict[str, Any], sku: "SkuSpec") -> Runner:
-        problems = list(_runtime_problems(meta["driver"]))
+    def _load_impl(self, engine_dir: Path, meta: "IreeMeta", sku: "SkuSpec") -> Runner:
+        problems = list(_runtime_problems(meta.driver))
         if problems:
-            raise EnvironmentProblem("; ".join(problems), hint=f"run it where the {meta['driver']} device is "
+            raise EnvironmentProblem("; ".join(problems), hint=f"run it where the {meta.driver} device is "
                                      f"(the SKU's runner labels: {', '.join(sku.runner_labels)}); {self.install_hint}")
-        if meta["target_device"] == "local":
-            missing = missing_cpu_features(meta.get("resolved_target", {}).get("cpu_features", []))
+        if meta.target_device == "local":
+            missing = missing_cpu_features(meta.resolved_target.get("cpu_features", []))
             if missing:
                 raise EnvironmentProblem(
-                    f"{engine_dir} was compiled for CPU {meta['resolved_target'].get('cpu')} with features this CPU "
+                    f"{engine_dir} was compiled for CPU {meta.resolved_target.get('cpu')} with features this CPU "
                     f"lacks: {', '.join(missing)}",
                     hint="rebuild it on this host (target_cpu: host), or with an options.target_cpu this CPU supports "
                          "(e.g. x86-64-v3), or run it on the SKU's runner")
@@ -567,15 +569,15 @@ class IreeRunner(Runner):
     """A loaded vmfb on one HAL device. Calls are serialised: an IREE VM context is not safe to
     invoke from several threads at once."""
 
-    def __init__(self, vmfb: Path, meta: dict[str, Any]):
+    def __init__(self, vmfb: Path, meta: "IreeMeta"):
         import iree.runtime as rt
         import numpy as np
 
-        super().__init__([TensorSig.model_validate(s) for s in meta["inputs"]], [o["name"] for o in meta["outputs"]])
+        super().__init__(list(meta.inputs), [o.name for o in meta.outputs])
         self._rt, self._np = rt, np
-        self._out_dtypes = [np.dtype(o["dtype"]) for o in meta["outputs"]]
+        self._out_dtypes = [np.dtype(o.dtype) for o in meta.outputs]
         self._lock = threading.Lock()
-        driver, entry = meta["driver"], meta["entry"]
+        driver, entry = meta.driver, meta.entry
         try:
             self._config = rt.Config(driver)
             self._context = rt.SystemContext(config=self._config)

@@ -21,8 +21,8 @@ from ..errors import EnvironmentProblem, InputError, UnsupportedOp
 from ..io import atomic_write_bytes
 from ..results import LayerInfo, TensorSig
 from ..runner import probe
-from ..quantize import QdqOptions, conversion_warnings, quantize_qdq, to_fp16
-from .base import Backend, BuildContext, BuildOutcome, Runner
+from ..quantize import QdqOptions, conversion_warnings
+from .base import Backend, BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
 
 if TYPE_CHECKING:
     import numpy as np
@@ -191,9 +191,21 @@ def newest_qdq_opset() -> int | None:
     return None
 
 
+class OnnxRuntimeMeta(EngineMeta):
+    providers: list[str]
+    provider_options: dict[str, dict[str, Any]]
+    load_optimization_level: Literal["disable", "basic", "extended", "all"]
+    intra_op_num_threads: int
+    inter_op_num_threads: int
+    nchwc_block: int | None = None  # the channel block of NCHWc ops, where the engine holds them
+
+
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
     Options = OnnxRuntimeOptions
+    Meta = OnnxRuntimeMeta
+    capabilities = Capabilities(precisions=("fp32", "fp16", "int8"), devices=("cpu", "gpu", "npu"),
+                                runtime_package="onnxruntime", per_node_precision=True)
     install_hint = "pip install onnxruntime (CPU) or onnxruntime-gpu (CUDA, TensorRT)"
     engine_format = "skuforge-onnxruntime/1"
     runtime_keys = ("onnxruntime",)
@@ -227,57 +239,39 @@ class OnnxRuntimeBackend(Backend):
 
         return {"onnxruntime": runtime_version(), "onnx": onnx.__version__}
 
-    def build(self, ctx: BuildContext) -> BuildOutcome:
+    def _qdq_arguments(self) -> dict[str, Any]:
+        return {"newest_opset": newest_qdq_opset()}
+
+    def _build_impl(self, ctx: BuildContext, staged: Staged) -> BuildOutcome:
         import onnx
 
-        from ..graph import pin_axes
-
-        opts: OnnxRuntimeOptions = self.options(ctx.sku_spec)
-        problems = self.environment_problems(ctx.sku_spec)
-        if problems:
-            raise EnvironmentProblem("; ".join(problems), hint=self.install_hint)
+        requested: list[str] = staged.options.providers
         available = set(_ort().get_available_providers())
-        skipped = [p for p in opts.providers if p not in available]
-        requested = opts.providers
-        opts = opts.model_copy(update={"providers": [p for p in opts.providers if p in available]})
-        model = pin_axes(onnx.load(str(ctx.prepared)), ctx.pins, ctx.prepared)
-        calibration = None
-        with tempfile.TemporaryDirectory(prefix="skuforge-ort-") as tmp:
-            tmpdir = Path(tmp)
-            source = tmpdir / "input.onnx"
-            onnx.save(model, str(source))
-            precision = ctx.sku_spec.precision
-            if precision == "int8":
-                opts = opts.for_target(ctx.sku_spec.target)
-                calibration = quantize_qdq(source, tmpdir / "quantized.onnx", ctx, opts.qdq_settings(),
-                                           newest_opset=newest_qdq_opset())
-                source = tmpdir / "quantized.onnx"
-            elif precision == "fp16":
-                source = to_fp16(source, tmpdir / "fp16.onnx", ctx.keep_precise)
-            engine = ctx.engine_dir / "model.onnx"
-            so = session_options(opts, opts.graph_optimization_level)
-            so.optimized_model_filepath = str(engine)
-            create_session(source, so, opts.providers, opts.provider_options)
-            if not engine.is_file():  # ORT writes nothing at level "disable" on some versions
-                shutil.copyfile(source, engine)
+        skipped = [p for p in requested if p not in available]
+        opts: OnnxRuntimeOptions = staged.options.model_copy(update={"providers": [p for p in requested if p in available]})
+        engine = ctx.engine_dir / "model.onnx"
+        so = session_options(opts, opts.graph_optimization_level)
+        so.optimized_model_filepath = str(engine)
+        create_session(staged.source, so, opts.providers, opts.provider_options)
+        if not engine.is_file():  # ORT writes nothing at level "disable" on some versions
+            shutil.copyfile(staged.source, engine)
         optimized = onnx.load(str(engine), load_external_data=False)
         hardware_specific = any(n.domain == "com.microsoft.nchwc" for n in optimized.graph.node)
-        meta = {"providers": opts.providers, "provider_options": opts.provider_options,
-                "load_optimization_level": "disable", "intra_op_num_threads": opts.intra_op_num_threads,
-                "inter_op_num_threads": opts.inter_op_num_threads, "host_cpu": probe.cpu_record()}
-        if hardware_specific:
-            meta["nchwc_block"] = nchwc_block()
-        # standard ONNX ops only: any ONNX Runtime with the opset runs it, so loading does not insist
-        # on the version that built it (the rollout's portable fallback relies on this)
-        meta["portable"] = all(n.domain in ("", "ai.onnx") for n in optimized.graph.node)
+        meta = OnnxRuntimeMeta(
+            providers=opts.providers, provider_options=opts.provider_options, load_optimization_level="disable",
+            intra_op_num_threads=opts.intra_op_num_threads, inter_op_num_threads=opts.inter_op_num_threads,
+            host_cpu=probe.cpu_record(), nchwc_block=nchwc_block() if hardware_specific else None,
+            # standard ONNX ops only: any ONNX Runtime with the opset runs it, so loading does not insist
+            # on the version that built it (the rollout's portable fallback relies on this)
+            portable=all(n.domain in ("", "ai.onnx") for n in optimized.graph.node))
         layers, boundaries = self._probe(optimized, engine, opts, ctx.probe_inputs)
         warnings = [f"execution provider {p} is not in this onnxruntime build: skipped" for p in skipped]
-        warnings += conversion_warnings(calibration)
+        warnings += conversion_warnings(staged.calibration)
         if hardware_specific:
             warnings.append("optimized at level 'all': the engine holds NCHWc layout ops specific to this CPU's vector width")
         return BuildOutcome(files=["model.onnx"], layers=layers, requested_devices=requested,
                             partition_boundaries=boundaries,
-                            options=opts.model_dump(mode="json"), calibration=calibration,
+                            options=opts.model_dump(mode="json"), calibration=staged.calibration,
                             hardware_specific=hardware_specific, warnings=warnings, meta=meta)
 
     def _probe(self, graph: "Any", engine: Path, opts: OnnxRuntimeOptions,
@@ -309,16 +303,16 @@ class OnnxRuntimeBackend(Backend):
         )
         return layers, boundaries
 
-    def _load_impl(self, engine_dir: Path, meta: dict[str, Any], sku: "SkuSpec") -> Runner:
-        problem = nchwc_problem(meta)
+    def _load_impl(self, engine_dir: Path, meta: "OnnxRuntimeMeta", sku: "SkuSpec") -> Runner:
+        problem = nchwc_problem(meta.nchwc_block)
         if problem:
             raise EnvironmentProblem(f"{engine_dir}: {problem}", hint="rebuild the engine on this CPU, or build it with "
                                      "options.graph_optimization_level: extended (portable, no NCHWc ops)")
         opts = self.options(sku)
-        so = session_options(opts.model_copy(update={"intra_op_num_threads": meta["intra_op_num_threads"],
-                                                     "inter_op_num_threads": meta["inter_op_num_threads"]}),
-                             meta["load_optimization_level"])
-        return SessionRunner(create_session(engine_dir / "model.onnx", so, meta["providers"], meta["provider_options"]))
+        so = session_options(opts.model_copy(update={"intra_op_num_threads": meta.intra_op_num_threads,
+                                                     "inter_op_num_threads": meta.inter_op_num_threads}),
+                             meta.load_optimization_level)
+        return SessionRunner(create_session(engine_dir / "model.onnx", so, meta.providers, meta.provider_options))
 
 
 def nchwc_block(flags: "Any" = None, arch: str | None = None) -> int | None:
@@ -329,12 +323,11 @@ def nchwc_block(flags: "Any" = None, arch: str | None = None) -> int | None:
     return 16 if "avx512f" in (probe.cpu_features() if flags is None else set(flags)) else 8
 
 
-def nchwc_problem(meta: dict[str, Any], flags: "Any" = None, arch: str | None = None) -> str | None:
+def nchwc_problem(built: int | None, flags: "Any" = None, arch: str | None = None) -> str | None:
     """Why an engine with NCHWc ops cannot run on this CPU: its weights and channel padding are laid
     out in blocks of the build CPU's vector width and ORT reads them in this CPU's. ORT does not
     check at load; at run time a ReorderOutput may fail its channel assertion, or, where the
     channel counts are multiples of both blocks, the engine silently computes wrong numbers."""
-    built = meta.get("nchwc_block")
     have = nchwc_block(flags, arch)
     if built is None or have is None or built == have:
         return None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import re
-import tempfile
 import threading
 from io import BytesIO
 from pathlib import Path
@@ -21,10 +20,10 @@ from pydantic import Field
 
 from ..errors import EnvironmentProblem, InputError, UnsupportedOp
 from ..io import atomic_write_bytes
-from ..quantize import QdqOptions, conversion_warnings, quantize_qdq
+from ..quantize import QdqOptions, conversion_warnings
 from ..results import LayerInfo, TensorSig
 from ..runner import probe
-from .base import Backend, BuildContext, BuildOutcome, Runner
+from .base import Backend, BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
 
 if TYPE_CHECKING:
     import numpy as np
@@ -190,9 +189,23 @@ class OpenVinoRunner(Runner):
         return {name: request.get_output_tensor(i).data.copy() for i, name in enumerate(self.output_names)}
 
 
+class OpenVinoMeta(EngineMeta):
+    blob: str
+    device: str
+    config: dict[str, str]
+    inputs: list[str]
+    outputs: list[str]
+    devices: dict[str, dict[str, Any]]
+    execution_devices: list[str]
+    inference_precision: str | None
+
+
 class OpenVinoBackend(Backend):
     name = "openvino"
     Options = OpenVinoOptions
+    Meta = OpenVinoMeta
+    capabilities = Capabilities(precisions=("fp32", "fp16", "int8"), devices=("cpu", "gpu", "npu"),
+                                runtime_package="openvino", per_node_precision=True)
     install_hint = "pip install openvino (CPU, Intel GPU and NPU plugins; GPU/NPU also need the device's driver)"
     engine_format = "skuforge-openvino/1"
     runtime_keys = ("openvino",)  # an exported blob loads only in the OpenVINO build that wrote it
@@ -244,31 +257,21 @@ class OpenVinoBackend(Backend):
 
         return {"openvino": _ov().get_version(), "onnx": onnx.__version__}
 
-    def build(self, ctx: BuildContext) -> BuildOutcome:
-        import onnx
+    def _convert_precision(self, ctx: BuildContext, staged: Staged) -> None:
+        """FP32 and FP16 are the plugin's inference precision hint; INT8 the QDQ graph (the base's)."""
+        if ctx.sku_spec.precision == "int8":
+            super()._convert_precision(ctx, staged)
+            staged.calibration["runtime"] = ("OpenVINO reads the QDQ pairs as FakeQuantize; its low-precision "
+                                             "transformations run them in int8")
 
-        from ..graph import pin_axes
-
-        opts: OpenVinoOptions = self.options(ctx.sku_spec)
-        problems = self.environment_problems(ctx.sku_spec, "build")
-        if problems:
-            raise EnvironmentProblem("; ".join(problems), hint=self.install_hint)
+    def _build_impl(self, ctx: BuildContext, staged: Staged) -> BuildOutcome:
+        opts: OpenVinoOptions = staged.options
         device = device_of(ctx.sku_spec, opts)
         precision = ctx.sku_spec.precision
-        onnx_model = pin_axes(onnx.load(str(ctx.prepared)), ctx.pins, ctx.prepared)
+        onnx_model = staged.model
         input_names = [i.name for i in onnx_model.graph.input]
         output_names = [o.name for o in onnx_model.graph.output]
-        calibration = None
-        with tempfile.TemporaryDirectory(prefix="skuforge-ov-") as tmp:
-            source = Path(tmp) / "input.onnx"
-            onnx.save(onnx_model, str(source))
-            if precision == "int8":
-                opts = opts.for_target(ctx.sku_spec.target)
-                calibration = quantize_qdq(source, Path(tmp) / "quantized.onnx", ctx, opts.qdq_settings())
-                calibration["runtime"] = "OpenVINO reads the QDQ pairs as FakeQuantize; its low-precision transformations run them in int8"
-                source = Path(tmp) / "quantized.onnx"
-                onnx_model = onnx.load(str(source))
-            model = _read_model(source, onnx_model)
+        model = _read_model(staged.source, onnx_model)
         _set_profiles(model, onnx_model, ctx.profiles)
         if precision != "int8" and ctx.keep_precise:  # INT8 keeps them out of the QDQ graph instead
             warnings_keep = keep_precise(model, onnx_model, ctx.keep_precise)
@@ -277,7 +280,7 @@ class OpenVinoBackend(Backend):
         affinity = _refuse_unsupported(model, device)
         config, warnings = _supported_config(device, _compile_config(opts, precision))
         warnings += warnings_keep
-        warnings += conversion_warnings(calibration)
+        warnings += conversion_warnings(staged.calibration)
         compiled = _compile(model, device, config)
         blob = compiled.export_model().getvalue()
         atomic_write_bytes(ctx.engine_dir / BLOB, blob)
@@ -296,20 +299,20 @@ class OpenVinoBackend(Backend):
         # the layers of the model as compiled: the same graph as the exported blob, but import keeps only
         # each fused layer's own name (38 of 42 in a small transformer), which hides what ran in fp32
         layers, boundaries = runtime_layers(compiled, affinity, onnx_op_types(onnx_model))
-        meta = {"blob": BLOB, "device": device, "config": config, "inputs": input_names, "outputs": output_names,
-                "devices": props, "execution_devices": [str(d) for d in engine.get_property("EXECUTION_DEVICES")],
-                "inference_precision": inference_precision,
-                # the blob holds the transformed graph; the CPU plugin picks its kernels for the loading
-                # CPU at import, so this is a record for people, not a load-time check
-                "host_cpu": probe.cpu_record()}
+        meta = OpenVinoMeta(blob=BLOB, device=device, config=config, inputs=input_names, outputs=output_names,
+                            devices=props, execution_devices=[str(d) for d in engine.get_property("EXECUTION_DEVICES")],
+                            inference_precision=inference_precision,
+                            # the blob holds the transformed graph; the CPU plugin picks its kernels for the loading
+                            # CPU at import, so this is a record for people, not a load-time check
+                            host_cpu=probe.cpu_record())
         return BuildOutcome(files=[BLOB], layers=layers, requested_devices=member_devices(device),
                             partition_boundaries=boundaries, options=opts.model_dump(mode="json"),
-                            calibration=calibration, warnings=warnings, meta=meta)
+                            calibration=staged.calibration, warnings=warnings, meta=meta)
 
-    def _load_impl(self, engine_dir: Path, meta: dict[str, Any], sku: "SkuSpec") -> Runner:
-        blob = engine_dir / meta["blob"]
-        compiled = _import(blob.read_bytes(), meta["device"], meta["config"], blob)
-        return OpenVinoRunner(compiled, meta["inputs"], meta["outputs"])
+    def _load_impl(self, engine_dir: Path, meta: "OpenVinoMeta", sku: "SkuSpec") -> Runner:
+        blob = engine_dir / meta.blob
+        compiled = _import(blob.read_bytes(), meta.device, meta.config, blob)
+        return OpenVinoRunner(compiled, meta.inputs, meta.outputs)
 
 
 def _read_model(path: Path, onnx_model: Any) -> "ov.Model":

@@ -20,7 +20,6 @@ import functools
 import json
 import logging
 import re
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,16 +28,17 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import ConfigError, EnvironmentProblem, InputError, SkuforgeError, UnsupportedOp
-from ..io import atomic_write_bytes, read_json, sha256_bytes
+from ..io import atomic_write_bytes
 from ..quantize import QdqSettings, quantize_qdq, to_fp16
 from ..results import LayerInfo, Signature, TensorSig
 from ..runner.probe import NO_GPU, GpuInfo, cuda_runtime_api, gpu_info, jetson_gpu, parse_nvidia_smi  # noqa: F401 (re-exported)
-from .base import ENGINE_META, Backend, BuildContext, BuildOutcome, Runner, verify_engine
+from .base import Backend, BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
 
 if TYPE_CHECKING:
     import numpy as np
     import onnx
 
+    from ..caches import CacheSession
     from ..config import SkuSpec
 
 log = logging.getLogger(__name__)
@@ -383,18 +383,6 @@ def version_compatible_runtime(built: str, have: str) -> bool:
     return b.major == h.major and h >= b
 
 
-def timing_cache_path(cache_dir: Path) -> Path:
-    return cache_dir / TIMING_CACHE
-
-
-def store_timing_cache(path: Path, data: bytes) -> bool:
-    """Write the cache atomically when its bytes changed (an unchanged cache leaves no git diff)."""
-    if path.is_file() and path.read_bytes() == data:
-        return False
-    atomic_write_bytes(path, data)
-    return True
-
-
 # --- the SDK -------------------------------------------------------------------------------------
 
 
@@ -520,21 +508,19 @@ def keep_fp32(trt: Any, network: Any, config: Any, nodes: tuple[str, ...], appli
 
 
 class _TimingCache:
-    """The SKU's checked-in timing cache: loaded into the config, written back after the build,
-    merged with a copy another build of the same SKU wrote meanwhile."""
+    """The build's timing cache: the checked-in one when the cache policy trusts it and TensorRT
+    accepts it (a cache from another GPU or TensorRT version is refused: rebuilt, reported),
+    else an empty one; written back through the cache session after a successful build."""
 
-    def __init__(self, path: Path, config: Any, enabled: bool):
-        self.path, self.config, self.enabled = path, config, enabled
-        self.before = path.read_bytes() if enabled and path.is_file() else None
-        self.accepted = False
-        self.warnings: list[str] = []
-        if not enabled:
-            return
-        cache = self._load(self.before) if self.before else None
-        self.accepted = cache is not None
-        if self.before and not self.accepted:  # another GPU or TensorRT version: start afresh, replace it after
-            self.warnings.append(f"timing cache {path.name} was made on another GPU or TensorRT version and was not used; "
-                                 "this build replaces it")
+    def __init__(self, session: "CacheSession | None", config: Any):
+        self.session, self.config = session, config
+        source = session.file(TIMING_CACHE) if session is not None else None
+        cache = self._load(source.read_bytes()) if source is not None else None
+        if source is not None:
+            if cache is None:
+                session.reject("TensorRT refused it: made on another GPU or TensorRT version, or damaged")
+            else:
+                session.hit()
         if cache is None:
             cache = config.create_timing_cache(b"")
             config.set_timing_cache(cache, ignore_mismatch=False)
@@ -548,31 +534,32 @@ class _TimingCache:
             return None
         return cache
 
-    def save(self) -> bool:
-        if not self.enabled:
-            return False
-        cache = self.config.get_timing_cache()
-        now = self.path.read_bytes() if self.path.is_file() else None
-        if now is not None and now != self.before:  # a concurrent build of this SKU wrote it
-            try:
-                other = self.config.create_timing_cache(now)
-                if other is not None:
-                    cache.combine(other, False)
-            except Exception:  # unusable: ours replaces it
-                pass
-        return store_timing_cache(self.path, bytes(cache.serialize()))
-
-    def record(self, changed: bool) -> dict[str, Any]:
-        return {"file": TIMING_CACHE, "existed": self.before is not None, "hit": self.accepted, "updated": changed,
-                "sha256_before": sha256_bytes(self.before) if self.before else None}
+    def save(self) -> None:
+        if self.session is not None:
+            self.session.write(TIMING_CACHE, bytes(self.config.get_timing_cache().serialize()))
 
 
 # --- the backend ---------------------------------------------------------------------------------
 
 
+class TensorRtMeta(EngineMeta):
+    signature: Signature
+    version_compatible: bool
+    dla_core: int | None
+    hardware_compatibility: HardwareCompatibility
+    compute_capability: str | None
+    gpu: str | None
+    builder: dict[str, Any]
+    profile: dict[str, list[list[int]]]
+
+
 class TensorRtBackend(Backend):
     name = NAME
     Options = TensorRtOptions
+    Meta = TensorRtMeta
+    capabilities = Capabilities(precisions=("fp32", "fp16", "int8"), devices=("gpu",), runtime_package="tensorrt",
+                                per_node_precision=True, cache="timing-cache")
+    cache_files = (TIMING_CACHE,)
     install_hint = INSTALL_HINT
     engine_format = "skuforge-tensorrt/1"
     runtime_keys = ("tensorrt",)
@@ -620,65 +607,70 @@ class TensorRtBackend(Backend):
                 "gpu": gpu.name if gpu else "unknown",
                 "compute_capability": (gpu.compute_capability if gpu else None) or "unknown"}
 
-    def build(self, ctx: BuildContext) -> BuildOutcome:
-        import onnx
+    def uses_cache(self, options: TensorRtOptions) -> bool:
+        return options.timing_cache
 
-        from ..graph import pin_axes, signature
+    def cache_key(self, sku: "SkuSpec") -> dict[str, str]:
+        """A timing cache holds tactic timings of one GPU model under one TensorRT version."""
+        gpu = gpu_info()
+        return {"tensorrt": _trt().__version__, "gpu": gpu.name if gpu else "unknown",
+                "compute_capability": (gpu.compute_capability if gpu else None) or "unknown"}
 
-        opts: TensorRtOptions = self.options(ctx.sku_spec)
-        problems = self.environment_problems(ctx.sku_spec, "build")
-        if problems:
-            raise EnvironmentProblem("; ".join(problems), hint=self.install_hint)
+    def _convert_precision(self, ctx: BuildContext, staged: Staged) -> None:
+        """INT8: the QDQ graph adjusted to TensorRT's explicit quantization; FP16: converted in the
+        graph only when strongly typed (else the builder's FP16 flag decides per layer)."""
+        precision = ctx.sku_spec.precision
+        if precision == "int8":
+            staged.calibration = quantize_for_tensorrt(staged.source, staged.work / "qdq.onnx", ctx)
+            staged.replace(staged.work / "qdq.onnx")
+        elif precision == "fp16" and staged.options.strongly_typed:
+            staged.replace(to_fp16(staged.source, staged.work / "fp16.onnx", ctx.keep_precise))
+
+    def _build_impl(self, ctx: BuildContext, staged: Staged) -> BuildOutcome:
+        from ..graph import signature
+
+        opts: TensorRtOptions = staged.options
         trt = _trt()
-        model = pin_axes(onnx.load(str(ctx.prepared)), ctx.pins, ctx.prepared)
-        sig = signature(model)
+        sig = signature(staged.model)
         shapes = optimization_profile(sig.inputs, ctx.pins, ctx.profiles)
         precision = ctx.sku_spec.precision
-        calibration = None
+        calibration = staged.calibration
         logger = _logger(trt)
         mark = logger.mark()
-        with tempfile.TemporaryDirectory(prefix="skuforge-trt-") as tmp:
-            source = Path(tmp) / "input.onnx"
-            onnx.save(model, str(source))
-            if precision == "int8":
-                calibration = quantize_for_tensorrt(source, Path(tmp) / "qdq.onnx", ctx)
-                source = Path(tmp) / "qdq.onnx"
-            elif precision == "fp16" and opts.strongly_typed:
-                source = to_fp16(source, Path(tmp) / "fp16.onnx", ctx.keep_precise)
-            onnx_ops = {n.name: n.op_type for n in onnx.load(str(source), load_external_data=False).graph.node if n.name}
-            builder = trt.Builder(logger)
-            flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if opts.strongly_typed else 0
-            network = builder.create_network(flags)
-            parser = trt.OnnxParser(network, logger)
-            if not parser.parse_from_file(str(source)):
-                raise parser_failure([_parser_error(parser.get_error(i)) for i in range(parser.num_errors)])
-            config = builder.create_builder_config()
-            applied = configure(trt, config, opts, precision)
-            warnings = []
-            if precision == "fp16" and ctx.keep_precise and not opts.strongly_typed:
-                warnings += keep_fp32(trt, network, config, ctx.keep_precise, applied)
-            if precision == "fp16" and getattr(builder, "platform_has_fast_fp16", True) is False:
-                warnings.append("this GPU has no fast FP16: TensorRT keeps layers in fp32 where fp16 is slower "
-                                "(the precision gate lists them)")
-            profile = builder.create_optimization_profile()
-            for i in range(network.num_inputs):
-                tensor = network.get_input(i)
-                if tensor.is_shape_tensor:
-                    raise InputError(f"input {tensor.name!r} is a shape tensor; skuforge's TensorRT backend feeds data tensors only",
-                                     hint="export the model with the shape as a constant or pin the axis")
-                if tensor.name in shapes:
-                    profile.set_shape(tensor.name, *shapes[tensor.name])
-            config.add_optimization_profile(profile)
-            cache = _TimingCache(timing_cache_path(ctx.cache_dir), config, opts.timing_cache)
-            warnings += cache.warnings
-            if ctx.progress:
-                ctx.progress("tensorrt build", 0.0)
-            plan = builder.build_serialized_network(network, config)
-            if plan is None:
-                raise builder_failure(logger.errors_since(mark), onnx_ops)
-            if ctx.progress:
-                ctx.progress("tensorrt build", 1.0)
-            cache_changed = cache.save()
+        source = staged.source
+        onnx_ops = {n.name: n.op_type for n in staged.model.graph.node if n.name}
+        builder = trt.Builder(logger)
+        flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if opts.strongly_typed else 0
+        network = builder.create_network(flags)
+        parser = trt.OnnxParser(network, logger)
+        if not parser.parse_from_file(str(source)):
+            raise parser_failure([_parser_error(parser.get_error(i)) for i in range(parser.num_errors)])
+        config = builder.create_builder_config()
+        applied = configure(trt, config, opts, precision)
+        warnings = []
+        if precision == "fp16" and ctx.keep_precise and not opts.strongly_typed:
+            warnings += keep_fp32(trt, network, config, ctx.keep_precise, applied)
+        if precision == "fp16" and getattr(builder, "platform_has_fast_fp16", True) is False:
+            warnings.append("this GPU has no fast FP16: TensorRT keeps layers in fp32 where fp16 is slower "
+                            "(the precision gate lists them)")
+        profile = builder.create_optimization_profile()
+        for i in range(network.num_inputs):
+            tensor = network.get_input(i)
+            if tensor.is_shape_tensor:
+                raise InputError(f"input {tensor.name!r} is a shape tensor; skuforge's TensorRT backend feeds data tensors only",
+                                 hint="export the model with the shape as a constant or pin the axis")
+            if tensor.name in shapes:
+                profile.set_shape(tensor.name, *shapes[tensor.name])
+        config.add_optimization_profile(profile)
+        cache = _TimingCache(staged.cache, config)
+        if ctx.progress:
+            ctx.progress("tensorrt build", 0.0)
+        plan = builder.build_serialized_network(network, config)
+        if plan is None:
+            raise builder_failure(logger.errors_since(mark), onnx_ops)
+        if ctx.progress:
+            ctx.progress("tensorrt build", 1.0)
+        cache.save()
         blob = bytes(plan)
         atomic_write_bytes(ctx.engine_dir / ENGINE_FILE, blob)
         runtime, engine = _deserialize(trt, blob, opts.version_compatible, opts.dla_core, ctx.engine_dir / ENGINE_FILE)
@@ -692,46 +684,40 @@ class TensorRtBackend(Backend):
         del engine, runtime  # the engine before its runtime
         described = parse_engine_information(info, set(onnx_ops), opts.dla_core)
         gpu = gpu_info()
-        meta = {"signature": sig.to_json(), "version_compatible": opts.version_compatible, "dla_core": opts.dla_core,
-                "hardware_compatibility": opts.hardware_compatibility,
-                "compute_capability": gpu.compute_capability if gpu else None, "gpu": gpu.name if gpu else None,
-                "builder": applied, "profile": {k: [list(s) for s in v] for k, v in shapes.items()},
-                "timing_cache": cache.record(cache_changed) if opts.timing_cache else None}
+        meta = TensorRtMeta(signature=sig, version_compatible=opts.version_compatible, dla_core=opts.dla_core,
+                            hardware_compatibility=opts.hardware_compatibility,
+                            compute_capability=gpu.compute_capability if gpu else None, gpu=gpu.name if gpu else None,
+                            builder=applied, profile={k: [list(s) for s in v] for k, v in shapes.items()})
         return BuildOutcome(files=[ENGINE_FILE, LAYERS_FILE], layers=described.layers, requested_devices=requested_devices(opts),
                             partition_boundaries=described.partition_boundaries, options={**opts.model_dump(mode="json"), "applied": applied},
-                            calibration=calibration, timing_cache=cache.path if opts.timing_cache else None,
+                            calibration=calibration,
                             hardware_specific=opts.hardware_compatibility == "none", warnings=warnings, meta=meta)
 
     def load(self, engine_dir: Path, sku: "SkuSpec") -> Runner:
         """A version-compatible engine loads in any same-major, same-or-newer TensorRT; others need
         the exact version (the base class's check)."""
-        try:
-            peek = read_json(engine_dir / ENGINE_META)
-        except (OSError, ValueError):
-            peek = {}
-        if not isinstance(peek, dict) or not peek.get("version_compatible"):
+        meta: TensorRtMeta = self.read_meta(engine_dir)
+        if not meta.version_compatible:
             return super().load(engine_dir, sku)
-        meta = verify_engine(engine_dir, self.engine_format)
-        built, have = meta.get("versions", {}).get("tensorrt", ""), _trt().__version__
+        built, have = meta.versions.get("tensorrt", ""), _trt().__version__
         if not version_compatible_runtime(built, have):
             raise InputError(f"{engine_dir} is a version-compatible engine of TensorRT {built}; TensorRT {have} cannot load it "
                              "(a later runtime of the same major version can)",
                              hint="install that TensorRT version or a later one of its major version, or rebuild")
-        return self._load_impl(engine_dir, meta, sku)
+        return self._loaded(engine_dir, meta, sku)
 
-    def _load_impl(self, engine_dir: Path, meta: dict[str, Any], sku: "SkuSpec") -> Runner:
+    def _load_impl(self, engine_dir: Path, meta: "TensorRtMeta", sku: "SkuSpec") -> Runner:
         trt = _trt()
         cudart = _cudart()
-        built_cc, gpu = meta.get("compute_capability"), gpu_info()
+        built_cc, gpu = meta.compute_capability, gpu_info()
         have_cc = gpu.compute_capability if gpu else None
-        compat = meta.get("hardware_compatibility", "none")
-        if built_cc and have_cc and compat != "ampere_plus" and built_cc != have_cc:
-            raise InputError(f"{engine_dir} was built for compute capability {built_cc} ({meta.get('gpu')}); "
+        if built_cc and have_cc and meta.hardware_compatibility != "ampere_plus" and built_cc != have_cc:
+            raise InputError(f"{engine_dir} was built for compute capability {built_cc} ({meta.gpu}); "
                              f"this host's {gpu.name} has {have_cc}",
                              hint="run it on the SKU's GPU, or build with options.hardware_compatibility: ampere_plus")
         path = engine_dir / ENGINE_FILE
-        runtime, engine = _deserialize(trt, path.read_bytes(), bool(meta.get("version_compatible")), meta.get("dla_core"), path)
-        return TensorRtRunner(trt, cudart, runtime, engine, Signature.model_validate(meta["signature"]))
+        runtime, engine = _deserialize(trt, path.read_bytes(), meta.version_compatible, meta.dla_core, path)
+        return TensorRtRunner(trt, cudart, runtime, engine, meta.signature)
 
 
 def _parser_error(err: Any) -> ParserError:

@@ -146,6 +146,14 @@ def host() -> dict[str, Any]:
     }
 
 
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask; a container's cpuset), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def cpu_record(flags: Iterable[str] | None = None, arch: str | None = None) -> dict[str, Any]:
     """What a CPU engine's build records about the host CPU that decided it: the architecture,
     the model name (for people; nothing is decided by it) and the reported flags that name an

@@ -10,6 +10,7 @@ from pathlib import Path
 from .. import reproducible
 from ..backends import get_backend
 from ..backends.base import BuildContext, BuildOutcome
+from ..caches import write_plain_index
 from ..config import Registry
 from ..data import LABELS, iter_batches
 from ..errors import EnvironmentProblem
@@ -20,7 +21,6 @@ from . import Progress
 from .calibrate import calibration_table
 from .common import batch_indices, layout, load_arrays, log, read_report
 
-CACHE_INDEX = "cache.json"
 
 
 def require_host(registry: Registry, sku: str, purpose: Purpose = "run") -> None:
@@ -60,12 +60,14 @@ class Built:
 
 def build_engine(registry: Registry, model: str, sku: str, engine_dir: Path, *, prepared: Path | None = None,
                  cache_dir: Path | None = None, keep_precise: tuple[str, ...] | None = None,
-                 progress: Progress | None = None) -> Built:
+                 progress: Progress | None = None, cache_required: bool | None = None, cache_refresh: bool = False,
+                 tuning_trials: int | None = None) -> Built:
     """Build ``model`` for ``sku`` into ``engine_dir`` (written whole or not at all).
 
     The build stage, bisection (``prepared``: the model with intermediate tensors marked as
     outputs) and the reproducibility check share it, so they build exactly as the stage does.
-    ``keep_precise``: ONNX node names kept in higher precision (default: the registry's)."""
+    ``keep_precise``: ONNX node names kept in higher precision (default: the registry's).
+    ``cache_required``, ``cache_refresh``, ``tuning_trials``: the cache policy (pipeline.caches)."""
     spec, sku_spec = registry.model(model), registry.sku(sku)
     backend = get_backend(sku_spec.backend)
     out = layout(registry)
@@ -83,17 +85,20 @@ def build_engine(registry: Registry, model: str, sku: str, engine_dir: Path, *, 
         ctx = BuildContext(model=model, sku=sku, spec=spec, sku_spec=sku_spec,
                            prepared=prepared or out.prepared_model(model), pins=pins, profiles=dict(sku_spec.profiles),
                            engine_dir=staging, calibration_table=table, probe_inputs=probe,
-                           cache_dir=cache_dir or out.cache_dir(model, sku), progress=progress, keep_precise=keep)
+                           cache_dir=cache_dir or out.cache_dir(model, sku), progress=progress, keep_precise=keep,
+                           cache_required=cache_required, cache_refresh=cache_refresh, tuning_trials=tuning_trials)
         outcome = backend.build(ctx)
-        files = backend.write_meta(staging, outcome.files, {**outcome.meta, "model": model, "sku": sku,
-                                                            "keep_precise": list(keep)})
+        files = backend.write_meta(staging, outcome.files, outcome.meta, model=model, sku=sku, keep_precise=list(keep))
     return Built(outcome=outcome, files=files, seconds=time.perf_counter() - started, keep_precise=keep)
 
 
 def build(registry: Registry, model: str, sku: str, progress: Progress | None = None,
-          check_reproducible: bool = False) -> BuildReport:
+          check_reproducible: bool = False, cache_required: bool | None = None, cache_refresh: bool = False,
+          tuning_trials: int | None = None) -> BuildReport:
     """Build the engine and write build.json; ``check_reproducible`` (or the SKU's reproducibility
-    option) also builds it a second time and records the verdict (exit 1 below the SKU's require)."""
+    option) also builds it a second time and records the verdict (exit 1 below the SKU's require).
+    ``cache_required`` (None: the SKU's cache.require or SKUFORGE_REQUIRE_CACHE), ``cache_refresh``
+    and ``tuning_trials``: the cache policy of pipeline.caches."""
     require_host(registry, sku, "build")
     spec, sku_spec = registry.model(model), registry.sku(sku)
     backend = get_backend(sku_spec.backend)
@@ -103,7 +108,8 @@ def build(registry: Registry, model: str, sku: str, progress: Progress | None = 
     table = calibration_table(registry, model) if sku_spec.precision == "int8" else None
     table_sha = sha256_file(table) if table is not None and table.is_file() else None
     keep = registry.higher_precision(model, sku)
-    built = build_engine(registry, model, sku, out.engine_dir(model, sku), progress=progress)
+    policy = dict(cache_required=cache_required, cache_refresh=cache_refresh, tuning_trials=tuning_trials)
+    built = build_engine(registry, model, sku, out.engine_dir(model, sku), progress=progress, **policy)
     remedy = None
     if sku_spec.bisect.fix_during_build and sku_spec.precision != "fp32":
         from ..remedy import fix, judged
@@ -113,10 +119,11 @@ def build(registry: Registry, model: str, sku: str, progress: Progress | None = 
             if remedy.passed and remedy.keep_precise != keep:
                 keep = remedy.keep_precise
                 built = build_engine(registry, model, sku, out.engine_dir(model, sku), keep_precise=tuple(keep),
-                                     progress=progress)
+                                     progress=progress, cache_required=cache_required)
             log(model, sku).info("remedy during the build: %s", remedy.summary)
     outcome, files, seconds = built.outcome, built.files, built.seconds
-    _index_cache(out.cache_dir(model, sku), backend.name)
+    if backend.capabilities.cache is None:
+        write_plain_index(out.cache_dir(model, sku), backend)
     reproducibility = None
     if reproducible.wanted(sku_spec, check_reproducible):
         reproducibility = reproducible.check(registry, model, sku, built, out.engine_dir(model, sku), progress=progress)
@@ -129,7 +136,7 @@ def build(registry: Registry, model: str, sku: str, progress: Progress | None = 
         build_config_sha256=config_hash(registry, model, sku, prep.prepared_sha256, table_sha, keep),
         engine_sha256=engine_digest(files),
         prepared_sha256=prep.prepared_sha256, calibration=calibration,
-        timing_cache=_file_record(outcome.timing_cache, registry) if outcome.timing_cache else None,
+        cache=outcome.meta.cache,
         engine_files=files, layers=outcome.layers, placement=_counts(outcome.layers, "device"),
         requested_devices=outcome.requested_devices, partition_boundaries=outcome.partition_boundaries,
         precision_counts=_counts(outcome.layers, "precision"), hardware_specific=outcome.hardware_specific,
@@ -143,19 +150,6 @@ def build(registry: Registry, model: str, sku: str, progress: Progress | None = 
     return report
 
 
-def _index_cache(folder, backend: str) -> None:
-    """Write ``cache.json``: what the SKU's cache folder holds, so git review shows changes and
-    the folder exists (DVC declares it as a persisted output) even for backends without one."""
-    files = sorted(p for p in folder.glob("**/*") if p.is_file() and p.name != CACHE_INDEX) if folder.is_dir() else []
-    atomic_write_json(folder / CACHE_INDEX, {
-        "backend": backend,
-        "files": [{"path": str(p.relative_to(folder)), "sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files],
-    })
-
-
 def _counts(layers: list[LayerInfo], field: str) -> dict[str, int]:
     return dict(sorted(Counter(getattr(layer, field) or "unknown" for layer in layers).items()))
 
-
-def _file_record(path, registry: Registry) -> FileRecord:
-    return FileRecord(path=str(path.relative_to(registry.root)), sha256=sha256_file(path), bytes=path.stat().st_size)

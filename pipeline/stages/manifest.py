@@ -6,7 +6,7 @@ from ..config import Registry
 from ..errors import InputError
 from ..io import atomic_write_json, read_json, sha256_file
 from ..manifest import digest, provenance, validate_document
-from ..results import (BenchReport, Benchmark, BuildInfo, BuildReport, CalibrationInfo, CalibrationReport, Correctness,
+from ..results import (BenchReport, Benchmark, BuildInfo, BuildReport, CacheInfo, CalibrationInfo, CalibrationReport, Correctness,
                        DataReport, EngineBound, Evidence, HostInfo, Manifest, PlacementSummary, PrecisionSummary,
                        PrepareReport, SourceInfo, TargetInfo, ValidationReport)
 from ..runner.probe import host
@@ -66,7 +66,8 @@ def assemble(registry: Registry, model: str, sku: str, host_info: dict | None = 
                         keep_precise=build.keep_precise, remedy=build.remedy,
                         reproducibility=build.reproducibility),
         hardware_specific=build.hardware_specific, calibration=calibration,
-        timing_cache_sha256=build.timing_cache.sha256 if build.timing_cache else None,
+        cache=CacheInfo(**build.cache.model_dump(include={"kind", "sha256", "key", "state", "hits", "misses", "required"}))
+        if build.cache else None,
         datasets={k: v.sha256 for k, v in data.splits.items()},
         layers=build.layers, placement=build.placement, precision_counts=build.precision_counts,
         correctness=Correctness(

@@ -244,12 +244,12 @@ def test_iree_load_check_judges_the_engine_against_the_faked_host(iree_engines, 
 def test_ort_nchwc_block_follows_the_reported_vector_width(host, block):
     arch, _, flags = HOSTS[host]
     assert nchwc_block(flags, arch) == block
-    assert nchwc_problem({"nchwc_block": 16}, V3, "x86_64") == (
+    assert nchwc_problem(16, V3, "x86_64") == (
         "the engine holds NCHWc ops in blocks of 16 channels (built on a CPU with avx512f); this CPU lacks avx512f "
         "and uses blocks of 8")
-    assert "this CPU has avx512f" in nchwc_problem({"nchwc_block": 8}, AMX_HOST, "x86_64")
-    assert nchwc_problem({"nchwc_block": 16}, EMR_GUEST, "x86_64") is None
-    assert nchwc_problem({}, V3, "x86_64") is None  # no NCHWc ops: portable
+    assert "this CPU has avx512f" in nchwc_problem(8, AMX_HOST, "x86_64")
+    assert nchwc_problem(16, EMR_GUEST, "x86_64") is None
+    assert nchwc_problem(None, V3, "x86_64") is None  # no NCHWc ops: portable
 
 
 def test_ort_engine_at_level_all_records_and_checks_its_vector_width(tmp_path, monkeypatch):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 import copy
 import json
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,8 +31,8 @@ from pipeline.backends.base import ENGINE_META, BuildContext
 from pipeline.backends.tensorrt import (NOT_INSTALLED, ParserError, TensorRtOptions, builder_failure, cast_feed,
                                         cuda_version_string, format_precision, layer_precision, nonzero_zero_points,
                                         optimization_profile, parse_engine_information, parse_nvidia_smi,
-                                        parser_failure, quantize_for_tensorrt, requested_devices, store_timing_cache,
-                                        timing_cache_path, version_compatible_runtime)
+                                        parser_failure, quantize_for_tensorrt, requested_devices,
+                                        version_compatible_runtime)
 from pipeline.config import Profile, load_registry, parse_registry
 from pipeline.errors import ConfigError, EnvironmentProblem, InputError, UnsupportedOp
 from pipeline.paths import Layout
@@ -467,17 +466,6 @@ def test_builder_errors():
 # --- small rules ---------------------------------------------------------------------------------
 
 
-def test_timing_cache_is_written_only_when_it_changes(tmp_path):
-    path = timing_cache_path(tmp_path / "caches" / "x86_nv_trt_fp16")
-    assert path == tmp_path / "caches" / "x86_nv_trt_fp16" / "timing.cache"
-    assert store_timing_cache(path, b"cache-1") is True and path.read_bytes() == b"cache-1"
-    stamp = path.stat().st_mtime_ns, path.stat().st_ino
-    assert store_timing_cache(path, b"cache-1") is False
-    assert (path.stat().st_mtime_ns, path.stat().st_ino) == stamp  # untouched: no diff for git or DVC
-    assert store_timing_cache(path, b"cache-2") is True and path.read_bytes() == b"cache-2"
-    assert sorted(os.listdir(path.parent)) == ["timing.cache"]  # no temporary files left behind
-
-
 def test_gpu_probe_parsing_and_versions():
     h100 = parse_nvidia_smi("NVIDIA H100 80GB HBM3, 9.0, 550.54.15\nNVIDIA H100 80GB HBM3, 9.0, 550.54.15\n")
     assert (h100.name, h100.compute_capability, h100.driver, h100.cc) == ("NVIDIA H100 80GB HBM3", "9.0", "550.54.15", 9.0)
@@ -596,7 +584,8 @@ def test_gpu_build_validate_bench(gpu_project, model, sku):
     assert rep.backend == "tensorrt" and rep.versions["tensorrt"] == p.trt.__version__
     assert [f.path for f in rep.engine_files] == ["engine.plan", "layers.json"]
     assert set(rep.placement) == {"gpu"} and rep.requested_devices == ["gpu"] and rep.partition_boundaries == 0
-    assert rep.timing_cache is not None and (p.registry.root / rep.timing_cache.path).is_file()
+    assert rep.cache is not None and rep.cache.kind == "timing-cache" and rep.cache.files
+    assert (p.out.cache_dir(model, sku) / "timing.cache").is_file()
     compute = {k: v for k, v in rep.precision_counts.items() if k != "n/a"}
     assert compute, rep.precision_counts
     if sku == "trt_int8":
@@ -618,7 +607,7 @@ def test_gpu_rebuild_hits_the_timing_cache(gpu_project):
     p = gpu_project
     build(p.registry, "conv", "trt_fp32")
     meta = json.loads((p.out.engine_dir("conv", "trt_fp32") / ENGINE_META).read_text())
-    assert meta["timing_cache"]["existed"] is True and meta["timing_cache"]["hit"] is True
+    assert meta["cache"]["state"] == "fresh" and meta["cache"]["hits"] == 1 and meta["cache"]["misses"] == 0
 
 
 @pytest.mark.gpu
