@@ -297,8 +297,10 @@ def scratch_build(registry: "Registry", model: str, sku: str, folder: Path, keep
     real = layout(registry).cache_dir(model, sku)
     if real.is_dir():
         shutil.copytree(real, folder / "cache")
+    # the marked outputs make new tuning tasks: a scratch build may miss the cache without failing, and
+    # takes the compiler's default schedules for them rather than searching (numerics, not speed, matter here)
     build_engine(registry, model, sku, folder / "engine", prepared=prepared, cache_dir=folder / "cache",
-                 keep_precise=tuple(keep))
+                 cache_required=False, search=False, keep_precise=tuple(keep))
     return folder / "engine"
 
 
@@ -383,7 +385,13 @@ def bisect(registry: "Registry", model: str, sku: str, *, keep: tuple[str, ...] 
     from .graph import pin_axes
     from .stages.common import layout
 
+    from .backends import backend_class
+    from .errors import ConfigError
+
     spec = registry.sku(sku)
+    if not backend_class(spec.backend).capabilities.intermediate_outputs:
+        raise ConfigError(f"the {spec.backend} backend of SKU {sku} cannot build a model with intermediate tensors "
+                          "marked as outputs: bisection needs that", hint="skuforge backends lists what each supports")
     settings = spec.bisect
     max_builds = max_builds or settings.max_builds
     k = marks_per_build or settings.marks_per_build

@@ -794,6 +794,10 @@ def _check_cross_references(registry: Registry, source: str) -> None:
             elif registry.skus[sname].precision == "fp32" and nodes:
                 problems.append(f"models.{name}.higher_precision.{sname}: the SKU builds in fp32, there is no higher "
                                 "precision to keep nodes in; remove the entry")
+            elif nodes and registry.skus[sname].backend in known_backends() and \
+                    not backend_class(registry.skus[sname].backend).capabilities.per_node_precision:
+                problems.append(f"models.{name}.higher_precision.{sname}: the {registry.skus[sname].backend} backend "
+                                "cannot keep single nodes in higher precision; remove the entry")
         if model.metric is not None and model.outputs is not None and model.metric.output not in model.outputs:
             problems.append(f"models.{name}.metric.output: {model.metric.output!r} is not in outputs {model.outputs}")
         for output in model.output_kinds:

@@ -5,7 +5,7 @@
 #   scripts/setup.sh --test    plus the test tools
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="examples,openvino,iree"
+extras="examples,openvino,iree,tvm"
 [ "${1:-}" = "--test" ] && extras="$extras,test"
 
 # lavapipe (Mesa's software Vulkan driver): without it the Vulkan SKUs are reported as not

@@ -18,6 +18,7 @@ _BACKENDS: dict[str, str] = {
     "openvino": "pipeline.backends.openvino:OpenVinoBackend",
     "iree": "pipeline.backends.iree:IreeBackend",
     "tensorrt": "pipeline.backends.tensorrt:TensorRtBackend",
+    "tvm": "pipeline.backends.tvm:TvmBackend",
 }
 
 
@@ -36,3 +37,13 @@ def backend_class(name: str) -> "type[Backend]":
 
 def get_backend(name: str) -> "Backend":
     return backend_class(name)()
+
+
+def capability_table() -> list[dict]:
+    """Each backend's declared capabilities (``skuforge backends``, docs/backends.md)."""
+    return [{"backend": name, **backend_class(name).capabilities.to_json()} for name in known_backends()]
+
+
+def runtime_packages() -> tuple[str, ...]:
+    """The distributions a device may carry to run engines (the rollout agent's inventory)."""
+    return tuple(sorted({backend_class(name).capabilities.runtime_package for name in known_backends()}))

@@ -91,6 +91,7 @@ class BuildContext:
     cache_required: bool | None = None
     cache_refresh: bool = False  # ignore the cache and rebuild it (skuforge cache refresh)
     tuning_trials: int | None = None  # a tuning backend's trial budget instead of the SKU's
+    search: bool = True  # False: what the cache lacks gets the compiler's default, nothing is searched (scratch builds)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Sequence
 
 from .. import redact
 from ..errors import EXIT_INTERNAL, EnvironmentProblem, InputError, SkuforgeError
-from . import bisect, ci, commands, compare, keys, rollout
+from . import bisect, cache, ci, commands, compare, keys, rollout
 
 # Loggers that log a traceback for an error skuforge reports itself in one line (-v shows them).
 _NOISY = ("mlflow.store.db.utils",)
@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys.register(sub)
     bisect.register(sub)
     compare.register(sub)
+    cache.register(sub)
     rollout.register(sub)
     return parser
 

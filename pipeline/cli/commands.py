@@ -78,7 +78,10 @@ STAGE_FLAGS: dict[str, dict[str, tuple[str, str]]] = {
     "build": {"--check-reproducible": ("check_reproducible", "build the engine a second time (new process, temporary "
                                        "folder and cache copy) and record the verdict (bitwise, equivalent, "
                                        "unverified, differs) in build.json; exit 1 below the SKU's "
-                                       "reproducibility.require")},
+                                       "reproducibility.require"),
+              "--require-cache": ("cache_required", "fail on any miss of the SKU's checked-in compiler cache (a "
+                                  "stale, corrupt or missing cache, a tuning task not in the database), as "
+                                  "skus.<s>.cache.require or SKUFORGE_REQUIRE_CACHE=1 do")},
 }
 
 
@@ -110,7 +113,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--json", action="store_true", help="print the report as JSON")
         flags = STAGE_FLAGS.get(name, {})
         for flag, (kw, flag_help) in flags.items():
-            p.add_argument(flag, dest=kw, action="store_true", help=flag_help)
+            # unset: None, so the library's default (the SKU's setting) decides
+            p.add_argument(flag, dest=kw, action="store_const", const=True, default=None, help=flag_help)
         p.set_defaults(func=_stage(fn, needs_sku, summarize, tuple(kw for kw, _ in flags.values())))
 
     p = sub.add_parser("publish", help="record engines in MLflow (a run each) and register them (idempotent)")

@@ -42,7 +42,6 @@ from .store import Store
 
 log = logging.getLogger(__name__)
 
-RUNTIME_PACKAGES = ("onnxruntime", "openvino", "iree-base-runtime", "tensorrt")
 ACTIVE = "active.json"
 SLOT_DOC = "slot.json"
 
@@ -92,8 +91,10 @@ class Device:
 
 
 def installed_runtimes() -> dict[str, str]:
+    from ..backends import runtime_packages
+
     out = {}
-    for pkg in RUNTIME_PACKAGES:
+    for pkg in runtime_packages():
         try:
             out[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:

@@ -61,13 +61,13 @@ class Built:
 def build_engine(registry: Registry, model: str, sku: str, engine_dir: Path, *, prepared: Path | None = None,
                  cache_dir: Path | None = None, keep_precise: tuple[str, ...] | None = None,
                  progress: Progress | None = None, cache_required: bool | None = None, cache_refresh: bool = False,
-                 tuning_trials: int | None = None) -> Built:
+                 tuning_trials: int | None = None, search: bool = True) -> Built:
     """Build ``model`` for ``sku`` into ``engine_dir`` (written whole or not at all).
 
     The build stage, bisection (``prepared``: the model with intermediate tensors marked as
     outputs) and the reproducibility check share it, so they build exactly as the stage does.
     ``keep_precise``: ONNX node names kept in higher precision (default: the registry's).
-    ``cache_required``, ``cache_refresh``, ``tuning_trials``: the cache policy (pipeline.caches)."""
+    ``cache_required``, ``cache_refresh``, ``tuning_trials``, ``search``: the cache policy (pipeline.caches)."""
     spec, sku_spec = registry.model(model), registry.sku(sku)
     backend = get_backend(sku_spec.backend)
     out = layout(registry)
@@ -86,7 +86,8 @@ def build_engine(registry: Registry, model: str, sku: str, engine_dir: Path, *, 
                            prepared=prepared or out.prepared_model(model), pins=pins, profiles=dict(sku_spec.profiles),
                            engine_dir=staging, calibration_table=table, probe_inputs=probe,
                            cache_dir=cache_dir or out.cache_dir(model, sku), progress=progress, keep_precise=keep,
-                           cache_required=cache_required, cache_refresh=cache_refresh, tuning_trials=tuning_trials)
+                           cache_required=cache_required, cache_refresh=cache_refresh, tuning_trials=tuning_trials,
+                           search=search)
         outcome = backend.build(ctx)
         files = backend.write_meta(staging, outcome.files, outcome.meta, model=model, sku=sku, keep_precise=list(keep))
     return Built(outcome=outcome, files=files, seconds=time.perf_counter() - started, keep_precise=keep)

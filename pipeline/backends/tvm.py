@@ -1,0 +1,580 @@
+"""Apache TVM: the ONNX model through the Relax frontend, fused and compiled for an LLVM CPU target,
+its kernels scheduled by MetaSchedule from the SKU's checked-in tuning database.
+
+Build: ``relax.frontend.onnx`` -> inference decompositions -> legalize, fold, fuse (each fused
+group of ops one TIR primitive function, the "layers" of the report) -> MetaSchedule: every
+primitive function is a tuning task, looked up in the database of ``caches/<sku>/<model>/``; a
+task not found there is tuned with the SKU's trial budget (``options.trials``) and added, unless
+the SKU requires its cache (then the build fails) -> ``MetaScheduleApplyDatabase`` -> the
+executable exported as a shared library (``model.so``) that ``tvm.runtime.load_module`` and the
+Relax VM load. ``options.trials: 0`` builds with TVM's default schedules and no database.
+
+The report names each fused primitive function, the ONNX nodes it came from (recovered by
+following the frontend's bindings through the fusion pass), its precision, and whether its
+schedule came from the database ("tuned") or TVM's default ("default").
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import EnvironmentProblem, InputError, UnsupportedOp
+from ..results import LayerInfo, TensorSig
+from ..runner import probe
+from .base import Backend, BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
+
+if TYPE_CHECKING:
+    import numpy as np
+    import onnx
+
+    from ..config import SkuSpec
+
+LIBRARY = "model.so"
+WORKLOADS = "database_workload.json"
+RECORDS = "database_tuning_record.json"
+# tasks tuned without a valid candidate (a search space that yields none, every candidate failing to
+# build or run): task name -> structural hash. Their decision is TVM's default schedule, replayed as such.
+DEFAULTS = "default_schedules.json"
+_PACKAGE = "apache-tvm"
+_PIP = "pip install 'apache-tvm==0.27.*' psutil cloudpickle (and a C compiler, g++ or cc, to link the engine)"
+_TRIPLES = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu"}
+# fused-function name tokens that are not op names
+_NOT_OPS = {"fused", "compute", "cast", "expand", "dims"}
+
+
+class TvmOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target_kind: Literal["llvm"] = Field("llvm", description="TVM target kind (the PyPI wheel's runtime has LLVM CPU only)")
+    target_cpu: str = Field("host", description="LLVM CPU (-mcpu), e.g. x86-64-v3, znver3, cortex-a76; host: the "
+                                                "generic CPU of the architecture with the features this host reports")
+    target_cpu_features: list[str] = Field(default_factory=list, description="LLVM features (-mattr), e.g. [+avx2, +fma]")
+    num_cores: int | None = Field(None, ge=1, le=1024, description="cores the schedules are tuned for (target num-cores); "
+                                                                   "None: this host's (then part of the cache key)")
+    trials: int = Field(0, ge=0, le=100_000, description="MetaSchedule trials for a model without a database "
+                                                          "(0: TVM's default schedules, no database)")
+    trials_per_task: int | None = Field(None, ge=1, description="cap per tuning task (default: trials spread over the tasks)")
+    opt_level: int = Field(3, ge=0, le=3)
+    num_threads: int = Field(0, ge=0, description="TVM runtime threads (0: TVM's default, one per physical core)")
+
+
+class TvmMeta(EngineMeta):
+    library: str
+    target: dict[str, Any]
+    device: Literal["cpu"]
+    entry: str
+    inputs: list[TensorSig]
+    outputs: list[TensorSig]
+    num_threads: int
+    tuned: int = Field(description="primitive functions scheduled from the tuning database")
+    functions: int = Field(description="primitive functions in the engine")
+
+
+def _tvm() -> Any:
+    try:
+        import tvm
+    except ImportError as exc:
+        raise EnvironmentProblem("apache-tvm is not installed", hint=_PIP) from exc
+    return tvm
+
+
+def _version() -> str | None:
+    try:
+        return metadata.version(_PACKAGE)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def target_of(options: TvmOptions, arch: str) -> dict[str, Any]:
+    """The TVM target (JSON form) of the options; ``host`` resolves to the architecture's generic
+    CPU with the features this host reports, as the IREE backend does."""
+    cpu, features = options.target_cpu, [f if f[:1] in "+-" else f"+{f}" for f in options.target_cpu_features]
+    if cpu == "host":
+        host = probe.llvm_cpu_target(arch=arch)
+        dropped = {f[1:] for f in features}
+        cpu, features = host["cpu"], [f for f in host["cpu_features"] if f[1:] not in dropped] + features
+    target: dict[str, Any] = {"kind": options.target_kind, "mcpu": cpu,
+                              "num-cores": options.num_cores or probe.usable_cores()}
+    if arch in _TRIPLES:
+        target["mtriple"] = _TRIPLES[arch]
+    if features:
+        target["mattr"] = features
+    return target
+
+
+class TvmRunner(Runner):
+    """A loaded library on the Relax VM; calls are serialised (one VM, not thread-safe)."""
+
+    def __init__(self, library: Path, meta: TvmMeta):
+        super().__init__(list(meta.inputs), [o.name for o in meta.outputs])
+        tvm = _tvm()
+        from tvm import relax
+
+        self._tvm, self._dev = tvm, tvm.cpu(0)
+        self._lock = threading.Lock()
+        try:
+            self._vm = relax.VirtualMachine(tvm.runtime.load_module(str(library)), self._dev)
+            self._main = self._vm[meta.entry]
+        except Exception as exc:  # TVMError, OSError from dlopen: a damaged or foreign library
+            detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise InputError(f"{library} cannot be loaded by TVM {_version()}: {detail}",
+                             hint="the library is damaged or from another TVM build or CPU: rebuild the engine") from exc
+
+    def _infer_impl(self, feeds: dict[str, "np.ndarray"]) -> dict[str, "np.ndarray"]:
+        import numpy as np
+
+        with self._lock:
+            # np.asarray keeps 0-d arrays 0-d (np.ascontiguousarray makes them 1-d)
+            args = [self._tvm.runtime.tensor(np.asarray(feeds[s.name], order="C"), self._dev) for s in self.inputs]
+            out = self._main(*args)
+        outs = [out] if hasattr(out, "numpy") else list(out)
+        return {name: o.numpy() for name, o in zip(self.output_names, outs)}
+
+    def close(self) -> None:
+        self._vm = self._main = None
+
+
+class TvmBackend(Backend):
+    name = "tvm"
+    Options = TvmOptions
+    Meta = TvmMeta
+    capabilities = Capabilities(precisions=("fp32",), devices=("cpu",), runtime_package=_PACKAGE,
+                                per_node_precision=False, cache="tuning-database")
+    cache_files = (WORKLOADS, RECORDS, DEFAULTS)
+    install_hint = _PIP
+    engine_format = "skuforge-tvm-relax/1"
+    runtime_keys = (_PACKAGE,)  # the library calls into the runtime of the TVM that compiled it
+
+    @classmethod
+    def _check_sku_impl(cls, sku: "SkuSpec", options: TvmOptions) -> list[str]:
+        problems = []
+        if options.trials_per_task is not None and options.trials == 0:
+            problems.append("options.trials_per_task: set with trials 0 (no tuning); set options.trials too")
+        if sku.cache.require and options.trials == 0:
+            problems.append("cache.require: options.trials is 0, so the build uses no tuning database; set trials")
+        if sku.target.arch not in _TRIPLES:
+            problems.append(f"target.arch: {sku.target.arch} has no LLVM triple here (known: {', '.join(_TRIPLES)})")
+        return problems
+
+    def environment_problems(self, sku: "SkuSpec", purpose: str = "run") -> list[str]:
+        try:
+            tvm = _tvm()
+        except EnvironmentProblem as exc:
+            return [f"{exc.message} ({_PIP})"]
+        problems = []
+        if not tvm.runtime.enabled("llvm") and purpose == "build":
+            problems.append("this TVM build has no LLVM code generator (USE_LLVM OFF)")
+        if purpose == "build":
+            if not (shutil.which("g++") or shutil.which("cc")):
+                problems.append("no C compiler (g++ or cc) to link the engine library: install gcc")
+            if self.options(sku).trials:
+                for module in ("psutil", "cloudpickle"):
+                    try:
+                        __import__(module)
+                    except ImportError:
+                        problems.append(f"MetaSchedule tuning needs {module}: pip install {module}")
+        return problems
+
+    def versions(self) -> dict[str, str]:
+        import onnx
+
+        return {_PACKAGE: _version() or "unknown", "onnx": onnx.__version__}
+
+    def uses_cache(self, options: TvmOptions) -> bool:
+        return options.trials > 0
+
+    def cache_key(self, sku: "SkuSpec") -> dict[str, str]:
+        """A tuning database holds schedules measured for one target under one TVM version."""
+        return {_PACKAGE: _version() or "unknown",
+                "target": json.dumps(target_of(self.options(sku), sku.target.arch), sort_keys=True)}
+
+    def check_cache(self, folder: Path) -> str | None:
+        """Each line of MetaSchedule's JSON database is a JSON array; the defaults file maps task
+        names to structural hashes."""
+        defaults = folder / DEFAULTS
+        if defaults.is_file():
+            try:
+                doc = json.loads(defaults.read_text())
+            except ValueError:
+                return f"{DEFAULTS} is not JSON"
+            if not isinstance(doc, dict) or not all(isinstance(v, str) for v in doc.values()):
+                return f"{DEFAULTS} is not a map of task names to structural hashes"
+        for name in (WORKLOADS, RECORDS):
+            path = folder / name
+            if not path.is_file():
+                continue
+            for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    return f"{name} line {number} is not JSON"
+                if not isinstance(row, list) or len(row) < 2:
+                    return f"{name} line {number} is not a MetaSchedule record"
+        return None
+
+    # --- build --------------------------------------------------------------------------------
+
+    def _build_impl(self, ctx: BuildContext, staged: Staged) -> BuildOutcome:
+        from ..graph import signature
+
+        opts: TvmOptions = staged.options
+        tvm = _tvm()
+        target_json = target_of(opts, ctx.sku_spec.target.arch)
+        target = tvm.target.Target(target_json)
+        sig = signature(staged.model)
+        mod, node_of = import_onnx(staged.model)
+        _progress(ctx, "tvm lower", 0.1)
+        mod, origins = lower(mod, target, node_of)
+        functions = primitive_functions(mod)
+        warnings: list[str] = []
+        database, tuned = None, set()
+        if self.uses_cache(opts):
+            database, tuned, spent = self._schedule(ctx, staged, mod, target, opts)
+            if spent:
+                warnings.append(f"tuned {spent} trials on this host: the database records this runner's measurements")
+        _progress(ctx, "tvm compile", 0.7)
+        executable = compile_module(mod, target, database, opts.opt_level)
+        executable.export_library(str(ctx.engine_dir / LIBRARY))
+        meta = TvmMeta(library=LIBRARY, target=target_json, device="cpu", entry="main", inputs=sig.inputs,
+                       outputs=sig.outputs, num_threads=opts.num_threads, tuned=len(tuned & set(functions)),
+                       functions=len(functions), host_cpu=probe.cpu_record())
+        with _threads(opts.num_threads):
+            runner = TvmRunner(ctx.engine_dir / LIBRARY, meta)
+            runner.infer(ctx.probe_inputs)  # it loads and runs before it is called an engine
+            runner.close()
+        layers = [LayerInfo(name=fn, op_type=op_type_of(fn), precision=precision, device="cpu",
+                            kernel="tuned" if fn in tuned else "default", fused_from=origins.get(fn, []))
+                  for fn, precision in functions.items()]
+        if not any(layer.fused_from for layer in layers):
+            warnings.append("no primitive function could be traced to its ONNX nodes: fused_from is empty")
+        hardware_specific = opts.target_cpu == "host"
+        if hardware_specific:
+            warnings.append(f"target_cpu host resolved to {target_json['mcpu']} with {len(target_json.get('mattr', []))} "
+                            "CPU features (those this host reports): the engine runs only on CPUs that have them")
+        options = {**opts.model_dump(mode="json"), "target": target_json, "functions": len(functions),
+                   "tuned_functions": meta.tuned}
+        return BuildOutcome(files=[LIBRARY], layers=layers, requested_devices=["cpu"], partition_boundaries=0,
+                            options=options, hardware_specific=hardware_specific, warnings=warnings, meta=meta)
+
+    def _schedule(self, ctx: BuildContext, staged: Staged, mod: Any, target: Any,
+                  opts: TvmOptions) -> tuple[Any, set[str], int]:
+        """The tuning database for ``mod``: the trusted cache's records, plus tuning for each task
+        it lacks (a miss: under cache.require the build fails here). Returns the database, the
+        primitive functions it schedules and the trials spent."""
+        session = staged.cache
+        work = staged.work / "tuning"
+        work.mkdir()
+        for name in self.cache_files:
+            source = session.file(name)
+            if source is not None:
+                shutil.copyfile(source, work / name)
+        database = open_database(work)
+        defaults = _read_defaults(work / DEFAULTS)
+        tasks = extract_tasks(mod, target)
+        missing = []
+        for task in tasks:
+            if has_record(database, task, target) or defaults.get(task.task_name) == task_hash(task):
+                session.hit()
+            else:
+                missing.append(task)
+        if missing and session.trusted:  # a trusted database that lacks a task: the model changed
+            for task in missing:
+                session.miss(f"tuning task {task.task_name}")
+        spent = 0
+        if missing and ctx.search:
+            budget = ctx.tuning_trials or opts.trials
+            _progress(ctx, f"tvm tune {len(missing)} tasks", 0.2)
+            spent = tune(missing, target, work, budget, opts.trials_per_task)
+            database = open_database(work)
+            # a task the search found no valid schedule for keeps the default schedule: recorded so a
+            # replay knows it was decided, not forgotten
+            defaults.update({t.task_name: task_hash(t) for t in missing if not has_record(database, t, target)})
+            (work / DEFAULTS).write_text(json.dumps(dict(sorted(defaults.items())), indent=1) + "\n")
+            for name in self.cache_files:
+                session.write(name, (work / name).read_bytes(), trials=spent if name == RECORDS else None)
+        tuned = {t.task_name for t in tasks if has_record(database, t, target)}
+        return database, tuned, spent
+
+    def _load_impl(self, engine_dir: Path, meta: TvmMeta, sku: "SkuSpec") -> Runner:
+        missing = probe.missing_llvm_features(meta.target.get("mattr", []))
+        if missing:
+            raise EnvironmentProblem(f"{engine_dir} was compiled for CPU {meta.target.get('mcpu')} with features this CPU "
+                                     f"lacks: {', '.join(missing)}",
+                                     hint="rebuild it on this host (target_cpu: host), or with an options.target_cpu "
+                                          "this CPU supports (e.g. x86-64-v3), or run it on the SKU's runner")
+        with _threads(meta.num_threads):
+            return TvmRunner(engine_dir / meta.library, meta)
+
+
+# --- import and lowering ----------------------------------------------------------------------------
+
+
+def import_onnx(model: "onnx.ModelProto") -> tuple[Any, dict[Any, str]]:
+    """The Relax module of the ONNX model (static shapes, weights bound as constants) and, for
+    each binding of its main function, the ONNX node it was converted from."""
+    from tvm.relax.frontend.onnx import onnx_frontend as frontend
+
+    convert = frontend._get_convert_map()
+    names = [n.name or f"{n.op_type}_{i}" for i, n in enumerate(model.graph.node)]
+    unsupported = [(n.op_type, name) for n, name in zip(model.graph.node, names)
+                   if n.op_type not in convert and n.domain in ("", "ai.onnx")]
+    foreign = [(f"{n.domain}.{n.op_type}", name) for n, name in zip(model.graph.node, names) if n.domain not in ("", "ai.onnx")]
+    if unsupported or foreign:
+        (op, node), *_ = unsupported or foreign
+        listed = ", ".join(f"{o} (node {n!r})" for o, n in (unsupported + foreign)[:10])
+        raise UnsupportedOp("tvm", op, node, f"TVM {_version()}'s Relax ONNX frontend has no conversion for {listed}")
+    initializers = {i.name for i in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in initializers]
+    shapes = {}
+    for value in inputs:
+        dims = value.type.tensor_type.shape.dim
+        if any(not d.HasField("dim_value") for d in dims):
+            raise InputError(f"input {value.name!r} has a dynamic axis: the tvm backend compiles static shapes",
+                             hint="pin the axis in the SKU's shapes (profiles are not supported by tvm)")
+        shapes[value.name] = [d.dim_value for d in dims]
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    importer = frontend.ONNXGraphImporter(shapes, "float32", keep_params_in_input=False, sanitize=True)
+    try:
+        mod = importer.from_onnx(model.graph, opset)
+    except Exception as exc:  # the frontend raises whatever its converters raise
+        detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise InputError(f"TVM's Relax ONNX frontend could not convert the model: {detail}",
+                         hint="the model is valid ONNX but this TVM refuses it for the reason above: re-export at "
+                              "another opset, upgrade apache-tvm, or use another backend") from exc
+    producer = {out: name for node, name in zip(model.graph.node, names) for out in node.output if out}
+    outputs = [(importer._nodes[o], n) for o, n in producer.items() if o in getattr(importer, "_nodes", {})]
+    node_of: dict[Any, str] = {}
+    pending: list[Any] = []
+    for block in mod["main"].body.blocks:
+        for binding in block.bindings:
+            pending.append(binding.var)
+            made = next((n for expr, n in outputs if binding.value.same_as(expr)), None)
+            if made is not None:  # the bindings since the last node's output were emitted for this node
+                node_of.update({v: made for v in pending})
+                pending = []
+    return mod, node_of
+
+
+def lower(mod: Any, target: Any, node_of: dict[Any, str]) -> tuple[Any, dict[str, list[str]]]:
+    """Decompose, legalize, fold and fuse: each fused group becomes one TIR primitive function.
+    Returns the module and, per primitive function, the ONNX nodes fused into it."""
+    import tvm
+    from tvm import relax
+
+    with tvm.target.Target(target):
+        mod = tvm.transform.Sequential([relax.transform.DecomposeOpsForInference(),
+                                        relax.transform.CanonicalizeBindings(), relax.transform.LegalizeOps(),
+                                        relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant()])(mod)
+        before = _calls(mod["main"])
+        mod = relax.transform.FuseOps()(mod)
+        origins = _fused_origins(mod, node_of, before)
+        mod = relax.transform.FuseTIR()(mod)
+        mod = relax.transform.DeadCodeElimination()(mod)
+    return mod, origins
+
+
+def _calls(func: Any) -> list[tuple[Any, str, list[Any]]]:
+    """(variable, primitive function, arguments) of each call_tir binding of ``func``."""
+    from tvm import relax
+
+    out = []
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            value = binding.value
+            if isinstance(value, relax.Call) and getattr(value.op, "name", "") == "relax.call_tir":
+                args = value.args[1]
+                out.append((binding.var, value.args[0].name_hint, list(args.fields) if isinstance(args, relax.Tuple) else [args]))
+    return out
+
+
+def _fused_origins(mod: Any, node_of: dict[Any, str], before: list[tuple[Any, str, list[Any]]]) -> dict[str, list[str]]:
+    """ONNX nodes per fused group (named as FuseTIR names its primitive function) and per unfused
+    primitive call. FuseOps keeps the variables of a group's inner bindings but binds the group's
+    output to a new one, so a binding whose variable is unknown is found again in the module
+    before fusion: the call of the same primitive function on the same arguments."""
+    from tvm import relax
+
+    def same(a: list[Any], b: list[Any]) -> bool:
+        return len(a) == len(b) and all(x.same_as(y) for x, y in zip(a, b))
+
+    def traced(var: Any, prim: str, args: list[Any]) -> str | None:
+        if var in node_of:
+            return node_of[var]
+        for old_var, old_prim, old_args in before:
+            if old_prim == prim and same(old_args, args):
+                return node_of.get(old_var)
+        return None
+
+    origins: dict[str, list[str]] = {}
+    for block in mod["main"].body.blocks:
+        for binding in block.bindings:
+            value = binding.value
+            if not isinstance(value, relax.Call):
+                continue
+            callee = value.op
+            if isinstance(callee, relax.GlobalVar) and isinstance(mod[callee], relax.Function):
+                group = mod[callee]
+                outer = dict(zip(group.params, value.args))  # the group's parameters are main's arguments
+                names = []
+                for var, prim, args in _calls(group):
+                    names.append(traced(var, prim, [outer.get(a, a) for a in args]))
+                origins.setdefault(callee.name_hint, list(dict.fromkeys(n for n in names if n)))
+            elif getattr(callee, "name", "") == "relax.call_tir":
+                name = traced(binding.var, value.args[0].name_hint, _calls_args(value))
+                origins.setdefault(value.args[0].name_hint, [name] if name else [])
+    return origins
+
+
+def _calls_args(call: Any) -> list[Any]:
+    from tvm import relax
+
+    args = call.args[1]
+    return list(args.fields) if isinstance(args, relax.Tuple) else [args]
+
+
+def primitive_functions(mod: Any) -> dict[str, str]:
+    """The TIR functions main calls, in call order, with the precision of what they compute (the
+    element type of their output)."""
+    out: dict[str, str] = {}
+    for var, name, _ in _calls(mod["main"]):
+        if name not in out:
+            out[name] = _precision(str(getattr(var.ty, "dtype", "")))
+    return out
+
+
+_PRECISIONS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int8": "int8", "uint8": "int8",
+               "float64": "fp64", "int32": "int32", "int64": "int64", "bool": "bool"}
+
+
+def _precision(dtype: str) -> str:
+    return _PRECISIONS.get(dtype, dtype or "n/a")
+
+
+def op_type_of(function: str) -> str:
+    """The leading op of a primitive function's name: fused_conv2d1_add1_relu1 -> conv2d."""
+    tokens = [t.rstrip("0123456789") or t for t in function.split("_")]
+    ops = [t for t in tokens if t and t not in _NOT_OPS]
+    return ops[0] if ops else function
+
+
+# --- MetaSchedule ---------------------------------------------------------------------------------
+
+
+def _ms() -> Any:
+    from tvm.s_tir import meta_schedule as ms
+
+    return ms
+
+
+def open_database(work: Path) -> Any:
+    ms = _ms()
+    return ms.database.JSONDatabase(path_workload=str(work / WORKLOADS), path_tuning_record=str(work / RECORDS),
+                                    allow_missing=True)
+
+
+def extract_tasks(mod: Any, target: Any) -> list[Any]:
+    return list(_ms().relax_integration.extract_tasks(mod, target))
+
+
+def task_hash(task: Any) -> str:
+    """The structural hash MetaSchedule keys workloads by, as 16 hex digits."""
+    from tvm_ffi import structural_hash
+
+    return f"{structural_hash(task.dispatched[0]) & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+def _read_defaults(path: Path) -> dict[str, str]:
+    if not path.is_file():
+        return {}
+    doc = json.loads(path.read_text())  # check_cache vouched for it
+    return {str(k): str(v) for k, v in doc.items()}
+
+
+def has_record(database: Any, task: Any, target: Any) -> bool:
+    mod = task.dispatched[0]
+    return database.has_workload(mod) and bool(database.query_tuning_record(mod, target, task.task_name))
+
+
+def tune(tasks: list[Any], target: Any, work: Path, trials: int, per_task: int | None, seed: int = 0) -> int:
+    """Tune ``tasks`` into the JSON database in ``work`` (records already there are kept); returns
+    the trials measured. Builds run one at a time (LocalBuilder's pool of several crashed on
+    2-core hosts) and are measured in a separate process (LocalRunner); the cost model is random
+    search within MetaSchedule's evolutionary strategy, so small budgets need no xgboost."""
+    ms = _ms()
+    from tvm.s_tir.meta_schedule.relax_integration import extracted_tasks_to_tune_contexts
+
+    database = open_database(work)
+    before = len(database.get_all_tuning_records())
+    per_task = per_task or max(1, -(-trials // len(tasks)))
+    contexts, weights = extracted_tasks_to_tune_contexts(tasks, work_dir=str(work / "logs"), seed=seed)
+    try:
+        ms.tune.tune_tasks(tasks=contexts, task_weights=weights, work_dir=str(work / "logs"), max_trials_global=trials,
+                           max_trials_per_task=per_task, num_trials_per_iter=min(per_task, 16),
+                           builder=ms.builder.LocalBuilder(f_build=_build_candidate, max_workers=1, timeout_sec=120),
+                           runner=ms.runner.LocalRunner(timeout_sec=60),
+                           database=database, cost_model="random")
+    except Exception as exc:  # TVMError from a search or measurement: name it, keep the cause
+        detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise EnvironmentProblem(f"MetaSchedule tuning failed: {detail}",
+                                 hint="set options.trials: 0 to build with default schedules, or check the runner") from exc
+    return len(open_database(work).get_all_tuning_records()) - before
+
+
+def _build_candidate(mod: Any, target: Any, _params: Any) -> Any:
+    """MetaSchedule's default candidate build without its ``import tvm.s_tir.tensor_intrin`` (about
+    23 s here, mostly CUDA intrinsics), which the builder's worker pays again for every batch:
+    with it, batches ran into the build timeout."""
+    from tvm.driver import build as tvm_build
+    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+
+    return tvm_build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
+
+
+def compile_module(mod: Any, target: Any, database: Any, opt_level: int) -> Any:
+    """The executable: schedules from ``database`` where it has them, TVM's defaults elsewhere."""
+    import tvm
+    from tvm import relax
+
+    with target, tvm.transform.PassContext(opt_level=opt_level):
+        if database is not None:
+            with database:
+                mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+        return tvm.compile(mod, target=target)
+
+
+class _threads:
+    """TVM's runtime reads TVM_NUM_THREADS when its thread pool starts; 0 leaves its default."""
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def __enter__(self) -> None:
+        import os
+
+        self._before = os.environ.get("TVM_NUM_THREADS")
+        if self.count:
+            os.environ["TVM_NUM_THREADS"] = str(self.count)
+
+    def __exit__(self, *exc: object) -> None:
+        import os
+
+        if self.count:
+            if self._before is None:
+                os.environ.pop("TVM_NUM_THREADS", None)
+            else:
+                os.environ["TVM_NUM_THREADS"] = self._before
+
+
+def _progress(ctx: BuildContext, label: str, fraction: float) -> None:
+    if ctx.progress:
+        ctx.progress(label, fraction)
+
