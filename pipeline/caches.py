@@ -15,8 +15,9 @@ backend can read it; otherwise it is *stale*, *corrupt* or *missing*: reported, 
 rebuilt by the build. The backend counts hits and misses (tuning tasks found or not in the
 database, a timing cache accepted or not). With ``skus.<s>.cache.require`` (or
 ``SKUFORGE_REQUIRE_CACHE=1``, the CI flag) any miss fails the build (exit 1), so a release build
-is known to replay the checked-in decisions. Nothing is written unless the build succeeds; files
-and index are written atomically, the index last.
+is known to replay the checked-in decisions. Nothing is written unless the build succeeds (the
+cache is committed after the engine is in place); files and index are written atomically, the
+index last.
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from .errors import GateFailed
-from .io import atomic_write_bytes, atomic_write_json, read_json, sha256_file, sha256_json
+from .io import atomic_write_bytes, atomic_write_json, read_json, sha256_bytes, sha256_file, sha256_json
 
 if TYPE_CHECKING:
     from .backends.base import Backend, BuildContext
     from .config import Registry
 
 INDEX = "cache.json"
-REQUIRE_ENV = "SKUFORGE_REQUIRE_CACHE"  # "1": every build fails on a cache miss (CI's release flag)
+REQUIRE_ENV = "SKUFORGE_REQUIRE_CACHE"  # "1" or "true": every build fails on a cache miss (CI's release flag)
 State = Literal["fresh", "stale", "corrupt", "missing", "unchecked", "none"]
 
 
@@ -46,10 +47,6 @@ def required_by_env() -> bool:
 def files_digest(records: list[dict[str, Any]]) -> str | None:
     """One sha256 for a cache's files (path, content): the manifest's cache hash."""
     return sha256_json(sorted((r["path"], r["sha256"]) for r in records)) if records else None
-
-
-def _record(folder: Path, path: Path) -> dict[str, Any]:
-    return {"path": str(path.relative_to(folder)), "sha256": sha256_file(path), "bytes": path.stat().st_size}
 
 
 def _read_index(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -118,6 +115,11 @@ def inspect(backend: "Backend", sku: str, model: str, folder: Path, want: dict[s
         return status
     status.key = {str(k): str(v) for k, v in (index.get("key") or {}).items()}
     status.files = [f for f in index["files"] if isinstance(f, dict)]
+    unlisted = sorted(set(present) - {str(f.get("path")) for f in status.files})
+    if unlisted:  # a file planted beside an index that does not vouch for it
+        status.state = "corrupt"
+        status.reason = f"{', '.join(unlisted)} present but not in {INDEX} (not written by skuforge): not trusted"
+        return status
     status.tuned_at, status.trials = index.get("tuned_at"), index.get("trials")
     if index.get("backend") != backend.name:
         status.state, status.reason = "stale", f"made by the {index.get('backend')} backend, the SKU uses {backend.name}"
@@ -172,9 +174,10 @@ class CacheSession:
         return self.status.state == "fresh"
 
     def file(self, name: str) -> Path | None:
-        """The cache file to read, or None when the cache is not trusted or lacks it."""
+        """The cache file to read, or None when the cache is not trusted or its index does not list it."""
+        listed = {str(f.get("path")) for f in self.status.files}
         path = self.folder / name
-        return path if self.trusted and path.is_file() else None
+        return path if self.trusted and name in listed and path.is_file() else None
 
     def hit(self, count: int = 1) -> None:
         self.hits += count
@@ -196,41 +199,49 @@ class CacheSession:
         self.miss(f"the {self.backend.capabilities.cache} ({reason})")
 
     def write(self, name: str, data: bytes, trials: int | None = None) -> None:
-        """Stage a cache file; written at ``close`` (after a successful build). ``trials``: tuning
-        trials spent on it by this build (recorded as the last tuning)."""
+        """Stage a cache file, written by ``commit`` after the engine is in place. ``trials``:
+        tuning trials spent on it by this build (recorded as the last tuning)."""
         self._staged[name] = data
         if trials is not None:
             self._tuned = {"trials": (self._tuned or {}).get("trials", 0) + trials}
 
     def close(self) -> dict[str, Any]:
-        """Write what changed (files, then the index) and return the build's cache record."""
-        stale = [p for p in self.backend.cache_files if p not in self._staged and not self.trusted
-                 and (self.folder / p).is_file()]
-        changed = False
-        for name, data in self._staged.items():
-            path = self.folder / name
-            if not (path.is_file() and path.read_bytes() == data):
-                atomic_write_bytes(path, data)
-                changed = True
-        for name in stale:  # an untrusted file nothing replaced: leave no file the index does not vouch for
-            (self.folder / name).unlink()
-            changed = True
+        """Decide what the cache becomes (nothing is written yet) and return the build's cache
+        record; ``commit`` writes it once the engine is in place."""
         index, _ = _read_index(self.folder)
-        records = [_record(self.folder, self.folder / p) for p in self.backend.cache_files if (self.folder / p).is_file()]
+        trusted = {str(f.get("path")) for f in self.status.files} if self.trusted else set()
+        # what the folder will hold: this build's files, and the trusted ones it did not replace
+        contents = {name: data for name, data in self._staged.items()}
+        for name in self.backend.cache_files:
+            if name not in contents and name in trusted:
+                contents[name] = (self.folder / name).read_bytes()
+        self._drop = [p for p in self.backend.cache_files if p not in contents and (self.folder / p).is_file()]
+        self._files = {name: data for name, data in contents.items()
+                       if not ((self.folder / name).is_file() and (self.folder / name).read_bytes() == data)}
+        records = [{"path": name, "sha256": sha256_bytes(contents[name]), "bytes": len(contents[name])}
+                   for name in self.backend.cache_files if name in contents]
         doc = {"backend": self.backend.name, "kind": self.backend.capabilities.cache, "key": self.key, "files": records,
                "tuned_at": (index or {}).get("tuned_at"), "trials": (index or {}).get("trials")}
-        if self._tuned is not None and changed:
+        if self._tuned is not None and (self._files or not self.trusted):  # this build's search made the cache
             doc["tuned_at"] = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
             before = (doc["trials"] or 0) if self.trusted else 0  # trials that made the records kept
             doc["trials"] = before + self._tuned["trials"]
-        if doc != index:
-            atomic_write_json(self.folder / INDEX, doc)
+        self._index = doc if doc != index else None
         total = self.hits + self.misses
         return {"kind": self.backend.capabilities.cache, "state": self.status.state, "reason": self.status.reason,
                 "key": self.key, "sha256": files_digest(records), "files": records, "hits": self.hits,
                 "misses": self.misses, "missed": self.missed[:20],
-                "hit_rate": round(self.hits / total, 4) if total else None, "updated": changed,
-                "required": self.required}
+                "hit_rate": round(self.hits / total, 4) if total else None,
+                "updated": bool(self._files or self._drop or self._index is not None), "required": self.required}
+
+    def commit(self) -> None:
+        """Write what ``close`` decided: changed files, files no index vouches for removed, the index last."""
+        for name, data in self._files.items():
+            atomic_write_bytes(self.folder / name, data)
+        for name in self._drop:
+            (self.folder / name).unlink()
+        if self._index is not None:
+            atomic_write_json(self.folder / INDEX, self._index)
 
 
 def open_session(backend: "Backend", ctx: "BuildContext") -> CacheSession:

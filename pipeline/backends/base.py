@@ -107,6 +107,8 @@ class BuildOutcome:
     hardware_specific: bool = False
     warnings: list[str] = field(default_factory=list)
     meta: EngineMeta = field(default_factory=EngineMeta)
+    # the cache session, decided but not written: the caller commits it once the engine is in place
+    cache: "CacheSession | None" = None
 
 
 @dataclass
@@ -249,6 +251,7 @@ class Backend(abc.ABC):
             if staged.cache is not None:
                 outcome.meta.cache = staged.cache.close()
                 outcome.warnings += staged.cache.warnings
+                outcome.cache = staged.cache
         outcome.warnings[:0] = staged.warnings
         return outcome
 

@@ -17,6 +17,7 @@ schedule came from the database ("tuned") or TVM's default ("default").
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import threading
 from importlib import metadata
@@ -159,6 +160,9 @@ class TvmBackend(Backend):
             problems.append("options.trials_per_task: set with trials 0 (no tuning); set options.trials too")
         if sku.cache.require and options.trials == 0:
             problems.append("cache.require: options.trials is 0, so the build uses no tuning database; set trials")
+        if sku.profiles:
+            problems.append(f"profiles: the tvm backend compiles static shapes; pin {', '.join(sorted(sku.profiles))} "
+                            "in shapes instead")
         if sku.target.arch not in _TRIPLES:
             problems.append(f"target.arch: {sku.target.arch} has no LLVM triple here (known: {', '.join(_TRIPLES)})")
         return problems
@@ -293,7 +297,8 @@ class TvmBackend(Backend):
         if missing and ctx.search:
             budget = ctx.tuning_trials or opts.trials
             _progress(ctx, f"tvm tune {len(missing)} tasks", 0.2)
-            spent = tune(missing, target, work, budget, opts.trials_per_task)
+            with _threads(opts.num_threads):  # candidates are measured with the threads the engine runs with
+                spent = tune(missing, target, work, budget, opts.trials_per_task)
             database = open_database(work)
             # a task the search found no valid schedule for keeps the default schedule: recorded so a
             # replay knows it was decided, not forgotten
@@ -512,6 +517,11 @@ def tune(tasks: list[Any], target: Any, work: Path, trials: int, per_task: int |
     ms = _ms()
     from tvm.s_tir.meta_schedule.relax_integration import extracted_tasks_to_tune_contexts
 
+    # MetaSchedule logs every round to stdout at its logger's level (DEBUG when unset): keep stdout for
+    # skuforge's own output (--json) and the rounds in the tuning logs, unless skuforge runs with -v
+    quiet = logging.getLogger("tvm.s_tir.meta_schedule")
+    if quiet.level == logging.NOTSET:
+        quiet.setLevel(logging.DEBUG if logging.getLogger().isEnabledFor(logging.DEBUG) else logging.ERROR)
     database = open_database(work)
     before = len(database.get_all_tuning_records())
     per_task = per_task or max(1, -(-trials // len(tasks)))

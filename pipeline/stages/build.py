@@ -90,6 +90,8 @@ def build_engine(registry: Registry, model: str, sku: str, engine_dir: Path, *, 
                            search=search)
         outcome = backend.build(ctx)
         files = backend.write_meta(staging, outcome.files, outcome.meta, model=model, sku=sku, keep_precise=list(keep))
+    if outcome.cache is not None:  # the engine is in place: now the cache it was built with
+        outcome.cache.commit()
     return Built(outcome=outcome, files=files, seconds=time.perf_counter() - started, keep_precise=keep)
 
 

@@ -1,0 +1,245 @@
+"""Apache TVM backend: default-schedule builds of two models (validated, benchmarked), the fused
+primitive functions traced to their ONNX nodes, MetaSchedule tuning into the SKU's cache folder
+and its replay, and the cache policy on a real tuning database: a stale database (another TVM
+version), a corrupted one (clear error, rebuilt, never trusted) and fail-on-miss."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("tvm", reason="apache-tvm is not installed (pip install -e '.[tvm]')")
+
+import models  # noqa: E402
+from cli_helpers import assert_user_error, skuforge  # noqa: E402
+from pipeline.backends import get_backend  # noqa: E402
+from pipeline.backends.base import ENGINE_META  # noqa: E402
+from pipeline.backends.tvm import DEFAULTS, RECORDS, WORKLOADS, TvmBackend, op_type_of, target_of  # noqa: E402
+from pipeline.caches import INDEX, files_digest, status  # noqa: E402
+from pipeline.config import load_registry  # noqa: E402
+from pipeline.errors import ConfigError, GateFailed, UnsupportedOp  # noqa: E402
+from pipeline.paths import Layout  # noqa: E402
+from pipeline.runner.probe import host_arch  # noqa: E402
+from pipeline.stages.bench import bench  # noqa: E402
+from pipeline.stages.build import build  # noqa: E402
+from pipeline.stages.data import make_data  # noqa: E402
+from pipeline.stages.prepare import prepare  # noqa: E402
+from pipeline.stages.reference import reference  # noqa: E402
+from pipeline.stages.validate import validate  # noqa: E402
+
+if host_arch() != "x86_64":
+    pytest.skip("the TVM test SKUs target x86-64 hosts", allow_module_level=True)
+
+# one worker runs the module: its fixture tunes, which should happen once per run (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("tvm")
+
+
+def tvm_sku(**options) -> dict:
+    return {"backend": "tvm", "precision": "fp32", "target": {"arch": "x86_64", "device": "cpu", "os": "linux"},
+            "runner_labels": ["self-hosted", "linux", "x64"], "shapes": {"batch": 1},
+            "options": {"target_cpu": "x86-64-v3", "num_cores": 2, **options}, "placement": {"allowed": ["cpu"]},
+            "bench": {"warmup": 2, "iterations": 10, "min_seconds": 0.0}}
+
+
+# a few trials: enough for MetaSchedule to write real records, little enough for the suite
+SKUS = {"plain": tvm_sku(), "tuned": tvm_sku(trials=5), "required": {**tvm_sku(trials=5), "cache": {"require": True}}}
+MODELS = ("conv", "multi")
+
+
+@pytest.fixture(scope="module")
+def proj(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tvm")
+    models.conv_bn_model(root / "models/conv/model.onnx")
+    models.multi_io_model(root / "models/multi/model.onnx")
+    reg = load_registry(models.write_project(root, {"conv": models.conv_bn_spec(), "multi": models.multi_io_spec()}, SKUS))
+    r = SimpleNamespace(registry=reg, out=Layout(reg.root), build={}, validate={}, bench={})
+    for m in MODELS:
+        prepare(reg, m)
+        make_data(reg, m)
+        reference(reg, m)
+        r.build[m, "plain"] = build(reg, m, "plain")
+        r.validate[m, "plain"] = validate(reg, m, "plain")
+        r.bench[m, "plain"] = bench(reg, m, "plain")
+    r.build["conv", "tuned"] = build(reg, "conv", "tuned")  # tunes from scratch: no database yet
+    r.replay = build(reg, "conv", "tuned")  # the database it wrote, replayed
+    return r
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_default_schedule_engine_matches_the_reference(proj, model):
+    rep, val = proj.build[model, "plain"], proj.validate[model, "plain"]
+    assert val.passed, val.failures
+    assert all(o.max_abs_error <= 1e-4 for o in val.outputs)
+    assert [f.path for f in rep.engine_files] == ["model.so"] and rep.cache is None
+    assert rep.placement == {"cpu": len(rep.layers)} and all(layer.kernel == "default" for layer in rep.layers)
+    assert rep.versions["apache-tvm"] and not rep.hardware_specific
+    assert rep.options["target"] == {"kind": "llvm", "mcpu": "x86-64-v3", "mtriple": "x86_64-linux-gnu", "num-cores": 2}
+    b = proj.bench[model, "plain"]
+    assert 0 < b.engine_only.p50_ms <= b.engine_only.p99_ms
+    meta = json.loads((proj.out.engine_dir(model, "plain") / ENGINE_META).read_text())
+    assert meta["format"] == "skuforge-tvm-relax/1" and meta["entry"] == "main" and meta["cache"] is None
+    assert [i["name"] for i in meta["inputs"]] == {"conv": ["x"], "multi": ["x", "ids", "scale"]}[model]
+    assert not (proj.out.cache_dir(model, "plain") / WORKLOADS).exists()  # trials 0: no database
+
+
+def test_fused_functions_name_their_onnx_nodes(proj):
+    layers = {layer.name: layer for layer in proj.build["conv", "plain"].layers}
+    conv = [layer for layer in layers.values() if layer.op_type == "conv2d"]
+    assert len(conv) == 1 and conv[0].name.startswith("fused_") and {"conv", "relu"} <= set(conv[0].fused_from)
+    assert any(layer.fused_from == ["softmax"] for layer in layers.values())
+    matmul = [layer for layer in proj.build["multi", "plain"].layers if layer.op_type == "matmul"]
+    assert matmul and {"matmul", "scale", "add"} <= set(matmul[0].fused_from)
+    assert all(layer.precision == "fp32" for layer in conv + matmul)
+    assert op_type_of("fused_conv2d1_add1_relu1") == "conv2d" and op_type_of("reshape2") == "reshape"
+
+
+def test_tuning_writes_the_database_and_a_rebuild_replays_it(proj):
+    first, again = proj.build["conv", "tuned"], proj.replay
+    assert first.cache.state == "missing" and first.cache.updated and first.cache.misses >= 1
+    folder = proj.out.cache_dir("conv", "tuned")
+    index = json.loads((folder / INDEX).read_text())
+    assert index["backend"] == "tvm" and index["kind"] == "tuning-database" and index["trials"] >= 1 and index["tuned_at"]
+    assert index["key"] == TvmBackend().cache_key(proj.registry.sku("tuned"))
+    assert sorted(f["path"] for f in index["files"]) == sorted([WORKLOADS, RECORDS, DEFAULTS])
+    assert first.cache.sha256 == files_digest(index["files"])
+    # the replay: every task found (a record, or a recorded default), nothing tuned, nothing written
+    assert (again.cache.state, again.cache.misses, again.cache.updated) == ("fresh", 0, False)
+    assert again.cache.hits >= 3 and again.cache.hit_rate == 1.0
+    assert any(layer.kernel == "tuned" for layer in again.layers)
+    assert again.engine_sha256 and validate(proj.registry, "conv", "tuned").passed
+
+
+def _copy_cache(proj, sku: str) -> None:
+    src, dst = proj.out.cache_dir("conv", "tuned"), proj.out.cache_dir("conv", sku)
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+
+
+def _set_index(folder, **changes) -> None:
+    index = json.loads((folder / INDEX).read_text())
+    index.update(changes)
+    (folder / INDEX).write_text(json.dumps(index))
+
+
+def test_a_database_of_another_tvm_version_is_stale_and_fails_a_required_build(proj):
+    _copy_cache(proj, "required")
+    folder = proj.out.cache_dir("conv", "required")
+    key = json.loads((folder / INDEX).read_text())["key"]
+    _set_index(folder, key={**key, "apache-tvm": "0.26.0"})
+    row = next(r for r in status(proj.registry, ["required"], ["conv"]))
+    assert row.state == "stale" and "apache-tvm: cache '0.26.0'" in row.reason
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with pytest.raises(GateFailed, match="cache miss in caches/required/conv: the tuning-database .stale") as err:
+        build(proj.registry, "conv", "required")
+    assert err.value.exit_code == 1 and "skuforge cache refresh --sku required --model conv" in err.value.hint
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # nothing written
+
+
+def test_a_stale_database_is_not_trusted_and_is_rebuilt(proj):
+    _copy_cache(proj, "tuned")
+    folder = proj.out.cache_dir("conv", "tuned")
+    key = json.loads((folder / INDEX).read_text())["key"]
+    _set_index(folder, key={**key, "apache-tvm": "0.26.0"})
+    rep = build(proj.registry, "conv", "tuned", tuning_trials=2)
+    assert rep.cache.state == "stale" and rep.cache.hits == 0 and rep.cache.updated
+    assert any("tuning-database caches/tuned/conv is stale" in w and "not used" in w for w in rep.warnings)
+    assert json.loads((folder / INDEX).read_text())["key"] == key  # rewritten under this TVM's key
+    assert next(r for r in status(proj.registry, ["tuned"], ["conv"])).state == "fresh"
+    assert validate(proj.registry, "conv", "tuned").passed
+
+
+def test_a_corrupted_database_is_named_never_read_and_fails_a_required_build(proj):
+    _copy_cache(proj, "required")
+    folder = proj.out.cache_dir("conv", "required")
+    # garbage whose sha256 the index agrees with: only reading the records can tell
+    (folder / RECORDS).write_text("{not json\n")
+    index = json.loads((folder / INDEX).read_text())
+    from pipeline.io import sha256_file
+
+    for rec in index["files"]:
+        if rec["path"] == RECORDS:
+            rec.update(sha256=sha256_file(folder / RECORDS), bytes=(folder / RECORDS).stat().st_size)
+    (folder / INDEX).write_text(json.dumps(index))
+    row = next(r for r in status(proj.registry, ["required"], ["conv"]))
+    assert row.state == "corrupt" and row.reason == f"{RECORDS} line 1 is not JSON"
+    with pytest.raises(GateFailed, match="corrupt"):
+        build(proj.registry, "conv", "required")
+    proc = skuforge("cache", "status", "--sku", "required", "--fail-on", "corrupt", cwd=proj.registry.root)
+    assert proc.returncode == 1 and "required/conv is corrupt" in proc.stderr
+    # an edited file the index does not agree with
+    _copy_cache(proj, "required")
+    with (folder / WORKLOADS).open("a") as fh:
+        fh.write('["x"]\n')
+    row = next(r for r in status(proj.registry, ["required"], ["conv"]))
+    assert row.state == "corrupt" and f"{WORKLOADS} differs from its sha256" in row.reason
+
+
+def test_a_missing_database_fails_a_required_build_and_refresh_writes_it(proj):
+    shutil.rmtree(proj.out.cache_dir("conv", "required"), ignore_errors=True)
+    engine = proj.out.engine_dir("conv", "required")
+    with pytest.raises(GateFailed, match="missing: no cache yet"):
+        build(proj.registry, "conv", "required")
+    assert not engine.exists() and not (proj.out.cache_dir("conv", "required") / INDEX).exists()
+    proc = skuforge("cache", "status", "--sku", "required", "--model", "conv", "--fail-on", "not-fresh",
+                    cwd=proj.registry.root)
+    assert proc.returncode == 1 and "missing" in proc.stdout
+    proc = skuforge("cache", "refresh", "--sku", "required", "--model", "conv", "--trials", "2", cwd=proj.registry.root,
+                    timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "refreshed caches/required/conv" in proc.stdout
+    rep = build(proj.registry, "conv", "required")  # now it replays, so the required build passes
+    assert rep.cache.state == "fresh" and rep.cache.misses == 0 and rep.cache.required
+
+
+def test_config_refuses_what_the_backend_cannot_do(tmp_path):
+    root = tmp_path
+    models.conv_bn_model(root / "models/conv/model.onnx")
+    bad = {"int8": {**tvm_sku(), "precision": "int8"},
+           "profiled": {**tvm_sku(), "shapes": {}, "profiles": {"batch": {"min": 1, "opt": 1, "max": 4}}},
+           "untuned_required": {**tvm_sku(), "cache": {"require": True}},
+           "typo": tvm_sku(trails=3)}
+    with pytest.raises(ConfigError) as err:
+        load_registry(models.write_project(root, {"conv": models.conv_bn_spec()}, bad))
+    text = str(err.value)
+    assert "skus.int8.precision: int8 is not supported by the tvm backend; supported: fp32" in text
+    assert "skus.profiled.profiles: the tvm backend compiles static shapes" in text
+    assert "skus.untuned_required.cache.require: options.trials is 0" in text
+    assert "trails" in text
+
+
+def test_an_op_without_a_conversion_is_named(tmp_path):
+    root = tmp_path
+    models.relu_model(root / "m/model.onnx", custom_domain="com.example")
+    reg = load_registry(models.write_project(root, {"m": models.vector_spec("m")}, {"plain": {**tvm_sku(), "shapes": {}}}))
+    prepare(reg, "m")
+    make_data(reg, "m")
+    reference(reg, "m")
+    with pytest.raises(UnsupportedOp) as err:
+        build(reg, "m", "plain")
+    assert err.value.backend == "tvm" and "com.example" in str(err.value.message)
+    assert not Layout(reg.root).engine_dir("m", "plain").exists()
+
+
+def test_target_resolution_and_cache_key():
+    backend = get_backend("tvm")
+    spec = load_sku(tvm_sku(target_cpu="host"))
+    target = target_of(backend.options(spec), "x86_64")
+    assert target["mcpu"] == "x86-64" and all(f.startswith("+") for f in target.get("mattr", []))
+    key = backend.cache_key(load_sku(tvm_sku()))
+    assert set(key) == {"apache-tvm", "target"} and '"mcpu": "x86-64-v3"' in key["target"]
+    assert backend.cache_key(load_sku(tvm_sku(num_cores=4))) != key  # the cores are part of what was tuned
+
+
+def load_sku(data: dict):
+    from pipeline.config import SkuSpec
+
+    return SkuSpec.model_validate(data)
+
+
+def test_a_required_build_on_the_cli_names_the_miss(proj):
+    shutil.rmtree(proj.out.cache_dir("multi", "required"), ignore_errors=True)
+    proc = skuforge("build", "--model", "multi", "--sku", "required", cwd=proj.registry.root)
+    assert_user_error(proc, 1, "cache miss in caches/required/multi", "skuforge cache refresh")

@@ -1,0 +1,562 @@
+"""The cache policy (pipeline.caches) without TVM or TensorRT: a fake backend with a timing cache.
+
+``FakeCacheBackend`` is ONNX Runtime (a real engine is built) that also keeps one cache file,
+``decisions.bin``: it replays the file when the session trusts it (a hit) and writes it otherwise.
+Its key is ``COMPILER_VERSION`` (the tests change it to make a cache stale) and a fixed target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import models
+from pipeline import backends as backends_pkg
+from pipeline import caches
+from pipeline.backends.onnxruntime import OnnxRuntimeBackend
+from pipeline.cli import main
+from pipeline.config import load_registry
+from pipeline.errors import GateFailed
+from pipeline.io import read_json, sha256_file
+from pipeline.paths import Layout
+from pipeline.results import BuildReport
+from pipeline.stages.build import build
+from pipeline.stages.data import make_data
+from pipeline.stages.prepare import prepare
+from pipeline.stages.reference import reference
+
+REPO = Path(__file__).resolve().parents[1]
+COMPILER_VERSION = "1.0"  # the fake compiler's version: part of the cache key (tests monkeypatch it)
+TARGET = "test-target"
+MAGIC = b"DEC1"
+CACHE_FILE = "decisions.bin"
+REFRESH_REASON = "a refresh was asked for"
+SEEN: list[dict[str, Path | None]] = []  # what each fake build was handed by ``CacheSession.file``
+
+
+def decisions() -> bytes:
+    """What the fake compiler decides: depends on its version, like a real tuning database."""
+    return MAGIC + f" decisions of compiler {COMPILER_VERSION}\n".encode()
+
+
+class FakeCacheBackend(OnnxRuntimeBackend):
+    name = "fakecache"
+    capabilities = dataclasses.replace(OnnxRuntimeBackend.capabilities, cache="timing-cache")
+    cache_files = (CACHE_FILE,)
+
+    def cache_key(self, sku):
+        return {"compiler": COMPILER_VERSION, "target": TARGET}
+
+    def check_cache(self, folder: Path):
+        data = (folder / CACHE_FILE).read_bytes() if (folder / CACHE_FILE).is_file() else b""
+        return None if data.startswith(MAGIC) else f"{CACHE_FILE} is not a DEC1 decisions file"
+
+    def _build_impl(self, ctx, staged):
+        outcome = super()._build_impl(ctx, staged)
+        SEEN.append({name: staged.cache.file(name) for name in self.cache_files})
+        if staged.cache.file(CACHE_FILE) is not None:
+            staged.cache.hit()
+        else:
+            staged.cache.write(CACHE_FILE, decisions(), trials=3)
+        return outcome
+
+
+SKUS = {
+    "fake": {**models.ort_sku("fp32"), "backend": "fakecache"},
+    "strict": {**models.ort_sku("fp32"), "backend": "fakecache", "cache": {"require": True}},
+    "plain": models.ort_sku("fp32"),  # onnxruntime keeps no cache
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_backend():
+    """Register the fake backend before any registry is loaded (config checks SKUs against it)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(backends_pkg._BACKENDS, "fakecache", f"{__name__}:FakeCacheBackend")
+        mp.delenv(caches.REQUIRE_ENV, raising=False)
+        yield
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, fake_backend) -> Path:
+    """A project with the conv model prepared, its data and reference made: nothing built."""
+    root = tmp_path_factory.mktemp("cache-base")
+    models.conv_bn_model(root / "models/conv/model.onnx")
+    reg = load_registry(models.write_project(root, {"conv": models.conv_bn_spec()}, SKUS))
+    prepare(reg, "conv")
+    make_data(reg, "conv")
+    reference(reg, "conv")
+    return root
+
+
+@pytest.fixture
+def proj(base, tmp_path, monkeypatch):
+    """This test's own copy of the base project."""
+    monkeypatch.delenv(caches.REQUIRE_ENV, raising=False)
+    root = tmp_path / "project"
+    shutil.copytree(base, root)
+    reg = load_registry(root / "params.yaml")
+    out = Layout(reg.root)
+    return SimpleNamespace(registry=reg, root=root, out=out, params=root / "params.yaml",
+                           cache=lambda sku="fake": out.cache_dir("conv", sku),
+                           engine=lambda sku="fake": out.engine_dir("conv", sku),
+                           report=lambda sku="fake": out.report("conv", sku, "build"))
+
+
+def index(folder: Path) -> dict:
+    return read_json(folder / caches.INDEX)
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` with its bytes (empty when the folder is absent)."""
+    if not folder.exists():
+        return {}
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def status_of(registry, sku: str = "fake") -> caches.CacheStatus:
+    rows = caches.status(registry, [sku], ["conv"])
+    assert len(rows) == 1, rows
+    return rows[0]
+
+
+# --- 1, 2: the first build writes the cache, the second replays it ---------------------------------
+
+
+def test_first_build_writes_the_cache_and_its_index(proj):
+    report = build(proj.registry, "conv", "fake")
+    rec = report.cache
+    assert rec is not None
+    assert (rec.kind, rec.state, rec.reason) == ("timing-cache", "missing", "no cache yet")
+    assert rec.misses >= 1 and rec.hits == 0 and rec.hit_rate == 0
+    assert rec.updated is True and rec.required is False
+    assert rec.key == {"compiler": "1.0", "target": TARGET}
+    # a missing cache is expected on a first build: no warning about it
+    assert not any("not used" in w for w in report.warnings), report.warnings
+
+    folder = proj.cache()
+    assert folder == proj.root / "caches" / "fake" / "conv"
+    assert (folder / CACHE_FILE).read_bytes() == decisions()
+    doc = index(folder)
+    assert doc["backend"] == "fakecache" and doc["kind"] == "timing-cache"
+    assert doc["key"] == FakeCacheBackend().cache_key(proj.registry.sku("fake"))
+    assert doc["files"] == [{"path": CACHE_FILE, "sha256": sha256_file(folder / CACHE_FILE),
+                             "bytes": len(decisions())}]
+    assert doc["tuned_at"] and doc["tuned_at"].endswith("Z")
+    assert doc["trials"] == 3
+    # the build report and the engine's metadata carry the same record
+    assert read_json(proj.report())["cache"] == rec.model_dump(mode="json")
+    assert read_json(proj.engine() / "engine.json")["cache"]["sha256"] == rec.sha256
+    assert status_of(proj.registry).state == "fresh"
+
+
+def test_second_build_replays_the_cache_and_leaves_it_untouched(proj):
+    build(proj.registry, "conv", "fake")
+    before = tree(proj.cache())
+    report = build(proj.registry, "conv", "fake")
+    assert SEEN[-1] == {CACHE_FILE: proj.cache() / CACHE_FILE}  # the trusted file is replayed
+    rec = report.cache
+    assert (rec.state, rec.reason) == ("fresh", "key and files match")
+    assert (rec.hits, rec.misses, rec.hit_rate, rec.updated) == (1, 0, 1.0, False)
+    assert rec.missed == []
+    assert tree(proj.cache()) == before  # cache.json byte for byte: no diff for git
+    assert not any("not used" in w for w in report.warnings), report.warnings
+    row = status_of(proj.registry)
+    assert row.state == "fresh" and row.last_build["hits"] == 1 and row.last_build["state"] == "fresh"
+
+
+# --- 3, 4, 5: stale, corrupt and unindexed caches are reported, not read, and rebuilt ----------------
+
+
+def test_a_cache_of_another_compiler_version_is_stale_and_rebuilt(proj, monkeypatch):
+    build(proj.registry, "conv", "fake")
+    old_trials = index(proj.cache())["trials"]
+    monkeypatch.setattr(f"{__name__}.COMPILER_VERSION", "2.0")
+    assert status_of(proj.registry).state == "stale"
+
+    report = build(proj.registry, "conv", "fake")
+    assert SEEN[-1] == {CACHE_FILE: None}  # a stale cache is never read
+    rec = report.cache
+    assert rec.state == "stale"
+    assert "compiler" in rec.reason and "'1.0'" in rec.reason and "'2.0'" in rec.reason, rec.reason
+    assert "target" not in rec.reason  # only what differs is named
+    assert rec.hits == 0 and rec.misses >= 1 and rec.updated is True  # not trusted: the fake searched again
+    assert any("caches/fake/conv is stale" in w and "not used" in w for w in report.warnings), report.warnings
+
+    doc = index(proj.cache())
+    assert doc["key"] == {"compiler": "2.0", "target": TARGET}
+    assert (proj.cache() / CACHE_FILE).read_bytes() == decisions()  # the 2.0 decisions
+    assert doc["files"][0]["sha256"] == sha256_file(proj.cache() / CACHE_FILE)
+    assert doc["trials"] == 3 == old_trials  # the old trials made nothing that is kept
+    assert status_of(proj.registry).state == "fresh"
+    assert build(proj.registry, "conv", "fake").cache.state == "fresh"
+
+
+def test_a_cache_made_by_another_backend_is_stale(proj):
+    build(proj.registry, "conv", "fake")
+    doc = index(proj.cache())
+    (proj.cache() / caches.INDEX).write_text(json.dumps({**doc, "backend": "tensorrt"}))
+    row = status_of(proj.registry)
+    assert row.state == "stale" and "tensorrt" in row.reason and "fakecache" in row.reason, row.reason
+    rec = build(proj.registry, "conv", "fake").cache
+    assert rec.state == "stale" and rec.hits == 0
+    assert index(proj.cache())["backend"] == "fakecache"
+
+
+def test_an_edited_cache_file_is_corrupt_and_rebuilt(proj):
+    build(proj.registry, "conv", "fake")
+    (proj.cache() / CACHE_FILE).write_bytes(MAGIC + b" edited by hand\n")
+    row = status_of(proj.registry)
+    assert row.state == "corrupt" and CACHE_FILE in row.reason and "sha256" in row.reason, row.reason
+
+    report = build(proj.registry, "conv", "fake")
+    rec = report.cache
+    assert rec.state == "corrupt" and CACHE_FILE in rec.reason
+    assert rec.hits == 0 and rec.misses >= 1 and rec.updated is True
+    assert any("is corrupt" in w and "not used" in w for w in report.warnings), report.warnings
+    assert (proj.cache() / CACHE_FILE).read_bytes() == decisions()
+    assert index(proj.cache())["files"][0]["sha256"] == sha256_file(proj.cache() / CACHE_FILE)
+    assert status_of(proj.registry).state == "fresh"
+
+
+def test_a_truncated_cache_file_is_corrupt(proj):
+    build(proj.registry, "conv", "fake")
+    path = proj.cache() / CACHE_FILE
+    path.write_bytes(path.read_bytes()[:-3])
+    assert status_of(proj.registry).state == "corrupt"
+    assert build(proj.registry, "conv", "fake").cache.state == "corrupt"
+    assert path.read_bytes() == decisions()
+
+
+def test_a_listed_cache_file_that_is_gone_is_corrupt(proj):
+    build(proj.registry, "conv", "fake")
+    (proj.cache() / CACHE_FILE).unlink()
+    row = status_of(proj.registry)
+    assert row.state == "corrupt" and "missing" in row.reason and CACHE_FILE in row.reason, row.reason
+    rec = build(proj.registry, "conv", "fake").cache
+    assert rec.state == "corrupt" and rec.updated is True
+    assert (proj.cache() / CACHE_FILE).read_bytes() == decisions()
+
+
+def test_a_file_the_index_vouches_for_but_the_backend_cannot_read_is_corrupt(proj):
+    build(proj.registry, "conv", "fake")
+    path = proj.cache() / CACHE_FILE
+    path.write_bytes(b"XXXX not decisions\n")
+    doc = index(proj.cache())
+    doc["files"] = [{"path": CACHE_FILE, "sha256": sha256_file(path), "bytes": path.stat().st_size}]
+    (proj.cache() / caches.INDEX).write_text(json.dumps(doc))  # only check_cache can tell now
+    row = status_of(proj.registry)
+    assert (row.state, row.reason) == ("corrupt", f"{CACHE_FILE} is not a DEC1 decisions file")
+
+    rec = build(proj.registry, "conv", "fake").cache
+    assert (rec.state, rec.reason) == ("corrupt", f"{CACHE_FILE} is not a DEC1 decisions file")
+    assert rec.hits == 0 and rec.updated is True
+    assert path.read_bytes() == decisions()
+    assert status_of(proj.registry).state == "fresh"
+
+
+def test_cache_files_without_an_index_are_not_trusted(proj):
+    folder = proj.cache()
+    folder.mkdir(parents=True)
+    (folder / CACHE_FILE).write_bytes(decisions())  # the very bytes a build would write, but not indexed
+    row = status_of(proj.registry)
+    assert row.state == "corrupt" and CACHE_FILE in row.reason and caches.INDEX in row.reason, row.reason
+
+    report = build(proj.registry, "conv", "fake")
+    assert SEEN[-1] == {CACHE_FILE: None}
+    rec = report.cache
+    assert rec.state == "corrupt" and rec.hits == 0 and rec.misses >= 1
+    assert any("not used" in w for w in report.warnings), report.warnings
+    doc = index(folder)
+    assert doc["files"] == [{"path": CACHE_FILE, "sha256": sha256_file(folder / CACHE_FILE), "bytes": len(decisions())}]
+    assert doc["key"] == {"compiler": "1.0", "target": TARGET}
+    assert status_of(proj.registry).state == "fresh"
+
+
+def test_an_index_that_is_not_json_is_corrupt(proj):
+    build(proj.registry, "conv", "fake")
+    (proj.cache() / caches.INDEX).write_text("{not json")
+    row = status_of(proj.registry)
+    assert row.state == "corrupt" and caches.INDEX in row.reason
+    rec = build(proj.registry, "conv", "fake").cache
+    assert rec.state == "corrupt" and rec.hits == 0
+    assert index(proj.cache())["key"] == {"compiler": "1.0", "target": TARGET}
+
+
+# --- the index is the whole truth: rewritten indexes, re-made files, planted files -----------------
+
+
+def test_an_index_rewritten_for_a_new_key_counts_as_an_update(proj, monkeypatch):
+    monkeypatch.setattr(f"{__name__}.decisions", lambda: MAGIC + b" the same decisions under every version\n")
+    build(proj.registry, "conv", "fake")
+    before = (proj.cache() / caches.INDEX).read_bytes()
+    monkeypatch.setattr(f"{__name__}.COMPILER_VERSION", "2.0")
+    rec = build(proj.registry, "conv", "fake").cache
+    assert rec.state == "stale"
+    assert (proj.cache() / caches.INDEX).read_bytes() != before  # git sees a change...
+    assert rec.updated is True  # ...so the record (and `cache refresh`'s "written") must say so
+
+
+def test_indexing_files_the_build_remade_records_the_tuning(proj):
+    folder = proj.cache()
+    folder.mkdir(parents=True)
+    (folder / CACHE_FILE).write_bytes(decisions())  # what the build will decide again, but not indexed
+    rec = build(proj.registry, "conv", "fake").cache
+    assert rec.state == "corrupt"
+    doc = index(folder)
+    assert doc["trials"] == 3 and doc["tuned_at"] is not None, doc
+    assert rec.updated is True
+
+
+def test_a_cache_file_the_index_does_not_list_is_not_trusted(proj, monkeypatch):
+    monkeypatch.setattr(FakeCacheBackend, "cache_files", (CACHE_FILE, "extra.bin"))
+    build(proj.registry, "conv", "fake")
+    assert [f["path"] for f in index(proj.cache())["files"]] == [CACHE_FILE]
+    (proj.cache() / "extra.bin").write_bytes(b"planted: no build wrote this")
+    build(proj.registry, "conv", "fake")
+    assert SEEN[-1]["extra.bin"] is None, "the unindexed file was handed to the backend"
+    assert "extra.bin" not in [f["path"] for f in index(proj.cache())["files"]]
+
+
+# --- 6: a required cache fails the build on a miss, and writes nothing ------------------------------
+
+
+def assert_cache_gate(exc: GateFailed, sku: str) -> None:
+    assert exc.exit_code == 1
+    assert f"caches/{sku}/conv" in exc.message, exc.message
+    assert caches.REQUIRE_ENV in exc.message
+    assert f"skuforge cache refresh --sku {sku} --model conv" in str(exc), str(exc)
+
+
+def test_a_required_cache_that_is_missing_fails_the_build_and_writes_nothing(proj):
+    with pytest.raises(GateFailed) as info:
+        build(proj.registry, "conv", "strict")
+    assert_cache_gate(info.value, "strict")
+    assert "missing" in info.value.message
+    assert not (proj.cache("strict") / CACHE_FILE).exists()
+    assert not (proj.cache("strict") / caches.INDEX).exists()
+    assert not proj.engine("strict").exists() and not proj.report("strict").exists()
+
+
+def test_a_required_cache_that_is_corrupt_fails_and_keeps_the_previous_engine(proj):
+    rec = build(proj.registry, "conv", "strict", cache_required=False).cache  # the first build makes it
+    assert rec.required is False and rec.state == "missing"
+    (proj.cache("strict") / CACHE_FILE).write_bytes(MAGIC + b" corrupted\n")
+    engine, cache, report = tree(proj.engine("strict")), tree(proj.cache("strict")), proj.report("strict").read_bytes()
+    assert engine and cache
+
+    with pytest.raises(GateFailed) as info:
+        build(proj.registry, "conv", "strict")
+    assert_cache_gate(info.value, "strict")
+    assert "corrupt" in info.value.message
+    assert tree(proj.engine("strict")) == engine  # the previous engine, byte for byte
+    assert tree(proj.cache("strict")) == cache  # the corrupt file is reported, not replaced
+    assert proj.report("strict").read_bytes() == report
+
+
+def test_a_required_fresh_cache_builds(proj):
+    build(proj.registry, "conv", "strict", cache_required=False)
+    rec = build(proj.registry, "conv", "strict").cache
+    assert (rec.state, rec.hits, rec.misses, rec.required, rec.updated) == ("fresh", 1, 0, True, False)
+
+
+def test_a_required_stale_cache_fails(proj, monkeypatch):
+    build(proj.registry, "conv", "strict", cache_required=False)
+    before = tree(proj.cache("strict"))
+    monkeypatch.setattr(f"{__name__}.COMPILER_VERSION", "2.0")
+    with pytest.raises(GateFailed) as info:
+        build(proj.registry, "conv", "strict")
+    assert_cache_gate(info.value, "strict")
+    assert "stale" in info.value.message and "'2.0'" in info.value.message
+    assert tree(proj.cache("strict")) == before
+
+
+@pytest.mark.parametrize("value", ["1", "true", "YES"])
+def test_the_environment_requires_the_cache_of_every_sku(proj, monkeypatch, value):
+    monkeypatch.setenv(caches.REQUIRE_ENV, value)
+    with pytest.raises(GateFailed) as info:
+        build(proj.registry, "conv", "fake")
+    assert_cache_gate(info.value, "fake")
+    assert tree(proj.cache("fake")) == {}
+    assert not proj.engine("fake").exists()
+
+
+def test_the_environment_flag_off_requires_nothing(proj, monkeypatch):
+    monkeypatch.setenv(caches.REQUIRE_ENV, "0")
+    rec = build(proj.registry, "conv", "fake").cache
+    assert rec.required is False and rec.state == "missing"
+
+
+def test_the_environment_then_fresh_cache_passes(proj, monkeypatch):
+    build(proj.registry, "conv", "fake")
+    monkeypatch.setenv(caches.REQUIRE_ENV, "1")
+    rec = build(proj.registry, "conv", "fake").cache
+    assert (rec.state, rec.required, rec.hits, rec.misses) == ("fresh", True, 1, 0)
+
+
+def test_cache_required_false_overrides_the_sku_and_the_environment(proj, monkeypatch):
+    monkeypatch.setenv(caches.REQUIRE_ENV, "1")
+    rec = build(proj.registry, "conv", "strict", cache_required=False).cache
+    assert rec.required is False and rec.state == "missing" and rec.updated is True
+    assert (proj.cache("strict") / CACHE_FILE).read_bytes() == decisions()
+
+
+def test_cache_required_true_overrides_a_sku_without_require(proj):
+    with pytest.raises(GateFailed):
+        build(proj.registry, "conv", "fake", cache_required=True)
+    assert tree(proj.cache("fake")) == {}
+
+
+# --- 7: refresh --------------------------------------------------------------------------------------
+
+
+def test_refresh_rebuilds_a_fresh_cache(proj):
+    build(proj.registry, "conv", "fake")
+    before = tree(proj.cache())
+    records = caches.refresh(proj.registry, "fake")
+    assert len(records) == 1
+    rec = records[0]
+    assert (rec["model"], rec["sku"], rec["state"], rec["reason"]) == ("conv", "fake", "missing", REFRESH_REASON)
+    assert rec["hits"] == 0 and rec["misses"] >= 1 and rec["required"] is False
+    # the fake decides the same bytes again: nothing to write, no diff
+    assert rec["updated"] is False
+    assert tree(proj.cache()) == before
+    assert BuildReport.model_validate(read_json(proj.report())).cache.reason == REFRESH_REASON
+
+
+def test_refresh_writes_what_the_new_search_decided(proj, monkeypatch):
+    build(proj.registry, "conv", "fake")
+    monkeypatch.setattr(f"{__name__}.decisions", lambda: MAGIC + b" a better schedule\n")
+    rec = caches.refresh(proj.registry, "fake", ["conv"])[0]
+    assert rec["state"] == "missing" and rec["updated"] is True
+    assert (proj.cache() / CACHE_FILE).read_bytes() == MAGIC + b" a better schedule\n"
+    assert index(proj.cache())["trials"] == 3  # a refresh starts afresh: the old trials are not added
+    assert status_of(proj.registry).state == "fresh"
+
+
+def test_refresh_is_never_blocked_by_require(proj, monkeypatch):
+    monkeypatch.setenv(caches.REQUIRE_ENV, "1")
+    rec = caches.refresh(proj.registry, "strict")[0]  # no cache at all, SKU and environment require one
+    assert rec["state"] == "missing" and rec["required"] is False and rec["updated"] is True
+    assert (proj.cache("strict") / CACHE_FILE).read_bytes() == decisions()
+    assert build(proj.registry, "conv", "strict").cache.state == "fresh"  # and now the release build replays it
+
+
+def test_refresh_of_a_sku_without_a_cache_is_a_config_error(proj):
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="keeps no cache"):
+        caches.refresh(proj.registry, "plain")
+
+
+# --- 8: the manifest's cache hash ----------------------------------------------------------------------
+
+
+def test_the_reports_cache_hash_is_the_digest_of_the_indexed_files(proj):
+    build(proj.registry, "conv", "fake")
+    report = BuildReport.model_validate(read_json(proj.report()))
+    files = index(proj.cache())["files"]
+    assert report.cache.sha256 == caches.files_digest(files) is not None
+    assert [f.to_json() for f in report.cache.files] == files
+    assert caches.files_digest([]) is None
+    # the digest names content: other bytes, another digest
+    other = [{**files[0], "sha256": "0" * 64}]
+    assert caches.files_digest(other) != report.cache.sha256
+
+
+def test_the_manifest_carries_the_cache(proj):
+    from pipeline.stages.bench import bench
+    from pipeline.stages.manifest import write_manifest
+    from pipeline.stages.validate import validate
+
+    build(proj.registry, "conv", "fake")
+    rec = build(proj.registry, "conv", "fake").cache  # the replaying build
+    validate(proj.registry, "conv", "fake")
+    bench(proj.registry, "conv", "fake")
+    manifest = write_manifest(proj.registry, "conv", "fake").to_json()
+    assert manifest["cache"] == {"kind": "timing-cache", "sha256": caches.files_digest(index(proj.cache())["files"]),
+                                 "key": {"compiler": "1.0", "target": TARGET}, "state": "fresh", "hits": 1,
+                                 "misses": 0, "required": False}
+    assert manifest["cache"]["sha256"] == rec.sha256
+
+
+# --- 9, 10: the commands ----------------------------------------------------------------------------
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cache_status_command(proj, capsys):
+    build(proj.registry, "conv", "fake")
+    params = str(proj.params)
+    code, out, err = cli(capsys, "--params", params, "cache", "status", "--json")
+    assert code == 0, err
+    rows = {r["sku"]: r for r in json.loads(out)}
+    assert set(rows) == {"fake", "strict"}  # plain: onnxruntime keeps no cache, not listed
+    assert rows["fake"]["state"] == "fresh" and rows["strict"]["state"] == "missing"
+    assert rows["fake"]["key"] == rows["fake"]["want"] == {"compiler": "1.0", "target": TARGET}
+    assert rows["fake"]["sha256"] == caches.files_digest(index(proj.cache())["files"])
+    assert rows["fake"]["trials"] == 3 and rows["fake"]["bytes"] == len(decisions())
+    assert rows["fake"]["last_build"]["state"] == "missing" and rows["strict"]["last_build"] is None
+
+    assert cli(capsys, "--params", params, "cache", "status", "--sku", "fake", "--fail-on", "not-fresh")[0] == 0
+    code, _, err = cli(capsys, "--params", params, "cache", "status", "--fail-on", "not-fresh")
+    assert code == 1 and "strict/conv is missing" in err and "fake/conv" not in err, err
+    assert cli(capsys, "--params", params, "cache", "status", "--fail-on", "corrupt")[0] == 0  # missing is not corrupt
+
+    (proj.cache() / CACHE_FILE).write_bytes(b"XXXX")
+    code, out, err = cli(capsys, "--params", params, "cache", "status", "--fail-on", "corrupt")
+    assert code == 1 and "fake/conv is corrupt" in err and "strict" not in err, err
+    assert "fake/conv:" in out and "differs from its sha256" in out  # the text table gives the reason
+    code, out, _ = cli(capsys, "--params", params, "cache", "status", "--sku", "plain", "--json")
+    assert code == 0 and json.loads(out) == []
+    code, _, err = cli(capsys, "--params", params, "cache", "status", "--sku", "nosuch")
+    assert code == 2 and "nosuch" in err
+
+
+def test_cache_refresh_command(proj, capsys):
+    code, out, err = cli(capsys, "--params", str(proj.params), "cache", "refresh", "--sku", "strict", "--json")
+    assert code == 0, err
+    [rec] = json.loads(out)
+    assert (rec["sku"], rec["model"], rec["state"], rec["reason"]) == ("strict", "conv", "missing", REFRESH_REASON)
+    assert status_of(proj.registry, "strict").state == "fresh"
+    code, _, err = cli(capsys, "--params", str(proj.params), "cache", "refresh", "--sku", "plain")
+    assert code == 2 and "keeps no cache" in err
+
+
+CAPABILITY_KEYS = {"backend", "precisions", "devices", "per_node_precision", "intermediate_outputs", "cache",
+                   "runtime_package"}
+
+
+def test_backends_command_lists_every_backend(capsys):
+    code, out, err = cli(capsys, "backends", "--json")
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [r["backend"] for r in rows] == sorted(backends_pkg._BACKENDS)
+    for row in rows:
+        assert set(row) == CAPABILITY_KEYS, row
+        assert row == {"backend": row["backend"], **backends_pkg.backend_class(row["backend"]).capabilities.to_json()}
+    by_name = {r["backend"]: r for r in rows}
+    assert by_name["fakecache"]["cache"] == "timing-cache" and by_name["onnxruntime"]["cache"] is None
+
+
+def test_backends_markdown_is_the_table_of_the_docs(capsys, monkeypatch):
+    monkeypatch.delitem(backends_pkg._BACKENDS, "fakecache")  # the docs list the real backends
+    code, out, err = cli(capsys, "backends", "--markdown")
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert lines[0].startswith("| backend |") and len(lines) == 2 + len(backends_pkg._BACKENDS)
+    assert all(f"| `{name}` |" in out for name in backends_pkg._BACKENDS)
+    doc = REPO / "docs" / "backends.md"
+    if not doc.is_file():
+        pytest.skip("docs/backends.md does not exist yet: the table cannot be compared")
+    assert out.strip() in doc.read_text(), "docs/backends.md's table differs from `skuforge backends --markdown`"
