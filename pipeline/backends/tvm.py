@@ -511,21 +511,50 @@ def has_record(database: Any, task: Any, target: Any) -> bool:
 
 def tune(tasks: list[Any], target: Any, work: Path, trials: int, per_task: int | None, seed: int = 0) -> int:
     """Tune ``tasks`` into the JSON database in ``work`` (records already there are kept); returns
-    the trials measured. Builds run one at a time (LocalBuilder's pool of several crashed on
-    2-core hosts) and are measured in a separate process (LocalRunner); the cost model is random
-    search within MetaSchedule's evolutionary strategy, so small budgets need no xgboost."""
+    the trials measured. Candidates are built one at a time (a 2-core runner also measures) and
+    measured in a separate process (LocalRunner); the cost model is random, within MetaSchedule's
+    evolutionary search, so small budgets need no xgboost."""
     ms = _ms()
     from tvm.s_tir.meta_schedule.relax_integration import extracted_tasks_to_tune_contexts
 
-    # MetaSchedule logs every round to stdout at its logger's level (DEBUG when unset): keep stdout for
-    # skuforge's own output (--json) and the rounds in the tuning logs, unless skuforge runs with -v
-    quiet = logging.getLogger("tvm.s_tir.meta_schedule")
-    if quiet.level == logging.NOTSET:
-        quiet.setLevel(logging.DEBUG if logging.getLogger().isEnabledFor(logging.DEBUG) else logging.ERROR)
     database = open_database(work)
     before = len(database.get_all_tuning_records())
     per_task = per_task or max(1, -(-trials // len(tasks)))
-    contexts, weights = extracted_tasks_to_tune_contexts(tasks, work_dir=str(work / "logs"), seed=seed)
+    with _tuning_logs():
+        contexts, weights = extracted_tasks_to_tune_contexts(tasks, work_dir=str(work / "logs"), seed=seed)
+        _tune_contexts(ms, contexts, weights, work, database, trials, per_task)
+    return len(open_database(work).get_all_tuning_records()) - before
+
+
+class _tuning_logs:
+    """MetaSchedule configures its loggers (``logging.config.dictConfig``) on every tuning: a
+    console handler on stdout at its logger's level (DEBUG when unset) and files in the work
+    folder. Here its console shows errors only (stdout stays skuforge's, for --json; the rounds
+    are in the tuning logs) unless skuforge runs with -v, and its handlers are closed and removed
+    afterwards: a second tuning in one process otherwise failed on the handlers of the first."""
+
+    NAME = "tvm.s_tir.meta_schedule"
+
+    def __enter__(self) -> None:
+        root = logging.getLogger(self.NAME)
+        self._level = root.level
+        root.setLevel(logging.DEBUG if logging.getLogger().isEnabledFor(logging.DEBUG) else logging.ERROR)
+        self._close()
+
+    def __exit__(self, *exc: object) -> None:
+        self._close()
+        logging.getLogger(self.NAME).setLevel(self._level)
+
+    def _close(self) -> None:
+        for name in [self.NAME] + [n for n in logging.root.manager.loggerDict if n.startswith(self.NAME + ".")]:
+            logger = logging.getLogger(name)
+            for handler in list(logger.handlers):
+                logger.removeHandler(handler)
+                handler.close()
+
+
+def _tune_contexts(ms: Any, contexts: list[Any], weights: list[float], work: Path, database: Any, trials: int,
+                   per_task: int) -> None:
     try:
         ms.tune.tune_tasks(tasks=contexts, task_weights=weights, work_dir=str(work / "logs"), max_trials_global=trials,
                            max_trials_per_task=per_task, num_trials_per_iter=min(per_task, 16),
@@ -536,7 +565,6 @@ def tune(tasks: list[Any], target: Any, work: Path, trials: int, per_task: int |
         detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise EnvironmentProblem(f"MetaSchedule tuning failed: {detail}",
                                  hint="set options.trials: 0 to build with default schedules, or check the runner") from exc
-    return len(open_database(work).get_all_tuning_records()) - before
 
 
 def _build_candidate(mod: Any, target: Any, _params: Any) -> Any:
