@@ -115,11 +115,13 @@ class TvmRunner(Runner):
 
     def __init__(self, library: Path, meta: TvmMeta):
         super().__init__(list(meta.inputs), [o.name for o in meta.outputs])
+        self.threads = runtime_threads(meta.num_threads)
         tvm = _tvm()
         from tvm import relax
 
         self._tvm, self._dev = tvm, tvm.cpu(0)
         self._lock = threading.Lock()
+        self._buffers: list[Any] | None = None
         try:
             self._vm = relax.VirtualMachine(tvm.runtime.load_module(str(library)), self._dev)
             self._main = self._vm[meta.entry]
@@ -132,14 +134,28 @@ class TvmRunner(Runner):
         import numpy as np
 
         with self._lock:
-            # np.asarray keeps 0-d arrays 0-d (np.ascontiguousarray makes them 1-d)
-            args = [self._tvm.runtime.tensor(np.asarray(feeds[s.name], order="C"), self._dev) for s in self.inputs]
-            out = self._main(*args)
-        outs = [out] if hasattr(out, "numpy") else list(out)
-        return {name: o.numpy() for name, o in zip(self.output_names, outs)}
+            if self._buffers is None:  # static shapes: one device buffer per input, filled per call
+                self._buffers = [self._tvm.runtime.empty(feeds[s.name].shape, feeds[s.name].dtype, self._dev)
+                                 for s in self.inputs]
+            for buffer, sig in zip(self._buffers, self.inputs):
+                buffer.copyfrom(np.asarray(feeds[sig.name], order="C"))  # asarray keeps 0-d arrays 0-d
+            out = self._main(*self._buffers)
+            outs = [out] if hasattr(out, "shape") else list(out)
+            # copied out under the lock: the VM may reuse an output's storage on the next call
+            # (np.from_dlpack + copy: 1-2 us here, Tensor.numpy(): about 15)
+            return {name: _to_numpy(o) for name, o in zip(self.output_names, outs)}
 
     def close(self) -> None:
-        self._vm = self._main = None
+        self._vm = self._main = self._buffers = None
+
+
+def _to_numpy(tensor: Any) -> "np.ndarray":
+    import numpy as np
+
+    try:
+        return np.from_dlpack(tensor).copy()
+    except (TypeError, ValueError, RuntimeError, BufferError):  # a dtype numpy's DLPack import lacks
+        return tensor.numpy()
 
 
 class TvmBackend(Backend):
@@ -251,10 +267,9 @@ class TvmBackend(Backend):
         meta = TvmMeta(library=LIBRARY, target=target_json, device="cpu", entry="main", inputs=sig.inputs,
                        outputs=sig.outputs, num_threads=opts.num_threads, tuned=len(tuned & set(functions)),
                        functions=len(functions), host_cpu=probe.cpu_record())
-        with _threads(opts.num_threads):
-            runner = TvmRunner(ctx.engine_dir / LIBRARY, meta)
-            runner.infer(ctx.probe_inputs)  # it loads and runs before it is called an engine
-            runner.close()
+        runner = TvmRunner(ctx.engine_dir / LIBRARY, meta)
+        runner.infer(ctx.probe_inputs)  # it loads and runs before it is called an engine
+        runner.close()
         layers = [LayerInfo(name=fn, op_type=op_type_of(fn), precision=precision, device="cpu",
                             kernel="tuned" if fn in tuned else "default", fused_from=origins.get(fn, []))
                   for fn, precision in functions.items()]
@@ -316,8 +331,7 @@ class TvmBackend(Backend):
                                      f"lacks: {', '.join(missing)}",
                                      hint="rebuild it on this host (target_cpu: host), or with an options.target_cpu "
                                           "this CPU supports (e.g. x86-64-v3), or run it on the SKU's runner")
-        with _threads(meta.num_threads):
-            return TvmRunner(engine_dir / meta.library, meta)
+        return TvmRunner(engine_dir / meta.library, meta)
 
 
 # --- import and lowering ----------------------------------------------------------------------------
@@ -589,8 +603,22 @@ def compile_module(mod: Any, target: Any, database: Any, opt_level: int) -> Any:
         return tvm.compile(mod, target=target)
 
 
+def runtime_threads(count: int) -> str | None:
+    """Give TVM's thread pool ``count`` threads (0: TVM's default), as TVM_NUM_THREADS, which the
+    pool reads once, when it starts (the first parallel kernel of the process), for the whole
+    process: the first engine loaded decides, and a variable the user set wins. Measured here on
+    the transformer example, called from Python: 465 us per call with the default pool (its workers
+    sleep between calls and are woken for every parallel kernel), 63 us with one thread. Returns
+    the value in effect."""
+    import os
+
+    if count and "TVM_NUM_THREADS" not in os.environ:
+        os.environ["TVM_NUM_THREADS"] = str(count)
+    return os.environ.get("TVM_NUM_THREADS")
+
+
 class _threads:
-    """TVM's runtime reads TVM_NUM_THREADS when its thread pool starts; 0 leaves its default."""
+    """TVM_NUM_THREADS for a child process (MetaSchedule's measuring runner); 0 leaves it."""
 
     def __init__(self, count: int):
         self.count = count
