@@ -144,18 +144,22 @@ def run_dvc_repro(root: Path, dvc_targets: list[str], force: bool = False, dry: 
     proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             errors="replace")
     tail: list[str] = []
+    exits: list[str] = []  # dvc's "failed to run: ..., exited with N" lines, however early they came
     assert proc.stdout is not None
     try:
         for line in proc.stdout:
             line = redact(line)
             sys.stderr.write(line)
             tail = (tail + [line])[-50:]
+            if "exited with" in line:
+                exits.append(line)
         returncode = proc.wait()
     except KeyboardInterrupt:
         _stop(proc)
         raise
     if returncode != 0:
-        raise dvc_failure(root, returncode, "".join(tail))
+        # a stage that failed early in a long run is far above the tail: its exit line is kept apart
+        raise dvc_failure(root, returncode, "".join([line for line in exits if line not in tail] + tail))
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -393,7 +397,11 @@ def _pair_outcome(registry: Registry, model: str, sku: str, status: SkuStatus | 
 
     out = Layout(registry.root)
     manifest_path = out.manifest(model, sku)
-    row = _manifest_row(registry, model, sku) if manifest_path.is_file() else None
+    unreadable = None
+    try:
+        row = _manifest_row(registry, model, sku) if manifest_path.is_file() else None
+    except InputError as exc:  # an older schema, a hand edit: the pair is judged without it
+        row, unreadable = None, exc.message
     if row is None and status is not None and not status.buildable:
         # whatever an attempt here recorded, this host was never going to build it
         return PairOutcome(model, sku, "not buildable here", 0, "; ".join(status.problems),
@@ -419,6 +427,8 @@ def _pair_outcome(registry: Registry, model: str, sku: str, status: SkuStatus | 
         return PairOutcome(model, sku, "built only", 0,
                            "; ".join(status.problems) + ": its runner validates, benches and publishes it",
                            "build", runner_labels=status.runner_labels)
+    if unreadable:
+        return PairOutcome(model, sku, "not run", 0, f"{unreadable}; its stages rebuild it (skuforge repro)")
     return PairOutcome(model, sku, "not run", 0, "no manifest and no recorded failure yet")
 
 

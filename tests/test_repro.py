@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import models
 from pipeline.config import parse_registry
 from pipeline.errors import ConfigError, InputError
-from pipeline.repro import run_dvc_repro, sku_statuses, targets
+from pipeline.repro import DvcFailed, run_dvc_repro, sku_statuses, targets
 from pipeline.runner.probe import host_arch
 
 OTHER_ARCH = "aarch64" if host_arch() == "x86_64" else "x86_64"
@@ -73,3 +75,21 @@ def test_dvc_failure_without_an_error_line_quotes_dvc(tmp_path):
     # several stages failed (--keep-going): the worst exit code
     err = dvc_failure(tmp_path, 255, "x, exited with 1\ny, exited with 3\nz, exited with 2\nERROR: failed\n")
     assert err.exit_code == 3 and err.stage_failed
+
+
+def test_a_stage_that_failed_early_in_a_long_run_is_still_a_stage_failure(tmp_path, monkeypatch):
+    """dvc --keep-going names a failed stage's exit code where it failed, maybe hundreds of lines
+    before its last words: the outcome is that stage's (exit 1, the matrix), not 'fix dvc.yaml'."""
+    (tmp_path / ".dvc").mkdir()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "dvc"
+    fake.write_text("#!/bin/sh\n"
+                    "echo \"WARNING: failed to run: skuforge validate --model 'm' --sku 'int8', exited with 1\"\n"
+                    "i=0; while [ $i -lt 200 ]; do echo \"Running stage 'other@$i'\"; i=$((i+1)); done\n"
+                    "echo \"ERROR: failed to reproduce stages: 'validate@m-int8'\"\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    with pytest.raises(DvcFailed) as info:
+        run_dvc_repro(tmp_path, ["publish@m-int8"], keep_going=True)
+    assert info.value.stage_failed and info.value.exit_code == 1, info.value.message
