@@ -534,8 +534,12 @@ def tune(tasks: list[Any], target: Any, work: Path, trials: int, per_task: int |
     database = open_database(work)
     before = len(database.get_all_tuning_records())
     per_task = per_task or max(1, -(-trials // len(tasks)))
+    # the search's own threads: the cores the schedules are for, never more than this process may use
+    # (TVM's pool spin-waits: two tuning processes on 2 cores each with 2 threads crawled for minutes)
+    threads = max(1, min(int(target.attrs.get("num-cores", 1)), probe.usable_cores()))
     with _tuning_logs():
-        contexts, weights = extracted_tasks_to_tune_contexts(tasks, work_dir=str(work / "logs"), seed=seed)
+        contexts, weights = extracted_tasks_to_tune_contexts(tasks, work_dir=str(work / "logs"), num_threads=threads,
+                                                             seed=seed)
         _tune_contexts(ms, contexts, weights, work, database, trials, per_task)
     return len(open_database(work).get_all_tuning_records()) - before
 

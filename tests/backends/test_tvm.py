@@ -5,8 +5,11 @@ version), a corrupted one (clear error, rebuilt, never trusted) and fail-on-miss
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -33,8 +36,6 @@ from pipeline.stages.validate import validate  # noqa: E402
 if host_arch() != "x86_64":
     pytest.skip("the TVM test SKUs target x86-64 hosts", allow_module_level=True)
 
-# one worker runs the module: its fixture tunes, which should happen once per run (--dist loadgroup)
-pytestmark = pytest.mark.xdist_group("tvm")
 
 
 def tvm_sku(**options) -> dict:
@@ -45,7 +46,8 @@ def tvm_sku(**options) -> dict:
 
 
 # a few trials: enough for MetaSchedule to write real records, little enough for the suite
-SKUS = {"plain": tvm_sku(), "tuned": tvm_sku(trials=5), "required": {**tvm_sku(trials=5), "cache": {"require": True}}}
+TUNED = {"trials": 5, "num_cores": 1}
+SKUS = {"plain": tvm_sku(), "tuned": tvm_sku(**TUNED), "required": {**tvm_sku(**TUNED), "cache": {"require": True}}}
 MODELS = ("conv", "multi")
 
 
@@ -63,11 +65,28 @@ def proj(tmp_path_factory):
         r.build[m, "plain"] = build(reg, m, "plain")
         r.validate[m, "plain"] = validate(reg, m, "plain")
         r.bench[m, "plain"] = bench(reg, m, "plain")
-    r.build["conv", "tuned"] = build(reg, "conv", "tuned")  # tunes from scratch: no database yet
-    r.replay = build(reg, "conv", "tuned")  # the database it wrote, replayed
-    r.database = root / "tuned-database"  # kept aside: tests below damage copies of it
-    shutil.copytree(r.out.cache_dir("conv", "tuned"), r.database)
+    r.first, r.database = tuned_once(tmp_path_factory, reg, r.out)
+    r.replay = build(reg, "conv", "tuned")  # the database the first build wrote, replayed
     return r
+
+
+def tuned_once(tmp_path_factory, reg, out) -> tuple[dict, Path]:
+    """The first tuned build (from scratch) and the database it wrote, made once per test session:
+    pytest-xdist may run this module's tests on several workers, each with its own project, and
+    tuning in all of them at once on a small runner multiplies minutes. The first worker tunes;
+    the others copy its database into their project (and its build's cache record)."""
+    base = tmp_path_factory.getbasetemp()  # under xdist, a worker's own folder in the session's
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "tvm-tuned-conv"
+    with open(shared.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (shared / "first.json").is_file():
+            first = build(reg, "conv", "tuned").cache.model_dump(mode="json")  # tunes: no database yet
+            shutil.copytree(out.cache_dir("conv", "tuned"), shared / "database", dirs_exist_ok=True)
+            (shared / "first.json").write_text(json.dumps(first))
+    folder = out.cache_dir("conv", "tuned")
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(shared / "database", folder)
+    return json.loads((shared / "first.json").read_text()), shared / "database"
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -99,14 +118,14 @@ def test_fused_functions_name_their_onnx_nodes(proj):
 
 
 def test_tuning_writes_the_database_and_a_rebuild_replays_it(proj):
-    first, again = proj.build["conv", "tuned"], proj.replay
-    assert first.cache.state == "missing" and first.cache.updated and first.cache.misses >= 1
+    first, again = proj.first, proj.replay
+    assert first["state"] == "missing" and first["updated"] and first["misses"] >= 1
     folder = proj.out.cache_dir("conv", "tuned")
     index = json.loads((folder / INDEX).read_text())
     assert index["backend"] == "tvm" and index["kind"] == "tuning-database" and index["trials"] >= 1 and index["tuned_at"]
     assert index["key"] == TvmBackend().cache_key(proj.registry.sku("tuned"))
     assert sorted(f["path"] for f in index["files"]) == sorted([WORKLOADS, RECORDS, DEFAULTS])
-    assert first.cache.sha256 == files_digest(index["files"])
+    assert first["sha256"] == files_digest(index["files"])
     # the replay: every task found (a record, or a recorded default), nothing tuned, nothing written
     assert (again.cache.state, again.cache.misses, again.cache.updated) == ("fresh", 0, False)
     assert again.cache.hits >= 3 and again.cache.hit_rate == 1.0
