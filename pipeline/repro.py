@@ -397,11 +397,7 @@ def _pair_outcome(registry: Registry, model: str, sku: str, status: SkuStatus | 
 
     out = Layout(registry.root)
     manifest_path = out.manifest(model, sku)
-    unreadable = None
-    try:
-        row = _manifest_row(registry, model, sku) if manifest_path.is_file() else None
-    except InputError as exc:  # an older schema, a hand edit: the pair is judged without it
-        row, unreadable = None, exc.message
+    row = _manifest_row(registry, model, sku) if manifest_path.is_file() else None
     if row is None and status is not None and not status.buildable:
         # whatever an attempt here recorded, this host was never going to build it
         return PairOutcome(model, sku, "not buildable here", 0, "; ".join(status.problems),
@@ -427,8 +423,6 @@ def _pair_outcome(registry: Registry, model: str, sku: str, status: SkuStatus | 
         return PairOutcome(model, sku, "built only", 0,
                            "; ".join(status.problems) + ": its runner validates, benches and publishes it",
                            "build", runner_labels=status.runner_labels)
-    if unreadable:
-        return PairOutcome(model, sku, "not run", 0, f"{unreadable}; its stages rebuild it (skuforge repro)")
     return PairOutcome(model, sku, "not run", 0, "no manifest and no recorded failure yet")
 
 
