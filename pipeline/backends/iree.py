@@ -321,12 +321,7 @@ def compile_flags(opts: IreeOptions, arch: str) -> list[str]:
     ``target_cpu: host`` becomes the generic CPU of ``arch`` and the features this host reports."""
     flags = [f"--iree-hal-target-device={opts.target_device}"]
     if opts.target_device == "local":
-        cpu, features = opts.target_cpu, [f if f[:1] in "+-" else f"+{f}" for f in opts.target_cpu_features]
-        if cpu == "host":
-            host = probe.llvm_cpu_target(arch=arch)
-            # the options' features refine the host's: "-avx512f" drops it, "+x" adds it
-            dropped = {f[1:] for f in features}
-            cpu, features = host["cpu"], [f for f in host["cpu_features"] if f[1:] not in dropped] + features
+        cpu, features = probe.resolve_llvm_target(opts.target_cpu, opts.target_cpu_features, arch)
         flags += [f"--iree-hal-local-target-device-backends={opts.target_backend}",
                   f"--iree-llvmcpu-target-cpu={cpu}"]
         if arch in _TRIPLES:

@@ -96,11 +96,7 @@ def _version() -> str | None:
 def target_of(options: TvmOptions, arch: str) -> dict[str, Any]:
     """The TVM target (JSON form) of the options; ``host`` resolves to the architecture's generic
     CPU with the features this host reports, as the IREE backend does."""
-    cpu, features = options.target_cpu, [f if f[:1] in "+-" else f"+{f}" for f in options.target_cpu_features]
-    if cpu == "host":
-        host = probe.llvm_cpu_target(arch=arch)
-        dropped = {f[1:] for f in features}
-        cpu, features = host["cpu"], [f for f in host["cpu_features"] if f[1:] not in dropped] + features
+    cpu, features = probe.resolve_llvm_target(options.target_cpu, options.target_cpu_features, arch)
     target: dict[str, Any] = {"kind": options.target_kind, "mcpu": cpu,
                               "num-cores": options.num_cores or probe.usable_cores()}
     if arch in _TRIPLES:
@@ -115,7 +111,7 @@ class TvmRunner(Runner):
 
     def __init__(self, library: Path, meta: TvmMeta):
         super().__init__(list(meta.inputs), [o.name for o in meta.outputs])
-        self.threads = runtime_threads(meta.num_threads)
+        runtime_threads(meta.num_threads)
         tvm = _tvm()
         from tvm import relax
 
@@ -410,8 +406,7 @@ def _calls(func: Any) -> list[tuple[Any, str, list[Any]]]:
         for binding in block.bindings:
             value = binding.value
             if isinstance(value, relax.Call) and getattr(value.op, "name", "") == "relax.call_tir":
-                args = value.args[1]
-                out.append((binding.var, value.args[0].name_hint, list(args.fields) if isinstance(args, relax.Tuple) else [args]))
+                out.append((binding.var, value.args[0].name_hint, _call_args(value)))
     return out
 
 
@@ -448,12 +443,13 @@ def _fused_origins(mod: Any, node_of: dict[Any, str], before: list[tuple[Any, st
                     names.append(traced(var, prim, [outer.get(a, a) for a in args]))
                 origins.setdefault(callee.name_hint, list(dict.fromkeys(n for n in names if n)))
             elif getattr(callee, "name", "") == "relax.call_tir":
-                name = traced(binding.var, value.args[0].name_hint, _calls_args(value))
+                name = traced(binding.var, value.args[0].name_hint, _call_args(value))
                 origins.setdefault(value.args[0].name_hint, [name] if name else [])
     return origins
 
 
-def _calls_args(call: Any) -> list[Any]:
+def _call_args(call: Any) -> list[Any]:
+    """The arguments a call_tir passes to its primitive function."""
     from tvm import relax
 
     args = call.args[1]

@@ -118,6 +118,18 @@ def llvm_cpu_target(flags: Iterable[str] | None = None, arch: str | None = None)
     return {"cpu": LLVM_GENERIC_CPU[arch], "cpu_features": sorted(f"+{f}" for f in llvm_features(flags, arch))}
 
 
+def resolve_llvm_target(cpu: str, features: Iterable[str], arch: str | None = None) -> tuple[str, list[str]]:
+    """An LLVM CPU and features as a SKU names them: features as ``+name`` (a bare name is
+    ``+name``); CPU ``host`` becomes the architecture's generic CPU with the features this host
+    reports, refined by the given ones (``-name`` drops one, ``+name`` adds one)."""
+    features = [f if f[:1] in "+-" else f"+{f}" for f in features]
+    if cpu != "host":
+        return cpu, features
+    host = llvm_cpu_target(arch=arch)
+    dropped = {f[1:] for f in features}
+    return host["cpu"], [f for f in host["cpu_features"] if f[1:] not in dropped] + features
+
+
 def missing_llvm_features(required: Iterable[str], flags: Iterable[str] | None = None,
                           arch: str | None = None) -> list[str]:
     """Enabled LLVM features (``+name``) an engine was compiled for that the host does not report.

@@ -25,7 +25,7 @@ from pipeline.caches import INDEX, files_digest, status  # noqa: E402
 from pipeline.config import load_registry  # noqa: E402
 from pipeline.errors import ConfigError, GateFailed, UnsupportedOp  # noqa: E402
 from pipeline.paths import Layout  # noqa: E402
-from pipeline.runner.probe import host_arch  # noqa: E402
+from pipeline.runner.probe import cpu_features, host_arch  # noqa: E402
 from pipeline.stages.bench import bench  # noqa: E402
 from pipeline.stages.build import build  # noqa: E402
 from pipeline.stages.data import make_data  # noqa: E402
@@ -35,6 +35,8 @@ from pipeline.stages.validate import validate  # noqa: E402
 
 if host_arch() != "x86_64":
     pytest.skip("the TVM test SKUs target x86-64 hosts", allow_module_level=True)
+if "avx2" not in cpu_features():
+    pytest.skip("the TVM test SKUs compile for x86-64-v3: this CPU has no AVX2 to run them", allow_module_level=True)
 
 
 
