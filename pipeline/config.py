@@ -76,18 +76,65 @@ class MetricGateOverride(Strict):
     max_drop_hard_tail: float | None = Field(None, ge=0, le=1)
 
 
+class BenchSweep(Strict):
+    """A throughput-against-latency curve: each (batch, concurrency) point timed after the main run."""
+
+    batch: list[int] = Field(default_factory=list, description="batch sizes (within the SKU's batch profile); "
+                                                                "empty: the SKU's batch only")
+    concurrency: list[int] = Field(default_factory=list, description="caller threads; empty: the SKU's concurrency only")
+    seconds: float = Field(2.0, gt=0, description="time per point")
+
+    @field_validator("batch", "concurrency")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if any(x < 1 for x in v):
+            raise ValueError("sweep values must be >= 1")
+        return sorted(set(v))
+
+
 class BenchSpec(Strict):
-    warmup: int = Field(20, ge=0)
-    iterations: int = Field(200, ge=1)
+    warmup: int = Field(20, ge=0, description="fewest warm-up calls before steady state may be declared; 0: no warm-up")
+    max_warmup_seconds: float = Field(10.0, gt=0, description="warm-up ends here even if the latency never settled "
+                                                              "(reported: steady_state.reached false)")
+    steady_window: int = Field(50, ge=5, description="calls per window of the steady-state detector")
+    steady_tolerance: float = Field(0.05, gt=0, lt=1, description="steady once the medians of the last three windows "
+                                                                  "lie within this fraction of each other")
+    iterations: int = Field(200, ge=1, description="fewest timed steady-state calls")
     min_seconds: float = Field(0.0, ge=0, description="keep iterating until this much steady time")
+    max_seconds: float = Field(60.0, gt=0, description="each timed phase stops here even short of iterations "
+                                                       "(a slow engine on a software device)")
     concurrency: int = Field(1, ge=1)
+    confidence: float = Field(0.95, gt=0.5, lt=1, description="level of the percentile confidence intervals")
+    drift_threshold: float = Field(0.05, gt=0, description="flag when the last window's median differs from the first "
+                                                           "steady window's by more than this fraction")
+    noise_floor: float = Field(0.05, ge=0, lt=1, description="the manifest's intervals are at least this fraction of "
+                                                             "each figure either side: reruns on one runner vary more "
+                                                             "than one run's interval says")
+    roofline: bool = Field(True, description="count the graph's FLOPs and bytes and profile the layers after timing "
+                                             "(roofline.json; peaks measured once per host)")
+    sweep: BenchSweep | None = None
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "BenchSpec":
+        if self.min_seconds > self.max_seconds:
+            raise ValueError(f"min_seconds ({self.min_seconds}) is above max_seconds ({self.max_seconds})")
+        return self
 
 
 class BenchOverride(Strict):
     warmup: int | None = Field(None, ge=0)
+    max_warmup_seconds: float | None = Field(None, gt=0)
+    steady_window: int | None = Field(None, ge=5)
+    steady_tolerance: float | None = Field(None, gt=0, lt=1)
     iterations: int | None = Field(None, ge=1)
     min_seconds: float | None = Field(None, ge=0)
+    max_seconds: float | None = Field(None, gt=0)
     concurrency: int | None = Field(None, ge=1)
+    confidence: float | None = Field(None, gt=0.5, lt=1)
+    drift_threshold: float | None = Field(None, gt=0)
+    noise_floor: float | None = Field(None, ge=0, lt=1)
+    roofline: bool | None = None
+    sweep: BenchSweep | None = None
 
 
 def _default_tolerances() -> dict[str, dict[str, Tolerance]]:
@@ -381,7 +428,7 @@ NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,63}")
 NAME_RULE = "a lowercase letter, then lowercase letters, digits or '_', at most 64 characters"
 PREFIX_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 PACKAGE_PATTERN = re.compile(r"^([A-Z0-9]|[A-Z0-9][A-Z0-9._-]*[A-Z0-9])$", re.IGNORECASE)
-RESERVED_MODEL_NAMES = ("config", "ci")  # build/config and build/ci hold the resolved config and CI locks
+RESERVED_MODEL_NAMES = ("config", "ci", "report")  # build/config, build/ci and build/report: resolved config, CI locks, the HTML report
 
 
 def suggest_name(name: str) -> str:
@@ -621,7 +668,12 @@ class Registry(Strict):
         return base
 
     def bench(self, sku: str) -> BenchSpec:
-        return self.defaults.bench.model_copy(update=self.sku(sku).bench.model_dump(exclude_none=True))
+        merged = {**self.defaults.bench.model_dump(), **self.sku(sku).bench.model_dump(exclude_none=True)}
+        try:
+            return BenchSpec.model_validate(merged)
+        except ValidationError as exc:
+            raise ConfigError(f"skus.{sku}.bench with defaults.bench: {exc.errors()[0]['msg']}",
+                              hint="make min_seconds at most max_seconds (params.yaml)") from None
 
     def pins(self, model: str, sku: str | None = None) -> dict[str, int]:
         """Axis values for a (model, SKU): model pins, then the SKU's shapes, then profile opt."""
@@ -782,6 +834,10 @@ def _check_cross_references(registry: Registry, source: str) -> None:
             continue
         backend = backend_class(sku.backend)
         problems += [f"skus.{name}.{p}" for p in backend.check_sku(sku)]
+        try:
+            registry.bench(name)
+        except ConfigError as exc:
+            problems.append(exc.message)
         axes = {a for m in registry.models.values() for i in m.inputs for a in i.axes}
         for axis in [*sku.shapes, *sku.profiles]:
             if axis not in axes:

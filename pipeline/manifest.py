@@ -16,8 +16,9 @@ from typing import Any
 
 from . import __version__
 from .errors import InputError
+from .benchstats import round_ci, round_to_ci, same_figure
 from .io import read_json, sha256_json
-from .results import Manifest, Provenance
+from .results import Benchmark, BenchReport, LatencyStats, LatencySummary, Manifest, Provenance
 
 SCHEMA_FILE = "manifest.schema.json"
 _UNHASHED = ("digest", "provenance")
@@ -27,7 +28,7 @@ def schema() -> dict[str, Any]:
     """The JSON Schema of the manifest, generated from the typed model."""
     doc = Manifest.model_json_schema()
     doc["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    doc["$id"] = "https://skuforge.dev/schemas/manifest-4.json"
+    doc["$id"] = "https://skuforge.dev/schemas/manifest-5.json"
     return doc
 
 
@@ -38,6 +39,96 @@ def published_schema() -> dict[str, Any]:
 
 def digest(body: dict[str, Any]) -> str:
     return sha256_json({k: v for k, v in body.items() if k not in _UNHASHED})
+
+
+# Fields of a report that change on every run of an unchanged build: left out of its evidence digest.
+VOLATILE = {"build.json": (("build_seconds",), ("reproducibility", "second_build_seconds"))}
+MEMORY_TOLERANCE_MB = 2.0
+
+
+def evidence_digest(name: str, path: Path) -> str | None:
+    """sha256 of a report's canonical JSON without its volatile fields; None when unreadable."""
+    try:
+        doc = read_json(path)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    for keys in VOLATILE.get(name, ()):
+        parent = doc
+        for key in keys[:-1]:
+            parent = parent.get(key) if isinstance(parent, dict) else None
+        if isinstance(parent, dict):
+            parent.pop(keys[-1], None)
+    return sha256_json(doc)
+
+
+def _floored(value: float, ci: tuple[float, float] | None, floor: float) -> tuple[float, float] | None:
+    """``ci`` widened to at least ``value`` ± ``floor`` (a fraction)."""
+    if ci is None:
+        return None
+    return (min(ci[0], value * (1 - floor)), max(ci[1], value * (1 + floor)))
+
+
+def _figure(value: float, ci: tuple[float, float] | None, floor: float, digits: int = 4) -> tuple[float, tuple | None]:
+    wide = _floored(value, ci, floor)
+    return round_to_ci(value, wide, digits), round_ci(wide)
+
+
+def _summary(stats: LatencyStats, floor: float) -> LatencySummary:
+    p50, p50_ci = _figure(stats.p50_ms, stats.p50_ci_ms, floor)
+    p99, p99_ci = _figure(stats.p99_ms, stats.p99_ci_ms, floor)
+    return LatencySummary(p50_ms=p50, p50_ci_ms=p50_ci, p99_ms=p99, p99_ci_ms=p99_ci)
+
+
+def benchmark_summary(bench: BenchReport, noise_floor: float = 0.0) -> Benchmark:
+    """The reviewed benchmark figures of one run: intervals at least ``noise_floor`` of each figure
+    either side (bench.noise_floor), figures rounded to what those intervals resolve."""
+    mem = bench.memory_mb
+    throughput, throughput_ci = _figure(bench.throughput_per_s, bench.throughput_ci_per_s, noise_floor, digits=3)
+    return Benchmark(batch=bench.batch, concurrency=bench.concurrency, engine_only=_summary(bench.engine_only, noise_floor),
+                     end_to_end=_summary(bench.end_to_end, noise_floor),
+                     throughput_per_s=throughput, throughput_ci_per_s=throughput_ci,
+                     peak_rss_mb=float(round(mem.get("peak_rss", 0.0))),
+                     engine_load_mb=float(round(mem.get("engine_load_delta", 0.0))))
+
+
+def benchmark_changes(old: Benchmark, new: Benchmark) -> list[str]:
+    """The figures of ``new`` that moved beyond their intervals from ``old`` (empty: the same
+    measurement, within what the runs can tell apart)."""
+    moved = []
+    if (old.batch, old.concurrency) != (new.batch, new.concurrency):
+        moved.append("batch/concurrency")
+    for kind in ("engine_only", "end_to_end"):
+        a, b = getattr(old, kind), getattr(new, kind)
+        for q in ("p50", "p99"):
+            if not same_figure(getattr(a, f"{q}_ms"), getattr(a, f"{q}_ci_ms"), getattr(b, f"{q}_ms"),
+                               getattr(b, f"{q}_ci_ms")):
+                moved.append(f"{kind}.{q}_ms {getattr(a, f'{q}_ms')} -> {getattr(b, f'{q}_ms')}")
+    if not same_figure(old.throughput_per_s, old.throughput_ci_per_s, new.throughput_per_s, new.throughput_ci_per_s):
+        moved.append(f"throughput_per_s {old.throughput_per_s} -> {new.throughput_per_s}")
+    for key in ("peak_rss_mb", "engine_load_mb"):
+        a, b = getattr(old, key), getattr(new, key)
+        if abs(a - b) > max(MEMORY_TOLERANCE_MB, 0.05 * max(abs(a), abs(b))):
+            moved.append(f"{key} {a} -> {b}")
+    return moved
+
+
+def settle(doc: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:
+    """``doc`` (a freshly assembled manifest) with ``previous``'s benchmark figures where nothing
+    else differs and no figure moved beyond its interval: a rerun of an unchanged engine then
+    leaves the reviewed document as it was. ``doc`` itself otherwise."""
+    if not previous or previous.get("schema_version") != doc.get("schema_version"):
+        return doc
+    try:
+        old = Benchmark.model_validate(previous.get("benchmark"))
+    except ValueError:
+        return doc
+    kept = {**doc, "benchmark": old.to_json()}
+    kept["digest"] = digest(kept)
+    if kept["digest"] != previous.get("digest") or benchmark_changes(old, Benchmark.model_validate(doc["benchmark"])):
+        return doc
+    return kept
 
 
 def validate_document(doc: Any, where: str = "manifest") -> None:

@@ -102,6 +102,14 @@ class Layout:
     def latency_csv(self, model: str, sku: str) -> Path:
         return self.sku_dir(model, sku) / "latency.csv"
 
+    def roofline(self, model: str, sku: str) -> Path:
+        """The engine against the host's peaks (pipeline.roofline), written by the bench stage."""
+        return self.sku_dir(model, sku) / "roofline.json"
+
+    def timeline_csv(self, model: str, sku: str) -> Path:
+        """Every timed call of the bench stage in order, warm-up included (the report's timeline)."""
+        return self.sku_dir(model, sku) / "timeline.csv"
+
     def manifest(self, model: str, sku: str) -> Path:
         return self.root / "manifests" / model / f"{sku}.json"
 

@@ -380,6 +380,53 @@ class LatencyStats(Result):
     p95_ms: float
     p99_ms: float
     max_ms: float
+    # moving-block bootstrap intervals (pipeline.benchstats); absent where too few samples
+    p50_ci_ms: tuple[float, float] | None = Field(None, exclude_if=lambda v: v is None)
+    p95_ci_ms: tuple[float, float] | None = Field(None, exclude_if=lambda v: v is None)
+    p99_ci_ms: tuple[float, float] | None = Field(None, exclude_if=lambda v: v is None)
+    mean_ci_ms: tuple[float, float] | None = Field(None, exclude_if=lambda v: v is None)
+
+
+class SteadyState(Result):
+    """How warm-up ended: the medians of the last three windows settled, or the time cap."""
+
+    reached: bool
+    warmup_iterations: int
+    warmup_seconds: float
+    window: int
+    tolerance: float
+    reason: str
+
+
+class Drift(Result):
+    """First against last steady window (thermal throttling, a neighbour starting up)."""
+
+    first_p50_ms: float
+    last_p50_ms: float
+    ratio: float = Field(description="last / first window median")
+    threshold: float
+    flagged: bool
+    window: int
+
+
+class Execution(Result):
+    """The thread and affinity settings the engine ran under."""
+
+    affinity: list[int] | None = Field(description="CPUs this process may run on (None: not reported by the OS)")
+    usable_cores: int
+    engine_threads: dict[str, Any] = Field(description="the backend's thread settings as applied")
+    env: dict[str, str] = Field(description="threading environment variables that were set (OMP_NUM_THREADS, ...)")
+    concurrency: int
+    timer: str
+
+
+class SweepPoint(Result):
+    batch: int
+    concurrency: int
+    iterations: int
+    p50_ms: float
+    p99_ms: float
+    throughput_per_s: float
 
 
 class BenchReport(EngineBound):
@@ -390,12 +437,21 @@ class BenchReport(EngineBound):
     load_seconds: float
     first_inference_ms: float
     warmup: LatencyStats | None
+    steady_state: SteadyState
     engine_only: LatencyStats
     end_to_end: LatencyStats
+    stopped: Literal["iterations", "max_seconds"] = Field(description="what ended the engine-only phase")
+    drift: Drift | None = Field(description="None: too few samples for two windows")
     throughput_per_s: float = Field(description="samples per second at the SKU's batch and concurrency")
+    throughput_ci_per_s: tuple[float, float] | None = None
+    execution: Execution
+    sweep: list[SweepPoint] = Field(default_factory=list)
     memory_mb: dict[str, float]
     device_state: dict[str, Any]
     latency_sha256: str = Field(description="sha256 of the latency samples file (latency.csv) written with this report")
+    timeline_sha256: str = Field(description="sha256 of timeline.csv (warm-up and steady calls in order)")
+    roofline_sha256: str | None = Field(None, description="sha256 of roofline.json, where the bench wrote one")
+    roofline_fraction: float | None = Field(None, description="achieved FLOP/s at p50 over the host's measured peak")
 
 
 class Provenance(Result):
@@ -423,7 +479,6 @@ class TargetInfo(Result):
 
 
 class BuildInfo(Result):
-    seconds: float
     warnings: list[str]
     options: dict[str, Any] = Field(description="the backend options as applied (backend-specific keys)")
     reproducibility: Reproducibility | None = Field(None, exclude_if=lambda v: v is None,
@@ -478,16 +533,27 @@ class Correctness(Result):
                                         description="first divergent node, when a correctness gate failed")
 
 
+class LatencySummary(Result):
+    """Percentiles rounded to the decade their interval resolves, intervals widened outward to it."""
+
+    p50_ms: float
+    p50_ci_ms: tuple[float, float] | None
+    p99_ms: float
+    p99_ci_ms: tuple[float, float] | None
+
+
 class Benchmark(Result):
+    """What judges the engine's speed, rounded so that a rerun of the same engine reads the same.
+    Raw samples, device state, load time and the run's other volatile detail are in bench.json and MLflow."""
+
     batch: int
     concurrency: int
-    engine_only: LatencyStats
-    end_to_end: LatencyStats
+    engine_only: LatencySummary
+    end_to_end: LatencySummary
     throughput_per_s: float
-    first_inference_ms: float
-    load_seconds: float
-    memory_mb: dict[str, float]
-    device_state: dict[str, Any] = Field(description="observed host state before and after (free-form readings)")
+    throughput_ci_per_s: tuple[float, float] | None
+    peak_rss_mb: float = Field(description="whole MB")
+    engine_load_mb: float = Field(description="RSS the engine's load added, whole MB")
 
 
 class HostInfo(Result):
@@ -500,16 +566,20 @@ class HostInfo(Result):
 
 
 class Evidence(Result):
-    """What the manifest summarises, by hash: the engine and every report and sample file."""
+    """What the manifest summarises, by hash: the engine and the build and validation reports. The
+    benchmark is bound to it by bench.json's engine hash and by its figures' intervals
+    (pipeline.manifest.benchmark_matches), not by a hash of samples that change on every run."""
 
     engine_sha256: str
-    files: dict[str, str] = Field(description="report file name (build.json, validate.json, bench.json, latency.csv) -> sha256")
+    files: dict[str, str] = Field(description="report file name (build.json, validate.json) -> sha256 of its canonical "
+                                              "JSON without the fields that change on every run "
+                                              "(pipeline.manifest.evidence_digest)")
 
 
 class Manifest(Result):
     """One engine, described. Everything but ``provenance`` is a function of the inputs."""
 
-    schema_version: Literal[4] = 4
+    schema_version: Literal[5] = 5
     model: str
     sku: str
     digest: str = Field(description="sha256 of this document without 'digest' and 'provenance'")

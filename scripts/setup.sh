@@ -18,6 +18,16 @@ if ! ls /usr/share/vulkan/icd.d/lvp_icd.*.json >/dev/null 2>&1; then
   fi
 fi
 
+# Debian's Chromium for the HTML report's browser test (tests/test_report.py; playwright's own
+# browser download is not used): without it that test skips and says why.
+if [ "${1:-}" = "--test" ] && ! [ -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    echo "setup: no /usr/bin/chromium (install the chromium package as root to run the HTML report's browser test)" >&2
+  fi
+fi
+
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install --quiet --upgrade pip
 .venv/bin/pip install --quiet -e ".[$extras]"

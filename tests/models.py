@@ -119,7 +119,7 @@ def ort_sku(precision: str = "fp32", **extra) -> dict:
     arch = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
     sku = {"backend": "onnxruntime", "precision": precision, "target": {"arch": arch, "device": "cpu", "os": "linux"},
            "runner_labels": ["self-hosted", "linux"], "shapes": {"batch": 1},
-           "bench": {"warmup": 2, "iterations": 10, "min_seconds": 0.0}}
+           "bench": {"warmup": 2, "steady_window": 5, "max_warmup_seconds": 1.0, "roofline": False, "iterations": 10, "min_seconds": 0.0}}
     sku.update(extra)
     return sku
 
@@ -131,7 +131,7 @@ def cpu_sku(backend: str, precision: str, options: dict) -> dict:
     arch = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
     return {"backend": backend, "precision": precision, "target": {"arch": arch, "device": "cpu", "os": "linux"},
             "runner_labels": ["self-hosted", "linux"], "shapes": {"batch": 1}, "options": options,
-            "bench": {"warmup": 1, "iterations": 3, "min_seconds": 0.0}}
+            "bench": {"warmup": 1, "steady_window": 5, "max_warmup_seconds": 1.0, "roofline": False, "iterations": 3, "min_seconds": 0.0}}
 
 
 def _iree_cpu() -> str:
@@ -547,3 +547,38 @@ def fp16_overflow_model(path: Path, seed: int = 0, factor: float = 4000.0) -> Pa
 def fp16_overflow_spec(dir_: str = "m") -> dict:
     return {"dir": dir_, "source": "model.onnx",
             "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 16], "range": [-1.0, 1.0]}]}
+
+
+def decomposed_layernorm_model(path: Path, blocks: int = 12, width: int = 256, seed: int = 0) -> Path:
+    """``blocks`` layer norms written out op by op (ReduceMean, Sub, Pow, ...), as exporters emit
+    them: ONNX Runtime fuses each into one kernel at level ``extended``/``all`` and runs nine nodes
+    per block at ``disable``. A model whose speed depends on one SKU option, many times over."""
+    rng = np.random.default_rng(seed)
+    inits = [numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+             numpy_helper.from_array(np.array(1e-5, np.float32), "eps"),
+             numpy_helper.from_array(np.array([-1], np.int64), "axes")]
+    nodes, x = [], "x"
+    for b in range(blocks):
+        g, bias = f"g{b}", f"b{b}"
+        inits += [numpy_helper.from_array(rng.uniform(0.5, 1.5, width).astype(np.float32), g),
+                  numpy_helper.from_array(rng.normal(0, 0.1, width).astype(np.float32), bias)]
+        p = f"ln{b}_"
+        nodes += [helper.make_node("ReduceMean", [x, "axes"], [p + "mean"], keepdims=1, name=p + "mean"),
+                  helper.make_node("Sub", [x, p + "mean"], [p + "d"], name=p + "sub"),
+                  helper.make_node("Pow", [p + "d", "two"], [p + "sq"], name=p + "pow"),
+                  helper.make_node("ReduceMean", [p + "sq", "axes"], [p + "var"], keepdims=1, name=p + "var"),
+                  helper.make_node("Add", [p + "var", "eps"], [p + "ve"], name=p + "add_eps"),
+                  helper.make_node("Sqrt", [p + "ve"], [p + "std"], name=p + "sqrt"),
+                  helper.make_node("Div", [p + "d", p + "std"], [p + "n"], name=p + "div"),
+                  helper.make_node("Mul", [p + "n", g], [p + "s"], name=p + "scale"),
+                  helper.make_node("Add", [p + "s", bias], [p + "out"], name=p + "shift")]
+        x = p + "out"
+    nodes.append(helper.make_node("Softmax", [x], ["probs"], axis=-1, name="softmax"))
+    graph = helper.make_graph(nodes, "decomposed_layernorm",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+                              [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", width])], inits)
+    return _save(graph, path, opset=18)
+
+
+def vector_model_spec(dir_: str, width: int = 256) -> dict:
+    return {"dir": dir_, "source": "model.onnx", "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", width]}]}

@@ -21,7 +21,8 @@ from pipeline.errors import GateFailed
 from pipeline.io import atomic_write_bytes, atomic_write_json, sha256_bytes
 from pipeline.paths import Layout
 from pipeline.results import BenchReport
-from pipeline.stages.bench import bench, latency_stats
+from pipeline.benchstats import latency_stats
+from pipeline.stages.bench import bench
 from pipeline.stages.build import build
 from pipeline.stages.calibrate import calibrate
 from pipeline.stages.data import make_data
@@ -110,7 +111,8 @@ class Server:
 
 
 def sku(precision: str = "fp32", iterations: int = 60, **extra) -> dict:
-    return models.ort_sku(precision, bench={"warmup": 2, "iterations": iterations, "min_seconds": 0.0}, **extra)
+    return models.ort_sku(precision, bench={"warmup": 2, "steady_window": 5, "max_warmup_seconds": 1.0, "roofline": False,
+                                            "iterations": iterations, "min_seconds": 0.0}, **extra)
 
 
 def make_project(root: Path, skus: dict, release: dict | None = None, failing: tuple[str, ...] = (),
@@ -142,8 +144,9 @@ def make_project(root: Path, skus: dict, release: dict | None = None, failing: t
 
 
 def fake_bench(reg: Registry, model: str, sku_name: str, samples_ms) -> str:
-    """Replace the pair's latency samples (and the stats in bench.json), rewrite the manifest:
-    a new digest for the same engine, whose latency the test chose. Returns the digest."""
+    """Replace the pair's latency samples (and the stats in bench.json), rewrite the manifest as a
+    runner without the previous one would (no figures kept from it): a new digest for the same
+    engine, whose latency the test chose. Returns the digest."""
     out = Layout(reg.root)
     samples = [round(float(x), 4) for x in samples_ms]  # as latency.csv holds them
     csv = ("iteration,latency_ms\n" + "".join(f"{i},{v:.4f}\n" for i, v in enumerate(samples))).encode()
@@ -152,4 +155,5 @@ def fake_bench(reg: Registry, model: str, sku_name: str, samples_ms) -> str:
                       report.model_copy(update={"engine_only": latency_stats(samples),
                                                 "latency_sha256": sha256_bytes(csv)}).to_json())
     atomic_write_bytes(out.latency_csv(model, sku_name), csv)
+    out.manifest(model, sku_name).unlink(missing_ok=True)
     return write_manifest(reg, model, sku_name).digest

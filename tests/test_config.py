@@ -346,6 +346,17 @@ def test_bench_overrides():
     assert reg.bench("cpu_int8") == BenchSpec(warmup=5, iterations=50, min_seconds=0.25, concurrency=2)
 
 
+def test_bench_bounds_are_checked_across_defaults_and_sku():
+    data = base()
+    data["defaults"] = {"bench": {"min_seconds": 30.0}}
+    data["skus"]["cpu"]["bench"] = {"max_seconds": 5.0}
+    err = config_error(data)
+    assert "skus.cpu.bench with defaults.bench" in str(err) and "is above max_seconds" in str(err)
+    data["skus"]["cpu"]["bench"] = {"sweep": {"batch": [0, 2]}}
+    with pytest.raises(ConfigError, match="sweep values must be >= 1"):
+        parse_registry(data)
+
+
 # --- the file itself ----------------------------------------------------------------------------
 
 

@@ -211,7 +211,7 @@ def test_ctrl_c_during_bench_exits_130_without_traceback(tmp_path):
     started = time.perf_counter()
     assert run(tmp_path, "bench", "--model", "m", "--sku", "cpu").returncode == 0
     whole = time.perf_counter() - started  # imports, load and a short bench: the long one is timing after this
-    bench_config(iterations=10 ** 9, min_seconds=600.0)
+    bench_config(iterations=10 ** 9, min_seconds=600.0, max_seconds=600.0)
     (tmp_path / "build/m/cpu/bench.json").unlink()
     proc = subprocess.Popen([*COMMAND, "bench", "--model", "m", "--sku", "cpu"], cwd=tmp_path, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -231,7 +231,7 @@ def test_ctrl_c_during_bench_exits_130_without_traceback(tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_during_repro_stops_dvc_and_exits_130(tmp_path):
-    long_bench = {"warmup": 0, "iterations": 10 ** 9, "min_seconds": 600.0}
+    long_bench = {"warmup": 0, "iterations": 10 ** 9, "min_seconds": 600.0, "max_seconds": 600.0}
     root = dvc_project(tmp_path, good_model(tmp_path), {"cpu": models.ort_sku("fp32", bench=long_bench)})
     # its own session: the SIGINT of a terminal's Ctrl-C goes to the whole group (skuforge, dvc, the stage)
     proc = subprocess.Popen([*COMMAND, "repro", "--no-publish"], cwd=root, env=_env(), stdout=subprocess.PIPE,

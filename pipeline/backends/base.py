@@ -143,22 +143,57 @@ class Runner(abc.ABC):
         self.inputs = inputs
         self.output_names = outputs
 
-    def infer(self, feeds: dict[str, "np.ndarray"]) -> dict[str, "np.ndarray"]:
+    @property
+    def inputs(self) -> list[TensorSig]:
+        return self._inputs
+
+    @inputs.setter
+    def inputs(self, sigs: list[TensorSig]) -> None:
         import numpy as np
 
-        for sig in self.inputs:
-            if sig.name not in feeds:
-                raise InputError(f"engine input {sig.name!r} was not given (given: {sorted(feeds)})")
-            arr = feeds[sig.name]
-            if np.dtype(arr.dtype).name != sig.dtype:
-                raise InputError(f"engine input {sig.name!r} must be {sig.dtype}, got {arr.dtype}")
-            want = [d if isinstance(d, int) else None for d in sig.shape]
-            if len(arr.shape) != len(want) or any(w is not None and w != g for w, g in zip(want, arr.shape)):
-                raise InputError(f"engine input {sig.name!r} must have shape {sig.shape}, got {list(arr.shape)}")
+        self._inputs = sigs
+        # per input, the dtype and static shape a feed matches in two comparisons; anything else
+        # takes the full check (its messages). Checking from the signature on every call cost
+        # ~7 us, the bench stage's whole overhead budget.
+        self._expected: list[tuple[TensorSig, Any, tuple[int, ...] | None]] = []
+        for sig in sigs:
+            try:
+                dtype = np.dtype(sig.dtype)
+            except TypeError:  # a type numpy does not know: always the full check
+                dtype = None
+            if dtype is not None and dtype.name != sig.dtype:  # an alias ("float"): the full check decides
+                dtype = None
+            static = tuple(sig.shape) if all(isinstance(d, int) for d in sig.shape) else None
+            self._expected.append((sig, dtype, static))
+
+    def infer(self, feeds: dict[str, "np.ndarray"]) -> dict[str, "np.ndarray"]:
+        for sig, dtype, shape in self._expected:
+            arr = feeds.get(sig.name)
+            if arr is None or arr.dtype != dtype or arr.shape != shape:
+                self._check_input(sig, feeds)
         return self._infer_impl(feeds)
+
+    @staticmethod
+    def _check_input(sig: TensorSig, feeds: dict[str, "np.ndarray"]) -> None:
+        import numpy as np
+
+        if sig.name not in feeds:
+            raise InputError(f"engine input {sig.name!r} was not given (given: {sorted(feeds)})")
+        arr = feeds[sig.name]
+        if np.dtype(arr.dtype).name != sig.dtype:
+            raise InputError(f"engine input {sig.name!r} must be {sig.dtype}, got {arr.dtype}")
+        want = [d if isinstance(d, int) else None for d in sig.shape]
+        if len(arr.shape) != len(want) or any(w is not None and w != g for w, g in zip(want, arr.shape)):
+            raise InputError(f"engine input {sig.name!r} must have shape {sig.shape}, got {list(arr.shape)}")
 
     @abc.abstractmethod
     def _infer_impl(self, feeds: dict[str, "np.ndarray"]) -> dict[str, "np.ndarray"]: ...
+
+    def profile_layers(self, feeds: dict[str, "np.ndarray"], iterations: int = 20) -> dict[str, float] | None:
+        """Milliseconds per engine layer, the median of ``iterations`` runs on ``feeds`` after a warm-up,
+        keyed by the names of build.json ``layers`` (pipeline.roofline joins them to ONNX nodes);
+        None where the backend cannot time its layers. The default cannot."""
+        return None
 
     def close(self) -> None:
         """Release the engine; the default has nothing to release."""
@@ -333,6 +368,16 @@ class Backend(abc.ABC):
                                        "files": [r.to_json() for r in records], **common})
         atomic_write_json(engine_dir / ENGINE_META, self.Meta.model_validate(full.model_dump()).model_dump(mode="json"))
         return records
+
+
+def median_per_run(times: list[float], runs: int, skip: int = 0) -> float:
+    """The median over runs of a layer's time per run, from its times in run order (a layer that
+    runs k times per run, inside a loop, has k per run: they are summed); the first ``skip`` runs
+    are left out."""
+    import statistics
+
+    k = max(1, len(times) // runs)
+    return statistics.median(sum(times[r * k:(r + 1) * k]) for r in range(skip, max(skip + 1, len(times) // k)))
 
 
 def verify_engine(engine_dir: Path, engine_format: str) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from pydantic import Field
 
@@ -22,7 +22,7 @@ from ..io import atomic_write_bytes
 from ..results import LayerInfo, TensorSig
 from ..runner import probe
 from ..quantize import QdqOptions, conversion_warnings
-from .base import Backend, BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
+from .base import Backend, BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged, median_per_run
 
 if TYPE_CHECKING:
     import numpy as np
@@ -66,6 +66,11 @@ class OnnxRuntimeOptions(QdqOptions):
         True, description="false: providers this onnxruntime build lacks are skipped (recorded); the placement gate judges")
     provider_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
     graph_optimization_level: Literal["disable", "basic", "extended", "all"] = "all"
+    # the saved engine is the graph at graph_optimization_level; a portable engine (no contrib or NCHWc
+    # ops) loaded at "all" gets the device's own fusions and NCHWc blocks (1.3-2.6x, benchmarks/speedup.py)
+    load_optimization_level: Literal["disable", "basic", "extended", "all"] = Field(
+        "disable", description="what ONNX Runtime optimises when the engine loads on the device (disable: the "
+                               "engine is already optimised)")
     intra_op_num_threads: int = Field(0, ge=0, description="0: ONNX Runtime's default")
     inter_op_num_threads: int = Field(0, ge=0)
 
@@ -116,14 +121,37 @@ def create_session(model: Path | bytes, so: "ort.SessionOptions", providers: lis
 
 
 class SessionRunner(Runner):
-    def __init__(self, session: "ort.InferenceSession"):
+    def __init__(self, session: "ort.InferenceSession",
+                 reopen: "Callable[[Path], ort.InferenceSession] | None" = None):
+        """``reopen(folder)``: the same engine in a new session that profiles into ``folder``."""
         inputs = [TensorSig(name=i.name, dtype=_np_dtype(i.type), shape=list(i.shape)) for i in session.get_inputs()]
         super().__init__(inputs, [o.name for o in session.get_outputs()])
         self.session = session
+        self._reopen = reopen
+
+    def profile_layers(self, feeds: dict[str, "np.ndarray"], iterations: int = 20) -> dict[str, float] | None:
+        """Median ms per node of the engine graph (build.json layer names) over ``iterations`` runs,
+        from ONNX Runtime's profiler in a second session; the first run is left out (allocation,
+        first touch)."""
+        if self._reopen is None:
+            return None
+        with tempfile.TemporaryDirectory(prefix="skuforge-prof-") as tmp:
+            session = self._reopen(Path(tmp))
+            named = {i.name: feeds[i.name] for i in self.inputs}
+            for _ in range(iterations + 1):
+                session.run(self.output_names, named)
+            trace = json.loads(Path(session.end_profiling()).read_text())
+        durations: dict[str, list[float]] = {}
+        for name, event in _node_events(trace):
+            durations.setdefault(name, []).append(event["dur"] / 1e3)
+        return {name: median_per_run(d, iterations + 1, skip=1) for name, d in durations.items()}
 
     def _infer_impl(self, feeds: dict[str, "np.ndarray"]) -> dict[str, "np.ndarray"]:
-        outs = self.session.run(self.output_names, {i.name: feeds[i.name] for i in self.inputs})
-        return dict(zip(self.output_names, outs))
+        # infer() checked every input is there: feeds of the same size hold nothing else (ONNX
+        # Runtime refuses unknown names), so they go as they are. run() returns new arrays.
+        if len(feeds) != len(self.inputs) or type(feeds) is not dict:
+            feeds = {i.name: feeds[i.name] for i in self.inputs}
+        return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
 
 
 def _np_dtype(ort_type: str) -> str:
@@ -136,7 +164,11 @@ def _np_dtype(ort_type: str) -> str:
 def reference_runner(model: Path | bytes) -> SessionRunner:
     """The reference: ONNX Runtime, CPU provider, FP32, graph optimisations off."""
     opts = OnnxRuntimeOptions()
-    return SessionRunner(create_session(model, session_options(opts, "disable"), [CPU]))
+
+    def open_session(profile_dir: Path | None = None) -> "ort.InferenceSession":
+        return create_session(model, session_options(opts, "disable", profile_dir=profile_dir), [CPU])
+
+    return SessionRunner(open_session(), reopen=open_session)
 
 
 def runtime_version() -> str:
@@ -258,7 +290,8 @@ class OnnxRuntimeBackend(Backend):
         optimized = onnx.load(str(engine), load_external_data=False)
         hardware_specific = any(n.domain == "com.microsoft.nchwc" for n in optimized.graph.node)
         meta = OnnxRuntimeMeta(
-            providers=opts.providers, provider_options=opts.provider_options, load_optimization_level="disable",
+            providers=opts.providers, provider_options=opts.provider_options,
+            load_optimization_level=opts.load_optimization_level,
             intra_op_num_threads=opts.intra_op_num_threads, inter_op_num_threads=opts.inter_op_num_threads,
             host_cpu=probe.cpu_record(), nchwc_block=nchwc_block() if hardware_specific else None,
             # standard ONNX ops only: any ONNX Runtime with the opset runs it, so loading does not insist
@@ -282,10 +315,7 @@ class OnnxRuntimeBackend(Backend):
             runner = SessionRunner(create_session(engine, so, opts.providers, opts.provider_options))
             runner.infer(feeds)
             trace = json.loads(Path(runner.session.end_profiling()).read_text())
-        seen: dict[str, dict[str, Any]] = {}
-        for ev in trace:
-            if ev.get("cat") == "Node" and ev.get("name", "").endswith("_kernel_time"):
-                seen[ev["name"].removesuffix("_kernel_time")] = ev.get("args", {})
+        seen = {name: ev.get("args", {}) for name, ev in _node_events(trace)}
         layers, device_of = [], {}
         for node in graph.graph.node:
             args = seen.get(node.name, {})
@@ -308,11 +338,20 @@ class OnnxRuntimeBackend(Backend):
         if problem:
             raise EnvironmentProblem(f"{engine_dir}: {problem}", hint="rebuild the engine on this CPU, or build it with "
                                      "options.graph_optimization_level: extended (portable, no NCHWc ops)")
-        opts = self.options(sku)
-        so = session_options(opts.model_copy(update={"intra_op_num_threads": meta.intra_op_num_threads,
-                                                     "inter_op_num_threads": meta.inter_op_num_threads}),
-                             meta.load_optimization_level)
-        return SessionRunner(create_session(engine_dir / "model.onnx", so, meta.providers, meta.provider_options))
+        opts = self.options(sku).model_copy(update={"intra_op_num_threads": meta.intra_op_num_threads,
+                                                    "inter_op_num_threads": meta.inter_op_num_threads})
+
+        def open_session(profile_dir: Path | None = None) -> "ort.InferenceSession":
+            so = session_options(opts, meta.load_optimization_level, profile_dir=profile_dir)
+            return create_session(engine_dir / "model.onnx", so, meta.providers, meta.provider_options)
+
+        return SessionRunner(open_session(), reopen=open_session)
+
+
+def _node_events(trace: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(node name, event) of each kernel run in an ONNX Runtime profile, in run order."""
+    return [(ev["name"].removesuffix("_kernel_time"), ev) for ev in trace
+            if ev.get("cat") == "Node" and ev.get("name", "").endswith("_kernel_time")]
 
 
 def nchwc_block(flags: "Any" = None, arch: str | None = None) -> int | None:

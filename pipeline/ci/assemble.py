@@ -67,5 +67,9 @@ def assemble(registry: Registry, locks_dir: Path, lock: Path | None = None) -> d
     if changed:
         atomic_write_bytes(lock, text.encode())
     from ..consistency import refresh_reports
+    from ..dvcmetrics import write_comparison
 
-    return {"lock": str(lock), "skus": found, "changed": changed, "consistency": refresh_reports(registry)}
+    # each SKU job wrote its own metrics/bench files; the per-model comparison spans them all
+    compared = [str(path) for model in registry.models if (path := write_comparison(registry.root, model))]
+    return {"lock": str(lock), "skus": found, "changed": changed, "consistency": refresh_reports(registry),
+            "metrics": compared}

@@ -20,9 +20,11 @@ def _cell(value) -> str:
     return str(value)
 
 
-def markdown(registry: Registry, sku: str) -> str:
+def markdown(registry: Registry, sku: str, report_url: str | None = None) -> str:
     """A heading and one row per model for ``sku``: correctness and benchmark where a manifest was
-    written; otherwise the outcome (gate failed, build failed, unsupported, not run) and why."""
+    written; otherwise the outcome (gate failed, build failed, unsupported, not run) and why.
+    ``report_url``: where the job's HTML report (``skuforge report``) can be downloaded; a job
+    summary cannot show its charts itself (GitHub drops ``data:`` images), so it links to them."""
     from ..repro import matrix
 
     registry.sku(sku)  # an unknown SKU is a config error naming the known ones
@@ -37,6 +39,10 @@ def markdown(registry: Registry, sku: str) -> str:
             row = {**(p.manifest or {}), "model": p.model}
             outcome = p.outcome if p.outcome == "passed" else f"**{p.outcome}**: {_escape(p.detail)}"
             lines.append("| " + " | ".join(_cell(row.get(key)) for key, _ in COLUMNS) + f" | {outcome} |")
+    if report_url:
+        lines += ["", f"Latency histograms and CDFs, warm-up timelines, percentile intervals and the cross-SKU "
+                      f"latency chart: the HTML report in the [run's artifacts]({report_url}) (artifact "
+                      f"`sku-{sku}`, `build/ci/{sku}/report/index.html`)."]
     return redact("\n".join(lines + [""]))  # the summary is public on the run's page
 
 

@@ -18,6 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     s = csub.add_parser("summary", help="a Markdown job summary of one SKU's manifests (correctness, benchmark)")
     s.add_argument("--sku", required=True)
+    s.add_argument("--report-url", metavar="URL", help="link the HTML report (skuforge report) there")
     s.set_defaults(func=summary)
 
     a = csub.add_parser("assemble", help="merge the SKU jobs' <sku>/dvc.lock files into dvc.lock; write the "
@@ -53,7 +54,7 @@ def render(args: argparse.Namespace) -> int:
 def summary(args: argparse.Namespace) -> int:
     from ..ci.summary import markdown
 
-    print(markdown(_registry(args), args.sku))
+    print(markdown(_registry(args), args.sku, args.report_url))
     return 0
 
 

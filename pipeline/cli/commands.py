@@ -156,10 +156,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=summary)
 
+    p = sub.add_parser("report", help="a static HTML report (no network needed): latency, correctness, layers, "
+                                      "roofline per pair; SKUs side by side per model")
+    p.add_argument("--model", help="only this model (default: every model)")
+    p.add_argument("--sku", action="append", help="only this SKU (repeatable; default: every SKU)")
+    p.add_argument("--out", metavar="DIR", help="the folder to (re)write, inside the project (default: build/report)")
+    p.set_defaults(func=report)
+
     rn = sub.add_parser("runner", help="this host as a CI runner: its state, whether it matches a SKU, runner labels")
     rsub = rn.add_subparsers(dest="runner_command", metavar="ACTION", required=True)
     p = rsub.add_parser("probe", help="the host's hardware, device state, GPU, toolchain and the SKUs it can build/run")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--peaks", action="store_true",
+                   help="add the host's peak FP32 GFLOP/s and memory GB/s (measured once, about 10 s, then cached)")
+    p.add_argument("--refresh", action="store_true", help="measure the peaks again (implies --peaks)")
     p.set_defaults(func=runner_probe)
     p = rsub.add_parser("check", help="exit 3 with every difference when this host does not match the SKU")
     p.add_argument("--sku", required=True)
@@ -400,10 +410,20 @@ def summary(args: argparse.Namespace) -> int:
     return 0
 
 
+def report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..report import write_site
+
+    index = write_site(_registry(args), args.model, Path(args.out).absolute() if args.out else None, args.sku)
+    print(index)
+    return 0
+
+
 def runner_probe(args: argparse.Namespace) -> int:
     from ..runner.report import probe_report
 
-    report = probe_report(_registry(args))
+    report = probe_report(_registry(args), peaks=args.peaks or args.refresh, refresh=args.refresh)
     # the probe is a JSON document either way (pin-device-state.sh and the benchmark record it)
     print(json.dumps(report, indent=2, sort_keys=True))
     return 0

@@ -20,11 +20,12 @@ from typing import Any
 
 from ..config import Registry, _did_you_mean
 from ..errors import ConfigError, GateFailed, InputError, ServiceError
+from ..benchstats import latency_stats, same_figure
 from ..io import sha256_bytes
-from ..results import Manifest
+from ..results import BenchReport, Manifest
 from .gates import (chain_gate, correctness_gate, engine_gate, manifest_gate, performance_gate, placement_gate,
                     release_gate, signature_gate)
-from .publish import ENGINE_ARTIFACTS, LATENCY_ARTIFACT, LATENCY_FILE, MANIFEST_ARTIFACT
+from .publish import BENCH_ARTIFACT, ENGINE_ARTIFACTS, LATENCY_ARTIFACT, LATENCY_FILE, MANIFEST_ARTIFACT
 from .reports import GateResult, HistoryEntry, Move, PromotionReport
 from .stats import read_latency_csv
 from .tracking import (TAG_CORRECTNESS, TAG_DIGEST, TAG_HISTORY, TAG_SIGNATURE, Tracking, actor, connect,
@@ -116,20 +117,59 @@ def _manifest(tracking: Tracking, run_id: str | None) -> dict | None:
     return doc if isinstance(doc, dict) else None
 
 
-def _samples(tracking: Tracking, run_id: str | None, expected_sha256: str | None) -> tuple[list[float] | None, str | None]:
-    """Latency samples of a run, checked against the sha256 its manifest recorded: (samples, problem)."""
+def _samples(tracking: Tracking, run_id: str | None, manifest: dict | None) -> tuple[list[float] | None, str | None]:
+    """Latency samples of a run, checked against its manifest: (samples, problem).
+
+    Schema 5: the run's bench.json must be about the manifest's engine, latency.csv must be the
+    samples bench.json names, and the median recomputed from them must be the manifest's p50
+    (their intervals overlap). Older manifests named the samples' sha256 themselves."""
+    evidence = (manifest or {}).get("evidence") or {}
     with tempfile.TemporaryDirectory(prefix="skuforge-promote-") as tmp:
         local = _download(tracking, run_id, LATENCY_ARTIFACT, tmp)
         if local is None or not local.is_file():
             return None, None
         data = local.read_bytes()
-    if expected_sha256 is None or sha256_bytes(data) != expected_sha256:
-        return None, (f"the latency samples of run {run_id} are not the ones its manifest recorded "
-                      f"(sha256 {sha256_bytes(data)[:12]}, manifest {(expected_sha256 or 'nothing')[:12]})")
+        report = _download(tracking, run_id, BENCH_ARTIFACT, tmp)
+        bench_text = report.read_text(encoding="utf-8") if report is not None and report.is_file() else None
+    if LATENCY_FILE in (evidence.get("files") or {}):
+        expected = evidence["files"][LATENCY_FILE]
+    else:
+        try:
+            bench = BenchReport.model_validate_json(bench_text or "")
+        except ValueError:
+            return None, f"the bench report of run {run_id} is missing or unreadable: its samples cannot be trusted"
+        if bench.engine_sha256 != evidence.get("engine_sha256"):
+            return None, f"the bench report of run {run_id} is about another engine than its manifest"
+        expected = bench.latency_sha256
+    if sha256_bytes(data) != expected:
+        return None, (f"the latency samples of run {run_id} are not the ones its bench report and manifest recorded "
+                      f"(sha256 {sha256_bytes(data)[:12]}, expected {(expected or 'nothing')[:12]})")
     try:
-        return read_latency_csv(data.decode("utf-8")), None
+        samples = read_latency_csv(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         return None, f"the latency samples of run {run_id} are unreadable"
+    if LATENCY_FILE not in (evidence.get("files") or {}):
+        problem = _samples_match_manifest(samples, manifest)
+        if problem:
+            return None, f"run {run_id}: {problem}"
+    return samples, None
+
+
+def _samples_match_manifest(samples: list[float], manifest: dict | None) -> str | None:
+    """The p50 recomputed from the samples against the manifest's (recomputed, never read from a report)."""
+    if not samples:
+        return "no latency samples"
+    try:
+        recorded = Manifest.model_validate(manifest).benchmark.engine_only
+    except ValueError:
+        return "the manifest's benchmark is unreadable"
+    stats = latency_stats(samples)
+    for q in ("p50", "p99"):
+        mine, theirs = getattr(stats, f"{q}_ms"), getattr(recorded, f"{q}_ms")
+        if not same_figure(theirs, getattr(recorded, f"{q}_ci_ms"), mine, getattr(stats, f"{q}_ci_ms")):
+            return (f"the latency samples' {q} {mine:.4g} ms is not the manifest's {theirs:.4g} ms "
+                    f"(interval {getattr(recorded, f'{q}_ci_ms')})")
+    return None
 
 
 def _version(tracking: Tracking, name: str, version: str):
@@ -194,7 +234,7 @@ def _gates(tracking: Tracking, registry: Registry, alias: str, rm: Any, src: Any
               placement_gate(m, registry)]
     with tempfile.TemporaryDirectory(prefix="skuforge-promote-") as tmp:
         gates.append(engine_gate(m, _engine_files(tracking, src.run_id, tmp), f"run {src.run_id}/{ENGINE_ARTIFACTS}"))
-    candidate, problem = _samples(tracking, src.run_id, m.evidence.files.get(LATENCY_FILE))
+    candidate, problem = _samples(tracking, src.run_id, doc)
     if problem:
         gates.append(GateResult(name="performance", passed=False, detail=problem))
         return gates
@@ -202,8 +242,7 @@ def _gates(tracking: Tracking, registry: Registry, alias: str, rm: Any, src: Any
     if incumbent is not None:
         holder = _version(tracking, rm.name, incumbent)
         held = _manifest(tracking, holder.run_id) if holder else None
-        expected = ((held or {}).get("evidence") or {}).get("files", {}).get(LATENCY_FILE)
-        incumbent_samples, problem = _samples(tracking, holder.run_id if holder else None, expected)
+        incumbent_samples, problem = _samples(tracking, holder.run_id if holder else None, held)
         if problem:
             log.warning("%s: %s; the latency comparison treats version %s as having no samples", rm.name, problem, incumbent)
     gates.append(performance_gate(candidate, incumbent_samples, incumbent, alias, registry.release.performance))

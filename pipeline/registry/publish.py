@@ -30,7 +30,7 @@ from typing import Any, Mapping
 from .. import __version__
 from ..config import Registry
 from ..errors import ServiceError
-from ..results import Manifest
+from ..results import BenchReport, Manifest
 from ..stages import Progress
 from .reports import PublishResult
 from .gates import correctness_problems
@@ -47,6 +47,7 @@ ENGINE_ARTIFACTS = "engine"
 REPORT_ARTIFACTS = "reports"
 LATENCY_FILE = "latency.csv"
 LATENCY_ARTIFACT = f"{REPORT_ARTIFACTS}/{LATENCY_FILE}"
+BENCH_ARTIFACT = f"{REPORT_ARTIFACTS}/bench.json"
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class PublishInputs:
     config: dict[str, Any]  # the pair's effective settings, logged as params
     datasets: dict[str, tuple[str, str]]  # split -> (sha256, where the set lives)
     env: Mapping[str, str] = field(default_factory=dict)  # CI variables for tags
+    bench: BenchReport | None = None  # the run's volatile detail, logged as bench.* metrics
+    build_seconds: float | None = None
 
 
 def _name(key: str) -> str:
@@ -86,17 +89,37 @@ def params(inputs: PublishInputs) -> dict[str, str]:
                     "model_source_sha256": m.source.sha256, "build_config_sha256": m.build_config_sha256})
 
 
-def manifest_metrics(m: Manifest) -> dict[str, float]:
-    """Latency, throughput, memory, error statistics, task-metric deltas and gate results."""
+def manifest_metrics(m: Manifest, bench: BenchReport | None = None, build_seconds: float | None = None) -> dict[str, float]:
+    """Latency, throughput, memory, error statistics, task-metric deltas and gate results; with
+    the bench report, the run's volatile detail too (``bench.*``: unrounded statistics, warm-up,
+    drift, load time, every memory reading)."""
     out: dict[str, Any] = {}
-    bench = m.benchmark
+    b = m.benchmark
     for kind in ("engine_only", "end_to_end"):
-        for key, value in getattr(bench, kind).to_json().items():
-            out[f"latency.{kind}.{key}"] = value
-    for key in ("throughput_per_s", "first_inference_ms", "load_seconds"):
-        out[key] = getattr(bench, key)
-    for key, value in bench.memory_mb.items():
-        out[f"memory.{key}_mb"] = value
+        for key, value in getattr(b, kind).to_json().items():
+            if isinstance(value, list):
+                out[f"latency.{kind}.{key}_low"], out[f"latency.{kind}.{key}_high"] = value
+            else:
+                out[f"latency.{kind}.{key}"] = value
+    out["throughput_per_s"] = b.throughput_per_s
+    out["memory.peak_rss_mb"] = b.peak_rss_mb
+    out["memory.engine_load_mb"] = b.engine_load_mb
+    if bench is not None:
+        for kind in ("engine_only", "end_to_end", "warmup"):
+            for key, value in (getattr(bench, kind).to_json() if getattr(bench, kind) else {}).items():
+                if not isinstance(value, list):
+                    out[f"bench.{kind}.{key}"] = value
+        for key in ("throughput_per_s", "first_inference_ms", "load_seconds"):
+            out[f"bench.{key}"] = getattr(bench, key)
+        for key, value in bench.memory_mb.items():
+            out[f"bench.memory.{key}_mb"] = value
+        out["bench.steady_state.reached"] = bench.steady_state.reached
+        out["bench.steady_state.warmup_iterations"] = bench.steady_state.warmup_iterations
+        if bench.drift is not None:
+            out["bench.drift.ratio"] = bench.drift.ratio
+            out["bench.drift.flagged"] = bench.drift.flagged
+    if build_seconds is not None:
+        out["build.seconds"] = build_seconds
     c = m.correctness
     for o in c.outputs:
         for key in ("max_abs_error", "max_rel_error", "mean_abs_error", "p99_abs_error", "mismatch_fraction",
@@ -111,7 +134,6 @@ def manifest_metrics(m: Manifest) -> dict[str, float]:
     out["gate.precision_passed"] = c.precision.passed
     out["placement.offending_layers"] = c.placement.offending
     out["precision.mismatched_layers"] = c.precision.mismatched_layers
-    out["build.seconds"] = m.build.seconds
     out["layers"] = len(m.layers)
     out["layers.fused"] = sum(1 for layer in m.layers if len(layer.fused_from) > 1)
     return {_name(k): float(v) for k, v in out.items()
@@ -204,7 +226,7 @@ def _log_data(tracking: Tracking, run_id: str, inputs: PublishInputs) -> None:
     if datasets:
         tracking.call("log dataset inputs", client.log_inputs, run_id, datasets=datasets)
     now = int(time.time() * 1000)
-    metrics = [Metric(k, v, now, 0) for k, v in sorted(manifest_metrics(m).items())]
+    metrics = [Metric(k, v, now, 0) for k, v in sorted(manifest_metrics(m, inputs.bench, inputs.build_seconds).items())]
     for i in range(0, max(len(metrics), 1), METRICS_PER_BATCH):
         chunk = metrics[i:i + METRICS_PER_BATCH]
         last = i + METRICS_PER_BATCH >= len(metrics)

@@ -24,8 +24,8 @@ from typing import Any
 
 from ..config import Registry
 from ..errors import ConfigError, GateFailed, InputError
-from ..io import read_json, sha256_arrays, sha256_file
-from ..manifest import Manifest
+from ..io import read_json, sha256_arrays
+from ..manifest import Manifest, evidence_digest
 from ..registry.gates import correctness_problems, engine_gate, manifest_gate, placement_gate, signature_gate
 from ..results import Result
 from . import trust
@@ -181,7 +181,7 @@ def check(registry: Registry, model: str, c: Candidate, alias: str | None) -> li
         gate = signature_gate(c.signature, m, alias, registry)
         if not gate.passed:
             bad.append(f"{c.sku}: signature: {gate.detail}")
-    if sha256_file(c.validate) != m.evidence.files.get("validate.json"):
+    if evidence_digest("validate.json", c.validate) != m.evidence.files.get("validate.json"):
         bad.append(f"{c.sku}: validate.json is not the report the manifest was written from")
         return bad
     want = read_json(c.validate).get("outputs_sha256")

@@ -65,6 +65,25 @@ def cpu_info() -> dict[str, Any]:
             "faked": fake_flags is not None or fake_model is not None}
 
 
+def cpu_max_mhz() -> float | None:
+    """The CPU's highest clock: cpufreq's maximum, else the highest ``cpu MHz`` of /proc/cpuinfo
+    (a VM's nominal clock); None where neither is reported."""
+    freq = _read("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq")
+    if freq and freq.isdigit():
+        return int(freq) / 1000
+    found = re.findall(r"^cpu MHz\s*:\s*([\d.]+)", _read("/proc/cpuinfo") or "", re.MULTILINE)
+    return max(map(float, found)) if found else None
+
+
+def llc_bytes() -> int | None:
+    """Size of cpu0's last-level (L3) cache as the kernel reports it; None where it does not."""
+    text = _read("/sys/devices/system/cpu/cpu0/cache/index3/size") or ""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if text[:-1].isdigit() and text[-1:] in units:
+        return int(text[:-1]) * units[text[-1]]
+    return None
+
+
 def cpu_features() -> frozenset[str]:
     """The CPU flags this host reports (``/proc/cpuinfo`` names, e.g. ``avx512_vnni``): what
     every "host" target and every engine-compatibility check is decided from."""

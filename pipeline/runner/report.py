@@ -38,11 +38,13 @@ def backend_versions(registry: Registry) -> dict[str, dict[str, str] | str]:
     return out
 
 
-def probe_report(registry: Registry) -> dict[str, Any]:
+def probe_report(registry: Registry, peaks: bool = False, refresh: bool = False) -> dict[str, Any]:
+    """The host as a runner; with ``peaks``, its peak compute and bandwidth (pipeline.runner.peaks:
+    cached per host, ``refresh`` measures again)."""
     from ..repro import sku_statuses
 
     statuses = sku_statuses(registry)
-    return {
+    report = {
         "host": probe.host(),
         "device_state": probe.device_state(),
         "gpu": probe.gpu(),
@@ -51,6 +53,11 @@ def probe_report(registry: Registry) -> dict[str, Any]:
         "skus": {"buildable": [s.sku for s in statuses if s.buildable],
                  "runnable": [s.sku for s in statuses if s.runnable]},
     }
+    if peaks:
+        from .peaks import host_peaks
+
+        report["peaks"] = host_peaks(refresh=refresh).to_json()
+    return report
 
 
 def check_report(registry: Registry, sku: str) -> dict[str, Any]:

@@ -3,46 +3,93 @@ and end to end (preprocess, batch, infer, postprocess), device state at the time
 
 from __future__ import annotations
 
+import functools
+import json
+import math
+import os
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..backends import get_backend
-from ..config import Registry
+from ..benchstats import drift, latency_stats, settled
+from ..config import BenchSpec, Registry
 from ..data import LABELS, iter_batches, postprocess, preprocess
+from ..errors import ConfigError
 from ..io import atomic_write_bytes, atomic_write_json, sha256_bytes
-from ..results import BenchReport, BuildReport, LatencyStats, PrepareReport
-from ..runner.probe import device_state, rss_mb
+from ..results import BenchReport, BuildReport, Execution, PrepareReport, SteadyState, SweepPoint
+
+if TYPE_CHECKING:
+    from ..roofline import RooflineReport
+from ..runner.probe import device_state, rss_mb, usable_cores
 from . import Progress
 from .build import require_host
 from .common import batch_indices, check_engine, layout, load_arrays, log, read_report
 
 
-def latency_stats(samples_ms: list[float]) -> LatencyStats:
+def time_calls(fn: Callable[[], object], iterations: int, min_seconds: float = 0.0,
+               progress: Progress | None = None, label: str = "", stop: threading.Event | None = None,
+               max_seconds: float = math.inf) -> list[float]:
+    """Call ``fn`` at least ``iterations`` times and for at least ``min_seconds``, but never past
+    ``max_seconds`` (after one call) or once ``stop`` is set; ms per call. The loop does one clock
+    read per side of the call and nothing else between them."""
+    clock = time.perf_counter
+    out: list[float] = []
+    append = out.append
+    start = clock()
+    min_end, deadline = start + min_seconds, start + max_seconds
+    while True:
+        t0 = clock()
+        fn()
+        t1 = clock()
+        append((t1 - t0) * 1000.0)
+        n = len(out)
+        if (n >= iterations and t1 >= min_end) or t1 >= deadline:
+            return out
+        if n % 64 == 0:
+            if stop is not None and stop.is_set():
+                return out
+            if progress is not None:
+                progress(label, min(1.0, n / iterations))
+
+
+def warm_up(fn: Callable[[], object], cfg: BenchSpec, progress: Progress | None = None) -> tuple[list[float], SteadyState]:
+    """Call ``fn`` in windows until the medians of the last three settle (after at least
+    ``cfg.warmup`` calls), or until ``cfg.max_warmup_seconds``; ``warmup: 0`` skips it. A window is shrunk for slow engines
+    so that three fit in the time cap."""
     import numpy as np
 
-    a = np.asarray(samples_ms, dtype=np.float64)
-    p50, p95, p99 = np.percentile(a, [50, 95, 99])
-    return LatencyStats(iterations=len(a), mean_ms=float(a.mean()), std_ms=float(a.std()), min_ms=float(a.min()),
-                        p50_ms=float(p50), p95_ms=float(p95), p99_ms=float(p99), max_ms=float(a.max()))
-
-
-def time_calls(fn: Callable[[], object], iterations: int, min_seconds: float = 0.0,
-               progress: Progress | None = None, label: str = "", stop: threading.Event | None = None) -> list[float]:
-    """Call ``fn`` at least ``iterations`` times and for at least ``min_seconds`` (until ``stop`` is
-    set); ms per call."""
-    out: list[float] = []
+    if cfg.warmup == 0:
+        return [], SteadyState(reached=False, warmup_iterations=0, warmup_seconds=0.0, window=cfg.steady_window,
+                               tolerance=cfg.steady_tolerance, reason="warm-up disabled (bench.warmup: 0)")
+    t0 = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t0, 1e-7)
+    samples = [once * 1000.0]
+    window = int(min(cfg.steady_window, max(5, cfg.max_warmup_seconds / 4 / once)))
+    medians: list[float] = []
     start = time.perf_counter()
-    while (len(out) < iterations or time.perf_counter() - start < min_seconds) and not (stop and stop.is_set()):
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1000)
-        if progress is not None and len(out) % 50 == 0:
-            progress(label, min(1.0, len(out) / iterations))
-    return out
+    while True:
+        block = time_calls(fn, window, max_seconds=cfg.max_warmup_seconds)
+        samples += block
+        medians.append(float(np.median(block)))
+        elapsed = time.perf_counter() - start
+        if len(samples) >= cfg.warmup and settled(medians, cfg.steady_tolerance):
+            reason = (f"medians of the last 3 windows of {window} calls within {cfg.steady_tolerance:.0%} "
+                      f"after {len(samples)} calls")
+            return samples, SteadyState(reached=True, warmup_iterations=len(samples), warmup_seconds=round(elapsed, 3),
+                                        window=window, tolerance=cfg.steady_tolerance, reason=reason)
+        if elapsed >= cfg.max_warmup_seconds:
+            reason = (f"not settled within max_warmup_seconds ({cfg.max_warmup_seconds:g} s, {len(samples)} calls): "
+                      f"last window medians {', '.join(f'{m:.4g}' for m in medians[-3:])} ms")
+            return samples, SteadyState(reached=False, warmup_iterations=len(samples), warmup_seconds=round(elapsed, 3),
+                                        window=window, tolerance=cfg.steady_tolerance, reason=reason)
+        if progress is not None:
+            progress("bench warm-up", min(1.0, elapsed / cfg.max_warmup_seconds))
 
 
-def _concurrent(fn: Callable[[], object], threads: int, iterations: int, min_seconds: float) -> tuple[list[float], float]:
+def _concurrent(fn: Callable[[], object], threads: int, iterations: int, min_seconds: float,
+                max_seconds: float = math.inf) -> tuple[list[float], float]:
     """Each thread times its own calls; returns all latencies and the wall time.
 
     On Ctrl-C (delivered to the main thread only) the workers are told to stop and are waited
@@ -53,7 +100,7 @@ def _concurrent(fn: Callable[[], object], threads: int, iterations: int, min_sec
     stop = threading.Event()
 
     def work(i: int) -> None:
-        results[i] = time_calls(fn, per_thread, min_seconds, stop=stop)
+        results[i] = time_calls(fn, per_thread, min_seconds, stop=stop, max_seconds=max_seconds)
 
     workers = [threading.Thread(target=work, args=(i,), daemon=True, name=f"bench-{i}") for i in range(threads)]
     start = time.perf_counter()
@@ -71,7 +118,110 @@ def _concurrent(fn: Callable[[], object], threads: int, iterations: int, min_sec
     return [x for r in results for x in r], time.perf_counter() - start
 
 
+def _timed(fn: Callable[[], object], cfg: BenchSpec, concurrency: int, progress: Progress | None,
+           label: str) -> tuple[list[float], float, bool]:
+    """Steady-state calls at ``concurrency`` under the SKU's iteration and time bounds: (ms per call,
+    busy seconds for the throughput, whether max_seconds ended them)."""
+    start = time.perf_counter()
+    if concurrency == 1:
+        samples = time_calls(fn, cfg.iterations, cfg.min_seconds, progress, label, max_seconds=cfg.max_seconds)
+        wall = sum(samples) / 1000
+    else:
+        samples, wall = _concurrent(fn, concurrency, cfg.iterations, cfg.min_seconds, cfg.max_seconds)
+    return samples, wall, time.perf_counter() - start >= cfg.max_seconds
+
+
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TVM_NUM_THREADS", "OMP_PROC_BIND",
+              "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+
+
+def execution(build: BuildReport, concurrency: int) -> Execution:
+    """The thread and affinity settings the engine runs under (read after it was loaded: a runner
+    may set its pool's variable)."""
+    affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    threads = {k: v for k, v in build.options.items()
+               if any(word in k for word in ("thread", "stream", "num_cores", "topology", "affinity"))}
+    return Execution(affinity=affinity, usable_cores=usable_cores(), engine_threads=threads,
+                     env={k: os.environ[k] for k in THREAD_ENV if k in os.environ}, concurrency=concurrency,
+                     timer="time.perf_counter around runner.infer")
+
+
+def _sweep_feeds(registry: Registry, model: str, sku: str, golden: dict, in_idx, batches: list[int]) -> dict[int, dict]:
+    """Inputs per swept batch size, refused before any timing when the engine cannot take them."""
+    spec, sku_spec = registry.model(model), registry.sku(sku)
+    pinned = registry.pins(model, sku).get(spec.batch_axis or "", 1)
+    profile = sku_spec.profiles.get(spec.batch_axis or "")
+    feeds = {}
+    for b in batches:
+        if b != pinned and (profile is None or not profile.min <= b <= profile.max):
+            raise ConfigError(f"skus.{sku}.bench.sweep.batch: {model}/{sku} is built for batch {pinned}"
+                              + (f" (profile {profile.min}..{profile.max})" if profile else "") + f", not {b}",
+                              hint=f"give skus.{sku}.profiles.{spec.batch_axis or 'batch'} a range covering the swept "
+                                   "batch sizes, or sweep only the built batch")
+        rows = max(len(next(iter(golden.values()))), 1)
+        tiled = {k: v if len(v) >= b else v[[i % rows for i in range(b)]] for k, v in golden.items()}
+        _, feeds[b] = next(iter_batches(tiled, in_idx, b))
+    return feeds
+
+
+def sweep(runner, registry: Registry, model: str, sku: str, cfg: BenchSpec, golden: dict, in_idx, batch: int,
+          progress: Progress | None) -> list[SweepPoint]:
+    """Throughput against latency at each (batch, concurrency) the SKU asks for."""
+    import numpy as np
+
+    if cfg.sweep is None:
+        return []
+    batches = cfg.sweep.batch or [batch]
+    feeds = _sweep_feeds(registry, model, sku, golden, in_idx, batches)
+    points = []
+    for b in batches:
+        for c in cfg.sweep.concurrency or [cfg.concurrency]:
+            call = functools.partial(runner.infer, feeds[b])
+            call()  # a new shape may re-plan
+            point_cfg = cfg.model_copy(update={"iterations": 1, "min_seconds": cfg.sweep.seconds,
+                                               "max_seconds": max(cfg.sweep.seconds, 1.0) * 2})
+            samples, wall, _ = _timed(call, point_cfg, c, progress, f"bench sweep b{b} c{c}")
+            points.append(SweepPoint(batch=b, concurrency=c, iterations=len(samples),
+                                     p50_ms=float(np.percentile(samples, 50)), p99_ms=float(np.percentile(samples, 99)),
+                                     throughput_per_s=len(samples) * b / wall if wall > 0 else 0.0))
+    return points
+
+
+def engine_roofline(registry: Registry, model: str, sku: str, runner, feeds: dict, build: BuildReport,
+                    p50_ms: float) -> RooflineReport | None:
+    """The engine against this host's peaks (measured once per host and cached: ``skuforge runner
+    probe --peaks``), with per-layer times where the backend profiles them. None, with a warning,
+    where the graph's costs cannot be counted; the benchmark itself never fails on it."""
+    from ..roofline import graph_cost, roofline
+    from ..runner.peaks import host_peaks
+
+    out = layout(registry)
+    try:
+        cost = graph_cost(out.prepared_model(model), registry.pins(model, sku))
+    except Exception as exc:  # noqa: BLE001 - an analysis, not a gate: say why and go on
+        log(model, sku).warning("bench: no roofline: the graph's costs could not be counted (%s)", exc)
+        return None
+    try:
+        times = runner.profile_layers(feeds)
+    except Exception as exc:  # noqa: BLE001
+        log(model, sku).warning("bench: per-layer times unavailable (%s)", exc)
+        times = None
+    return roofline(cost, p50_ms, host_peaks(), times, layers=build.layers)
+
+
+def samples_csv(samples: list[float]) -> bytes:
+    return ("iteration,latency_ms\n" + "".join(f"{i},{v:.4f}\n" for i, v in enumerate(samples))).encode()
+
+
+def timeline_csv(warm: list[float], steady: list[float]) -> bytes:
+    rows = [f"{i},warmup,{v:.4f}\n" for i, v in enumerate(warm)]
+    rows += [f"{len(warm) + i},steady,{v:.4f}\n" for i, v in enumerate(steady)]
+    return ("iteration,phase,latency_ms\n" + "".join(rows)).encode()
+
+
 def bench(registry: Registry, model: str, sku: str, progress: Progress | None = None) -> BenchReport:
+    import numpy as np
+
     require_host(registry, sku)
     spec, sku_spec = registry.model(model), registry.sku(sku)
     cfg = registry.bench(sku)
@@ -86,6 +236,8 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
         arrays.pop(LABELS, None)
     _, feeds = next(iter_batches(golden, in_idx, batch))
     raw_batch = {k: v[:batch] for k, v in raw.items()}
+    if cfg.sweep is not None:  # refuse impossible batch sizes before any timing
+        _sweep_feeds(registry, model, sku, golden, in_idx, cfg.sweep.batch or [batch])
     state_before = device_state()
     mem_before = rss_mb()
     t0 = time.perf_counter()
@@ -96,35 +248,64 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
         t0 = time.perf_counter()
         runner.infer(feeds)
         first_ms = (time.perf_counter() - t0) * 1000
-        warm = time_calls(lambda: runner.infer(feeds), cfg.warmup) if cfg.warmup else []
-        if cfg.concurrency == 1:
-            steady = time_calls(lambda: runner.infer(feeds), cfg.iterations, cfg.min_seconds, progress, "bench engine")
-            wall = sum(steady) / 1000
-        else:
-            steady, wall = _concurrent(lambda: runner.infer(feeds), cfg.concurrency, cfg.iterations, cfg.min_seconds)
+        call = functools.partial(runner.infer, feeds)  # no per-call closure or lookup beyond the runner's own
+        warm, steady_state = warm_up(call, cfg, progress)
+        steady, wall, capped = _timed(call, cfg, cfg.concurrency, progress, "bench engine")
 
         def end_to_end() -> object:
             inputs = preprocess(spec, raw_batch)
             _, batched = next(iter_batches(inputs, in_idx, batch))
             return postprocess(spec, runner.infer(batched))
 
-        e2e = time_calls(end_to_end, cfg.iterations, cfg.min_seconds, progress, "bench end-to-end")
+        e2e, _, _ = _timed(end_to_end, cfg, 1, progress, "bench end-to-end")
+        points = sweep(runner, registry, model, sku, cfg, golden, in_idx, batch, progress)
+        roof = engine_roofline(registry, model, sku, runner, feeds, build, float(np.median(steady))) if cfg.roofline else None
+        run = execution(build, cfg.concurrency)
         mem_after = rss_mb()
-    samples = ("iteration,latency_ms\n" + "".join(f"{i},{v:.4f}\n" for i, v in enumerate(steady))).encode()
+    # the statistics of the samples as latency.csv holds them: the manifest stage recomputes them from it
+    steady = [float(f"{v:.4f}") for v in steady]
+    samples, timeline = samples_csv(steady), timeline_csv(warm, steady)
+    roof_bytes = json.dumps(roof.to_json(), indent=2, sort_keys=True).encode() + b"\n" if roof is not None else None
+    engine = latency_stats(steady, cfg.confidence)
+    throughput_ci = None
+    if engine.mean_ci_ms is not None and cfg.concurrency == 1:
+        throughput_ci = (batch * 1000 / engine.mean_ci_ms[1], batch * 1000 / engine.mean_ci_ms[0])
     report = BenchReport(
         model=model, sku=sku, engine_sha256=engine_sha, build_config_sha256=build.build_config_sha256,
-        latency_sha256=sha256_bytes(samples), batch=batch, concurrency=cfg.concurrency, load_seconds=round(load_seconds, 4),
-        first_inference_ms=first_ms, warmup=latency_stats(warm) if warm else None,
-        engine_only=latency_stats(steady), end_to_end=latency_stats(e2e),
-        throughput_per_s=len(steady) * batch / wall if wall > 0 else 0.0,
+        latency_sha256=sha256_bytes(samples), timeline_sha256=sha256_bytes(timeline),
+        roofline_sha256=sha256_bytes(roof_bytes) if roof_bytes is not None else None,
+        roofline_fraction=roof.compute_fraction if roof is not None else None, batch=batch,
+        concurrency=cfg.concurrency, load_seconds=round(load_seconds, 4), first_inference_ms=first_ms,
+        warmup=latency_stats(warm, cfg.confidence) if warm else None, steady_state=steady_state,
+        engine_only=engine, end_to_end=latency_stats(e2e, cfg.confidence),
+        stopped="max_seconds" if capped else "iterations",
+        drift=drift(steady, steady_state.window, cfg.drift_threshold),
+        throughput_per_s=len(steady) * batch / wall if wall > 0 else 0.0, throughput_ci_per_s=throughput_ci,
+        execution=run, sweep=points,
         memory_mb={"rss_before_load": mem_before["rss"], "rss_after_load": mem_loaded["rss"],
                    "engine_load_delta": mem_loaded["rss"] - mem_before["rss"], "rss_after_bench": mem_after["rss"],
                    "peak_rss": mem_after["peak_rss"]},
         device_state={"before": state_before, "after": device_state()},
     )
-    atomic_write_bytes(out.latency_csv(model, sku), samples)  # samples first: the report names their hash
+    # samples first: the report names their hashes
+    atomic_write_bytes(out.latency_csv(model, sku), samples)
+    atomic_write_bytes(out.timeline_csv(model, sku), timeline)
+    if roof_bytes is not None:
+        atomic_write_bytes(out.roofline(model, sku), roof_bytes)
+    else:
+        out.roofline(model, sku).unlink(missing_ok=True)  # never a stale analysis beside a new report
     atomic_write_json(out.report(model, sku, "bench"), report.to_json())
     s = report.engine_only
-    log(model, sku).info("bench: p50 %.3f ms p95 %.3f ms p99 %.3f ms, %.0f samples/s", s.p50_ms, s.p95_ms, s.p99_ms,
-                         report.throughput_per_s)
+    log(model, sku).info("bench: p50 %.4g ms (%s) p99 %.4g ms, %.0f samples/s; %s", s.p50_ms, _ci(s.p50_ci_ms),
+                         s.p99_ms, report.throughput_per_s, steady_state.reason)
+    if not steady_state.reached:
+        log(model, sku).warning("bench: %s", steady_state.reason)
+    if report.drift is not None and report.drift.flagged:
+        log(model, sku).warning("bench: latency drifted %.1f%% between the first and last %d calls (%.4g -> %.4g ms): "
+                                "throttling or a noisy neighbour; the figures may not hold", (report.drift.ratio - 1) * 100,
+                                report.drift.window, report.drift.first_p50_ms, report.drift.last_p50_ms)
     return report
+
+
+def _ci(ci: tuple[float, float] | None) -> str:
+    return f"95% CI {ci[0]:.4g}..{ci[1]:.4g}" if ci else "no CI"

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from ..config import Registry
 from ..errors import InputError
+from ..benchstats import latency_stats
+from ..dvcmetrics import write_metrics
 from ..io import atomic_write_json, read_json, sha256_file
-from ..manifest import digest, provenance, validate_document
-from ..results import (BenchReport, Benchmark, BuildInfo, BuildReport, CacheInfo, CalibrationInfo, CalibrationReport, Correctness,
+from ..registry.stats import read_latency_csv
+from ..manifest import benchmark_summary, digest, evidence_digest, provenance, settle, validate_document
+from ..results import (BenchReport, BuildInfo, BuildReport, CacheInfo, CalibrationInfo, CalibrationReport, Correctness,
                        DataReport, EngineBound, Evidence, HostInfo, Manifest, PlacementSummary, PrecisionSummary,
                        PrepareReport, SourceInfo, TargetInfo, ValidationReport)
 from ..runner.probe import host
@@ -42,8 +45,12 @@ def assemble(registry: Registry, model: str, sku: str, host_info: dict | None = 
     if latency_sha != bench.latency_sha256:
         raise InputError(f"{latency} is {'missing' if latency_sha is None else 'not the samples bench.json was written with'}",
                          hint=f"rerun the bench stage: skuforge bench --model {model} --sku {sku}")
-    files = {f"{stage}.json": sha256_file(out.report(model, sku, stage)) for stage in ("build", "validate", "bench")}
-    files[latency.name] = latency_sha
+    recomputed = latency_stats(read_latency_csv(latency.read_text(encoding="utf-8")), registry.bench(sku).confidence)
+    if recomputed != bench.engine_only:
+        raise InputError(f"{out.report(model, sku, 'bench')}: its engine-only figures are not those of its samples "
+                         f"(p50 {bench.engine_only.p50_ms:.4g} ms, the samples' {recomputed.p50_ms:.4g} ms): edited?",
+                         hint=f"rerun the bench stage: skuforge bench --model {model} --sku {sku}")
+    files = {f"{stage}.json": evidence_digest(f"{stage}.json", out.report(model, sku, stage)) for stage in ("build", "validate")}
     calibration = None
     if build.calibration is not None:
         cal = read_report(out.report(model, None, "calibrate"), CalibrationReport, "calibrate")
@@ -62,7 +69,7 @@ def assemble(registry: Registry, model: str, sku: str, host_info: dict | None = 
         build_config_sha256=build.build_config_sha256, shapes=build.shapes, profiles=build.profiles,
         signature=prep.signature, engine=build.engine_files,
         evidence=Evidence(engine_sha256=build.engine_sha256, files=files),
-        build=BuildInfo(seconds=build.build_seconds, warnings=build.warnings, options=build.options,
+        build=BuildInfo(warnings=build.warnings, options=build.options,
                         keep_precise=build.keep_precise, remedy=build.remedy,
                         reproducibility=build.reproducibility),
         hardware_specific=build.hardware_specific, calibration=calibration,
@@ -79,10 +86,7 @@ def assemble(registry: Registry, model: str, sku: str, host_info: dict | None = 
                                        policy=val.precision_gate.policy,
                                        mismatched_layers=len(val.precision_gate.mismatched)),
             warnings=val.warnings, bisection=val.bisection),
-        benchmark=Benchmark(batch=bench.batch, concurrency=bench.concurrency, engine_only=bench.engine_only,
-                            end_to_end=bench.end_to_end, throughput_per_s=bench.throughput_per_s,
-                            first_inference_ms=bench.first_inference_ms, load_seconds=bench.load_seconds,
-                            memory_mb=bench.memory_mb, device_state=bench.device_state),
+        benchmark=benchmark_summary(bench, registry.bench(sku).noise_floor),
         host=HostInfo(**(host() if host_info is None else host_info)),
     )
     doc = body.model_dump(mode="json", exclude={"digest", "provenance"})
@@ -91,15 +95,18 @@ def assemble(registry: Registry, model: str, sku: str, host_info: dict | None = 
 
 
 def write_manifest(registry: Registry, model: str, sku: str, progress: Progress | None = None) -> Manifest:
-    doc = assemble(registry, model, sku)
     path = layout(registry).manifest(model, sku)
     old = _previous(path)
+    doc = settle(assemble(registry, model, sku), old)
     prov = old.get("provenance") if old.get("digest") == doc["digest"] else None  # a no-op rebuild leaves no diff
     doc["provenance"] = prov or provenance(registry.root).to_json()
     manifest = Manifest.model_validate(doc)
     doc = manifest.to_json()
     validate_document(doc, str(path))
     atomic_write_json(path, doc)
+    out = layout(registry)
+    bench = read_report(out.report(model, sku, "bench"), BenchReport, "bench")
+    write_metrics(registry.root, doc, out.latency_csv(model, sku), out.timeline_csv(model, sku), bench.sweep)
     log(model, sku).info("manifest %s (digest %s)", path, doc["digest"][:12])
     return manifest
 

@@ -12,12 +12,14 @@ from pathlib import Path
 from ..config import Registry
 from ..errors import InputError
 from ..io import atomic_write_json, sha256_file
-from ..manifest import load_manifest
+from ..manifest import evidence_digest, load_manifest, settle
 from ..registry.publish import PublishInputs, publish_engine
+from ..report import write_pair_report
 from ..registry.reports import PublishResult
 from ..registry.tracking import Tracking, connect
 from . import Progress
-from .common import layout, log
+from ..results import BenchReport, BuildReport
+from .common import layout, log, read_report
 from .config import resolved
 from .manifest import assemble
 
@@ -30,17 +32,23 @@ def collect(registry: Registry, model: str, sku: str) -> PublishInputs:
     if (manifest.model, manifest.sku) != (model, sku):
         raise InputError(f"{manifest_path} describes {manifest.model}/{manifest.sku}, not {model}/{sku}",
                          hint=f"regenerate it: skuforge manifest --model {model} --sku {sku}")
-    latency = out.latency_csv(model, sku)
-    evidence = {f"{stage}.json": out.report(model, sku, stage) for stage in ("build", "validate", "bench")}
-    evidence[latency.name] = latency
+    evidence = {f"{stage}.json": out.report(model, sku, stage) for stage in ("build", "validate")}
     stale = [name for name, path in evidence.items()
-             if not path.is_file() or sha256_file(path) != manifest.evidence.files.get(name)]
+             if not path.is_file() or evidence_digest(name, path) != manifest.evidence.files.get(name)]
     if stale:
-        raise InputError(f"{', '.join(stale)} of {model}/{sku} are missing or are not the files {manifest_path} "
+        raise InputError(f"{', '.join(stale)} of {model}/{sku} are missing or are not the reports {manifest_path} "
                          "was written from", hint=f"run skuforge manifest --model {model} --sku {sku} (or dvc repro)")
-    if assemble(registry, model, sku, manifest.host.to_json())["digest"] != manifest.digest:
-        raise InputError(f"{manifest_path} says other things than the reports it names (edited after it was written?)",
+    # the bench report and samples of this run: about this engine, and measuring what the manifest says
+    # (its figures may be an earlier run's, kept because this one lies within their intervals)
+    rederived = settle(assemble(registry, model, sku, manifest.host.to_json()), manifest.to_json())
+    if rederived["digest"] != manifest.digest:
+        raise InputError(f"{manifest_path} says other things than the reports it names (edited after it was written, "
+                         "or the benchmark moved beyond its intervals since)",
                          hint=f"regenerate it: skuforge manifest --model {model} --sku {sku} (or dvc repro)")
+    bench = read_report(out.report(model, sku, "bench"), BenchReport, "bench")
+    build = read_report(out.report(model, sku, "build"), BuildReport, "build")
+    samples = [out.report(model, sku, "bench"), out.latency_csv(model, sku)]
+    samples += [p for p in (out.timeline_csv(model, sku),) if p.is_file()]
     engine_dir = out.engine_dir(model, sku)
     for rec in manifest.engine:
         path = engine_dir / rec.path
@@ -51,7 +59,8 @@ def collect(registry: Registry, model: str, sku: str) -> PublishInputs:
     if (engine_dir / "engine.json").is_file():
         engine_files.append("engine.json")
     sku_dir = out.sku_dir(model, sku)
-    reports = list(evidence.values())
+    reports = list(evidence.values()) + samples
+    write_pair_report(registry, model, sku)  # report.html: the pair's page, self-contained (docs/report.md)
     reports += sorted(sku_dir.glob("*.html"))  # an HTML report, where a stage wrote one
     # what a release needs for the device's smoke test: the golden inputs and the engine's outputs on
     # them, bound to the manifest by datasets.golden and validate.json's outputs_sha256
@@ -62,7 +71,7 @@ def collect(registry: Registry, model: str, sku: str) -> PublishInputs:
                 for split, sha in manifest.datasets.items()}
     return PublishInputs(manifest=manifest, manifest_path=manifest_path, engine_dir=engine_dir,
                          engine_files=engine_files, reports=reports, config=settings, datasets=datasets,
-                         env=dict(os.environ))
+                         env=dict(os.environ), bench=bench, build_seconds=build.build_seconds)
 
 
 def publish(registry: Registry, model: str, sku: str, progress: Progress | None = None,

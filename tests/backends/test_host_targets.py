@@ -173,7 +173,7 @@ def iree_engines(tmp_path_factory):
     models.conv_bn_model(root / "models/conv/model.onnx")
     sku = {"backend": "iree", "precision": "fp32", "target": {"arch": "x86_64", "device": "cpu", "os": "linux"},
            "runner_labels": ["self-hosted", "linux", "x64"], "shapes": {"batch": 1},
-           "bench": {"warmup": 1, "iterations": 2, "min_seconds": 0.0}}
+           "bench": {"warmup": 1, "steady_window": 5, "max_warmup_seconds": 1.0, "roofline": False, "iterations": 2, "min_seconds": 0.0}}
     hosts = ("v3", "emr_guest", "amx")
     reg = load_registry(models.write_project(root, {"conv": models.conv_bn_spec()}, {h: sku for h in hosts}))
     prepare(reg, "conv")

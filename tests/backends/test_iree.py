@@ -41,7 +41,7 @@ def iree_sku(precision: str = "fp32", device: str = "cpu", labels: tuple[str, ..
              **options) -> dict:
     return {"backend": "iree", "precision": precision, "target": {"arch": "x86_64", "device": device, "os": "linux"},
             "runner_labels": list(labels), "shapes": {"batch": 1}, "options": options,
-            "bench": {"warmup": 2, "iterations": 10, "min_seconds": 0.0}}
+            "bench": {"warmup": 2, "steady_window": 5, "max_warmup_seconds": 1.0, "roofline": False, "iterations": 10, "min_seconds": 0.0}}
 
 
 CUDA_LABELS = ("self-hosted", "linux", "x64", "gpu", "cuda", "sm80")

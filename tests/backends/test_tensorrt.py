@@ -57,7 +57,7 @@ def trt_sku(precision: str = "fp32", **extra) -> dict:
     """A TensorRT SKU for this host's architecture (buildable where TensorRT and a GPU exist)."""
     sku = {"backend": "tensorrt", "precision": precision, "target": {"arch": host_arch(), "device": "gpu", "os": "linux"},
            "runner_labels": ["self-hosted", "linux", "x64", "gpu", "nvidia"], "shapes": {"batch": 1},
-           "bench": {"warmup": 5, "iterations": 30, "min_seconds": 0.0}}
+           "bench": {"warmup": 5, "steady_window": 5, "max_warmup_seconds": 1.0, "roofline": False, "iterations": 30, "min_seconds": 0.0}}
     sku.update(extra)
     return sku
 

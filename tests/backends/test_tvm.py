@@ -44,7 +44,7 @@ def tvm_sku(**options) -> dict:
     return {"backend": "tvm", "precision": "fp32", "target": {"arch": "x86_64", "device": "cpu", "os": "linux"},
             "runner_labels": ["self-hosted", "linux", "x64"], "shapes": {"batch": 1},
             "options": {"target_cpu": "x86-64-v3", "num_cores": 2, **options}, "placement": {"allowed": ["cpu"]},
-            "bench": {"warmup": 2, "iterations": 10, "min_seconds": 0.0}}
+            "bench": {"warmup": 2, "steady_window": 5, "max_warmup_seconds": 1.0, "roofline": False, "iterations": 10, "min_seconds": 0.0}}
 
 
 # a few trials: enough for MetaSchedule to write real records, little enough for the suite

@@ -64,7 +64,7 @@ def test_the_embedded_store_lives_at_the_project_root(proj):
     assert result.created_run and result.created_version and result.version == "1"
     names = [f.path for f in connect(proj).client.list_artifacts(result.run_id, "reports")]
     assert names == [f"reports/{n}" for n in ("bench.json", "build.json", "golden.npz", "latency.csv", "outputs.npz",
-                                              "report.html", "validate.json")]
+                                              "report.html", "timeline.csv", "validate.json")]
 
 
 def test_tags_name_the_commit_runner_and_ci_run(proj):
@@ -89,7 +89,7 @@ def test_a_crash_mid_upload_is_resumed(proj):
     result = publish(proj, "conv", "b")
     assert result.resumed and not result.created_run and result.created_version
     run = one_run_one_version(proj, result)
-    assert run.info.status == "FINISHED" and run.data.metrics["latency.engine_only.iterations"] == 40.0
+    assert run.info.status == "FINISHED" and run.data.metrics["bench.engine_only.iterations"] == 40.0
 
 
 def test_a_crash_between_run_and_version_registers_on_rerun(proj):
@@ -106,14 +106,25 @@ def test_reports_that_do_not_match_the_manifest_are_refused(proj):
     bench = out.report("conv", "d", "bench")
     saved = bench.read_bytes()
     doc = json.loads(saved)
-    doc["engine_only"]["p50_ms"] *= 2  # bench ran again, the manifest was not rewritten
+    doc["engine_only"]["p50_ms"] *= 2  # edited: no longer the figures of its samples
     bench.write_text(json.dumps(doc))
     try:
-        with pytest.raises(InputError, match="bench.json of conv/d are missing or are not the files") as info:
+        with pytest.raises(InputError, match="engine-only figures are not those of its samples") as info:
+            publish(proj, "conv", "d")
+        assert "skuforge bench" in info.value.hint
+    finally:
+        bench.write_bytes(saved)
+    build = out.report("conv", "d", "build")
+    saved = build.read_bytes()
+    doc = json.loads(saved)
+    doc["warnings"] = ["rebuilt with other settings"]  # build ran again, the manifest was not rewritten
+    build.write_text(json.dumps(doc))
+    try:
+        with pytest.raises(InputError, match="build.json of conv/d are missing or are not the reports") as info:
             publish(proj, "conv", "d")
         assert "skuforge manifest" in info.value.hint
     finally:
-        bench.write_bytes(saved)
+        build.write_bytes(saved)
     engine = out.engine_dir("conv", "d") / "model.onnx"
     saved = engine.read_bytes()
     engine.write_bytes(saved[:-1] + bytes([saved[-1] ^ 1]))

@@ -42,7 +42,7 @@ def _ci_env(monkeypatch) -> None:
 
 
 SKUS = {"good": sku("fp32"), "bad": sku("int8", tolerance={"atol": 0, "rtol": 0, "max_mismatch": 0}),
-        "engine": sku("fp32"), "lat": sku("fp32"), "store": sku("fp32"), "falsified": sku("fp32", toolchain={"onnxruntime": ">=1.20"}),
+        "engine": sku("fp32"), "lat": sku("fp32"), "lat2": sku("fp32"), "store": sku("fp32"), "falsified": sku("fp32", toolchain={"onnxruntime": ">=1.20"}),
         "trusted": sku("fp32")}
 RELEASE = {"tracking": FAST_RETRIES, "skus": ["good"],
            "signing": {"keys": {"ci": CI_KEY.public_key},
@@ -167,7 +167,20 @@ def test_scaled_latency_samples_in_the_store_are_refused(proj):
     _scaled(_artifacts(proj, result.run_id) / "reports" / "latency.csv")
     exc = _blocked(proj, "candidate", "lat")
     detail = _gate(exc, "performance").detail
-    assert "latency samples" in detail and "not the ones its manifest recorded" in detail
+    assert "latency samples" in detail and "not the ones its bench report and manifest recorded" in detail
+
+
+def test_scaled_samples_with_a_matching_bench_report_in_the_store_are_refused(proj):
+    """The writer rewrites bench.json to name the scaled samples: the gate recomputes their median
+    and finds it outside the signed manifest's p50 interval."""
+    result = publish(proj, "conv", "lat2")
+    reports = _artifacts(proj, result.run_id) / "reports"
+    _scaled(reports / "latency.csv")
+    doc = read_json(reports / "bench.json")
+    doc["latency_sha256"] = sha256_file(reports / "latency.csv")
+    (reports / "bench.json").write_text(json.dumps(doc))
+    detail = _gate(_blocked(proj, "candidate", "lat2"), "performance").detail
+    assert "p50" in detail and "is not the manifest's" in detail
 
 
 def test_scaled_latency_samples_in_the_workspace_are_refused_by_publish(proj):
@@ -175,10 +188,23 @@ def test_scaled_latency_samples_in_the_workspace_are_refused_by_publish(proj):
     saved = csv.read_bytes()
     try:
         _scaled(csv)
-        with pytest.raises(InputError, match="latency.csv of conv/good are missing or are not the files"):
+        with pytest.raises(InputError, match="latency.csv is not the samples bench.json was written with"):
             publish(proj, "conv", "good")
     finally:
         csv.write_bytes(saved)
+
+
+def test_edited_bench_figures_are_refused_by_publish(proj):
+    path = Layout(proj.root).report("conv", "good", "bench")
+    saved = path.read_bytes()
+    try:
+        doc = json.loads(saved)
+        doc["engine_only"]["p50_ms"] /= 5
+        path.write_text(json.dumps(doc))
+        with pytest.raises(InputError, match="engine-only figures are not those of its samples"):
+            publish(proj, "conv", "good")
+    finally:
+        path.write_bytes(saved)
 
 
 def test_a_manifest_replaced_and_retagged_in_the_store_fails_its_signature(proj):

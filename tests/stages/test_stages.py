@@ -204,7 +204,9 @@ def test_bench_percentiles_are_ordered(proj, model, sku):
     for stats in (rep.engine_only, rep.end_to_end):
         assert stats.iterations == 10
         assert 0 < stats.min_ms <= stats.p50_ms <= stats.p95_ms <= stats.p99_ms <= stats.max_ms
-    assert rep.warmup is not None and rep.warmup.iterations == 2
+    assert rep.warmup is not None and rep.warmup.iterations >= 2
+    assert rep.steady_state.warmup_iterations == rep.warmup.iterations
+    assert rep.steady_state.window == 5 and rep.stopped == "iterations" and rep.execution.usable_cores >= 1
     assert rep.batch == 1 and rep.concurrency == 1 and rep.throughput_per_s > 0
     assert rep.first_inference_ms > 0 and rep.load_seconds >= 0
     assert set(rep.device_state) == {"before", "after"}

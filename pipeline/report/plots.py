@@ -1,0 +1,196 @@
+"""The report's charts as PNG bytes, drawn with matplotlib's Agg canvas (no display, no pyplot state).
+
+Labels that come from reports (SKU names, phases) pass through ``_text``: a ``$`` in them is drawn
+as it is rather than parsed (or failing to parse) as TeX math.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Sequence
+
+Interval = tuple[float, float] | None  # a confidence interval, None where the report has none
+
+_RC = {"font.size": 9, "axes.grid": True, "grid.alpha": 0.3, "svg.hashsalt": "skuforge"}
+WIDTH, HEIGHT, DPI = 7.0, 3.2, 100
+MAX_POINTS = 20_000  # per scatter plot
+COLOURS = {"warmup": "#d95f02", "steady": "#1b9e77", "p50": "#1f77b4", "p95": "#ff7f0e", "p99": "#d62728"}
+
+
+def _text(label: object) -> str:
+    return str(label).replace("$", r"\$")
+
+
+def _figure(rows: int = 1, cols: int = 1, height: float = HEIGHT):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(WIDTH, height), dpi=DPI, layout="constrained")
+    return fig, fig.subplots(rows, cols, squeeze=False)
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": None})  # no version stamp: same input, same bytes
+    return buf.getvalue()
+
+
+def _draw(fn):
+    """Run ``fn`` under the report's rc settings (math text off) and return its figure as PNG."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs) -> bytes:
+        import matplotlib
+
+        with matplotlib.rc_context(_RC):
+            return _png(fn(*args, **kwargs))
+
+    return wrapper
+
+
+@_draw
+def latency_distribution(samples: Sequence[float], percentiles: dict[str, float]):
+    """Histogram and empirical CDF of the steady engine-only samples, percentiles marked."""
+    import numpy as np
+
+    fig, axes = _figure(1, 2)
+    hist, cdf = axes[0]
+    values = np.sort(np.asarray(samples, dtype=float))
+    hi = np.percentile(values, 99.9) if len(values) > 100 else values[-1]
+    hist.hist(values[values <= hi], bins=60, color="#4c72b0")
+    hist.set(title="latency histogram (to p99.9)", xlabel="ms", ylabel="calls")
+    cdf.plot(values, np.arange(1, len(values) + 1) / len(values), color="#4c72b0")
+    cdf.set(title="latency CDF (to p99.9)", xlabel="ms", ylabel="fraction of calls", xlim=(values[0], hi))
+    for name, value in percentiles.items():
+        for ax in (hist, cdf):
+            ax.axvline(value, color=COLOURS.get(name, "grey"), linestyle="--", linewidth=1, label=f"{name} {value:.4g} ms")
+    hist.legend(loc="upper right")
+    return fig
+
+
+@_draw
+def timeline(iterations: Sequence[int], phases: Sequence[str], latency_ms: Sequence[float]):
+    """Latency per call in call order, warm-up and steady calls in their own colours (at most
+    MAX_POINTS points: a long run is thinned evenly, which keeps its shape)."""
+    fig, axes = _figure()
+    ax = axes[0][0]
+    step = max(1, math.ceil(len(latency_ms) / MAX_POINTS))
+    iterations, phases, latency_ms = iterations[::step], phases[::step], latency_ms[::step]
+    for phase in dict.fromkeys(phases):
+        xs = [i for i, p in zip(iterations, phases) if p == phase]
+        ys = [v for v, p in zip(latency_ms, phases) if p == phase]
+        ax.scatter(xs, ys, s=2, color=COLOURS.get(phase, "grey"), label=f"{_text(phase)} ({len(xs)})", rasterized=True)
+    title = "latency per call, warm-up to steady state" + (f" (every {step}th call)" if step > 1 else "")
+    ax.set(title=title, xlabel="call", ylabel="ms", yscale="log")
+    ax.legend(loc="upper right", markerscale=4)
+    return fig
+
+
+@_draw
+def percentile_intervals(rows: Sequence[tuple[str, float, Interval]]):
+    """One point per (phase, percentile) with its confidence interval as an error bar."""
+    fig, axes = _figure(height=0.45 * len(rows) + 1.0)
+    ax = axes[0][0]
+    for y, (label, value, ci) in enumerate(rows):
+        err = [[value - ci[0]], [ci[1] - value]] if ci else None
+        ax.errorbar([value], [y], xerr=err, fmt="o", capsize=4, color=COLOURS.get(label.split()[-1], "#333333"))
+    ax.set_yticks(range(len(rows)), [_text(r[0]) for r in rows])
+    ax.invert_yaxis()
+    ax.set(title="percentiles with confidence intervals", xlabel="ms")
+    return fig
+
+
+@_draw
+def sweep(points: Sequence[dict]):
+    """Throughput against latency over the (batch, concurrency) sweep: the latency cost of throughput."""
+    fig, axes = _figure()
+    ax = axes[0][0]
+    pts = sorted(points, key=lambda p: p["throughput_per_s"])
+    for key, colour in (("p50_ms", COLOURS["p50"]), ("p99_ms", COLOURS["p99"])):
+        ax.plot([p["throughput_per_s"] for p in pts], [p[key] for p in pts], "o-", color=colour, label=key[:3])
+    for p in pts:
+        ax.annotate(f"b{p['batch']} c{p['concurrency']}", (p["throughput_per_s"], p["p50_ms"]),
+                    textcoords="offset points", xytext=(4, -10), fontsize=7)
+    ax.set(title="throughput against latency (sweep)", xlabel="samples/s", ylabel="latency ms")
+    ax.legend()
+    return fig
+
+
+@_draw
+def roofline(peak_gflops: float, peak_gbs: float, layers: Sequence[tuple[str, float, float]],
+             engine: tuple[float, float] | None, compute_ceilings: dict[str, float] | None = None,
+             bandwidth_ceilings: dict[str, float] | None = None):
+    """The classic log-log roofline: min(peak compute, bandwidth x intensity), lower ceilings
+    dashed, the timed layers and the whole engine as points (FLOP/byte, achieved GFLOP/s); the
+    five slowest-running layers (lowest achieved) are named."""
+    import numpy as np
+
+    fig, axes = _figure(height=4.2)
+    ax = axes[0][0]
+    ridge = peak_gflops / peak_gbs
+    xs = [x for _, x, _ in layers] + ([engine[0]] if engine else [])
+    lo = min([ridge / 100, *(x / 2 for x in xs if x > 0)])
+    hi = max([ridge * 100, *(x * 2 for x in xs)])
+    grid = np.logspace(math.log10(lo), math.log10(hi), 200)
+    ax.plot(grid, np.minimum(peak_gflops, peak_gbs * grid), color="black", linewidth=1.8,
+            label=f"roof: {peak_gflops:.4g} GFLOP/s, {peak_gbs:.4g} GB/s")
+    for label, value in (compute_ceilings or {}).items():
+        ax.plot(grid, np.minimum(value, peak_gbs * grid), color="grey", linestyle="--", linewidth=0.8)
+        ax.annotate(_text(label), (hi, value), ha="right", va="bottom", fontsize=7, color="grey")
+    for label, value in (bandwidth_ceilings or {}).items():
+        ax.plot(grid, np.minimum(peak_gflops, value * grid), color="grey", linestyle=":", linewidth=0.8)
+        ax.annotate(_text(label), (lo, value * lo), ha="left", va="bottom", fontsize=7, color="grey")
+    ax.axvline(ridge, color="grey", linestyle=":", linewidth=1, label=f"ridge {ridge:.3g} FLOP/B")
+    if layers:
+        ax.scatter([x for _, x, _ in layers], [y for _, _, y in layers], s=16, color="#1f77b4", alpha=0.75,
+                   label=f"layers ({len(layers)})")
+        for name, x, y in sorted(layers, key=lambda t: t[2])[:5]:
+            ax.annotate(_text(name[:32]), (x, y), textcoords="offset points", xytext=(4, 2), fontsize=6)
+    if engine and engine[0] > 0 and engine[1] > 0:
+        ax.scatter([engine[0]], [engine[1]], s=90, marker="*", color="#d62728", label="engine", zorder=3)
+    ax.set(xscale="log", yscale="log", title="roofline", xlabel="arithmetic intensity (FLOP/byte)",
+           ylabel="GFLOP/s")
+    ax.legend(loc="lower right", fontsize=7)
+    return fig
+
+
+@_draw
+def latency_bars(skus: Sequence[str], p50: Sequence[float | None], p50_ci: Sequence[Interval],
+                 p99: Sequence[float | None], p99_ci: Sequence[Interval]):
+    """Engine-only p50 and p99 per SKU, side by side, confidence intervals as error bars."""
+    fig, axes = _figure(height=3.6)
+    ax = axes[0][0]
+    xs = range(len(skus))
+    for offset, name, values, cis in ((-0.2, "p50", p50, p50_ci), (0.2, "p99", p99, p99_ci)):
+        for x, v, ci in zip(xs, values, cis):
+            if v is None:
+                continue
+            err = [[v - ci[0]], [ci[1] - v]] if ci else None
+            ax.bar(x + offset, v, width=0.4, color=COLOURS[name], yerr=err, capsize=3,
+                   label=name if x == next(i for i, w in enumerate(values) if w is not None) else None)
+    _sku_axis(ax, skus)
+    shown = [v for v in (*p50, *p99) if v is not None and v > 0]
+    if shown and max(shown) / min(shown) > 30:  # one slow SKU would flatten the others to nothing
+        ax.set_yscale("log")
+    ax.set(title="engine-only latency per SKU (error bars: confidence interval)", ylabel="ms")
+    ax.legend()
+    return fig
+
+
+@_draw
+def bars(skus: Sequence[str], values: Sequence[float | None], title: str, ylabel: str,
+         cis: Sequence[Interval] | None = None):
+    fig, axes = _figure(height=3.4)
+    ax = axes[0][0]
+    for x, (v, ci) in enumerate(zip(values, cis or [None] * len(values))):
+        if v is not None:
+            ax.bar(x, v, width=0.6, color="#4c72b0", yerr=[[v - ci[0]], [ci[1] - v]] if ci else None, capsize=3)
+    _sku_axis(ax, skus)
+    ax.set(title=title, ylabel=ylabel)
+    return fig
+
+
+def _sku_axis(ax, skus: Sequence[str]) -> None:
+    ax.set_xticks(range(len(skus)), [_text(s) for s in skus], rotation=30, ha="right")
+    ax.grid(axis="x", visible=False)

@@ -1,0 +1,398 @@
+"""`skuforge report`: the HTML site over a project's reports. Pages exist, untrusted strings are
+escaped, missing or older pieces are left out with a note, a damaged report is refused, and the
+pages render in a real browser with no error and every chart loaded."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+import models
+from cli_helpers import assert_user_error, skuforge
+from pipeline.config import load_registry
+from pipeline.errors import InputError
+from pipeline.report import pages, write_pair_report, write_site
+
+EVIL = "<script>alert('x')</script>"
+EVIL_ESCAPED = "&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt;"
+MODEL = "m"
+NEW, OLD, BUILT_ONLY, FAILED, NOT_BUILT = "cpu_new", "cpu_old", "cpu_built", "cpu_failed", "cpu_none"
+SKUS = (NEW, OLD, BUILT_ONLY, FAILED, NOT_BUILT)
+CHROMIUM = Path(os.environ.get("SKUFORGE_CHROMIUM", "/usr/bin/chromium"))
+
+
+# --- a project with schema-shaped reports ---------------------------------------------------------
+
+def _stats(p50: float, ci: bool) -> dict:
+    s = {"iterations": 400, "mean_ms": p50 * 1.1, "std_ms": p50 * 0.1, "min_ms": p50 * 0.8, "p50_ms": p50,
+         "p95_ms": p50 * 1.5, "p99_ms": p50 * 2, "max_ms": p50 * 3}
+    if ci:
+        s.update(p50_ci_ms=[p50 * 0.95, p50 * 1.05], p95_ci_ms=[p50 * 1.4, p50 * 1.6], p99_ci_ms=[p50 * 1.8, p50 * 2.3])
+    return s
+
+
+def _bench(sku: str, p50: float, new: bool) -> dict:
+    doc = {"model": MODEL, "sku": sku, "batch": 1, "concurrency": 1, "load_seconds": 0.05, "first_inference_ms": 2.0,
+           "engine_only": _stats(p50, new), "end_to_end": _stats(p50 * 2, new), "warmup": _stats(p50 * 1.3, False),
+           "throughput_per_s": 1000 / p50, "memory_mb": {"peak_rss": 90.0, "engine_load_delta": 12.5},
+           "device_state": {"before": {"governor": "performance", EVIL: [1, 2]}, "after": {"governor": EVIL}},
+           "engine_sha256": "0" * 64, "latency_sha256": "1" * 64}
+    if new:
+        doc.update(steady_state={"reached": True, "warmup_iterations": 40, "warmup_seconds": 0.2, "window": 10,
+                                 "tolerance": 0.05, "reason": EVIL},
+                   drift={"first_p50_ms": p50, "last_p50_ms": p50 * 1.01, "ratio": 1.01, "threshold": 0.05,
+                          "flagged": False, "window": 10},
+                   execution={"affinity": [0, 1], "usable_cores": 2, "engine_threads": {"intra_op": 1},
+                              "env": {"OMP_NUM_THREADS": EVIL}, "concurrency": 1, "timer": "perf_counter_ns"},
+                   sweep=[{"batch": b, "concurrency": c, "iterations": 100, "p50_ms": p50 * b * c,
+                           "p99_ms": p50 * b * c * 2, "throughput_per_s": 1000 * b / p50} for b, c in ((1, 1), (4, 1), (4, 2))],
+                   throughput_ci_per_s=[900 / p50, 1100 / p50], stopped="iterations", timeline_sha256="2" * 64)
+    return doc
+
+
+def _build(sku: str) -> dict:
+    layers = [{"name": "conv", "op_type": "Conv", "precision": "fp32", "device": "CPUExecutionProvider",
+               "kernel": "FusedConv", "fused_from": ["bn_0"]},
+              {"name": "fc", "op_type": "Gemm", "precision": "fp32", "device": "CPUExecutionProvider",
+               "kernel": "Gemm", "fused_from": []},
+              {"name": EVIL, "op_type": "Relu", "precision": "fp32", "device": "CPUExecutionProvider",
+               "kernel": "Relu", "fused_from": []}]
+    return {"model": MODEL, "sku": sku, "backend": "onnxruntime", "precision": "fp32", "build_seconds": 0.4,
+            "engine_files": [{"path": "model.onnx", "bytes": 4096, "sha256": "0" * 64}], "layers": layers}
+
+
+def _validate(sku: str, passed: bool) -> dict:
+    return {"model": MODEL, "sku": sku, "passed": passed, "precision": "fp32",
+            "failures": [] if passed else [f"output y: max abs error 0.5 > atol {EVIL}"],
+            "outputs": [{"output": "y", "passed": passed, "max_abs_error": 1e-6, "p99_abs_error": 5e-7,
+                         "mean_abs_error": 1e-8, "cosine_similarity": 1.0, "top1_agreement": None,
+                         "atol": 1e-4, "rtol": 1e-3}],
+            "metrics": [{"split": "evaluation", "reference": 0.9, "engine": 0.89, "delta": -0.01, "max_drop": 0.02,
+                         "passed": True}],
+            "placement": {"passed": True, "allowed": ["CPUExecutionProvider"], "offending": []},
+            "precision_gate": {"passed": True, "policy": "warn", "mismatched": []}}
+
+
+def _roofline(root: Path) -> dict:
+    """A RooflineReport of the project's model, made by pipeline.roofline: one layer time is
+    joined to no node (its name lands in ``unmatched_ms``)."""
+    from pipeline.roofline import graph_cost, roofline
+
+    peaks = {"key": "test", "host": {}, "measured_at": "2026-01-01T00:00:00Z", "seconds": 1.0,
+             "one_core_method": "subprocess", "compute_gflops": {"all_cores": 200.0, "one_core": 60.0, "matmul_n": 256},
+             "bandwidth_gbs": {"triad": 20.0, "memcopy": 25.0, "triad_one_core": 8.0, "array_mb": 64}}
+    cost = graph_cost(root / "models" / "conv" / "model.onnx", {"batch": 1})
+    return roofline(cost, 0.05, peaks, {"conv": 0.02, "fc": 0.01, EVIL: 0.001}).to_json()
+
+
+def _write_csv(path: Path, header: list[str], rows: list[list]) -> None:
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(header)
+        w.writerows(rows)
+
+
+def write_pair(root: Path, sku: str, p50: float, new: bool, passed: bool = True) -> Path:
+    folder = root / "build" / MODEL / sku
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "build.json").write_text(json.dumps(_build(sku)))
+    (folder / "validate.json").write_text(json.dumps(_validate(sku, passed)))
+    if not passed:
+        return folder
+    (folder / "bench.json").write_text(json.dumps(_bench(sku, p50, new)))
+    steady = [p50 * (1 + 0.2 * ((i * 7919) % 13) / 13) for i in range(400)]
+    _write_csv(folder / "latency.csv", ["iteration", "latency_ms"], [[i, v] for i, v in enumerate(steady)])
+    if new:
+        warm = [p50 * (3 - 2 * i / 40) for i in range(40)]
+        rows = [[i, "warmup", v] for i, v in enumerate(warm)] + [[40 + i, "steady", v] for i, v in enumerate(steady)]
+        _write_csv(folder / "timeline.csv", ["iteration", "phase", "latency_ms"], rows)
+        (folder / "roofline.json").write_text(json.dumps(_roofline(root)))
+    return folder
+
+
+def _consistency() -> dict:
+    labels = ["reference", NEW, OLD]
+    zero = [[0.0] * 3 for _ in labels]
+    return {"model": MODEL, "samples": 8, "reference_sha256": "0" * 64,
+            "skus": [{"sku": s, "backend": "onnxruntime", "precision": "fp32", "validate_passed": True,
+                      "engine_sha256": "0" * 64, "outputs_sha256": "0" * 64} for s in (NEW, OLD)],
+            "skipped": [{"sku": FAILED, "reason": EVIL}],
+            "outputs": [{"output": "y", "dtype": "float32", "shape": [8, 4], "kind": "regression", "labels": labels,
+                         "max_abs_error": zero, "mean_abs_error": zero, "nonfinite_mismatch": [[0] * 3] * 3,
+                         "top1_agreement": None, "nonfinite": {l: {"nan": 0, "inf": 0} for l in labels}}]}
+
+
+def make_project(root: Path) -> Path:
+    models.conv_bn_model(root / "models" / "conv" / "model.onnx")
+    params = models.write_project(root, {MODEL: models.conv_bn_spec()}, {s: models.ort_sku("fp32") for s in SKUS})
+    write_pair(root, NEW, 0.5, new=True)
+    write_pair(root, OLD, 2.0, new=False)
+    write_pair(root, FAILED, 1.0, new=True, passed=False)
+    (root / "build" / MODEL / BUILT_ONLY).mkdir(parents=True)
+    (root / "build" / MODEL / BUILT_ONLY / "build.json").write_text(json.dumps(_build(BUILT_ONLY)))
+    (root / "reports" / "consistency").mkdir(parents=True)
+    (root / "reports" / "consistency" / f"{MODEL}.json").write_text(json.dumps(_consistency()))
+    return params
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    root = tmp_path_factory.mktemp("report-project")
+    registry = load_registry(make_project(root))
+    index = write_site(registry)
+    return registry, index
+
+
+def _read(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+# --- the site -------------------------------------------------------------------------------------
+
+def test_pages_exist_for_each_pair_with_a_report(site):
+    registry, index = site
+    report = registry.root / "build" / "report"
+    assert index == report / "index.html"
+    for sku in (NEW, OLD, FAILED):
+        assert (report / MODEL / sku / "index.html").is_file(), sku
+    for sku in (BUILT_ONLY, NOT_BUILT):
+        assert not (report / MODEL / sku).exists(), sku
+    assert (report / MODEL / "index.html").is_file()
+    for png in ("latency.png", "throughput.png", "memory.png", "engine-size.png"):
+        assert (report / MODEL / png).read_bytes()[:4] == b"\x89PNG", png
+    for png in ("latency.png", "timeline.png", "percentiles.png", "sweep.png", "roofline.png"):
+        assert (report / MODEL / NEW / png).is_file(), png
+
+
+def test_index_links_every_pair_with_its_status(site):
+    _, index = site
+    text = _read(index)
+    for sku in SKUS:
+        assert sku in text
+    assert f'href="{MODEL}/{NEW}/index.html"' in text and f'href="{MODEL}/index.html"' in text
+    assert re.search(rf"{NEW}</td><td>onnxruntime</td><td><span class=\"passed\">passed", text)
+    assert re.search(rf"{FAILED}</td><td>onnxruntime</td><td><span class=\"failed\">gate failed", text)
+    assert "built only" in text and "not run" in text
+
+
+def test_every_link_and_image_resolves(site):
+    _, index = site
+    for page in pages(index):
+        for ref in re.findall(r'(?:href|src)="([^"#]+)"', _read(page)):
+            assert (page.parent / ref).is_file(), (page, ref)
+
+
+def test_untrusted_strings_are_escaped(site):
+    _, index = site
+    seen = 0
+    for page in pages(index):
+        text = _read(page)
+        assert "<script" not in text, page
+        seen += text.count(EVIL_ESCAPED)
+    pair = _read(index.parent / MODEL / NEW / "index.html")
+    failed = _read(index.parent / MODEL / FAILED / "index.html")
+    assert EVIL_ESCAPED in pair and EVIL_ESCAPED in failed and seen >= 5
+
+
+def test_pair_page_shows_the_new_bench_fields(site):
+    _, index = site
+    text = _read(index.parent / MODEL / NEW / "index.html")
+    for piece in ("Steady state", "Drift", "Execution", "perf_counter_ns", "Sweep", "Device state", "performance",
+                  "Roofline", "times from roofline.json", "Heaviest layers", "FusedConv", "bn_0", "Correctness"):
+        assert piece in text, piece
+    assert "[0.475 – 0.525]" in text  # the p50 confidence interval
+    assert "no timeline.csv" not in text
+
+
+def test_missing_pieces_are_said_not_fatal(site):
+    _, index = site
+    old = _read(index.parent / MODEL / OLD / "index.html")
+    assert "no timeline.csv" in old and "no confidence intervals" in old
+    assert "not recorded (a bench report of an older format)" in old
+    assert "no roofline.json for this pair" in old
+    failed = _read(index.parent / MODEL / FAILED / "index.html")
+    assert "no bench.json for this pair here" in failed
+
+
+def test_cross_sku_page(site):
+    _, index = site
+    text = _read(index.parent / MODEL / "index.html")
+    assert "4,096" in text  # engine bytes
+    assert "-0.01" in text  # accuracy delta
+    assert "[0.475 – 0.525]" in text
+    assert "Consistency across SKUs" in text and EVIL_ESCAPED in text
+
+
+def test_report_is_replaced_whole(site, tmp_path):
+    registry, index = site
+    stale = index.parent / MODEL / "stale.png"
+    stale.write_bytes(b"old")
+    assert write_site(registry, MODEL) == index
+    assert not stale.exists()
+
+
+def test_pair_report_is_self_contained(site, tmp_path):
+    registry, _ = site
+    written = write_pair_report(registry, MODEL, NEW, tmp_path)
+    assert written == [tmp_path / "report.html"]
+    text = _read(written[0])
+    assert text.count('src="data:image/png;base64,') == 5
+    assert not re.search(r'(?:href|src)="(?!data:)', text)
+    assert "<script" not in text and EVIL_ESCAPED in text
+    assert write_pair_report(registry, MODEL, NOT_BUILT, tmp_path / "none") == []
+
+
+# --- refusals -------------------------------------------------------------------------------------
+
+def _copy(site, tmp_path: Path) -> Path:
+    registry, _ = site
+    root = tmp_path / "copy"
+    shutil.copytree(registry.root, root, ignore=shutil.ignore_patterns("report"))
+    return root
+
+
+@pytest.mark.parametrize("content, words", [("{not json", ["is not valid JSON"]), ("[1, 2]", ["not an object"])])
+def test_a_report_that_is_not_json_is_refused_naming_it(site, tmp_path, content, words):
+    root = _copy(site, tmp_path)
+    bad = root / "build" / MODEL / OLD / "bench.json"
+    bad.write_text(content)
+    with pytest.raises(InputError, match=re.escape(str(bad))):
+        write_site(load_registry(root / "params.yaml"))
+    proc = skuforge("report", cwd=root)
+    assert_user_error(proc, 2, str(bad), *words)
+    assert not (root / "build" / "report").exists()
+
+
+def test_cli_prints_the_index(site, tmp_path):
+    root = _copy(site, tmp_path)
+    proc = skuforge("report", "--model", MODEL, "--out", "site", cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(root / "site" / "index.html")
+    assert (root / "site" / MODEL / NEW / "index.html").is_file()
+
+
+@pytest.mark.parametrize("out, words", [("../elsewhere", ["outside the project root"]),
+                                        (".", ["project root"]),
+                                        ("build", ["is not a skuforge report"])])
+def test_cli_refuses_an_out_folder_it_must_not_replace(site, tmp_path, out, words):
+    root = _copy(site, tmp_path)
+    proc = skuforge("report", "--out", out, cwd=root)
+    assert_user_error(proc, 2, *words)
+    assert (root / "build" / MODEL / NEW / "bench.json").is_file()
+
+
+def test_cli_unknown_model_names_the_known_ones(site, tmp_path):
+    root = _copy(site, tmp_path)
+    proc = skuforge("report", "--model", "nope", cwd=root)
+    assert_user_error(proc, 2, "nope", MODEL)
+
+
+# --- in a browser ---------------------------------------------------------------------------------
+
+def _browser():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+    if not CHROMIUM.is_file():
+        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium, or set SKUFORGE_CHROMIUM)")
+    return sync_api
+
+
+def test_pages_render_in_a_browser(site, tmp_path):
+    sync_api = _browser()
+    _, index = site
+    problems: list[str] = []
+    shots = tmp_path / "build" / "report-screenshots"
+    shots.mkdir(parents=True)
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM))
+        try:
+            context = browser.new_context(viewport={"width": 1200, "height": 900}, offline=True)
+            page = context.new_page()
+            page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning") else None)
+            page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+            page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
+            for path in pages(index):
+                page.goto(path.as_uri(), wait_until="load")
+                widths = page.evaluate("Array.from(document.images).map(i => [i.getAttribute('src'), i.naturalWidth])")
+                assert all(w > 0 for _, w in widths), (path, widths)
+                if path.parent.name == MODEL:  # the cross-SKU page
+                    assert len(widths) == 4, widths
+                    page.screenshot(path=str(shots / f"{MODEL}.png"), full_page=True)
+                elif path.parent.name == NEW:
+                    assert len(widths) == 5, widths
+                    page.screenshot(path=str(shots / f"{MODEL}-{NEW}.png"), full_page=True)
+        finally:
+            browser.close()
+    assert not problems, problems
+    copy_to = os.environ.get("SKUFORGE_SCREENSHOT_DIR")
+    for shot in (shots / f"{MODEL}.png", shots / f"{MODEL}-{NEW}.png"):
+        assert shot.stat().st_size > 10_000
+        if copy_to:
+            Path(copy_to).mkdir(parents=True, exist_ok=True)
+            shutil.copy(shot, Path(copy_to) / shot.name)
+        print(f"screenshot: {shot}", file=sys.stderr)
+
+
+# --- over reports the stages wrote ----------------------------------------------------------------
+
+def test_report_over_a_really_built_pair(tmp_path):
+    """The stages' own reports (whatever format bench writes today) make a page with every chart."""
+    from pipeline.stages.bench import bench
+    from pipeline.stages.build import build
+    from pipeline.stages.data import make_data
+    from pipeline.stages.prepare import prepare
+    from pipeline.stages.reference import reference
+    from pipeline.stages.validate import validate
+
+    models.conv_bn_model(tmp_path / "models" / "conv" / "model.onnx")
+    registry = load_registry(models.write_project(tmp_path, {MODEL: models.conv_bn_spec()},
+                                                  {"cpu": models.ort_sku("fp32"), "other": models.ort_sku("fp32")}))
+    prepare(registry, MODEL)
+    make_data(registry, MODEL)
+    reference(registry, MODEL)
+    build(registry, MODEL, "cpu")
+    validate(registry, MODEL, "cpu")
+    bench(registry, MODEL, "cpu")
+    index = write_site(registry)
+    pair = index.parent / MODEL / "cpu"
+    text = _read(pair / "index.html")
+    assert "passed" in text and "Benchmark" in text and "no bench.json" not in text and "no timeline.csv" not in text
+    assert {"latency.png", "timeline.png", "percentiles.png"} <= {p.name for p in pair.iterdir()}
+    assert "not run" in _read(index)  # the SKU never built
+    assert write_pair_report(registry, MODEL, "cpu") == [registry.root / "build" / MODEL / "cpu" / "report.html"]
+
+
+def test_report_of_some_skus_and_the_ci_summary_link(site, tmp_path):
+    from pipeline.ci.summary import markdown
+
+    root = _copy(site, tmp_path)
+    proc = skuforge("report", "--sku", NEW, "--sku", OLD, "--out", f"build/ci/{NEW}/report", cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    report = root / "build" / "ci" / NEW / "report"
+    assert {p.name for p in (report / MODEL).iterdir() if p.is_dir()} == {NEW, OLD}
+    assert FAILED not in _read(report / "index.html")
+    text = markdown(load_registry(root / "params.yaml"), NEW, "https://github.example/o/r/actions/runs/1#artifacts")
+    assert "[run's artifacts](https://github.example/o/r/actions/runs/1#artifacts)" in text
+    assert f"build/ci/{NEW}/report/index.html" in text
+
+
+@pytest.mark.parametrize("content, words", [(b"iteration,latency_ms\n0,abc\n", ["line 2", "'abc'"]),
+                                            (b"iteration,latency_ms\n0,\xff\n", ["not a CSV file"])])
+def test_damaged_samples_are_refused_naming_the_file(site, tmp_path, content, words):
+    root = _copy(site, tmp_path)
+    bad = root / "build" / MODEL / OLD / "latency.csv"
+    bad.write_bytes(content)
+    assert_user_error(skuforge("report", cwd=root), 2, str(bad), *words)
+
+
+def test_samples_of_another_format_are_left_out(site, tmp_path):
+    root = _copy(site, tmp_path)
+    (root / "build" / MODEL / NEW / "timeline.csv").write_text("call,ms\n0,1.0\n")
+    index = write_site(load_registry(root / "params.yaml"))
+    assert "no timeline.csv" in _read(index.parent / MODEL / NEW / "index.html")
