@@ -113,6 +113,8 @@ def manifest_metrics(m: Manifest, bench: BenchReport | None = None, build_second
             out[f"bench.{key}"] = getattr(bench, key)
         for key, value in bench.memory_mb.items():
             out[f"bench.memory.{key}_mb"] = value
+        if bench.roofline_fraction is not None:
+            out["bench.roofline_fraction"] = bench.roofline_fraction
         out["bench.steady_state.reached"] = bench.steady_state.reached
         out["bench.steady_state.warmup_iterations"] = bench.steady_state.warmup_iterations
         if bench.drift is not None:

@@ -48,7 +48,9 @@ def collect(registry: Registry, model: str, sku: str) -> PublishInputs:
     bench = read_report(out.report(model, sku, "bench"), BenchReport, "bench")
     build = read_report(out.report(model, sku, "build"), BuildReport, "build")
     samples = [out.report(model, sku, "bench"), out.latency_csv(model, sku)]
-    samples += [p for p in (out.timeline_csv(model, sku),) if p.is_file()]
+    # the run's other files, each only when it is the one bench.json names
+    samples += [p for p, sha in ((out.timeline_csv(model, sku), bench.timeline_sha256),
+                                 (out.roofline(model, sku), bench.roofline_sha256)) if p.is_file() and sha256_file(p) == sha]
     engine_dir = out.engine_dir(model, sku)
     for rec in manifest.engine:
         path = engine_dir / rec.path
