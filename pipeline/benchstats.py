@@ -93,15 +93,19 @@ def round_to_ci(value: float, ci: tuple[float, float] | None, digits: int = 4) -
         return value
     if ci is None or not (ci[1] > ci[0]):
         return float(f"{value:.{digits}g}")
-    step = 10 ** math.floor(math.log10((ci[1] - ci[0]) / 2))
+    step = min(_step(ci), 10 ** math.floor(math.log10(abs(value))))  # one significant digit at least
     return round(round(value / step) * step, 12)
+
+
+def _step(ci: tuple[float, float]) -> float:
+    return 10 ** math.floor(math.log10((ci[1] - ci[0]) / 2))
 
 
 def round_ci(ci: tuple[float, float] | None) -> tuple[float, float] | None:
     """An interval widened outward to the decade its own half-width supports."""
     if ci is None or not (ci[1] > ci[0]):
         return ci
-    step = 10 ** math.floor(math.log10((ci[1] - ci[0]) / 2))
+    step = _step(ci)
     return (round(math.floor(ci[0] / step) * step, 12), round(math.ceil(ci[1] / step) * step, 12))
 
 

@@ -125,6 +125,7 @@ def test_figures_are_rounded_to_what_their_interval_resolves():
     assert round_to_ci(12.3456, (12.0, 12.8)) == 12.3
     assert round_to_ci(0.046096, None) == 0.04610
     assert round_ci((0.04587, 0.04632)) == (0.0458, 0.0464)
+    assert round_to_ci(0.33, (0.07, 5.0)) == 0.3  # an interval wider than the figure: one significant digit
 
 
 def test_same_figure_is_overlapping_intervals():
