@@ -101,38 +101,38 @@ def test_a_crash_between_run_and_version_registers_on_rerun(proj):
     one_run_one_version(proj, result)
 
 
+def _refused_after(proj, path, edit, match: str, hint: str) -> None:
+    """Publish refuses the pair while ``path`` holds ``edit(its bytes)``; the file is put back after."""
+    saved = path.read_bytes()
+    path.write_bytes(edit(saved))
+    try:
+        with pytest.raises(InputError, match=match) as info:
+            publish(proj, "conv", "d")
+        assert hint in info.value.hint
+    finally:
+        path.write_bytes(saved)
+
+
+def _json_edit(change):
+    def edit(data: bytes) -> bytes:
+        doc = json.loads(data)
+        change(doc)
+        return json.dumps(doc).encode()
+    return edit
+
+
 def test_reports_that_do_not_match_the_manifest_are_refused(proj):
     out = Layout(proj.root)
-    bench = out.report("conv", "d", "bench")
-    saved = bench.read_bytes()
-    doc = json.loads(saved)
-    doc["engine_only"]["p50_ms"] *= 2  # edited: no longer the figures of its samples
-    bench.write_text(json.dumps(doc))
-    try:
-        with pytest.raises(InputError, match="engine-only figures are not those of its samples") as info:
-            publish(proj, "conv", "d")
-        assert "skuforge bench" in info.value.hint
-    finally:
-        bench.write_bytes(saved)
-    build = out.report("conv", "d", "build")
-    saved = build.read_bytes()
-    doc = json.loads(saved)
-    doc["warnings"] = ["rebuilt with other settings"]  # build ran again, the manifest was not rewritten
-    build.write_text(json.dumps(doc))
-    try:
-        with pytest.raises(InputError, match="build.json of conv/d are missing or are not the reports") as info:
-            publish(proj, "conv", "d")
-        assert "skuforge manifest" in info.value.hint
-    finally:
-        build.write_bytes(saved)
-    engine = out.engine_dir("conv", "d") / "model.onnx"
-    saved = engine.read_bytes()
-    engine.write_bytes(saved[:-1] + bytes([saved[-1] ^ 1]))
-    try:
-        with pytest.raises(InputError, match="differs from"):
-            publish(proj, "conv", "d")
-    finally:
-        engine.write_bytes(saved)
+    # edited: no longer the figures of its samples
+    _refused_after(proj, out.report("conv", "d", "bench"),
+                   _json_edit(lambda d: d["engine_only"].update(p50_ms=d["engine_only"]["p50_ms"] * 2)),
+                   "engine-only figures are not those of its samples", "skuforge bench")
+    # build ran again, the manifest was not rewritten
+    _refused_after(proj, out.report("conv", "d", "build"),
+                   _json_edit(lambda d: d.update(warnings=["rebuilt with other settings"])),
+                   "build.json of conv/d are missing or are not the reports", "skuforge manifest")
+    _refused_after(proj, out.engine_dir("conv", "d") / "model.onnx", lambda b: b[:-1] + bytes([b[-1] ^ 1]),
+                   "differs from", "rebuild")
     assert publish(proj, "conv", "d").created_version
 
 
