@@ -156,25 +156,23 @@ def _sweep_feeds(registry: Registry, model: str, sku: str, golden: dict, in_idx,
         if b != pinned and (profile is None or not profile.min <= b <= profile.max):
             raise ConfigError(f"skus.{sku}.bench.sweep.batch: {model}/{sku} is built for batch {pinned}"
                               + (f" (profile {profile.min}..{profile.max})" if profile else "") + f", not {b}",
-                              hint=f"give skus.{sku}.profiles.{spec.batch_axis or 'batch'} a range covering the swept "
-                                   "batch sizes, or sweep only the built batch")
+                              hint=f"move {spec.batch_axis or 'batch'} from skus.{sku}.shapes to skus.{sku}.profiles "
+                                   "with a min..max covering the swept batch sizes, or sweep only the built batch")
         rows = max(len(next(iter(golden.values()))), 1)
         tiled = {k: v if len(v) >= b else v[[i % rows for i in range(b)]] for k, v in golden.items()}
         _, feeds[b] = next(iter_batches(tiled, in_idx, b))
     return feeds
 
 
-def sweep(runner, registry: Registry, model: str, sku: str, cfg: BenchSpec, golden: dict, in_idx, batch: int,
-          progress: Progress | None) -> list[SweepPoint]:
-    """Throughput against latency at each (batch, concurrency) the SKU asks for."""
+def sweep(runner, cfg: BenchSpec, feeds: dict[int, dict], progress: Progress | None) -> list[SweepPoint]:
+    """Throughput against latency at each (batch, concurrency) the SKU asks for (``feeds``: per
+    batch size, from ``_sweep_feeds``)."""
     import numpy as np
 
     if cfg.sweep is None:
         return []
-    batches = cfg.sweep.batch or [batch]
-    feeds = _sweep_feeds(registry, model, sku, golden, in_idx, batches)
     points = []
-    for b in batches:
+    for b in feeds:
         for c in cfg.sweep.concurrency or [cfg.concurrency]:
             call = functools.partial(runner.infer, feeds[b])
             call()  # a new shape may re-plan
@@ -236,8 +234,8 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
         arrays.pop(LABELS, None)
     _, feeds = next(iter_batches(golden, in_idx, batch))
     raw_batch = {k: v[:batch] for k, v in raw.items()}
-    if cfg.sweep is not None:  # refuse impossible batch sizes before any timing
-        _sweep_feeds(registry, model, sku, golden, in_idx, cfg.sweep.batch or [batch])
+    # impossible batch sizes are refused before any timing
+    sweep_feeds = _sweep_feeds(registry, model, sku, golden, in_idx, cfg.sweep.batch or [batch]) if cfg.sweep else {}
     state_before = device_state()
     mem_before = rss_mb()
     t0 = time.perf_counter()
@@ -258,7 +256,7 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
             return postprocess(spec, runner.infer(batched))
 
         e2e, _, _ = _timed(end_to_end, cfg, 1, progress, "bench end-to-end")
-        points = sweep(runner, registry, model, sku, cfg, golden, in_idx, batch, progress)
+        points = sweep(runner, cfg, sweep_feeds, progress)
         roof = engine_roofline(registry, model, sku, runner, feeds, build, float(np.median(steady))) if cfg.roofline else None
         run = execution(build, cfg.concurrency)
         mem_after = rss_mb()
