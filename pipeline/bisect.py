@@ -295,8 +295,8 @@ def scratch_build(registry: "Registry", model: str, sku: str, folder: Path, keep
     from .stages.common import layout
 
     real = layout(registry).cache_dir(model, sku)
-    if real.is_dir():
-        shutil.copytree(real, folder / "cache")
+    if real.is_dir() and not real.is_symlink():
+        shutil.copytree(real, folder / "cache", symlinks=True)  # a link stays a link: the copy is as untrusted
     # the marked outputs make new tuning tasks: a scratch build may miss the cache without failing, and
     # takes the compiler's default schedules for them rather than searching (numerics, not speed, matter here)
     build_engine(registry, model, sku, folder / "engine", prepared=prepared, cache_dir=folder / "cache",

@@ -12,7 +12,10 @@ build on any runner of the SKU replays them, and ``cache.json`` beside them is t
 A build opens a ``CacheSession``. The cache is trusted only when the index's key equals the
 backend's key for the SKU (compiler version and target), every file matches its record, and the
 backend can read it; otherwise it is *stale*, *corrupt* or *missing*: reported, never read, and
-rebuilt by the build. The backend counts hits and misses (tuning tasks found or not in the
+rebuilt by the build. The folder holds plain files the index lists and nothing else: a symlink
+(the folder itself, a file, a subfolder), a file the index does not list, or an index path that
+leaves the folder (``../``, absolute) makes it corrupt, and its rebuild removes what the new index
+does not list. The backend counts hits and misses (tuning tasks found or not in the
 database, a timing cache accepted or not). With ``skus.<s>.cache.require`` (or
 ``SKUFORGE_REQUIRE_CACHE=1``, the CI flag) any miss fails the build (exit 1), so a release build
 is known to replay the checked-in decisions. Nothing is written unless the build succeeds (the
@@ -24,12 +27,14 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import posixpath
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from .errors import GateFailed
 from .io import atomic_write_bytes, atomic_write_json, read_json, sha256_bytes, sha256_file, sha256_json
+from .paths import path_problem
 
 if TYPE_CHECKING:
     from .backends.base import Backend, BuildContext
@@ -60,6 +65,49 @@ def _read_index(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
     if not isinstance(doc, dict) or not isinstance(doc.get("files", []), list):
         return None, f"{INDEX} is not a cache index (an object with a 'files' list)"
     return doc, None
+
+
+def _entries(folder: Path) -> tuple[list[str], list[str]]:
+    """What ``folder`` holds besides its index, never following a link: (files, symlinks), as
+    paths relative to it. A symlink to a folder is listed, not entered."""
+    files, links = [], []
+    for top, dirs, names in os.walk(folder):
+        for name in sorted(dirs + names):
+            path = Path(top, name)
+            rel = path.relative_to(folder).as_posix()
+            if path.is_symlink():
+                links.append(rel)
+            elif name in names and rel != INDEX:
+                files.append(rel)
+    return sorted(files), sorted(links)
+
+
+def _link_problem(folder: Path, rel: str) -> str:
+    path = folder / rel
+    target = os.readlink(path)
+    try:
+        resolved, base = path.resolve(), folder.resolve()
+        where = "" if resolved == base or base in resolved.parents else ", outside the cache folder"
+    except (OSError, RuntimeError):  # a symlink loop
+        where = ", a loop"
+    return f"{rel} is a symlink (to {target}{where})"
+
+
+def _escape_problem(rel: Any) -> str | None:
+    """Why a path the index lists does not name a file inside the cache folder, or None."""
+    if not isinstance(rel, str):
+        return f"{INDEX} lists {rel!r}, which is not a file name"
+    problem = path_problem(rel)
+    if problem is None:
+        return None
+    why = {"is absolute": "an absolute path", "leaves the project root ('..')": "'..' leads out of it"}.get(problem, problem)
+    return f"{INDEX} lists {rel!r}, which escapes the cache folder ({why})"
+
+
+def _plain(folder: Path, name: str) -> bool:
+    """``folder/name`` is a regular file reached without a symlink (the folder's or its own)."""
+    path = folder / name
+    return not folder.is_symlink() and not path.is_symlink() and path.is_file()
 
 
 @dataclass
@@ -103,22 +151,40 @@ def inspect(backend: "Backend", sku: str, model: str, folder: Path, want: dict[s
     if kind is None:
         status.state, status.reason = "none", f"the {backend.name} backend keeps no cache"
         return status
+    fix = (f"not trusted; delete it, or rebuild the cache (skuforge cache refresh --sku {sku} --model {model} "
+           f"removes what {INDEX} does not list)")
+    if folder.is_symlink():
+        status.state = "corrupt"
+        status.reason = (f"the cache folder is a symlink (to {os.readlink(folder)}): not trusted; delete the link, or "
+                         f"rebuild the cache (skuforge cache refresh --sku {sku} --model {model} makes it a folder)")
+        return status
+    present, links = _entries(folder) if folder.is_dir() else ([], [])
+    if links:  # checked before the index is read: cache.json itself may be the link
+        status.state = "corrupt"
+        status.reason = f"{'; '.join(_link_problem(folder, x) for x in links)}; a cache holds plain files only: {fix}"
+        return status
     index, problem = _read_index(folder)
-    present = [p for p in backend.cache_files if (folder / p).is_file()]
     if problem:
         status.state, status.reason = "corrupt", problem
         return status
     if index is None or not index.get("files"):
         status.state = "missing" if not present else "corrupt"
         status.reason = ("no cache yet" if not present else
-                         f"{', '.join(present)} present but not in {INDEX} (not written by skuforge): not trusted")
+                         f"{', '.join(present)} present but not in {INDEX} (not written by skuforge): {fix}")
         return status
     status.key = {str(k): str(v) for k, v in (index.get("key") or {}).items()}
     status.files = [f for f in index["files"] if isinstance(f, dict)]
-    unlisted = sorted(set(present) - {str(f.get("path")) for f in status.files})
+    escapes = [p for p in (_escape_problem(f.get("path")) for f in status.files) if p]
+    if escapes:
+        status.state = "corrupt"
+        status.reason = (f"{'; '.join(escapes)}: not trusted, nothing outside the folder is read; rebuild the cache "
+                         f"(skuforge cache refresh --sku {sku} --model {model}) to rewrite the index")
+        return status
+    listed = {posixpath.normpath(str(f.get("path"))) for f in status.files}
+    unlisted = [p for p in present if p not in listed]
     if unlisted:  # a file planted beside an index that does not vouch for it
         status.state = "corrupt"
-        status.reason = f"{', '.join(unlisted)} present but not in {INDEX} (not written by skuforge): not trusted"
+        status.reason = f"{', '.join(unlisted)} present but not in {INDEX} (not written by skuforge): {fix}"
         return status
     status.tuned_at, status.trials = index.get("tuned_at"), index.get("trials")
     if index.get("backend") != backend.name:
@@ -208,16 +274,20 @@ class CacheSession:
     def close(self) -> dict[str, Any]:
         """Decide what the cache becomes (nothing is written yet) and return the build's cache
         record; ``commit`` writes it once the engine is in place."""
-        index, _ = _read_index(self.folder)
+        index = _read_index(self.folder)[0] if _plain(self.folder, INDEX) else None  # never read through a link
         trusted = {str(f.get("path")) for f in self.status.files} if self.trusted else set()
         # what the folder will hold: this build's files, and the trusted ones it did not replace
         contents = {name: data for name, data in self._staged.items()}
         for name in self.backend.cache_files:
             if name not in contents and name in trusted:
                 contents[name] = (self.folder / name).read_bytes()
-        self._drop = [p for p in self.backend.cache_files if p not in contents and (self.folder / p).is_file()]
+        # a symlinked folder is replaced by a real one (the link removed, never what it points to);
+        # in a real folder, whatever the new index will not list goes: planted files, symlinks
+        self._unlink_folder = self.folder.is_symlink()
+        files, links = _entries(self.folder) if self.folder.is_dir() and not self._unlink_folder else ([], [])
+        self._drop = [p for p in files + links if p not in contents and p != INDEX]
         self._files = {name: data for name, data in contents.items()
-                       if not ((self.folder / name).is_file() and (self.folder / name).read_bytes() == data)}
+                       if not (_plain(self.folder, name) and (self.folder / name).read_bytes() == data)}
         records = [{"path": name, "sha256": sha256_bytes(contents[name]), "bytes": len(contents[name])}
                    for name in self.backend.cache_files if name in contents]
         doc = {"backend": self.backend.name, "kind": self.backend.capabilities.cache, "key": self.key, "files": records,
@@ -232,14 +302,18 @@ class CacheSession:
                 "key": self.key, "sha256": files_digest(records), "files": records, "hits": self.hits,
                 "misses": self.misses, "missed": self.missed[:20],
                 "hit_rate": round(self.hits / total, 4) if total else None,
-                "updated": bool(self._files or self._drop or self._index is not None), "required": self.required}
+                "updated": bool(self._files or self._drop or self._unlink_folder or self._index is not None),
+                "required": self.required}
 
     def commit(self) -> None:
-        """Write what ``close`` decided: changed files, files no index vouches for removed, the index last."""
+        """Write what ``close`` decided: what no index vouches for removed (a symlinked folder: the
+        link), changed files, the index last."""
+        if self._unlink_folder:
+            self.folder.unlink()
+        for name in self._drop:
+            (self.folder / name).unlink(missing_ok=True)
         for name, data in self._files.items():
             atomic_write_bytes(self.folder / name, data)
-        for name in self._drop:
-            (self.folder / name).unlink()
         if self._index is not None:
             atomic_write_json(self.folder / INDEX, self._index)
 

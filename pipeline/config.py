@@ -7,6 +7,7 @@ reads params.yaml as a raw dict.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 from pathlib import Path
@@ -15,8 +16,19 @@ from typing import Annotated, Any, Literal, Union, get_args
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError, InputError
+from .io import MERGE_CONFLICT_FIX, merge_conflict
+from .limits import (
+    DTYPE_BYTES,
+    MAX_DATASET_BYTES,
+    MAX_TENSOR_BYTES,
+    MAX_TENSOR_ELEMENTS,
+    human_bytes,
+    largest_within,
+    tensor_limit,
+)
 from .paths import PATH_RULE, Layout, inside, path_problem
 from .results import OutputKind, ReproducibilityLevel
+from .versions import specifier_problem
 
 Precision = Literal["fp32", "fp16", "int8"]
 DType = Literal["float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"]
@@ -43,6 +55,10 @@ class Tolerance(Strict):
     max_mismatch: float = Field(0.0, ge=0, le=1, description="fraction of elements allowed beyond")
     min_top1_agreement: float = Field(0.0, ge=0, le=1, description="least fraction of samples whose top-1 class "
                                                                    "agrees with the reference (probabilities, logits)")
+    min_snr_db: float = Field(0.0, description="least signal-to-noise ratio of the output: the reference's variation "
+                                               "about its mean over the engine's error, in dB")
+    confidence: float = Field(0.95, gt=0.5, lt=1, description="one-sided level of the exact tests that judge "
+                                                              "max_mismatch and min_top1_agreement")
 
 
 class ToleranceOverride(Strict):
@@ -50,6 +66,8 @@ class ToleranceOverride(Strict):
     rtol: float | None = Field(None, ge=0)
     max_mismatch: float | None = Field(None, ge=0, le=1)
     min_top1_agreement: float | None = Field(None, ge=0, le=1)
+    min_snr_db: float | None = None
+    confidence: float | None = Field(None, gt=0.5, lt=1)
 
 
 class TolerancePolicy(Strict):
@@ -69,11 +87,14 @@ class MetricGate(Strict):
 
     max_drop: float = Field(0.01, ge=0, le=1)
     max_drop_hard_tail: float = Field(0.03, ge=0, le=1)
+    confidence: float = Field(0.95, gt=0.5, lt=1, description="level of the one-sided exact McNemar test: a drop "
+                                                              "beyond max_drop fails only when significant")
 
 
 class MetricGateOverride(Strict):
     max_drop: float | None = Field(None, ge=0, le=1)
     max_drop_hard_tail: float | None = Field(None, ge=0, le=1)
+    confidence: float | None = Field(None, gt=0.5, lt=1)
 
 
 class BenchSweep(Strict):
@@ -141,18 +162,18 @@ def _default_tolerances() -> dict[str, dict[str, Tolerance]]:
     """Built-in tolerances per precision and output kind; docs/correctness.md gives the reasoning."""
     t = Tolerance
     return {
-        "fp32": {"probabilities": t(atol=1e-4, rtol=1e-3, min_top1_agreement=0.99),
-                 "logits": t(atol=1e-4, rtol=1e-3, min_top1_agreement=0.99),
-                 "regression": t(atol=1e-4, rtol=1e-3),
-                 "state": t(atol=1e-4, rtol=1e-3)},
-        "fp16": {"probabilities": t(atol=1e-2, rtol=1e-2, max_mismatch=1e-3, min_top1_agreement=0.99),
-                 "logits": t(atol=5e-2, rtol=1e-2, max_mismatch=1e-3, min_top1_agreement=0.99),
-                 "regression": t(atol=1e-2, rtol=1e-2),
-                 "state": t(atol=1e-2, rtol=1e-2)},
-        "int8": {"probabilities": t(atol=0.05, rtol=0.1, max_mismatch=0.05, min_top1_agreement=0.97),
-                 "logits": t(atol=0.1, rtol=0.1, max_mismatch=0.05, min_top1_agreement=0.97),
-                 "regression": t(atol=0.1, rtol=0.1, max_mismatch=0.05),
-                 "state": t(atol=0.1, rtol=0.1, max_mismatch=0.01)},
+        "fp32": {"probabilities": t(atol=1e-4, rtol=1e-3, min_top1_agreement=0.99, min_snr_db=30),
+                 "logits": t(atol=1e-4, rtol=1e-3, min_top1_agreement=0.99, min_snr_db=30),
+                 "regression": t(atol=1e-4, rtol=1e-3, min_snr_db=40),
+                 "state": t(atol=1e-4, rtol=1e-3, min_snr_db=40)},
+        "fp16": {"probabilities": t(atol=1e-2, rtol=1e-2, max_mismatch=1e-3, min_top1_agreement=0.99, min_snr_db=12),
+                 "logits": t(atol=5e-2, rtol=1e-2, max_mismatch=1e-3, min_top1_agreement=0.99, min_snr_db=12),
+                 "regression": t(atol=1e-2, rtol=1e-2, min_snr_db=25),
+                 "state": t(atol=1e-2, rtol=1e-2, min_snr_db=25)},
+        "int8": {"probabilities": t(atol=0.05, rtol=0.1, max_mismatch=0.05, min_top1_agreement=0.97, min_snr_db=6),
+                 "logits": t(atol=0.1, rtol=0.1, max_mismatch=0.05, min_top1_agreement=0.97, min_snr_db=6),
+                 "regression": t(atol=0.1, rtol=0.1, max_mismatch=0.05, min_snr_db=10),
+                 "state": t(atol=0.1, rtol=0.1, max_mismatch=0.01, min_snr_db=10)},
     }
 
 
@@ -186,6 +207,10 @@ class InputSpec(Strict):
     @property
     def axes(self) -> list[str]:
         return [d for d in self.shape if isinstance(d, str)]
+
+    def shape_at(self, values: dict[str, int], drop: str | None = None) -> tuple[int, ...]:
+        """The shape with each axis at its value in ``values``, the axis ``drop`` left out."""
+        return tuple(values[d] if isinstance(d, str) else d for d in self.shape if d != drop)
 
     def value_range(self) -> tuple[float, float]:
         if self.range is not None:
@@ -397,17 +422,13 @@ class SkuSpec(Strict):
     @field_validator("toolchain")
     @classmethod
     def _toolchain(cls, toolchain: dict[str, str]) -> dict[str, str]:
-        from packaging.specifiers import InvalidSpecifier, SpecifierSet
-
         for package, spec in toolchain.items():
             if not PACKAGE_PATTERN.match(package):
                 raise ValueError(f"{package!r} is not a package name (PEP 508: letters, digits, '.', '_', '-'; "
                                  "a letter or digit at both ends)")
-            try:
-                SpecifierSet(spec)
-            except InvalidSpecifier:
-                raise ValueError(f"{package}: {spec!r} is not a PEP 440 version specifier "
-                                 "(e.g. '==1.20.1', '>=1.20,<2' or '==3.13.*')") from None
+            problem = specifier_problem(spec)
+            if problem:
+                raise ValueError(f"{package}: {problem}")
         return toolchain
 
 
@@ -874,6 +895,7 @@ def _check_cross_references(registry: Registry, source: str) -> None:
                             f"known SKUs: {', '.join(sorted(registry.skus))}")
     problems += _fallback_problems(registry)
     problems += _collisions(registry)
+    problems += _size_problems(registry)
     if problems:
         raise _invalid(source, problems)
 
@@ -916,6 +938,73 @@ def _collisions(registry: Registry) -> list[str]:
     return problems
 
 
+_AxisValues = dict[str, tuple[int, str | None]]  # axis -> (value, the key that sets it; None: the built-in batch 1)
+
+
+def _size_problems(registry: Registry) -> list[str]:
+    """Every input too large for one tensor at its largest shape (the model's pins, then each SKU's
+    shapes and profile maxima) and every generated set above the dataset budget, refused before a
+    stage allocates them (pipeline/limits.py)."""
+    problems = []
+    for name, model in registry.models.items():
+        axes = {a for i in model.inputs for a in i.axes}
+        pinned: _AxisValues = {a: (v, f"models.{name}.pins.{a}") for a, v in model.pins.items()}
+        if model.batch_axis in axes:
+            pinned.setdefault(model.batch_axis, (1, None))
+        found = {i: _tensor_problem(name, model, i, pinned, f"models.{name}.") for i in range(len(model.inputs))}
+        problems += [p for p in found.values() if p]
+        for sname, sku in registry.skus.items():
+            largest = {**pinned,
+                       **{a: (v, f"skus.{sname}.shapes.{a}") for a, v in sku.shapes.items() if a in axes},
+                       **{a: (p.max, f"skus.{sname}.profiles.{a}.max") for a, p in sku.profiles.items() if a in axes}}
+            # an input already too large at the model's pins is named once, there
+            problems += [p for i, at_pins in found.items()
+                         if at_pins is None and (p := _tensor_problem(name, model, i, largest, f"skus.{sname}."))]
+        if not any(found.values()):  # else a sample is too large already: its sets say nothing new
+            problems += _dataset_problems(name, model, {a: v for a, (v, _) in pinned.items()})
+    return problems
+
+
+def _tensor_problem(model_name: str, model: ModelSpec, index: int, axes: _AxisValues, blame: str) -> str | None:
+    """Why input ``index`` at ``axes`` is too large for one tensor, naming the key to lower (one
+    starting with ``blame`` where the input has one) and the largest value that fits."""
+    inp = model.inputs[index]
+    values = {a: v for a, (v, _) in axes.items()}
+    itemsize = DTYPE_BYTES[inp.dtype]
+    limit, shape = tensor_limit(itemsize), inp.shape_at(values)
+    elements = math.prod(shape)
+    if elements <= limit:
+        return None
+    what = (f"input {inp.name!r} of model {model_name!r} at shape {list(shape)}: {elements} elements, "
+            f"{human_bytes(elements * itemsize)} of {inp.dtype}, above the limit of {MAX_TENSOR_ELEMENTS} elements "
+            f"and {human_bytes(MAX_TENSOR_BYTES)} per input tensor (docs/registry.md#limits)")
+    keys = {axes[a][1]: a for a in inp.axes if axes[a][1] is not None}
+    keys = {k: a for k, a in keys.items() if k.startswith(blame)} or keys
+    if not keys:
+        return f"models.{model_name}.inputs.{index}.shape: {what}; lower its fixed dimensions"
+    key, axis = max(keys.items(), key=lambda item: values[item[1]])
+    most = largest_within(lambda v: math.prod(inp.shape_at({**values, axis: v})), values[axis], limit)
+    fix = f"lower it to at most {most}" if most else f"lower the other dimensions of {inp.name!r}"
+    return f"{key}: {values[axis]} puts {what}; {fix}"
+
+
+def _dataset_problems(model_name: str, model: ModelSpec, pins: dict[str, int]) -> list[str]:
+    """Every generated set whose samples (at the model's pins, every input) exceed MAX_DATASET_BYTES."""
+    per_sample = sum(math.prod(i.shape_at(pins, drop=model.batch_axis)) * DTYPE_BYTES[i.dtype] for i in model.inputs)
+    problems = []
+    for split in Datasets.model_fields:
+        source = getattr(model.datasets, split)
+        if source is None or source.generate is None or source.generate.count * per_sample <= MAX_DATASET_BYTES:
+            continue
+        count, most = source.generate.count, MAX_DATASET_BYTES // per_sample
+        fix = f"lower it to at most {most}" if most else \
+            f"one sample alone is larger: lower models.{model_name}.pins or the inputs' fixed dimensions"
+        problems.append(f"models.{model_name}.datasets.{split}.generate.count: {count} samples of "
+                        f"{human_bytes(per_sample)} each make {human_bytes(count * per_sample)}, above the limit of "
+                        f"{human_bytes(MAX_DATASET_BYTES)} per dataset (docs/registry.md#limits); {fix}")
+    return problems
+
+
 def load_registry(path: str | os.PathLike = "params.yaml") -> Registry:
     """Read and validate params.yaml. Paths in it are relative to its folder."""
     import yaml
@@ -925,6 +1014,9 @@ def load_registry(path: str | os.PathLike = "params.yaml") -> Registry:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file", hint="run from the project root or pass --params") from None
+    conflict = merge_conflict(path, text)
+    if conflict:
+        raise ConfigError(conflict, hint=f"{MERGE_CONFLICT_FIX}, then run again")
     try:
         data = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
     except _DuplicateKey as exc:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from .config import DatasetSource, ModelSpec
 from .errors import InputError
+from .limits import check_array_file
 from .paths import inside
 
 if TYPE_CHECKING:
@@ -23,8 +24,7 @@ LABELS = "labels"
 
 
 def sample_shape(spec: ModelSpec, name: str, pins: dict[str, int]) -> tuple[int, ...]:
-    inp = spec.input(name)
-    return tuple(pins[d] if isinstance(d, str) else d for d in inp.shape if d != spec.batch_axis)
+    return spec.input(name).shape_at(pins, drop=spec.batch_axis)
 
 
 def generate(spec: ModelSpec, pins: dict[str, int], source: DatasetSource) -> "Arrays":
@@ -68,6 +68,8 @@ def load_file(spec: ModelSpec, root: Path, source: DatasetSource, split: str) ->
     if not path.is_file():
         raise InputError(f"dataset {split}: {path} does not exist",
                          hint=f"fix models.<name>.datasets.{split}.path (relative to the model's dir)")
+    # sizes come from the zip directory and the array headers: a bomb or a lying header is refused unread
+    check_array_file(path, [*(i.name for i in spec.inputs), source.labels], context=f"dataset {split}: ")
     try:
         loaded = np.load(path, allow_pickle=False)
     except Exception as exc:  # zip, pickle and format errors all mean the same to the user

@@ -245,3 +245,19 @@ def read_json(path: str | os.PathLike) -> Any:
         except UnicodeDecodeError as exc:
             raise MalformedFile(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})",
                                 hint="regenerate it with the step that writes it (or delete it and run again)") from exc
+
+
+# git's conflict markers: ours, base (diff3/zdiff3), separator, theirs; always at a line's start
+_CONFLICT_MARKER = re.compile(r"(?:<{7}|\|{7}|>{7})(?:[ \t].*)?|={7}[ \t]*")
+MERGE_CONFLICT_FIX = ("resolve the merge conflict: keep the right side of each '<<<<<<<' … '>>>>>>>' block and "
+                      "delete the marker lines")
+
+
+def merge_conflict(path: str | os.PathLike, text: str) -> str | None:
+    """What is wrong when ``text`` (of ``path``) still holds a git merge conflict marker, naming
+    the first one's line; None when it holds none."""
+    for number, line in enumerate(text.splitlines(), 1):
+        if line[:1] in "<=>|" and _CONFLICT_MARKER.fullmatch(line):
+            shown = line if len(line) <= 80 else line[:80] + "…"
+            return f"{path} has an unresolved git merge conflict: line {number} is the marker {shown!r}"
+    return None

@@ -28,7 +28,7 @@ def schema() -> dict[str, Any]:
     """The JSON Schema of the manifest, generated from the typed model."""
     doc = Manifest.model_json_schema()
     doc["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    doc["$id"] = "https://skuforge.dev/schemas/manifest-5.json"
+    doc["$id"] = "https://skuforge.dev/schemas/manifest-6.json"
     return doc
 
 

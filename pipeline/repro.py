@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from .config import Registry
-from .errors import EnvironmentProblem, InputError, SkuforgeError
+from .errors import EnvironmentProblem, InputError, MalformedFile, SkuforgeError
+from .io import MERGE_CONFLICT_FIX, merge_conflict
 from .redact import redact
 from .runner.check import host_problems
 
@@ -90,7 +91,31 @@ def _dvc(root: Path) -> str:
         raise EnvironmentProblem("dvc is not installed", hint="pip install dvc (it comes with skuforge)")
     if not (root / ".dvc").is_dir():
         raise InputError(f"{root} is not a DVC repository", hint="run `git init && dvc init` in the project root")
+    refuse_merge_conflicts(root)
     return dvc
+
+
+# The files dvc reads, and how to get past a merge conflict in each.
+DVC_FILES = {
+    "dvc.lock": f"{MERGE_CONFLICT_FIX}; or delete dvc.lock and run `skuforge repro` again to rebuild it (dvc "
+                "reruns the stages whose outputs it cannot restore from its cache)",
+    "dvc.yaml": f"{MERGE_CONFLICT_FIX}, then run again",
+    "params.yaml": f"{MERGE_CONFLICT_FIX}, then run again",
+}
+
+
+def refuse_merge_conflicts(root: Path) -> None:
+    """MalformedFile (exit 2) naming the file and line when dvc.lock, dvc.yaml or params.yaml still
+    holds a git merge conflict: dvc would fail on it with a parse error that does not say so."""
+    for name, fix in DVC_FILES.items():
+        path = root / name
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue  # missing or unreadable: dvc says which
+        conflict = merge_conflict(path, text)
+        if conflict:
+            raise MalformedFile(conflict, hint=fix)
 
 
 class ProjectStatus:
@@ -205,12 +230,19 @@ def dvc_failure(root: Path, returncode: int, text: str) -> DvcFailed:
         return err
     if _first_error(text, None) is None and re.search(r"dvc\.yaml|dvc\.lock|params\.yaml|is invalid", _first_lines(text, 1)):
         # dvc's parse errors come without the ERROR prefix, their explanation below the first line
-        return _failed(f"dvc failed: {_first_lines(text)}", 2, "fix dvc.yaml / params.yaml as dvc says")
+        return _failed(f"dvc failed: {_first_lines(text)}", 2, _refused_hint(text))
     if _first_error(text, None) is None:  # no ERROR line: dvc itself broke; its own last words say why
         return _failed(f"dvc exited with {returncode}: {_last_lines(text) or 'no output'}", 3,
                        f"run `dvc repro` in {root} to see dvc's whole output; `dvc doctor` checks its installation")
     # dvc refused the pipeline itself (dvc.yaml, params.yaml, missing dependency)
-    return _failed(f"dvc failed: {_first_error(text)}", 2, "fix dvc.yaml / params.yaml as dvc says")
+    return _failed(f"dvc failed: {_first_error(text)}", 2, _refused_hint(text))
+
+
+def _refused_hint(text: str) -> str:
+    """What to do when dvc refused a file: dvc.lock is dvc's own record, rebuilt when deleted."""
+    if "dvc.lock" in text and "dvc.yaml" not in text and "params.yaml" not in text:
+        return "dvc.lock is dvc's record of the last run: delete it and run `skuforge repro` again to rebuild it"
+    return "fix dvc.yaml / params.yaml as dvc says"
 
 
 def _failed(message: str, exit_code: int, hint: str) -> DvcFailed:

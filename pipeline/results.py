@@ -219,7 +219,23 @@ class OutputError(Result):
                                                      "reference's; probabilities and logits only")
     top5_agreement: float | None = Field(description="samples whose reference top-1 class is in the engine's top 5; "
                                                      "with more than 5 classes")
+    top1_rows: int | None = Field(None, description="decisive rows the agreement was judged on (ties left out)")
+    top1_agree: int | None = Field(None, description="of them, rows whose engine top-1 class is the reference's")
+    top1_ties: int | None = Field(None, description="rows left out: reference top-two margin within the tolerance")
+    top1_interval: tuple[float, float] | None = Field(None, description="exact one-sided bounds of the agreement rate, "
+                                                                        "each at `confidence`")
+    top1_splits: list[str] = Field(default_factory=list, description="splits whose rows were judged (golden first; "
+                                                                     "more when golden alone cannot resolve the gate)")
     mismatch_fraction: float = Field(description="elements beyond atol + rtol * |reference|, non-finite ones included")
+    mismatch_count: int = Field(0, description="elements beyond, non-finite ones included")
+    mismatch_interval: tuple[float, float] | None = Field(None, description="exact one-sided bounds of the mismatch "
+                                                                            "rate, each at `confidence`")
+    snr_db: float | None = Field(None, description="10 log10 of the reference's squared variation about its mean over "
+                                                   "the squared error; null when either is zero")
+    reference_range: float | None = Field(None, description="max - min of the finite reference values")
+    exercised: bool = Field(True, description="the reference varies beyond what a constant output would pass")
+    degenerate: bool = Field(False, description="the engine's output is constant where the reference varies")
+    engine_constant: float | None = Field(None, description="the engine's value when its output is constant")
     min_passing_atol: float | None = Field(description="smallest atol that passes the element-wise check at this rtol "
                                                        "and max_mismatch; null: none does (non-finite values)")
     min_passing_rtol: float | None = Field(description="smallest rtol that passes it at this atol and max_mismatch; "
@@ -228,15 +244,27 @@ class OutputError(Result):
     rtol: float
     max_mismatch: float
     min_top1_agreement: float | None = Field(description="the agreement gate applied; null for regression and state")
+    min_snr_db: float = Field(0.0, description="the signal-to-noise floor applied")
+    confidence: float = Field(0.95, description="one-sided level of the exact tests")
     passed: bool
 
 
 class MetricResult(Result):
+    """The task metric of engine and reference on the same labelled samples, paired: an exact
+    one-sided McNemar test on the samples where exactly one of them is right."""
+
     split: str
     reference: float
     engine: float
     delta: float
     max_drop: float
+    samples: int = Field(0, description="labelled samples")
+    worse: int = Field(0, description="samples the reference gets right and the engine wrong")
+    better: int = Field(0, description="samples the engine gets right and the reference wrong")
+    p_value: float | None = Field(None, description="one-sided exact McNemar p-value: the engine is worse")
+    drop_interval: tuple[float, float] | None = Field(None, description="bounds of the drop, each one-sided at "
+                                                                        "`confidence` (given the discordant count)")
+    confidence: float = 0.95
     passed: bool
 
 
@@ -579,7 +607,7 @@ class Evidence(Result):
 class Manifest(Result):
     """One engine, described. Everything but ``provenance`` is a function of the inputs."""
 
-    schema_version: Literal[5] = 5
+    schema_version: Literal[6] = 6
     model: str
     sku: str
     digest: str = Field(description="sha256 of this document without 'digest' and 'provenance'")

@@ -22,6 +22,24 @@ def _developer_key_in_tmp(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def zip_bomb(tmp_path_factory) -> Path:
+    """A real zip bomb: an .npz of about 1 MiB whose member 'x.npy' (a valid float32 header) inflates to
+    1 GiB of zeros, about 1000-fold. Built once per process by streaming zeros through deflate."""
+    import zipfile
+
+    from numpy.lib import format as npy
+
+    path = tmp_path_factory.mktemp("bomb") / "bomb.npz"
+    inflated, chunk = 1 << 30, bytes(1 << 24)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as archive, \
+            archive.open("x.npy", "w", force_zip64=True) as member:
+        npy.write_array_header_1_0(member, {"descr": "<f4", "fortran_order": False, "shape": (inflated // 4, 1)})
+        for _ in range(inflated // len(chunk)):
+            member.write(chunk)
+    return path
+
+
+@pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """One real `mlflow server` on loopback per test process (see registry_helpers.Server)."""
     from registry_helpers import MLFLOW, Server

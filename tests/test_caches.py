@@ -323,6 +323,117 @@ def test_a_cache_file_the_index_does_not_list_is_not_trusted(proj, monkeypatch):
     assert "extra.bin" not in [f["path"] for f in index(proj.cache())["files"]]
 
 
+# --- the folder holds plain files its index lists, and nothing else -----------------------------------
+
+
+def outside(proj, name: str = "outside.bin", data: bytes | None = None) -> Path:
+    """A file outside the project (beside its folder) with the very bytes of a valid cache file."""
+    path = proj.root.parent / name
+    path.write_bytes(decisions() if data is None else data)
+    return path
+
+
+def assert_corrupt_then_rebuilt(proj, *words: str) -> None:
+    """cache status and the build both say corrupt, naming ``words``; the build reads nothing from
+    the folder, says what to do, and leaves only what the new index lists."""
+    row = status_of(proj.registry)
+    assert row.state == "corrupt", (row.state, row.reason)
+    for word in words:
+        assert word in row.reason, (word, row.reason)
+    report = build(proj.registry, "conv", "fake")
+    assert SEEN[-1] == {CACHE_FILE: None}, "a corrupt cache was read"
+    rec = report.cache
+    assert rec.state == "corrupt" and rec.hits == 0 and rec.updated is True
+    assert any("is corrupt" in w and "not used" in w for w in report.warnings), report.warnings
+    assert not proj.cache().is_symlink()
+    assert sorted(tree(proj.cache())) == [caches.INDEX, CACHE_FILE]
+    assert not any(p.is_symlink() for p in proj.cache().rglob("*"))
+    assert status_of(proj.registry).state == "fresh"
+
+
+@pytest.mark.parametrize("name", ["notes.txt", "sub/planted.bin", f".{CACHE_FILE}.123.abc.tmp"])
+def test_any_file_the_index_does_not_list_makes_the_cache_corrupt(proj, name):
+    """Not only the backend's own file names: anything else in the folder, at any depth."""
+    build(proj.registry, "conv", "fake")
+    (proj.cache() / name).parent.mkdir(parents=True, exist_ok=True)
+    (proj.cache() / name).write_bytes(b"planted: no build wrote this")
+    row = status_of(proj.registry)
+    assert f"{name} present but not in {caches.INDEX}" in row.reason, row.reason
+    assert "skuforge cache refresh --sku fake --model conv" in row.reason  # what to do
+    assert_corrupt_then_rebuilt(proj, name)
+    assert not (proj.cache() / name).exists()
+
+
+def test_a_symlink_out_of_the_project_makes_the_cache_corrupt(proj):
+    build(proj.registry, "conv", "fake")
+    target = outside(proj, data=b"a secret outside the project")
+    (proj.cache() / "leak.bin").symlink_to(target)
+    assert_corrupt_then_rebuilt(proj, "leak.bin is a symlink", str(target), "outside the cache folder",
+                                "a cache holds plain files only")
+    assert target.read_bytes() == b"a secret outside the project"  # the link is removed, never its target
+
+
+def test_a_listed_cache_file_that_is_a_symlink_is_corrupt_even_when_its_bytes_match(proj):
+    """The index vouches for bytes, not for where they live: the same decisions behind a link out
+    of the project are not trusted (they used to be: every check followed the link)."""
+    build(proj.registry, "conv", "fake")
+    target = outside(proj)
+    (proj.cache() / CACHE_FILE).unlink()
+    (proj.cache() / CACHE_FILE).symlink_to(target)
+    assert sha256_file(proj.cache() / CACHE_FILE) == index(proj.cache())["files"][0]["sha256"]
+    assert_corrupt_then_rebuilt(proj, f"{CACHE_FILE} is a symlink", "outside the cache folder")
+    assert target.read_bytes() == decisions()
+
+
+def test_a_symlinked_subfolder_or_index_is_corrupt(proj):
+    build(proj.registry, "conv", "fake")
+    elsewhere = proj.root.parent / "elsewhere"
+    elsewhere.mkdir()
+    (proj.cache() / "more").symlink_to(elsewhere, target_is_directory=True)
+    assert_corrupt_then_rebuilt(proj, "more is a symlink")
+    assert elsewhere.is_dir()
+
+    real = proj.root.parent / "cache.json"
+    real.write_bytes((proj.cache() / caches.INDEX).read_bytes())
+    (proj.cache() / caches.INDEX).unlink()
+    (proj.cache() / caches.INDEX).symlink_to(real)
+    assert_corrupt_then_rebuilt(proj, f"{caches.INDEX} is a symlink")
+
+
+def test_a_cache_folder_that_is_a_symlink_is_corrupt_and_becomes_a_folder(proj):
+    build(proj.registry, "conv", "fake")
+    elsewhere = proj.root.parent / "shared-cache"
+    proj.cache().rename(elsewhere)  # a valid cache, key and files, behind a link
+    proj.cache().symlink_to(elsewhere, target_is_directory=True)
+    before = tree(elsewhere)
+    assert_corrupt_then_rebuilt(proj, "the cache folder is a symlink", str(elsewhere))
+    assert tree(elsewhere) == before  # nothing written or removed through the link
+
+
+@pytest.mark.parametrize("escape", ["../../../outside.bin", "{outside}", f"sub/../../{CACHE_FILE}"])
+def test_an_index_path_out_of_the_folder_is_corrupt(proj, escape):
+    build(proj.registry, "conv", "fake")
+    target = outside(proj)
+    escape = escape.format(outside=target)
+    doc = index(proj.cache())
+    doc["files"] = [{"path": escape, "sha256": sha256_file(target), "bytes": target.stat().st_size}]
+    (proj.cache() / caches.INDEX).write_text(json.dumps(doc))
+    (proj.cache() / CACHE_FILE).unlink()
+    row = status_of(proj.registry)
+    assert f"{caches.INDEX} lists {escape!r}, which escapes the cache folder" in row.reason, row.reason
+    assert "skuforge cache refresh --sku fake --model conv" in row.reason
+    assert_corrupt_then_rebuilt(proj, "escapes the cache folder")
+    assert target.read_bytes() == decisions()
+
+
+def test_cache_status_fails_on_a_planted_symlink(proj, capsys):
+    build(proj.registry, "conv", "fake")
+    (proj.cache() / "leak.bin").symlink_to(outside(proj))
+    code, out, err = cli(capsys, "--params", str(proj.params), "cache", "status", "--sku", "fake", "--fail-on", "corrupt")
+    assert code == 1 and "fake/conv is corrupt" in err, err
+    assert "leak.bin is a symlink" in out
+
+
 # --- 6: a required cache fails the build on a miss, and writes nothing ------------------------------
 
 

@@ -242,6 +242,65 @@ def test_fixed_dims_must_be_positive():
     assert "models.conv.inputs.0.shape" in config_error(mutated("models.conv.inputs.0.shape", ["batch", 0, 8, 8])).message
 
 
+# --- resource limits (pipeline/limits.py) -------------------------------------------------------
+
+CONV_X = 3 * 8 * 8  # elements of one conv sample
+CONV_MAX_BATCH = 2**30 // CONV_X  # float32: the 4 GiB bound is the tighter one
+
+
+def test_a_billion_batch_is_refused_naming_the_key_the_size_and_the_limit():
+    err = config_error(mutated("skus.cpu.shapes.batch", 10**9))
+    lines = err.message.splitlines()[1:]
+    conv = next(line for line in lines if "model 'conv'" in line)
+    assert conv.startswith("  - skus.cpu.shapes.batch: 1000000000 puts input 'x' of model 'conv' at shape "
+                           f"[1000000000, 3, 8, 8]: {10**9 * CONV_X} elements, 715.26 GiB of float32")
+    assert "above the limit of 2147483647 elements and 4.00 GiB per input tensor" in conv
+    assert conv.endswith(f"lower it to at most {CONV_MAX_BATCH}")
+    assert all(line.startswith("  - skus.cpu.shapes.batch: ") for line in lines)  # multi's inputs too, nothing else
+
+
+def test_the_largest_batch_suggested_is_accepted():
+    data = mutated("skus.cpu.shapes.batch", CONV_MAX_BATCH)
+    del data["models"]["multi"]
+    assert parse_registry(data).pins("conv", "cpu")["batch"] == CONV_MAX_BATCH
+    data["skus"]["cpu"]["shapes"]["batch"] = CONV_MAX_BATCH + 1
+    assert f"lower it to at most {CONV_MAX_BATCH}" in config_error(data).message
+
+
+PROFILE = {"shapes": {}, "profiles": {"batch": {"min": 1, "opt": 8, "max": 10**8}}}
+
+
+@pytest.mark.parametrize("model, sku, key", [
+    ({"pins": {"batch": 10**9}}, {}, "models.conv.pins.batch: 1000000000 puts input 'x'"),
+    ({}, PROFILE, "skus.cpu.profiles.batch.max: 100000000 puts input 'x'"),
+    ({"inputs": [{"name": "x", "dtype": "bool", "shape": ["batch", 3, 8, 8]}]}, PROFILE,
+     ("skus.cpu.profiles.batch.max: 100000000 puts input 'x' of model 'conv' at shape [100000000, 3, 8, 8]: "
+      "19200000000 elements, 17.88 GiB of bool")),  # the element limit binds for one-byte types
+    ({"inputs": [{"name": "x", "shape": ["batch", 3, 10**5, 10**5]}]}, {}, "models.conv.inputs.0.shape: input 'x'"),
+])
+def test_pins_profiles_and_fixed_dims_are_checked(model, sku, key):
+    data = base()
+    data["models"]["conv"].update(model)
+    data["skus"]["cpu"].update(sku)
+    message = config_error(data).message
+    assert f"  - {key}" in message
+    assert message.count("model 'conv'") == 1  # named once: not again per SKU, nor for its generated sets
+
+
+def test_an_axis_used_twice_gets_a_fitting_suggestion():
+    data = mutated("models.conv.inputs.0.shape", ["batch", 3, "side", "side"])
+    data["models"]["conv"]["pins"] = {"side": 10**5}
+    assert "models.conv.pins.side: 100000 puts" in config_error(data).message
+    assert "lower it to at most 18918" in config_error(data).message  # 3 * 18918**2 * 4 bytes <= 4 GiB
+
+
+def test_generated_set_above_the_dataset_budget():
+    err = config_error(mutated("models.conv.datasets", {"golden": {"generate": {"count": 10**8}}}))
+    assert ("  - models.conv.datasets.golden.generate.count: 100000000 samples of 768 bytes each make 71.53 GiB, "
+            "above the limit of 4.00 GiB per dataset") in err.message
+    assert err.message.splitlines()[1].endswith(f"lower it to at most {(4 << 30) // 768}")
+
+
 def test_dataset_needs_exactly_one_source():
     err = config_error(mutated("models.conv.datasets", {"golden": {"path": "g.npz", "generate": {"count": 4}}}))
     assert "models.conv.datasets.golden" in err.message and "exactly one" in err.message
@@ -287,14 +346,14 @@ def test_tolerance_overrides_merge_defaults_then_model_then_sku():
     assert reg.tolerance("conv", "cpu_int8").for_kind("probabilities").min_top1_agreement == 0.97
     assert reg.tolerance("conv", "cpu_int8").for_kind("regression").min_top1_agreement == 0.0
     # a precision the defaults leave out falls back to the built-in default
-    assert reg.tolerance("conv", "cpu").for_kind("regression") == Tolerance(atol=1e-4, rtol=1e-3)
+    assert reg.tolerance("conv", "cpu").for_kind("regression") == Tolerance(atol=1e-4, rtol=1e-3, min_snr_db=40)
 
 
 def test_tolerance_builtin_defaults_per_precision_and_kind():
     reg = parse_registry(base())
     fp32, int8 = reg.tolerance("conv", "cpu"), reg.tolerance("conv", "cpu_int8")
     assert fp32.precision == "fp32" and set(fp32.kinds) == set(OUTPUT_KINDS)
-    assert fp32.for_kind("regression") == Tolerance(atol=1e-4, rtol=1e-3, max_mismatch=0.0)
+    assert fp32.for_kind("regression") == Tolerance(atol=1e-4, rtol=1e-3, max_mismatch=0.0, min_snr_db=40, confidence=0.95)
     assert fp32.for_kind("probabilities").min_top1_agreement == 0.99
     assert int8.for_kind("regression").max_mismatch == 0.05
     assert int8.for_kind("probabilities").atol == 0.05 and int8.for_kind("state").max_mismatch == 0.01

@@ -200,3 +200,20 @@ def test_sha256_arrays_depends_on_content_not_order_or_layout():
     assert sha256_arrays({"x": x.astype(np.float64), "y": np.ones(2)}) != base
     assert sha256_arrays({"x": x.reshape(4, 3), "y": np.ones(2)}) != base
     assert sha256_arrays({"z": x, "y": np.ones(2)}) != base
+
+
+@pytest.mark.parametrize("text, line", [
+    ("a: 1\n<<<<<<< HEAD\nb: 2\n=======\nb: 3\n>>>>>>> topic\n", 2),
+    ("a: 1\n||||||| merged common ancestors\n", 2),  # diff3's base marker
+    ("a: 1\n=======\n", 2),
+    ("a: 1\r\n>>>>>>> 1a2b3c4 (a commit)\r\n", 2),
+    ("a: 1\n  <<<<<<< HEAD\n", None),  # indented: not git's
+    ("a: 1\n<<<<<<<< eight\n==========\n", None),  # not seven
+    ("description: '<<<<<<< is how git marks a conflict'\n", None),
+])
+def test_merge_conflict_markers(text, line):
+    found = pio.merge_conflict("dvc.lock", text)
+    if line is None:
+        assert found is None
+    else:
+        assert found is not None and found.startswith(f"dvc.lock has an unresolved git merge conflict: line {line} ")

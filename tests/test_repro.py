@@ -93,3 +93,75 @@ def test_a_stage_that_failed_early_in_a_long_run_is_still_a_stage_failure(tmp_pa
     with pytest.raises(DvcFailed) as info:
         run_dvc_repro(tmp_path, ["publish@m-int8"], keep_going=True)
     assert info.value.stage_failed and info.value.exit_code == 1, info.value.message
+
+
+# --- a merge left conflict markers in a file dvc reads --------------------------------------------
+
+CONFLICTED_LOCK = """schema: '2.0'
+stages:
+  config:
+    cmd: skuforge config resolve
+    outs:
+    - path: build/config
+<<<<<<< HEAD
+      md5: 0a1b2c3d4e5f60718293a4b5c6d7e8f9.dir
+=======
+      md5: 9f8e7d6c5b4a39281706f5e4d3c2b1a0.dir
+>>>>>>> feature/new-sku
+"""
+
+
+def test_a_conflicted_dvc_lock_is_refused_before_dvc_runs(tmp_path):
+    """dvc would fail on the markers with a YAML error and a hint about dvc.yaml; this names the
+    file, the line and both ways out."""
+    from pipeline.errors import MalformedFile
+
+    (tmp_path / ".dvc").mkdir()
+    (tmp_path / "dvc.lock").write_text(CONFLICTED_LOCK)
+    with pytest.raises(MalformedFile) as info:
+        run_dvc_repro(tmp_path, ["publish@a-here"])
+    err = info.value
+    assert err.exit_code == 2
+    assert f"{tmp_path / 'dvc.lock'} has an unresolved git merge conflict: line 7 is the marker '<<<<<<< HEAD'" == err.message
+    assert "resolve the merge conflict" in err.hint and "delete dvc.lock" in err.hint
+
+
+@pytest.mark.parametrize("name, line", [("dvc.yaml", 3), ("params.yaml", 2)])
+def test_conflict_markers_in_dvc_yaml_or_params_are_refused(tmp_path, name, line):
+    from pipeline.errors import MalformedFile
+
+    (tmp_path / ".dvc").mkdir()
+    (tmp_path / name).write_text("stages:\n  a:\n=======\n    cmd: x\n" if name == "dvc.yaml" else "a: 1\n>>>>>>> theirs\n")
+    with pytest.raises(MalformedFile) as info:
+        run_dvc_repro(tmp_path, ["publish@a-here"], dry=True)
+    assert f"{name} has an unresolved git merge conflict: line {line}" in info.value.message
+    assert "resolve the merge conflict" in info.value.hint and "dvc.lock" not in info.value.hint
+
+
+def test_skuforge_repro_names_the_conflicted_file(tmp_path):
+    """Through the CLI as a user runs it: exit 2, the file and line, the fix; dvc is never started."""
+    from cli_helpers import assert_user_error, project, skuforge
+
+    root = tmp_path / "proj"
+    params = project(root)
+    (root / ".dvc").mkdir()
+    (root / "dvc.lock").write_text(CONFLICTED_LOCK)
+    proc = skuforge("repro", cwd=root)
+    assert_user_error(proc, 2, "dvc.lock has an unresolved git merge conflict: line 7", "delete dvc.lock")
+    assert "dvc.yaml" not in proc.stderr
+
+    (root / "dvc.lock").unlink()
+    params.write_text("<<<<<<< HEAD\n" + params.read_text() + "=======\nskus: {}\n>>>>>>> other\n")
+    proc = skuforge("repro", cwd=root)
+    assert_user_error(proc, 2, "params.yaml has an unresolved git merge conflict: line 1 is the marker '<<<<<<< HEAD'",
+                      "resolve the merge conflict")
+
+
+def test_dvc_refusing_its_lock_file_says_how_to_rebuild_it(tmp_path):
+    from pipeline.repro import dvc_failure
+
+    # dvc 3's own words for a damaged dvc.lock (no ERROR prefix)
+    err = dvc_failure(tmp_path, 255, "'./dvc.lock' is invalid.\n\nWhile parsing a flow node, in line 4, column 1\n")
+    assert err.exit_code == 2 and "delete it" in err.hint and "dvc.yaml" not in err.hint
+    err = dvc_failure(tmp_path, 255, "ERROR: './dvc.yaml' is invalid.\n")
+    assert err.hint == "fix dvc.yaml / params.yaml as dvc says"

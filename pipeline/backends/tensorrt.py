@@ -32,6 +32,7 @@ from ..io import atomic_write_bytes
 from ..quantize import QdqSettings, quantize_qdq, to_fp16
 from ..results import LayerInfo, Signature, TensorSig
 from ..runner.probe import NO_GPU, GpuInfo, cuda_runtime_api, gpu_info, jetson_gpu, parse_nvidia_smi  # noqa: F401 (re-exported)
+from ..versions import UnreadableVersion, normalize
 from .base import Backend, BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
 
 if TYPE_CHECKING:
@@ -374,11 +375,9 @@ def cuda_runtime_version() -> str | None:
 def version_compatible_runtime(built: str, have: str) -> bool:
     """Whether a version-compatible engine built with TensorRT ``built`` loads in ``have``: same
     major version, same or newer runtime."""
-    from packaging.version import InvalidVersion, Version
-
     try:
-        b, h = Version(built), Version(have)
-    except InvalidVersion:
+        b, h = normalize(built), normalize(have)
+    except UnreadableVersion:
         return False
     return b.major == h.major and h >= b
 

@@ -1,7 +1,8 @@
 """The example project's two models, trained on scikit-learn's bundled digits and exported to ONNX.
 
-``export_example`` trains one model deterministically (same arguments, same bytes), exports it with
-its final Softmax and writes the datasets the pipeline needs next to it:
+``export_example`` trains one model deterministically (same arguments, same bytes, on any x86-64
+host with AVX2), exports it with its final Softmax and writes the datasets the pipeline needs next
+to it:
 
 * ``model.onnx``       input ``image`` float32 [batch, 1, 8, 8] (raw pixels / 16), output ``probs``
 * ``evaluation.npz``   held-out split, never trained on
@@ -12,19 +13,35 @@ its final Softmax and writes the datasets the pipeline needs next to it:
 
 Dataset ``image`` arrays hold RAW pixel values (0..16); the 1/16 scale is the pipeline's
 preprocessing.
-torch, scikit-learn and onnx are imported only when a model is exported.
+
+Training and the ONNX export run in a child process whose float32 compute path is pinned before
+torch loads, so an AVX-512 host and an AVX2-only one, Intel or AMD, produce the same bits: one
+thread, ATen's AVX2 kernels (``ATEN_CPU_CAPABILITY``), MKL's COMPATIBLE code branch
+(``MKL_CBWR``: the only branch besides AUTO that MKL keeps on non-Intel CPUs) for every GEMM,
+and neither oneDNN nor NNPACK (their kernels and blocking follow the host's ISA and caches), so
+convolutions are ATen's im2col plus MKL GEMM. A host without AVX2 cannot train them.
+torch, scikit-learn and onnx are imported only when a model is exported; torch only in that child.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import io
+import json
+import logging
 import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, EnvironmentProblem
 from pipeline.io import atomic_savez, atomic_write_bytes, atomic_write_json, sha256_bytes
 
 EXAMPLES: tuple[str, ...] = ("digits_cnn", "digits_transformer")
@@ -45,6 +62,18 @@ _LEARNING_RATE = {"digits_cnn": 3e-3, "digits_transformer": 3e-3}
 _BATCH_SIZE = 64
 
 Progress = Callable[[str, float], None]
+
+# Set in the training process's environment, read once as torch and MKL load. x86-64 only: on
+# other machines ATen has no AVX2 kernels and the wheel no MKL.
+_PINNED_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",  # not the host's AVX-512: vector width changes reduction order
+    "MKL_CBWR": "COMPATIBLE",  # AVX2 and the other named branches fall back to AUTO on AMD CPUs
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+_PROGRESS_MARK = "skuforge-progress "
+
+logger = logging.getLogger(__name__)
 
 
 def export_example(
@@ -74,27 +103,10 @@ def export_example(
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ConfigError(f"seed must be a non-negative integer, got {seed!r}")
 
-    import torch
-
     out_dir = Path(out_dir)
     data = _datasets(seed)
-
-    threads = torch.get_num_threads()
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    try:
-        # One thread, deterministic kernels: the same seed must give the same weights, bit for bit.
-        torch.set_num_threads(1)
-        torch.use_deterministic_algorithms(True)
-        torch.manual_seed(seed)
-        model = _build(name)
-        _train(model, name, data["train_image"], data["train_labels"], epochs, seed, progress)
-        model.eval()
-        onnx_bytes = _export(model, opset)
-        reference = _torch_probs(model, data["evaluation"]["image"])
-    finally:
-        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
-        torch.set_num_threads(threads)
+    trained = _train_pinned(name, data, opset=opset, seed=seed, epochs=epochs, progress=progress)
+    onnx_bytes, reference = trained["onnx"], trained["reference"]
 
     session = _check_onnx(onnx_bytes)
     ort_probs = _ort_probs(session, data["evaluation"]["image"])
@@ -119,13 +131,114 @@ def export_example(
         "opset": opset,
         "seed": seed,
         "epochs": epochs,
-        "torch_version": torch.__version__,
+        "torch_version": trained["torch_version"],
         "accuracy": accuracy,
-        "parameters": int(sum(p.numel() for p in model.parameters())),
+        "parameters": trained["parameters"],
         "sha256": sha256_bytes(onnx_bytes),
     }
     atomic_write_json(out_dir / "export.json", record)
     return record
+
+
+def _train_pinned(
+    name: str, data: dict[str, Any], *, opset: int, seed: int, epochs: int, progress: Progress | None
+) -> dict[str, Any]:
+    """Train and export ``name`` in a new process on the pinned compute path (see the module doc).
+
+    A new process because torch, MKL and OpenMP read their settings once, when they load: this
+    one may have loaded torch already, with the host's own path.
+    """
+    if importlib.util.find_spec("torch") is None:
+        raise EnvironmentProblem(
+            "torch is not installed: it trains the example models",
+            hint="install the examples extra: pip install -e '.[examples]'",
+        )
+    env = dict(os.environ)
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        env.update(_PINNED_ENV)
+    root = str(Path(__file__).resolve().parents[2])
+    with tempfile.TemporaryDirectory(prefix="skuforge-train-") as tmp:
+        work = Path(tmp)
+        np.savez(
+            work / "inputs.npz",
+            train_image=data["train_image"],
+            train_labels=data["train_labels"],
+            evaluation_image=data["evaluation"]["image"],
+        )
+        args = {"name": name, "opset": opset, "seed": seed, "epochs": epochs}
+        (work / "args.json").write_text(json.dumps(args))
+        code = (
+            f"import sys; sys.path.insert(0, {root!r}); "
+            f"from pipeline.examples.digits import _pinned_main; _pinned_main({tmp!r})"
+        )
+        output: list[str] = []
+        with subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        ) as child:
+            assert child.stdout is not None
+            try:
+                for line in child.stdout:
+                    if line.startswith(_PROGRESS_MARK):
+                        if progress is not None:
+                            progress(*json.loads(line[len(_PROGRESS_MARK) :]))
+                    else:
+                        output.append(line.rstrip("\n"))
+            except BaseException:
+                child.kill()
+                raise
+        for line in output:
+            logger.warning("%s: training process: %s", name, line)
+        if child.returncode == -signal.SIGILL:
+            raise EnvironmentProblem(
+                f"{name}: training stopped on an illegal instruction: this CPU has no AVX2",
+                hint="export the example models on an x86-64 host with AVX2 (2013 or later)",
+            )
+        if child.returncode != 0:
+            tail = "\n".join(output[-40:])
+            raise RuntimeError(f"{name}: training process failed (exit {child.returncode}):\n{tail}")
+        record = json.loads((work / "trained.json").read_text())
+        record["onnx"] = (work / "model.onnx").read_bytes()
+        record["reference"] = np.load(work / "reference.npy", allow_pickle=False)
+    return record
+
+
+def _pinned_main(work: str) -> None:
+    """Child side of ``_train_pinned``: its inputs and outputs are files in ``work``."""
+    import torch
+
+    work_dir = Path(work)
+    args = json.loads((work_dir / "args.json").read_text())
+    name, seed = args["name"], args["seed"]
+    with np.load(work_dir / "inputs.npz", allow_pickle=False) as inputs:
+        train_image, train_labels = inputs["train_image"], inputs["train_labels"]
+        evaluation_image = inputs["evaluation_image"]
+
+    # oneDNN and NNPACK pick kernels and blocking from the host's ISA and caches: convolutions
+    # run as ATen's im2col plus MKL GEMM instead.
+    torch.backends.mkldnn.enabled = False
+    torch.backends.nnpack.set_flags(False)
+    # One thread, deterministic kernels: the same seed must give the same weights, bit for bit.
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(seed)
+
+    def report(message: str, fraction: float) -> None:
+        print(_PROGRESS_MARK + json.dumps([message, fraction]), flush=True)
+
+    model = _build(name)
+    _train(model, name, train_image, train_labels, args["epochs"], seed, report)
+    model.eval()
+    (work_dir / "model.onnx").write_bytes(_export(model, args["opset"]))
+    np.save(work_dir / "reference.npy", _torch_probs(model, evaluation_image))
+    trained = {
+        "torch_version": torch.__version__,
+        "parameters": int(sum(p.numel() for p in model.parameters())),
+    }
+    (work_dir / "trained.json").write_text(json.dumps(trained))
 
 
 def _datasets(seed: int) -> dict[str, Any]:

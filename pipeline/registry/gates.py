@@ -10,11 +10,13 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..compare import output_problems
+from ..compare import input_problems, metric_input_problems, metric_problems, output_problems
 from ..config import PerformanceGate, Registry
 from ..errors import InputError
+from ..gatestats import max_mismatches
 from ..io import sha256_file
 from ..results import Manifest, OutputError, engine_digest
+from ..versions import unmet
 from .reports import GateResult
 from .stats import compare_latency
 
@@ -53,18 +55,23 @@ def correctness_problems(m: Manifest, registry: Registry) -> list[str]:
         contradictions = _figure_problems(o)
         bad += [f"output {o.output}: {p}" for p in contradictions]
         if not contradictions:
-            bad += output_problems(o, tol.model_copy(update={"max_mismatch": tol.max_mismatch + eps,
-                                                             "min_top1_agreement": max(0.0, tol.min_top1_agreement - eps)}))
+            now = tol.model_copy(update={"confidence": max(tol.confidence, o.confidence)})
+            bad += output_problems(o, now) + input_problems(o, now)
         if not o.passed:
             bad.append(f"output {o.output}: recorded as failed")
     if spec.metric is not None and not any(x.split == "evaluation" for x in c.metrics):
         bad.append("task metric: no evaluation figure in the manifest")
     for x in c.metrics:
         allowed = gate.max_drop_hard_tail if x.split == "hard_tail" else gate.max_drop
-        if not all(math.isfinite(v) for v in (x.engine, x.reference, x.delta)) or abs(x.engine - x.reference - x.delta) > 1e-9:
-            bad.append(f"{x.split} metric: figures do not add up (engine {x.engine}, reference {x.reference}, delta {x.delta})")
-        elif -x.delta > allowed + eps:
-            bad.append(f"{x.split} metric dropped {-x.delta:.4f} (allowed {allowed})")
+        paired = x.samples > 0 and 0 <= x.worse and 0 <= x.better and x.worse + x.better <= x.samples
+        if not all(math.isfinite(v) for v in (x.engine, x.reference, x.delta)) or abs(x.engine - x.reference - x.delta) > 1e-9 \
+                or not paired or abs(x.delta - (x.better - x.worse) / x.samples) > 1e-9:
+            bad.append(f"{x.split} metric: figures do not add up (engine {x.engine}, reference {x.reference}, delta "
+                       f"{x.delta}, {x.samples} samples, {x.worse} worse, {x.better} better)")
+        else:
+            confidence = max(gate.confidence, x.confidence)
+            bad += metric_problems(x, spec.metric.kind if spec.metric else "metric", allowed, confidence)
+            bad += metric_input_problems(x, allowed, confidence)
         if not x.passed:
             bad.append(f"{x.split} metric: recorded as failed")
     if not c.precision.passed:
@@ -100,9 +107,15 @@ def _figure_problems(o: OutputError) -> list[str]:
         bad.append(f"non-finite counts ({o.nan_count} NaN, {o.inf_count} Inf) contradict the other figures")
     if o.max_abs_error is None and o.elements > unexpected + o.reference_non_finite:
         bad.append("no error figures for its finite elements")
+    if o.elements and abs(o.mismatch_count / o.elements - o.mismatch_fraction) > 1e-9:
+        bad.append(f"{o.mismatch_count} of {o.elements} elements beyond contradicts the fraction {o.mismatch_fraction}")
+    if o.top1_rows is not None and (o.top1_agree is None or not 0 <= o.top1_agree <= o.top1_rows or o.top1_rows < 0
+                                    or (o.top1_rows and abs(o.top1_agree / o.top1_rows - (o.top1_agreement or 0)) > 1e-9)):
+        bad.append(f"top-1 counts ({o.top1_agree} of {o.top1_rows}) contradict the agreement {o.top1_agreement}")
     # the element-wise verdict and the smallest passing atol come from one measurement: they agree
-    within = o.mismatch_fraction <= o.max_mismatch
-    if o.elements and not unexpected and within != (o.min_passing_atol is not None and o.min_passing_atol <= o.atol):
+    within = o.mismatch_count <= max_mismatches(o.elements, o.max_mismatch, o.confidence)
+    if o.elements and not unexpected and \
+            within != (o.min_passing_atol is not None and o.min_passing_atol <= o.atol):
         bad.append(f"{o.mismatch_fraction:.2%} beyond tolerance (allowed {o.max_mismatch:.2%}) contradicts the smallest "
                    f"passing atol {o.min_passing_atol} at atol={o.atol}")
     return bad
@@ -158,9 +171,8 @@ def manifest_gate(document: Any, version_digest: str | None, registry: Registry 
 
 
 def sku_mismatches(m: Manifest, registry: Registry) -> list[str]:
-    """What in the manifest contradicts its SKU in params.yaml."""
-    from ..runner.check import satisfies
-
+    """What in the manifest contradicts its SKU in params.yaml. Recorded toolchain versions are
+    read as their vendor writes them (OpenVINO's build suffix, nvcc's build line: pipeline.versions)."""
     sku, bad = registry.sku(m.sku), []
     if m.backend != sku.backend:
         bad.append(f"built by {m.backend}, the SKU asks for {sku.backend}")
@@ -169,9 +181,9 @@ def sku_mismatches(m: Manifest, registry: Registry) -> list[str]:
     if m.target.arch != sku.target.arch or m.host.arch != sku.target.arch:
         bad.append(f"target/host architecture {m.target.arch}/{m.host.arch}, the SKU is {sku.target.arch}")
     for package, spec in sku.toolchain.items():
-        have = m.toolchain.get(package)
-        if not satisfies(have, spec):
-            bad.append(f"toolchain {package} {have or '(not recorded)'} does not satisfy {spec!r}")
+        why = unmet(m.toolchain.get(package), spec)
+        if why:
+            bad.append(f"toolchain {package}: {why}")
     if engine_digest(m.engine) != m.evidence.engine_sha256:
         bad.append("the engine file list does not match the engine hash its reports were bound to")
     return bad

@@ -24,7 +24,6 @@ import io
 import json
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -37,6 +36,7 @@ from ..config import SkuSpec, Strict
 from ..errors import ServiceError, SkuforgeError
 from ..io import atomic_write_json, read_json, sha256_bytes
 from ..results import Result
+from ..versions import same_version, satisfies
 from . import controller, release as rel, trust
 from .store import Store
 
@@ -117,9 +117,9 @@ class AgentResult(Result):
 
 
 def compatibility(requires: dict[str, Any], device: Device) -> list[str]:
-    """Why ``device`` cannot run an engine with these requirements (empty: it can)."""
-    from ..runner.check import satisfies
-
+    """Why ``device`` cannot run an engine with these requirements (empty: it can). Versions are
+    compared as pipeline.versions reads them: the OpenVINO build an engine records
+    ('2026.4.1-22982-e213a14...-releases/2026/4') is the '2026.4.1' its package reports."""
     bad = []
     if requires.get("arch") and requires["arch"] != device.arch:
         bad.append(f"built for {requires['arch']}, the device is {device.arch}")
@@ -127,21 +127,12 @@ def compatibility(requires: dict[str, Any], device: Device) -> list[str]:
     if missing:
         bad.append(f"needs CPU features {', '.join(missing)}")
     for pkg, version in requires.get("exact", {}).items():
-        if _release(device.runtime.get(pkg)) != _release(version):
+        if not same_version(device.runtime.get(pkg), version):
             bad.append(f"needs {pkg} {version} exactly, the device has {device.runtime.get(pkg) or 'none'}")
     for pkg, spec in requires.get("specifiers", {}).items():
         if not satisfies(device.runtime.get(pkg), spec):
             bad.append(f"needs {pkg} {spec}, the device has {device.runtime.get(pkg) or 'none'}")
     return bad
-
-
-def _release(version: str | None) -> str | None:
-    """The release part of a version string: OpenVINO reports '2026.4.1-22982-e213a14...-releases/2026/4'
-    where its package says '2026.4.1'."""
-    if version is None:
-        return None
-    match = re.match(r"\d+(\.\d+)*", version)
-    return match.group(0) if match else version
 
 
 # --- the smoke test ---------------------------------------------------------------------------------

@@ -12,39 +12,31 @@ from typing import Literal
 
 from ..backends import get_backend
 from ..config import Registry
+from ..versions import UnreadableVersion, normalize, satisfies, specifier_problem
 from . import probe
 
 Purpose = Literal["build", "run"]
 
 
-def satisfies(version: str | None, spec: str) -> bool:
-    """``version`` meets the PEP 440 specifier ``spec``; False for anything unparsable or absent."""
-    from packaging.specifiers import InvalidSpecifier, SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return version is not None and Version(str(version)) in SpecifierSet(spec)
-    except (InvalidVersion, InvalidSpecifier):
-        return False
-
-
 def toolchain_problems(pins: dict[str, str], installed_only: bool = False) -> list[str]:
     """Pinned package versions this host does not satisfy. ``installed_only`` skips absent
     packages (a device that runs engines need not carry the compiler)."""
-    from packaging.specifiers import InvalidSpecifier, SpecifierSet
-
     problems = []
     for package, spec in sorted(pins.items()):
-        try:
-            SpecifierSet(spec)
-        except InvalidSpecifier:
-            problems.append(f"toolchain.{package}: {spec!r} is not a version specifier (e.g. '==1.20.1' or '>=1.20,<2')")
+        bad_spec = specifier_problem(spec)
+        if bad_spec:
+            problems.append(f"toolchain.{package}: {bad_spec}")
             continue
         try:
             have = metadata.version(package)
         except metadata.PackageNotFoundError:
             if not installed_only:
                 problems.append(f"{package} is not installed (the SKU pins {spec})")
+            continue
+        try:
+            normalize(have)
+        except UnreadableVersion as exc:  # fail closed, naming the string
+            problems.append(f"{package}: the installed version {exc.message} (the SKU pins {spec})")
             continue
         if not satisfies(have, spec):
             problems.append(f"{package} {have} is installed, the SKU pins {spec}")

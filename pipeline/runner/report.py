@@ -9,6 +9,7 @@ from typing import Any
 
 from ..config import Registry
 from ..errors import ConfigError, InputError
+from ..versions import satisfies
 from . import probe
 from .check import host_problems
 
@@ -98,8 +99,6 @@ def class_labels(classes: dict[str, dict[str, Any]], name: str) -> list[str]:
 
 def classes_problems(registry: Registry, classes: dict[str, dict[str, Any]]) -> list[str]:
     """Every SKU's labels served by a class whose hardware and pins agree with the SKU."""
-    from .check import satisfies
-
     problems = []
     for sku, spec in sorted(registry.skus.items()):
         serving = [n for n, c in classes.items() if set(spec.runner_labels) <= set(c["labels"])]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..compare import METRICS
+from ..compare import metric_score
 from ..config import Registry
 from ..data import LABELS, run_dataset
 from ..errors import InputError
@@ -44,7 +44,7 @@ def reference(registry: Registry, model: str, progress: Progress | None = None) 
             hashes[split] = sha256_arrays(result)
             samples[split] = len(arrays[spec.inputs[0].name])
             if spec.metric is not None and LABELS in arrays:
-                metric[split] = METRICS[spec.metric.kind](result[spec.metric.output], arrays[LABELS])
+                metric[split] = metric_score(spec.metric.kind, result[spec.metric.output], arrays[LABELS])
     report = ReferenceReport(model=model, runtime="onnxruntime CPUExecutionProvider fp32, optimisations off",
                              runtime_version=runtime_version(), outputs=outputs, samples=samples,
                              metric=metric, output_sha256=hashes)

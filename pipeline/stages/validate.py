@@ -7,10 +7,11 @@ from __future__ import annotations
 from collections import Counter
 
 from ..backends import get_backend
-from ..compare import METRICS, output_errors, output_problems
+from ..compare import (input_problems, metric_input_problems, metric_problems, metric_result, output_errors,
+                       output_problems, output_warnings, state_outputs)
 from ..config import Registry
 from ..data import LABELS, run_dataset
-from ..errors import GateFailed
+from ..errors import GateFailed, InputError
 from ..io import atomic_savez, atomic_write_json, sha256_arrays
 from ..paths import REFERENCE_SPLITS
 from ..results import (BuildReport, MetricResult, PlacementResult, PrecisionResult, PrepareReport, ReferenceReport,
@@ -40,9 +41,10 @@ def precision_gate(build: BuildReport, policy: str, max_mismatched: int) -> Prec
 
 
 def correctness(registry: Registry, model: str, sku: str, runner, progress: Progress | None = None):
-    """A loaded engine against the reference: per-output errors on the golden split, the task
-    metric per labelled split, samples per split, and the engine's golden outputs. The remedy
-    (pipeline/remedy.py) judges its rebuilt engines with it too."""
+    """A loaded engine against the reference: per-output errors on the golden split (agreement
+    joined by the other referenced splits where golden alone cannot resolve it), the task metric
+    per labelled split paired with the reference's, samples per split, and the engine's golden
+    outputs. The remedy (pipeline/remedy.py) judges its rebuilt engines with it too."""
     spec = registry.model(model)
     out = layout(registry)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
@@ -50,33 +52,40 @@ def correctness(registry: Registry, model: str, sku: str, runner, progress: Prog
     tol = registry.tolerance(model, sku)
     gate = registry.metric_gate(model, sku)
     in_idx, out_idx, batch = run_plan(registry, model, prep.signature, sku)
-    errors, metrics, samples, golden = [], [], {}, {}
+    metrics, samples, got, expected = [], {}, {}, {}
     for split in REFERENCE_SPLITS:
         if split not in ref.samples:
             continue
         arrays = load_arrays(out.split(model, split), "data")
-        expected = load_arrays(out.reference_dir(model) / f"{split}.npz", "reference")
-        got = run_dataset(runner.infer, arrays, in_idx, out_idx, batch, progress, f"validate {split}")
+        expected[split] = load_arrays(out.reference_dir(model) / f"{split}.npz", "reference")
+        got[split] = run_dataset(runner.infer, arrays, in_idx, out_idx, batch, progress, f"validate {split}")
         samples[split] = len(arrays[spec.inputs[0].name])
-        if split == "golden":
-            errors = output_errors(got, expected, ref.outputs, tol, model)
-            golden = {name: got[name] for name in ref.outputs}  # for the cross-SKU consistency matrix
         if spec.metric is not None and LABELS in arrays:
-            engine_score = METRICS[spec.metric.kind](got[spec.metric.output], arrays[LABELS])
             max_drop = gate.max_drop_hard_tail if split == "hard_tail" else gate.max_drop
-            delta = engine_score - ref.metric[split]
-            metrics.append(MetricResult(split=split, reference=ref.metric[split], engine=engine_score,
-                                        delta=delta, max_drop=max_drop, passed=-delta <= max_drop + 1e-12))
+            metrics.append(metric_result(split, spec.metric.kind, got[split][spec.metric.output],
+                                         expected[split][spec.metric.output], arrays[LABELS], max_drop, gate.confidence))
+    errors, golden = [], {}
+    if "golden" in got:
+        more = {name: [(split, got[split][name], expected[split][name]) for split in got if split != "golden"]
+                for name in ref.outputs}
+        errors = output_errors(got["golden"], expected["golden"], ref.outputs, tol, model,
+                               states=state_outputs(prep.signature), more=more)
+        golden = {name: got["golden"][name] for name in ref.outputs}  # for the cross-SKU consistency matrix
     return errors, metrics, samples, golden
 
 
 def correctness_failures(registry: Registry, model: str, errors: list, metrics: list) -> list[str]:
     """One line per failed output or metric, with its figures."""
     spec = registry.model(model)
-    failures = [line for e in errors for line in output_problems(e)]
-    failures += [f"{spec.metric.kind if spec.metric else 'metric'} on {m.split}: {m.engine:.4f} vs reference {m.reference:.4f} "
-                 f"(drop {-m.delta:.4f} > allowed {m.max_drop})" for m in metrics if not m.passed]
-    return failures
+    kind = spec.metric.kind if spec.metric else "metric"
+    return [line for e in errors for line in output_problems(e)] + \
+        [line for m in metrics for line in metric_problems(m, kind)]
+
+
+def input_failures(errors: list, metrics: list) -> list[str]:
+    """What the datasets cannot judge: an output they do not exercise, a set too small for its threshold."""
+    return [line for e in errors for line in input_problems(e)] + \
+        [line for m in metrics for line in metric_input_problems(m)]
 
 
 def _bisect(registry: Registry, model: str, sku: str):
@@ -108,12 +117,14 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
         outputs_sha = sha256_arrays(golden)
     placement = placement_gate(build, sku_spec.placement.allowed, sku_spec.placement.max_fallback_nodes)
     precision = precision_gate(build, sku_spec.precision_gate.policy, sku_spec.precision_gate.max_mismatched_layers)
-    failures = correctness_failures(registry, model, errors, metrics)
+    gate_failures = correctness_failures(registry, model, errors, metrics)
+    unjudged = input_failures(errors, metrics)
+    failures = gate_failures + unjudged
     if not placement.passed:
         nodes = ", ".join(f"{layer.name} ({layer.op_type}) on {layer.device}" for layer in placement.offending)
         failures.append(f"placement: {len(placement.offending)} nodes ran outside {placement.allowed} "
                         f"(allowed {placement.max_fallback_nodes}): {nodes}")
-    warnings = []
+    warnings = [line for e in errors for line in output_warnings(e)]
     if precision.mismatched:
         kinds = Counter(layer.precision for layer in precision.mismatched)
         line = (f"precision: {sku_spec.precision} was asked for but {len(precision.mismatched)} layers ran in "
@@ -122,7 +133,7 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
                 + (" …" if len(precision.mismatched) > 20 else ""))
         (warnings if precision.passed else failures).append(line)
     bisection = None
-    if (errors or metrics) and correctness_failures(registry, model, errors, metrics) and sku_spec.bisect.on_failure:
+    if gate_failures and sku_spec.bisect.on_failure:
         bisection = _bisect(registry, model, sku)
     report = ValidationReport(model=model, sku=sku, precision=sku_spec.precision, passed=not failures, failures=failures,
                               outputs=errors, metrics=metrics, placement=placement, precision_gate=precision,
@@ -135,6 +146,9 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
         lg.warning("%s", w)
     for m in metrics:
         lg.info("%s %s: engine %.4f reference %.4f delta %+.4f", spec.metric.kind, m.split, m.engine, m.reference, m.delta)
+    if failures and len(failures) == len(unjudged):
+        raise InputError(f"{model}/{sku}: the datasets cannot judge the engine:\n" + "\n".join(f"  - {f}" for f in failures),
+                         hint=f"see {out.report(model, sku, 'validate')} and docs/correctness.md (sample sizes)")
     if failures:
         hint = f"see {out.report(model, sku, 'validate')}; loosen the SKU's tolerance only if the error is understood"
         lines = failures + ([f"bisection ({bisection.builds} builds): {bisection.summary}"] if bisection else [])

@@ -10,12 +10,12 @@ import pytest
 import models
 from pipeline.compare import output_error
 from pipeline.config import parse_registry
-from pipeline.registry.gates import correctness_gate, correctness_problems
-from pipeline.results import (Correctness, Manifest, OutputError, PlacementSummary, PrecisionSummary, Signature,
-                              TensorSig)
+from pipeline.registry.gates import correctness_gate, correctness_problems, sku_mismatches
+from pipeline.results import (Correctness, Evidence, HostInfo, Manifest, OutputError, PlacementSummary,
+                              PrecisionSummary, Signature, TargetInfo, TensorSig, engine_digest)
 
 RNG = np.random.default_rng(0)
-LOGITS = RNG.normal(scale=3.0, size=(200, 4))
+LOGITS = RNG.normal(scale=3.0, size=(600, 4))
 REFERENCE = (np.exp(LOGITS) / np.exp(LOGITS).sum(axis=1, keepdims=True)).astype(np.float32)
 
 
@@ -61,15 +61,18 @@ def test_a_good_engine_passes():
 
 def test_agreement_below_the_configured_minimum_fails_even_when_recorded_as_passed():
     loose = registry(tolerances={"int8": {"min_top1_agreement": 0.5}})
-    o = measured(flipped(10), loose)  # 95% agreement
+    o = measured(flipped(36), loose)  # 94% agreement on 600 rows
     assert o.passed
     bad = correctness_problems(manifest(o), registry())
-    assert bad == ["output probs: top-1 agreement 95.00% < 97.00% (probabilities)"]
+    assert len(bad) == 1 and bad[0].startswith("output probs: top-1 agreement ")
+    assert bad[0].endswith("is below 97.00% at 95% confidence (probabilities)")
 
 
 def test_the_agreement_minimum_is_overridable_per_sku():
-    strict = registry({"min_top1_agreement": 0.999})
-    assert any("top-1 agreement 99.00% < 99.90%" in p for p in correctness_problems(manifest(measured(flipped(2))), strict))
+    strict = registry({"min_top1_agreement": 0.99})
+    o = measured(flipped(18))  # 97%: passes INT8's default, not this SKU's 99%
+    assert correctness_problems(manifest(o), registry()) == []
+    assert any("is below 99.00% at 95% confidence" in p for p in correctness_problems(manifest(o), strict))
 
 
 def test_nan_in_the_engine_output_fails():
@@ -81,8 +84,10 @@ def test_nan_in_the_engine_output_fails():
 
 
 def test_a_missing_agreement_figure_fails_closed():
-    o = measured(REFERENCE.copy()).model_copy(update={"top1_agreement": None})
+    o = measured(REFERENCE.copy()).model_copy(update={"top1_agreement": None, "top1_agree": None, "top1_rows": None})
     assert any("no top-1 agreement" in p for p in correctness_problems(manifest(o), registry()))
+    o = measured(REFERENCE.copy()).model_copy(update={"top1_agree": 3})
+    assert any("top-1 counts (3 of" in p for p in correctness_problems(manifest(o), registry()))
 
 
 @pytest.mark.parametrize("update, words", [
@@ -123,3 +128,40 @@ def test_the_kind_must_be_the_declared_one():
 def test_a_missing_output_fails_closed():
     m = manifest()
     assert correctness_problems(m, registry()) == ["output probs: no error figures in the manifest"]
+
+
+# --- the manifest gate's SKU check: recorded toolchain versions against the SKU's pins --------------
+
+
+def ov_manifest(toolchain: dict[str, str]) -> tuple[Manifest, object]:
+    """An OpenVINO engine's manifest, as far as the manifest gate's SKU check reads it, and its registry."""
+    reg = parse_registry({"defaults": {}, "examples": {}, "models": {"conv": models.conv_bn_spec()},
+                          "skus": {"ov": {**models.cpu_sku("openvino", "fp32", {"device": "CPU"}),
+                                          "toolchain": {"openvino": ">=2026.0,<2027"}}}})
+    target = reg.sku("ov").target
+    m = Manifest.model_construct(
+        model="conv", sku="ov", backend="openvino", precision="fp32", toolchain=toolchain, engine=[],
+        target=TargetInfo(arch=target.arch, device="cpu", os="linux", cpu_features=[], runner_labels=["self-hosted"]),
+        host=HostInfo(arch=target.arch, os="linux", cpu_model=None, cpu_cores=None, cpu_features=[], python="3.12"),
+        evidence=Evidence(engine_sha256=engine_digest([]), files={}))
+    return m, reg
+
+
+def test_an_openvino_build_version_satisfies_the_skus_pin():
+    """OpenVINO records get_version()'s '2026.4.1-22982-<commit>-releases/2026/4': read as 2026.4.1
+    (pipeline.versions), it meets '>=2026.0,<2027' (a strict PEP 440 parse refused every OpenVINO engine)."""
+    m, reg = ov_manifest({"openvino": "2026.4.1-22982-e213a147257-releases/2026/4", "onnx": "1.20.0"})
+    assert sku_mismatches(m, reg) == []
+    older, _ = ov_manifest({"openvino": "2025.3.0-19807-44526285f24-releases/2025/3"})
+    assert sku_mismatches(older, reg) == [("toolchain openvino: 2025.3.0-19807-44526285f24-releases/2025/3 "
+                                           "(read as 2025.3.0+19807.44526285f24) does not satisfy >=2026.0,<2027")]
+
+
+@pytest.mark.parametrize("recorded, words", [
+    ({"openvino": "custom build"}, "'custom build' is not a version skuforge can read"),
+    ({}, "no version recorded (needs >=2026.0,<2027)"),
+])
+def test_an_unreadable_or_missing_toolchain_version_fails_closed(recorded, words):
+    m, reg = ov_manifest(recorded)
+    (problem,) = sku_mismatches(m, reg)
+    assert problem.startswith("toolchain openvino: ") and words in problem, problem

@@ -19,7 +19,7 @@ def test_toolchain_pins():
     assert toolchain_problems({"onnxruntime": "<1.0"}) == [f"onnxruntime {onnxruntime.__version__} is installed, the SKU pins <1.0"]
     assert toolchain_problems({"skuforge-no-such-package": ">=1"}) == ["skuforge-no-such-package is not installed (the SKU pins >=1)"]
     (problem,) = toolchain_problems({"onnxruntime": "one point twenty"})
-    assert "not a version specifier" in problem
+    assert "not a PEP 440 version specifier" in problem
 
 
 def test_host_problems():

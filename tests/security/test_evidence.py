@@ -119,7 +119,8 @@ def test_a_redigested_failing_manifest_published_anyway_is_refused_by_promotion(
     assert version.tags[TAG_CORRECTNESS] == "failed"
     exc = _blocked(proj, "candidate", "bad")
     detail = _gate(exc, "correctness").detail
-    assert "of elements beyond atol=0.0 rtol=0.0" in detail and "tagged correctness=failed" in detail
+    assert "elements (100.00%, at least" in detail and "beyond atol=0.0 rtol=0.0" in detail
+    assert "tagged correctness=failed" in detail
     assert not connect(proj).client.get_registered_model(result.registered_model).aliases
 
 
@@ -132,8 +133,9 @@ def test_faked_reports_signed_by_an_untrusted_key_reach_only_aliases_that_accept
     try:
         val = ValidationReport.model_validate(read_json(val_path))
         fake = val.model_copy(update={"passed": True, "failures": [], "outputs": [
-            o.model_copy(update={"passed": True, "mismatch_fraction": 0.0, "max_abs_error": 0.0, "min_passing_atol": 0.0,
-                                 "top1_agreement": 1.0}) for o in val.outputs]})
+            o.model_copy(update={"passed": True, "mismatch_fraction": 0.0, "mismatch_count": 0, "max_abs_error": 0.0,
+                                 "min_passing_atol": 0.0, "snr_db": None, "top1_agreement": 1.0,
+                                 "top1_agree": o.top1_rows}) for o in val.outputs]})
         atomic_write_json(val_path, fake.to_json())
         write_manifest(proj, "conv", "bad")
         publish(proj, "conv", "bad")

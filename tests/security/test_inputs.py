@@ -155,9 +155,68 @@ class _Boom:
         return (Path.touch, (Path(self.marker),))
 
 
+def test_every_np_load_in_the_library_refuses_pickles():
+    """Read the syntax trees: each np.load / numpy.load call passes allow_pickle=False."""
+    import ast
+
+    calls = []
+    for path in sorted((REPO / "pipeline").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load" \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id in ("np", "numpy"):
+                off = any(k.arg == "allow_pickle" and isinstance(k.value, ast.Constant) and k.value.value is False
+                          for k in node.keywords)
+                calls.append((f"{path.relative_to(REPO)}:{node.lineno}", off))
+    assert calls and [where for where, off in calls if not off] == []
+
+
 def test_complex_input(tmp_path):
     data_project(tmp_path, {"golden.npz": {"x": finite().astype(np.complex64)}}, golden={"path": "golden.npz"})
     refused_data(tmp_path, 2, "golden.npz", "'x'", "complex", "castable to float32")
+
+
+# --- sizes: zip bombs, lying headers, shapes beyond the limits ----------------------------------
+
+
+def test_zip_bomb_dataset_is_refused_unread(tmp_path, zip_bomb):
+    data_project(tmp_path, {}, golden={"path": "bomb.npz"})
+    shutil.copyfile(zip_bomb, tmp_path / CONV / "bomb.npz")
+    refused_data(tmp_path, 2, "dataset golden", "bomb.npz member 'x.npy'", "1.00 GiB", "zip bomb", "numpy.savez")
+
+
+def test_npy_header_claiming_a_trillion_elements_is_refused_unread(tmp_path):
+    from numpy.lib import format as npy
+
+    data_project(tmp_path, {}, golden={"path": "huge.npy"})
+    with open(tmp_path / CONV / "huge.npy", "wb") as fh:
+        npy.write_array_header_1_0(fh, {"descr": "<f4", "fortran_order": False, "shape": (10**12 // 192, 3, 8, 8)})
+        fh.write(bytes(1024))
+    refused_data(tmp_path, 2, "dataset golden", "huge.npy declares a float32 array of shape (5208333333, 3, 8, 8)",
+                 "above the limit of 4.00 GiB per dataset")
+
+
+def test_legitimate_compressed_dataset_passes(tmp_path):
+    data_project(tmp_path, {}, golden={"path": "golden.npz"})
+    np.savez_compressed(tmp_path / CONV / "golden.npz", x=finite())
+    proc = skuforge("data", "--model", "m", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("skus", {"cpu": {"shapes": {"batch": 10**9}}}, ["skus.cpu.shapes.batch: 1000000000", "192000000000 elements",
+                                                      "2147483647 elements", "lower it to at most 5592405"]),
+    ("datasets", {"golden": {"generate": {"count": 10**8}}}, ["models.m.datasets.golden.generate.count: 100000000",
+                                                              "71.53 GiB", "lower it to at most 5592405"]),
+])
+def test_config_validate_refuses_sizes_beyond_the_limits(tmp_path, key, value, words):
+    spec, skus = models.conv_bn_spec(), {"cpu": models.ort_sku("fp32")}
+    if key == "skus":
+        skus["cpu"].update(value["cpu"])
+    else:
+        spec["datasets"] = value
+    project(tmp_path, spec, skus=skus)
+    proc = skuforge("config", "validate", cwd=tmp_path)
+    assert_user_error(proc, 2, *words)
 
 
 # --- external data ------------------------------------------------------------------------------
