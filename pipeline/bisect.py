@@ -380,7 +380,7 @@ def bisect(registry: "Registry", model: str, sku: str, *, keep: tuple[str, ...] 
     import onnx
 
     from .backends.onnxruntime import reference_runner
-    from .compare import output_error
+    from .compare import output_error, output_problems
     from .data import run_dataset
     from .graph import pin_axes
     from .stages.common import layout
@@ -417,7 +417,8 @@ def bisect(registry: "Registry", model: str, sku: str, *, keep: tuple[str, ...] 
         got = session.run_engine([])
         tol = registry.tolerance(model, sku)
         out_errors = [tensor_error(graph, o, got[o], reference[o], spec.precision) for o in outputs]
-        failing = [o for o in outputs if not output_error(o, got[o], reference[o], tol).passed]
+        # the gate's own criteria, not what the (smaller) bisection sample cannot judge: never a tie
+        failing = [o for o in outputs if output_problems(output_error(o, got[o], reference[o], tol))]
         failing += [e.tensor for e in out_errors if e.divergent and e.tensor not in failing]
         base = dict(model=model, sku=sku, backend=spec.backend, precision=spec.precision, marks_per_build=k,
                     samples=n, keep_precise=list(keep), outputs=out_errors)

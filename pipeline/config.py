@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from . import gatestats
 from .errors import ConfigError, InputError
 from .io import MERGE_CONFLICT_FIX, merge_conflict
 from .limits import (
@@ -484,12 +485,16 @@ class PerformanceGate(Strict):
 
 
 class TrackingSpec(Strict):
-    """How MLflow calls are retried: exponential backoff on connection errors, 5xx and a locked database."""
+    """How MLflow calls are retried: exponential backoff on connection errors, 5xx and a locked database;
+    a server that is down or does not answer fails each call within ``deadline_seconds``."""
 
     retries: int = Field(4, ge=0, description="retries after the first attempt")
     backoff_seconds: float = Field(0.5, ge=0, description="first wait; doubles each retry")
     max_backoff_seconds: float = Field(8.0, ge=0)
-    timeout_seconds: float = Field(30.0, gt=0, description="per HTTP request (MLFLOW_HTTP_REQUEST_TIMEOUT wins)")
+    timeout_seconds: float = Field(5.0, gt=0, description="to connect and to read each HTTP answer "
+                                                          "(MLFLOW_HTTP_REQUEST_TIMEOUT wins)")
+    deadline_seconds: float = Field(10.0, gt=0, description="no retry of an unreachable or silent server starts "
+                                                            "that could not end this long after the call began")
 
 
 class SigningSpec(Strict):
@@ -896,6 +901,7 @@ def _check_cross_references(registry: Registry, source: str) -> None:
     problems += _fallback_problems(registry)
     problems += _collisions(registry)
     problems += _size_problems(registry)
+    problems += _resolution_problems(registry)
     if problems:
         raise _invalid(source, problems)
 
@@ -939,6 +945,32 @@ def _collisions(registry: Registry) -> list[str]:
 
 
 _AxisValues = dict[str, tuple[int, str | None]]  # axis -> (value, the key that sets it; None: the built-in batch 1)
+
+
+def _resolution_problems(registry: Registry) -> list[str]:
+    """A generated golden set too small to resolve the agreement threshold of an output declared as
+    class scores, where no evaluation or hard-tail split can join it (docs/correctness.md). Sets
+    read from files are checked by validate, once their size is known."""
+    problems = []
+    for name, model in registry.models.items():
+        golden = model.datasets.golden.generate
+        classes = sorted({kind for kind in model.output_kinds.values() if kind in CLASS_KINDS})
+        if golden is None or not classes or model.datasets.evaluation or model.datasets.hard_tail:
+            continue
+        for sname in registry.skus:
+            for kind in classes:
+                tol = registry.tolerance(name, sname).for_kind(kind)  # type: ignore[arg-type]
+                if tol.min_top1_agreement <= 0:
+                    continue
+                need = gatestats.min_rows_for_agreement(tol.min_top1_agreement, tol.confidence)
+                if golden.count < need:
+                    problems.append(
+                        f"models.{name}.datasets.golden.generate.count: {golden.count} samples cannot resolve "
+                        f"min_top1_agreement {tol.min_top1_agreement} of its {kind} outputs at {tol.confidence:.0%} "
+                        f"confidence on SKU {sname}: an engine flipping twice the allowed share would pass; generate "
+                        f"at least {need}, or give an evaluation split (its rows join the agreement gate)")
+                    break
+    return problems
 
 
 def _size_problems(registry: Registry) -> list[str]:

@@ -18,7 +18,7 @@ from . import __version__
 from .errors import InputError
 from .benchstats import round_ci, round_to_ci, same_figure
 from .io import read_json, sha256_json
-from .results import Benchmark, BenchReport, LatencyStats, LatencySummary, Manifest, Provenance
+from .results import Benchmark, BenchReport, HostInfo, LatencyStats, LatencySummary, Manifest, Provenance
 
 SCHEMA_FILE = "manifest.schema.json"
 _UNHASHED = ("digest", "provenance")
@@ -61,6 +61,22 @@ def evidence_digest(name: str, path: Path) -> str | None:
         if isinstance(parent, dict):
             parent.pop(keys[-1], None)
     return sha256_json(doc)
+
+
+def host_problems(host: HostInfo, bench: BenchReport | None, where: str = "bench.json") -> list[str]:
+    """Each field of the manifest's ``host`` that is not the host its bench report was timed on, by
+    name; a bench report missing, or without a host (an older one), vouches for none (fail closed)."""
+    if bench is None or bench.host is None:
+        state = "is missing or unreadable" if bench is None else "records no host (written by an older skuforge)"
+        return [f"{where} {state}: nothing vouches for the manifest's host"]
+    mine, timed = host.to_json(), bench.host.to_json()
+    return [f"host.{key} {_short(mine.get(key))} is not the host {where} was timed on ({_short(timed.get(key))})"
+            for key in sorted(mine.keys() | timed.keys()) if mine.get(key) != timed.get(key)]
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def _floored(value: float, ci: tuple[float, float] | None, floor: float) -> tuple[float, float] | None:

@@ -395,6 +395,7 @@ class PairOutcome:
     unsupported: dict[str, Any] | None = None
     runner_labels: list[str] = field(default_factory=list)
     manifest: dict[str, Any] | None = None  # the summary row of its manifest
+    fix: str = ""  # a failed correctness gate: the bisected node and the command that fixes it (also in detail)
 
     def to_json(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -449,8 +450,9 @@ def _pair_outcome(registry: Registry, model: str, sku: str, status: SkuStatus | 
     if row is not None:
         if row["passed"]:
             return PairOutcome(model, sku, "passed", 0, "", None, row["p50_ms"], manifest=row)
-        return PairOutcome(model, sku, "gate failed", 1, "; ".join(row["failures"]) or "correctness gate failed",
-                           "validate", row["p50_ms"], manifest=row)
+        fix = row.pop("fix", "")
+        return PairOutcome(model, sku, "gate failed", 1, _with_fix("; ".join(row["failures"]) or "correctness gate failed",
+                                                                   fix), "validate", row["p50_ms"], manifest=row, fix=fix)
     if status is not None and not status.runnable and out.report(model, sku, "build").is_file():
         return PairOutcome(model, sku, "built only", 0,
                            "; ".join(status.problems) + ": its runner validates, benches and publishes it",
@@ -464,8 +466,9 @@ def _failed_pair(registry: Registry, model: str, sku: str, record: dict[str, Any
 
     stage, code, message = record["stage"], int(record["exit_code"]), str(record["message"])
     if stage == "validate" and code == 1:
-        failures = _validate_failures(Layout(registry.root).report(model, sku, "validate"))
-        return PairOutcome(model, sku, "gate failed", 1, "; ".join(failures) or message, stage, manifest=row)
+        failures, fix = _validate_failures(registry, model, sku, Layout(registry.root).report(model, sku, "validate"))
+        return PairOutcome(model, sku, "gate failed", 1, _with_fix("; ".join(failures) or message, fix), stage,
+                           manifest=row, fix=fix)
     if stage == "build" and code == 1:  # the build's own gate: the reproducibility check's required verdict
         return PairOutcome(model, sku, "gate failed", 1, f"build: {message}", stage, manifest=row)
     if record.get("unsupported"):
@@ -476,12 +479,36 @@ def _failed_pair(registry: Registry, model: str, sku: str, record: dict[str, Any
                        row["p50_ms"] if row and kind == "publish failed" else None, manifest=row)
 
 
-def _validate_failures(path: Path) -> list[str]:
+def _validate_failures(registry: Registry, model: str, sku: str, path: Path) -> tuple[list[str], str]:
+    """The failure lines of validate.json and the fix its bisection points to."""
     try:
-        failures = json.loads(path.read_text()).get("failures") or []
+        report = json.loads(path.read_text())
+        failures = report.get("failures") or []
     except (OSError, ValueError, AttributeError):
-        return []
-    return [str(f) for f in failures]
+        return [], ""
+    correctness = any(not str(f).startswith(("placement:", "precision:")) for f in failures)
+    fix = fix_hint(model, sku, registry.sku(sku).precision, report.get("bisection")) if correctness else ""
+    return [str(f) for f in failures], fix
+
+
+def fix_hint(model: str, sku: str, precision: str, bisection: Any) -> str:
+    """One line for a failed correctness gate: the node bisection found and the command that keeps
+    it in higher precision, or the command that bisects when none ran."""
+    command = f"skuforge bisect --model {model} --sku {sku}"
+    if not isinstance(bisection, dict):
+        return f"find the first divergent node: {command}"
+    suspects = [s for s in bisection.get("suspects") or [] if isinstance(s, dict)]
+    if suspects:
+        s = suspects[0]
+        where = f"first divergent node {s.get('node')} ({s.get('op_type')}, {s.get('cause')})"
+        if precision != "fp32":
+            return f"{where}: keep it in higher precision with `{command} --fix --apply`"
+        return f"{where}: {bisection.get('summary')}"
+    return f"bisection {bisection.get('verdict')}: {bisection.get('summary')}; rerun with `{command}`"
+
+
+def _with_fix(detail: str, fix: str) -> str:
+    return f"{detail}; {fix}" if fix else detail
 
 
 EXIT_ORDER = (0, 1, 2, 3, 4, 70)
@@ -522,4 +549,7 @@ def _manifest_row(registry: Registry, model: str, sku: str) -> dict[str, Any]:
         "e2e_p50_ms": m.benchmark.end_to_end.p50_ms, "throughput_per_s": m.benchmark.throughput_per_s,
         "digest": m.digest[:12],
         "mlflow": f"v{published['version']}" if published.get("digest") == m.digest else None,
+        **({"fix": fix_hint(model, sku, m.precision, m.correctness.bisection.to_json() if m.correctness.bisection else None)}
+           if not m.correctness.passed and any(not f.startswith(("placement:", "precision:"))
+                                               for f in m.correctness.failures) else {}),
     }

@@ -60,6 +60,8 @@ class DatasetRecord(Result):
     sha256: str
     source: str
     has_labels: bool
+    synthetic: bool = Field(False, description="generated from the input spec, not real data: it may not exercise "
+                                               "the model as real inputs do")
 
 
 class DataReport(Result):
@@ -480,6 +482,8 @@ class BenchReport(EngineBound):
     timeline_sha256: str = Field(description="sha256 of timeline.csv (warm-up and steady calls in order)")
     roofline_sha256: str | None = Field(None, description="sha256 of roofline.json, where the bench wrote one")
     roofline_fraction: float | None = Field(None, description="achieved FLOP/s at p50 over the host's measured peak")
+    host: HostInfo | None = Field(None, description="the host the engine was timed on: the manifest's host must be it "
+                                                    "(None: an older report, which cannot vouch for one)")
 
 
 class Provenance(Result):
@@ -628,6 +632,8 @@ class Manifest(Result):
     cache: CacheInfo | None = Field(description="the checked-in compiler cache the build replayed; null where the "
                                                 "backend keeps none")
     datasets: dict[str, str]
+    synthetic_datasets: list[str] = Field(default_factory=list, description="splits generated from the input spec "
+                                                                            "rather than real data")
     layers: list[LayerInfo]
     placement: dict[str, int]
     precision_counts: dict[str, int]

@@ -3,6 +3,7 @@ a message naming the culprit with a hint, and no traceback. Shared by tests/cli 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,12 @@ COMMAND = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-c", "from pi
 
 def skuforge(*args: str, cwd: Path, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([*COMMAND, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def service_env(**extra: str) -> dict[str, str]:
+    """This process's environment without the developer's MLflow, AWS or release-store settings, plus ``extra``."""
+    own = ("MLFLOW_", "AWS_", "SKUFORGE_STORE")
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(own)}, **extra}
 
 
 def assert_user_error(proc: subprocess.CompletedProcess, code: int, *words: str) -> None:

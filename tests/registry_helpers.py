@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -36,9 +37,52 @@ FAST_RETRIES = {"retries": 2, "backoff_seconds": 0.05, "max_backoff_seconds": 0.
 
 
 def free_port() -> int:
+    """A loopback port nothing listens on (a closed port: connections are refused)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class SilentServer:
+    """A dead service of the worst kind: it accepts TCP connections on 127.0.0.1 and never answers.
+    ``connections`` counts the attempts a client made."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(64)
+        self._sock.settimeout(0.1)  # accept() wakes up to see the server stopped
+        self.port: int = self._sock.getsockname()[1]
+        self._held: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def connections(self) -> int:
+        return len(self._held)
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            self._held.append(conn)  # held open, never read from or written to
+
+    def __enter__(self) -> "SilentServer":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close()
+        for conn in self._held:
+            conn.close()
 
 
 @dataclass

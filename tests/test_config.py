@@ -364,6 +364,7 @@ def test_agreement_minimum_and_output_kinds_are_overridable():
     data["defaults"] = {"tolerances": {"int8": {"min_top1_agreement": 0.9}}}
     data["skus"]["cpu_int8"]["tolerance"] = {"min_top1_agreement": 0.95}
     data["models"]["conv"]["output_kinds"] = {"probs": "logits"}
+    data["models"]["conv"]["datasets"] = {"golden": {"generate": {"count": 401}}}  # resolves 99% (fp32)
     reg = parse_registry(data)
     assert reg.tolerance("conv", "cpu_int8").for_kind("logits").min_top1_agreement == 0.95
     assert reg.tolerance("conv", "cpu_int8").declared == {"probs": "logits"}
@@ -450,3 +451,14 @@ def test_error_message_names_the_file(tmp_path):
         load_registry(path)
     assert info.value.message.startswith(f"{path}: invalid registry")
     assert "hint:" in str(info.value)
+
+
+def test_a_generated_golden_set_too_small_for_the_agreement_gate_is_refused():
+    data = base()
+    data["models"]["conv"]["output_kinds"] = {"probs": "probabilities"}
+    data["models"]["conv"]["datasets"] = {"golden": {"generate": {"count": 32}}}
+    message = config_error(data).message
+    assert "models.conv.datasets.golden.generate.count: 32 samples cannot resolve min_top1_agreement" in message
+    assert "generate at least 117" in message  # INT8's 0.97; fp32's 0.99 would need 401
+    data["models"]["conv"]["datasets"] = {"golden": {"generate": {"count": 401}}}
+    parse_registry(data)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pipeline import gatestats
-from pipeline.compare import (input_problems, metric_input_problems, metric_result, output_error, output_problems,
+from pipeline.compare import (input_problems, metric_input_problems, metric_result, metric_warnings, output_error, output_problems,
                               output_warnings, state_outputs)
 from pipeline.results import Signature, TensorSig
 from test_compare import _flipped, policy, softmax
@@ -62,6 +62,9 @@ def test_a_set_too_small_for_its_drop_is_named_with_the_size_that_can():
     assert metric_input_problems(m) == ["metric on evaluation: 100 samples cannot resolve a drop of 0.01 at 95% "
                                         "confidence (a drop of twice that would not be significant); it needs 201 "
                                         "labelled samples"]
+    # a labelled golden set that small is reported, not refused: the held-out splits judge the metric
+    golden = m.model_copy(update={"split": "golden"})
+    assert metric_input_problems(golden) == [] and "the held-out splits judge the metric" in metric_warnings(golden)[0]
 
 
 def test_a_paired_drop_is_counted_per_sample():

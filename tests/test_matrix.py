@@ -141,6 +141,9 @@ def test_summary_shows_failed_pairs_and_json(repro):
     strict = rows[("strict", "int8")]
     assert strict["outcome"] == "gate failed" and strict["exit_code"] == 1 and strict["stage"] == "validate"
     assert "output probs" in strict["detail"]
+    # the fix is where the user looks: the bisected node (or the bisect command) on the pair's line
+    assert strict["fix"] and "skuforge bisect --model strict --sku int8" in strict["fix"]
+    assert strict["fix"] in strict["detail"] and strict["fix"] in text.stdout
     custom = rows[("custom", "int8")]
     assert custom["outcome"] == "not run" and custom["exit_code"] == 2 and custom["stage"] == "prepare"
     far = rows[("good", "far")]

@@ -141,7 +141,13 @@ def export_example(
 
 
 def _train_pinned(
-    name: str, data: dict[str, Any], *, opset: int, seed: int, epochs: int, progress: Progress | None
+    name: str,
+    data: dict[str, Any],
+    *,
+    opset: int,
+    seed: int,
+    epochs: int,
+    progress: Progress | None,
 ) -> dict[str, Any]:
     """Train and export ``name`` in a new process on the pinned compute path (see the module doc).
 
@@ -199,7 +205,7 @@ def _train_pinned(
             )
         if child.returncode != 0:
             tail = "\n".join(output[-40:])
-            raise RuntimeError(f"{name}: training process failed (exit {child.returncode}):\n{tail}")
+            raise RuntimeError(f"{name}: training failed (exit {child.returncode}):\n{tail}")
         record = json.loads((work / "trained.json").read_text())
         record["onnx"] = (work / "model.onnx").read_bytes()
         record["reference"] = np.load(work / "reference.npy", allow_pickle=False)

@@ -15,7 +15,7 @@ from ..config import PerformanceGate, Registry
 from ..errors import InputError
 from ..gatestats import max_mismatches
 from ..io import sha256_file
-from ..results import Manifest, OutputError, engine_digest
+from ..results import BenchReport, Manifest, OutputError, engine_digest
 from ..versions import unmet
 from .reports import GateResult
 from .stats import compare_latency
@@ -150,10 +150,12 @@ def placement_gate(m: Manifest, registry: Registry) -> GateResult:
     return GateResult(name="placement", passed=True, detail=f"every layer on {shown}")
 
 
-def manifest_gate(document: Any, version_digest: str | None, registry: Registry | None = None) -> GateResult:
+def manifest_gate(document: Any, version_digest: str | None, registry: Registry | None = None,
+                  bench: BenchReport | None = None) -> GateResult:
     """The uploaded manifest matches its schema, its own digest, the version's digest tag and,
-    with ``registry``, the SKU it claims to be for (backend, precision, toolchain, architecture)."""
-    from ..manifest import validate_document
+    with ``registry``, the SKU it claims to be for (backend, precision, toolchain, architecture) and
+    the host its run's ``bench`` report was timed on (every host field; no report: fails)."""
+    from ..manifest import host_problems, validate_document
 
     try:
         validate_document(document, "the manifest artifact")
@@ -164,7 +166,8 @@ def manifest_gate(document: Any, version_digest: str | None, registry: Registry 
                           detail=f"the manifest artifact has digest {document['digest'][:12]}, the version's tag says "
                                  f"{(version_digest or 'nothing')[:12]}: the artifact was replaced after registration")
     if registry is not None:
-        bad = sku_mismatches(Manifest.model_validate(document), registry)
+        m = Manifest.model_validate(document)
+        bad = sku_mismatches(m, registry) + host_problems(m.host, bench, "the run's bench.json")
         if bad:
             return GateResult(name="manifest", passed=False, detail="; ".join(bad))
     return GateResult(name="manifest", passed=True, detail=f"schema-valid, digest {document['digest'][:12]}")

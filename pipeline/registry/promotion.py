@@ -117,8 +117,17 @@ def _manifest(tracking: Tracking, run_id: str | None) -> dict | None:
     return doc if isinstance(doc, dict) else None
 
 
-def _samples(tracking: Tracking, run_id: str | None, manifest: dict | None) -> tuple[list[float] | None, str | None]:
-    """Latency samples of a run, checked against its manifest: (samples, problem).
+def _bench(tracking: Tracking, run_id: str | None) -> BenchReport | None:
+    """The run's bench.json, or None when it is missing or unreadable."""
+    try:
+        return BenchReport.model_validate_json(_download_text(tracking, run_id, BENCH_ARTIFACT) or "")
+    except ValueError:  # not JSON, not UTF-8, not a bench report
+        return None
+
+
+def _samples(tracking: Tracking, run_id: str | None, manifest: dict | None,
+             bench: BenchReport | None) -> tuple[list[float] | None, str | None]:
+    """Latency samples of a run, checked against its manifest and its ``bench`` report: (samples, problem).
 
     Schema 5: the run's bench.json must be about the manifest's engine, latency.csv must be the
     samples bench.json names, and the median recomputed from them must be the manifest's p50
@@ -129,14 +138,10 @@ def _samples(tracking: Tracking, run_id: str | None, manifest: dict | None) -> t
         if local is None or not local.is_file():
             return None, None
         data = local.read_bytes()
-        report = _download(tracking, run_id, BENCH_ARTIFACT, tmp)
-        bench_text = report.read_text(encoding="utf-8") if report is not None and report.is_file() else None
     if LATENCY_FILE in (evidence.get("files") or {}):
         expected = evidence["files"][LATENCY_FILE]
     else:
-        try:
-            bench = BenchReport.model_validate_json(bench_text or "")
-        except ValueError:
+        if bench is None:
             return None, f"the bench report of run {run_id} is missing or unreadable: its samples cannot be trusted"
         if bench.engine_sha256 != evidence.get("engine_sha256"):
             return None, f"the bench report of run {run_id} is about another engine than its manifest"
@@ -220,7 +225,8 @@ def _gates(tracking: Tracking, registry: Registry, alias: str, rm: Any, src: Any
     if doc is None:
         missing = f"the manifest artifact of run {src.run_id} is missing or not JSON"
         return gates + [GateResult(name=n, passed=False, detail=missing) for n in EVIDENCE_GATES]
-    gate = manifest_gate(doc, tags.get(TAG_DIGEST), registry)
+    bench = _bench(tracking, src.run_id)
+    gate = manifest_gate(doc, tags.get(TAG_DIGEST), registry, bench)
     gates.append(gate)
     if not gate.passed:
         return gates + [GateResult(name=n, passed=False, detail="the manifest cannot be trusted (see the manifest gate)")
@@ -234,7 +240,7 @@ def _gates(tracking: Tracking, registry: Registry, alias: str, rm: Any, src: Any
               placement_gate(m, registry)]
     with tempfile.TemporaryDirectory(prefix="skuforge-promote-") as tmp:
         gates.append(engine_gate(m, _engine_files(tracking, src.run_id, tmp), f"run {src.run_id}/{ENGINE_ARTIFACTS}"))
-    candidate, problem = _samples(tracking, src.run_id, doc)
+    candidate, problem = _samples(tracking, src.run_id, doc, bench)
     if problem:
         gates.append(GateResult(name="performance", passed=False, detail=problem))
         return gates
@@ -242,7 +248,8 @@ def _gates(tracking: Tracking, registry: Registry, alias: str, rm: Any, src: Any
     if incumbent is not None:
         holder = _version(tracking, rm.name, incumbent)
         held = _manifest(tracking, holder.run_id) if holder else None
-        incumbent_samples, problem = _samples(tracking, holder.run_id if holder else None, held)
+        held_run = holder.run_id if holder else None
+        incumbent_samples, problem = _samples(tracking, held_run, held, _bench(tracking, held_run))
         if problem:
             log.warning("%s: %s; the latency comparison treats version %s as having no samples", rm.name, problem, incumbent)
     gates.append(performance_gate(candidate, incumbent_samples, incumbent, alias, registry.release.performance))

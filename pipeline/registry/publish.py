@@ -11,11 +11,14 @@ Idempotent on the manifest digest (a tag on the run and on the version):
 4. only then register the version (found again by digest first).
 
 A crash or an unreachable server at any point leaves a state the next publish completes without
-duplicates.
+duplicates. A run whose logging or upload failed while the store still answered (a read-only
+artifact folder, a bad input) is marked FAILED (KILLED on Ctrl-C) on the way out; the next publish
+resumes it and marks it FINISHED.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -25,7 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from .. import __version__
 from ..config import Registry
@@ -35,7 +38,7 @@ from ..stages import Progress
 from .reports import PublishResult
 from .gates import correctness_problems
 from .tracking import (TAG_COMPLETE, TAG_CORRECTNESS, TAG_DIGEST, TAG_LOGGED, TAG_MODEL, TAG_SIGNATURE, TAG_SKU, Tracking,
-                       actor, experiment_name, registered_model_name)
+                       actor, experiment_name, registered_model_name, unreachable)
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +258,23 @@ def _upload(tracking: Tracking, run_id: str, inputs: PublishInputs, progress: Pr
             tracking.call(f"upload {path.name}", client.log_artifact, run_id, str(path), where)
 
 
+@contextlib.contextmanager
+def _ended_on_failure(tracking: Tracking, run_id: str) -> Iterator[None]:
+    """A failure inside marks the run FAILED (KILLED on Ctrl-C) before it propagates, so the MLflow UI
+    does not show it RUNNING forever; not when the store is unreachable (marking would wait on it
+    again). The next publish resumes the run either way."""
+    try:
+        yield
+    except BaseException as exc:
+        if not unreachable(exc):
+            status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
+            try:
+                tracking.call(f"mark run {run_id} {status}", tracking.client.set_terminated, run_id, status)
+            except Exception as also:  # noqa: BLE001 - e.g. a read-only database too: the first error is the one to show
+                log.debug("run %s left as it was: %s", run_id, also)
+        raise
+
+
 def _verdict_tags(m: Manifest, registry: Registry, key) -> dict[str, str]:
     """The version tags promotion trusts: correctness recomputed against params.yaml, and the
     publisher's signature of the manifest digest."""
@@ -307,17 +327,18 @@ def publish_engine(tracking: Tracking, registry: Registry, inputs: PublishInputs
         run_id = run.info.run_id
         if run.data.tags.get(TAG_COMPLETE) != "true":
             resumed = not created_run
-            _log_data(tracking, run_id, inputs)
-            _upload(tracking, run_id, inputs, step)
-            expected = expected_artifacts(inputs)
-            listed = _listing(tracking, run_id)
-            wrong = sorted(p for p, size in expected.items() if p not in listed or
-                           (listed[p] is not None and listed[p] != size))
-            if wrong:
-                raise ServiceError(f"MLflow at {tracking.display}: artifacts of run {run_id} missing or "
-                                   f"truncated after upload: {', '.join(wrong)}",
-                                   hint="publish again (the run is resumed); check the artifact store's space")
-            tracking.call("mark run complete", client.set_tag, run_id, TAG_COMPLETE, "true")
+            with _ended_on_failure(tracking, run_id):
+                _log_data(tracking, run_id, inputs)
+                _upload(tracking, run_id, inputs, step)
+                expected = expected_artifacts(inputs)
+                listed = _listing(tracking, run_id)
+                wrong = sorted(p for p, size in expected.items() if p not in listed or
+                               (listed[p] is not None and listed[p] != size))
+                if wrong:
+                    raise ServiceError(f"MLflow at {tracking.display}: artifacts of run {run_id} missing or "
+                                       f"truncated after upload: {', '.join(wrong)}",
+                                       hint="publish again (the run is resumed); check the artifact store's space")
+                tracking.call("mark run complete", client.set_tag, run_id, TAG_COMPLETE, "true")
             tracking.call("end run", client.set_terminated, run_id, "FINISHED")
         step("publish: register", 0.9)
         tracking.registered_model(name, tags={TAG_MODEL: m.model, TAG_SKU: m.sku},

@@ -7,15 +7,18 @@ out of git), so the example project records its engines with no server.
 Every MLflow call goes through :meth:`Tracking.call`: connection errors, 5xx answers, a locked
 SQLite database and a concurrent writer's unique-key clash are retried with exponential backoff;
 after the last attempt, or on any other MLflow error, it raises ``ServiceError`` (exit 4) naming the
-URI and the operation. What retrying cannot heal fails at once: an unsupported URI scheme
-(``ConfigError``), a missing database driver (``EnvironmentProblem``), a read-only or full local
-database (``StorageError``). Every message is redacted (no credentials of the URI or the
-environment).
+URI and the operation. A server that is down or does not answer costs each call at most
+``release.tracking.deadline_seconds``: every request waits ``timeout_seconds`` at most, and no retry
+starts that could not end before the deadline. What retrying cannot heal fails at once: an
+unsupported URI scheme (``ConfigError``), a missing database driver (``EnvironmentProblem``), a
+read-only or full local database or artifact folder (``StorageError``, naming which). Every message
+is redacted (no credentials of the URI or the environment).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import re
@@ -23,10 +26,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Collection, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from ..config import NAME_FORBIDDEN, Registry, Release, TrackingSpec
 from ..errors import ConfigError, EnvironmentProblem, ServiceError, SkuforgeError, StorageError
+from ..io import storage_error
 from ..redact import redact  # also imported from here by older callers
 
 log = logging.getLogger(__name__)
@@ -48,10 +52,12 @@ TAG_COMPLETE = "skuforge.artifacts_complete"  # every artifact uploaded and chec
 TAG_HISTORY = "skuforge.history."  # + alias: JSON list of moves, on the registered model
 
 _TRANSIENT_CODES = {"TEMPORARILY_UNAVAILABLE", "INTERNAL_ERROR", "REQUEST_LIMIT_EXCEEDED"}
+# The server could not be reached or did not answer (as opposed to answering with an error).
+_NETWORK_TEXT = ("connection refused", "connection reset", "connection aborted", "connection broken", "timed out",
+                 "max retries exceeded", "remotedisconnected", "temporary failure in name resolution")
+_NETWORK_ERRORS = {("requests", "ConnectionError"), ("requests", "Timeout"), ("urllib3", "HTTPError")}
 _TRANSIENT_TEXT = ("database is locked", "unique constraint failed", "integrityerror", "duplicate key",
-                   "connection refused", "connection reset", "connection aborted", "connection broken", "timed out",
-                   "max retries exceeded", "remotedisconnected", "bad gateway", "service unavailable",
-                   "temporary failure in name resolution")
+                   "bad gateway", "service unavailable") + _NETWORK_TEXT
 # Checked first: a 500 answer or a wrapped OperationalError that no retry heals.
 _READ_ONLY_TEXT = ("readonly database", "read-only database", "read-only file system", "unable to open database file")
 _FULL_TEXT = ("database or disk is full", "no space left on device")
@@ -113,6 +119,18 @@ def transient(exc: BaseException) -> bool:
     return False
 
 
+def unreachable(exc: BaseException) -> bool:
+    """The server was down, unreachable or silent: no answer came (a locked database did answer)."""
+    for current in _chain(exc):
+        if isinstance(current, (ConnectionError, TimeoutError)):
+            return True
+        if any((cls.__module__.split(".")[0], cls.__name__) in _NETWORK_ERRORS for cls in type(current).__mro__):
+            return True
+        if any(t in str(current).lower() for t in _NETWORK_TEXT):
+            return True
+    return False
+
+
 def _is_service_error(exc: BaseException) -> bool:
     """An error of MLflow or of the network under it (not a local bug or file problem)."""
     for cls in type(exc).__mro__:
@@ -160,6 +178,7 @@ class Tracking:
     artifact_location: str | None
     policy: TrackingSpec = field(default_factory=TrackingSpec)
     sleep: Callable[[float], None] = time.sleep
+    clock: Callable[[], float] = time.monotonic
     _client: Any = field(default=None, init=False, repr=False)
 
     @property
@@ -185,6 +204,9 @@ class Tracking:
         driver, a read-only or full database. None for anything else."""
         text = " ".join(str(e) for e in _chain(exc)).lower()
         where = f"MLflow at {self.display}"
+        local = self.artifact_problem(exc, what)
+        if local is not None:
+            return local
         if "unsupported uri" in text or any("Unsupported" in type(e).__name__ and "URI" in type(e).__name__
                                             for e in _chain(exc)):
             return ConfigError(f"{where}: {what} failed: the URI scheme {urlsplit(self.uri).scheme + '://'!r} is not "
@@ -214,6 +236,25 @@ class Tracking:
                                 hint="ask the server's operator to free space; then run again")
         return None
 
+    def artifact_problem(self, exc: BaseException, what: str) -> StorageError | None:
+        """A local file the store writes (an artifact under ``mlartifacts/``) that cannot be written:
+        the error names that folder, not the database."""
+        failed = next((e for e in _chain(exc) if isinstance(e, OSError) and e.filename), None)
+        err = storage_error(failed) if failed is not None else None
+        if err is None:
+            return None
+        root = self.artifact_root
+        if root is not None and Path(err.path or "").is_relative_to(root):
+            return StorageError(f"MLflow at {self.display}: {what} failed: the artifact folder {root} cannot be "
+                                f"written: {err.message.removeprefix('cannot write ')}", hint=err.hint, path=str(root))
+        return StorageError(f"MLflow at {self.display}: {what} failed: {err.message}", hint=err.hint, path=err.path)
+
+    @property
+    def artifact_root(self) -> Path | None:
+        """The local folder artifacts go to (the embedded store's ``mlartifacts``), else None."""
+        parts = urlsplit(self.artifact_location or "")
+        return Path(unquote(parts.path)) if parts.scheme == "file" else None
+
     def hint(self) -> str:
         if self.embedded:
             return (f"the embedded store is {self.uri}; if another process holds it, run again, or route "
@@ -229,7 +270,9 @@ class Tracking:
         network error ends in ``ServiceError`` naming the URI and ``what``.
         """
         attempts = self.policy.retries + 1
+        began = self.clock()
         for attempt in range(1, attempts + 1):
+            tried = self.clock()
             try:
                 return fn(*args, **kwargs)
             except Exception as exc:
@@ -243,11 +286,19 @@ class Tracking:
                 if not transient(exc):
                     raise ServiceError(f"MLflow at {self.display}: {what} failed: {_first_line(exc)}",
                                        hint=self.hint()) from exc
-                if attempt == attempts:
-                    raise ServiceError(f"MLflow at {self.display}: {what} failed after {attempts} attempt"
-                                       f"{'s' if attempts > 1 else ''}: {_first_line(exc)}", hint=self.hint()) from exc
                 delay = min(self.policy.max_backoff_seconds, self.policy.backoff_seconds * 2 ** (attempt - 1))
                 delay *= random.uniform(0.8, 1.2)  # concurrent writers should not retry in lockstep
+                now = self.clock()
+                # a dead or silent server: no retry that could not end before the deadline, judging by
+                # this attempt (a busy database answers: it gets every retry)
+                late = (attempt < attempts and unreachable(exc)
+                        and now - began + delay + (now - tried) > self.policy.deadline_seconds)
+                if attempt == attempts or late:
+                    spent = (f" in {now - began:.1f} s (release.tracking.deadline_seconds: "
+                             f"{self.policy.deadline_seconds:g})") if late else ""
+                    raise ServiceError(f"MLflow at {self.display}: {what} failed after {attempt} attempt"
+                                       f"{'s' if attempt > 1 else ''}{spent}: {_first_line(exc)}",
+                                       hint=self.hint()) from exc
                 log.warning("MLflow at %s: %s failed (%s); retry %d of %d in %.1fs", self.display, what,
                             _first_line(exc, 120), attempt, attempts - 1, delay)
                 self.sleep(delay)
@@ -304,14 +355,28 @@ def require_mlflow():
     return mlflow
 
 
+def mlflow_environment(policy: TrackingSpec) -> dict[str, str]:
+    """MLflow's settings (environment variables it reads per request) that skuforge's client runs with."""
+    return {
+        # MLflow's own HTTP retries (7 by default, minutes of backoff) would hide a dead server behind
+        # the policy's retries and deadline
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, math.ceil(policy.timeout_seconds))),  # connect and read; whole seconds
+        # ending a run prints "View run ... at" to stdout for servers: it would corrupt --json output
+        "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",  # tqdm bars in CI logs
+    }
+
+
+_SET_BY_US: dict[str, str] = {}  # what _configure_mlflow put in os.environ; any other value there is the user's
+
+
 def _configure_mlflow(policy: TrackingSpec) -> None:
-    # MLflow reads these per request. Its own HTTP retries (7 by default, minutes of backoff)
-    # would hide an unreachable server behind our policy, so they are off unless the user set them.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(1, policy.timeout_seconds))))
-    # Ending a run prints "View run ... at" to stdout for servers: it would corrupt --json output.
-    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # tqdm bars in CI logs
+    """Set :func:`mlflow_environment`, except a variable the user set: theirs wins."""
+    for name, value in mlflow_environment(policy).items():
+        if name in os.environ and os.environ[name] != _SET_BY_US.get(name):
+            continue
+        os.environ[name] = _SET_BY_US[name] = value
 
 
 def embedded_uri(root: Path) -> str:

@@ -118,7 +118,7 @@ def local_candidate(registry: Registry, model: str, sku: str) -> Candidate:
 def mlflow_candidate(tracking, registry: Registry, model: str, sku: str, alias: str, into: Path) -> Candidate | None:
     """The version of ``<model>.<sku>`` holding ``alias``, downloaded under ``into``; None when no
     version holds it."""
-    from ..registry.promotion import _download, _engine_files
+    from ..registry.promotion import _bench, _download, _engine_files
     from ..registry.publish import MANIFEST_ARTIFACT, REPORT_ARTIFACTS
     from ..registry.tracking import TAG_DIGEST, TAG_SIGNATURE, registered_model_name
 
@@ -144,7 +144,7 @@ def mlflow_candidate(tracking, registry: Registry, model: str, sku: str, alias: 
         except (ValueError, UnicodeDecodeError):
             problems.append(f"{name} v{version.version}: the manifest artifact is not JSON")
     # the digest tag set at registration: an artifact replaced afterwards no longer matches it
-    gate = manifest_gate(doc, (version.tags or {}).get(TAG_DIGEST), registry) if doc else None
+    gate = manifest_gate(doc, (version.tags or {}).get(TAG_DIGEST), registry, _bench(tracking, run)) if doc else None
     if gate is not None and not gate.passed:
         problems.append(f"{name} v{version.version}: manifest: {gate.detail}")
     reports = {n: _download(tracking, run, f"{REPORT_ARTIFACTS}/{n}", str(into))

@@ -6,7 +6,9 @@ overwrite uses ``if_none_match``, one that replaces a value it read uses ``if_ma
 race raises :class:`PreconditionFailed` and the caller re-reads and tries again.
 
 S3 (``s3://bucket/prefix``): boto3 with the usual credential chain; ``AWS_ENDPOINT_URL`` points it at
-any S3-compatible server. Conditional writes are S3's own ``If-None-Match: *`` / ``If-Match``.
+any S3-compatible server. Conditional writes are S3's own ``If-None-Match: *`` / ``If-Match``. Every
+request is bounded (``S3_CONNECT_TIMEOUT``, ``S3_READ_TIMEOUT``, ``S3_ATTEMPTS``), so a dead or silent
+endpoint fails a command in seconds (exit 4).
 Local folder: writes go to a temporary file and are renamed into place; conditional writes hold an
 exclusive ``flock`` on the store's lock file, so processes sharing the folder serialise.
 """
@@ -26,11 +28,20 @@ from pathlib import Path
 from typing import Iterator, Protocol
 
 from ..errors import ConfigError, ServiceError, StorageError
+from ..redact import redact
 
 log = logging.getLogger(__name__)
 
 ENV_STORE = "SKUFORGE_STORE"
 """Overrides ``rollout.store`` of params.yaml (a folder or ``s3://bucket/prefix``)."""
+
+S3_CONNECT_TIMEOUT = 3.0
+"""Seconds to open a connection to the S3 endpoint."""
+S3_READ_TIMEOUT = 4.0
+"""Seconds to wait for the next bytes of an answer: a silent endpoint fails each attempt after this."""
+S3_ATTEMPTS = 3
+"""Attempts per request in all (botocore's standard retries: throttling, 5xx, connection errors and
+timeouts). AWS_MAX_ATTEMPTS or AWS_RETRY_MODE (or max_attempts, retry_mode in the AWS profile) win."""
 
 KEY_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+=@-]*(/[A-Za-z0-9][A-Za-z0-9._:+=@-]*)*")
 
@@ -158,16 +169,41 @@ class LocalStore:
 
 # --- S3 ---------------------------------------------------------------------------------------------
 
+
+def s3_config(core):
+    """botocore's ``Config`` for the store's client: the ``S3_*`` bounds above, path-style addressing
+    for a custom endpoint. The retries the user set for botocore itself win: AWS_MAX_ATTEMPTS or
+    AWS_RETRY_MODE (or the profile's max_attempts, retry_mode) leave them to botocore. ``core``: the
+    botocore session the client is made from."""
+    from botocore.config import Config
+    from botocore.exceptions import ProfileNotFound
+
+    try:
+        profile = core.get_scoped_config()
+    except ProfileNotFound:  # creating the client reports it
+        profile = {}
+
+    def user_set(name: str) -> bool:
+        return bool(os.environ.get(f"AWS_{name.upper()}")) or name in profile
+
+    settings: dict = {"connect_timeout": S3_CONNECT_TIMEOUT, "read_timeout": S3_READ_TIMEOUT}
+    if not (user_set("max_attempts") or user_set("retry_mode")):
+        settings["retries"] = {"mode": "standard", "total_max_attempts": S3_ATTEMPTS}
+    if os.environ.get("AWS_ENDPOINT_URL"):
+        settings["s3"] = {"addressing_style": "path"}
+    return Config(**settings)
+
+
 _PRECONDITION = {"PreconditionFailed", "ConditionalRequestConflict", "412"}
 _MISSING = {"NoSuchKey", "404", "NotFound"}
 
 
 class S3Store:
     """``s3://bucket/prefix`` through boto3. Retries transient errors (standard mode) and bounds
-    every request with connect/read timeouts; what still fails is a ServiceError (exit 4)."""
+    every request with connect/read timeouts (:func:`s3_config`); what still fails is a ServiceError
+    (exit 4)."""
 
-    def __init__(self, url: str, client=None, *, retries: int = 4, connect_timeout: float = 5,
-                 read_timeout: float = 20):
+    def __init__(self, url: str, client=None):
         bucket, _, prefix = url.removeprefix("s3://").partition("/")
         if not bucket:
             raise ConfigError(f"{url!r} names no bucket", hint="write s3://bucket or s3://bucket/prefix")
@@ -175,12 +211,10 @@ class S3Store:
         self.requests: Counter = Counter()
         if client is None:
             import boto3
-            from botocore.config import Config
+            import botocore.session
 
-            client = boto3.session.Session().client("s3", config=Config(
-                retries={"mode": "standard", "total_max_attempts": retries + 1},
-                connect_timeout=connect_timeout, read_timeout=read_timeout,
-                s3={"addressing_style": "path"} if os.environ.get("AWS_ENDPOINT_URL") else None))
+            core = botocore.session.Session()
+            client = boto3.session.Session(botocore_session=core).client("s3", config=s3_config(core))
         self.client = client
 
     def _key(self, key: str) -> str:
@@ -199,9 +233,23 @@ class S3Store:
             return ServiceError(f"S3 refused to {what} {self.url}/{key}: {err.get('Code')} (HTTP {status})",
                                 hint="check the bucket, its permissions and AWS_ENDPOINT_URL; transient errors "
                                      "were retried already")
-        return ServiceError(f"S3: could not {what} {self.url}/{key}: {type(exc).__name__}",
+        return ServiceError(f"{self._endpoint()}: could not {what} {self.url}/{key}: {type(exc).__name__}"
+                            f"{self._bounds()}",
                             hint="the S3 endpoint is unreachable or timed out; check AWS_ENDPOINT_URL and the "
                                  "network, then run again (nothing was left half-written)")
+
+    def _endpoint(self) -> str:
+        url = getattr(getattr(self.client, "meta", None), "endpoint_url", None)
+        return f"S3 at {redact(url)}" if url else "S3"
+
+    def _bounds(self) -> str:
+        """What the client waited: its attempts and timeouts, as botocore was configured."""
+        cfg = getattr(getattr(self.client, "meta", None), "config", None)
+        if cfg is None:
+            return ""
+        attempts = (cfg.retries or {}).get("total_max_attempts")
+        tried = f"{attempts} attempt{'s' if attempts != 1 else ''}, " if attempts else ""
+        return f" ({tried}connect timeout {cfg.connect_timeout:g} s, read timeout {cfg.read_timeout:g} s)"
 
     @staticmethod
     def _code(exc: Exception) -> str | None:

@@ -17,11 +17,11 @@ from ..config import BenchSpec, Registry
 from ..data import LABELS, iter_batches, postprocess, preprocess
 from ..errors import ConfigError
 from ..io import atomic_write_bytes, atomic_write_json, sha256_bytes
-from ..results import BenchReport, BuildReport, Execution, PrepareReport, SteadyState, SweepPoint
+from ..results import BenchReport, BuildReport, Execution, HostInfo, PrepareReport, SteadyState, SweepPoint
 
 if TYPE_CHECKING:
     from ..roofline import RooflineReport
-from ..runner.probe import device_state, rss_mb, usable_cores
+from ..runner.probe import device_state, host, rss_mb, usable_cores
 from . import Progress
 from .build import require_host
 from .common import batch_indices, check_engine, layout, load_arrays, log, read_report
@@ -284,6 +284,7 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
                    "engine_load_delta": mem_loaded["rss"] - mem_before["rss"], "rss_after_bench": mem_after["rss"],
                    "peak_rss": mem_after["peak_rss"]},
         device_state={"before": state_before, "after": device_state()},
+        host=HostInfo(**host()),  # the manifest's host comes from here, not from wherever the manifest is written
     )
     # samples first: the report names their hashes
     atomic_write_bytes(out.latency_csv(model, sku), samples)

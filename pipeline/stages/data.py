@@ -51,7 +51,8 @@ def make_data(registry: Registry, model: str, progress: Progress | None = None) 
         if split == "golden":
             atomic_savez(out.split(model, split, raw=True), **raw)
         records[split] = DatasetRecord(split=split, samples=len(next(iter(inputs.values()))), sha256=sha256_arrays(inputs),
-                                       source=origin, has_labels=LABELS in inputs)
+                                       source=origin, has_labels=LABELS in inputs,
+                                       synthetic=getattr(spec.datasets, split).generate is not None)
     report = DataReport(model=model, splits=records)
     atomic_write_json(out.report(model, None, "data"), report.to_json())
     log(model).info("data: %s", ", ".join(f"{k} {v.samples}" for k, v in records.items()))

@@ -10,9 +10,8 @@ from ..io import atomic_write_json, read_json, sha256_file
 from ..registry.stats import read_latency_csv
 from ..manifest import benchmark_summary, digest, evidence_digest, provenance, settle, validate_document
 from ..results import (BenchReport, BuildInfo, BuildReport, CacheInfo, CalibrationInfo, CalibrationReport, Correctness,
-                       DataReport, EngineBound, Evidence, HostInfo, Manifest, PlacementSummary, PrecisionSummary,
+                       DataReport, EngineBound, Evidence, Manifest, PlacementSummary, PrecisionSummary,
                        PrepareReport, SourceInfo, TargetInfo, ValidationReport)
-from ..runner.probe import host
 from . import Progress
 from .common import layout, log, read_report
 
@@ -27,11 +26,11 @@ def _bound(build: BuildReport, reports: dict[str, EngineBound], model: str, sku:
                          hint=f"rerun them for this engine: skuforge repro --model {model} --sku {sku} (or dvc repro)")
 
 
-def assemble(registry: Registry, model: str, sku: str, host_info: dict | None = None) -> dict:
+def assemble(registry: Registry, model: str, sku: str) -> dict:
     """The manifest document of one pair from its reports (with digest, without provenance).
 
-    Refuses reports of different builds and latency samples that are not the bench report's.
-    ``host_info`` defaults to this host; publish passes the manifest's own to re-derive it."""
+    Refuses reports of different builds, latency samples that are not the bench report's, and a
+    bench report that does not say which host timed the engine (the manifest's ``host`` is that one)."""
     out = layout(registry)
     sku_spec = registry.sku(sku)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
@@ -45,6 +44,10 @@ def assemble(registry: Registry, model: str, sku: str, host_info: dict | None = 
     if latency_sha != bench.latency_sha256:
         raise InputError(f"{latency} is {'missing' if latency_sha is None else 'not the samples bench.json was written with'}",
                          hint=f"rerun the bench stage: skuforge bench --model {model} --sku {sku}")
+    if bench.host is None:
+        raise InputError(f"{out.report(model, sku, 'bench')} does not say which host the engine was timed on "
+                         "(written by an older skuforge)",
+                         hint=f"rerun the bench stage on the SKU's host: skuforge bench --model {model} --sku {sku}")
     recomputed = latency_stats(read_latency_csv(latency.read_text(encoding="utf-8")), registry.bench(sku).confidence)
     if recomputed != bench.engine_only:
         raise InputError(f"{out.report(model, sku, 'bench')}: its engine-only figures are not those of its samples "
@@ -76,6 +79,7 @@ def assemble(registry: Registry, model: str, sku: str, host_info: dict | None = 
         cache=CacheInfo(**build.cache.model_dump(include={"kind", "sha256", "key", "state", "hits", "misses", "required"}))
         if build.cache else None,
         datasets={k: v.sha256 for k, v in data.splits.items()},
+        synthetic_datasets=sorted(k for k, v in data.splits.items() if v.synthetic),
         layers=build.layers, placement=build.placement, precision_counts=build.precision_counts,
         correctness=Correctness(
             passed=val.passed, failures=val.failures, outputs=val.outputs, metrics=val.metrics,
@@ -87,7 +91,7 @@ def assemble(registry: Registry, model: str, sku: str, host_info: dict | None = 
                                        mismatched_layers=len(val.precision_gate.mismatched)),
             warnings=val.warnings, bisection=val.bisection),
         benchmark=benchmark_summary(bench, registry.bench(sku).noise_floor),
-        host=HostInfo(**(host() if host_info is None else host_info)),
+        host=bench.host,
     )
     doc = body.model_dump(mode="json", exclude={"digest", "provenance"})
     doc["digest"] = digest(doc)

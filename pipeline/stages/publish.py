@@ -12,7 +12,7 @@ from pathlib import Path
 from ..config import Registry
 from ..errors import InputError
 from ..io import atomic_write_json, sha256_file
-from ..manifest import evidence_digest, load_manifest, settle
+from ..manifest import evidence_digest, host_problems, load_manifest, settle
 from ..registry.publish import PublishInputs, publish_engine
 from ..report import write_pair_report
 from ..registry.reports import PublishResult
@@ -38,14 +38,19 @@ def collect(registry: Registry, model: str, sku: str) -> PublishInputs:
     if stale:
         raise InputError(f"{', '.join(stale)} of {model}/{sku} are missing or are not the reports {manifest_path} "
                          "was written from", hint=f"run skuforge manifest --model {model} --sku {sku} (or dvc repro)")
+    bench = read_report(out.report(model, sku, "bench"), BenchReport, "bench")
+    wrong_host = host_problems(manifest.host, bench)
+    if wrong_host:
+        raise InputError(f"{manifest_path} names another host than the bench report it was written from: "
+                         f"{'; '.join(wrong_host)}", hint=f"regenerate it: skuforge manifest --model {model} --sku {sku} "
+                         "(rerun skuforge bench first on the SKU's host if bench.json names none)")
     # the bench report and samples of this run: about this engine, and measuring what the manifest says
     # (its figures may be an earlier run's, kept because this one lies within their intervals)
-    rederived = settle(assemble(registry, model, sku, manifest.host.to_json()), manifest.to_json())
+    rederived = settle(assemble(registry, model, sku), manifest.to_json())
     if rederived["digest"] != manifest.digest:
         raise InputError(f"{manifest_path} says other things than the reports it names (edited after it was written, "
                          "or the benchmark moved beyond its intervals since)",
                          hint=f"regenerate it: skuforge manifest --model {model} --sku {sku} (or dvc repro)")
-    bench = read_report(out.report(model, sku, "bench"), BenchReport, "bench")
     build = read_report(out.report(model, sku, "build"), BuildReport, "build")
     samples = [out.report(model, sku, "bench"), out.latency_csv(model, sku)]
     # the run's other files, each only when it is the one bench.json names

@@ -7,14 +7,14 @@ from __future__ import annotations
 from collections import Counter
 
 from ..backends import get_backend
-from ..compare import (input_problems, metric_input_problems, metric_problems, metric_result, output_errors,
-                       output_problems, output_warnings, state_outputs)
+from ..compare import (input_problems, metric_input_problems, metric_problems, metric_result, metric_warnings,
+                       output_errors, output_problems, output_warnings, state_outputs)
 from ..config import Registry
 from ..data import LABELS, run_dataset
 from ..errors import GateFailed, InputError
 from ..io import atomic_savez, atomic_write_json, sha256_arrays
 from ..paths import REFERENCE_SPLITS
-from ..results import (BuildReport, MetricResult, PlacementResult, PrecisionResult, PrepareReport, ReferenceReport,
+from ..results import (BuildReport, PlacementResult, PrecisionResult, PrepareReport, ReferenceReport,
                        ValidationReport)
 from . import Progress
 from .build import require_host
@@ -124,7 +124,7 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
         nodes = ", ".join(f"{layer.name} ({layer.op_type}) on {layer.device}" for layer in placement.offending)
         failures.append(f"placement: {len(placement.offending)} nodes ran outside {placement.allowed} "
                         f"(allowed {placement.max_fallback_nodes}): {nodes}")
-    warnings = [line for e in errors for line in output_warnings(e)]
+    warnings = [line for e in errors for line in output_warnings(e)] + [line for m in metrics for line in metric_warnings(m)]
     if precision.mismatched:
         kinds = Counter(layer.precision for layer in precision.mismatched)
         line = (f"precision: {sku_spec.precision} was asked for but {len(precision.mismatched)} layers ran in "
@@ -144,8 +144,13 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
     lg = log(model, sku)
     for w in warnings:
         lg.warning("%s", w)
+    for e in errors:
+        if e.top1_rows is not None:
+            lg.info("output %s: top-1 agreement %s/%s (%s ties) on %s, bounds %s", e.output, e.top1_agree, e.top1_rows,
+                    e.top1_ties, "+".join(e.top1_splits), e.top1_interval)
     for m in metrics:
-        lg.info("%s %s: engine %.4f reference %.4f delta %+.4f", spec.metric.kind, m.split, m.engine, m.reference, m.delta)
+        lg.info("%s %s: engine %.4f reference %.4f delta %+.4f on %d samples (%d worse, %d better, McNemar p=%.3g)",
+                spec.metric.kind, m.split, m.engine, m.reference, m.delta, m.samples, m.worse, m.better, m.p_value)
     if failures and len(failures) == len(unjudged):
         raise InputError(f"{model}/{sku}: the datasets cannot judge the engine:\n" + "\n".join(f"  - {f}" for f in failures),
                          hint=f"see {out.report(model, sku, 'validate')} and docs/correctness.md (sample sizes)")

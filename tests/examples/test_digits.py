@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -112,3 +113,83 @@ def test_import_does_not_load_torch():
     env = {**os.environ, "PYTHONPATH": path}
     code = "import sys, pipeline.examples.digits; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=env)
+
+
+# What an engineer (or CI) may have set that steers torch's CPU kernels towards one ISA.
+ISA_CAPS = (
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "MKL_CBWR",
+)
+SHORT_EPOCHS = 2
+# Imports torch first, as a long-lived process might, then exports both examples.
+EXPORT_BOTH = f"""
+import json, sys, tempfile
+from pathlib import Path
+import torch
+from pipeline.examples import digits
+from pipeline.io import sha256_file
+hashes = {{"capability": torch.backends.cpu.get_cpu_capability()}}
+for name in digits.EXAMPLES:
+    with tempfile.TemporaryDirectory() as tmp:
+        digits.export_example(name, Path(tmp), epochs={SHORT_EPOCHS})
+        hashes[name] = {{f: sha256_file(Path(tmp) / f) for f in {FILES!r}}}
+print(json.dumps(hashes))
+"""
+
+
+def _host_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    flags = (line.split(":", 1)[1] for line in text.splitlines() if line.startswith("flags"))
+    return {flag for line in flags for flag in line.split()}
+
+
+def _export_both(**caps: str) -> subprocess.Popen:
+    """Both examples exported by a process whose own environment caps the ISA with ``caps``."""
+    env = {k: v for k, v in os.environ.items() if k not in ISA_CAPS} | caps
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return subprocess.Popen(
+        [sys.executable, "-c", EXPORT_BOTH],
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    "avx2" not in _host_flags(), reason="needs an x86-64 CPU with AVX2: the examples train on AVX2"
+)
+def test_training_does_not_depend_on_the_host_isa():
+    """An AVX-512 host and an AVX2-only one write the same files: here, this CPU unrestricted
+    against the same CPU capped as a lower-ISA host would be (AVX2, or the scalar ATen kernels
+    where this CPU has no AVX-512)."""
+    lower = "avx2" if "avx512f" in _host_flags() else "default"
+    runs = {
+        "host": _export_both(),
+        lower: _export_both(
+            ATEN_CPU_CAPABILITY=lower, ONEDNN_MAX_CPU_ISA="AVX2", MKL_ENABLE_INSTRUCTIONS="AVX2"
+        ),
+    }
+    hashes = {}
+    for label, proc in runs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{label}: {err}"
+        hashes[label] = json.loads(out.splitlines()[-1])
+    host, capped = hashes["host"], hashes[lower]
+    # the caps took effect in the calling process
+    assert host.pop("capability") != capped.pop("capability") == lower.upper()
+    differing = [
+        f"{name}/{file}: {host[name][file][:16]} != {capped[name][file][:16]}"
+        for name in digits.EXAMPLES
+        for file in FILES
+        if host[name][file] != capped[name][file]
+    ]
+    assert not differing, f"unrestricted vs {lower}: {differing}"

@@ -20,7 +20,7 @@ REFERENCE = (np.exp(LOGITS) / np.exp(LOGITS).sum(axis=1, keepdims=True)).astype(
 
 
 def registry(sku_tolerance: dict | None = None, **model_keys):
-    spec = {**models.conv_bn_spec(), **model_keys}
+    spec = {**models.conv_bn_spec(), "datasets": {"golden": {"generate": {"count": 401}}}, **model_keys}
     return parse_registry({"defaults": {}, "examples": {}, "models": {"conv": spec},
                            "skus": {"cpu_int8": models.ort_sku("int8", tolerance=sku_tolerance or {})}})
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import errno
+import time
+
 import pytest
 
 import models
+from cli_helpers import assert_user_error, project, service_env, skuforge
 from pipeline.config import Release, TrackingSpec, parse_registry
 from pipeline.errors import ConfigError, EnvironmentProblem, ServiceError, StorageError
 from pipeline.registry.tracking import (EMBEDDED_ARTIFACTS, EMBEDDED_DB, Tracking, actor, connect, experiment_name,
-                                        redact, registered_model_name, transient)
-from registry_helpers import free_port
+                                        redact, registered_model_name, transient, unreachable)
+from registry_helpers import SilentServer, free_port
 
 
 def registry(root, **release):
@@ -152,3 +156,96 @@ def test_release_section_is_checked():
         registry(None, performance={"on_noisy": "maybe"})
     reg = registry(None)
     assert reg.release.aliases == ["candidate", "staging", "production"] and reg.release_skus() == ["cpu"]
+
+
+# --- a dead tracking server fails each call in seconds, exit 4 ------------------------------------
+
+
+def _remote(uri: str, **policy) -> Tracking:
+    return Tracking(uri=uri, registry_uri=uri, embedded=False, artifact_location=None, policy=TrackingSpec(**policy))
+
+
+def test_mlflow_runs_with_the_policy_timeout_and_no_retries_of_its_own(monkeypatch):
+    from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT
+
+    for name in ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES"):
+        monkeypatch.delenv(name, raising=False)
+    default = TrackingSpec()
+    assert (default.timeout_seconds, default.deadline_seconds) == (5, 10)
+    _remote("http://127.0.0.1:1").client
+    assert MLFLOW_HTTP_REQUEST_TIMEOUT.get() == 5 and MLFLOW_HTTP_REQUEST_MAX_RETRIES.get() == 0
+    _remote("http://127.0.0.1:1", timeout_seconds=2.5).client  # another policy in the same process
+    assert MLFLOW_HTTP_REQUEST_TIMEOUT.get() == 3
+    # what the user set for MLflow itself wins
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "42")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    _remote("http://127.0.0.1:1").client
+    assert MLFLOW_HTTP_REQUEST_TIMEOUT.get() == 42 and MLFLOW_HTTP_REQUEST_MAX_RETRIES.get() == 1
+
+
+class FakeTime:
+    """A clock that only the attempts and the waits between them move."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_no_retry_of_a_silent_server_starts_that_would_end_past_the_deadline():
+    from mlflow.exceptions import MlflowException
+
+    fake = FakeTime()
+
+    def silent() -> None:
+        fake.now += 4.0  # the attempt waited for its read timeout
+        raise ConnectionError("Read timed out. (read timeout=4)")
+
+    def locked() -> None:
+        fake.now += 4.0  # SQLite's busy wait
+        raise MlflowException("(sqlite3.OperationalError) database is locked")
+
+    t = _remote("http://127.0.0.1:1", retries=4, backoff_seconds=0.5, max_backoff_seconds=8, deadline_seconds=10)
+    t.sleep, t.clock = fake.sleep, lambda: fake.now
+    # 4 s, a wait of 0.5 s (+-20%), 4 s: a third attempt would end near 13.5 s
+    with pytest.raises(ServiceError, match=r"failed after 2 attempts in 8\.\d s \(release.tracking.deadline_seconds: 10\)"):
+        t.call("read experiment 'x'", silent)
+    fake.now = 0.0
+    with pytest.raises(ServiceError) as info:
+        t.call("read experiment 'x'", silent)
+    assert unreachable(info.value) and info.value.exit_code == 4
+    fake.now = 0.0
+    with pytest.raises(ServiceError, match="failed after 5 attempts: ") as info:  # busy, not dead: every retry
+        t.call("write", locked)
+    assert not unreachable(info.value)
+
+
+@pytest.mark.parametrize("dead", ["closed port", "silent server"])
+def test_a_dead_tracking_server_fails_the_command_with_exit_4(tmp_path, dead):
+    """Through the CLI with the default policy: the store's URL and the attempts made are named."""
+    project(tmp_path)
+    with SilentServer() as silent:
+        uri = f"http://127.0.0.1:{free_port()}" if dead == "closed port" else silent.url
+        started = time.monotonic()
+        proc = skuforge("releases", "m", cwd=tmp_path, env=service_env(MLFLOW_TRACKING_URI=uri))
+        print(f"MLflow at a {dead}: exit {proc.returncode} after {time.monotonic() - started:.1f} s")
+        assert_user_error(proc, 4, f"MLflow at {uri}: ", "failed after", "is up and reachable")
+        if dead == "closed port":
+            assert "failed after 5 attempts: " in proc.stderr and "Connection refused" in proc.stderr
+        else:  # one attempt of 5 s: a second would end past the 10 s deadline
+            assert silent.connections == 1
+            assert "failed after 1 attempt in 5." in proc.stderr and "ReadTimeoutError" in proc.stderr
+
+
+def test_an_unwritable_artifact_folder_is_named_not_the_database(tmp_path):
+    """A read-only mount under mlartifacts/ was blamed on mlflow.db ("read-only file system")."""
+    t = connect(registry(tmp_path))
+    artifacts = tmp_path.resolve() / EMBEDDED_ARTIFACTS
+    for code, reason in ((errno.EROFS, "Read-only file system"), (errno.EACCES, "Permission denied"),
+                         (errno.ENOTDIR, "Not a directory")):
+        problem = t.store_problem(OSError(code, reason, str(artifacts / "0" / "run" / "artifacts" / "engine")),
+                                  "upload model.onnx")
+        assert isinstance(problem, StorageError) and problem.exit_code == 3
+        assert f"upload model.onnx failed: the artifact folder {artifacts} cannot be written" in problem.message
+        assert reason in problem.message and EMBEDDED_DB not in str(problem) and problem.path == str(artifacts)

@@ -244,6 +244,8 @@ def test_manifest_is_valid(proj, model, sku):
     assert doc["correctness"]["passed"] is True
     assert doc["engine"] == [f.to_json() for f in proj.build[model, sku].engine_files]
     assert doc["datasets"] == {k: v.sha256 for k, v in proj.data[model].splits.items()}
+    generated = sorted(k for k, v in proj.data[model].splits.items() if v.source.startswith("generated"))
+    assert generated and doc["synthetic_datasets"] == generated  # generated data says so
     assert doc["target"]["runner_labels"] == SKUS[sku]["runner_labels"]
     assert (doc["calibration"] is not None) == (sku == "cpu_int8")
     assert load_manifest(path).digest == doc["digest"]
