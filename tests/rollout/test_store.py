@@ -9,8 +9,10 @@ import time
 
 import pytest
 
+from cli_helpers import assert_user_error, project, service_env, skuforge
 from pipeline.errors import ServiceError
-from pipeline.rollout.store import LocalStore, PreconditionFailed, S3Store
+from pipeline.rollout.store import S3_ATTEMPTS, S3_CONNECT_TIMEOUT, S3_READ_TIMEOUT, LocalStore, PreconditionFailed, S3Store
+from registry_helpers import SilentServer, free_port
 
 from .conftest import FAST
 from .s3server import s3_client
@@ -185,6 +187,50 @@ def test_s3_unreachable_endpoint_is_a_service_error():
         store.get("key")
     assert exc.value.exit_code == 4
     assert "unreachable" in exc.value.hint
+
+
+def _bare_aws(monkeypatch, tmp_path) -> None:
+    """No AWS setting of the developer's: dummy credentials, no profile file."""
+    for name in ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE", "AWS_ENDPOINT_URL", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "aws-credentials"))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+
+
+def test_s3_client_bounds_every_request(monkeypatch, tmp_path):
+    _bare_aws(monkeypatch, tmp_path)
+    config = S3Store("s3://bucket/prefix").client.meta.config
+    assert (config.connect_timeout, config.read_timeout) == (S3_CONNECT_TIMEOUT, S3_READ_TIMEOUT) == (3, 4)
+    assert config.retries == {"mode": "standard", "total_max_attempts": S3_ATTEMPTS} and S3_ATTEMPTS == 3
+    # the retries a user set for botocore win, from the environment or the AWS profile
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "7")
+    assert S3Store("s3://bucket/prefix").client.meta.config.retries == {"mode": "standard", "total_max_attempts": 7}
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS")
+    (tmp_path / "aws-config").write_text("[default]\nretry_mode = adaptive\n")
+    config = S3Store("s3://bucket/prefix").client.meta.config
+    assert config.retries["mode"] == "adaptive" and config.read_timeout == S3_READ_TIMEOUT
+
+
+@pytest.mark.parametrize("dead", ["closed port", "silent server"])
+def test_a_dead_s3_endpoint_fails_the_command_with_exit_4(tmp_path, dead):
+    """Through the CLI with the client skuforge makes: the endpoint, the key and the bounds are named."""
+    project(tmp_path)
+    with SilentServer() as silent:
+        endpoint = f"http://127.0.0.1:{free_port()}" if dead == "closed port" else silent.url
+        env = service_env(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                          AWS_DEFAULT_REGION="us-east-1", AWS_CONFIG_FILE=str(tmp_path / "none"))
+        started = time.monotonic()
+        proc = skuforge("rollout", "status", "--model", "m", "--store", "s3://bucket/fleet", cwd=tmp_path, env=env)
+        print(f"S3 at a {dead}: exit {proc.returncode} after {time.monotonic() - started:.1f} s")
+        assert_user_error(proc, 4, f"S3 at {endpoint}: could not read s3://bucket/fleet/",
+                          f"({S3_ATTEMPTS} attempts, connect timeout 3 s, read timeout 4 s)", "AWS_ENDPOINT_URL")
+        if dead == "closed port":
+            assert "EndpointConnectionError" in proc.stderr
+        else:
+            assert "ReadTimeoutError" in proc.stderr and silent.connections == S3_ATTEMPTS
 
 
 def test_s3_keys_live_under_the_prefix(s3_store, moto_s3):
