@@ -13,6 +13,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import pytest
 
@@ -73,7 +74,7 @@ class SilentServer:
                 continue
             self._held.append(conn)  # held open, never read from or written to
 
-    def __enter__(self) -> "SilentServer":
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 

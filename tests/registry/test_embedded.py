@@ -3,6 +3,7 @@ re-run completes, inputs that do not belong together, and the commands' argument
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_helpers import assert_user_error, service_env
 from pipeline.errors import InputError
 from pipeline.io import read_json
 from pipeline.paths import Layout
@@ -40,7 +42,7 @@ def crash_at(step: str):
 def proj(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-    yield make_project(tmp_path_factory.mktemp("embedded"), {s: sku("fp32", iterations=40) for s in "abcd"})
+    yield make_project(tmp_path_factory.mktemp("embedded"), {s: sku("fp32", iterations=40) for s in "abcdef"})
     mp.undo()
 
 
@@ -136,6 +138,52 @@ def test_reports_that_do_not_match_the_manifest_are_refused(proj):
     assert publish(proj, "conv", "d").created_version
 
 
+@contextlib.contextmanager
+def _unwritable_artifacts(root: Path, how: str):
+    """``mlartifacts/`` unwritable even for root while inside (tests run as root, whom chmod does not
+    stop): a file in its place, or a read-only bind mount of it. The store's folder is put back after."""
+    artifacts, saved = root / EMBEDDED_ARTIFACTS, root / f"{EMBEDDED_ARTIFACTS}.saved"
+    artifacts.rename(saved)
+    try:
+        if how == "a file in its place":
+            artifacts.write_text("not a folder\n")
+            yield
+            return
+        artifacts.mkdir()
+        mount = subprocess.run(["mount", "--bind", str(artifacts), str(artifacts)], capture_output=True, text=True,
+                               check=False)
+        if mount.returncode != 0:
+            pytest.skip(f"a read-only bind mount needs root with CAP_SYS_ADMIN: {mount.stderr.strip()}")
+        try:
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(artifacts)], check=True, capture_output=True)
+            yield
+        finally:
+            subprocess.run(["umount", str(artifacts)], check=True, capture_output=True)
+    finally:
+        if artifacts.is_dir():
+            artifacts.rmdir()
+        else:
+            artifacts.unlink(missing_ok=True)
+        saved.rename(artifacts)
+
+
+@pytest.mark.parametrize("how, pair", [("a file in its place", "e"), ("a read-only mount", "f")])
+def test_an_unwritable_artifact_folder_is_named_and_its_run_marked_failed(proj, how, pair):
+    root = proj.root.resolve()
+    with _unwritable_artifacts(root, how):
+        proc = run(root, "publish", "--model", "conv", "--sku", pair)
+        assert_user_error(proc, 3, f"upload model.onnx failed: the artifact folder {root / EMBEDDED_ARTIFACTS} "
+                                   "cannot be written", "hint: ")
+        assert "database" not in proc.stderr  # it was blamed on mlflow.db
+    client = connect(proj).client
+    experiment = client.get_experiment_by_name("conv").experiment_id
+    runs = client.search_runs([experiment], f"tags.`skuforge.sku` = '{pair}'")
+    assert [r.info.status for r in runs] == ["FAILED"]  # not left RUNNING
+    result = publish(proj, "conv", pair)  # the folder is back: the run is resumed and finished
+    assert result.resumed and result.created_version
+    assert one_run_one_version(proj, result).info.status == "FINISHED"
+
+
 def test_promote_and_roll_back_on_the_embedded_store(proj):
     publish(proj, "conv", "a")
     report = promote(proj, "conv", "candidate", ["a"])
@@ -149,7 +197,8 @@ def test_promote_and_roll_back_on_the_embedded_store(proj):
 
 
 def run(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(SKUFORGE), *args], cwd=root, capture_output=True, text=True, timeout=120)
+    return subprocess.run([str(SKUFORGE), *args], cwd=root, capture_output=True, text=True, timeout=120,
+                          env=service_env())
 
 
 @pytest.mark.parametrize("args, words", [

@@ -172,14 +172,14 @@ def test_mlflow_runs_with_the_policy_timeout_and_no_retries_of_its_own(monkeypat
         monkeypatch.delenv(name, raising=False)
     default = TrackingSpec()
     assert (default.timeout_seconds, default.deadline_seconds) == (5, 10)
-    _remote("http://127.0.0.1:1").client
+    assert _remote("http://127.0.0.1:1").client is not None  # made: MLflow's settings are in place
     assert MLFLOW_HTTP_REQUEST_TIMEOUT.get() == 5 and MLFLOW_HTTP_REQUEST_MAX_RETRIES.get() == 0
-    _remote("http://127.0.0.1:1", timeout_seconds=2.5).client  # another policy in the same process
+    assert _remote("http://127.0.0.1:1", timeout_seconds=2.5).client is not None  # another policy, same process
     assert MLFLOW_HTTP_REQUEST_TIMEOUT.get() == 3
     # what the user set for MLflow itself wins
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "42")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    _remote("http://127.0.0.1:1").client
+    assert _remote("http://127.0.0.1:1").client is not None
     assert MLFLOW_HTTP_REQUEST_TIMEOUT.get() == 42 and MLFLOW_HTTP_REQUEST_MAX_RETRIES.get() == 1
 
 

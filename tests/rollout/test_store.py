@@ -8,11 +8,18 @@ import threading
 import time
 
 import pytest
-
 from cli_helpers import assert_user_error, project, service_env, skuforge
-from pipeline.errors import ServiceError
-from pipeline.rollout.store import S3_ATTEMPTS, S3_CONNECT_TIMEOUT, S3_READ_TIMEOUT, LocalStore, PreconditionFailed, S3Store
 from registry_helpers import SilentServer, free_port
+
+from pipeline.errors import ServiceError
+from pipeline.rollout.store import (
+    S3_ATTEMPTS,
+    S3_CONNECT_TIMEOUT,
+    S3_READ_TIMEOUT,
+    LocalStore,
+    PreconditionFailed,
+    S3Store,
+)
 
 from .conftest import FAST
 from .s3server import s3_client

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import assert_user_error, skuforge
+from cli_helpers import assert_user_error, service_env, skuforge
 from registry_helpers import FAST_RETRIES, make_project, sku
 from pipeline.config import load_registry
 from pipeline.errors import GateFailed, InputError
 from pipeline.io import atomic_write_json, read_json, sha256_file
-from pipeline.manifest import digest
+from pipeline.manifest import digest, load_manifest
 from pipeline.paths import Layout
 from pipeline.registry.promotion import PromotionBlocked, promote
 from pipeline.registry.publish import publish_engine
@@ -43,7 +43,7 @@ def _ci_env(monkeypatch) -> None:
 
 SKUS = {"good": sku("fp32"), "bad": sku("int8", tolerance={"atol": 0, "rtol": 0, "max_mismatch": 0}),
         "engine": sku("fp32"), "lat": sku("fp32"), "lat2": sku("fp32"), "store": sku("fp32"), "falsified": sku("fp32", toolchain={"onnxruntime": ">=1.20"}),
-        "trusted": sku("fp32")}
+        "trusted": sku("fp32"), "host": sku("fp32")}
 RELEASE = {"tracking": FAST_RETRIES, "skus": ["good"],
            "signing": {"keys": {"ci": CI_KEY.public_key},
                        "trust": {"candidate": ["*"], "staging": ["ci"], "production": ["ci"]}}}
@@ -249,7 +249,75 @@ def test_a_falsified_toolchain_and_host_are_refused(proj):
 
     gate = manifest_gate(doc, doc["digest"], reg)
     assert not gate.passed
-    assert "toolchain onnxruntime 0.1.0" in gate.detail and "riscv64" in gate.detail
+    assert "toolchain onnxruntime: 0.1.0 does not satisfy" in gate.detail and "riscv64" in gate.detail
+    assert "the run's bench.json is missing or unreadable: nothing vouches for the manifest's host" in gate.detail
+    bench_report = BenchReport.model_validate(read_json(Layout(proj.root).report("conv", "falsified", "bench")))
+    gate = manifest_gate(doc, doc["digest"], reg, bench_report)
+    assert "host.arch 'riscv64' is not the host the run's bench.json was timed on" in gate.detail
+
+
+FORGED_CPU = "Forged CPU 9000 @ 9.9GHz"
+
+
+def _forged_host(doc: dict) -> None:
+    doc["host"]["cpu_model"] = FORGED_CPU
+    doc["host"]["cpu_features"] = ["avx512_forged"]
+
+
+def test_an_edited_host_is_refused_by_publish_naming_the_fields(proj):
+    """The host block is the one bench.json was timed on: a re-digested manifest naming another
+    CPU is not published (so never signed)."""
+    path = Layout(proj.root).manifest("conv", "host")
+    saved = path.read_bytes()
+    try:
+        _redigest(path, _forged_host)
+        with pytest.raises(InputError) as info:
+            publish(proj, "conv", "host")
+        assert info.value.exit_code == 2
+        assert f"host.cpu_model '{FORGED_CPU}' is not the host bench.json was timed on" in info.value.message
+        assert "host.cpu_features ['avx512_forged'] is not the host" in info.value.message
+        assert "skuforge manifest --model conv --sku host" in info.value.hint
+        proc = skuforge("publish", "--model", "conv", "--sku", "host", cwd=proj.root, env=service_env())
+        assert_user_error(proc, 2, f"host.cpu_model '{FORGED_CPU}'")
+    finally:
+        path.write_bytes(saved)
+    assert connect(proj).client.search_model_versions("name = 'conv.host'") == []
+
+
+def test_an_edited_host_published_anyway_is_refused_by_promotion(proj):
+    """A client that skips publish's checks uploads the forged manifest beside the run's true
+    bench.json: the manifest gate compares them, and nothing moves."""
+    inputs = collect(proj, "conv", "host")
+    path = Layout(proj.root).manifest("conv", "host")
+    saved = path.read_bytes()
+    try:
+        _redigest(path, _forged_host)
+        result = publish_engine(connect(proj), proj, type(inputs)(**{**inputs.__dict__, "manifest": load_manifest(path)}))
+    finally:
+        path.write_bytes(saved)
+    exc = _blocked(proj, "candidate", "host")
+    assert exc.exit_code == 1
+    gate = _gate(exc, "manifest")
+    assert not gate.passed and f"host.cpu_model '{FORGED_CPU}' is not the host the run's bench.json" in gate.detail
+    assert not _gate(exc, "signature").passed  # every evidence gate fails with it
+    assert not connect(proj).client.get_registered_model(result.registered_model).aliases
+
+
+def test_a_bench_report_naming_no_host_vouches_for_none(proj):
+    """An older bench.json says nothing about the host: the manifest stage and publish refuse it."""
+    path = Layout(proj.root).report("conv", "good", "bench")
+    saved = path.read_bytes()
+    try:
+        doc = json.loads(saved)
+        del doc["host"]
+        path.write_text(json.dumps(doc))
+        with pytest.raises(InputError, match="does not say which host the engine was timed on") as info:
+            write_manifest(proj, "conv", "good")
+        assert "skuforge bench --model conv --sku good" in info.value.hint
+        with pytest.raises(InputError, match="bench.json records no host .*nothing vouches for the manifest's host"):
+            publish(proj, "conv", "good")
+    finally:
+        path.write_bytes(saved)
 
 
 def test_a_bench_report_of_another_build_is_refused_by_the_manifest_stage(proj):
