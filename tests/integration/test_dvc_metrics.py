@@ -95,11 +95,15 @@ def project(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
     root, scratch = tmp_path_factory.mktemp("dvcmetrics"), tmp_path_factory.mktemp("bench")
-    for name in ("dvc.yaml", ".dvcignore", ".gitignore"):
+    for name in ("dvc.yaml", ".dvcignore"):
         shutil.copy(REPO / name, root / name)
+    # a team's project commits its run records (this repository's example ignores its own)
+    records = {"/dvc.lock", f"/{dvcmetrics.ROOT}/", "/manifests/", "/reports/"}
+    (root / ".gitignore").write_text("".join(line + "\n" for line in (REPO / ".gitignore").read_text().splitlines()
+                                             if line not in records))
     for kind in dvcmetrics.FOLDERS:
         (root / dvcmetrics.ROOT / kind).mkdir(parents=True)
-        shutil.copy(REPO / dvcmetrics.ROOT / kind / ".gitkeep", root / dvcmetrics.ROOT / kind / ".gitkeep")
+        (root / dvcmetrics.ROOT / kind / ".gitkeep").write_text("")
     registry = {"defaults": {}, "examples": {}, "models": {MODEL: {"dir": f"models/{MODEL}"}},
                 "skus": {sku: {} for sku in (*BUILT, UNBUILT)}}
     (root / "params.yaml").write_text(yaml.safe_dump(registry))
