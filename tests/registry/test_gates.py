@@ -165,3 +165,11 @@ def test_an_unreadable_or_missing_toolchain_version_fails_closed(recorded, words
     m, reg = ov_manifest(recorded)
     (problem,) = sku_mismatches(m, reg)
     assert problem.startswith("toolchain openvino: ") and words in problem, problem
+
+
+def test_the_gate_judges_at_todays_confidence_not_the_manifests():
+    """A manifest claiming a higher confidence would need more evidence to fail: the gate uses params.yaml's."""
+    loose = registry(tolerances={"int8": {"min_top1_agreement": 0.5}})
+    o = measured(flipped(28), loose)  # 95.1% of 550 decisive rows: below 97% at 95%, not at 99.99%
+    claimed = o.model_copy(update={"confidence": 0.9999})
+    assert any("is below 97.00% at 95% confidence" in p for p in correctness_problems(manifest(claimed), registry()))
