@@ -486,9 +486,13 @@ def _validate_failures(registry: Registry, model: str, sku: str, path: Path) -> 
         failures = report.get("failures") or []
     except (OSError, ValueError, AttributeError):
         return [], ""
-    correctness = any(not str(f).startswith(("placement:", "precision:")) for f in failures)
-    fix = fix_hint(model, sku, registry.sku(sku).precision, report.get("bisection")) if correctness else ""
+    fix = fix_hint(model, sku, registry.sku(sku).precision, report.get("bisection")) if _correctness_failed(failures) else ""
     return [str(f) for f in failures], fix
+
+
+def _correctness_failed(failures: list) -> bool:
+    """A failure line of the correctness gates (placement and precision have their own fixes)."""
+    return any(not str(f).startswith(("placement:", "precision:")) for f in failures)
 
 
 def fix_hint(model: str, sku: str, precision: str, bisection: Any) -> str:
@@ -550,6 +554,5 @@ def _manifest_row(registry: Registry, model: str, sku: str) -> dict[str, Any]:
         "digest": m.digest[:12],
         "mlflow": f"v{published['version']}" if published.get("digest") == m.digest else None,
         **({"fix": fix_hint(model, sku, m.precision, m.correctness.bisection.to_json() if m.correctness.bisection else None)}
-           if not m.correctness.passed and any(not f.startswith(("placement:", "precision:"))
-                                               for f in m.correctness.failures) else {}),
+           if not m.correctness.passed and _correctness_failed(m.correctness.failures) else {}),
     }
