@@ -78,8 +78,12 @@ def onnxruntime_refs(engine: Path, meta: dict, feeds: dict, work: Path, calls: i
     import onnxruntime as ort
 
     so = ort.SessionOptions()
-    levels = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
-              "all": "ORT_ENABLE_ALL"}
+    levels = {
+        "disable": "ORT_DISABLE_ALL",
+        "basic": "ORT_ENABLE_BASIC",
+        "extended": "ORT_ENABLE_EXTENDED",
+        "all": "ORT_ENABLE_ALL",
+    }
     so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, levels[meta["load_optimization_level"]])
     so.intra_op_num_threads = meta["intra_op_num_threads"]
     so.inter_op_num_threads = meta["inter_op_num_threads"]
@@ -87,8 +91,12 @@ def onnxruntime_refs(engine: Path, meta: dict, feeds: dict, work: Path, calls: i
     if "CPUExecutionProvider" not in meta["providers"]:
         so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     providers = meta["providers"]
-    sess = ort.InferenceSession(str(engine / "model.onnx"), so, providers=providers,
-                                provider_options=[meta["provider_options"].get(p, {}) for p in providers])
+    sess = ort.InferenceSession(
+        str(engine / "model.onnx"),
+        so,
+        providers=providers,
+        provider_options=[meta["provider_options"].get(p, {}) for p in providers],
+    )
     names = [o.name for o in sess.get_outputs()]
     return [python_timer("ort InferenceSession.run", lambda: sess.run(names, feeds))]
 
@@ -115,8 +123,25 @@ def openvino_refs(engine: Path, meta: dict, feeds: dict, work: Path, calls: int)
     hint = meta["config"].get("PERFORMANCE_HINT", "LATENCY").lower()
 
     def benchmark_app(n: int, seconds: float) -> float:
-        cmd = [sys.executable, "-c", BENCHMARK_APP, "-m", str(blob), "-d", meta["device"], "-hint", hint, "-api", "sync",
-               "-load_config", str(config), "-i", inputs, "-niter", str(max(n, calls))]
+        cmd = [
+            sys.executable,
+            "-c",
+            BENCHMARK_APP,
+            "-m",
+            str(blob),
+            "-d",
+            meta["device"],
+            "-hint",
+            hint,
+            "-api",
+            "sync",
+            "-load_config",
+            str(config),
+            "-i",
+            inputs,
+            "-niter",
+            str(max(n, calls)),
+        ]
         out = run_tool(cmd)
         found = re.search(r"Median:\s+([\d.]+)\s*(us|ms)", out)
         if not found:
@@ -142,9 +167,15 @@ def iree_refs(engine: Path, meta: dict, feeds: dict, work: Path, calls: int) -> 
     args = rt.VmVariantList(len(meta["inputs"]))
     for sig in meta["inputs"]:
         arr = feeds[sig["name"]]
-        args.push_ref(config.device.allocator.allocate_buffer_copy(
-            memory_type=rt.MemoryType.DEVICE_LOCAL, allowed_usage=rt.BufferUsage.DEFAULT, device=config.device,
-            buffer=arr, element_type=map_dtype_to_element_type(arr.dtype)))
+        args.push_ref(
+            config.device.allocator.allocate_buffer_copy(
+                memory_type=rt.MemoryType.DEVICE_LOCAL,
+                allowed_usage=rt.BufferUsage.DEFAULT,
+                device=config.device,
+                buffer=arr,
+                element_type=map_dtype_to_element_type(arr.dtype),
+            )
+        )
     n_out, vm_context = len(meta["outputs"]), context.vm_context
 
     def invoke() -> None:
@@ -162,12 +193,22 @@ def iree_refs(engine: Path, meta: dict, feeds: dict, work: Path, calls: int) -> 
 
     def benchmark_module(n: int, seconds: float) -> float:
         # one call per repetition: each repetition's real_time is one call, so their median is a p50
-        cmd = [str(BIN / "iree-benchmark-module"), f"--module={vmfb}", f"--device={meta['driver']}",
-               f"--function={meta['entry']}", *inputs, *extra, "--benchmark_min_time=1x",
-               f"--benchmark_repetitions={max(n, calls)}", "--benchmark_format=json"]
+        cmd = [
+            str(BIN / "iree-benchmark-module"),
+            f"--module={vmfb}",
+            f"--device={meta['driver']}",
+            f"--function={meta['entry']}",
+            *inputs,
+            *extra,
+            "--benchmark_min_time=1x",
+            f"--benchmark_repetitions={max(n, calls)}",
+            "--benchmark_format=json",
+        ]
         report = json.loads(run_tool(cmd, stdout_only=True))
         scale = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}
-        times = [b["real_time"] * scale[b["time_unit"]] for b in report["benchmarks"] if b.get("run_type") == "iteration"]
+        times = [
+            b["real_time"] * scale[b["time_unit"]] for b in report["benchmarks"] if b.get("run_type") == "iteration"
+        ]
         return statistics.median(times)
 
     return [Timer("iree-benchmark-module", benchmark_module), bare]
@@ -217,7 +258,11 @@ sys.exit(app.main())
 """
 
 REFERENCES: dict[str, Callable[..., list[Timer]]] = {
-    "onnxruntime": onnxruntime_refs, "openvino": openvino_refs, "iree": iree_refs, "tvm": tvm_refs}
+    "onnxruntime": onnxruntime_refs,
+    "openvino": openvino_refs,
+    "iree": iree_refs,
+    "tvm": tvm_refs,
+}
 
 
 def run_tool(cmd: list[str], stdout_only: bool = False) -> str:
@@ -245,8 +290,9 @@ def feeds_for(registry: Any, model: str, sku: str) -> dict[str, Any]:
     return next(iter_batches(golden, in_idx, batch))[1]
 
 
-def measure(registry: Any, model: str, sku: str, rounds: int, iterations: int, seconds: float,
-            aa: bool = False) -> list[Row]:
+def measure(
+    registry: Any, model: str, sku: str, rounds: int, iterations: int, seconds: float, aa: bool = False
+) -> list[Row]:
     """The rows of one (model, SKU); ``aa``: also the last reference against a second copy of itself,
     timed in the same rounds (the noise floor of this machine at the time)."""
     from pipeline.backends import get_backend
@@ -274,19 +320,40 @@ def measure(registry: Any, model: str, sku: str, rounds: int, iterations: int, s
         twin = [Timer(f"A/A {refs[-1].name} (noise)", refs[-1].measure)] if aa else []
         timers = [ours, *refs, *twin]
         for r in range(rounds):
-            for timer in timers[r % len(timers):] + timers[:r % len(timers)]:  # rotate: no timer always first
+            for timer in timers[r % len(timers) :] + timers[: r % len(timers)]:  # rotate: no timer always first
                 timer.rounds_ms.append(timer.measure(iterations, seconds))
     rows = []
     for ref in refs:
         ratio = ours.p50_ms / ref.p50_ms
         over = (ours.p50_ms - ref.p50_ms) * 1000
-        rows.append(Row(model, sku, ref.name, ours.p50_ms * 1000, ref.p50_ms * 1000, ratio, over,
-                        "PASS" if ratio <= RATIO_TARGET and over < OVERHEAD_TARGET_US else "FAIL",
-                        note=f"rounds: ours {fmt(ours.rounds_ms)}; ref {fmt(ref.rounds_ms)}"))
+        rows.append(
+            Row(
+                model,
+                sku,
+                ref.name,
+                ours.p50_ms * 1000,
+                ref.p50_ms * 1000,
+                ratio,
+                over,
+                "PASS" if ratio <= RATIO_TARGET and over < OVERHEAD_TARGET_US else "FAIL",
+                note=f"rounds: ours {fmt(ours.rounds_ms)}; ref {fmt(ref.rounds_ms)}",
+            )
+        )
     for copy in twin:
         ref = refs[-1]
-        rows.append(Row(model, sku, copy.name, copy.p50_ms * 1000, ref.p50_ms * 1000, copy.p50_ms / ref.p50_ms,
-                        (copy.p50_ms - ref.p50_ms) * 1000, "noise", note=f"rounds: {fmt(copy.rounds_ms)}"))
+        rows.append(
+            Row(
+                model,
+                sku,
+                copy.name,
+                copy.p50_ms * 1000,
+                ref.p50_ms * 1000,
+                copy.p50_ms / ref.p50_ms,
+                (copy.p50_ms - ref.p50_ms) * 1000,
+                "noise",
+                note=f"rounds: {fmt(copy.rounds_ms)}",
+            )
+        )
     return rows
 
 
@@ -340,10 +407,14 @@ def render(rows: list[Row]) -> str:
         if r.skuforge_p50_us is None:
             lines.append(f"{r.model:<19} {r.sku:<18} {'-':<36} {'-':>11} {'-':>9} {'-':>6} {'-':>8}  SKIP  {r.note}")
             continue
-        lines.append(f"{r.model:<19} {r.sku:<18} {r.reference:<36} {r.skuforge_p50_us:>11.1f} {r.reference_p50_us:>9.1f} "
-                     f"{r.ratio:>6.3f} {r.overhead_us:>+8.1f}  {r.verdict}")
-    lines.append(f"target: ratio <= {RATIO_TARGET} and overhead < {OVERHEAD_TARGET_US} us per call; "
-                 f"p50 = median of per-round p50s")
+        lines.append(
+            f"{r.model:<19} {r.sku:<18} {r.reference:<36} {r.skuforge_p50_us:>11.1f} {r.reference_p50_us:>9.1f} "
+            f"{r.ratio:>6.3f} {r.overhead_us:>+8.1f}  {r.verdict}"
+        )
+    lines.append(
+        f"target: ratio <= {RATIO_TARGET} and overhead < {OVERHEAD_TARGET_US} us per call; "
+        f"p50 = median of per-round p50s"
+    )
     return "\n".join(lines)
 
 

@@ -101,7 +101,7 @@ class EdgeCache:
 
 
 def _hash01(salt: str, device_id: str) -> float:
-    return int.from_bytes(hashlib.sha256(f"{salt}\0{device_id}".encode()).digest()[:8], "big") / 2 ** 64
+    return int.from_bytes(hashlib.sha256(f"{salt}\0{device_id}".encode()).digest()[:8], "big") / 2**64
 
 
 # --- worker processes -------------------------------------------------------------------------------
@@ -114,10 +114,22 @@ def _init(endpoint: str, url: str, root: bytes, state: str, failure: float, salt
 
     from pipeline.rollout.store import S3Store
 
-    origin = S3Store(url, client=s3_client(endpoint, connect_timeout=5, read_timeout=30,
-                                           retries={"mode": "standard", "total_max_attempts": 5}))
-    _W.update(edge=EdgeCache(origin), origin=origin, root=root, state=Path(state), failure=failure, salt=salt,
-              memo={}, wave=None)
+    origin = S3Store(
+        url,
+        client=s3_client(
+            endpoint, connect_timeout=5, read_timeout=30, retries={"mode": "standard", "total_max_attempts": 5}
+        ),
+    )
+    _W.update(
+        edge=EdgeCache(origin),
+        origin=origin,
+        root=root,
+        state=Path(state),
+        failure=failure,
+        salt=salt,
+        memo={},
+        wave=None,
+    )
 
 
 def _smoke_for(device_id: str):
@@ -146,8 +158,9 @@ def _run(task):
     before = (collections.Counter(_W["edge"].requests), collections.Counter(_W["origin"].requests))
     out = []
     for dev_id, sku, runtime in devices:
-        dev = agent.Device(id=dev_id, sku=sku, arch="x86_64", runtime={"onnxruntime": runtime},
-                           cpu_features=frozenset())
+        dev = agent.Device(
+            id=dev_id, sku=sku, arch="x86_64", runtime={"onnxruntime": runtime}, cpu_features=frozenset()
+        )
         a = agent.Agent(_W["edge"], dev, _W["state"] / dev_id, _W["root"], smoke=_smoke_for(dev_id))
         r = a.run_once(model)
         out.append((dev_id, r.outcome, (r.active or {}).get("release"), (r.active or {}).get("kind"), r.seconds))
@@ -174,7 +187,7 @@ def _rollout(pool, reg, store, keys, model, inventory, devices_by_id, t0, label,
     while True:
         todo = [devices_by_id[i] for i, w in first.items() if w is not None and w <= doc.wave and i not in done]
         t = time.perf_counter()
-        chunks = [todo[i:i + 400] for i in range(0, len(todo), 400)]
+        chunks = [todo[i : i + 400] for i in range(0, len(todo), 400)]
         for res, e, o in pool.imap_unordered(_run, [(wave, model, c) for c in chunks]):
             edge_req += e
             origin_req += o
@@ -202,9 +215,13 @@ def main() -> int:
     ap.add_argument("--canary-failure", type=float, default=0.1, help="share of canary devices failing r2's smoke test")
     ap.add_argument("--incompatible", type=float, default=0.005, help="share of devices with an old ONNX Runtime")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
-    ap.add_argument("--state-dir", type=Path, default=Path("/dev/shm") if Path("/dev/shm").is_dir() else None,
-                    help="where the simulated devices keep their state (default: /dev/shm, a RAM disk: a real "
-                         "device pays its own disk's fsyncs, the simulation should not pay 100k of them)")
+    ap.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path("/dev/shm") if Path("/dev/shm").is_dir() else None,
+        help="where the simulated devices keep their state (default: /dev/shm, a RAM disk: a real "
+        "device pays its own disk's fsyncs, the simulation should not pay 100k of them)",
+    )
     args = ap.parse_args()
     os.environ.setdefault("SKUFORGE_KEY_DIR", tempfile.mkdtemp(prefix="fleet-keys-"))
 
@@ -225,13 +242,27 @@ def main() -> int:
     from pipeline.stages.validate import validate
 
     tmp = Path(tempfile.mkdtemp(prefix="fleet-sim-"))
-    waves = [{"name": "canary", "percent": 1, "bake_minutes": 60}, {"name": "early", "percent": 10, "bake_minutes": 240},
-             {"name": "half", "percent": 50, "bake_minutes": 720}, {"name": "all", "percent": 100, "bake_minutes": 0}]
+    waves = [
+        {"name": "canary", "percent": 1, "bake_minutes": 60},
+        {"name": "early", "percent": 10, "bake_minutes": 240},
+        {"name": "half", "percent": 50, "bake_minutes": 720},
+        {"name": "all", "percent": 100, "bake_minutes": 0},
+    ]
     print("building the project (conv_bn: optimized ORT FP32 + portable fallback) ...", flush=True)
-    reg = make_project(tmp / "project", {"cpu": sku(), "portable": sku(options={"graph_optimization_level": "basic"})},
-                       rollout={"fallback_sku": "portable", "waves": waves,
-                                "gates": {"min_reports": 20, "max_failure_rate": 0.02, "max_smoke_failures": 0,
-                                          "max_latency_regression": 0.5}})
+    reg = make_project(
+        tmp / "project",
+        {"cpu": sku(), "portable": sku(options={"graph_optimization_level": "basic"})},
+        rollout={
+            "fallback_sku": "portable",
+            "waves": waves,
+            "gates": {
+                "min_reports": 20,
+                "max_failure_rate": 0.02,
+                "max_smoke_failures": 0,
+                "max_latency_regression": 0.5,
+            },
+        },
+    )
     keys = trust.Keys.single(signing_key())
     try:
         with MotoS3() as s3:
@@ -243,16 +274,23 @@ def main() -> int:
                 r1 = release.publish_release(reg, store, keys, "conv", actor="fleet-sim")
                 inv_path = tmp / f"fleet-{n}.csv"
                 rt = lambda i: "1.0.0" if _hash01("rt", f"d{i:06d}") < args.incompatible else "1.32.0"  # noqa: E731
-                write_inventory(inv_path, [Device(id=f"d{i:06d}", sku="cpu", arch="x86_64",
-                                                  runtime={"onnxruntime": rt(i)}, ring=None) for i in range(n)])
+                write_inventory(
+                    inv_path,
+                    [
+                        Device(id=f"d{i:06d}", sku="cpu", arch="x86_64", runtime={"onnxruntime": rt(i)}, ring=None)
+                        for i in range(n)
+                    ],
+                )
                 t = time.perf_counter()
                 inventory = load_inventory(inv_path)
                 load_s = time.perf_counter() - t
                 by_id = {d.id: (d.id, d.sku, d.runtime["onnxruntime"]) for d in inventory}
                 state = Path(tempfile.mkdtemp(prefix=f"fleet-devices-{n}-", dir=args.state_dir))
                 root = trust.root_bytes(store)
-                print(f"\n=== {n} devices (inventory CSV loaded in {load_s:.2f} s; store {url} on {s3.endpoint})",
-                      flush=True)
+                print(
+                    f"\n=== {n} devices (inventory CSV loaded in {load_s:.2f} s; store {url} on {s3.endpoint})",
+                    flush=True,
+                )
                 ctx = mp.get_context("fork")
                 t0 = datetime(2026, 12, 1, tzinfo=timezone.utc)
                 for label, failure in (("healthy", 0.0), ("failing canary", args.canary_failure)):
@@ -270,36 +308,53 @@ def main() -> int:
                         t0 += timedelta(days=3)
                     else:
                         r = r1
-                    with ctx.Pool(args.workers, initializer=_init,
-                                  initargs=(s3.endpoint, url, root, str(state), failure, "fail")) as pool:
+                    with ctx.Pool(
+                        args.workers, initializer=_init, initargs=(s3.endpoint, url, root, str(state), failure, "fail")
+                    ) as pool:
                         p, plan_s, rows, outcomes, active, edge_req, origin_req, final, doc = _rollout(
-                            pool, reg, store, keys, "conv", inventory, by_id, t0, label, failure)
+                            pool, reg, store, keys, "conv", inventory, by_id, t0, label, failure
+                        )
                     reached = sum(r_[1] for r_ in rows)
-                    print(f"-- {label}: release {r.release}; plan {plan_s * 1000:.0f} ms "
-                          f"({', '.join(f'{w.name} {w.devices}' for w in p.waves)})")
+                    print(
+                        f"-- {label}: release {r.release}; plan {plan_s * 1000:.0f} ms "
+                        f"({', '.join(f'{w.name} {w.devices}' for w in p.waves)})"
+                    )
                     print(f"   {'wave':8s} {'devices':>8s} {'agents s':>9s} {'dev/s':>7s} {'advance s':>9s}  result")
                     for name, count, pass_s, adv_s, action, why in rows:
-                        print(f"   {name:8s} {count:8d} {pass_s:9.1f} {count / pass_s if pass_s else 0:7.0f} "
-                              f"{adv_s:9.2f}  {action}: {why[:110]}")
+                        print(
+                            f"   {name:8s} {count:8d} {pass_s:9.1f} {count / pass_s if pass_s else 0:7.0f} "
+                            f"{adv_s:9.2f}  {action}: {why[:110]}"
+                        )
                     per = max(reached, 1)
-                    print("   agent requests/device: " + ", ".join(f"{k} {v / per:.2f}" for k, v in sorted(edge_req.items())))
-                    print("   S3 requests/device:    " + ", ".join(f"{k} {v / per:.2f}" for k, v in sorted(origin_req.items()))
-                          + f"  (total {sum(origin_req.values())})")
+                    print(
+                        "   agent requests/device: "
+                        + ", ".join(f"{k} {v / per:.2f}" for k, v in sorted(edge_req.items()))
+                    )
+                    print(
+                        "   S3 requests/device:    "
+                        + ", ".join(f"{k} {v / per:.2f}" for k, v in sorted(origin_req.items()))
+                        + f"  (total {sum(origin_req.values())})"
+                    )
                     print(f"   outcomes: {dict(outcomes)}; rollout {doc.status}")
                     if doc.status == "rolled_back":
-                        with ctx.Pool(args.workers, initializer=_init,
-                                      initargs=(s3.endpoint, url, root, str(state), 0.0, "fail")) as pool:
+                        with ctx.Pool(
+                            args.workers, initializer=_init, initargs=(s3.endpoint, url, root, str(state), 0.0, "fail")
+                        ) as pool:
                             t = time.perf_counter()
                             after = collections.Counter()
-                            chunks = [list(by_id[i] for i in active)[k:k + 400] for k in range(0, len(active), 400)]
+                            chunks = [list(by_id[i] for i in active)[k : k + 400] for k in range(0, len(active), 400)]
                             for res, _, _ in pool.imap_unordered(_run, [(99, "conv", c) for c in chunks]):
                                 for dev_id, outcome, rel_, kind, _ in res:
                                     after[(rel_, kind)] += 1
-                            print(f"   after rollback ({time.perf_counter() - t:.1f} s): devices on "
-                                  + ", ".join(f"{rl} {k}: {c}" for (rl, k), c in sorted(after.items(), key=str)))
+                            print(
+                                f"   after rollback ({time.perf_counter() - t:.1f} s): devices on "
+                                + ", ".join(f"{rl} {k}: {c}" for (rl, k), c in sorted(after.items(), key=str))
+                            )
                     else:
                         on = collections.Counter(active.values())
-                        print("   devices on " + ", ".join(f"{rl} {k}: {c}" for (rl, k), c in sorted(on.items(), key=str)))
+                        print(
+                            "   devices on " + ", ".join(f"{rl} {k}: {c}" for (rl, k), c in sorted(on.items(), key=str))
+                        )
                 shutil.rmtree(state, ignore_errors=True)
     finally:
         if not args.keep:

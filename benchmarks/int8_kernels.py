@@ -60,18 +60,42 @@ def conv56(path: Path) -> None:
     chans, nodes, init, prev, cin = [(64, 1), (64, 1), (128, 2), (128, 1)], [], [], "x", 3
     for i, (cout, stride) in enumerate(chans):
         w = rng.normal(0, (2.0 / (9 * cin)) ** 0.5, (cout, cin, 3, 3)).astype(np.float32)
-        init += [numpy_helper.from_array(w, f"w{i}"), numpy_helper.from_array(rng.normal(0, 0.05, cout).astype(np.float32), f"b{i}")]
-        nodes += [helper.make_node("Conv", [prev, f"w{i}", f"b{i}"], [f"c{i}"], pads=[1, 1, 1, 1], strides=[stride, stride], name=f"conv{i}"),
-                  helper.make_node("Relu", [f"c{i}"], [f"r{i}"], name=f"relu{i}")]
+        init += [
+            numpy_helper.from_array(w, f"w{i}"),
+            numpy_helper.from_array(rng.normal(0, 0.05, cout).astype(np.float32), f"b{i}"),
+        ]
+        nodes += [
+            helper.make_node(
+                "Conv",
+                [prev, f"w{i}", f"b{i}"],
+                [f"c{i}"],
+                pads=[1, 1, 1, 1],
+                strides=[stride, stride],
+                name=f"conv{i}",
+            ),
+            helper.make_node("Relu", [f"c{i}"], [f"r{i}"], name=f"relu{i}"),
+        ]
         prev, cin = f"r{i}", cout
-    init += [numpy_helper.from_array(rng.normal(0, 0.2, (10, cin)).astype(np.float32), "fc_w"),
-             numpy_helper.from_array(np.zeros(10, np.float32), "fc_b")]
-    nodes += [helper.make_node("GlobalAveragePool", [prev], ["gap"], name="gap"),
-              helper.make_node("Flatten", ["gap"], ["flat"], name="flatten"),
-              helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"], transB=1, name="fc"),
-              helper.make_node("Softmax", ["logits"], ["probs"], axis=-1, name="softmax")]
-    _save(helper.make_graph(nodes, "conv56", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 56, 56])],
-                            [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 10])], init), path)
+    init += [
+        numpy_helper.from_array(rng.normal(0, 0.2, (10, cin)).astype(np.float32), "fc_w"),
+        numpy_helper.from_array(np.zeros(10, np.float32), "fc_b"),
+    ]
+    nodes += [
+        helper.make_node("GlobalAveragePool", [prev], ["gap"], name="gap"),
+        helper.make_node("Flatten", ["gap"], ["flat"], name="flatten"),
+        helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"], transB=1, name="fc"),
+        helper.make_node("Softmax", ["logits"], ["probs"], axis=-1, name="softmax"),
+    ]
+    _save(
+        helper.make_graph(
+            nodes,
+            "conv56",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 56, 56])],
+            [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 10])],
+            init,
+        ),
+        path,
+    )
 
 
 def mlp1024(path: Path) -> None:
@@ -82,16 +106,28 @@ def mlp1024(path: Path) -> None:
     rng = np.random.default_rng(0)
     nodes, init, prev = [], [], "x"
     for i in range(4):
-        init += [numpy_helper.from_array(rng.normal(0, (2.0 / 1024) ** 0.5, (1024, 1024)).astype(np.float32), f"w{i}"),
-                 numpy_helper.from_array(rng.normal(0, 0.05, 1024).astype(np.float32), f"b{i}")]
-        nodes += [helper.make_node("MatMul", [prev, f"w{i}"], [f"m{i}"], name=f"fc{i}"),
-                  helper.make_node("Add", [f"m{i}", f"b{i}"], [f"a{i}"], name=f"bias{i}"),
-                  helper.make_node("Relu", [f"a{i}"], [f"r{i}"], name=f"relu{i}")]
+        init += [
+            numpy_helper.from_array(rng.normal(0, (2.0 / 1024) ** 0.5, (1024, 1024)).astype(np.float32), f"w{i}"),
+            numpy_helper.from_array(rng.normal(0, 0.05, 1024).astype(np.float32), f"b{i}"),
+        ]
+        nodes += [
+            helper.make_node("MatMul", [prev, f"w{i}"], [f"m{i}"], name=f"fc{i}"),
+            helper.make_node("Add", [f"m{i}", f"b{i}"], [f"a{i}"], name=f"bias{i}"),
+            helper.make_node("Relu", [f"a{i}"], [f"r{i}"], name=f"relu{i}"),
+        ]
         prev = f"r{i}"
     init.append(numpy_helper.from_array(rng.normal(0, 0.05, (1024, 10)).astype(np.float32), "w_out"))
     nodes.append(helper.make_node("MatMul", [prev, "w_out"], ["y"], name="fc_out"))
-    _save(helper.make_graph(nodes, "mlp1024", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1024])],
-                            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 10])], init), path)
+    _save(
+        helper.make_graph(
+            nodes,
+            "mlp1024",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1024])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 10])],
+            init,
+        ),
+        path,
+    )
 
 
 def _save(graph: Any, path: Path) -> None:
@@ -106,8 +142,14 @@ def _save(graph: Any, path: Path) -> None:
 
 
 SYNTHETIC_SPECS = {
-    "conv56": (conv56, {"inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 3, 56, 56], "range": [-1.0, 1.0]}]}),
-    "mlp1024": (mlp1024, {"inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 1024], "range": [-1.0, 1.0]}]}),
+    "conv56": (
+        conv56,
+        {"inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 3, 56, 56], "range": [-1.0, 1.0]}]},
+    ),
+    "mlp1024": (
+        mlp1024,
+        {"inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 1024], "range": [-1.0, 1.0]}]},
+    ),
 }
 
 
@@ -126,9 +168,16 @@ def make_project(root: Path, source: Path, models: list[str], threads: int) -> P
         else:
             write, extra = SYNTHETIC_SPECS[name]
             write(root / "models" / name / "model.onnx")
-            spec = {"dir": f"models/{name}", "source": "model.onnx", "pins": {"batch": 1}, **extra,
-                    "datasets": {"golden": {"generate": {"count": 32, "seed": 1}},
-                                 "calibration": {"generate": {"count": 64, "seed": 2}}}}
+            spec = {
+                "dir": f"models/{name}",
+                "source": "model.onnx",
+                "pins": {"batch": 1},
+                **extra,
+                "datasets": {
+                    "golden": {"generate": {"count": 32, "seed": 1}},
+                    "calibration": {"generate": {"count": 64, "seed": 2}},
+                },
+            }
         out["models"][name] = spec
     for backend, skus in SKUS.items():
         for sku in skus:
@@ -235,7 +284,9 @@ def gate_blind_spots(capture: CaptureCompile, engine_layers: list[Any]) -> tuple
         full = fresh.get(layer.name)
         if full is None:
             continue
-        float_ops = sorted({onnx_types[n] for n in full.fused_from if n in onnx_types} - {"QuantizeLinear", "DequantizeLinear"})
+        float_ops = sorted(
+            {onnx_types[n] for n in full.fused_from if n in onnx_types} - {"QuantizeLinear", "DequantizeLinear"}
+        )
         if layer.op_type == "Subgraph" and layer.precision == "int8" and float_ops:
             hidden_float.append(f"{layer.name} [{'+'.join(float_ops)}]")
         if full.precision == "fp32" and layer.precision != "fp32":
@@ -245,13 +296,19 @@ def gate_blind_spots(capture: CaptureCompile, engine_layers: list[Any]) -> tuple
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default=",".join(EXAMPLES + SYNTHETIC),
-                    help=f"comma-separated, from {', '.join(EXAMPLES + SYNTHETIC)}")
+    ap.add_argument(
+        "--models",
+        default=",".join(EXAMPLES + SYNTHETIC),
+        help=f"comma-separated, from {', '.join(EXAMPLES + SYNTHETIC)}",
+    )
     ap.add_argument("--threads", type=int, default=1, help="threads of every engine (ORT intra-op, OV inference)")
     ap.add_argument("--seconds", type=float, default=1.0, help="timed seconds per engine and model")
-    ap.add_argument("--onednn-max-isa", metavar="ISA",
-                    help="cap OpenVINO's oneDNN kernels (ONEDNN_MAX_CPU_ISA: AVX2, AVX2_VNNI, AVX512_CORE, "
-                         "AVX512_CORE_VNNI): an AVX2 or non-VNNI target on this host; ONNX Runtime ignores it")
+    ap.add_argument(
+        "--onednn-max-isa",
+        metavar="ISA",
+        help="cap OpenVINO's oneDNN kernels (ONEDNN_MAX_CPU_ISA: AVX2, AVX2_VNNI, AVX512_CORE, "
+        "AVX512_CORE_VNNI): an AVX2 or non-VNNI target on this host; ONNX Runtime ignores it",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the temporary project (its path is printed)")
     args = ap.parse_args()
     if args.onednn_max_isa:
@@ -282,9 +339,11 @@ def main() -> None:
     cpuinfo = Path("/proc/cpuinfo")
     flags = set(cpuinfo.read_text().split()) if cpuinfo.is_file() else set()
     vnni = [f for f in ("avx512_vnni", "avx_vnni", "amx_int8") if f in flags]
-    print(f"CPU: avx2 {'avx2' in flags}, avx512f {'avx512f' in flags}, int8 dot-product instructions: "
-          f"{', '.join(vnni) or 'none (no VNNI: int8 has less edge over fp32)'}; {args.threads} thread(s) per engine"
-          + (f"; OpenVINO capped at {args.onednn_max_isa}" if args.onednn_max_isa else ""))
+    print(
+        f"CPU: avx2 {'avx2' in flags}, avx512f {'avx512f' in flags}, int8 dot-product instructions: "
+        f"{', '.join(vnni) or 'none (no VNNI: int8 has less edge over fp32)'}; {args.threads} thread(s) per engine"
+        + (f"; OpenVINO capped at {args.onednn_max_isa}" if args.onednn_max_isa else "")
+    )
 
     tmp = Path(tempfile.mkdtemp(prefix="skuforge-int8-"))
     try:
@@ -310,7 +369,7 @@ def main() -> None:
                         blind = gate_blind_spots(capture, built.outcome.layers)
                     layers[sku] = built.outcome.layers
                     runners[sku] = get_backend(spec.backend).load(out.engine_dir(model, sku), spec)
-                    outs = [runners[sku].infer({k: v[i:i + 1] for k, v in golden.items()}) for i in range(n)]
+                    outs = [runners[sku].infer({k: v[i : i + 1] for k, v in golden.items()}) for i in range(n)]
                     results[sku] = {k: np.concatenate([o[k] for o in outs]) for k in outs[0]}
             first = {k: v[:1] for k, v in golden.items()}
             latency = measure({sku: bare_call(r, first) for sku, r in runners.items()}, args.seconds)
@@ -319,20 +378,28 @@ def main() -> None:
 
             print(f"\n== {model}")
             for backend, (fp32, int8) in SKUS.items():
-                print(f"  {backend:3} latency fp32 {latency[fp32]:8.3f} ms  int8 {latency[int8]:8.3f} ms  "
-                      f"int8/fp32 {latency[int8] / latency[fp32]:.2f}")
+                print(
+                    f"  {backend:3} latency fp32 {latency[fp32]:8.3f} ms  int8 {latency[int8]:8.3f} ms  "
+                    f"int8/fp32 {latency[int8] / latency[fp32]:.2f}"
+                )
             ov_layers = [layer for layer in layers[SKUS["ov"][1]] if layer.op_type in COMPUTE]
             in_int8 = [layer for layer in ov_layers if layer.precision == "int8"]
             kernels = collections.Counter(f"{layer.op_type}:{layer.kernel}" for layer in ov_layers)
-            print(f"  ov int8 compute layers in int8: {len(in_int8)}/{len(ov_layers)}  "
-                  + ", ".join(f"{k} x{c}" for k, c in sorted(kernels.items())))
+            print(
+                f"  ov int8 compute layers in int8: {len(in_int8)}/{len(ov_layers)}  "
+                + ", ".join(f"{k} x{c}" for k, c in sorted(kernels.items()))
+            )
             hidden_float, hidden_fp32 = blind
             if hidden_float:
-                print(f"  gate blind spot: {len(hidden_float)} Subgraph layers reported int8 compute float ops on "
-                      f"dequantized values: {', '.join(hidden_float[:4])}{' ...' if len(hidden_float) > 4 else ''}")
+                print(
+                    f"  gate blind spot: {len(hidden_float)} Subgraph layers reported int8 compute float ops on "
+                    f"dequantized values: {', '.join(hidden_float[:4])}{' ...' if len(hidden_float) > 4 else ''}"
+                )
             if hidden_fp32:
-                print(f"  gate blind spot: {len(hidden_fp32)} fp32 layers of the fresh compile are not fp32 in the engine's report "
-                      f"(fused names lost on export/import): {', '.join(hidden_fp32[:3])}{' ...' if len(hidden_fp32) > 3 else ''}")
+                print(
+                    f"  gate blind spot: {len(hidden_fp32)} fp32 layers of the fresh compile are not fp32 in the engine's report "
+                    f"(fused names lost on export/import): {', '.join(hidden_fp32[:3])}{' ...' if len(hidden_fp32) > 3 else ''}"
+                )
             engine_model = out.engine_dir(model, SKUS["ort"][1]) / "model.onnx"
             for name, want in expected.items():
                 a, b = results[SKUS["ort"][1]][name], results[SKUS["ov"][1]][name]
@@ -342,14 +409,20 @@ def main() -> None:
                 if grid is not None:
                     d = np.abs(np.round(a / grid[0]) - np.round(b / grid[0]))
                     steps = f", grid steps apart: max {int(d.max())}, {int((d > 0).sum())}/{d.size} elements differ"
-                print(f"  output {name}: ort int8 vs ov int8 bitwise equal {np.array_equal(a, b)} "
-                      f"({int((a == b).sum())}/{a.size} elements equal{steps})")
-                print(f"    on the quantization grid{f' (scale {grid[0]:.6g}, zp {grid[1]})' if grid else ''}: "
-                      f"ort {on_grid(a, grid)}, ov {on_grid(b, grid)}")
+                print(
+                    f"  output {name}: ort int8 vs ov int8 bitwise equal {np.array_equal(a, b)} "
+                    f"({int((a == b).sum())}/{a.size} elements equal{steps})"
+                )
+                print(
+                    f"    on the quantization grid{f' (scale {grid[0]:.6g}, zp {grid[1]})' if grid else ''}: "
+                    f"ort {on_grid(a, grid)}, ov {on_grid(b, grid)}"
+                )
                 same_spot = np.argmax(err_a) == np.argmax(err_b)
-                print(f"    max abs error vs fp32 reference: ort {float(err_a.max())!r}  ov {float(err_b.max())!r}"
-                      f"  (same element: {bool(same_spot)}; fp32 engines: ort {float(np.abs(results[SKUS['ort'][0]][name] - want).max()):.3g}"
-                      f", ov {float(np.abs(results[SKUS['ov'][0]][name] - want).max()):.3g})")
+                print(
+                    f"    max abs error vs fp32 reference: ort {float(err_a.max())!r}  ov {float(err_b.max())!r}"
+                    f"  (same element: {bool(same_spot)}; fp32 engines: ort {float(np.abs(results[SKUS['ort'][0]][name] - want).max()):.3g}"
+                    f", ov {float(np.abs(results[SKUS['ov'][0]][name] - want).max()):.3g})"
+                )
     finally:
         if args.keep:
             print(f"\nproject kept in {tmp}")

@@ -33,10 +33,25 @@ def start_server(folder: Path) -> tuple[subprocess.Popen, str, float]:
     uri = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
     proc = subprocess.Popen(
-        [str(Path(sys.executable).with_name("mlflow")), "server", "--backend-store-uri", f"sqlite:///{folder / 'server.db'}",
-         "--artifacts-destination", str(folder / "artifacts"), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+        [
+            str(Path(sys.executable).with_name("mlflow")),
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{folder / 'server.db'}",
+            "--artifacts-destination",
+            str(folder / "artifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+    )
     while time.perf_counter() - t0 < 120:
         try:
             with urllib.request.urlopen(f"{uri}/health", timeout=1):
@@ -86,15 +101,21 @@ def main() -> None:
 
         db = tmp / "embedded" / "mlflow.db"
         db.parent.mkdir()
-        stores["embedded"] = Tracking(uri=f"sqlite:///{db}", registry_uri=f"sqlite:///{db}", embedded=True,
-                                      artifact_location=(db.parent / "mlartifacts").as_uri(), policy=reg.release.tracking)
+        stores["embedded"] = Tracking(
+            uri=f"sqlite:///{db}",
+            registry_uri=f"sqlite:///{db}",
+            embedded=True,
+            artifact_location=(db.parent / "mlartifacts").as_uri(),
+            policy=reg.release.tracking,
+        )
         _, seconds = timed(stores["embedded"].client.search_experiments)
         notes.append(f"embedded store created in {seconds:.2f} s (the first publish of a project pays it)")
         if not args.no_server:
             (tmp / "server").mkdir()
             server, uri, seconds = start_server(tmp / "server")
-            stores["server"] = Tracking(uri=uri, registry_uri=uri, embedded=False, artifact_location=None,
-                                        policy=reg.release.tracking)
+            stores["server"] = Tracking(
+                uri=uri, registry_uri=uri, embedded=False, artifact_location=None, policy=reg.release.tracking
+            )
             notes.append(f"mlflow server ({uri}, 1 worker, SQLite) started in {seconds:.1f} s")
 
         names = list(stores)
@@ -109,19 +130,32 @@ def main() -> None:
                 totals[n][1] += again
                 row += f"{first:16.3f}{again:16.3f}"
             print(row)
-        print(f"  {'total (' + str(len(pairs)) + ' engines)':42}" + "".join(f"{a:16.3f}{b:16.3f}" for a, b in totals.values()))
+        print(
+            f"  {'total (' + str(len(pairs)) + ' engines)':42}"
+            + "".join(f"{a:16.3f}{b:16.3f}" for a, b in totals.values())
+        )
 
         release = [s for s in reg.release_skus() if (model, s) in inputs]
         one = release[0] if release else next(s for m, s in pairs if m == model)
         steps = [
-            (f"promote {model} --all-skus --to {reg.release.aliases[0]} ({len(release)} SKUs)",
-             lambda t: promote(reg, model, reg.release.aliases[0], release, tracking=t)),
-            (f"promote {model} --sku {one} --to {reg.release.aliases[1] if len(reg.release.aliases) > 1 else reg.release.aliases[0]}",
-             lambda t: promote(reg, model, reg.release.aliases[min(1, len(reg.release.aliases) - 1)], [one], tracking=t)),
-            (f"promote {model} --sku {one} --to {reg.release.aliases[0]} (again: already there)",
-             lambda t: promote(reg, model, reg.release.aliases[0], [one], tracking=t)),
-            (f"promote {model} --sku {one} --to {reg.release.aliases[0]} --rollback",
-             lambda t: rollback(reg, model, reg.release.aliases[0], [one], reason="benchmark", tracking=t)),
+            (
+                f"promote {model} --all-skus --to {reg.release.aliases[0]} ({len(release)} SKUs)",
+                lambda t: promote(reg, model, reg.release.aliases[0], release, tracking=t),
+            ),
+            (
+                f"promote {model} --sku {one} --to {reg.release.aliases[1] if len(reg.release.aliases) > 1 else reg.release.aliases[0]}",
+                lambda t: promote(
+                    reg, model, reg.release.aliases[min(1, len(reg.release.aliases) - 1)], [one], tracking=t
+                ),
+            ),
+            (
+                f"promote {model} --sku {one} --to {reg.release.aliases[0]} (again: already there)",
+                lambda t: promote(reg, model, reg.release.aliases[0], [one], tracking=t),
+            ),
+            (
+                f"promote {model} --sku {one} --to {reg.release.aliases[0]} --rollback",
+                lambda t: rollback(reg, model, reg.release.aliases[0], [one], reason="benchmark", tracking=t),
+            ),
         ]
         print()
         print(f"{'promotion (seconds)':76}" + "".join(f"{n:>16}" for n in names))
@@ -133,8 +167,10 @@ def main() -> None:
         rng = np.random.default_rng(0)
         a, b = rng.lognormal(-2, 0.1, 500), rng.lognormal(-2, 0.1, 500)
         _, seconds = timed(compare_latency, a, b, resamples=reg.release.performance.bootstrap)
-        print(f"\nperformance gate statistics alone (500 vs 500 samples, {reg.release.performance.bootstrap} bootstrap "
-              f"resamples): {seconds:.3f} s")
+        print(
+            f"\nperformance gate statistics alone (500 vs 500 samples, {reg.release.performance.bootstrap} bootstrap "
+            f"resamples): {seconds:.3f} s"
+        )
         for note in notes:
             print(note)
     finally:

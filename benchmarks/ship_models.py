@@ -16,8 +16,9 @@ writes OUT_DIR/<model>/model.onnx. ``MODELS`` gives each model's input (for a pa
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 # input name, shape (batch first, "batch" symbolic) and value range of each model
 MODELS: dict[str, dict[str, Any]] = {
@@ -31,8 +32,9 @@ def _torch_modules() -> dict[str, Callable[[], Any]]:
     import torch
     from torch import nn
 
-    def conv_bn(cin: int, cout: int, k: Any = 3, s: Any = 1, groups: int = 1, act: bool = True,
-                pad: Any = None) -> nn.Sequential:
+    def conv_bn(
+        cin: int, cout: int, k: Any = 3, s: Any = 1, groups: int = 1, act: bool = True, pad: Any = None
+    ) -> nn.Sequential:
         if pad is None:
             pad = tuple(d // 2 for d in k) if isinstance(k, tuple) else k // 2
         layers: list[nn.Module] = [nn.Conv2d(cin, cout, k, s, pad, groups=groups, bias=False), nn.BatchNorm2d(cout)]
@@ -60,8 +62,15 @@ def _torch_modules() -> dict[str, Callable[[], Any]]:
             ch = lambda c: max(8, int(c * width + 4) // 8 * 8)  # noqa: E731
             cin = ch(32)
             layers: list[nn.Module] = [conv_bn(3, cin, 3, 2)]
-            for t, c, n, s in [(1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
-                               (6, 160, 3, 2), (6, 320, 1, 1)]:
+            for t, c, n, s in [
+                (1, 16, 1, 1),
+                (6, 24, 2, 2),
+                (6, 32, 3, 2),
+                (6, 64, 4, 2),
+                (6, 96, 3, 1),
+                (6, 160, 3, 2),
+                (6, 320, 1, 1),
+            ]:
                 for i in range(n):
                     layers.append(InvertedResidual(cin, ch(c), s if i == 0 else 1, t))
                     cin = ch(c)
@@ -87,9 +96,14 @@ def _torch_modules() -> dict[str, Callable[[], Any]]:
             self.stages = nn.ModuleList(stages)
             self.lateral = nn.ModuleList(nn.Conv2d(c, inner, 1) for c in chans)
             self.smooth = nn.ModuleList(nn.Conv2d(inner, inner // 4, 3, padding=1) for _ in chans)
-            self.head = nn.Sequential(conv_bn(inner, inner // 4, 3), nn.ConvTranspose2d(inner // 4, inner // 4, 2, 2),
-                                      nn.BatchNorm2d(inner // 4), nn.ReLU(inplace=True),
-                                      nn.ConvTranspose2d(inner // 4, 1, 2, 2), nn.Sigmoid())
+            self.head = nn.Sequential(
+                conv_bn(inner, inner // 4, 3),
+                nn.ConvTranspose2d(inner // 4, inner // 4, 2, 2),
+                nn.BatchNorm2d(inner // 4),
+                nn.ReLU(inplace=True),
+                nn.ConvTranspose2d(inner // 4, 1, 2, 2),
+                nn.Sigmoid(),
+            )
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             feats = []
@@ -101,8 +115,10 @@ def _torch_modules() -> dict[str, Callable[[], Any]]:
             for i in range(len(lat) - 2, -1, -1):
                 lat[i] = lat[i] + nn.functional.interpolate(lat[i + 1], scale_factor=2.0, mode="nearest")
             outs = [smooth(p) for smooth, p in zip(self.smooth, lat)]
-            outs = [outs[0]] + [nn.functional.interpolate(o, scale_factor=float(2 ** i), mode="nearest")
-                                for i, o in enumerate(outs[1:], 1)]
+            outs = [outs[0]] + [
+                nn.functional.interpolate(o, scale_factor=float(2**i), mode="nearest")
+                for i, o in enumerate(outs[1:], 1)
+            ]
             return self.head(torch.cat(outs, dim=1))
 
     class Recognizer(nn.Module):
@@ -111,13 +127,20 @@ def _torch_modules() -> dict[str, Callable[[], Any]]:
         def __init__(self, classes: int = 97, hidden: int = 128):
             super().__init__()
             self.cnn = nn.Sequential(
-                conv_bn(3, 32, 3), nn.MaxPool2d(2, 2),                       # 16x64
-                conv_bn(32, 64, 3), nn.MaxPool2d(2, 2),                      # 8x32
-                conv_bn(64, 128, 3), conv_bn(128, 128, 3), nn.MaxPool2d((2, 1), (2, 1)),  # 4x32
-                conv_bn(128, 192, 3), conv_bn(192, 192, 3), nn.MaxPool2d((2, 1), (2, 1)),  # 2x32
+                conv_bn(3, 32, 3),
+                nn.MaxPool2d(2, 2),  # 16x64
+                conv_bn(32, 64, 3),
+                nn.MaxPool2d(2, 2),  # 8x32
+                conv_bn(64, 128, 3),
+                conv_bn(128, 128, 3),
+                nn.MaxPool2d((2, 1), (2, 1)),  # 4x32
+                conv_bn(128, 192, 3),
+                conv_bn(192, 192, 3),
+                nn.MaxPool2d((2, 1), (2, 1)),  # 2x32
                 # 2x1 unpadded conv to height 1, as CRNN's last layer (a pooling to height 1 from an odd
                 # height 3 made IREE 3.13 fail to compile the MaxPool: "inferred input/output operand #1")
-                conv_bn(192, 256, (2, 1), pad=0))                            # 1x32
+                conv_bn(192, 256, (2, 1), pad=0),
+            )  # 1x32
             self.rnn = nn.LSTM(256, hidden, num_layers=2, bidirectional=True, batch_first=False)
             self.head = nn.Linear(2 * hidden, classes)
 
@@ -145,8 +168,16 @@ def build(name: str, out: Path, seed: int = 0) -> Path:
     example = torch.rand(*spec["shape"]) * 2 - 1
     out.parent.mkdir(parents=True, exist_ok=True)
     output_axes = {1: "batch"} if name == "recognizer" else {0: "batch"}  # the recognizer's output is [T, N, C]
-    torch.onnx.export(module, (example,), str(out), input_names=[spec["input"]], output_names=["output"],
-                      opset_version=17, dynamo=False, dynamic_axes={spec["input"]: {0: "batch"}, "output": output_axes})
+    torch.onnx.export(
+        module,
+        (example,),
+        str(out),
+        input_names=[spec["input"]],
+        output_names=["output"],
+        opset_version=17,
+        dynamo=False,
+        dynamic_axes={spec["input"]: {0: "batch"}, "output": output_axes},
+    )
     model = onnx.load(str(out))
     model.graph.name = name
     onnx.checker.check_model(model)

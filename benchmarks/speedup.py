@@ -38,16 +38,25 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ship_models import MODELS, build  # noqa: E402
 
-CPU_SKUS = ("x86_ort_fp32", "x86_ort_int8", "portable_ort_fp32", "x86_ov_fp32", "x86_ov_int8",
-            "x86_iree_cpu_fp32", "x86_iree_cpu_fp16", "x86_tvm_fp32")
+CPU_SKUS = (
+    "x86_ort_fp32",
+    "x86_ort_int8",
+    "portable_ort_fp32",
+    "x86_ov_fp32",
+    "x86_ov_int8",
+    "x86_iree_cpu_fp32",
+    "x86_iree_cpu_fp16",
+    "x86_tvm_fp32",
+)
 ORT_DEFAULTS = "ort_defaults"
 
 
@@ -55,8 +64,14 @@ ORT_DEFAULTS = "ort_defaults"
 THREAD_OPTIONS = {"onnxruntime": "intra_op_num_threads", "openvino": "inference_num_threads", "tvm": "num_threads"}
 
 
-def make_project(root: Path, source: Path, models: list[str], skus: list[str],
-                 variants: dict[str, tuple[str, dict[str, Any]]], threads: int | None = None) -> Path:
+def make_project(
+    root: Path,
+    source: Path,
+    models: list[str],
+    skus: list[str],
+    variants: dict[str, tuple[str, dict[str, Any]]],
+    threads: int | None = None,
+) -> Path:
     """A project in ``root``: the models written by ship_models, generated data sets, the SKUs of
     ``source/params.yaml`` (and the variants: a SKU with options updated)."""
     import yaml
@@ -67,11 +82,22 @@ def make_project(root: Path, source: Path, models: list[str], skus: list[str],
         spec = MODELS[name]
         build(name, root / "models" / name / "model.onnx")
         out["models"][name] = {
-            "dir": f"models/{name}", "source": "model.onnx", "pins": {"batch": 1},
-            "inputs": [{"name": spec["input"], "dtype": "float32", "shape": ["batch", *spec["shape"][1:]],
-                        "range": spec["range"]}],
-            "datasets": {"golden": {"generate": {"count": 8, "seed": 1}},
-                         "calibration": {"generate": {"count": 32, "seed": 2}}}}
+            "dir": f"models/{name}",
+            "source": "model.onnx",
+            "pins": {"batch": 1},
+            "inputs": [
+                {
+                    "name": spec["input"],
+                    "dtype": "float32",
+                    "shape": ["batch", *spec["shape"][1:]],
+                    "range": spec["range"],
+                }
+            ],
+            "datasets": {
+                "golden": {"generate": {"count": 8, "seed": 1}},
+                "calibration": {"generate": {"count": 32, "seed": 2}},
+            },
+        }
     for sku in skus:
         out["skus"][sku] = dict(params["skus"][sku])
     for name, (base, update) in variants.items():
@@ -86,8 +112,9 @@ def make_project(root: Path, source: Path, models: list[str], skus: list[str],
     return root / "params.yaml"
 
 
-def measure(calls: dict[str, Callable[[], Any]], seconds: float,
-            rounds: int = 9) -> tuple[dict[str, list[float]], dict[str, float]]:
+def measure(
+    calls: dict[str, Callable[[], Any]], seconds: float, rounds: int = 9
+) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Per-call wall latencies (ms) of each call, ``rounds`` interleaved rounds of about
     ``seconds / rounds`` per call each after a warm-up; and each call's mean process CPU time (ms,
     all threads). On a shared host the CPU time of a one-thread engine is its compute cost, which
@@ -142,8 +169,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
     ap.add_argument("--skus", default=",".join(CPU_SKUS), help="comma-separated SKUs of ./params.yaml")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME=SKU:JSON",
-                    help="a SKU of ./params.yaml with its options updated by the JSON object (repeatable)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=SKU:JSON",
+        help="a SKU of ./params.yaml with its options updated by the JSON object (repeatable)",
+    )
     ap.add_argument("--seconds", type=float, default=2.0, help="timed seconds per engine and model")
     ap.add_argument("--threads", type=int, help="threads of every engine (default: each SKU's own setting)")
     ap.add_argument("--json", type=Path, help="write the p50s and speed-ups here")
@@ -220,7 +252,9 @@ def main() -> None:
             p50 = {k: statistics.median(v) for k, v in samples.items()}
             base = p50[ORT_DEFAULTS]
             print(f"\n== {model} {MODELS[model]['shape']}  (ORT defaults p50 {base:.3f} ms)")
-            print(f"  {'engine':28} {'p50 ms':>9} {'p90 ms':>9} {'speed-up':>9} {'cpu ms':>9} {'roofline':>9}  build s  note")
+            print(
+                f"  {'engine':28} {'p50 ms':>9} {'p90 ms':>9} {'speed-up':>9} {'cpu ms':>9} {'roofline':>9}  build s  note"
+            )
             rows = {}
             for name in [ORT_DEFAULTS, *engines]:
                 if name not in p50:
@@ -229,17 +263,26 @@ def main() -> None:
                     continue
                 p90 = float(np.percentile(samples[name], 90))
                 roof = roofline_fraction(source, p50[name], args.threads)
-                print(f"  {name:28} {p50[name]:9.3f} {p90:9.3f} {base / p50[name]:8.2f}x {cpu_ms[name]:9.3f} {roof:>9}  "
-                      f"{build_s.get(name, 0):7.1f}  {errors.get(name, '')}")
-                rows[name] = {"p50_ms": p50[name], "p90_ms": p90, "speedup": base / p50[name], "cpu_ms": cpu_ms[name],
-                              "roofline": roof}
+                print(
+                    f"  {name:28} {p50[name]:9.3f} {p90:9.3f} {base / p50[name]:8.2f}x {cpu_ms[name]:9.3f} {roof:>9}  "
+                    f"{build_s.get(name, 0):7.1f}  {errors.get(name, '')}"
+                )
+                rows[name] = {
+                    "p50_ms": p50[name],
+                    "p90_ms": p90,
+                    "speedup": base / p50[name],
+                    "cpu_ms": cpu_ms[name],
+                    "roofline": roof,
+                }
             results[model] = rows
         if all(r.get("roofline") in (None, "n/a") for rows in results.values() for r in rows.values()):
             print("\nroofline: n/a (pipeline/roofline.py is not in this tree)")
         else:
-            print("\nroofline: the model's FP32 FLOPs / p50 / this host's measured FP32 peak (pipeline.roofline, "
-                  "pipeline.runner.peaks); '!' marks a fraction above 100%: the cached peak (numpy matmul, "
-                  "measured once per host) is below what the engine achieved, e.g. measured on a loaded host")
+            print(
+                "\nroofline: the model's FP32 FLOPs / p50 / this host's measured FP32 peak (pipeline.roofline, "
+                "pipeline.runner.peaks); '!' marks a fraction above 100%: the cached peak (numpy matmul, "
+                "measured once per host) is below what the engine achieved, e.g. measured on a loaded host"
+            )
         if args.json:
             args.json.write_text(json.dumps(results, indent=2))
     finally:

@@ -17,7 +17,20 @@ import sys
 import time
 from pathlib import Path
 
-HEAVY = ("onnx", "onnxruntime", "numpy", "torch", "dvc", "pydantic", "jsonschema", "mlflow", "openvino", "iree", "tvm", "tensorrt")
+HEAVY = (
+    "onnx",
+    "onnxruntime",
+    "numpy",
+    "torch",
+    "dvc",
+    "pydantic",
+    "jsonschema",
+    "mlflow",
+    "openvino",
+    "iree",
+    "tvm",
+    "tensorrt",
+)
 
 
 def timed(cmd: list[str], runs: int, env: dict[str, str]) -> tuple[float, float]:
@@ -42,10 +55,17 @@ def main() -> None:
 
     base, _ = timed([sys.executable, "-c", "pass"], args.runs, env)
     helpt, _ = timed([skuforge, "--help"], args.runs, env)
-    probe = subprocess.run([sys.executable, "-c",
-                            "import sys; from pipeline.cli import build_parser; build_parser().format_help();"
-                            f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))"],
-                           capture_output=True, text=True, env=env)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pipeline.cli import build_parser; build_parser().format_help();"
+            f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     heavy = probe.stdout.strip() or "none"
     print(f"python -c pass          median {base * 1000:7.1f} ms")
     print(f"skuforge --help         median {helpt * 1000:7.1f} ms  (target < 300 ms; {helpt / base:.1f}x bare python)")
@@ -58,7 +78,9 @@ def main() -> None:
     from pipeline.repro import targets
 
     dvc_targets, _ = targets(load_registry(root / "params.yaml"), None, None)
-    status = subprocess.run([str(Path(bindir) / "dvc"), "status", *dvc_targets], capture_output=True, text=True, env=env)
+    status = subprocess.run(
+        [str(Path(bindir) / "dvc"), "status", *dvc_targets], capture_output=True, text=True, env=env
+    )
     if "up to date" not in status.stdout:
         print("dvc repro no-op: skipped (the pipeline is not up to date: run `skuforge repro` first)")
         return
@@ -68,9 +90,13 @@ def main() -> None:
     sk, _ = timed([skuforge, "repro"], args.runs, env)
     print(f"dvc status (whole project)          median {st:6.2f} s")
     print(f"dvc repro (no-op, 1 target)         median {one:6.2f} s")
-    print(f"dvc repro (no-op, {len(dvc_targets)} targets)       median {dvc:6.2f} s  (DVC re-reads dvc.lock per target)")
-    print(f"skuforge repro (no-op, same pairs)  median {sk:6.2f} s  (target < 3 s; {dvc / sk:.1f}x faster than "
-          f"dvc repro of the targets: one dvc status, run while the host is checked)")
+    print(
+        f"dvc repro (no-op, {len(dvc_targets)} targets)       median {dvc:6.2f} s  (DVC re-reads dvc.lock per target)"
+    )
+    print(
+        f"skuforge repro (no-op, same pairs)  median {sk:6.2f} s  (target < 3 s; {dvc / sk:.1f}x faster than "
+        f"dvc repro of the targets: one dvc status, run while the host is checked)"
+    )
 
 
 if __name__ == "__main__":

@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.backends import get_backend  # noqa: E402
 from pipeline.config import load_registry  # noqa: E402
 from pipeline.data import LABELS, iter_batches  # noqa: E402
+from pipeline.results import PrepareReport  # noqa: E402
 from pipeline.stages.build import build_engine  # noqa: E402
 from pipeline.stages.common import batch_indices, layout, load_arrays, read_report  # noqa: E402
-from pipeline.results import PrepareReport  # noqa: E402
 
 
 def feeds_of(registry, model: str, sku: str) -> dict:
@@ -110,15 +110,26 @@ def main() -> int:
     for model in args.model or sorted(registry.models):
         checked_in = layout(registry).cache_dir(model, args.sku)
         if not (checked_in / "cache.json").is_file():
-            print(f"{model}: no database in {checked_in}: run skuforge cache refresh --sku {args.sku} first", file=sys.stderr)
+            print(
+                f"{model}: no database in {checked_in}: run skuforge cache refresh --sku {args.sku} first",
+                file=sys.stderr,
+            )
             continue
         with tempfile.TemporaryDirectory(prefix="skuforge-bench-tvm-") as tmp:
             work = Path(tmp)
             shutil.copytree(checked_in, work / "cache-replay")
-            replay_s, replay = timed_build(registry, model, args.sku, work / "replay", work / "cache-replay",
-                                           cache_required=True)
-            scratch_s, _ = timed_build(registry, model, args.sku, work / "scratch", work / "cache-scratch",
-                                       cache_refresh=True, tuning_trials=trials)
+            replay_s, replay = timed_build(
+                registry, model, args.sku, work / "replay", work / "cache-replay", cache_required=True
+            )
+            scratch_s, _ = timed_build(
+                registry,
+                model,
+                args.sku,
+                work / "scratch",
+                work / "cache-scratch",
+                cache_refresh=True,
+                tuning_trials=trials,
+            )
             scratch_records = json.loads((work / "cache-scratch" / "cache.json").read_text()).get("trials")
             untuned = with_trials(registry, args.sku, 0)
             default_s, _ = timed_build(untuned, model, args.sku, work / "default", work / "cache-default")
@@ -127,29 +138,44 @@ def main() -> int:
             default_runner = backend.load(work / "default", untuned.sku(args.sku))
             session = ort_session(registry, model)
             names = [i.name for i in session.get_inputs()]
-            runners = {"tvm tuned": lambda: tuned_runner.infer(feeds),
-                       "tvm default": lambda: default_runner.infer(feeds),
-                       "onnxruntime": lambda: session.run(None, {n: feeds[n] for n in names})}
+            runners = {
+                "tvm tuned": lambda: tuned_runner.infer(feeds),
+                "tvm default": lambda: default_runner.infer(feeds),
+                "onnxruntime": lambda: session.run(None, {n: feeds[n] for n in names}),
+            }
             p50 = latency(runners, feeds, args.rounds, args.seconds)
             tuned_runner.close()
             default_runner.close()
-        row = {"model": model, "sku": args.sku, "trials": trials,
-               "tasks": replay.outcome.meta.cache["hits"] + replay.outcome.meta.cache["misses"],
-               "tuned_functions": replay.outcome.meta.tuned, "functions": replay.outcome.meta.functions,
-               "build_replay_s": round(replay_s, 2), "build_scratch_s": round(scratch_s, 2),
-               "build_default_s": round(default_s, 2), "scratch_over_replay": round(scratch_s / replay_s, 1),
-               "scratch_records": scratch_records,
-               "p50_ms": {k: round(v, 4) for k, v in p50.items()},
-               "default_over_tuned": round(p50["tvm default"] / p50["tvm tuned"], 2),
-               "ort_over_tuned": round(p50["onnxruntime"] / p50["tvm tuned"], 2)}
+        row = {
+            "model": model,
+            "sku": args.sku,
+            "trials": trials,
+            "tasks": replay.outcome.meta.cache["hits"] + replay.outcome.meta.cache["misses"],
+            "tuned_functions": replay.outcome.meta.tuned,
+            "functions": replay.outcome.meta.functions,
+            "build_replay_s": round(replay_s, 2),
+            "build_scratch_s": round(scratch_s, 2),
+            "build_default_s": round(default_s, 2),
+            "scratch_over_replay": round(scratch_s / replay_s, 1),
+            "scratch_records": scratch_records,
+            "p50_ms": {k: round(v, 4) for k, v in p50.items()},
+            "default_over_tuned": round(p50["tvm default"] / p50["tvm tuned"], 2),
+            "ort_over_tuned": round(p50["onnxruntime"] / p50["tvm tuned"], 2),
+        }
         results.append(row)
-        print(f"{model} ({args.sku}, {row['tasks']} tasks, {row['tuned_functions']}/{row['functions']} functions "
-              f"from the database):")
-        print(f"  build: replay {replay_s:.1f} s | from scratch ({trials} trials) {scratch_s:.1f} s | "
-              f"ratio {row['scratch_over_replay']}x | untuned {default_s:.1f} s")
-        print(f"  p50:   tuned {p50['tvm tuned']:.4f} ms | untuned {p50['tvm default']:.4f} ms "
-              f"({row['default_over_tuned']}x the tuned) | onnxruntime {p50['onnxruntime']:.4f} ms "
-              f"({row['ort_over_tuned']}x the tuned)")
+        print(
+            f"{model} ({args.sku}, {row['tasks']} tasks, {row['tuned_functions']}/{row['functions']} functions "
+            f"from the database):"
+        )
+        print(
+            f"  build: replay {replay_s:.1f} s | from scratch ({trials} trials) {scratch_s:.1f} s | "
+            f"ratio {row['scratch_over_replay']}x | untuned {default_s:.1f} s"
+        )
+        print(
+            f"  p50:   tuned {p50['tvm tuned']:.4f} ms | untuned {p50['tvm default']:.4f} ms "
+            f"({row['default_over_tuned']}x the tuned) | onnxruntime {p50['onnxruntime']:.4f} ms "
+            f"({row['ort_over_tuned']}x the tuned)"
+        )
     if args.json:
         print(json.dumps(results, indent=2))
     return 0 if results else 1

@@ -10,9 +10,9 @@ correlation and gives honest (wider) intervals. Seeded: the same samples give th
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
-from .results import Drift, LatencyStats
+from pipeline.results import Drift, LatencyStats
 
 RESAMPLES = 400
 QUANTILES = (0.50, 0.95, 0.99)
@@ -23,8 +23,9 @@ def _block_length(n: int) -> int:
     return max(1, round(n ** (1 / 3)))
 
 
-def block_bootstrap(samples: Sequence[float], confidence: float, resamples: int = RESAMPLES,
-                    seed: int = 0) -> dict[str, tuple[float, float]]:
+def block_bootstrap(
+    samples: Sequence[float], confidence: float, resamples: int = RESAMPLES, seed: int = 0
+) -> dict[str, tuple[float, float]]:
     """Intervals of p50, p95, p99 and the mean: {"p50": (low, high), ..., "mean": (...)}."""
     import numpy as np
 
@@ -43,8 +44,8 @@ def block_bootstrap(samples: Sequence[float], confidence: float, resamples: int 
         starts = rng.integers(0, n - length + 1, (k, blocks))
         idx = (starts[:, :, None] + offsets).reshape(k, -1)[:, :n]
         drawn = a[idx]
-        stats[start:start + k, :len(QUANTILES)] = np.quantile(drawn, QUANTILES, axis=1).T
-        stats[start:start + k, -1] = drawn.mean(axis=1)
+        stats[start : start + k, : len(QUANTILES)] = np.quantile(drawn, QUANTILES, axis=1).T
+        stats[start : start + k, -1] = drawn.mean(axis=1)
     tail = (1.0 - confidence) / 2.0
     low, high = np.quantile(stats, [tail, 1.0 - tail], axis=0)
     names = [f"p{round(q * 100)}" for q in QUANTILES] + ["mean"]
@@ -57,10 +58,20 @@ def latency_stats(samples_ms: Sequence[float], confidence: float = 0.95) -> Late
     a = np.asarray(samples_ms, dtype=np.float64)
     p50, p95, p99 = np.percentile(a, [50, 95, 99])
     ci = block_bootstrap(a, confidence)
-    return LatencyStats(iterations=len(a), mean_ms=float(a.mean()), std_ms=float(a.std()), min_ms=float(a.min()),
-                        p50_ms=float(p50), p95_ms=float(p95), p99_ms=float(p99), max_ms=float(a.max()),
-                        p50_ci_ms=ci.get("p50"), p95_ci_ms=ci.get("p95"), p99_ci_ms=ci.get("p99"),
-                        mean_ci_ms=ci.get("mean"))
+    return LatencyStats(
+        iterations=len(a),
+        mean_ms=float(a.mean()),
+        std_ms=float(a.std()),
+        min_ms=float(a.min()),
+        p50_ms=float(p50),
+        p95_ms=float(p95),
+        p99_ms=float(p99),
+        max_ms=float(a.max()),
+        p50_ci_ms=ci.get("p50"),
+        p95_ci_ms=ci.get("p95"),
+        p99_ci_ms=ci.get("p99"),
+        mean_ci_ms=ci.get("mean"),
+    )
 
 
 def settled(medians: Sequence[float], tolerance: float) -> bool:
@@ -80,11 +91,18 @@ def drift(samples_ms: Sequence[float], window: int, threshold: float) -> Drift |
     first = float(np.median(samples_ms[:window]))
     last = float(np.median(samples_ms[-window:]))
     ratio = last / first if first > 0 else float("inf")
-    return Drift(first_p50_ms=first, last_p50_ms=last, ratio=ratio, threshold=threshold,
-                 flagged=abs(ratio - 1.0) > threshold, window=window)
+    return Drift(
+        first_p50_ms=first,
+        last_p50_ms=last,
+        ratio=ratio,
+        threshold=threshold,
+        flagged=abs(ratio - 1.0) > threshold,
+        window=window,
+    )
 
 
 # --- figures the manifest can hold without churning ------------------------------------------------
+
 
 def round_to_ci(value: float, ci: tuple[float, float] | None, digits: int = 4) -> float:
     """``value`` rounded to the decade of its interval's half-width (what the run can tell apart);
@@ -109,8 +127,9 @@ def round_ci(ci: tuple[float, float] | None) -> tuple[float, float] | None:
     return (round(math.floor(ci[0] / step) * step, 12), round(math.ceil(ci[1] / step) * step, 12))
 
 
-def same_figure(old: float, old_ci: tuple[float, float] | None, new: float, new_ci: tuple[float, float] | None,
-                rel: float = 0.05) -> bool:
+def same_figure(
+    old: float, old_ci: tuple[float, float] | None, new: float, new_ci: tuple[float, float] | None, rel: float = 0.05
+) -> bool:
     """Is ``new`` the same measurement as ``old``? Their intervals overlap; without intervals, the two
     values lie within ``rel`` of each other."""
     if old_ci is not None and new_ci is not None:

@@ -32,13 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from .errors import GateFailed
-from .io import atomic_write_bytes, atomic_write_json, read_json, sha256_bytes, sha256_file, sha256_json
-from .paths import path_problem
+from pipeline.errors import GateFailed
+from pipeline.io import atomic_write_bytes, atomic_write_json, read_json, sha256_bytes, sha256_file, sha256_json
+from pipeline.paths import path_problem
 
 if TYPE_CHECKING:
-    from .backends.base import Backend, BuildContext
-    from .config import Registry
+    from pipeline.backends.base import Backend, BuildContext
+    from pipeline.config import Registry
 
 INDEX = "cache.json"
 REQUIRE_ENV = "SKUFORGE_REQUIRE_CACHE"  # "1" or "true": every build fails on a cache miss (CI's release flag)
@@ -100,7 +100,9 @@ def _escape_problem(rel: Any) -> str | None:
     problem = path_problem(rel)
     if problem is None:
         return None
-    why = {"is absolute": "an absolute path", "leaves the project root ('..')": "'..' leads out of it"}.get(problem, problem)
+    why = {"is absolute": "an absolute path", "leaves the project root ('..')": "'..' leads out of it"}.get(
+        problem, problem
+    )
     return f"{INDEX} lists {rel!r}, which escapes the cache folder ({why})"
 
 
@@ -137,26 +139,51 @@ class CacheStatus:
         return files_digest(self.files)
 
     def to_json(self) -> dict[str, Any]:
-        return {"sku": self.sku, "model": self.model, "backend": self.backend, "kind": self.kind,
-                "folder": str(self.folder), "state": self.state, "reason": self.reason, "key": self.key,
-                "want": self.want, "files": self.files, "bytes": self.bytes, "sha256": self.sha256,
-                "tuned_at": self.tuned_at, "trials": self.trials, "last_build": self.last_build}
+        return {
+            "sku": self.sku,
+            "model": self.model,
+            "backend": self.backend,
+            "kind": self.kind,
+            "folder": str(self.folder),
+            "state": self.state,
+            "reason": self.reason,
+            "key": self.key,
+            "want": self.want,
+            "files": self.files,
+            "bytes": self.bytes,
+            "sha256": self.sha256,
+            "tuned_at": self.tuned_at,
+            "trials": self.trials,
+            "last_build": self.last_build,
+        }
 
 
-def inspect(backend: "Backend", sku: str, model: str, folder: Path, want: dict[str, str] | None) -> CacheStatus:
+def inspect(backend: Backend, sku: str, model: str, folder: Path, want: dict[str, str] | None) -> CacheStatus:
     """The state of one cache folder against ``want`` (the backend's key; None: not checkable here)."""
     kind = backend.capabilities.cache
-    status = CacheStatus(sku=sku, model=model, backend=backend.name, kind=kind, folder=folder, state="missing",
-                         reason="", want=want or {})
+    status = CacheStatus(
+        sku=sku,
+        model=model,
+        backend=backend.name,
+        kind=kind,
+        folder=folder,
+        state="missing",
+        reason="",
+        want=want or {},
+    )
     if kind is None:
         status.state, status.reason = "none", f"the {backend.name} backend keeps no cache"
         return status
-    fix = (f"not trusted; delete it, or rebuild the cache (skuforge cache refresh --sku {sku} --model {model} "
-           f"removes what {INDEX} does not list)")
+    fix = (
+        f"not trusted; delete it, or rebuild the cache (skuforge cache refresh --sku {sku} --model {model} "
+        f"removes what {INDEX} does not list)"
+    )
     if folder.is_symlink():
         status.state = "corrupt"
-        status.reason = (f"the cache folder is a symlink (to {os.readlink(folder)}): not trusted; delete the link, or "
-                         f"rebuild the cache (skuforge cache refresh --sku {sku} --model {model} makes it a folder)")
+        status.reason = (
+            f"the cache folder is a symlink (to {os.readlink(folder)}): not trusted; delete the link, or "
+            f"rebuild the cache (skuforge cache refresh --sku {sku} --model {model} makes it a folder)"
+        )
         return status
     present, links = _entries(folder) if folder.is_dir() else ([], [])
     if links:  # checked before the index is read: cache.json itself may be the link
@@ -169,16 +196,21 @@ def inspect(backend: "Backend", sku: str, model: str, folder: Path, want: dict[s
         return status
     if index is None or not index.get("files"):
         status.state = "missing" if not present else "corrupt"
-        status.reason = ("no cache yet" if not present else
-                         f"{', '.join(present)} present but not in {INDEX} (not written by skuforge): {fix}")
+        status.reason = (
+            "no cache yet"
+            if not present
+            else f"{', '.join(present)} present but not in {INDEX} (not written by skuforge): {fix}"
+        )
         return status
     status.key = {str(k): str(v) for k, v in (index.get("key") or {}).items()}
     status.files = [f for f in index["files"] if isinstance(f, dict)]
     escapes = [p for p in (_escape_problem(f.get("path")) for f in status.files) if p]
     if escapes:
         status.state = "corrupt"
-        status.reason = (f"{'; '.join(escapes)}: not trusted, nothing outside the folder is read; rebuild the cache "
-                         f"(skuforge cache refresh --sku {sku} --model {model}) to rewrite the index")
+        status.reason = (
+            f"{'; '.join(escapes)}: not trusted, nothing outside the folder is read; rebuild the cache "
+            f"(skuforge cache refresh --sku {sku} --model {model}) to rewrite the index"
+        )
         return status
     listed = {posixpath.normpath(str(f.get("path"))) for f in status.files}
     unlisted = [p for p in present if p not in listed]
@@ -188,7 +220,10 @@ def inspect(backend: "Backend", sku: str, model: str, folder: Path, want: dict[s
         return status
     status.tuned_at, status.trials = index.get("tuned_at"), index.get("trials")
     if index.get("backend") != backend.name:
-        status.state, status.reason = "stale", f"made by the {index.get('backend')} backend, the SKU uses {backend.name}"
+        status.state, status.reason = (
+            "stale",
+            f"made by the {index.get('backend')} backend, the SKU uses {backend.name}",
+        )
         return status
     for rec in status.files:
         path = folder / str(rec.get("path", ""))
@@ -196,7 +231,10 @@ def inspect(backend: "Backend", sku: str, model: str, folder: Path, want: dict[s
             status.state, status.reason = "corrupt", f"{rec.get('path')} is listed in {INDEX} but missing"
             return status
         if path.stat().st_size != rec.get("bytes") or sha256_file(path) != rec.get("sha256"):
-            status.state, status.reason = "corrupt", f"{rec['path']} differs from its sha256 in {INDEX} (edited or truncated)"
+            status.state, status.reason = (
+                "corrupt",
+                f"{rec['path']} differs from its sha256 in {INDEX} (edited or truncated)",
+            )
             return status
     if want is None:
         status.state, status.reason = "unchecked", f"{backend.name} is not installed here: the key cannot be computed"
@@ -217,7 +255,7 @@ def inspect(backend: "Backend", sku: str, model: str, folder: Path, want: dict[s
 class CacheSession:
     """One build's use of its cache: what it may read, what it hit and missed, what it writes."""
 
-    def __init__(self, backend: "Backend", ctx: "BuildContext", required: bool):
+    def __init__(self, backend: Backend, ctx: BuildContext, required: bool):
         self.backend, self.folder, self.required = backend, ctx.cache_dir, required
         self.where = f"caches/{ctx.sku}/{ctx.model}"
         self.refresh_hint = f"skuforge cache refresh --sku {ctx.sku} --model {ctx.model}, then commit {self.where}"
@@ -230,8 +268,10 @@ class CacheSession:
         self._staged: dict[str, bytes] = {}
         self._tuned: dict[str, Any] | None = None
         if self.status.state != "fresh" and (self.status.state != "missing" or required):
-            self.warnings.append(f"{backend.capabilities.cache} {self.where} is {self.status.state} "
-                                 f"({self.status.reason}): not used; this build rebuilds it")
+            self.warnings.append(
+                f"{backend.capabilities.cache} {self.where} is {self.status.state} "
+                f"({self.status.reason}): not used; this build rebuilds it"
+            )
         if self.status.state != "fresh":
             self.miss(f"the {backend.capabilities.cache} ({self.status.state}: {self.status.reason})")
 
@@ -253,15 +293,18 @@ class CacheSession:
         self.misses += 1
         self.missed.append(what)
         if self.required:
-            raise GateFailed(f"cache miss in {self.where}: {what}; the build requires its cache "
-                             f"(skus.<sku>.cache.require or {REQUIRE_ENV}=1) so it replays the checked-in decisions",
-                             hint=f"refresh the cache on the SKU's runner: {self.refresh_hint}")
+            raise GateFailed(
+                f"cache miss in {self.where}: {what}; the build requires its cache "
+                f"(skus.<sku>.cache.require or {REQUIRE_ENV}=1) so it replays the checked-in decisions",
+                hint=f"refresh the cache on the SKU's runner: {self.refresh_hint}",
+            )
 
     def reject(self, reason: str) -> None:
         """The backend could not use a cache the index vouched for (another GPU's timing cache)."""
         self.status.state, self.status.reason = "corrupt", reason
-        self.warnings.append(f"{self.backend.capabilities.cache} {self.where} was not usable ({reason}): "
-                             "this build rebuilds it")
+        self.warnings.append(
+            f"{self.backend.capabilities.cache} {self.where} was not usable ({reason}): this build rebuilds it"
+        )
         self.miss(f"the {self.backend.capabilities.cache} ({reason})")
 
     def write(self, name: str, data: bytes, trials: int | None = None) -> None:
@@ -286,24 +329,46 @@ class CacheSession:
         self._unlink_folder = self.folder.is_symlink()
         files, links = _entries(self.folder) if self.folder.is_dir() and not self._unlink_folder else ([], [])
         self._drop = [p for p in files + links if p not in contents and p != INDEX]
-        self._files = {name: data for name, data in contents.items()
-                       if not (_plain(self.folder, name) and (self.folder / name).read_bytes() == data)}
-        records = [{"path": name, "sha256": sha256_bytes(contents[name]), "bytes": len(contents[name])}
-                   for name in self.backend.cache_files if name in contents]
-        doc = {"backend": self.backend.name, "kind": self.backend.capabilities.cache, "key": self.key, "files": records,
-               "tuned_at": (index or {}).get("tuned_at"), "trials": (index or {}).get("trials")}
+        self._files = {
+            name: data
+            for name, data in contents.items()
+            if not (_plain(self.folder, name) and (self.folder / name).read_bytes() == data)
+        }
+        records = [
+            {"path": name, "sha256": sha256_bytes(contents[name]), "bytes": len(contents[name])}
+            for name in self.backend.cache_files
+            if name in contents
+        ]
+        doc = {
+            "backend": self.backend.name,
+            "kind": self.backend.capabilities.cache,
+            "key": self.key,
+            "files": records,
+            "tuned_at": (index or {}).get("tuned_at"),
+            "trials": (index or {}).get("trials"),
+        }
         if self._tuned is not None and (self._files or not self.trusted):  # this build's search made the cache
-            doc["tuned_at"] = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+            doc["tuned_at"] = (
+                _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+            )
             before = (doc["trials"] or 0) if self.trusted else 0  # trials that made the records kept
             doc["trials"] = before + self._tuned["trials"]
         self._index = doc if doc != index else None
         total = self.hits + self.misses
-        return {"kind": self.backend.capabilities.cache, "state": self.status.state, "reason": self.status.reason,
-                "key": self.key, "sha256": files_digest(records), "files": records, "hits": self.hits,
-                "misses": self.misses, "missed": self.missed[:20],
-                "hit_rate": round(self.hits / total, 4) if total else None,
-                "updated": bool(self._files or self._drop or self._unlink_folder or self._index is not None),
-                "required": self.required}
+        return {
+            "kind": self.backend.capabilities.cache,
+            "state": self.status.state,
+            "reason": self.status.reason,
+            "key": self.key,
+            "sha256": files_digest(records),
+            "files": records,
+            "hits": self.hits,
+            "misses": self.misses,
+            "missed": self.missed[:20],
+            "hit_rate": round(self.hits / total, 4) if total else None,
+            "updated": bool(self._files or self._drop or self._unlink_folder or self._index is not None),
+            "required": self.required,
+        }
 
     def commit(self) -> None:
         """Write what ``close`` decided: what no index vouches for removed (a symlinked folder: the
@@ -318,12 +383,12 @@ class CacheSession:
             atomic_write_json(self.folder / INDEX, self._index)
 
 
-def open_session(backend: "Backend", ctx: "BuildContext") -> CacheSession:
+def open_session(backend: Backend, ctx: BuildContext) -> CacheSession:
     required = (ctx.sku_spec.cache.require or required_by_env()) if ctx.cache_required is None else ctx.cache_required
     return CacheSession(backend, ctx, required=required and not ctx.cache_refresh)
 
 
-def write_plain_index(folder: Path, backend: "Backend") -> None:
+def write_plain_index(folder: Path, backend: Backend) -> None:
     """The index of a backend without a cache: the folder exists (DVC declares it as an output)."""
     doc = {"backend": backend.name, "files": []}
     index, _ = _read_index(folder)
@@ -334,11 +399,11 @@ def write_plain_index(folder: Path, backend: "Backend") -> None:
 # --- the commands ------------------------------------------------------------------------------------
 
 
-def status(registry: "Registry", skus: list[str] | None = None, models: list[str] | None = None) -> list[CacheStatus]:
+def status(registry: Registry, skus: list[str] | None = None, models: list[str] | None = None) -> list[CacheStatus]:
     """``skuforge cache status``: each (SKU, model) of a backend that keeps a cache."""
-    from .backends import backend_class
-    from .results import BuildReport
-    from .stages.common import layout
+    from pipeline.backends import backend_class
+    from pipeline.results import BuildReport
+    from pipeline.stages.common import layout
 
     out = layout(registry)
     rows = []
@@ -364,20 +429,23 @@ def status(registry: "Registry", skus: list[str] | None = None, models: list[str
     return rows
 
 
-def refresh(registry: "Registry", sku: str, models: list[str] | None = None, trials: int | None = None,
-            progress: Any = None) -> list[dict[str, Any]]:
+def refresh(
+    registry: Registry, sku: str, models: list[str] | None = None, trials: int | None = None, progress: Any = None
+) -> list[dict[str, Any]]:
     """``skuforge cache refresh``: build again ignoring the SKU's caches, so the backend rebuilds
     them (TVM tunes from scratch with ``trials`` or the SKU's budget; TensorRT times every
     tactic). A cache is replaced only when its build succeeds. Returns each build's cache record."""
-    from .backends import backend_class
-    from .errors import ConfigError
-    from .stages.build import build
+    from pipeline.backends import backend_class
+    from pipeline.errors import ConfigError
+    from pipeline.stages.build import build
 
     spec = registry.sku(sku)
     backend = backend_class(spec.backend)
     if backend.capabilities.cache is None:
-        raise ConfigError(f"SKU {sku} uses the {backend.name} backend, which keeps no cache: nothing to refresh",
-                          hint="skuforge backends lists the backends with a cache")
+        raise ConfigError(
+            f"SKU {sku} uses the {backend.name} backend, which keeps no cache: nothing to refresh",
+            hint="skuforge backends lists the backends with a cache",
+        )
     records = []
     for model in models or sorted(registry.models):
         report = build(registry, model, sku, progress=progress, cache_refresh=True, tuning_trials=trials)

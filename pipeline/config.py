@@ -15,10 +15,10 @@ from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from . import gatestats
-from .errors import ConfigError, InputError
-from .io import MERGE_CONFLICT_FIX, merge_conflict
-from .limits import (
+from pipeline import gatestats
+from pipeline.errors import ConfigError, InputError
+from pipeline.io import MERGE_CONFLICT_FIX, merge_conflict
+from pipeline.limits import (
     DTYPE_BYTES,
     MAX_DATASET_BYTES,
     MAX_TENSOR_BYTES,
@@ -27,9 +27,9 @@ from .limits import (
     largest_within,
     tensor_limit,
 )
-from .paths import PATH_RULE, Layout, inside, path_problem
-from .results import OutputKind, ReproducibilityLevel
-from .versions import specifier_problem
+from pipeline.paths import PATH_RULE, Layout, inside, path_problem
+from pipeline.results import OutputKind, ReproducibilityLevel
+from pipeline.versions import specifier_problem
 
 Precision = Literal["fp32", "fp16", "int8"]
 DType = Literal["float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"]
@@ -54,12 +54,23 @@ class Tolerance(Strict):
     atol: float = Field(ge=0)
     rtol: float = Field(ge=0)
     max_mismatch: float = Field(0.0, ge=0, le=1, description="fraction of elements allowed beyond")
-    min_top1_agreement: float = Field(0.0, ge=0, le=1, description="least fraction of samples whose top-1 class "
-                                                                   "agrees with the reference (probabilities, logits)")
-    min_snr_db: float = Field(0.0, description="least signal-to-noise ratio of the output: the reference's variation "
-                                               "about its mean over the engine's error, in dB")
-    confidence: float = Field(0.95, gt=0.5, lt=1, description="one-sided level of the exact tests that judge "
-                                                              "max_mismatch and min_top1_agreement")
+    min_top1_agreement: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="least fraction of samples whose top-1 class agrees with the reference (probabilities, logits)",
+    )
+    min_snr_db: float = Field(
+        0.0,
+        description="least signal-to-noise ratio of the output: the reference's variation "
+        "about its mean over the engine's error, in dB",
+    )
+    confidence: float = Field(
+        0.95,
+        gt=0.5,
+        lt=1,
+        description="one-sided level of the exact tests that judge max_mismatch and min_top1_agreement",
+    )
 
 
 class ToleranceOverride(Strict):
@@ -88,8 +99,12 @@ class MetricGate(Strict):
 
     max_drop: float = Field(0.01, ge=0, le=1)
     max_drop_hard_tail: float = Field(0.03, ge=0, le=1)
-    confidence: float = Field(0.95, gt=0.5, lt=1, description="level of the one-sided exact McNemar test: a drop "
-                                                              "beyond max_drop fails only when significant")
+    confidence: float = Field(
+        0.95,
+        gt=0.5,
+        lt=1,
+        description="level of the one-sided exact McNemar test: a drop beyond max_drop fails only when significant",
+    )
 
 
 class MetricGateOverride(Strict):
@@ -101,9 +116,12 @@ class MetricGateOverride(Strict):
 class BenchSweep(Strict):
     """A throughput-against-latency curve: each (batch, concurrency) point timed after the main run."""
 
-    batch: list[int] = Field(default_factory=list, description="batch sizes (within the SKU's batch profile); "
-                                                                "empty: the SKU's batch only")
-    concurrency: list[int] = Field(default_factory=list, description="caller threads; empty: the SKU's concurrency only")
+    batch: list[int] = Field(
+        default_factory=list, description="batch sizes (within the SKU's batch profile); empty: the SKU's batch only"
+    )
+    concurrency: list[int] = Field(
+        default_factory=list, description="caller threads; empty: the SKU's concurrency only"
+    )
     seconds: float = Field(2.0, gt=0, description="time per point")
 
     @field_validator("batch", "concurrency")
@@ -116,28 +134,50 @@ class BenchSweep(Strict):
 
 class BenchSpec(Strict):
     warmup: int = Field(20, ge=0, description="fewest warm-up calls before steady state may be declared; 0: no warm-up")
-    max_warmup_seconds: float = Field(10.0, gt=0, description="warm-up ends here even if the latency never settled "
-                                                              "(reported: steady_state.reached false)")
+    max_warmup_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="warm-up ends here even if the latency never settled (reported: steady_state.reached false)",
+    )
     steady_window: int = Field(50, ge=5, description="calls per window of the steady-state detector")
-    steady_tolerance: float = Field(0.05, gt=0, lt=1, description="steady once the medians of the last three windows "
-                                                                  "lie within this fraction of each other")
+    steady_tolerance: float = Field(
+        0.05,
+        gt=0,
+        lt=1,
+        description="steady once the medians of the last three windows lie within this fraction of each other",
+    )
     iterations: int = Field(200, ge=1, description="fewest timed steady-state calls")
     min_seconds: float = Field(0.0, ge=0, description="keep iterating until this much steady time")
-    max_seconds: float = Field(60.0, gt=0, description="each timed phase stops here even short of iterations "
-                                                       "(a slow engine on a software device)")
+    max_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="each timed phase stops here even short of iterations (a slow engine on a software device)",
+    )
     concurrency: int = Field(1, ge=1)
     confidence: float = Field(0.95, gt=0.5, lt=1, description="level of the percentile confidence intervals")
-    drift_threshold: float = Field(0.05, gt=0, description="flag when the last window's median differs from the first "
-                                                           "steady window's by more than this fraction")
-    noise_floor: float = Field(0.05, ge=0, lt=1, description="the manifest's intervals are at least this fraction of "
-                                                             "each figure either side: reruns on one runner vary more "
-                                                             "than one run's interval says")
-    roofline: bool = Field(True, description="count the graph's FLOPs and bytes and profile the layers after timing "
-                                             "(roofline.json; peaks measured once per host)")
+    drift_threshold: float = Field(
+        0.05,
+        gt=0,
+        description="flag when the last window's median differs from the first "
+        "steady window's by more than this fraction",
+    )
+    noise_floor: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="the manifest's intervals are at least this fraction of "
+        "each figure either side: reruns on one runner vary more "
+        "than one run's interval says",
+    )
+    roofline: bool = Field(
+        True,
+        description="count the graph's FLOPs and bytes and profile the layers after timing "
+        "(roofline.json; peaks measured once per host)",
+    )
     sweep: BenchSweep | None = None
 
     @model_validator(mode="after")
-    def _bounds(self) -> "BenchSpec":
+    def _bounds(self) -> BenchSpec:
         if self.min_seconds > self.max_seconds:
             raise ValueError(f"min_seconds ({self.min_seconds}) is above max_seconds ({self.max_seconds})")
         return self
@@ -163,25 +203,33 @@ def _default_tolerances() -> dict[str, dict[str, Tolerance]]:
     """Built-in tolerances per precision and output kind; docs/correctness.md gives the reasoning."""
     t = Tolerance
     return {
-        "fp32": {"probabilities": t(atol=1e-4, rtol=1e-3, min_top1_agreement=0.99, min_snr_db=30),
-                 "logits": t(atol=1e-4, rtol=1e-3, min_top1_agreement=0.99, min_snr_db=30),
-                 "regression": t(atol=1e-4, rtol=1e-3, min_snr_db=40),
-                 "state": t(atol=1e-4, rtol=1e-3, min_snr_db=40)},
-        "fp16": {"probabilities": t(atol=1e-2, rtol=1e-2, max_mismatch=1e-3, min_top1_agreement=0.99, min_snr_db=12),
-                 "logits": t(atol=5e-2, rtol=1e-2, max_mismatch=1e-3, min_top1_agreement=0.99, min_snr_db=12),
-                 "regression": t(atol=1e-2, rtol=1e-2, min_snr_db=25),
-                 "state": t(atol=1e-2, rtol=1e-2, min_snr_db=25)},
-        "int8": {"probabilities": t(atol=0.05, rtol=0.1, max_mismatch=0.05, min_top1_agreement=0.97, min_snr_db=6),
-                 "logits": t(atol=0.1, rtol=0.1, max_mismatch=0.05, min_top1_agreement=0.97, min_snr_db=6),
-                 "regression": t(atol=0.1, rtol=0.1, max_mismatch=0.05, min_snr_db=10),
-                 "state": t(atol=0.1, rtol=0.1, max_mismatch=0.01, min_snr_db=10)},
+        "fp32": {
+            "probabilities": t(atol=1e-4, rtol=1e-3, min_top1_agreement=0.99, min_snr_db=30),
+            "logits": t(atol=1e-4, rtol=1e-3, min_top1_agreement=0.99, min_snr_db=30),
+            "regression": t(atol=1e-4, rtol=1e-3, min_snr_db=40),
+            "state": t(atol=1e-4, rtol=1e-3, min_snr_db=40),
+        },
+        "fp16": {
+            "probabilities": t(atol=1e-2, rtol=1e-2, max_mismatch=1e-3, min_top1_agreement=0.99, min_snr_db=12),
+            "logits": t(atol=5e-2, rtol=1e-2, max_mismatch=1e-3, min_top1_agreement=0.99, min_snr_db=12),
+            "regression": t(atol=1e-2, rtol=1e-2, min_snr_db=25),
+            "state": t(atol=1e-2, rtol=1e-2, min_snr_db=25),
+        },
+        "int8": {
+            "probabilities": t(atol=0.05, rtol=0.1, max_mismatch=0.05, min_top1_agreement=0.97, min_snr_db=6),
+            "logits": t(atol=0.1, rtol=0.1, max_mismatch=0.05, min_top1_agreement=0.97, min_snr_db=6),
+            "regression": t(atol=0.1, rtol=0.1, max_mismatch=0.05, min_snr_db=10),
+            "state": t(atol=0.1, rtol=0.1, max_mismatch=0.01, min_snr_db=10),
+        },
     }
 
 
 class Defaults(Strict):
     tolerances: dict[Precision, ToleranceOverride] = Field(
-        default_factory=dict, description="per precision; a key set here wins over the built-in default of every "
-                                          "output kind (docs/correctness.md)")
+        default_factory=dict,
+        description="per precision; a key set here wins over the built-in default of every "
+        "output kind (docs/correctness.md)",
+    )
     metric: MetricGate = MetricGate()
     bench: BenchSpec = BenchSpec()
 
@@ -201,8 +249,10 @@ class InputSpec(Strict):
     def _dims(cls, shape: list[int | str]) -> list[int | str]:
         for dim in shape:
             if isinstance(dim, int) and dim < 1:
-                raise ValueError(f"fixed dimensions must be >= 1, got {dim}: write a dynamic dimension as an axis name "
-                                 f"(e.g. batch; every axis but the batch axis needs a value under pins)")
+                raise ValueError(
+                    f"fixed dimensions must be >= 1, got {dim}: write a dynamic dimension as an axis name "
+                    f"(e.g. batch; every axis but the batch axis needs a value under pins)"
+                )
         return shape
 
     @property
@@ -229,8 +279,11 @@ class Affine(Strict):
 class GenerateSpec(Strict):
     count: int = Field(32, ge=1)
     seed: int = 0
-    edge_cases: bool = Field(False, description="replace the last 4 samples by range ends, zeros and values at up to "
-                                                "4x the range (outside it); not for calibration")
+    edge_cases: bool = Field(
+        False,
+        description="replace the last 4 samples by range ends, zeros and values at up to "
+        "4x the range (outside it); not for calibration",
+    )
 
 
 class DatasetSource(Strict):
@@ -268,8 +321,10 @@ class Datasets(Strict):
                 raise ValueError(f"{split}.allow_non_finite: only golden and hard_tail may hold NaN/Inf values")
         # INT8 ranges are taken over the calibration set: values outside the declared range would widen them
         if self.calibration.generate is not None and self.calibration.generate.edge_cases:
-            raise ValueError("calibration.generate.edge_cases: calibration data stays inside each input's range; "
-                             "put edge cases in golden or hard_tail")
+            raise ValueError(
+                "calibration.generate.edge_cases: calibration data stays inside each input's range; "
+                "put edge cases in golden or hard_tail"
+            )
         return self
 
 
@@ -298,12 +353,16 @@ class ModelSpec(Strict):
     calibration: CalibrationSpec = CalibrationSpec()
     tolerances: dict[Precision, ToleranceOverride] = Field(default_factory=dict)
     output_kinds: dict[str, OutputKind] = Field(
-        default_factory=dict, description="output -> probabilities, logits, regression or state; an output not "
-                                          "listed is inferred from its reference values (docs/correctness.md)")
+        default_factory=dict,
+        description="output -> probabilities, logits, regression or state; an output not "
+        "listed is inferred from its reference values (docs/correctness.md)",
+    )
     higher_precision: dict[str, list[str]] = Field(
-        default_factory=dict, description="SKU -> ONNX nodes of the prepared model kept in higher precision than the "
-                                          "SKU's (excluded from INT8 quantization, FP32 in an FP16 engine); "
-                                          "skuforge bisect --fix writes it")
+        default_factory=dict,
+        description="SKU -> ONNX nodes of the prepared model kept in higher precision than the "
+        "SKU's (excluded from INT8 quantization, FP32 in an FP16 engine); "
+        "skuforge bisect --fix writes it",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelSpec:
@@ -356,11 +415,16 @@ class PrecisionGate(Strict):
 class BisectSpec(Strict):
     """Bisection to the first divergent layer when validate fails, and its remedy."""
 
-    on_failure: bool = Field(True, description="bisect when validate fails a correctness gate (result in validate.json)")
+    on_failure: bool = Field(
+        True, description="bisect when validate fails a correctness gate (result in validate.json)"
+    )
     max_builds: int = Field(12, ge=1, le=200, description="engine builds one bisection may take")
     marks_per_build: int = Field(3, ge=1, le=64, description="intermediate tensors marked as outputs per build")
-    fix_during_build: bool = Field(False, description="build: when the engine fails the gate, bisect and keep the "
-                                                     "suspects in higher precision until it passes")
+    fix_during_build: bool = Field(
+        False,
+        description="build: when the engine fails the gate, bisect and keep the "
+        "suspects in higher precision until it passes",
+    )
     max_fix_rounds: int = Field(4, ge=1, le=20, description="rebuild-and-revalidate rounds of the remedy")
 
 
@@ -369,15 +433,19 @@ class ReproducibilitySpec(Strict):
 
     check: bool = Field(False, description="check on every build (skuforge build --check-reproducible checks once)")
     require: ReproducibilityLevel = Field(
-        "none", description="the least verdict a build must reach, else it exits 1 (anything but none implies check)")
+        "none", description="the least verdict a build must reach, else it exits 1 (anything but none implies check)"
+    )
 
 
 class CacheSpec(Strict):
     """The SKU's checked-in compiler cache (TVM tuning database, TensorRT timing cache)."""
 
-    require: bool = Field(False, description="fail the build on any cache miss (a stale, corrupt or missing cache, "
-                                             "a tuning task not in the database): release builds replay the "
-                                             "checked-in decisions; SKUFORGE_REQUIRE_CACHE=1 sets it for every SKU")
+    require: bool = Field(
+        False,
+        description="fail the build on any cache miss (a stale, corrupt or missing cache, "
+        "a tuning task not in the database): release builds replay the "
+        "checked-in decisions; SKUFORGE_REQUIRE_CACHE=1 sets it for every SKU",
+    )
 
 
 class Profile(Strict):
@@ -425,8 +493,10 @@ class SkuSpec(Strict):
     def _toolchain(cls, toolchain: dict[str, str]) -> dict[str, str]:
         for package, spec in toolchain.items():
             if not PACKAGE_PATTERN.match(package):
-                raise ValueError(f"{package!r} is not a package name (PEP 508: letters, digits, '.', '_', '-'; "
-                                 "a letter or digit at both ends)")
+                raise ValueError(
+                    f"{package!r} is not a package name (PEP 508: letters, digits, '.', '_', '-'; "
+                    "a letter or digit at both ends)"
+                )
             problem = specifier_problem(spec)
             if problem:
                 raise ValueError(f"{package}: {problem}")
@@ -450,7 +520,11 @@ NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,63}")
 NAME_RULE = "a lowercase letter, then lowercase letters, digits or '_', at most 64 characters"
 PREFIX_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 PACKAGE_PATTERN = re.compile(r"^([A-Z0-9]|[A-Z0-9][A-Z0-9._-]*[A-Z0-9])$", re.IGNORECASE)
-RESERVED_MODEL_NAMES = ("config", "ci", "report")  # build/config, build/ci and build/report: resolved config, CI locks, the HTML report
+RESERVED_MODEL_NAMES = (
+    "config",
+    "ci",
+    "report",
+)  # build/config, build/ci and build/report: resolved config, CI locks, the HTML report
 
 
 def suggest_name(name: str) -> str:
@@ -491,10 +565,15 @@ class TrackingSpec(Strict):
     retries: int = Field(4, ge=0, description="retries after the first attempt")
     backoff_seconds: float = Field(0.5, ge=0, description="first wait; doubles each retry")
     max_backoff_seconds: float = Field(8.0, ge=0)
-    timeout_seconds: float = Field(5.0, gt=0, description="to connect and to read each HTTP answer "
-                                                          "(MLFLOW_HTTP_REQUEST_TIMEOUT wins)")
-    deadline_seconds: float = Field(10.0, gt=0, description="no retry of an unreachable or silent server starts "
-                                                            "that could not end this long after the call began")
+    timeout_seconds: float = Field(
+        5.0, gt=0, description="to connect and to read each HTTP answer (MLFLOW_HTTP_REQUEST_TIMEOUT wins)"
+    )
+    deadline_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="no retry of an unreachable or silent server starts "
+        "that could not end this long after the call began",
+    )
 
 
 class SigningSpec(Strict):
@@ -506,14 +585,15 @@ class SigningSpec(Strict):
     every alias accepts ``"*"``).
     """
 
-    keys: dict[str, str] = Field(default_factory=dict,
-                                 description="name -> public key 'ed25519:<base64>' (`skuforge keys show` prints it)")
+    keys: dict[str, str] = Field(
+        default_factory=dict, description="name -> public key 'ed25519:<base64>' (`skuforge keys show` prints it)"
+    )
     trust: dict[str, list[str]] = Field(default_factory=dict, description="alias -> key names, or '*' for any signer")
 
     @field_validator("keys")
     @classmethod
     def _keys(cls, keys: dict[str, str]) -> dict[str, str]:
-        from .signing import parse_public_key
+        from pipeline.signing import parse_public_key
 
         for name, text in keys.items():
             if not ALIAS_PATTERN.match(name):
@@ -531,19 +611,27 @@ class SigningSpec(Strict):
                 raise ValueError(f"trust.{alias}: an empty list trusts no key; list key names or '*'")
             for name in names:
                 if name != "*" and name not in self.keys:
-                    raise ValueError(f"trust.{alias}: unknown key {name!r}{_did_you_mean(name, self.keys)}; "
-                                     f"known keys: {', '.join(sorted(self.keys)) or '(none: add release.signing.keys)'}")
+                    raise ValueError(
+                        f"trust.{alias}: unknown key {name!r}{_did_you_mean(name, self.keys)}; "
+                        f"known keys: {', '.join(sorted(self.keys)) or '(none: add release.signing.keys)'}"
+                    )
         return self
 
 
 class Release(Strict):
     """MLflow: experiment and registered-model names, the alias chain, promotion gates."""
 
-    name_prefix: str = Field("", description="prepended to the experiment '<model>' and registered model '<model>.<sku>'")
-    aliases: list[str] = Field(default_factory=lambda: ["candidate", "staging", "production"], min_length=1,
-                               description="the promotion chain, first to last")
-    reason_required: list[str] = Field(default_factory=lambda: ["production"],
-                                       description="aliases whose moves need --reason")
+    name_prefix: str = Field(
+        "", description="prepended to the experiment '<model>' and registered model '<model>.<sku>'"
+    )
+    aliases: list[str] = Field(
+        default_factory=lambda: ["candidate", "staging", "production"],
+        min_length=1,
+        description="the promotion chain, first to last",
+    )
+    reason_required: list[str] = Field(
+        default_factory=lambda: ["production"], description="aliases whose moves need --reason"
+    )
     skus: list[str] | None = Field(None, description="SKUs a release (promote --all-skus) requires; default: every SKU")
     history: int = Field(50, ge=1, description="alias moves kept per alias (rollback reads them)")
     performance: PerformanceGate = PerformanceGate()
@@ -557,8 +645,10 @@ class Release(Strict):
         if bad:
             raise ValueError(f"may not contain {' '.join(bad)} (MLflow names)")
         if prefix and not PREFIX_PATTERN.fullmatch(prefix):
-            raise ValueError(f"{prefix!r}: a prefix is empty or a letter or digit, then letters, digits, "
-                             "'_', '.' or '-', at most 64 characters (e.g. 'team-')")
+            raise ValueError(
+                f"{prefix!r}: a prefix is empty or a letter or digit, then letters, digits, "
+                "'_', '.' or '-', at most 64 characters (e.g. 'team-')"
+            )
         return prefix
 
     @model_validator(mode="after")
@@ -584,7 +674,9 @@ class Wave(Strict):
 
     name: str = Field(description="shown in status and logs, e.g. canary")
     percent: float | None = Field(None, gt=0, le=100, description="cumulative share of each SKU's devices")
-    rings: list[str] | None = Field(None, min_length=1, description="devices whose ring is listed (cumulative with earlier waves)")
+    rings: list[str] | None = Field(
+        None, min_length=1, description="devices whose ring is listed (cumulative with earlier waves)"
+    )
     bake_minutes: float = Field(60, ge=0, description="how long the wave runs before the next may start")
 
     @model_validator(mode="after")
@@ -600,13 +692,20 @@ class HealthGates(Strict):
     """When a wave is healthy enough to go on; any failed gate aborts the rollout and rolls it back."""
 
     min_reports: int = Field(20, ge=1, description="device reports a wave needs before it can pass (fewer: wait)")
-    max_failure_rate: float = Field(0.02, ge=0, le=1, description="failed reports / reports: smoke-test, "
-                                                                   "verification and other errors")
-    max_fallback_rate: float = Field(0.05, ge=0, le=1, description="reports of devices that could not run their SKU's "
-                                                                    "engine (runtime, architecture) and took the portable one")
+    max_failure_rate: float = Field(
+        0.02, ge=0, le=1, description="failed reports / reports: smoke-test, verification and other errors"
+    )
+    max_fallback_rate: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="reports of devices that could not run their SKU's "
+        "engine (runtime, architecture) and took the portable one",
+    )
     max_smoke_failures: int = Field(0, ge=0, description="devices whose smoke test failed on the new engine")
-    max_latency_regression: float = Field(0.10, ge=0, description="median of (new / previous engine latency) - 1 "
-                                                                   "over devices that ran both")
+    max_latency_regression: float = Field(
+        0.10, ge=0, description="median of (new / previous engine latency) - 1 over devices that ran both"
+    )
 
 
 class Expiry(Strict):
@@ -615,19 +714,28 @@ class Expiry(Strict):
     root_days: float = Field(365, gt=0)
     targets_days: float = Field(90, gt=0)
     snapshot_days: float = Field(90, gt=0)
-    timestamp_days: float = Field(1, gt=0, description="`skuforge rollout advance` (scheduled) re-signs it at half life")
+    timestamp_days: float = Field(
+        1, gt=0, description="`skuforge rollout advance` (scheduled) re-signs it at half life"
+    )
 
 
 class RolloutSpec(Strict):
     """Shipping engines to devices: the release store, waves, health gates (docs/rollout.md)."""
 
-    store: str = Field("build/release-store", description="a folder (relative to params.yaml) or s3://bucket/prefix; "
-                                                          "SKUFORGE_STORE overrides it")
+    store: str = Field(
+        "build/release-store",
+        description="a folder (relative to params.yaml) or s3://bucket/prefix; SKUFORGE_STORE overrides it",
+    )
     fallback_sku: str | None = Field(None, description="the portable ONNX Runtime CPU FP32 SKU every release carries")
-    waves: list[Wave] = Field(default_factory=lambda: [Wave(name="canary", percent=1, bake_minutes=60),
-                                                       Wave(name="early", percent=10, bake_minutes=240),
-                                                       Wave(name="half", percent=50, bake_minutes=720),
-                                                       Wave(name="all", percent=100, bake_minutes=0)], min_length=1)
+    waves: list[Wave] = Field(
+        default_factory=lambda: [
+            Wave(name="canary", percent=1, bake_minutes=60),
+            Wave(name="early", percent=10, bake_minutes=240),
+            Wave(name="half", percent=50, bake_minutes=720),
+            Wave(name="all", percent=100, bake_minutes=0),
+        ],
+        min_length=1,
+    )
     gates: HealthGates = HealthGates()
     expiry: Expiry = Expiry()
 
@@ -698,8 +806,10 @@ class Registry(Strict):
         try:
             return BenchSpec.model_validate(merged)
         except ValidationError as exc:
-            raise ConfigError(f"skus.{sku}.bench with defaults.bench: {exc.errors()[0]['msg']}",
-                              hint="make min_seconds at most max_seconds (params.yaml)") from None
+            raise ConfigError(
+                f"skus.{sku}.bench with defaults.bench: {exc.errors()[0]['msg']}",
+                hint="make min_seconds at most max_seconds (params.yaml)",
+            ) from None
 
     def pins(self, model: str, sku: str | None = None) -> dict[str, int]:
         """Axis values for a (model, SKU): model pins, then the SKU's shapes, then profile opt."""
@@ -779,8 +889,12 @@ def validation_problems(exc: ValidationError, model: type[BaseModel], prefix: tu
         elif err["type"] == "literal_error":
             expected = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
             lines.append(f"{key}: {err['msg']} (got {err['input']!r}){_did_you_mean(err['input'], expected)}")
-        elif err["type"] == "missing" and len(loc) == 1 and model.model_fields.get(str(loc[0])) is not None \
-                and model.model_fields[str(loc[0])].description:
+        elif (
+            err["type"] == "missing"
+            and len(loc) == 1
+            and model.model_fields.get(str(loc[0])) is not None
+            and model.model_fields[str(loc[0])].description
+        ):
             lines.append(f"{key}: missing; {model.model_fields[str(loc[0])].description}")
         else:
             lines.append(f"{key}: {err['msg'].removeprefix('Value error, ')}")
@@ -788,8 +902,10 @@ def validation_problems(exc: ValidationError, model: type[BaseModel], prefix: tu
 
 
 def _invalid(source: str, problems: list[str]) -> ConfigError:
-    return ConfigError(f"{source}: invalid registry\n" + "\n".join(f"  - {p}" for p in problems),
-                       hint="fix the keys named above; see docs/registry.md")
+    return ConfigError(
+        f"{source}: invalid registry\n" + "\n".join(f"  - {p}" for p in problems),
+        hint="fix the keys named above; see docs/registry.md",
+    )
 
 
 def parse_registry(data: Any, source: str = "params.yaml", root: Path | None = None) -> Registry:
@@ -840,7 +956,9 @@ def _path_problems(registry: Registry, resolve: bool) -> list[str]:
             try:
                 inside(registry.root, *parts)
             except InputError:
-                problem = f"resolves to {registry.root.joinpath(*parts).resolve()}, outside the project (a symlink leads out)"
+                problem = (
+                    f"resolves to {registry.root.joinpath(*parts).resolve()}, outside the project (a symlink leads out)"
+                )
         if problem is not None:
             joined = f" (joined with dir: {'/'.join(parts)!r})" if len(parts) > 1 else ""
             problems.append(f"{key}: {value!r}{joined} {problem}; paths are {PATH_RULE}")
@@ -848,7 +966,7 @@ def _path_problems(registry: Registry, resolve: bool) -> list[str]:
 
 
 def _check_cross_references(registry: Registry, source: str) -> None:
-    from .backends import backend_class, known_backends
+    from pipeline.backends import backend_class, known_backends
 
     problems = []
     for name, sku in registry.skus.items():
@@ -871,20 +989,31 @@ def _check_cross_references(registry: Registry, source: str) -> None:
     for name, model in registry.models.items():
         for sname, nodes in model.higher_precision.items():
             if sname not in registry.skus:
-                problems.append(f"models.{name}.higher_precision: unknown SKU {sname!r}{_did_you_mean(sname, registry.skus)}; "
-                                f"known SKUs: {', '.join(sorted(registry.skus))}")
+                problems.append(
+                    f"models.{name}.higher_precision: unknown SKU {sname!r}{_did_you_mean(sname, registry.skus)}; "
+                    f"known SKUs: {', '.join(sorted(registry.skus))}"
+                )
             elif registry.skus[sname].precision == "fp32" and nodes:
-                problems.append(f"models.{name}.higher_precision.{sname}: the SKU builds in fp32, there is no higher "
-                                "precision to keep nodes in; remove the entry")
-            elif nodes and registry.skus[sname].backend in known_backends() and \
-                    not backend_class(registry.skus[sname].backend).capabilities.per_node_precision:
-                problems.append(f"models.{name}.higher_precision.{sname}: the {registry.skus[sname].backend} backend "
-                                "cannot keep single nodes in higher precision; remove the entry")
+                problems.append(
+                    f"models.{name}.higher_precision.{sname}: the SKU builds in fp32, there is no higher "
+                    "precision to keep nodes in; remove the entry"
+                )
+            elif (
+                nodes
+                and registry.skus[sname].backend in known_backends()
+                and not backend_class(registry.skus[sname].backend).capabilities.per_node_precision
+            ):
+                problems.append(
+                    f"models.{name}.higher_precision.{sname}: the {registry.skus[sname].backend} backend "
+                    "cannot keep single nodes in higher precision; remove the entry"
+                )
         if model.metric is not None and model.outputs is not None and model.metric.output not in model.outputs:
             problems.append(f"models.{name}.metric.output: {model.metric.output!r} is not in outputs {model.outputs}")
         for output in model.output_kinds:
             if model.outputs is not None and output not in model.outputs:
-                problems.append(f"models.{name}.output_kinds.{output}: not in outputs {model.outputs}{_did_you_mean(output, model.outputs)}")
+                problems.append(
+                    f"models.{name}.output_kinds.{output}: not in outputs {model.outputs}{_did_you_mean(output, model.outputs)}"
+                )
         for axis in model.pins:
             if model.batch_axis == axis:
                 continue
@@ -896,8 +1025,10 @@ def _check_cross_references(registry: Registry, source: str) -> None:
                     )
     for sku in registry.release.skus or []:
         if sku not in registry.skus:
-            problems.append(f"release.skus: unknown SKU {sku!r}{_did_you_mean(sku, registry.skus)}; "
-                            f"known SKUs: {', '.join(sorted(registry.skus))}")
+            problems.append(
+                f"release.skus: unknown SKU {sku!r}{_did_you_mean(sku, registry.skus)}; "
+                f"known SKUs: {', '.join(sorted(registry.skus))}"
+            )
     problems += _fallback_problems(registry)
     problems += _collisions(registry)
     problems += _size_problems(registry)
@@ -916,18 +1047,27 @@ def _fallback_problems(registry: Registry) -> list[str]:
     if name is None:
         return []
     if name not in registry.skus:
-        return [f"rollout.fallback_sku: unknown SKU {name!r}{_did_you_mean(name, registry.skus)}; "
-                f"known SKUs: {', '.join(sorted(registry.skus))}"]
+        return [
+            f"rollout.fallback_sku: unknown SKU {name!r}{_did_you_mean(name, registry.skus)}; "
+            f"known SKUs: {', '.join(sorted(registry.skus))}"
+        ]
     sku = registry.skus[name]
     level = sku.options.get("graph_optimization_level", "all")
-    wrong = [what for what, bad in (
-        (f"backend {sku.backend!r} (needs onnxruntime)", sku.backend != "onnxruntime"),
-        (f"precision {sku.precision!r} (needs fp32)", sku.precision != "fp32"),
-        (f"device {sku.target.device!r} (needs cpu)", sku.target.device != "cpu"),
-        (f"cpu_features {sku.target.cpu_features} (needs none)", bool(sku.target.cpu_features)),
-        (f"options.graph_optimization_level {level!r} (needs one of {', '.join(PORTABLE_LEVELS)}: higher levels "
-         "write CPU-specific layout ops into the engine)", level not in PORTABLE_LEVELS),
-    ) if bad]
+    wrong = [
+        what
+        for what, bad in (
+            (f"backend {sku.backend!r} (needs onnxruntime)", sku.backend != "onnxruntime"),
+            (f"precision {sku.precision!r} (needs fp32)", sku.precision != "fp32"),
+            (f"device {sku.target.device!r} (needs cpu)", sku.target.device != "cpu"),
+            (f"cpu_features {sku.target.cpu_features} (needs none)", bool(sku.target.cpu_features)),
+            (
+                f"options.graph_optimization_level {level!r} (needs one of {', '.join(PORTABLE_LEVELS)}: higher levels "
+                "write CPU-specific layout ops into the engine)",
+                level not in PORTABLE_LEVELS,
+            ),
+        )
+        if bad
+    ]
     return [f"rollout.fallback_sku: {name!r} is not portable: {'; '.join(wrong)}"] if wrong else []
 
 
@@ -968,7 +1108,8 @@ def _resolution_problems(registry: Registry) -> list[str]:
                         f"models.{name}.datasets.golden.generate.count: {golden.count} samples cannot resolve "
                         f"min_top1_agreement {tol.min_top1_agreement} of its {kind} outputs at {tol.confidence:.0%} "
                         f"confidence on SKU {sname}: an engine flipping twice the allowed share would pass; generate "
-                        f"at least {need}, or give an evaluation split (its rows join the agreement gate)")
+                        f"at least {need}, or give an evaluation split (its rows join the agreement gate)"
+                    )
                     break
     return problems
 
@@ -986,12 +1127,17 @@ def _size_problems(registry: Registry) -> list[str]:
         found = {i: _tensor_problem(name, model, i, pinned, f"models.{name}.") for i in range(len(model.inputs))}
         problems += [p for p in found.values() if p]
         for sname, sku in registry.skus.items():
-            largest = {**pinned,
-                       **{a: (v, f"skus.{sname}.shapes.{a}") for a, v in sku.shapes.items() if a in axes},
-                       **{a: (p.max, f"skus.{sname}.profiles.{a}.max") for a, p in sku.profiles.items() if a in axes}}
+            largest = {
+                **pinned,
+                **{a: (v, f"skus.{sname}.shapes.{a}") for a, v in sku.shapes.items() if a in axes},
+                **{a: (p.max, f"skus.{sname}.profiles.{a}.max") for a, p in sku.profiles.items() if a in axes},
+            }
             # an input already too large at the model's pins is named once, there
-            problems += [p for i, at_pins in found.items()
-                         if at_pins is None and (p := _tensor_problem(name, model, i, largest, f"skus.{sname}."))]
+            problems += [
+                p
+                for i, at_pins in found.items()
+                if at_pins is None and (p := _tensor_problem(name, model, i, largest, f"skus.{sname}."))
+            ]
         if not any(found.values()):  # else a sample is too large already: its sets say nothing new
             problems += _dataset_problems(name, model, {a: v for a, (v, _) in pinned.items()})
     return problems
@@ -1007,9 +1153,11 @@ def _tensor_problem(model_name: str, model: ModelSpec, index: int, axes: _AxisVa
     elements = math.prod(shape)
     if elements <= limit:
         return None
-    what = (f"input {inp.name!r} of model {model_name!r} at shape {list(shape)}: {elements} elements, "
-            f"{human_bytes(elements * itemsize)} of {inp.dtype}, above the limit of {MAX_TENSOR_ELEMENTS} elements "
-            f"and {human_bytes(MAX_TENSOR_BYTES)} per input tensor (docs/registry.md#limits)")
+    what = (
+        f"input {inp.name!r} of model {model_name!r} at shape {list(shape)}: {elements} elements, "
+        f"{human_bytes(elements * itemsize)} of {inp.dtype}, above the limit of {MAX_TENSOR_ELEMENTS} elements "
+        f"and {human_bytes(MAX_TENSOR_BYTES)} per input tensor (docs/registry.md#limits)"
+    )
     keys = {axes[a][1]: a for a in inp.axes if axes[a][1] is not None}
     keys = {k: a for k, a in keys.items() if k.startswith(blame)} or keys
     if not keys:
@@ -1029,11 +1177,16 @@ def _dataset_problems(model_name: str, model: ModelSpec, pins: dict[str, int]) -
         if source is None or source.generate is None or source.generate.count * per_sample <= MAX_DATASET_BYTES:
             continue
         count, most = source.generate.count, MAX_DATASET_BYTES // per_sample
-        fix = f"lower it to at most {most}" if most else \
-            f"one sample alone is larger: lower models.{model_name}.pins or the inputs' fixed dimensions"
-        problems.append(f"models.{model_name}.datasets.{split}.generate.count: {count} samples of "
-                        f"{human_bytes(per_sample)} each make {human_bytes(count * per_sample)}, above the limit of "
-                        f"{human_bytes(MAX_DATASET_BYTES)} per dataset (docs/registry.md#limits); {fix}")
+        fix = (
+            f"lower it to at most {most}"
+            if most
+            else f"one sample alone is larger: lower models.{model_name}.pins or the inputs' fixed dimensions"
+        )
+        problems.append(
+            f"models.{model_name}.datasets.{split}.generate.count: {count} samples of "
+            f"{human_bytes(per_sample)} each make {human_bytes(count * per_sample)}, above the limit of "
+            f"{human_bytes(MAX_DATASET_BYTES)} per dataset (docs/registry.md#limits); {fix}"
+        )
     return problems
 
 
@@ -1052,8 +1205,11 @@ def load_registry(path: str | os.PathLike = "params.yaml") -> Registry:
     try:
         data = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
     except _DuplicateKey as exc:
-        raise ConfigError(f"{path}: key {exc.key} appears twice in one mapping (lines {exc.first} and {exc.second}); "
-                          "YAML would silently keep only the last", hint="remove or merge one of them") from None
+        raise ConfigError(
+            f"{path}: key {exc.key} appears twice in one mapping (lines {exc.first} and {exc.second}); "
+            "YAML would silently keep only the last",
+            hint="remove or merge one of them",
+        ) from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}", hint="fix the syntax at the position shown") from None
     return parse_registry(data, str(path), root=path.resolve().parent)

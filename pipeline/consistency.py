@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from .compare import infer_kind
-from .config import CLASS_KINDS, Registry
-from .errors import InputError
-from .io import atomic_write_bytes, atomic_write_json, read_json, sha256_arrays
-from .paths import Layout
-from .results import BuildReport, OutputKind, ReferenceReport, Result, ValidationReport
+from pipeline.compare import infer_kind
+from pipeline.config import CLASS_KINDS, Registry
+from pipeline.errors import InputError
+from pipeline.io import atomic_write_bytes, atomic_write_json, read_json, sha256_arrays
+from pipeline.paths import Layout
+from pipeline.results import BuildReport, OutputKind, ReferenceReport, Result, ValidationReport
 
 if TYPE_CHECKING:
     import numpy as np
@@ -67,10 +67,13 @@ class OutputMatrix(Result):
     max_abs_error: list[list[float | None]] = Field(description="over the elements finite on both sides (null: none)")
     mean_abs_error: list[list[float | None]]
     nonfinite_mismatch: list[list[int]] = Field(
-        description="elements where one side is NaN/Inf and the other is not, or holds another non-finite value")
+        description="elements where one side is NaN/Inf and the other is not, or holds another non-finite value"
+    )
     top1_agreement: list[list[float | None]] | None = Field(
-        None, description="class scores only: the share of rows (positions before the last axis) whose top class "
-                          "agrees (a tie on either side agrees; a row with NaN/Inf agrees only with the same row)")
+        None,
+        description="class scores only: the share of rows (positions before the last axis) whose top class "
+        "agrees (a tie on either side agrees; a row with NaN/Inf agrees only with the same row)",
+    )
     nonfinite: dict[str, NonFinite] = Field(description="NaN and Inf counts per label")
 
     def cell(self, metric: str, a: str, b: str) -> float | int | None:
@@ -98,7 +101,7 @@ def consistency(registry: Registry, model: str) -> ConsistencyReport:
     ref, expected = _reference(out, model)
     compared: list[ComparedSku] = []
     skipped: list[SkippedSku] = []
-    arrays: dict[str, dict[str, "np.ndarray"]] = {}
+    arrays: dict[str, dict[str, np.ndarray]] = {}
     for sku in registry.skus:
         found = _sku_outputs(registry, out, model, sku, ref, expected)
         if isinstance(found, str):
@@ -108,10 +111,18 @@ def consistency(registry: Registry, model: str) -> ConsistencyReport:
         entry, values = found
         compared.append(entry)
         arrays[sku] = values
-    matrices = [_matrix(name, expected[name], {s: a[name] for s, a in arrays.items()}, spec.output_kinds.get(name))
-                for name in ref.outputs]
-    return ConsistencyReport(model=model, samples=ref.samples.get("golden", 0), reference_sha256=ref.output_sha256["golden"],
-                             skus=compared, skipped=skipped, outputs=matrices)
+    matrices = [
+        _matrix(name, expected[name], {s: a[name] for s, a in arrays.items()}, spec.output_kinds.get(name))
+        for name in ref.outputs
+    ]
+    return ConsistencyReport(
+        model=model,
+        samples=ref.samples.get("golden", 0),
+        reference_sha256=ref.output_sha256["golden"],
+        skus=compared,
+        skipped=skipped,
+        outputs=matrices,
+    )
 
 
 def write_report(registry: Registry, report: ConsistencyReport) -> list[str]:
@@ -135,8 +146,12 @@ def refresh_reports(registry: Registry, models: list[str] | None = None) -> dict
             done[model] = exc.message
             continue
         if not report.skus:
-            done[model] = "no SKU has golden outputs to compare (" + "; ".join(
-                f"{s.sku}: {s.reason}" for s in report.skipped[:3]) + (" …" if len(report.skipped) > 3 else "") + ")"
+            done[model] = (
+                "no SKU has golden outputs to compare ("
+                + "; ".join(f"{s.sku}: {s.reason}" for s in report.skipped[:3])
+                + (" …" if len(report.skipped) > 3 else "")
+                + ")"
+            )
             continue
         done[model] = write_report(registry, report)
     return done
@@ -149,35 +164,42 @@ def _rel(out: Layout, path) -> str:
     return path.relative_to(out.root).as_posix()
 
 
-def _load(path) -> dict[str, "np.ndarray"]:
+def _load(path) -> dict[str, np.ndarray]:
     import numpy as np
 
     with np.load(path, allow_pickle=False) as data:
         return {k: data[k] for k in data.files}
 
 
-def _reference(out: Layout, model: str) -> tuple[ReferenceReport, dict[str, "np.ndarray"]]:
+def _reference(out: Layout, model: str) -> tuple[ReferenceReport, dict[str, np.ndarray]]:
     report_path, golden = out.report(model, None, "reference"), out.reference_dir(model) / "golden.npz"
     hint = f"run the reference stage: skuforge reference --model {model} (or dvc repro / dvc pull)"
     if not report_path.is_file() or not golden.is_file():
         missing = report_path if not report_path.is_file() else golden
-        raise InputError(f"{_rel(out, missing)} does not exist: no reference outputs to compare {model}'s SKUs with",
-                         hint=hint)
+        raise InputError(
+            f"{_rel(out, missing)} does not exist: no reference outputs to compare {model}'s SKUs with", hint=hint
+        )
     try:
         ref = ReferenceReport.model_validate(read_json(report_path))
         arrays = _load(golden)
     except Exception as exc:  # not JSON, not a reference report, a damaged archive
         raise InputError(f"cannot read the reference of {model}: {type(exc).__name__}: {exc}", hint=hint) from exc
     if "golden" not in ref.output_sha256 or sha256_arrays(arrays) != ref.output_sha256["golden"]:
-        raise InputError(f"{_rel(out, golden)} is not the file {_rel(out, report_path)} describes (sha256 differs)",
-                         hint=hint)
+        raise InputError(
+            f"{_rel(out, golden)} is not the file {_rel(out, report_path)} describes (sha256 differs)", hint=hint
+        )
     return ref, {name: arrays[name] for name in ref.outputs}
 
 
-def _sku_outputs(registry: Registry, out: Layout, model: str, sku: str, ref: ReferenceReport,
-                 expected: dict[str, "np.ndarray"]) -> tuple[ComparedSku, dict[str, "np.ndarray"]] | str:
+def _sku_outputs(
+    registry: Registry, out: Layout, model: str, sku: str, ref: ReferenceReport, expected: dict[str, np.ndarray]
+) -> tuple[ComparedSku, dict[str, np.ndarray]] | str:
     """The SKU's entry and golden outputs, or why they cannot be trusted."""
-    val_path, build_path, npz = out.report(model, sku, "validate"), out.report(model, sku, "build"), out.engine_outputs(model, sku)
+    val_path, build_path, npz = (
+        out.report(model, sku, "validate"),
+        out.report(model, sku, "build"),
+        out.engine_outputs(model, sku),
+    )
     again = f"validate it again (skuforge validate --model {model} --sku {sku}) or dvc pull its outputs"
     if not val_path.is_file():
         return "not validated in this checkout (no validate.json)"
@@ -192,8 +214,10 @@ def _sku_outputs(registry: Registry, out: Layout, model: str, sku: str, ref: Ref
     except ValueError as exc:
         return f"{_rel(out, build_path)} is not a build report ({type(exc).__name__}): rebuild it"
     if val.engine_sha256 != build.engine_sha256:
-        return (f"validate.json is about engine {val.engine_sha256[:12]}, build.json describes {build.engine_sha256[:12]}: "
-                f"{again}")
+        return (
+            f"validate.json is about engine {val.engine_sha256[:12]}, build.json describes {build.engine_sha256[:12]}: "
+            f"{again}"
+        )
     if val.outputs_sha256 is None:
         return f"validate.json records no golden outputs (written before outputs.npz existed): {again}"
     if not npz.is_file():
@@ -204,22 +228,30 @@ def _sku_outputs(registry: Registry, out: Layout, model: str, sku: str, ref: Ref
         return f"{_rel(out, npz)} is damaged ({type(exc).__name__}): {again}"
     digest = sha256_arrays(arrays)
     if digest != val.outputs_sha256:
-        return (f"{_rel(out, npz)} has sha256 {digest[:12]} but validate.json records {val.outputs_sha256[:12]} "
-                f"(altered, or left by another run): {again}")
+        return (
+            f"{_rel(out, npz)} has sha256 {digest[:12]} but validate.json records {val.outputs_sha256[:12]} "
+            f"(altered, or left by another run): {again}"
+        )
     for name, reference in expected.items():
         if name not in arrays:
             return f"{_rel(out, npz)} has no output {name!r}: {again}"
         if arrays[name].shape != reference.shape:
             return f"output {name!r} has shape {list(arrays[name].shape)}, the reference {list(reference.shape)}"
-    entry = ComparedSku(sku=sku, backend=build.backend, precision=val.precision, validate_passed=val.passed,
-                        engine_sha256=val.engine_sha256, outputs_sha256=val.outputs_sha256)
+    entry = ComparedSku(
+        sku=sku,
+        backend=build.backend,
+        precision=val.precision,
+        validate_passed=val.passed,
+        engine_sha256=val.engine_sha256,
+        outputs_sha256=val.outputs_sha256,
+    )
     return entry, {name: arrays[name] for name in expected}
 
 
 # --- the matrices -------------------------------------------------------------------------------
 
 
-def pair_stats(a: "np.ndarray", b: "np.ndarray", classes: bool) -> tuple[float | None, float | None, int, float | None]:
+def pair_stats(a: np.ndarray, b: np.ndarray, classes: bool) -> tuple[float | None, float | None, int, float | None]:
     """``a`` against ``b``: max and mean abs error over the elements finite on both sides (None:
     there are none), the count of elements whose non-finite values differ, and for class scores
     (``classes``) the top-1 agreement. Symmetric in ``a`` and ``b``."""
@@ -236,7 +268,7 @@ def pair_stats(a: "np.ndarray", b: "np.ndarray", classes: bool) -> tuple[float |
     return max_abs, mean_abs, mismatch, _top1(x, y, same) if classes else None
 
 
-def _top1(x: "np.ndarray", y: "np.ndarray", same: "np.ndarray") -> float | None:
+def _top1(x: np.ndarray, y: np.ndarray, same: np.ndarray) -> float | None:
     import numpy as np
 
     if x.ndim == 0 or x.shape[-1] < 2 or x.size == 0:
@@ -253,7 +285,9 @@ def _top1(x: "np.ndarray", y: "np.ndarray", same: "np.ndarray") -> float | None:
     return float(np.mean(np.where(finite, agree, identical)))
 
 
-def _matrix(name: str, reference: "np.ndarray", engines: dict[str, "np.ndarray"], declared: OutputKind | None) -> OutputMatrix:
+def _matrix(
+    name: str, reference: np.ndarray, engines: dict[str, np.ndarray], declared: OutputKind | None
+) -> OutputMatrix:
     import numpy as np
 
     labels = [REFERENCE, *engines]
@@ -276,14 +310,25 @@ def _matrix(name: str, reference: "np.ndarray", engines: dict[str, "np.ndarray"]
     nonfinite = {}
     for label, v in zip(labels, values):
         floating = np.issubdtype(v.dtype, np.floating)
-        nonfinite[label] = NonFinite(nan=int(np.isnan(v).sum()) if floating else 0,
-                                     inf=int(np.isinf(v).sum()) if floating else 0)
-    return OutputMatrix(output=name, dtype=str(reference.dtype), shape=list(reference.shape), kind=kind, labels=labels,
-                        max_abs_error=max_abs, mean_abs_error=mean_abs, nonfinite_mismatch=mismatch,
-                        top1_agreement=top1, nonfinite=nonfinite)
+        nonfinite[label] = NonFinite(
+            nan=int(np.isnan(v).sum()) if floating else 0, inf=int(np.isinf(v).sum()) if floating else 0
+        )
+    return OutputMatrix(
+        output=name,
+        dtype=str(reference.dtype),
+        shape=list(reference.shape),
+        kind=kind,
+        labels=labels,
+        max_abs_error=max_abs,
+        mean_abs_error=mean_abs,
+        nonfinite_mismatch=mismatch,
+        top1_agreement=top1,
+        nonfinite=nonfinite,
+    )
 
 
 # --- rendering ----------------------------------------------------------------------------------
+
 
 def fmt_error(value: float | None) -> str:
     return "n/a" if value is None else "0" if value == 0 else f"{value:.3g}"
@@ -331,15 +376,28 @@ def markdown(report: ConsistencyReport) -> str:
         lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
         return lines + ["| " + " | ".join(r) + " |" for r in rows[1:]]
 
-    intro = (f"Every SKU's outputs on the {report.samples} golden samples, against the ONNX Runtime CPU FP32 reference "
-             f"(golden outputs `{report.reference_sha256[:12]}`) and against each other. Written by "
-             f"`skuforge compare --model {report.model} --write` (and `skuforge repro`); a report, not a gate: "
-             f"validate gates each SKU against the reference.")
+    intro = (
+        f"Every SKU's outputs on the {report.samples} golden samples, against the ONNX Runtime CPU FP32 reference "
+        f"(golden outputs `{report.reference_sha256[:12]}`) and against each other. Written by "
+        f"`skuforge compare --model {report.model} --write` (and `skuforge repro`); a report, not a gate: "
+        f"validate gates each SKU against the reference."
+    )
     lines = [f"# Cross-SKU consistency: {report.model}", "", intro, ""]
     if report.skus:
-        lines += md_table([["SKU", "backend", "precision", "validate", "engine", "outputs"]]
-                          + [[s.sku, s.backend, s.precision, "passed" if s.validate_passed else "FAILED",
-                              f"`{s.engine_sha256[:12]}`", f"`{s.outputs_sha256[:12]}`"] for s in report.skus])
+        lines += md_table(
+            [["SKU", "backend", "precision", "validate", "engine", "outputs"]]
+            + [
+                [
+                    s.sku,
+                    s.backend,
+                    s.precision,
+                    "passed" if s.validate_passed else "FAILED",
+                    f"`{s.engine_sha256[:12]}`",
+                    f"`{s.outputs_sha256[:12]}`",
+                ]
+                for s in report.skus
+            ]
+        )
         lines.append("")
     if report.skipped:
         lines.append("Not compared:")
@@ -356,4 +414,3 @@ def markdown(report: ConsistencyReport) -> str:
         extra = nonfinite_line(m)
         lines += ["", extra, ""] if extra else [""]
     return "\n".join(lines)
-

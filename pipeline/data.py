@@ -7,13 +7,14 @@ rides along when present.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
 
-from .config import DatasetSource, ModelSpec
-from .errors import InputError
-from .limits import check_array_file
-from .paths import inside
+from pipeline.config import DatasetSource, ModelSpec
+from pipeline.errors import InputError
+from pipeline.limits import check_array_file
+from pipeline.paths import inside
 
 if TYPE_CHECKING:
     import numpy as np
@@ -27,7 +28,7 @@ def sample_shape(spec: ModelSpec, name: str, pins: dict[str, int]) -> tuple[int,
     return spec.input(name).shape_at(pins, drop=spec.batch_axis)
 
 
-def generate(spec: ModelSpec, pins: dict[str, int], source: DatasetSource) -> "Arrays":
+def generate(spec: ModelSpec, pins: dict[str, int], source: DatasetSource) -> Arrays:
     """Seeded inputs inside each input's range. With ``edge_cases`` (count >= 4) the last samples
     are replaced: the range's low and high ends; for floats also a sample at up to 4x the range
     (outside it) and a zero sample (outside it where 0 is)."""
@@ -58,7 +59,7 @@ def generate(spec: ModelSpec, pins: dict[str, int], source: DatasetSource) -> "A
     return out
 
 
-def load_file(spec: ModelSpec, root: Path, source: DatasetSource, split: str) -> "Arrays":
+def load_file(spec: ModelSpec, root: Path, source: DatasetSource, split: str) -> Arrays:
     """The arrays of a .npz (keyed by input name) or .npy (single-input models), each checked to be
     a numeric array with a sample axis, labels integer class indices; ``take`` applied."""
     import numpy as np
@@ -66,8 +67,10 @@ def load_file(spec: ModelSpec, root: Path, source: DatasetSource, split: str) ->
     assert source.path is not None
     path = inside(root, spec.dir, source.path)  # a symlink made after validation must not lead out
     if not path.is_file():
-        raise InputError(f"dataset {split}: {path} does not exist",
-                         hint=f"fix models.<name>.datasets.{split}.path (relative to the model's dir)")
+        raise InputError(
+            f"dataset {split}: {path} does not exist",
+            hint=f"fix models.<name>.datasets.{split}.path (relative to the model's dir)",
+        )
     # sizes come from the zip directory and the array headers: a bomb or a lying header is refused unread
     check_array_file(path, [*(i.name for i in spec.inputs), source.labels], context=f"dataset {split}: ")
     try:
@@ -76,17 +79,21 @@ def load_file(spec: ModelSpec, root: Path, source: DatasetSource, split: str) ->
         raise _unreadable(split, path, None, exc) from exc
     if isinstance(loaded, np.ndarray):
         if len(spec.inputs) != 1:
-            raise InputError(f"dataset {split}: {path} is one .npy array but the model has {len(spec.inputs)} inputs",
-                             hint="use an .npz keyed by input name")
+            raise InputError(
+                f"dataset {split}: {path} is one .npy array but the model has {len(spec.inputs)} inputs",
+                hint="use an .npz keyed by input name",
+            )
         files = {spec.inputs[0].name: loaded}
     else:
         files = dict.fromkeys(loaded.files)
     missing = [i.name for i in spec.inputs if i.name not in files]
     if missing:
-        raise InputError(f"dataset {split}: {path} has no arrays for inputs {missing} (keys: {sorted(files)})",
-                         hint="key the .npz by the model's input names")
+        raise InputError(
+            f"dataset {split}: {path} has no arrays for inputs {missing} (keys: {sorted(files)})",
+            hint="key the .npz by the model's input names",
+        )
 
-    def read(key: str) -> "np.ndarray":
+    def read(key: str) -> np.ndarray:
         try:  # an .npz reads each array on access: an object array fails here, by key
             return files[key] if files[key] is not None else loaded[key]
         except Exception as exc:
@@ -103,43 +110,64 @@ def load_file(spec: ModelSpec, root: Path, source: DatasetSource, split: str) ->
 def _unreadable(split: str, path: Path, key: str | None, exc: Exception) -> InputError:
     where = f"{path} key {key!r}" if key else str(path)
     pickled = "allow_pickle" in str(exc)
-    detail = "holds an object (pickled) array, which is never loaded" if pickled else \
-        f"is not a readable .npy/.npz ({type(exc).__name__}: {exc})"
-    return InputError(f"dataset {split}: {where} {detail}",
-                      hint="re-save it with numpy.save / numpy.savez: numeric arrays, no objects or strings")
+    detail = (
+        "holds an object (pickled) array, which is never loaded"
+        if pickled
+        else f"is not a readable .npy/.npz ({type(exc).__name__}: {exc})"
+    )
+    return InputError(
+        f"dataset {split}: {where} {detail}",
+        hint="re-save it with numpy.save / numpy.savez: numeric arrays, no objects or strings",
+    )
 
 
-def _numeric(arr: "np.ndarray", dtype: str, split: str, path: Path, key: str) -> "np.ndarray":
+def _numeric(arr: np.ndarray, dtype: str, split: str, path: Path, key: str) -> np.ndarray:
     """A real numeric array with a sample axis (the cast to ``dtype`` comes with preprocessing)."""
     if arr.ndim == 0:
-        raise InputError(f"dataset {split}: {path} key {key!r} is a 0-d array (a single {arr.dtype} value), "
-                         f"expected samples of {dtype} stacked on a first axis",
-                         hint="save an array of shape (samples, *sample_shape), e.g. value[None] for one sample")
+        raise InputError(
+            f"dataset {split}: {path} key {key!r} is a 0-d array (a single {arr.dtype} value), "
+            f"expected samples of {dtype} stacked on a first axis",
+            hint="save an array of shape (samples, *sample_shape), e.g. value[None] for one sample",
+        )
     if arr.dtype.kind not in "biuf":
-        raise InputError(f"dataset {split}: {path} key {key!r} holds {_kind(arr)} values, expected numbers castable to {dtype}",
-                         hint=f"convert it before saving, e.g. numpy.asarray(values, dtype='{dtype}')")
+        raise InputError(
+            f"dataset {split}: {path} key {key!r} holds {_kind(arr)} values, expected numbers castable to {dtype}",
+            hint=f"convert it before saving, e.g. numpy.asarray(values, dtype='{dtype}')",
+        )
     return arr
 
 
-def _labels(arr: "np.ndarray", split: str, path: Path, key: str) -> "np.ndarray":
+def _labels(arr: np.ndarray, split: str, path: Path, key: str) -> np.ndarray:
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         got = f"{_kind(arr)} values of shape {arr.shape}" if arr.dtype.kind not in "iu" else f"shape {arr.shape}"
-        raise InputError(f"dataset {split}: {path} key {key!r} holds {got}, expected integer class indices, one per sample",
-                         hint="save the labels as a 1-d integer array (e.g. labels.astype('int64')); "
-                              "map class names to their output index first")
+        raise InputError(
+            f"dataset {split}: {path} key {key!r} holds {got}, expected integer class indices, one per sample",
+            hint="save the labels as a 1-d integer array (e.g. labels.astype('int64')); "
+            "map class names to their output index first",
+        )
     if len(arr) and int(arr.min()) < 0:
-        raise InputError(f"dataset {split}: {path} key {key!r} has a negative class index at sample {int(arr.argmin())}",
-                         hint="class indices are output positions, 0 and up")
+        raise InputError(
+            f"dataset {split}: {path} key {key!r} has a negative class index at sample {int(arr.argmin())}",
+            hint="class indices are output positions, 0 and up",
+        )
     return arr.astype("int64")
 
 
-def _kind(arr: "np.ndarray") -> str:
-    names = {"U": "string", "S": "bytes", "O": "object", "c": "complex", "V": "structured/void",
-             "M": "datetime", "m": "timedelta", "b": "bool"}
+def _kind(arr: np.ndarray) -> str:
+    names = {
+        "U": "string",
+        "S": "bytes",
+        "O": "object",
+        "c": "complex",
+        "V": "structured/void",
+        "M": "datetime",
+        "m": "timedelta",
+        "b": "bool",
+    }
     return f"{names.get(arr.dtype.kind, arr.dtype.kind)} ({arr.dtype})" if arr.dtype.kind in names else str(arr.dtype)
 
 
-def check_finite(arrays: "Arrays", split: str, origin: str, allow: bool = False) -> None:
+def check_finite(arrays: Arrays, split: str, origin: str, allow: bool = False) -> None:
     """Refuse NaN/Inf inputs: name the source, the key and the first sample holding one.
 
     ``allow`` (datasets.<split>.allow_non_finite) lets a golden or hard-tail set test a model
@@ -157,14 +185,19 @@ def check_finite(arrays: "Arrays", split: str, origin: str, allow: bool = False)
             first = int(np.argmax(bad))
             sample = arr[first]
             what = "NaN" if np.isnan(sample).any() else "Inf"
-            optin = "" if split in ("calibration", "evaluation") else \
-                f", or set datasets.{split}.allow_non_finite: true if the model is meant to handle them"
-            raise InputError(f"dataset {split}: {origin} key {key!r} has NaN/Inf values in {int(bad.sum())} of "
-                             f"{len(arr)} samples (first: sample {first}, {what})",
-                             hint=f"drop or fix those samples{optin}")
+            optin = (
+                ""
+                if split in ("calibration", "evaluation")
+                else f", or set datasets.{split}.allow_non_finite: true if the model is meant to handle them"
+            )
+            raise InputError(
+                f"dataset {split}: {origin} key {key!r} has NaN/Inf values in {int(bad.sum())} of "
+                f"{len(arr)} samples (first: sample {first}, {what})",
+                hint=f"drop or fix those samples{optin}",
+            )
 
 
-def check_range(spec: ModelSpec, arrays: "Arrays", split: str, origin: str) -> None:
+def check_range(spec: ModelSpec, arrays: Arrays, split: str, origin: str) -> None:
     """Refuse values outside an input's declared ``range`` (model-input space, after preprocessing):
     calibration ranges taken over them would not be the ones the model was declared for."""
     import numpy as np
@@ -180,19 +213,24 @@ def check_range(spec: ModelSpec, arrays: "Arrays", split: str, origin: str) -> N
         if outside:
             low, high = min(lo, float(arr.min())), max(hi, float(arr.max()))
             index = spec.inputs.index(inp)
-            raise InputError(f"dataset {split}: {origin} key {inp.name!r} has {outside} of {arr.size} values outside "
-                             f"the declared range [{lo!r}, {hi!r}] (min {float(arr.min())!r}, max {float(arr.max())!r})",
-                             hint=f"widen models.<name>.inputs[{index}].range to [{low!r}, {high!r}] if the model is meant "
-                                  f"for such inputs, or fix the data (calibration ranges are taken over this set)")
+            raise InputError(
+                f"dataset {split}: {origin} key {inp.name!r} has {outside} of {arr.size} values outside "
+                f"the declared range [{lo!r}, {hi!r}] (min {float(arr.min())!r}, max {float(arr.max())!r})",
+                hint=f"widen models.<name>.inputs[{index}].range to [{low!r}, {high!r}] if the model is meant "
+                f"for such inputs, or fix the data (calibration ranges are taken over this set)",
+            )
 
 
-def check_dataset(spec: ModelSpec, arrays: "Arrays", pins: dict[str, int], split: str, raw: bool) -> int:
+def check_dataset(spec: ModelSpec, arrays: Arrays, pins: dict[str, int], split: str, raw: bool) -> int:
     """Check sample shapes and counts against the spec; return the sample count."""
     import numpy as np
 
     counts = {k: len(v) for k, v in arrays.items()}
     if len(set(counts.values())) > 1:
-        raise InputError(f"dataset {split}: arrays have different sample counts {counts}", hint="give every array the same first dimension")
+        raise InputError(
+            f"dataset {split}: arrays have different sample counts {counts}",
+            hint="give every array the same first dimension",
+        )
     n = next(iter(counts.values()))
     if n == 0:
         raise InputError(f"dataset {split} is empty", hint="give at least one sample (or use 'generate')")
@@ -200,15 +238,19 @@ def check_dataset(spec: ModelSpec, arrays: "Arrays", pins: dict[str, int], split
         want = sample_shape(spec, inp.name, pins)
         got = tuple(arrays[inp.name].shape[1:])
         if got != want:
-            raise InputError(f"dataset {split}: input {inp.name!r} samples have shape {got}, the spec needs {want}",
-                             hint="samples are stacked on a first axis; the batch axis is left out of each sample")
+            raise InputError(
+                f"dataset {split}: input {inp.name!r} samples have shape {got}, the spec needs {want}",
+                hint="samples are stacked on a first axis; the batch axis is left out of each sample",
+            )
         if not raw and not np.can_cast(arrays[inp.name].dtype, inp.dtype, casting="same_kind"):
-            raise InputError(f"dataset {split}: input {inp.name!r} is {arrays[inp.name].dtype}, the model takes {inp.dtype}",
-                             hint="save it with the model's dtype")
+            raise InputError(
+                f"dataset {split}: input {inp.name!r} is {arrays[inp.name].dtype}, the model takes {inp.dtype}",
+                hint="save it with the model's dtype",
+            )
     return n
 
 
-def preprocess(spec: ModelSpec, raw: "Arrays") -> "Arrays":
+def preprocess(spec: ModelSpec, raw: Arrays) -> Arrays:
     """Raw samples to model inputs: the declared affine transform, then the input dtype.
 
     An overflow to Inf is left for ``check_finite`` to name, not warned about here."""
@@ -227,7 +269,7 @@ def preprocess(spec: ModelSpec, raw: "Arrays") -> "Arrays":
     return out
 
 
-def postprocess(spec: ModelSpec, outputs: "Arrays") -> "Arrays":
+def postprocess(spec: ModelSpec, outputs: Arrays) -> Arrays:
     import numpy as np
 
     if spec.postprocess == "argmax":
@@ -236,7 +278,9 @@ def postprocess(spec: ModelSpec, outputs: "Arrays") -> "Arrays":
     return outputs
 
 
-def iter_batches(arrays: "Arrays", input_batch_index: dict[str, int | None], batch: int) -> "Iterator[tuple[int, Arrays]]":
+def iter_batches(
+    arrays: Arrays, input_batch_index: dict[str, int | None], batch: int
+) -> Iterator[tuple[int, Arrays]]:
     """Yield (real sample count, feeds) in batches of ``batch``; the last is padded by repetition.
 
     Inputs without the batch axis force one sample per call (the batch axis, if any, is filled
@@ -250,29 +294,34 @@ def iter_batches(arrays: "Arrays", input_batch_index: dict[str, int | None], bat
     for start in range(0, n, step):
         real = min(step, n - start)
         idx = list(range(start, start + real)) + [start + real - 1] * (batch - real)
-        yield real, {
-            name: np.asarray(arrays[name][start]) if bi is None else np.moveaxis(arrays[name][idx], 0, bi)
-            for name, bi in input_batch_index.items()
-        }
+        yield (
+            real,
+            {
+                name: np.asarray(arrays[name][start]) if bi is None else np.moveaxis(arrays[name][idx], 0, bi)
+                for name, bi in input_batch_index.items()
+            },
+        )
 
 
 def run_dataset(
-    infer: Callable[["Arrays"], "Arrays"],
-    arrays: "Arrays",
+    infer: Callable[[Arrays], Arrays],
+    arrays: Arrays,
     input_batch_index: dict[str, int | None],
     output_batch_index: dict[str, int | None],
     batch: int,
     progress: Callable[[str, float], None] | None = None,
     label: str = "",
-) -> "Arrays":
+) -> Arrays:
     """Run every sample through ``infer``; outputs come back with a leading sample axis."""
     import numpy as np
 
     if batch > 1 and all(i is not None for i in input_batch_index.values()):
         unbatched = [o for o, i in output_batch_index.items() if i is None]
         if unbatched:
-            raise InputError(f"outputs {unbatched} have no batch axis, so batched samples cannot be split apart",
-                             hint="run at batch 1: set models.<name>.pins.<batch axis>: 1 (and the SKU's shapes)")
+            raise InputError(
+                f"outputs {unbatched} have no batch axis, so batched samples cannot be split apart",
+                hint="run at batch 1: set models.<name>.pins.<batch axis>: 1 (and the SKU's shapes)",
+            )
     n = len(next(iter(arrays.values())))
     results: dict[str, list[np.ndarray]] = {}
     done = 0

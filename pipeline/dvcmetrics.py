@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from .io import atomic_write_bytes, atomic_write_json, to_json
+from pipeline.io import atomic_write_bytes, atomic_write_json, to_json
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +123,13 @@ def timeline(rows: Sequence[Mapping[str, str]], points: int = TIMELINE_POINTS) -
 
 
 def sweep_table(points: Iterable[SweepPoint]) -> str:
-    return _csv(SWEEP_COLUMNS, ((p.batch, p.concurrency, _sig(p.p50_ms), _sig(p.p99_ms), _sig(p.throughput_per_s))
-                                for p in sorted(points, key=lambda p: (p.batch, p.concurrency))))
+    return _csv(
+        SWEEP_COLUMNS,
+        (
+            (p.batch, p.concurrency, _sig(p.p50_ms), _sig(p.p99_ms), _sig(p.throughput_per_s))
+            for p in sorted(points, key=lambda p: (p.batch, p.concurrency))
+        ),
+    )
 
 
 def comparison(root: str | Path, model: str) -> str:
@@ -147,8 +152,13 @@ def write_comparison(root: str | Path, model: str) -> Path | None:
     return atomic_write_bytes(path, table.encode())
 
 
-def write_metrics(root: str | Path, manifest: Mapping[str, Any], latency_csv: str | Path,
-                  timeline_csv: str | Path | None = None, sweep: Sequence[SweepPoint] = ()) -> list[Path]:
+def write_metrics(
+    root: str | Path,
+    manifest: Mapping[str, Any],
+    latency_csv: str | Path,
+    timeline_csv: str | Path | None = None,
+    sweep: Sequence[SweepPoint] = (),
+) -> list[Path]:
     """Write one pair's files under ``<root>/metrics/`` from its manifest document (as written) and
     the bench stage's ``latency.csv`` / ``timeline.csv`` and sweep points; refresh the model's
     comparison. Returns the files written.
@@ -159,7 +169,8 @@ def write_metrics(root: str | Path, manifest: Mapping[str, Any], latency_csv: st
     figures = bench_metrics(manifest["benchmark"])
     summary = pair_file(root, BENCH, model, sku)
     wanted: dict[str, Callable[[], str]] = {
-        LATENCY_CDF: lambda: latency_cdf([float(r["latency_ms"]) for r in _read_csv(Path(latency_csv))])}
+        LATENCY_CDF: lambda: latency_cdf([float(r["latency_ms"]) for r in _read_csv(Path(latency_csv))])
+    }
     if timeline_csv is not None and Path(timeline_csv).is_file():
         wanted[TIMELINE] = lambda: timeline(_read_csv(Path(timeline_csv)))
     if sweep:
@@ -169,12 +180,17 @@ def write_metrics(root: str | Path, manifest: Mapping[str, Any], latency_csv: st
         pair_file(root, kind, model, sku).unlink(missing_ok=True)
     same = summary.is_file() and summary.read_text(encoding="utf-8") == to_json(figures)
     if not (same and all(pair_file(root, kind, model, sku).is_file() for kind in wanted)):
-        written += [atomic_write_bytes(pair_file(root, kind, model, sku), make().encode())
-                    for kind, make in wanted.items()]
+        written += [
+            atomic_write_bytes(pair_file(root, kind, model, sku), make().encode()) for kind, make in wanted.items()
+        ]
     if not same:
         written.append(atomic_write_json(summary, figures))
     if (compare := write_comparison(root, model)) is not None:
         written.append(compare)
-    log.info("%s/%s: dvc metrics and plots data %s", model, sku,
-             ", ".join(str(p.relative_to(root)) for p in written) if written else "unchanged")
+    log.info(
+        "%s/%s: dvc metrics and plots data %s",
+        model,
+        sku,
+        ", ".join(str(p.relative_to(root)) for p in written) if written else "unchanged",
+    )
     return written

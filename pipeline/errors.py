@@ -63,8 +63,10 @@ class UnsupportedOp(EnvironmentProblem):
     def __init__(self, backend: str, op_type: str | None, node: str | None, detail: str, hint: str | None = None):
         where = f"op {op_type!r}" if op_type else "an op"
         where += f" (node {node!r})" if node else ""
-        super().__init__(f"{backend} cannot compile {where}: {detail}",
-                         hint or "use another backend for this model, or replace the op before export")
+        super().__init__(
+            f"{backend} cannot compile {where}: {detail}",
+            hint or "use another backend for this model, or replace the op before export",
+        )
         self.backend, self.op_type, self.node = backend, op_type, node
 
 

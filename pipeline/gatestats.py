@@ -126,7 +126,7 @@ def min_rows_for_agreement(minimum: float, confidence: float) -> int:
 def min_samples_for_drop(max_drop: float, confidence: float) -> int:
     """The smallest n in which a drop of RESOLUTION * max_drop with no compensating gains is significant."""
     need = 1
-    while 0.5 ** need >= 1.0 - confidence:
+    while 0.5**need >= 1.0 - confidence:
         need += 1
     if max_drop <= 0:
         return need

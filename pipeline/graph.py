@@ -7,18 +7,26 @@ it changed, so the prepare report can list each change.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
-from .errors import InputError
-from .results import PassRecord, Signature, TensorSig
+from pipeline.errors import InputError
+from pipeline.results import PassRecord, Signature, TensorSig
 
 if TYPE_CHECKING:
     import onnx
 
 # Ops whose output is not a pure function of their inputs: never constant-fold them.
-_NONDETERMINISTIC = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
+_NONDETERMINISTIC = {
+    "RandomNormal",
+    "RandomNormalLike",
+    "RandomUniform",
+    "RandomUniformLike",
+    "Multinomial",
+    "Bernoulli",
+}
 
 
 # ONNX Runtime (the reference) implements ai.onnx from opset 7 on, up to the opset of the onnx
@@ -28,37 +36,46 @@ SUGGESTED_OPSET = 17
 _STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml", "com.microsoft")
 
 
-def load_model(path: Path, what: str = "model", root: Path | None = None) -> "onnx.ModelProto":
+def load_model(path: Path, what: str = "model", root: Path | None = None) -> onnx.ModelProto:
     """Load and check an ONNX file and its external data; a missing, truncated or invalid file, an
     external-data file outside ``root`` (default: the model's folder), a custom op or an opset
     the reference runtime lacks is an InputError."""
     import onnx
 
     if not path.is_file():
-        raise InputError(f"{what} file {path} does not exist", hint="check models.<name>.dir and .source in params.yaml, or run the export stage")
+        raise InputError(
+            f"{what} file {path} does not exist",
+            hint="check models.<name>.dir and .source in params.yaml, or run the export stage",
+        )
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises DecodeError, RuntimeError or others on truncation
-        raise InputError(f"{path} is not a readable ONNX file ({type(exc).__name__}: {exc})",
-                         hint="the file is truncated or not ONNX: re-export it") from exc
+        raise InputError(
+            f"{path} is not a readable ONNX file ({type(exc).__name__}: {exc})",
+            hint="the file is truncated or not ONNX: re-export it",
+        ) from exc
     if not model.graph.node and not model.graph.output:
         raise InputError(f"{path} holds no ONNX graph (empty or not a model)", hint="re-export the model")
     if external_data_files(model, path, root or path.parent):
         try:
             onnx.load_external_data_for_model(model, str(path.parent))
         except Exception as exc:  # a short or unreadable side file
-            raise InputError(f"{path}: its external data cannot be read ({type(exc).__name__}: {exc})",
-                             hint="the external-data file is truncated or from another export: re-export the model") from exc
+            raise InputError(
+                f"{path}: its external data cannot be read ({type(exc).__name__}: {exc})",
+                hint="the external-data file is truncated or from another export: re-export the model",
+            ) from exc
     check_ops(model, path)
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as exc:
-        raise InputError(f"{path} fails the ONNX checker: {str(exc).strip().splitlines()[0]}",
-                         hint="fix the exporter settings (opset, op domains) and re-export") from exc
+        raise InputError(
+            f"{path} fails the ONNX checker: {str(exc).strip().splitlines()[0]}",
+            hint="fix the exporter settings (opset, op domains) and re-export",
+        ) from exc
     return model
 
 
-def _all_tensors(graph: "onnx.GraphProto"):
+def _all_tensors(graph: onnx.GraphProto):
     """Every TensorProto of a graph: initializers, sparse ones, node attributes, subgraphs."""
     yield from graph.initializer
     for sparse in graph.sparse_initializer:
@@ -72,14 +89,16 @@ def _all_tensors(graph: "onnx.GraphProto"):
                 yield from _all_tensors(sub)
 
 
-def external_data_files(model: "onnx.ModelProto", path: Path, root: Path) -> list[Path]:
+def external_data_files(model: onnx.ModelProto, path: Path, root: Path) -> list[Path]:
     """The external-data files ``model`` (loaded from ``path`` without them) references, sorted by
     location, each once; every one must exist inside ``root``."""
     import onnx
 
     files: dict[str, Path] = {}
-    tensors = [*_all_tensors(model.graph), *(t for f in model.functions for n in f.node for a in n.attribute
-                                              for t in ([a.t] if a.HasField("t") else []))]
+    tensors = [
+        *_all_tensors(model.graph),
+        *(t for f in model.functions for n in f.node for a in n.attribute for t in ([a.t] if a.HasField("t") else [])),
+    ]
     inside = root.resolve()
     for tensor in tensors:
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
@@ -89,12 +108,16 @@ def external_data_files(model: "onnx.ModelProto", path: Path, root: Path) -> lis
             continue
         target = (path.parent / location).resolve()
         if not location or Path(location).is_absolute() or not target.is_relative_to(inside) or target == inside:
-            raise InputError(f"{path}: tensor {tensor.name!r} keeps its data in {location!r}, outside the model's folder {root}",
-                             hint="keep external-data files inside models.<name>.dir: re-save with "
-                                  "onnx.save_model(model, path, save_as_external_data=True, location='<file name>')")
+            raise InputError(
+                f"{path}: tensor {tensor.name!r} keeps its data in {location!r}, outside the model's folder {root}",
+                hint="keep external-data files inside models.<name>.dir: re-save with "
+                "onnx.save_model(model, path, save_as_external_data=True, location='<file name>')",
+            )
         if not target.is_file():
-            raise InputError(f"{path}: external-data file {path.parent / location} (tensor {tensor.name!r}) does not exist",
-                             hint="copy it next to the model (ONNX resolves 'location' relative to the .onnx file), or re-export")
+            raise InputError(
+                f"{path}: external-data file {path.parent / location} (tensor {tensor.name!r}) does not exist",
+                hint="copy it next to the model (ONNX resolves 'location' relative to the .onnx file), or re-export",
+            )
         files[location] = target
     return [files[k] for k in sorted(files)]
 
@@ -104,7 +127,7 @@ def source_sha256(path: Path, root: Path) -> str:
     file and then each external-data file in location order, so a change to any one shows."""
     import onnx
 
-    from .io import sha256_bytes, sha256_file
+    from pipeline.io import sha256_bytes, sha256_file
 
     externals = external_data_files(onnx.load(str(path), load_external_data=False), path, root)
     if not externals:
@@ -114,7 +137,7 @@ def source_sha256(path: Path, root: Path) -> str:
     return sha256_bytes("\n".join(lines).encode())
 
 
-def check_ops(model: "onnx.ModelProto", path: Path) -> None:
+def check_ops(model: onnx.ModelProto, path: Path) -> None:
     """Refuse what no runtime here can run: ops of a custom domain, an ai.onnx opset out of range."""
     import onnx
 
@@ -125,12 +148,14 @@ def check_ops(model: "onnx.ModelProto", path: Path) -> None:
         raise InputError(
             f"{path}: the model imports ai.onnx opset {version}; supported opsets are {MIN_OPSET} to {newest}",
             hint=f"convert it: onnx.save(onnx.version_converter.convert_version(onnx.load('{path.name}'), {SUGGESTED_OPSET}), "
-                 f"'{path.name}'), or re-export at opset {SUGGESTED_OPSET}")
+            f"'{path.name}'), or re-export at opset {SUGGESTED_OPSET}",
+        )
     if version is not None and version > newest:  # the converter knows no opset newer than its onnx either
         raise InputError(
             f"{path}: the model imports ai.onnx opset {version}; supported opsets are {MIN_OPSET} to {newest}",
             hint=f"re-export at opset {newest} or lower (the exporter's opset setting), "
-                 "or upgrade onnx and onnxruntime together to versions that know it")
+            "or upgrade onnx and onnxruntime together to versions that know it",
+        )
     local = {(f.domain, f.name) for f in model.functions}  # model-local functions are defined in the file
     for node in _all_nodes(model.graph):
         if (node.domain or "") not in _STANDARD_DOMAINS and (node.domain, node.op_type) not in local:
@@ -138,10 +163,11 @@ def check_ops(model: "onnx.ModelProto", path: Path) -> None:
                 f"{path}: node {node.name or node.output[0]!r} is op {node.op_type!r} of the custom domain "
                 f"{node.domain!r}, which has no implementation in ONNX Runtime (the reference runtime) or any backend",
                 hint="export the model without it (decompose it into standard ONNX ops); "
-                     "registering a custom op library is not supported yet")
+                "registering a custom op library is not supported yet",
+            )
 
 
-def _all_nodes(graph: "onnx.GraphProto"):
+def _all_nodes(graph: onnx.GraphProto):
     for node in graph.node:
         yield node
         for attr in node.attribute:
@@ -149,17 +175,19 @@ def _all_nodes(graph: "onnx.GraphProto"):
                 yield from _all_nodes(sub)
 
 
-def infer_shapes(model: "onnx.ModelProto", path: Path) -> "onnx.ModelProto":
+def infer_shapes(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
     import onnx
 
     try:
         return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
     except Exception as exc:
-        raise InputError(f"{path}: shape inference failed: {str(exc).strip().splitlines()[0]}",
-                         hint="the graph is inconsistent; check the input shapes in params.yaml and the exporter") from exc
+        raise InputError(
+            f"{path}: shape inference failed: {str(exc).strip().splitlines()[0]}",
+            hint="the graph is inconsistent; check the input shapes in params.yaml and the exporter",
+        ) from exc
 
 
-def _dims(value_info: "onnx.ValueInfoProto") -> list[int | str | None]:
+def _dims(value_info: onnx.ValueInfoProto) -> list[int | str | None]:
     """A tensor's dims: an int where fixed (>= 1), the name where named, None where unnamed. Exporters
     write a dynamic dim as -1, 0, no value at all, or a name of their own: all are dynamic."""
     dims: list[int | str | None] = []
@@ -171,7 +199,7 @@ def _dims(value_info: "onnx.ValueInfoProto") -> list[int | str | None]:
     return dims
 
 
-def _tensor_sig(value_info: "onnx.ValueInfoProto") -> TensorSig:
+def _tensor_sig(value_info: onnx.ValueInfoProto) -> TensorSig:
     import onnx
 
     tt = value_info.type.tensor_type
@@ -179,7 +207,7 @@ def _tensor_sig(value_info: "onnx.ValueInfoProto") -> TensorSig:
     return TensorSig(name=value_info.name, dtype=dtype, shape=_dims(value_info))
 
 
-def signature(model: "onnx.ModelProto") -> Signature:
+def signature(model: onnx.ModelProto) -> Signature:
     inits = {i.name for i in model.graph.initializer}
     return Signature(
         inputs=[_tensor_sig(v) for v in model.graph.input if v.name not in inits],
@@ -187,8 +215,9 @@ def signature(model: "onnx.ModelProto") -> Signature:
     )
 
 
-def suggested_shape(model_shape: list[int | str | None], spec_shape: list[int | str] | None = None,
-                    batch_axis: str | None = "batch") -> list[int | str]:
+def suggested_shape(
+    model_shape: list[int | str | None], spec_shape: list[int | str] | None = None, batch_axis: str | None = "batch"
+) -> list[int | str]:
     """A params.yaml ``shape`` the model accepts: its fixed dims, and for each dynamic dim the spec's
     entry at that position when the ranks agree, else ``batch_axis`` for the first dim and the
     exporter's name (or ``dim<i>``) for the others."""
@@ -209,7 +238,7 @@ def _flow(shape: list[int | str]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def rename_axes(model: "onnx.ModelProto", spec_inputs: list, path: Path, batch_axis: str | None = "batch") -> None:
+def rename_axes(model: onnx.ModelProto, spec_inputs: list, path: Path, batch_axis: str | None = "batch") -> None:
     """Check the model's inputs against the spec; give the model's dynamic dims the spec's names.
 
     A dynamic dim of the model (-1, 0, unnamed or any name) takes the spec's axis name, or its
@@ -224,29 +253,42 @@ def rename_axes(model: "onnx.ModelProto", spec_inputs: list, path: Path, batch_a
     missing = [n for n in sig if n not in declared]
     pin_rest = f"pin any axis but {batch_axis!r} under pins" if batch_axis else "pin every axis under pins"
     if missing:
-        entries = "; ".join(f"{{name: {n}, dtype: {sig[n].dtype}, shape: {_flow(suggested_shape(sig[n].shape, None, batch_axis))}}}"
-                            for n in missing)
-        raise InputError(f"{path}: model inputs {missing} are not declared in params.yaml",
-                         hint=f"add under models.<name>.inputs: {entries} (and {pin_rest})")
+        entries = "; ".join(
+            f"{{name: {n}, dtype: {sig[n].dtype}, shape: {_flow(suggested_shape(sig[n].shape, None, batch_axis))}}}"
+            for n in missing
+        )
+        raise InputError(
+            f"{path}: model inputs {missing} are not declared in params.yaml",
+            hint=f"add under models.<name>.inputs: {entries} (and {pin_rest})",
+        )
     inputs = {v.name: v for v in model.graph.input}
     for spec in spec_inputs:
         if spec.name not in sig:
-            raise InputError(f"{path}: params.yaml declares input {spec.name!r} but the model has none",
-                             hint=f"remove it from models.<name>.inputs (model inputs: {sorted(sig)})")
+            raise InputError(
+                f"{path}: params.yaml declares input {spec.name!r} but the model has none",
+                hint=f"remove it from models.<name>.inputs (model inputs: {sorted(sig)})",
+            )
         have = sig[spec.name]
         if have.dtype != spec.dtype:
-            raise InputError(f"{path}: input {spec.name!r} is {have.dtype} in the model but {spec.dtype} in params.yaml",
-                             hint=f"set dtype: {have.dtype}")
+            raise InputError(
+                f"{path}: input {spec.name!r} is {have.dtype} in the model but {spec.dtype} in params.yaml",
+                hint=f"set dtype: {have.dtype}",
+            )
         dims = inputs[spec.name].type.tensor_type.shape.dim
         want = suggested_shape(have.shape, list(spec.shape), batch_axis)
         if len(have.shape) != len(spec.shape):
-            raise InputError(f"{path}: input {spec.name!r} has rank {len(have.shape)} {have.shape} in the model "
-                             f"but params.yaml gives {list(spec.shape)}",
-                             hint=f"set shape: {_flow(want)} (one entry per model dimension; {pin_rest})")
+            raise InputError(
+                f"{path}: input {spec.name!r} has rank {len(have.shape)} {have.shape} in the model "
+                f"but params.yaml gives {list(spec.shape)}",
+                hint=f"set shape: {_flow(want)} (one entry per model dimension; {pin_rest})",
+            )
         for i, (mdim, sdim) in enumerate(zip(have.shape, spec.shape)):
             if isinstance(mdim, int) and mdim != sdim:
-                raise InputError(f"{path}: input {spec.name!r} dim {i} is fixed to {mdim} in the model "
-                                 f"but params.yaml gives {sdim!r}", hint=f"set shape: {_flow(want)}")
+                raise InputError(
+                    f"{path}: input {spec.name!r} dim {i} is fixed to {mdim} in the model "
+                    f"but params.yaml gives {sdim!r}",
+                    hint=f"set shape: {_flow(want)}",
+                )
             d = dims[i]
             if isinstance(sdim, str):
                 d.dim_param = sdim
@@ -259,7 +301,7 @@ def rename_axes(model: "onnx.ModelProto", spec_inputs: list, path: Path, batch_a
     del model.graph.value_info[:]
 
 
-def output_batch_axes(model: "onnx.ModelProto", batch_axis: str | None, axes: set[str]) -> dict[str, int | None]:
+def output_batch_axes(model: onnx.ModelProto, batch_axis: str | None, axes: set[str]) -> dict[str, int | None]:
     """Each output's batch axis as shape inference propagated it from the inputs (``model`` inferred
     after rename_axes): the first dim inferred as ``batch_axis``; None where every dim is fixed or
     another of the spec's ``axes``. Outputs with an unknown dim and no batch dim are left out:
@@ -274,7 +316,7 @@ def output_batch_axes(model: "onnx.ModelProto", batch_axis: str | None, axes: se
     return found
 
 
-def mark_batch_axes(model: "onnx.ModelProto", batch_axis: str, found: dict[str, int | None]) -> None:
+def mark_batch_axes(model: onnx.ModelProto, batch_axis: str, found: dict[str, int | None]) -> None:
     """Name each output's batch dim ``batch_axis`` (the signature then carries it)."""
     for value in model.graph.output:
         index = found.get(value.name)
@@ -286,7 +328,7 @@ def mark_batch_axes(model: "onnx.ModelProto", batch_axis: str, found: dict[str, 
         shape.dim[index].dim_param = batch_axis
 
 
-def pin_axes(model: "onnx.ModelProto", pins: dict[str, int], path: Path) -> "onnx.ModelProto":
+def pin_axes(model: onnx.ModelProto, pins: dict[str, int], path: Path) -> onnx.ModelProto:
     """Fix named dynamic dims of inputs (and outputs) to values, the same dims inside subgraphs
     (If branches, Loop and Scan bodies), then re-infer shapes."""
     for value in [*model.graph.input, *model.graph.output]:
@@ -298,20 +340,24 @@ def pin_axes(model: "onnx.ModelProto", pins: dict[str, int], path: Path) -> "onn
     return infer_shapes(model, path)
 
 
-def op_counts(model: "onnx.ModelProto") -> dict[str, int]:
+def op_counts(model: onnx.ModelProto) -> dict[str, int]:
     return dict(sorted(Counter(n.op_type for n in model.graph.node).items()))
 
 
 # --- graph passes ------------------------------------------------------------------------------
 
 
-def constants_to_initializers(model: "onnx.ModelProto") -> list[str]:
+def constants_to_initializers(model: onnx.ModelProto) -> list[str]:
     import onnx
 
     kept, moved = [], []
     for node in model.graph.node:
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.attribute) == 1 \
-                and node.attribute[0].name == "value":
+        if (
+            node.op_type == "Constant"
+            and node.domain in ("", "ai.onnx")
+            and len(node.attribute) == 1
+            and node.attribute[0].name == "value"
+        ):
             tensor = onnx.TensorProto()
             tensor.CopyFrom(node.attribute[0].t)
             tensor.name = node.output[0]
@@ -325,7 +371,7 @@ def constants_to_initializers(model: "onnx.ModelProto") -> list[str]:
     return [f"{len(moved)} Constant nodes became initializers"] if moved else []
 
 
-def fold_constants(model: "onnx.ModelProto") -> list[str]:
+def fold_constants(model: onnx.ModelProto) -> list[str]:
     """Evaluate nodes whose inputs are all constant and replace them by initializers."""
     import onnx
     from onnx import numpy_helper
@@ -346,7 +392,9 @@ def fold_constants(model: "onnx.ModelProto") -> list[str]:
         if foldable:
             try:
                 single = onnx.helper.make_model(
-                    onnx.helper.make_graph([node], "fold", [], [onnx.helper.make_tensor_value_info(o, 0, None) for o in node.output]),
+                    onnx.helper.make_graph(
+                        [node], "fold", [], [onnx.helper.make_tensor_value_info(o, 0, None) for o in node.output]
+                    ),
                     opset_imports=opset,
                 )
                 outs = ReferenceEvaluator(single).run(None, {n: values[n] for n in node.input if n})
@@ -365,7 +413,7 @@ def fold_constants(model: "onnx.ModelProto") -> list[str]:
     return [f"folded {n} {op}" for op, n in sorted(folded.items())]
 
 
-def fold_batchnorm(model: "onnx.ModelProto") -> list[str]:
+def fold_batchnorm(model: onnx.ModelProto) -> list[str]:
     """Fold BatchNormalization (inference form) into the Conv that feeds it."""
     import numpy as np
     from onnx import numpy_helper
@@ -388,7 +436,11 @@ def fold_batchnorm(model: "onnx.ModelProto") -> list[str]:
         eps = next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5)
         scale, bias, mean, var = (numpy_helper.to_array(inits[n]).astype(np.float64) for n in bn.input[1:5])
         w = numpy_helper.to_array(inits[conv.input[1]])
-        b = numpy_helper.to_array(inits[conv.input[2]]) if len(conv.input) > 2 and conv.input[2] else np.zeros(w.shape[0])
+        b = (
+            numpy_helper.to_array(inits[conv.input[2]])
+            if len(conv.input) > 2 and conv.input[2]
+            else np.zeros(w.shape[0])
+        )
         factor = scale / np.sqrt(var + eps)
         new_w = (w.astype(np.float64) * factor.reshape(-1, *([1] * (w.ndim - 1)))).astype(w.dtype)
         new_b = ((b.astype(np.float64) - mean) * factor + bias).astype(w.dtype)
@@ -406,7 +458,7 @@ def fold_batchnorm(model: "onnx.ModelProto") -> list[str]:
     return details
 
 
-def eliminate_dead_code(model: "onnx.ModelProto") -> list[str]:
+def eliminate_dead_code(model: onnx.ModelProto) -> list[str]:
     """Drop nodes that no graph output depends on, then unused initializers."""
     needed = {o.name for o in model.graph.output}
     kept = []
@@ -435,7 +487,7 @@ def eliminate_dead_code(model: "onnx.ModelProto") -> list[str]:
     return details
 
 
-PASSES: tuple[tuple[str, Callable[["onnx.ModelProto"], list[str]]], ...] = (
+PASSES: tuple[tuple[str, Callable[[onnx.ModelProto], list[str]]], ...] = (
     ("constants_to_initializers", constants_to_initializers),
     ("constant_folding", fold_constants),
     ("batchnorm_folding", fold_batchnorm),
@@ -443,13 +495,20 @@ PASSES: tuple[tuple[str, Callable[["onnx.ModelProto"], list[str]]], ...] = (
 )
 
 
-def run_passes(model: "onnx.ModelProto") -> list[PassRecord]:
+def run_passes(model: onnx.ModelProto) -> list[PassRecord]:
     records = []
     for name, fn in PASSES:
         before = len(model.graph.node)
         details = fn(model)
-        records.append(PassRecord(name=name, changed=bool(details), nodes_before=before,
-                                  nodes_after=len(model.graph.node), details=details))
+        records.append(
+            PassRecord(
+                name=name,
+                changed=bool(details),
+                nodes_before=before,
+                nodes_after=len(model.graph.node),
+                details=details,
+            )
+        )
     return records
 
 
@@ -461,7 +520,7 @@ OPSET_CONVERSION_RTOL = 1e-5
 _TYPED_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data")
 
 
-def tensors_to_raw(model: "onnx.ModelProto") -> int:
+def tensors_to_raw(model: onnx.ModelProto) -> int:
     """Store every initializer and Constant tensor (subgraphs included) as ``raw_data``; returns
     how many moved. Importers differ in which typed fields they read (IREE's refuses FP16 in
     ``int32_data``, where converters put it); all of them read raw_data. External data is left as is."""
@@ -479,7 +538,7 @@ def tensors_to_raw(model: "onnx.ModelProto") -> int:
     return moved
 
 
-def default_opset(model: "onnx.ModelProto") -> int:
+def default_opset(model: onnx.ModelProto) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
@@ -497,12 +556,15 @@ class OpsetConversion:
         return asdict(self)
 
     def warning(self) -> str:
-        return (f"opset converted from {self.from_opset} to {self.to_opset} ({self.reason}) with onnx.version_converter; "
-                f"outputs on the probe batch unchanged (max abs error {self.max_abs_error:.3g})")
+        return (
+            f"opset converted from {self.from_opset} to {self.to_opset} ({self.reason}) with onnx.version_converter; "
+            f"outputs on the probe batch unchanged (max abs error {self.max_abs_error:.3g})"
+        )
 
 
-def convert_opset(model: "onnx.ModelProto", target: int, probe_inputs: dict, reason: str
-                  ) -> tuple["onnx.ModelProto", OpsetConversion | None]:
+def convert_opset(
+    model: onnx.ModelProto, target: int, probe_inputs: dict, reason: str
+) -> tuple[onnx.ModelProto, OpsetConversion | None]:
     """``model`` at ai.onnx opset ``target``: converted with ONNX's version converter (up or down,
     tensors stored as raw_data) when at another opset, else returned as is (record None). The
     conversion is refused (InputError) when the converter fails or ONNX Runtime's outputs on
@@ -511,7 +573,7 @@ def convert_opset(model: "onnx.ModelProto", target: int, probe_inputs: dict, rea
     import onnx
     from onnx import version_converter
 
-    from .backends.onnxruntime import reference_runner
+    from pipeline.backends.onnxruntime import reference_runner
 
     have = default_opset(model)
     if have == target:
@@ -522,15 +584,17 @@ def convert_opset(model: "onnx.ModelProto", target: int, probe_inputs: dict, rea
         onnx.checker.check_model(converted)
     except Exception as exc:  # the converter raises plain RuntimeError/ValidationError from C++
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InputError(f"converting the model from opset {have} to {target} ({reason}) failed: {detail}",
-                         hint=redo) from exc
+        raise InputError(
+            f"converting the model from opset {have} to {target} ({reason}) failed: {detail}", hint=redo
+        ) from exc
     tensors_to_raw(converted)
     try:
         with reference_runner(model.SerializeToString()) as old, reference_runner(converted.SerializeToString()) as new:
             want, got = old.infer(probe_inputs), new.infer(probe_inputs)
     except InputError as exc:
-        raise InputError(f"the model converted from opset {have} to {target} ({reason}) does not run: {exc.message}",
-                         hint=redo) from exc
+        raise InputError(
+            f"the model converted from opset {have} to {target} ({reason}) does not run: {exc.message}", hint=redo
+        ) from exc
     worst_abs, worst_rel = 0.0, 0.0
     for name, a in want.items():
         b = got[name]
@@ -542,20 +606,23 @@ def convert_opset(model: "onnx.ModelProto", target: int, probe_inputs: dict, rea
             worst_abs = max(worst_abs, diff)
             worst_rel = max(worst_rel, diff / max(1.0, float(np.max(np.abs(a), initial=0.0))))
     if not worst_rel <= OPSET_CONVERSION_RTOL:
-        raise InputError(f"converting the model from opset {have} to {target} ({reason}) changed its outputs on the "
-                         f"probe batch (max abs error {worst_abs:.3g}, relative {worst_rel:.3g} > {OPSET_CONVERSION_RTOL})",
-                         hint=redo)
-    return converted, OpsetConversion(from_opset=have, to_opset=target, reason=reason,
-                                      max_abs_error=worst_abs, relative_error=worst_rel)
+        raise InputError(
+            f"converting the model from opset {have} to {target} ({reason}) changed its outputs on the "
+            f"probe batch (max abs error {worst_abs:.3g}, relative {worst_rel:.3g} > {OPSET_CONVERSION_RTOL})",
+            hint=redo,
+        )
+    return converted, OpsetConversion(
+        from_opset=have, to_opset=target, reason=reason, max_abs_error=worst_abs, relative_error=worst_rel
+    )
 
 
-def pin_subgraph_axes(model: "onnx.ModelProto", pins: dict[str, int]) -> int:
+def pin_subgraph_axes(model: onnx.ModelProto, pins: dict[str, int]) -> int:
     """Fix the pinned named dims inside subgraphs (If branches, Loop and Scan bodies), for
     ``pin_axes``: a body that keeps ``batch`` dynamic while its inputs are pinned has mismatched
     types (IREE's importer refused such a Loop). Returns how many dims were fixed."""
     fixed = 0
 
-    def visit(graph: "onnx.GraphProto") -> None:
+    def visit(graph: onnx.GraphProto) -> None:
         nonlocal fixed
         for node in graph.node:
             for attr in node.attribute:

@@ -22,10 +22,11 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from .errors import MalformedFile, StorageError
+from pipeline.errors import MalformedFile, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -44,20 +45,30 @@ def storage_error(exc: OSError, path: str | os.PathLike | None = None) -> Storag
     reason = exc.strerror or str(exc)
     if exc.errno in _READ_ONLY:
         folder = where.parent  # files are written as temporary siblings: the folder must take new entries
-        return StorageError(f"cannot write {where}: {folder} is not writable ({reason})",
-                            hint=f"make {folder} writable (check its permissions, `lsattr -d`, read-only mounts), "
-                                 "then run again", path=str(where))
+        return StorageError(
+            f"cannot write {where}: {folder} is not writable ({reason})",
+            hint=f"make {folder} writable (check its permissions, `lsattr -d`, read-only mounts), then run again",
+            path=str(where),
+        )
     if exc.errno in _FULL:
-        return StorageError(f"cannot write {where}: no space left on the disk holding it ({reason})",
-                            hint=f"free space on that disk (or raise the quota); `df -h {where.parent}` shows it, "
-                                 "then run again", path=str(where))
+        return StorageError(
+            f"cannot write {where}: no space left on the disk holding it ({reason})",
+            hint=f"free space on that disk (or raise the quota); `df -h {where.parent}` shows it, then run again",
+            path=str(where),
+        )
     if exc.errno == errno.EFBIG:
-        return StorageError(f"cannot write {where}: the file is larger than the file system or `ulimit -f` allows "
-                            f"({reason})", hint="raise `ulimit -f`, or put the project on a file system that takes "
-                                               "files this large (and free space), then run again", path=str(where))
+        return StorageError(
+            f"cannot write {where}: the file is larger than the file system or `ulimit -f` allows ({reason})",
+            hint="raise `ulimit -f`, or put the project on a file system that takes "
+            "files this large (and free space), then run again",
+            path=str(where),
+        )
     if exc.errno == errno.ENOTDIR:
-        return StorageError(f"cannot write {where}: a part of the path is a file, not a folder ({reason})",
-                            hint=f"remove or rename the file in the way of {where.parent}", path=str(where))
+        return StorageError(
+            f"cannot write {where}: a part of the path is a file, not a folder ({reason})",
+            hint=f"remove or rename the file in the way of {where.parent}",
+            path=str(where),
+        )
     return None
 
 
@@ -102,7 +113,7 @@ def remove_stale(path: Path) -> list[Path]:
             mtime = tmp.lstat().st_mtime
         except OSError:
             continue
-        pid = tmp.name[len(prefix):].split(".", 1)[0]
+        pid = tmp.name[len(prefix) :].split(".", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid():
             stale = not _pid_alive(int(pid), mtime)
         else:
@@ -240,17 +251,22 @@ def read_json(path: str | os.PathLike) -> Any:
         try:
             return json.load(fh)
         except json.JSONDecodeError as exc:
-            raise MalformedFile(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})",
-                                hint="regenerate it with the step that writes it (or delete it and run again)") from exc
+            raise MalformedFile(
+                f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})",
+                hint="regenerate it with the step that writes it (or delete it and run again)",
+            ) from exc
         except UnicodeDecodeError as exc:
-            raise MalformedFile(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})",
-                                hint="regenerate it with the step that writes it (or delete it and run again)") from exc
+            raise MalformedFile(
+                f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})",
+                hint="regenerate it with the step that writes it (or delete it and run again)",
+            ) from exc
 
 
 # git's conflict markers: ours, base (diff3/zdiff3), separator, theirs; always at a line's start
 _CONFLICT_MARKER = re.compile(r"(?:<{7}|\|{7}|>{7})(?:[ \t].*)?|={7}[ \t]*")
-MERGE_CONFLICT_FIX = ("resolve the merge conflict: keep the right side of each '<<<<<<<' … '>>>>>>>' block and "
-                      "delete the marker lines")
+MERGE_CONFLICT_FIX = (
+    "resolve the merge conflict: keep the right side of each '<<<<<<<' … '>>>>>>>' block and delete the marker lines"
+)
 
 
 def merge_conflict(path: str | os.PathLike, text: str) -> str | None:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, NamedTuple
 
-from .errors import InputError, MalformedFile
+from pipeline.errors import InputError, MalformedFile
 
 if TYPE_CHECKING:
     from zipfile import ZipInfo
@@ -37,8 +37,17 @@ MAX_ZIP_RATIO = 200
 ZIP_RATIO_GRACE_BYTES = 64 * MiB
 
 # bytes per element of each dtype params.yaml accepts (pipeline.config.DType)
-DTYPE_BYTES = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "int16": 2,
-               "int8": 1, "uint8": 1, "bool": 1}
+DTYPE_BYTES = {
+    "float64": 8,
+    "int64": 8,
+    "float32": 4,
+    "int32": 4,
+    "float16": 2,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
 
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # what np.load takes for an .npz (the second: an empty one)
 _SMALLER = "split the set into smaller files, or keep fewer samples in it"
@@ -90,8 +99,10 @@ def check_array_file(path: str | os.PathLike, keys: Collection[str] | None = Non
                     _over_budget(where, header)
                     _agrees(where, header, os.fstat(fh.fileno()).st_size - fh.tell())
     except OSError as exc:
-        raise InputError(f"{context}{path} cannot be read ({exc.strerror or exc})",
-                         hint="check that the file is readable (permissions, a broken link, the disk)") from exc
+        raise InputError(
+            f"{context}{path} cannot be read ({exc.strerror or exc})",
+            hint="check that the file is readable (permissions, a broken link, the disk)",
+        ) from exc
 
 
 def _check_npz(fh: IO[bytes], path: Path, keys: Collection[str] | None, context: str) -> None:
@@ -100,8 +111,9 @@ def _check_npz(fh: IO[bytes], path: Path, keys: Collection[str] | None, context:
     try:
         archive = zipfile.ZipFile(fh)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
-        raise MalformedFile(f"{context}{path} is not a readable .npz ({type(exc).__name__}: {exc})",
-                            hint=_RESAVE) from exc
+        raise MalformedFile(
+            f"{context}{path} is not a readable .npz ({type(exc).__name__}: {exc})", hint=_RESAVE
+        ) from exc
     with archive:
         members = archive.infolist()
         for info in members:  # the directory alone: nothing is inflated yet
@@ -118,8 +130,9 @@ def _check_npz(fh: IO[bytes], path: Path, keys: Collection[str] | None, context:
             except InputError:
                 raise
             except Exception as exc:  # zipfile and zlib errors (encrypted, unknown method, damaged) mean the same
-                raise MalformedFile(f"{where} is not a readable .npy ({type(exc).__name__}: {exc})",
-                                    hint=_RESAVE) from exc
+                raise MalformedFile(
+                    f"{where} is not a readable .npy ({type(exc).__name__}: {exc})", hint=_RESAVE
+                ) from exc
             if header.nbytes is None:  # an object array: np.load refuses it (allow_pickle=False) before reading it
                 continue
             _over_budget(where, header)
@@ -127,23 +140,30 @@ def _check_npz(fh: IO[bytes], path: Path, keys: Collection[str] | None, context:
             total += header.nbytes
             sizes.append(f"{info.filename!r} {human_bytes(header.nbytes)}")
     if total > MAX_DATASET_BYTES:
-        raise InputError(f"{context}{path} holds {human_bytes(total)} of array data ({', '.join(sizes)}), above the "
-                         f"limit of {human_bytes(MAX_DATASET_BYTES)} per dataset; no array data was read",
-                         hint=_SMALLER)
+        raise InputError(
+            f"{context}{path} holds {human_bytes(total)} of array data ({', '.join(sizes)}), above the "
+            f"limit of {human_bytes(MAX_DATASET_BYTES)} per dataset; no array data was read",
+            hint=_SMALLER,
+        )
 
 
 def _check_member(info: ZipInfo, where: str) -> None:
     """An .npz member's declared inflated size and inflation ratio (zip directory only)."""
     ratio = info.file_size / max(info.compress_size, 1)
     if info.file_size > ZIP_RATIO_GRACE_BYTES and ratio > MAX_ZIP_RATIO:
-        raise InputError(f"{where} would inflate {ratio:.0f}-fold ({human_bytes(info.compress_size)} to "
-                         f"{human_bytes(info.file_size)}), above the {MAX_ZIP_RATIO}x allowed for members over "
-                         f"{human_bytes(ZIP_RATIO_GRACE_BYTES)}: it looks like a zip bomb and was not inflated",
-                         hint="if the data is genuine, save it uncompressed (numpy.savez, not numpy.savez_compressed)")
+        raise InputError(
+            f"{where} would inflate {ratio:.0f}-fold ({human_bytes(info.compress_size)} to "
+            f"{human_bytes(info.file_size)}), above the {MAX_ZIP_RATIO}x allowed for members over "
+            f"{human_bytes(ZIP_RATIO_GRACE_BYTES)}: it looks like a zip bomb and was not inflated",
+            hint="if the data is genuine, save it uncompressed (numpy.savez, not numpy.savez_compressed)",
+        )
     if info.file_size > MAX_DATASET_BYTES:
-        raise InputError(f"{where} inflates to {human_bytes(info.file_size)} (from {human_bytes(info.compress_size)} "
-                         f"in the file), above the limit of {human_bytes(MAX_DATASET_BYTES)} per dataset; "
-                         "nothing was inflated", hint=_SMALLER)
+        raise InputError(
+            f"{where} inflates to {human_bytes(info.file_size)} (from {human_bytes(info.compress_size)} "
+            f"in the file), above the limit of {human_bytes(MAX_DATASET_BYTES)} per dataset; "
+            "nothing was inflated",
+            hint=_SMALLER,
+        )
 
 
 class _Header(NamedTuple):
@@ -177,13 +197,19 @@ def _header(fh: IO[bytes], where: str) -> _Header:
 def _over_budget(where: str, header: _Header) -> None:
     assert header.nbytes is not None
     if header.nbytes > MAX_DATASET_BYTES:
-        raise InputError(f"{where} declares a {header.dtype} array of shape {header.shape}: "
-                         f"{human_bytes(header.nbytes)}, above the limit of {human_bytes(MAX_DATASET_BYTES)} "
-                         "per dataset; no array data was read", hint=_SMALLER)
+        raise InputError(
+            f"{where} declares a {header.dtype} array of shape {header.shape}: "
+            f"{human_bytes(header.nbytes)}, above the limit of {human_bytes(MAX_DATASET_BYTES)} "
+            "per dataset; no array data was read",
+            hint=_SMALLER,
+        )
 
 
 def _agrees(where: str, header: _Header, held: int) -> None:
     if header.nbytes != held:
-        raise MalformedFile(f"{where} is malformed: its header declares a {header.dtype} array of shape {header.shape} "
-                            f"({header.nbytes} bytes of data) but it holds {held} bytes after the header "
-                            "(truncated or altered)", hint=_RESAVE)
+        raise MalformedFile(
+            f"{where} is malformed: its header declares a {header.dtype} array of shape {header.shape} "
+            f"({header.nbytes} bytes of data) but it holds {held} bytes after the header "
+            "(truncated or altered)",
+            hint=_RESAVE,
+        )

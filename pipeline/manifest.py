@@ -14,11 +14,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .errors import InputError
-from .benchstats import round_ci, round_to_ci, same_figure
-from .io import read_json, sha256_json
-from .results import Benchmark, BenchReport, HostInfo, LatencyStats, LatencySummary, Manifest, Provenance
+from pipeline import __version__
+from pipeline.benchstats import round_ci, round_to_ci, same_figure
+from pipeline.errors import InputError
+from pipeline.io import read_json, sha256_json
+from pipeline.results import Benchmark, BenchReport, HostInfo, LatencyStats, LatencySummary, Manifest, Provenance
 
 SCHEMA_FILE = "manifest.schema.json"
 _UNHASHED = ("digest", "provenance")
@@ -70,13 +70,16 @@ def host_problems(host: HostInfo, bench: BenchReport | None, where: str = "bench
         state = "is missing or unreadable" if bench is None else "records no host (written by an older skuforge)"
         return [f"{where} {state}: nothing vouches for the manifest's host"]
     mine, timed = host.to_json(), bench.host.to_json()
-    return [f"host.{key} {_short(mine.get(key))} is not the host {where} was timed on ({_short(timed.get(key))})"
-            for key in sorted(mine.keys() | timed.keys()) if mine.get(key) != timed.get(key)]
+    return [
+        f"host.{key} {_short(mine.get(key))} is not the host {where} was timed on ({_short(timed.get(key))})"
+        for key in sorted(mine.keys() | timed.keys())
+        if mine.get(key) != timed.get(key)
+    ]
 
 
 def _short(value: Any, limit: int = 80) -> str:
     text = repr(value)
-    return text if len(text) <= limit else text[:limit - 1] + "…"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _floored(value: float, ci: tuple[float, float] | None, floor: float) -> tuple[float, float] | None:
@@ -102,11 +105,16 @@ def benchmark_summary(bench: BenchReport, noise_floor: float = 0.0) -> Benchmark
     either side (bench.noise_floor), figures rounded to what those intervals resolve."""
     mem = bench.memory_mb
     throughput, throughput_ci = _figure(bench.throughput_per_s, bench.throughput_ci_per_s, noise_floor, digits=3)
-    return Benchmark(batch=bench.batch, concurrency=bench.concurrency, engine_only=_summary(bench.engine_only, noise_floor),
-                     end_to_end=_summary(bench.end_to_end, noise_floor),
-                     throughput_per_s=throughput, throughput_ci_per_s=throughput_ci,
-                     peak_rss_mb=float(round(mem.get("peak_rss", 0.0))),
-                     engine_load_mb=float(round(mem.get("engine_load_delta", 0.0))))
+    return Benchmark(
+        batch=bench.batch,
+        concurrency=bench.concurrency,
+        engine_only=_summary(bench.engine_only, noise_floor),
+        end_to_end=_summary(bench.end_to_end, noise_floor),
+        throughput_per_s=throughput,
+        throughput_ci_per_s=throughput_ci,
+        peak_rss_mb=float(round(mem.get("peak_rss", 0.0))),
+        engine_load_mb=float(round(mem.get("engine_load_delta", 0.0))),
+    )
 
 
 def benchmark_changes(old: Benchmark, new: Benchmark) -> list[str]:
@@ -118,8 +126,9 @@ def benchmark_changes(old: Benchmark, new: Benchmark) -> list[str]:
     for kind in ("engine_only", "end_to_end"):
         a, b = getattr(old, kind), getattr(new, kind)
         for q in ("p50", "p99"):
-            if not same_figure(getattr(a, f"{q}_ms"), getattr(a, f"{q}_ci_ms"), getattr(b, f"{q}_ms"),
-                               getattr(b, f"{q}_ci_ms")):
+            if not same_figure(
+                getattr(a, f"{q}_ms"), getattr(a, f"{q}_ci_ms"), getattr(b, f"{q}_ms"), getattr(b, f"{q}_ci_ms")
+            ):
                 moved.append(f"{kind}.{q}_ms {getattr(a, f'{q}_ms')} -> {getattr(b, f'{q}_ms')}")
     if not same_figure(old.throughput_per_s, old.throughput_ci_per_s, new.throughput_per_s, new.throughput_ci_per_s):
         moved.append(f"throughput_per_s {old.throughput_per_s} -> {new.throughput_per_s}")
@@ -155,10 +164,14 @@ def validate_document(doc: Any, where: str = "manifest") -> None:
         jsonschema.validate(doc, published_schema())
     except jsonschema.ValidationError as exc:
         path = "/".join(str(p) for p in exc.absolute_path) or "(root)"
-        raise InputError(f"{where} does not match the manifest schema at {path}: {exc.message}",
-                         hint="regenerate it with skuforge manifest") from None
+        raise InputError(
+            f"{where} does not match the manifest schema at {path}: {exc.message}",
+            hint="regenerate it with skuforge manifest",
+        ) from None
     if doc["digest"] != digest(doc):
-        raise InputError(f"{where}: digest does not match its content (edited by hand?)", hint="regenerate it with skuforge manifest")
+        raise InputError(
+            f"{where}: digest does not match its content (edited by hand?)", hint="regenerate it with skuforge manifest"
+        )
 
 
 def load_manifest(path: Path) -> Manifest:
@@ -171,9 +184,17 @@ def load_manifest(path: Path) -> Manifest:
 
 def provenance(root: Path) -> Provenance:
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         commit = None
-    return Provenance(created=datetime.now(timezone.utc).isoformat(timespec="seconds"), host=socket.gethostname(),
-                      git_commit=commit, skuforge_version=__version__)
+    return Provenance(
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        host=socket.gethostname(),
+        git_commit=commit,
+        skuforge_version=__version__,
+    )

@@ -7,7 +7,7 @@ import posixpath
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
-from .errors import InputError
+from pipeline.errors import InputError
 
 PATH_RULE = "relative to the folder holding params.yaml, and inside it (no absolute path, no '..' above it)"
 
@@ -30,8 +30,10 @@ def inside(root: str | os.PathLike, *parts: str | os.PathLike) -> Path:
     path = Path(root).joinpath(*parts)
     base, resolved = Path(root).resolve(), path.resolve()
     if resolved != base and base not in resolved.parents:
-        raise InputError(f"{path} resolves to {resolved}, outside the project root {base}",
-                         hint=f"registry paths must be {PATH_RULE}; a symlink must not lead out of it either")
+        raise InputError(
+            f"{path} resolves to {resolved}, outside the project root {base}",
+            hint=f"registry paths must be {PATH_RULE}; a symlink must not lead out of it either",
+        )
     return path
 
 

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import InputError
+from pipeline.errors import InputError
 
 if TYPE_CHECKING:
-    from .backends.base import BuildContext
+    from pipeline.backends.base import BuildContext
 
 # QuantizeLinear/DequantizeLinear take a per-channel ``axis`` from opset 13
 QDQ_MIN_OPSET = 13
@@ -43,44 +43,63 @@ class QdqOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     per_channel: bool = True
-    reduce_range: bool | None = Field(None, description="7-bit weights; null: the backend decides from the target "
-                                                        "(see saturation_safe_range)")
+    reduce_range: bool | None = Field(
+        None, description="7-bit weights; null: the backend decides from the target (see saturation_safe_range)"
+    )
     activation_type: Literal["uint8", "int8"] = "uint8"
     weight_type: Literal["int8", "uint8"] = "int8"
     op_types_to_quantize: list[str] | None = Field(None, description="quantize only these op types (default: all)")
-    nodes_to_exclude: list[str] = Field(default_factory=list, description="nodes kept in float (e.g. after a failed gate)")
+    nodes_to_exclude: list[str] = Field(
+        default_factory=list, description="nodes kept in float (e.g. after a failed gate)"
+    )
 
     def for_target(self, target: Any) -> Any:
         """These options with ``reduce_range`` decided for the SKU's target when left unset (the
         build report then records what was used)."""
         if self.reduce_range is not None:
             return self
-        return self.model_copy(update={"reduce_range": saturation_safe_range(
-            target.arch, target.device, target.cpu_features, self.activation_type, self.weight_type)})
+        return self.model_copy(
+            update={
+                "reduce_range": saturation_safe_range(
+                    target.arch, target.device, target.cpu_features, self.activation_type, self.weight_type
+                )
+            }
+        )
 
     def qdq_settings(self) -> QdqSettings:
-        return QdqSettings(per_channel=self.per_channel, reduce_range=bool(self.reduce_range),
-                           activation_type=self.activation_type, weight_type=self.weight_type,
-                           op_types_to_quantize=tuple(self.op_types_to_quantize) if self.op_types_to_quantize else None,
-                           nodes_to_exclude=tuple(self.nodes_to_exclude))
+        return QdqSettings(
+            per_channel=self.per_channel,
+            reduce_range=bool(self.reduce_range),
+            activation_type=self.activation_type,
+            weight_type=self.weight_type,
+            op_types_to_quantize=tuple(self.op_types_to_quantize) if self.op_types_to_quantize else None,
+            nodes_to_exclude=tuple(self.nodes_to_exclude),
+        )
 
 
 VNNI = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
-def saturation_safe_range(arch: str, device: str, cpu_features: "list[str] | frozenset[str]", activation_type: str,
-                          weight_type: str) -> bool:
+def saturation_safe_range(
+    arch: str, device: str, cpu_features: list[str] | frozenset[str], activation_type: str, weight_type: str
+) -> bool:
     """Whether u8s8 weights need 7 bits on this target. x86 CPUs without VNNI multiply uint8 by int8
     with VPMADDUBSW, which sums pairs into int16 and saturates; ONNX Runtime's u8s8 kernels then
     compute wrong numbers, and so do OpenVINO's (measured: 7.8-11.7% of outputs off on an AVX2
     host). A SKU that declares no VNNI feature may run on such a CPU, so its engine must not
     depend on it."""
-    return (arch == "x86_64" and device == "cpu" and activation_type == "uint8" and weight_type == "int8"
-            and not (VNNI & set(cpu_features)))
+    return (
+        arch == "x86_64"
+        and device == "cpu"
+        and activation_type == "uint8"
+        and weight_type == "int8"
+        and not (VNNI & set(cpu_features))
+    )
 
 
-def quantize_qdq(source: Path, out: Path, ctx: "BuildContext", settings: QdqSettings,
-                 newest_opset: int | None = None) -> dict[str, Any]:
+def quantize_qdq(
+    source: Path, out: Path, ctx: BuildContext, settings: QdqSettings, newest_opset: int | None = None
+) -> dict[str, Any]:
     """Write ``out``: ``source`` with QuantizeLinear/DequantizeLinear pairs from the calibration table.
 
     A model older than opset 13 is converted to opset 17 first (checked on the probe batch):
@@ -92,11 +111,13 @@ def quantize_qdq(source: Path, out: Path, ctx: "BuildContext", settings: QdqSett
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.calibrate import load_tensors_data
 
-    from .graph import SUGGESTED_OPSET, convert_opset, default_opset, tensors_to_raw
+    from pipeline.graph import SUGGESTED_OPSET, convert_opset, default_opset, tensors_to_raw
 
     if ctx.calibration_table is None or not ctx.calibration_table.is_file():
-        raise InputError(f"INT8 build of {ctx.model} for {ctx.sku} needs the calibration table",
-                         hint=f"run: skuforge calibrate --model {ctx.model}")
+        raise InputError(
+            f"INT8 build of {ctx.model} for {ctx.sku} needs the calibration table",
+            hint=f"run: skuforge calibrate --model {ctx.model}",
+        )
     with tempfile.TemporaryDirectory(prefix="skuforge-qdq-") as tmp:
         conversion = None
         model = onnx.load(str(source))
@@ -104,8 +125,11 @@ def quantize_qdq(source: Path, out: Path, ctx: "BuildContext", settings: QdqSett
         target = SUGGESTED_OPSET if have < QDQ_MIN_OPSET else have
         target = min(target, newest_opset) if newest_opset else target
         if target != have:
-            reason = (f"INT8 QDQ needs opset {QDQ_MIN_OPSET} or newer" if have < QDQ_MIN_OPSET else
-                      f"the backend runs QuantizeLinear/DequantizeLinear up to opset {newest_opset}")
+            reason = (
+                f"INT8 QDQ needs opset {QDQ_MIN_OPSET} or newer"
+                if have < QDQ_MIN_OPSET
+                else f"the backend runs QuantizeLinear/DequantizeLinear up to opset {newest_opset}"
+            )
             model, conversion = convert_opset(model, target, ctx.probe_inputs, reason)
             source = Path(tmp) / "converted.onnx"
             onnx.save(model, str(source))
@@ -117,23 +141,35 @@ def quantize_qdq(source: Path, out: Path, ctx: "BuildContext", settings: QdqSett
         try:
             method = load_tensors_data(table).calibration_method
         except (ValueError, KeyError, TypeError) as exc:
-            raise InputError(f"calibration table {ctx.calibration_table} is unreadable: {exc}",
-                             hint=f"rerun: skuforge calibrate --model {ctx.model}") from exc
+            raise InputError(
+                f"calibration table {ctx.calibration_table} is unreadable: {exc}",
+                hint=f"rerun: skuforge calibrate --model {ctx.model}",
+            ) from exc
         types = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}
         try:
             quantize_static(
-                str(source), str(out), None, quant_format=QuantFormat.QDQ,
-                per_channel=settings.per_channel, reduce_range=settings.reduce_range,
-                activation_type=types[settings.activation_type], weight_type=types[settings.weight_type],
-                calibrate_method=method, calibration_cache_path=str(table),
+                str(source),
+                str(out),
+                None,
+                quant_format=QuantFormat.QDQ,
+                per_channel=settings.per_channel,
+                reduce_range=settings.reduce_range,
+                activation_type=types[settings.activation_type],
+                weight_type=types[settings.weight_type],
+                calibrate_method=method,
+                calibration_cache_path=str(table),
                 op_types_to_quantize=list(settings.op_types_to_quantize) if settings.op_types_to_quantize else None,
                 nodes_to_exclude=list(excluded) or None,
-                extra_options={"ActivationSymmetric": settings.symmetric_activations,
-                               "QuantizeBias": settings.quantize_bias},
+                extra_options={
+                    "ActivationSymmetric": settings.symmetric_activations,
+                    "QuantizeBias": settings.quantize_bias,
+                },
             )
         except (ValueError, KeyError) as exc:
-            raise InputError(f"INT8 quantization failed: {exc}",
-                             hint=f"the calibration table does not match the prepared model: rerun skuforge calibrate --model {ctx.model}") from exc
+            raise InputError(
+                f"INT8 quantization failed: {exc}",
+                hint=f"the calibration table does not match the prepared model: rerun skuforge calibrate --model {ctx.model}",
+            ) from exc
     quantized = onnx.load(str(out))
     if tensors_to_raw(quantized):
         onnx.save(quantized, str(out))
@@ -147,7 +183,7 @@ def quantize_qdq(source: Path, out: Path, ctx: "BuildContext", settings: QdqSett
 
 def conversion_warnings(calibration: dict[str, Any] | None) -> list[str]:
     """The build warning for the opset conversion recorded by ``quantize_qdq`` (if any)."""
-    from .graph import OpsetConversion
+    from pipeline.graph import OpsetConversion
 
     record = (calibration or {}).get("opset_conversion")
     return [OpsetConversion(**record).warning()] if record else []
@@ -158,9 +194,11 @@ def check_nodes(model: Any, names: tuple[str, ...] | list[str], what: str) -> No
     have = {n.name for n in model.graph.node}
     unknown = [n for n in names if n not in have]
     if unknown:
-        raise InputError(f"{what}: the prepared model has no node named {', '.join(map(repr, unknown))}",
-                         hint="names are those of the prepared model (build/<model>/prepared/model.onnx), as "
-                              "skuforge bisect reports them; fix models.<model>.higher_precision or the SKU's nodes_to_exclude")
+        raise InputError(
+            f"{what}: the prepared model has no node named {', '.join(map(repr, unknown))}",
+            hint="names are those of the prepared model (build/<model>/prepared/model.onnx), as "
+            "skuforge bisect reports them; fix models.<model>.higher_precision or the SKU's nodes_to_exclude",
+        )
 
 
 def to_fp16(source: Path, out: Path, keep: tuple[str, ...] = ()) -> Path:
@@ -171,7 +209,7 @@ def to_fp16(source: Path, out: Path, keep: tuple[str, ...] = ()) -> Path:
     from onnxruntime.transformers.float16 import convert_float_to_float16
     from onnxruntime.transformers.onnx_model import OnnxModel
 
-    from .graph import tensors_to_raw
+    from pipeline.graph import tensors_to_raw
 
     model = onnx.load(str(source))
     check_nodes(model, keep, "nodes to keep in FP32")
@@ -200,8 +238,12 @@ def _drop_round_trips(model: Any) -> int:
     dropped = []
     for node in model.graph.node:
         first = by_output.get(node.input[0]) if node.input else None
-        if (cast_to(node) == onnx.TensorProto.FLOAT and first is not None and cast_to(first) == onnx.TensorProto.FLOAT16
-                and node.output[0] not in outputs):
+        if (
+            cast_to(node) == onnx.TensorProto.FLOAT
+            and first is not None
+            and cast_to(first) == onnx.TensorProto.FLOAT16
+            and node.output[0] not in outputs
+        ):
             source = first.input[0]
             for reader in model.graph.node:
                 for i, name in enumerate(reader.input):

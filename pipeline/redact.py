@@ -16,14 +16,22 @@ import os
 import re
 import sys
 import warnings
-from typing import Any, Iterable, Mapping, TextIO
+from collections.abc import Iterable, Mapping
+from typing import Any, TextIO
 from urllib.parse import quote, unquote, urlsplit
 
 MASK = "***"
 
 # Always secret, whatever their name says.
-SECRET_ENV = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-              "GITHUB_TOKEN", "SKUFORGE_SIGNING_KEY", "DATABRICKS_TOKEN")
+SECRET_ENV = (
+    "MLFLOW_TRACKING_TOKEN",
+    "MLFLOW_TRACKING_PASSWORD",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "GITHUB_TOKEN",
+    "SKUFORGE_SIGNING_KEY",
+    "DATABRICKS_TOKEN",
+)
 SECRET_SUFFIXES = ("_TOKEN", "_SECRET", "_PASSWORD", "_PASSWD", "_KEY", "_API_KEY", "_ACCESS_KEY")
 # Names that end like a secret but hold public values (Python images set GPG_KEY to a key fingerprint).
 NOT_SECRET = frozenset({"GPG_KEY", "PYTHON_GPG_KEY", "CACHE_KEY", "SORT_KEY", "PRIMARY_KEY", "SSH_AUTH_KEY"})
@@ -35,9 +43,11 @@ MIN_SECRET = 6  # shorter values ("true", "1", "cpu") would mask ordinary words
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)[^\s/?#'\"<>]*@(?=[^\s@/])")
 _AUTH_HEADER = re.compile(r"(?i)\b(authorization[\"']?\s*[:=]\s*[\"']?(?:bearer|basic|token|digest)?\s*)[^\s\"',;}]+")
 _BEARER = re.compile(r"(?i)\b(bearer\s+)[a-z0-9._~+/=\-]{6,}")
-_PARAM = re.compile(r"(?i)\b((?:access_token|id_token|refresh_token|token|password|passwd|pwd|secret|api_key|apikey"
-                    r"|client_secret|x-amz-security-token|x-amz-signature|sig)(?:\s*=\s*|[\"']\s*:\s*)[\"']?)"
-                    r"(?!\*\*\*)[^\s&\"',;}]+")
+_PARAM = re.compile(
+    r"(?i)\b((?:access_token|id_token|refresh_token|token|password|passwd|pwd|secret|api_key|apikey"
+    r"|client_secret|x-amz-security-token|x-amz-signature|sig)(?:\s*=\s*|[\"']\s*:\s*)[\"']?)"
+    r"(?!\*\*\*)[^\s&\"',;}]+"
+)
 
 
 def is_secret_name(name: str) -> bool:

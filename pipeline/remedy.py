@@ -13,27 +13,27 @@ from __future__ import annotations
 import io
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
-from .bisect import bisect, scratch_build
-from .errors import ConfigError, InputError
-from .io import atomic_write_bytes
-from .results import Bisection, MetricResult, Outcome, OutputError, Remedy
+from pipeline.bisect import bisect, scratch_build
+from pipeline.errors import ConfigError, InputError
+from pipeline.io import atomic_write_bytes
+from pipeline.results import Bisection, MetricResult, Outcome, OutputError, Remedy
 
 if TYPE_CHECKING:
-
-    from .config import Registry
+    from pipeline.config import Registry
 
 TIMING_ROUNDS = 5
 TIMING_CALLS = 40
 
 
-def upstream(registry: "Registry", model: str, node: str) -> list[str]:
+def upstream(registry: Registry, model: str, node: str) -> list[str]:
     """The nodes of the prepared model whose outputs ``node`` reads (computed tensors only)."""
     import onnx
 
-    from .stages.common import layout
+    from pipeline.stages.common import layout
 
     graph = onnx.load(str(layout(registry).prepared_model(model)), load_external_data=False).graph
     producer = {o: n.name for n in graph.node for o in n.output if n.name}
@@ -47,22 +47,33 @@ def override_yaml(model: str, sku: str, nodes: list[str]) -> str:
     return yaml.safe_dump({"models": {model: {"higher_precision": {sku: list(nodes)}}}}, sort_keys=False)
 
 
-def judge(registry: "Registry", model: str, sku: str, runner: Any) -> tuple[list[OutputError], list[MetricResult], list[str]]:
+def judge(
+    registry: Registry, model: str, sku: str, runner: Any
+) -> tuple[list[OutputError], list[MetricResult], list[str]]:
     """The validate stage's correctness figures for a loaded engine (golden outputs, task metric)."""
-    from .stages.validate import correctness, correctness_failures
+    from pipeline.stages.validate import correctness, correctness_failures
 
     errors, metrics, _, _ = correctness(registry, model, sku, runner)
     return errors, metrics, correctness_failures(registry, model, errors, metrics)
 
 
-def fix(registry: "Registry", model: str, sku: str, *, max_rounds: int | None = None, max_builds: int | None = None,
-        progress: Callable[[str, float], None] | None = None) -> Remedy:
+def fix(
+    registry: Registry,
+    model: str,
+    sku: str,
+    *,
+    max_rounds: int | None = None,
+    max_builds: int | None = None,
+    progress: Callable[[str, float], None] | None = None,
+) -> Remedy:
     """Bisect, keep the suspects precise, rebuild and re-validate until the gate passes."""
     spec = registry.sku(sku)
     max_rounds = max_rounds or spec.bisect.max_fix_rounds
     if spec.precision == "fp32":
-        raise ConfigError(f"{sku} builds in fp32: there is no higher precision to keep nodes in",
-                          hint="a divergent FP32 engine is a compiler problem: report it with skuforge bisect's findings")
+        raise ConfigError(
+            f"{sku} builds in fp32: there is no higher precision to keep nodes in",
+            hint="a divergent FP32 engine is a compiler problem: report it with skuforge bisect's findings",
+        )
     keep = list(registry.higher_precision(model, sku))
     rounds: list[Bisection] = []
     builds = 0
@@ -87,22 +98,39 @@ def fix(registry: "Registry", model: str, sku: str, *, max_rounds: int | None = 
             current = scratch_build(registry, model, sku, work / f"round{len(rounds)}", keep)
             builds += 1
             passed, failures = judged(registry, model, sku, current)[2:]
-        before, after = _compare(registry, model, sku, before_dir, current, list(registry.higher_precision(model, sku)), keep)
+        before, after = _compare(
+            registry, model, sku, before_dir, current, list(registry.higher_precision(model, sku)), keep
+        )
     ratio = after.p50_ms / before.p50_ms if before.p50_ms and after.p50_ms else None
     added = [n for n in keep if n not in before.keep_precise]
     if after.passed:
-        summary = (f"passes with {len(added)} more node(s) kept in higher precision ({', '.join(added) or 'none'}) after "
-                   f"{len(rounds)} round(s), {builds} builds" + (f"; latency x{ratio:.2f}" if ratio else ""))
+        summary = (
+            f"passes with {len(added)} more node(s) kept in higher precision ({', '.join(added) or 'none'}) after "
+            f"{len(rounds)} round(s), {builds} builds" + (f"; latency x{ratio:.2f}" if ratio else "")
+        )
     else:
-        summary = (f"still fails after {len(rounds)} round(s), {builds} builds: "
-                   + ("; ".join(after.failures) or "no further suspect"))
-    return Remedy(model=model, sku=sku, backend=spec.backend, precision=spec.precision, passed=after.passed,
-                  summary=summary, keep_precise=keep, rounds=rounds, builds=builds, before=before, after=after,
-                  latency_ratio=round(ratio, 4) if ratio else None, overrides=override_yaml(model, sku, keep))
+        summary = f"still fails after {len(rounds)} round(s), {builds} builds: " + (
+            "; ".join(after.failures) or "no further suspect"
+        )
+    return Remedy(
+        model=model,
+        sku=sku,
+        backend=spec.backend,
+        precision=spec.precision,
+        passed=after.passed,
+        summary=summary,
+        keep_precise=keep,
+        rounds=rounds,
+        builds=builds,
+        before=before,
+        after=after,
+        latency_ratio=round(ratio, 4) if ratio else None,
+        overrides=override_yaml(model, sku, keep),
+    )
 
 
-def judged(registry: "Registry", model: str, sku: str, engine: Path) -> tuple[list, list, bool, list[str]]:
-    from .backends import get_backend
+def judged(registry: Registry, model: str, sku: str, engine: Path) -> tuple[list, list, bool, list[str]]:
+    from pipeline.backends import get_backend
 
     sku_spec = registry.sku(sku)
     with get_backend(sku_spec.backend).load(engine, sku_spec) as runner:
@@ -110,15 +138,16 @@ def judged(registry: "Registry", model: str, sku: str, engine: Path) -> tuple[li
     return errors, metrics, not failures, failures
 
 
-def _compare(registry: "Registry", model: str, sku: str, before: Path, after: Path, keep_before: list[str],
-             keep_after: list[str]) -> tuple[Outcome, Outcome]:
+def _compare(
+    registry: Registry, model: str, sku: str, before: Path, after: Path, keep_before: list[str], keep_after: list[str]
+) -> tuple[Outcome, Outcome]:
     """Both engines judged, and timed interleaved on one golden batch (same process, same moment)."""
     import numpy as np
 
-    from .backends import get_backend
-    from .data import LABELS, iter_batches
-    from .results import PrepareReport
-    from .stages.common import layout, load_arrays, read_report, run_plan
+    from pipeline.backends import get_backend
+    from pipeline.data import LABELS, iter_batches
+    from pipeline.results import PrepareReport
+    from pipeline.stages.common import layout, load_arrays, read_report, run_plan
 
     out = layout(registry)
     sku_spec = registry.sku(sku)
@@ -133,7 +162,9 @@ def _compare(registry: "Registry", model: str, sku: str, before: Path, after: Pa
         runners = (a, b)
         for keep, runner in zip((keep_before, keep_after), runners):
             errors, metrics, failures = judge(registry, model, sku, runner)
-            outcomes.append(dict(keep_precise=keep, passed=not failures, failures=failures, outputs=errors, metrics=metrics))
+            outcomes.append(
+                dict(keep_precise=keep, passed=not failures, failures=failures, outputs=errors, metrics=metrics)
+            )
         for runner in runners:
             for _ in range(5):
                 runner.infer(feeds)  # warm-up
@@ -151,7 +182,7 @@ def apply_overrides(params: Path, model: str, sku: str, nodes: list[str]) -> Non
     layout (ruamel round trip); the file is replaced atomically and re-validated first."""
     from ruamel.yaml import YAML
 
-    from .config import parse_registry
+    from pipeline.config import parse_registry
 
     yaml = YAML()
     yaml.preserve_quotes = True

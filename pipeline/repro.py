@@ -14,11 +14,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from .config import Registry
-from .errors import EnvironmentProblem, InputError, MalformedFile, SkuforgeError
-from .io import MERGE_CONFLICT_FIX, merge_conflict
-from .redact import redact
-from .runner.check import host_problems
+from pipeline.config import Registry
+from pipeline.errors import EnvironmentProblem, InputError, MalformedFile, SkuforgeError
+from pipeline.io import MERGE_CONFLICT_FIX, merge_conflict
+from pipeline.redact import redact
+from pipeline.runner.check import host_problems
 
 
 @dataclass
@@ -41,15 +41,24 @@ def sku_statuses(registry: Registry) -> list[SkuStatus]:
     for name, spec in registry.skus.items():
         build = host_problems(registry, name, "build")
         run = host_problems(registry, name, "run")
-        out.append(SkuStatus(sku=name, backend=spec.backend, precision=spec.precision,
-                             target=f"{spec.target.arch}/{spec.target.device}/{spec.target.os}",
-                             runner_labels=spec.runner_labels, buildable=not build, runnable=not run,
-                             problems=list(dict.fromkeys(build + run))))
+        out.append(
+            SkuStatus(
+                sku=name,
+                backend=spec.backend,
+                precision=spec.precision,
+                target=f"{spec.target.arch}/{spec.target.device}/{spec.target.os}",
+                runner_labels=spec.runner_labels,
+                buildable=not build,
+                runnable=not run,
+                problems=list(dict.fromkeys(build + run)),
+            )
+        )
     return out
 
 
-def targets(registry: Registry, models: list[str] | None, skus: list[str] | None,
-            publish: bool = True) -> tuple[list[str], list[SkuStatus]]:
+def targets(
+    registry: Registry, models: list[str] | None, skus: list[str] | None, publish: bool = True
+) -> tuple[list[str], list[SkuStatus]]:
     """dvc targets for this host, and the SKUs it cannot take all the way.
 
     A SKU this host can build and run goes to its publish stage (its manifest with
@@ -98,7 +107,7 @@ def _dvc(root: Path) -> str:
 # The files dvc reads, and how to get past a merge conflict in each.
 DVC_FILES = {
     "dvc.lock": f"{MERGE_CONFLICT_FIX}; or delete dvc.lock and run `skuforge repro` again to rebuild it (dvc "
-                "reruns the stages whose outputs it cannot restore from its cache)",
+    "reruns the stages whose outputs it cannot restore from its cache)",
     "dvc.yaml": f"{MERGE_CONFLICT_FIX}, then run again",
     "params.yaml": f"{MERGE_CONFLICT_FIX}, then run again",
 }
@@ -127,8 +136,9 @@ class ProjectStatus:
     """
 
     def __init__(self, root: Path):
-        self.proc = subprocess.Popen([_dvc(root), "status", "--json"], cwd=root, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True)
+        self.proc = subprocess.Popen(
+            [_dvc(root), "status", "--json"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
 
     def stale(self, stages: set[str]) -> list[str] | None:
         """Which of ``stages`` DVC would run; None when the status could not be read."""
@@ -154,8 +164,9 @@ class DvcFailed(SkuforgeError):
 INTERRUPT_GRACE_S = 10.0
 
 
-def run_dvc_repro(root: Path, dvc_targets: list[str], force: bool = False, dry: bool = False,
-                  keep_going: bool = False) -> None:
+def run_dvc_repro(
+    root: Path, dvc_targets: list[str], force: bool = False, dry: bool = False, keep_going: bool = False
+) -> None:
     """Run ``dvc repro`` (``dvc status`` when ``dry``), its output passed on to stderr; DvcFailed when it fails.
 
     With ``keep_going`` dvc runs every stage whose upstream did not fail. On Ctrl-C (it reaches dvc
@@ -164,10 +175,14 @@ def run_dvc_repro(root: Path, dvc_targets: list[str], force: bool = False, dry: 
     dvc = _dvc(root)
     # `dvc repro --dry` hashes dependencies that no stage has made yet and fails in a new
     # project; `dvc status` answers "what would run" without that.
-    cmd = [dvc, "status", "--with-deps", *dvc_targets] if dry else \
-        [dvc, "repro", *(["--force"] if force else []), *(["--keep-going"] if keep_going else []), *dvc_targets]
-    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace")
+    cmd = (
+        [dvc, "status", "--with-deps", *dvc_targets]
+        if dry
+        else [dvc, "repro", *(["--force"] if force else []), *(["--keep-going"] if keep_going else []), *dvc_targets]
+    )
+    proc = subprocess.Popen(
+        cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+    )
     tail: list[str] = []
     exits: list[str] = []  # dvc's "failed to run: ..., exited with N" lines, however early they came
     assert proc.stdout is not None
@@ -208,32 +223,46 @@ def dvc_failure(root: Path, returncode: int, text: str) -> DvcFailed:
     text = _ANSI.sub("", text)
     killed = _signal(returncode)
     if killed:  # OOM killer, a CI timeout, kill -9: nothing in dvc.yaml to fix
-        return _failed(f"dvc was killed by {killed} (exit {returncode}) before it finished", 3,
-                       "something stopped it from outside (out of memory? a CI timeout?): run `skuforge repro` "
-                       "again; the stages that finished are kept")
+        return _failed(
+            f"dvc was killed by {killed} (exit {returncode}) before it finished",
+            3,
+            "something stopped it from outside (out of memory? a CI timeout?): run `skuforge repro` "
+            "again; the stages that finished are kept",
+        )
     if "Unable to acquire lock" in text or "is being blocked by" in text:
         lock, holder = _lock_holder(root, text)
-        return _failed(f"another dvc process is running in this workspace ({holder}): dvc could not take {lock}", 3,
-                       f"wait for it to finish (or stop it), then run again; if no such process is running, "
-                       f"remove {lock} and run again")
+        return _failed(
+            f"another dvc process is running in this workspace ({holder}): dvc could not take {lock}",
+            3,
+            f"wait for it to finish (or stop it), then run again; if no such process is running, "
+            f"remove {lock} and run again",
+        )
     code = re.findall(r"exited with (-?\d+)", text)
     if code:  # a stage command failed: pass its exit code on
         statuses = [int(c) for c in code]
         killed = next((k for k in map(_signal, statuses) if k), None)
         if killed:
-            return _failed(f"dvc failed: {_first_error(text)}: the stage was killed by {killed}", 3,
-                           "something stopped it from outside (out of memory? a CI timeout?): run `skuforge repro` "
-                           "again; the stages that finished are kept")
+            return _failed(
+                f"dvc failed: {_first_error(text)}: the stage was killed by {killed}",
+                3,
+                "something stopped it from outside (out of memory? a CI timeout?): run `skuforge repro` "
+                "again; the stages that finished are kept",
+            )
         worst = max(s if s in (1, 2, 3, 4) else 70 for s in statuses)
         err = _failed(f"dvc failed: {_first_error(text)}", worst, "the failing stage's own message is above")
         err.stage_failed = True
         return err
-    if _first_error(text, None) is None and re.search(r"dvc\.yaml|dvc\.lock|params\.yaml|is invalid", _first_lines(text, 1)):
+    if _first_error(text, None) is None and re.search(
+        r"dvc\.yaml|dvc\.lock|params\.yaml|is invalid", _first_lines(text, 1)
+    ):
         # dvc's parse errors come without the ERROR prefix, their explanation below the first line
         return _failed(f"dvc failed: {_first_lines(text)}", 2, _refused_hint(text))
     if _first_error(text, None) is None:  # no ERROR line: dvc itself broke; its own last words say why
-        return _failed(f"dvc exited with {returncode}: {_last_lines(text) or 'no output'}", 3,
-                       f"run `dvc repro` in {root} to see dvc's whole output; `dvc doctor` checks its installation")
+        return _failed(
+            f"dvc exited with {returncode}: {_last_lines(text) or 'no output'}",
+            3,
+            f"run `dvc repro` in {root} to see dvc's whole output; `dvc doctor` checks its installation",
+        )
     # dvc refused the pipeline itself (dvc.yaml, params.yaml, missing dependency)
     return _failed(f"dvc failed: {_first_error(text)}", 2, _refused_hint(text))
 
@@ -300,7 +329,7 @@ def _first_error(text: str, default: str | None = "") -> str | None:
     for i, line in enumerate(lines):
         if line.startswith("ERROR"):
             more = []
-            for nxt in lines[i + 1:i + 4]:
+            for nxt in lines[i + 1 : i + 4]:
                 if not nxt or nxt.startswith(("ERROR", "WARNING", "Running stage", "Having any troubles")):
                     break
                 more.append(nxt)
@@ -323,20 +352,33 @@ def outcome_path(root: Path, stage: str, model: str | None = None, sku: str | No
     return base / model / (f"{stage}@{sku}.json" if sku else f"{stage}.json")
 
 
-def record_outcome(root: Path, stage: str, model: str | None, sku: str | None, exit_code: int, message: str,
-                   error: BaseException | None = None) -> Path:
+def record_outcome(
+    root: Path,
+    stage: str,
+    model: str | None,
+    sku: str | None,
+    exit_code: int,
+    message: str,
+    error: BaseException | None = None,
+) -> Path:
     """Write the failure of one stage command (atomically): stage, exit code, one-line message and,
     for an UnsupportedOp, the backend, op and node."""
-    from .errors import UnsupportedOp
-    from .io import atomic_write_bytes, atomic_write_json
+    from pipeline.errors import UnsupportedOp
+    from pipeline.io import atomic_write_bytes, atomic_write_json
 
     base = Path(root) / OUTCOMES_DIR
     if not (base / ".gitignore").exists():  # local state of this checkout, like build/
         atomic_write_bytes(base / ".gitignore", b"*\n")
     lines = [line.strip() for line in redact(message).splitlines() if line.strip()]
-    record = {"stage": stage, "model": model, "sku": sku, "exit_code": exit_code,
-              "message": " / ".join(lines[:4]) or "failed without a message",
-              "time": datetime.now(timezone.utc).isoformat(timespec="microseconds"), "unsupported": None}
+    record = {
+        "stage": stage,
+        "model": model,
+        "sku": sku,
+        "exit_code": exit_code,
+        "message": " / ".join(lines[:4]) or "failed without a message",
+        "time": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
+        "unsupported": None,
+    }
     if isinstance(error, UnsupportedOp):
         record["unsupported"] = {"backend": error.backend, "op_type": error.op_type, "node": error.node}
     return atomic_write_json(outcome_path(root, stage, model, sku), record)
@@ -361,7 +403,11 @@ def clear_outcomes(registry: Registry, dvc_targets: list[str]) -> None:
 
 
 def _split_pair(registry: Registry, item: str) -> tuple[str, str]:
-    return next((m, item[len(m) + 1:]) for m in registry.models if item.startswith(f"{m}-") and item[len(m) + 1:] in registry.skus)
+    return next(
+        (m, item[len(m) + 1 :])
+        for m in registry.models
+        if item.startswith(f"{m}-") and item[len(m) + 1 :] in registry.skus
+    )
 
 
 def _read_outcome(path: Path) -> dict[str, Any] | None:
@@ -375,8 +421,16 @@ def _read_outcome(path: Path) -> dict[str, Any] | None:
 
 # --- the matrix ---------------------------------------------------------------------------------
 
-Outcome = Literal["passed", "gate failed", "build failed", "unsupported", "publish failed", "built only",
-                  "not buildable here", "not run"]
+Outcome = Literal[
+    "passed",
+    "gate failed",
+    "build failed",
+    "unsupported",
+    "publish failed",
+    "built only",
+    "not buildable here",
+    "not run",
+]
 OUTCOMES: tuple[str, ...] = get_args(Outcome)
 
 
@@ -401,8 +455,12 @@ class PairOutcome:
         return self.__dict__.copy()
 
 
-def matrix(registry: Registry, models: list[str] | None = None, skus: list[str] | None = None,
-           statuses: list[SkuStatus] | None = None) -> list[PairOutcome]:
+def matrix(
+    registry: Registry,
+    models: list[str] | None = None,
+    skus: list[str] | None = None,
+    statuses: list[SkuStatus] | None = None,
+) -> list[PairOutcome]:
     """One outcome per (model, SKU), in registry order, from the manifests, the outcome records the
     stage commands left and what this host can do (``statuses``: sku_statuses, computed when None).
 
@@ -424,17 +482,19 @@ def matrix(registry: Registry, models: list[str] | None = None, skus: list[str] 
     return rows
 
 
-def _pair_outcome(registry: Registry, model: str, sku: str, status: SkuStatus | None,
-                  upstream: list[dict[str, Any]]) -> PairOutcome:
-    from .paths import Layout
+def _pair_outcome(
+    registry: Registry, model: str, sku: str, status: SkuStatus | None, upstream: list[dict[str, Any]]
+) -> PairOutcome:
+    from pipeline.paths import Layout
 
     out = Layout(registry.root)
     manifest_path = out.manifest(model, sku)
     row = _manifest_row(registry, model, sku) if manifest_path.is_file() else None
     if row is None and status is not None and not status.buildable:
         # whatever an attempt here recorded, this host was never going to build it
-        return PairOutcome(model, sku, "not buildable here", 0, "; ".join(status.problems),
-                           runner_labels=status.runner_labels)
+        return PairOutcome(
+            model, sku, "not buildable here", 0, "; ".join(status.problems), runner_labels=status.runner_labels
+        )
     made = manifest_path.stat().st_mtime if row else None
     base = registry.root / OUTCOMES_DIR / model
     records = [(r, False) for r in (_read_outcome(base / f"{st}@{sku}.json") for st in PAIR_STAGES) if r]
@@ -445,38 +505,71 @@ def _pair_outcome(registry: Registry, model: str, sku: str, status: SkuStatus | 
         if not from_upstream:
             return _failed_pair(registry, model, sku, record, row)
         where = f"{record['stage']}@{model}" if record.get("model") else record["stage"]
-        return PairOutcome(model, sku, "not run", int(record["exit_code"]), f"{where} failed: {record['message']}",
-                           record["stage"], manifest=row)
+        return PairOutcome(
+            model,
+            sku,
+            "not run",
+            int(record["exit_code"]),
+            f"{where} failed: {record['message']}",
+            record["stage"],
+            manifest=row,
+        )
     if row is not None:
         if row["passed"]:
             return PairOutcome(model, sku, "passed", 0, "", None, row["p50_ms"], manifest=row)
         fix = row.pop("fix", "")
-        return PairOutcome(model, sku, "gate failed", 1, _with_fix("; ".join(row["failures"]) or "correctness gate failed",
-                                                                   fix), "validate", row["p50_ms"], manifest=row, fix=fix)
+        return PairOutcome(
+            model,
+            sku,
+            "gate failed",
+            1,
+            _with_fix("; ".join(row["failures"]) or "correctness gate failed", fix),
+            "validate",
+            row["p50_ms"],
+            manifest=row,
+            fix=fix,
+        )
     if status is not None and not status.runnable and out.report(model, sku, "build").is_file():
-        return PairOutcome(model, sku, "built only", 0,
-                           "; ".join(status.problems) + ": its runner validates, benches and publishes it",
-                           "build", runner_labels=status.runner_labels)
+        return PairOutcome(
+            model,
+            sku,
+            "built only",
+            0,
+            "; ".join(status.problems) + ": its runner validates, benches and publishes it",
+            "build",
+            runner_labels=status.runner_labels,
+        )
     return PairOutcome(model, sku, "not run", 0, "no manifest and no recorded failure yet")
 
 
-def _failed_pair(registry: Registry, model: str, sku: str, record: dict[str, Any],
-                 row: dict[str, Any] | None) -> PairOutcome:
-    from .paths import Layout
+def _failed_pair(
+    registry: Registry, model: str, sku: str, record: dict[str, Any], row: dict[str, Any] | None
+) -> PairOutcome:
+    from pipeline.paths import Layout
 
     stage, code, message = record["stage"], int(record["exit_code"]), str(record["message"])
     if stage == "validate" and code == 1:
         failures, fix = _validate_failures(registry, model, sku, Layout(registry.root).report(model, sku, "validate"))
-        return PairOutcome(model, sku, "gate failed", 1, _with_fix("; ".join(failures) or message, fix), stage,
-                           manifest=row, fix=fix)
+        return PairOutcome(
+            model, sku, "gate failed", 1, _with_fix("; ".join(failures) or message, fix), stage, manifest=row, fix=fix
+        )
     if stage == "build" and code == 1:  # the build's own gate: the reproducibility check's required verdict
         return PairOutcome(model, sku, "gate failed", 1, f"build: {message}", stage, manifest=row)
     if record.get("unsupported"):
-        return PairOutcome(model, sku, "unsupported", code, message, stage, unsupported=record["unsupported"],
-                           manifest=row)
+        return PairOutcome(
+            model, sku, "unsupported", code, message, stage, unsupported=record["unsupported"], manifest=row
+        )
     kind = "publish failed" if stage == "publish" else "build failed"
-    return PairOutcome(model, sku, kind, code, f"{stage}: {message}", stage,
-                       row["p50_ms"] if row and kind == "publish failed" else None, manifest=row)
+    return PairOutcome(
+        model,
+        sku,
+        kind,
+        code,
+        f"{stage}: {message}",
+        stage,
+        row["p50_ms"] if row and kind == "publish failed" else None,
+        manifest=row,
+    )
 
 
 def _validate_failures(registry: Registry, model: str, sku: str, path: Path) -> tuple[list[str], str]:
@@ -486,7 +579,11 @@ def _validate_failures(registry: Registry, model: str, sku: str, path: Path) -> 
         failures = report.get("failures") or []
     except (OSError, ValueError, AttributeError):
         return [], ""
-    fix = fix_hint(model, sku, registry.sku(sku).precision, report.get("bisection")) if _correctness_failed(failures) else ""
+    fix = (
+        fix_hint(model, sku, registry.sku(sku).precision, report.get("bisection"))
+        if _correctness_failed(failures)
+        else ""
+    )
     return [str(f) for f in failures], fix
 
 
@@ -527,8 +624,8 @@ def worst_exit(rows: list[PairOutcome]) -> int:
 
 def _manifest_row(registry: Registry, model: str, sku: str) -> dict[str, Any]:
     """The summary row of one manifest: gate results, metric deltas, latency, MLflow version."""
-    from .manifest import load_manifest
-    from .paths import Layout
+    from pipeline.manifest import load_manifest
+    from pipeline.paths import Layout
 
     out = Layout(registry.root)
     m = load_manifest(out.manifest(model, sku))
@@ -543,16 +640,33 @@ def _manifest_row(registry: Registry, model: str, sku: str) -> dict[str, Any]:
     except (OSError, ValueError, AttributeError):
         build_s = None
     return {
-        "model": model, "sku": sku, "backend": m.backend, "precision": m.precision,
-        "passed": m.correctness.passed, "failures": list(m.correctness.failures), "build_s": build_s,
-        "layers": len(m.layers), "fused_layers": sum(1 for layer in m.layers if len(layer.fused_from) > 1),
-        "max_abs_error": max((o.max_abs_error for o in m.correctness.outputs if o.max_abs_error is not None), default=None),
+        "model": model,
+        "sku": sku,
+        "backend": m.backend,
+        "precision": m.precision,
+        "passed": m.correctness.passed,
+        "failures": list(m.correctness.failures),
+        "build_s": build_s,
+        "layers": len(m.layers),
+        "fused_layers": sum(1 for layer in m.layers if len(layer.fused_from) > 1),
+        "max_abs_error": max(
+            (o.max_abs_error for o in m.correctness.outputs if o.max_abs_error is not None), default=None
+        ),
         **{f"{k}_reference": v.reference for k, v in metrics.items()},
         **{f"{k}_delta": v.delta for k, v in metrics.items()},
-        "p50_ms": m.benchmark.engine_only.p50_ms, "p99_ms": m.benchmark.engine_only.p99_ms,
-        "e2e_p50_ms": m.benchmark.end_to_end.p50_ms, "throughput_per_s": m.benchmark.throughput_per_s,
+        "p50_ms": m.benchmark.engine_only.p50_ms,
+        "p99_ms": m.benchmark.engine_only.p99_ms,
+        "e2e_p50_ms": m.benchmark.end_to_end.p50_ms,
+        "throughput_per_s": m.benchmark.throughput_per_s,
         "digest": m.digest[:12],
         "mlflow": f"v{published['version']}" if published.get("digest") == m.digest else None,
-        **({"fix": fix_hint(model, sku, m.precision, m.correctness.bisection.to_json() if m.correctness.bisection else None)}
-           if not m.correctness.passed and _correctness_failed(m.correctness.failures) else {}),
+        **(
+            {
+                "fix": fix_hint(
+                    model, sku, m.precision, m.correctness.bisection.to_json() if m.correctness.bisection else None
+                )
+            }
+            if not m.correctness.passed and _correctness_failed(m.correctness.failures)
+            else {}
+        ),
     }

@@ -18,25 +18,33 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, get_args
+from typing import TYPE_CHECKING, get_args
 
-from .backends import get_backend
-from .config import Registry, SkuSpec
-from .data import LABELS, run_dataset
-from .errors import EnvironmentProblem, GateFailed, InputError, ServiceError, SkuforgeError
-from .results import (FileRecord, LayerInfo, OutputDiff, PrepareReport, Reproducibility, ReproducibilityLevel,
-                      ReproducibilityVerdict)
-from .runner.check import host_problems
-from .stages.common import layout, load_arrays, log, read_report, run_plan
+from pipeline.backends import get_backend
+from pipeline.config import Registry, SkuSpec
+from pipeline.data import LABELS, run_dataset
+from pipeline.errors import EnvironmentProblem, GateFailed, InputError, ServiceError, SkuforgeError
+from pipeline.results import (
+    FileRecord,
+    LayerInfo,
+    OutputDiff,
+    PrepareReport,
+    Reproducibility,
+    ReproducibilityLevel,
+    ReproducibilityVerdict,
+)
+from pipeline.runner.check import host_problems
+from pipeline.stages.common import layout, load_arrays, log, read_report, run_plan
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from .stages import Progress
-    from .stages.build import Built
+    from pipeline.stages import Progress
+    from pipeline.stages.build import Built
 
 # Golden samples both engines run: the default golden set, enough to exercise every kernel path a
 # batch takes without doubling a large model's validate time
@@ -60,8 +68,15 @@ def meets(verdict: ReproducibilityVerdict, required: ReproducibilityLevel) -> bo
     return RANK[verdict] >= RANK[required]
 
 
-def check(registry: Registry, model: str, sku: str, first: Built, engine_dir: Path,
-          rebuild: Rebuild | None = None, progress: Progress | None = None) -> Reproducibility:
+def check(
+    registry: Registry,
+    model: str,
+    sku: str,
+    first: Built,
+    engine_dir: Path,
+    rebuild: Rebuild | None = None,
+    progress: Progress | None = None,
+) -> Reproducibility:
     """Build again into a temporary folder and compare with ``first`` (in ``engine_dir``).
 
     ``rebuild`` defaults to ``build_engine`` in a new process (``in_new_process``), with the nodes
@@ -85,13 +100,31 @@ def check(registry: Registry, model: str, sku: str, first: Built, engine_dir: Pa
         files = differing_files(first.files, second.files)
         added, removed, changed = layer_changes(first.outcome.layers, second.outcome.layers)
         not_run = host_problems(registry, sku, "run") if files else []
-        outputs, samples = (([], 0) if not files or not_run else
-                            output_diffs(registry, model, sku, engine_dir, second_dir))
-    verdict: ReproducibilityVerdict = ("bitwise" if not files else "differs" if added or removed or changed or outputs
-                                       else "unverified" if not_run else "equivalent")
-    result = Reproducibility(verdict=verdict, required=required, passed=meets(verdict, required),
-                             differing_files=files, layers_added=added, layers_removed=removed, layers_changed=changed,
-                             outputs=outputs, samples=samples, not_run=not_run, second_build_seconds=round(seconds, 3))
+        outputs, samples = (
+            ([], 0) if not files or not_run else output_diffs(registry, model, sku, engine_dir, second_dir)
+        )
+    verdict: ReproducibilityVerdict = (
+        "bitwise"
+        if not files
+        else "differs"
+        if added or removed or changed or outputs
+        else "unverified"
+        if not_run
+        else "equivalent"
+    )
+    result = Reproducibility(
+        verdict=verdict,
+        required=required,
+        passed=meets(verdict, required),
+        differing_files=files,
+        layers_added=added,
+        layers_removed=removed,
+        layers_changed=changed,
+        outputs=outputs,
+        samples=samples,
+        not_run=not_run,
+        second_build_seconds=round(seconds, 3),
+    )
     log(model, sku).info("reproducible: %s%s", verdict, f" ({'; '.join(describe(result))})" if files else "")
     return result
 
@@ -104,22 +137,27 @@ def in_new_process(registry: Registry, model: str, sku: str, keep_precise: tuple
             try:
                 built, failure = pool.submit(_build, registry, model, sku, engine_dir, cache_dir, keep_precise).result()
             except BrokenProcessPool as exc:
-                raise EnvironmentProblem(f"{model}/{sku}: the reproducibility check's second build died (a crash or "
-                                         "the OOM killer)", hint="run skuforge build --check-reproducible again; "
-                                         "if it dies again, the compiler crashes on a rebuild") from exc
+                raise EnvironmentProblem(
+                    f"{model}/{sku}: the reproducibility check's second build died (a crash or the OOM killer)",
+                    hint="run skuforge build --check-reproducible again; "
+                    "if it dies again, the compiler crashes on a rebuild",
+                ) from exc
         if failure is not None:
             code, message, hint = failure
             raise _BY_EXIT.get(code, EnvironmentProblem)(
-                f"{model}/{sku}: the reproducibility check's second build failed where the first passed: {message}", hint)
+                f"{model}/{sku}: the reproducibility check's second build failed where the first passed: {message}",
+                hint,
+            )
         return built
 
     return rebuild
 
 
-def _build(registry: Registry, model: str, sku: str, engine_dir: Path, cache_dir: Path,
-           keep_precise: tuple[str, ...] | None) -> tuple[Built | None, tuple[int, str, str | None] | None]:
+def _build(
+    registry: Registry, model: str, sku: str, engine_dir: Path, cache_dir: Path, keep_precise: tuple[str, ...] | None
+) -> tuple[Built | None, tuple[int, str, str | None] | None]:
     """In the new process. SkuforgeError subclasses do not all unpickle, so failures travel as data."""
-    from .stages.build import build_engine
+    from pipeline.stages.build import build_engine
 
     try:
         return build_engine(registry, model, sku, engine_dir, cache_dir=cache_dir, keep_precise=keep_precise), None
@@ -131,21 +169,29 @@ def require(result: Reproducibility, model: str, sku: str, report: Path) -> None
     """GateFailed (exit 1) when the verdict is below the SKU's ``reproducibility.require``."""
     if result.passed:
         return
-    raise GateFailed(f"{model}/{sku}: the engine is not reproducible at the required level {result.required!r} "
-                     f"(verdict {result.verdict!r}):\n" + "\n".join(f"  - {line}" for line in describe(result)),
-                     hint=f"see reproducibility in {report}; remove what varies between builds (a timestamp, a "
-                          f"temporary path, a nondeterministic pass) or lower skus.{sku}.reproducibility.require")
+    raise GateFailed(
+        f"{model}/{sku}: the engine is not reproducible at the required level {result.required!r} "
+        f"(verdict {result.verdict!r}):\n" + "\n".join(f"  - {line}" for line in describe(result)),
+        hint=f"see reproducibility in {report}; remove what varies between builds (a timestamp, a "
+        f"temporary path, a nondeterministic pass) or lower skus.{sku}.reproducibility.require",
+    )
 
 
 def describe(result: Reproducibility) -> list[str]:
     """One line per kind of difference, for messages and logs."""
     lines = [f"engine files differ: {', '.join(result.differing_files)}"] if result.differing_files else []
-    for what, names in (("added", result.layers_added), ("removed", result.layers_removed),
-                        ("changed", result.layers_changed)):
+    for what, names in (
+        ("added", result.layers_added),
+        ("removed", result.layers_removed),
+        ("changed", result.layers_changed),
+    ):
         if names:
             lines.append(f"layers {what} ({len(names)}): {', '.join(names[:10])}{' …' if len(names) > 10 else ''}")
-    lines += [f"output {o.output}: {o.differing:.2%} of elements differ in their bits, max abs diff {o.max_abs_diff:.3g} "
-              f"(on {result.samples} golden samples)" for o in result.outputs]
+    lines += [
+        f"output {o.output}: {o.differing:.2%} of elements differ in their bits, max abs diff {o.max_abs_diff:.3g} "
+        f"(on {result.samples} golden samples)"
+        for o in result.outputs
+    ]
     if result.not_run:
         lines.append(f"outputs not compared: this host cannot run the engine ({'; '.join(result.not_run)})")
     elif result.differing_files and not lines[1:]:
@@ -181,8 +227,9 @@ def _keyed(layers: list[LayerInfo]) -> dict[str, LayerInfo]:
     return keyed
 
 
-def output_diffs(registry: Registry, model: str, sku: str, first_dir: Path, second_dir: Path
-                 ) -> tuple[list[OutputDiff], int]:
+def output_diffs(
+    registry: Registry, model: str, sku: str, first_dir: Path, second_dir: Path
+) -> tuple[list[OutputDiff], int]:
     """Both engines on the first golden samples: the outputs whose bits differ, and the sample count."""
     out = layout(registry)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .io import sha256_json
+from pipeline.io import sha256_json
 
 
 class Result(BaseModel):
@@ -60,8 +60,10 @@ class DatasetRecord(Result):
     sha256: str
     source: str
     has_labels: bool
-    synthetic: bool = Field(False, description="generated from the input spec, not real data: it may not exercise "
-                                               "the model as real inputs do")
+    synthetic: bool = Field(
+        False,
+        description="generated from the input spec, not real data: it may not exercise the model as real inputs do",
+    )
 
 
 class DataReport(Result):
@@ -103,7 +105,7 @@ class FileRecord(Result):
     bytes: int
 
 
-def engine_digest(files: "list[FileRecord] | list[dict[str, Any]]") -> str:
+def engine_digest(files: list[FileRecord] | list[dict[str, Any]]) -> str:
     """One hash naming an engine: its files' paths, sizes and sha256, in path order. Every report
     about an engine carries it, so evidence of one build cannot be passed off as another's."""
     records = [f.to_json() if isinstance(f, FileRecord) else dict(f) for f in files]
@@ -124,7 +126,9 @@ ReproducibilityLevel = Literal["none", "equivalent", "bitwise"]
 
 class OutputDiff(Result):
     output: str
-    max_abs_diff: float = Field(description="largest |first - second| (the largest float64 where one side is NaN or inf)")
+    max_abs_diff: float = Field(
+        description="largest |first - second| (the largest float64 where one side is NaN or inf)"
+    )
     differing: float = Field(description="fraction of elements whose bits differ")
 
 
@@ -133,8 +137,9 @@ class Reproducibility(Result):
 
     verdict: ReproducibilityVerdict = Field(
         description="bitwise: identical engine files; equivalent: files differ but layers and golden outputs are "
-                    "identical bit for bit; unverified: files differ, layers are identical, but this host cannot "
-                    "run the engines to compare outputs; differs: layers or outputs differ")
+        "identical bit for bit; unverified: files differ, layers are identical, but this host cannot "
+        "run the engines to compare outputs; differs: layers or outputs differ"
+    )
     required: ReproducibilityLevel = Field(description="the SKU's reproducibility.require")
     passed: bool
     differing_files: list[str] = Field(description="engine files whose bytes differ (or that only one build wrote)")
@@ -183,14 +188,20 @@ class BuildReport(EngineBound):
     partition_boundaries: int
     precision_counts: dict[str, int]
     hardware_specific: bool = False
-    keep_precise: list[str] = Field(default_factory=list, description="ONNX nodes kept in higher precision than the SKU's")
-    remedy: Remedy | None = Field(None, description="the bisection remedy run during the build (bisect.fix_during_build)")
+    keep_precise: list[str] = Field(
+        default_factory=list, description="ONNX nodes kept in higher precision than the SKU's"
+    )
+    remedy: Remedy | None = Field(
+        None, description="the bisection remedy run during the build (bisect.fix_during_build)"
+    )
     warnings: list[str] = Field(default_factory=list)
     build_seconds: float
     # left out when unchecked, so reports and manifests of unchecked builds read as before
-    reproducibility: Reproducibility | None = Field(None, exclude_if=lambda v: v is None,
-                                                    description="set when the build was checked (build "
-                                                                "--check-reproducible, skus.<s>.reproducibility)")
+    reproducibility: Reproducibility | None = Field(
+        None,
+        exclude_if=lambda v: v is None,
+        description="set when the build was checked (build --check-reproducible, skus.<s>.reproducibility)",
+    )
 
 
 OutputKind = Literal["probabilities", "logits", "regression", "state"]
@@ -216,32 +227,47 @@ class OutputError(Result):
     max_rel_error: float | None = Field(description="|e - r| / |r| over elements where r != 0")
     median_rel_error: float | None
     p99_rel_error: float | None
-    cosine_similarity: float | None = Field(description="of the flattened outputs (float64); null when one is all zeros")
-    top1_agreement: float | None = Field(description="samples (rows of the last axis) whose top-1 class is one of the "
-                                                     "reference's; probabilities and logits only")
-    top5_agreement: float | None = Field(description="samples whose reference top-1 class is in the engine's top 5; "
-                                                     "with more than 5 classes")
+    cosine_similarity: float | None = Field(
+        description="of the flattened outputs (float64); null when one is all zeros"
+    )
+    top1_agreement: float | None = Field(
+        description="samples (rows of the last axis) whose top-1 class is one of the "
+        "reference's; probabilities and logits only"
+    )
+    top5_agreement: float | None = Field(
+        description="samples whose reference top-1 class is in the engine's top 5; with more than 5 classes"
+    )
     top1_rows: int | None = Field(None, description="decisive rows the agreement was judged on (ties left out)")
     top1_agree: int | None = Field(None, description="of them, rows whose engine top-1 class is the reference's")
     top1_ties: int | None = Field(None, description="rows left out: reference top-two margin within the tolerance")
-    top1_interval: tuple[float, float] | None = Field(None, description="exact one-sided bounds of the agreement rate, "
-                                                                        "each at `confidence`")
-    top1_splits: list[str] = Field(default_factory=list, description="splits whose rows were judged (golden first; "
-                                                                     "more when golden alone cannot resolve the gate)")
+    top1_interval: tuple[float, float] | None = Field(
+        None, description="exact one-sided bounds of the agreement rate, each at `confidence`"
+    )
+    top1_splits: list[str] = Field(
+        default_factory=list,
+        description="splits whose rows were judged (golden first; more when golden alone cannot resolve the gate)",
+    )
     mismatch_fraction: float = Field(description="elements beyond atol + rtol * |reference|, non-finite ones included")
     mismatch_count: int = Field(0, description="elements beyond, non-finite ones included")
-    mismatch_interval: tuple[float, float] | None = Field(None, description="exact one-sided bounds of the mismatch "
-                                                                            "rate, each at `confidence`")
-    snr_db: float | None = Field(None, description="10 log10 of the reference's squared variation about its mean over "
-                                                   "the squared error; null when either is zero")
+    mismatch_interval: tuple[float, float] | None = Field(
+        None, description="exact one-sided bounds of the mismatch rate, each at `confidence`"
+    )
+    snr_db: float | None = Field(
+        None,
+        description="10 log10 of the reference's squared variation about its mean over "
+        "the squared error; null when either is zero",
+    )
     reference_range: float | None = Field(None, description="max - min of the finite reference values")
     exercised: bool = Field(True, description="the reference varies beyond what a constant output would pass")
     degenerate: bool = Field(False, description="the engine's output is constant where the reference varies")
     engine_constant: float | None = Field(None, description="the engine's value when its output is constant")
-    min_passing_atol: float | None = Field(description="smallest atol that passes the element-wise check at this rtol "
-                                                       "and max_mismatch; null: none does (non-finite values)")
-    min_passing_rtol: float | None = Field(description="smallest rtol that passes it at this atol and max_mismatch; "
-                                                       "null: none does")
+    min_passing_atol: float | None = Field(
+        description="smallest atol that passes the element-wise check at this rtol "
+        "and max_mismatch; null: none does (non-finite values)"
+    )
+    min_passing_rtol: float | None = Field(
+        description="smallest rtol that passes it at this atol and max_mismatch; null: none does"
+    )
     atol: float
     rtol: float
     max_mismatch: float
@@ -264,8 +290,9 @@ class MetricResult(Result):
     worse: int = Field(0, description="samples the reference gets right and the engine wrong")
     better: int = Field(0, description="samples the engine gets right and the reference wrong")
     p_value: float | None = Field(None, description="one-sided exact McNemar p-value: the engine is worse")
-    drop_interval: tuple[float, float] | None = Field(None, description="bounds of the drop, each one-sided at "
-                                                                        "`confidence` (given the discordant count)")
+    drop_interval: tuple[float, float] | None = Field(
+        None, description="bounds of the drop, each one-sided at `confidence` (given the discordant count)"
+    )
     confidence: float = 0.95
     passed: bool
 
@@ -295,20 +322,28 @@ class TensorError(Result):
     tensor: str
     node: str
     op_type: str
-    relative_error: float | None = Field(None, description="||engine - reference|| / ||reference|| over finite elements, "
-                                                           "per engine run (batch); the median run")
+    relative_error: float | None = Field(
+        None,
+        description="||engine - reference|| / ||reference|| over finite elements, "
+        "per engine run (batch); the median run",
+    )
     channel_relative_error: float | None = Field(None, description="the median channel's relative error (median run)")
-    worst_run_relative_error: float | None = Field(None, description="the worst run's relative error (hard-tail inputs)")
+    worst_run_relative_error: float | None = Field(
+        None, description="the worst run's relative error (hard-tail inputs)"
+    )
     max_abs_error: float | None = None
     nan: int = 0
     inf: int = 0
-    first_nonfinite: list[int] | None = Field(None, description="index of the first NaN/Inf (batch run, then tensor index)")
+    first_nonfinite: list[int] | None = Field(
+        None, description="index of the first NaN/Inf (batch run, then tensor index)"
+    )
     reference_min: float | None = None
     reference_max: float | None = None
     reference_abs_max: float | None = None
     channel_axis: int | None = None
-    channel_abs_max: dict[str, float] = Field(default_factory=dict, description="largest channels' reference abs-max, "
-                                                                                 "and 'median' over all channels")
+    channel_abs_max: dict[str, float] = Field(
+        default_factory=dict, description="largest channels' reference abs-max, and 'median' over all channels"
+    )
     divergent: bool
 
 
@@ -364,8 +399,10 @@ class Outcome(Result):
     failures: list[str]
     outputs: list[OutputError]
     metrics: list[MetricResult]
-    p50_ms: float | None = Field(None, description="engine-only median latency of one golden batch, "
-                                                   "timed interleaved with the other configuration")
+    p50_ms: float | None = Field(
+        None,
+        description="engine-only median latency of one golden batch, timed interleaved with the other configuration",
+    )
 
 
 class Remedy(Result):
@@ -396,8 +433,9 @@ class ValidationReport(EngineBound):
     precision_gate: PrecisionResult
     warnings: list[str] = Field(default_factory=list)
     samples: dict[str, int]
-    outputs_sha256: str | None = Field(None, description="sha256_arrays of the engine's golden outputs (outputs.npz) "
-                                                         "written with this report")
+    outputs_sha256: str | None = Field(
+        None, description="sha256_arrays of the engine's golden outputs (outputs.npz) written with this report"
+    )
     bisection: Bisection | None = Field(None, description="first divergent node, when a correctness gate failed")
 
 
@@ -482,8 +520,11 @@ class BenchReport(EngineBound):
     timeline_sha256: str = Field(description="sha256 of timeline.csv (warm-up and steady calls in order)")
     roofline_sha256: str | None = Field(None, description="sha256 of roofline.json, where the bench wrote one")
     roofline_fraction: float | None = Field(None, description="achieved FLOP/s at p50 over the host's measured peak")
-    host: HostInfo | None = Field(None, description="the host the engine was timed on: the manifest's host must be it "
-                                                    "(None: an older report, which cannot vouch for one)")
+    host: HostInfo | None = Field(
+        None,
+        description="the host the engine was timed on: the manifest's host must be it "
+        "(None: an older report, which cannot vouch for one)",
+    )
 
 
 class Provenance(Result):
@@ -513,19 +554,28 @@ class TargetInfo(Result):
 class BuildInfo(Result):
     warnings: list[str]
     options: dict[str, Any] = Field(description="the backend options as applied (backend-specific keys)")
-    reproducibility: Reproducibility | None = Field(None, exclude_if=lambda v: v is None,
-                                                    description="the build's reproducibility check (absent: not checked)")
-    keep_precise: list[str] = Field(default_factory=list, exclude_if=lambda v: not v,
-                                    description="ONNX nodes kept in higher precision (params.yaml higher_precision)")
-    remedy: Remedy | None = Field(None, exclude_if=lambda v: v is None,
-                                  description="the bisection remedy the build ran (skus.<s>.bisect.fix_during_build)")
+    reproducibility: Reproducibility | None = Field(
+        None, exclude_if=lambda v: v is None, description="the build's reproducibility check (absent: not checked)"
+    )
+    keep_precise: list[str] = Field(
+        default_factory=list,
+        exclude_if=lambda v: not v,
+        description="ONNX nodes kept in higher precision (params.yaml higher_precision)",
+    )
+    remedy: Remedy | None = Field(
+        None,
+        exclude_if=lambda v: v is None,
+        description="the bisection remedy the build ran (skus.<s>.bisect.fix_during_build)",
+    )
 
 
 class CacheInfo(Result):
     kind: str
     sha256: str | None = Field(description="sha256 over the cache files (pipeline.caches.files_digest)")
     key: dict[str, str] = Field(description="compiler version and target the cache is valid for")
-    state: str = Field(description="fresh: the build replayed a trusted cache; stale, corrupt or missing: it rebuilt it")
+    state: str = Field(
+        description="fresh: the build replayed a trusted cache; stale, corrupt or missing: it rebuilt it"
+    )
     hits: int
     misses: int
     required: bool
@@ -561,8 +611,9 @@ class Correctness(Result):
     placement: PlacementSummary
     precision: PrecisionSummary
     warnings: list[str]
-    bisection: Bisection | None = Field(None, exclude_if=lambda v: v is None,
-                                        description="first divergent node, when a correctness gate failed")
+    bisection: Bisection | None = Field(
+        None, exclude_if=lambda v: v is None, description="first divergent node, when a correctness gate failed"
+    )
 
 
 class LatencySummary(Result):
@@ -603,9 +654,11 @@ class Evidence(Result):
     (pipeline.manifest.benchmark_matches), not by a hash of samples that change on every run."""
 
     engine_sha256: str
-    files: dict[str, str] = Field(description="report file name (build.json, validate.json) -> sha256 of its canonical "
-                                              "JSON without the fields that change on every run "
-                                              "(pipeline.manifest.evidence_digest)")
+    files: dict[str, str] = Field(
+        description="report file name (build.json, validate.json) -> sha256 of its canonical "
+        "JSON without the fields that change on every run "
+        "(pipeline.manifest.evidence_digest)"
+    )
 
 
 class Manifest(Result):
@@ -629,11 +682,13 @@ class Manifest(Result):
     build: BuildInfo
     hardware_specific: bool
     calibration: CalibrationInfo | None
-    cache: CacheInfo | None = Field(description="the checked-in compiler cache the build replayed; null where the "
-                                                "backend keeps none")
+    cache: CacheInfo | None = Field(
+        description="the checked-in compiler cache the build replayed; null where the backend keeps none"
+    )
     datasets: dict[str, str]
-    synthetic_datasets: list[str] = Field(default_factory=list, description="splits generated from the input spec "
-                                                                            "rather than real data")
+    synthetic_datasets: list[str] = Field(
+        default_factory=list, description="splits generated from the input spec rather than real data"
+    )
     layers: list[LayerInfo]
     placement: dict[str, int]
     precision_counts: dict[str, int]

@@ -54,52 +54,187 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
-from .results import LayerInfo, Result
+from pipeline.results import LayerInfo, Result
 
 if TYPE_CHECKING:
     import onnx
 
-    from .runner.peaks import Peaks
+    from pipeline.runner.peaks import Peaks
 
 # FLOPs per output element (per input element for the reductions, see _PER_INPUT).
 PER_ELEMENT: dict[str, int] = {
     # arithmetic, comparison, selection
-    **dict.fromkeys(("Add", "Sub", "Mul", "Div", "Pow", "Mod", "Max", "Min", "Sum", "Mean", "Neg", "Abs", "Sign",
-                     "Floor", "Ceil", "Round", "Reciprocal", "Sqrt", "Exp", "Log", "Erf", "Tanh", "Sin", "Cos",
-                     "Tan", "Asin", "Acos", "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Relu",
-                     "ThresholdedRelu", "Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Where",
-                     "IsNaN", "IsInf", "BiasAdd"), 1),
+    **dict.fromkeys(
+        (
+            "Add",
+            "Sub",
+            "Mul",
+            "Div",
+            "Pow",
+            "Mod",
+            "Max",
+            "Min",
+            "Sum",
+            "Mean",
+            "Neg",
+            "Abs",
+            "Sign",
+            "Floor",
+            "Ceil",
+            "Round",
+            "Reciprocal",
+            "Sqrt",
+            "Exp",
+            "Log",
+            "Erf",
+            "Tanh",
+            "Sin",
+            "Cos",
+            "Tan",
+            "Asin",
+            "Acos",
+            "Atan",
+            "Sinh",
+            "Cosh",
+            "Asinh",
+            "Acosh",
+            "Atanh",
+            "Relu",
+            "ThresholdedRelu",
+            "Equal",
+            "Greater",
+            "Less",
+            "GreaterOrEqual",
+            "LessOrEqual",
+            "Where",
+            "IsNaN",
+            "IsInf",
+            "BiasAdd",
+        ),
+        1,
+    ),
     **dict.fromkeys(("LeakyRelu", "PRelu", "Clip", "Shrink"), 2),
     **dict.fromkeys(("Elu", "Softplus", "Softsign"), 3),
-    "Sigmoid": 4, "HardSigmoid": 4, "Selu": 4, "Celu": 4, "HardSwish": 5, "Mish": 5, "Gelu": 5,
-    "QuickGelu": 5, "FastGelu": 9, "BiasGelu": 6,
+    "Sigmoid": 4,
+    "HardSigmoid": 4,
+    "Selu": 4,
+    "Celu": 4,
+    "HardSwish": 5,
+    "Mish": 5,
+    "Gelu": 5,
+    "QuickGelu": 5,
+    "FastGelu": 9,
+    "BiasGelu": 6,
     # softmax: max, subtract, exp, sum, divide (log)
-    "Softmax": 5, "LogSoftmax": 5,
+    "Softmax": 5,
+    "LogSoftmax": 5,
     # normalisation
-    "BatchNormalization": 2, "LayerNormalization": 8, "InstanceNormalization": 8, "GroupNormalization": 8,
-    "MeanVarianceNormalization": 7, "LpNormalization": 3, "SkipLayerNormalization": 9,
-    "SimplifiedLayerNormalization": 5, "SkipSimplifiedLayerNormalization": 6, "RMSNormalization": 5,
+    "BatchNormalization": 2,
+    "LayerNormalization": 8,
+    "InstanceNormalization": 8,
+    "GroupNormalization": 8,
+    "MeanVarianceNormalization": 7,
+    "LpNormalization": 3,
+    "SkipLayerNormalization": 9,
+    "SimplifiedLayerNormalization": 5,
+    "SkipSimplifiedLayerNormalization": 6,
+    "RMSNormalization": 5,
     # quantization: scale, round, zero point, saturate / subtract zero point, scale
-    "QuantizeLinear": 4, "DequantizeLinear": 2, "DynamicQuantizeLinear": 6,
+    "QuantizeLinear": 4,
+    "DequantizeLinear": 2,
+    "DynamicQuantizeLinear": 6,
     # reductions (per input element)
-    **dict.fromkeys(("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1",
-                     "GlobalAveragePool", "GlobalMaxPool", "ArgMax", "ArgMin"), 1),
+    **dict.fromkeys(
+        (
+            "ReduceSum",
+            "ReduceMean",
+            "ReduceMax",
+            "ReduceMin",
+            "ReduceProd",
+            "ReduceL1",
+            "GlobalAveragePool",
+            "GlobalMaxPool",
+            "ArgMax",
+            "ArgMin",
+        ),
+        1,
+    ),
     **dict.fromkeys(("ReduceL2", "ReduceSumSquare", "GlobalLpPool"), 2),
     **dict.fromkeys(("ReduceLogSum", "ReduceLogSumExp"), 3),
 }
-_PER_INPUT = {"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
-              "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp", "GlobalAveragePool", "GlobalMaxPool",
-              "GlobalLpPool", "ArgMax", "ArgMin", "BatchNormalization", "LayerNormalization",
-              "InstanceNormalization", "GroupNormalization", "SkipLayerNormalization"}
+_PER_INPUT = {
+    "ReduceSum",
+    "ReduceMean",
+    "ReduceMax",
+    "ReduceMin",
+    "ReduceProd",
+    "ReduceL1",
+    "ReduceL2",
+    "ReduceSumSquare",
+    "ReduceLogSum",
+    "ReduceLogSumExp",
+    "GlobalAveragePool",
+    "GlobalMaxPool",
+    "GlobalLpPool",
+    "ArgMax",
+    "ArgMin",
+    "BatchNormalization",
+    "LayerNormalization",
+    "InstanceNormalization",
+    "GroupNormalization",
+    "SkipLayerNormalization",
+}
 # Ops that only move, reinterpret or convert data: bytes, no FLOPs.
-DATA_MOVEMENT = frozenset({
-    "Reshape", "Transpose", "Concat", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Gather", "GatherElements",
-    "GatherND", "Slice", "Split", "Pad", "Expand", "Tile", "Shape", "Size", "Cast", "CastLike", "DepthToSpace",
-    "SpaceToDepth", "ScatterND", "ScatterElements", "Constant", "ConstantOfShape", "Range", "Dropout", "Not", "And",
-    "Or", "Xor", "OneHot", "Trilu", "ReverseSequence", "Compress", "NonZero", "EyeLike", "ReorderInput",
-    "ReorderOutput", "MemcpyToHost", "MemcpyFromHost"})
+DATA_MOVEMENT = frozenset(
+    {
+        "Reshape",
+        "Transpose",
+        "Concat",
+        "Flatten",
+        "Squeeze",
+        "Unsqueeze",
+        "Identity",
+        "Gather",
+        "GatherElements",
+        "GatherND",
+        "Slice",
+        "Split",
+        "Pad",
+        "Expand",
+        "Tile",
+        "Shape",
+        "Size",
+        "Cast",
+        "CastLike",
+        "DepthToSpace",
+        "SpaceToDepth",
+        "ScatterND",
+        "ScatterElements",
+        "Constant",
+        "ConstantOfShape",
+        "Range",
+        "Dropout",
+        "Not",
+        "And",
+        "Or",
+        "Xor",
+        "OneHot",
+        "Trilu",
+        "ReverseSequence",
+        "Compress",
+        "NonZero",
+        "EyeLike",
+        "ReorderInput",
+        "ReorderOutput",
+        "MemcpyToHost",
+        "MemcpyFromHost",
+    }
+)
 # What counts as an elementwise neighbour when a joined group grows forward (rule 4).
-_FUSABLE = frozenset(op for op in PER_ELEMENT if op not in _PER_INPUT or op == "BatchNormalization") - {"Softmax", "LogSoftmax"}
+_FUSABLE = frozenset(op for op in PER_ELEMENT if op not in _PER_INPUT or op == "BatchNormalization") - {
+    "Softmax",
+    "LogSoftmax",
+}
 
 
 class LayerCost(Result):
@@ -171,7 +306,7 @@ def _nbytes(t: _Tensor | None) -> int | None:
     return None if bits is None else (t.size * bits + 7) // 8
 
 
-def _attrs(node: "onnx.NodeProto") -> dict[str, Any]:
+def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
     import onnx
 
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
@@ -225,8 +360,8 @@ def _einsum(ins, outs, attrs) -> int:
     for term, t in zip(terms, ins):
         dims = _shape(t)
         head, _, tail = term.partition("...")
-        sizes.update(zip(head, dims[:len(head)]))
-        sizes.update(zip(tail, dims[len(dims) - len(tail):]))
+        sizes.update(zip(head, dims[: len(head)]))
+        sizes.update(zip(tail, dims[len(dims) - len(tail) :]))
     if not arrow:  # implicit output: the letters that occur once
         rhs = "".join(c for c in sizes if lhs.count(c) == 1)
     contracted = math.prod(sizes[c] for c in sizes if c not in rhs)
@@ -300,8 +435,9 @@ _FORMULAS = {
 }
 
 
-def node_cost(op: str, ins: list[_Tensor | None], outs: list[_Tensor | None],
-              attrs: dict[str, Any]) -> tuple[int, int] | None:
+def node_cost(
+    op: str, ins: list[_Tensor | None], outs: list[_Tensor | None], attrs: dict[str, Any]
+) -> tuple[int, int] | None:
     """(flops, int_ops) of one node; None: no formula for the op. Raises _Unknown where a shape
     the formula needs is not static."""
     if op in _FORMULAS:
@@ -316,8 +452,8 @@ def node_cost(op: str, ins: list[_Tensor | None], outs: list[_Tensor | None],
 # --- the graph --------------------------------------------------------------------------------
 
 
-def _tensors(model: "onnx.ModelProto") -> dict[str, _Tensor]:
-    from .graph import _dims
+def _tensors(model: onnx.ModelProto) -> dict[str, _Tensor]:
+    from pipeline.graph import _dims
 
     out: dict[str, _Tensor] = {}
     for vi in [*model.graph.input, *model.graph.value_info, *model.graph.output]:
@@ -330,7 +466,7 @@ def _tensors(model: "onnx.ModelProto") -> dict[str, _Tensor]:
     return out
 
 
-def _attention_shapes(model: "onnx.ModelProto") -> bool:
+def _attention_shapes(model: onnx.ModelProto) -> bool:
     """Give the outputs of contrib attention nodes their shapes (ONNX's inference does not know
     the ops), so inference can carry shapes past them. True when one was added."""
     import onnx
@@ -338,8 +474,11 @@ def _attention_shapes(model: "onnx.ModelProto") -> bool:
     known = _tensors(model)
     added = False
     for node in model.graph.node:
-        if node.op_type not in ("Attention", "MultiHeadAttention") or not node.output or \
-                (node.output[0] in known and known[node.output[0]].shape is not None):
+        if (
+            node.op_type not in ("Attention", "MultiHeadAttention")
+            or not node.output
+            or (node.output[0] in known and known[node.output[0]].shape is not None)
+        ):
             continue
         attrs = _attrs(node)
         q = known.get(node.input[0])
@@ -362,12 +501,12 @@ def _attention_shapes(model: "onnx.ModelProto") -> bool:
     return added
 
 
-def graph_cost(model: "onnx.ModelProto | str | Path", pins: dict[str, int] | None = None) -> GraphCost:
+def graph_cost(model: onnx.ModelProto | str | Path, pins: dict[str, int] | None = None) -> GraphCost:
     """FLOPs and bytes of each node of a prepared ONNX model (a path or a ModelProto, left
     unchanged), with the named dims of ``pins`` fixed first (the SKU's shapes)."""
     import onnx
 
-    from .graph import infer_shapes, pin_axes
+    from pipeline.graph import infer_shapes, pin_axes
 
     path = Path(model) if isinstance(model, (str, Path)) else Path("<model>")
     if isinstance(model, (str, Path)):
@@ -409,12 +548,32 @@ def graph_cost(model: "onnx.ModelProto | str | Path", pins: dict[str, int] | Non
         if not shaped:
             unshaped.append(name)
         flops, int_ops = counted or (0, 0)
-        layers.append(LayerCost(node=name, op=node.op_type, flops=flops, int_ops=int_ops, bytes=moved,
-                                weight_bytes=weight, intensity=_ratio(flops, moved), counted=counted is not None,
-                                shaped=shaped, inputs=[n for n in node.input if n], outputs=list(node.output)))
+        layers.append(
+            LayerCost(
+                node=name,
+                op=node.op_type,
+                flops=flops,
+                int_ops=int_ops,
+                bytes=moved,
+                weight_bytes=weight,
+                intensity=_ratio(flops, moved),
+                counted=counted is not None,
+                shaped=shaped,
+                inputs=[n for n in node.input if n],
+                outputs=list(node.output),
+            )
+        )
     flops, int_ops, moved = (sum(getattr(x, f) for x in layers) for f in ("flops", "int_ops", "bytes"))
-    return GraphCost(layers=layers, flops=flops, int_ops=int_ops, bytes=moved, weight_bytes=sum(weights.values()),
-                     intensity=_ratio(flops, moved), uncounted=uncounted, unshaped=unshaped)
+    return GraphCost(
+        layers=layers,
+        flops=flops,
+        int_ops=int_ops,
+        bytes=moved,
+        weight_bytes=sum(weights.values()),
+        intensity=_ratio(flops, moved),
+        uncounted=uncounted,
+        unshaped=unshaped,
+    )
 
 
 # --- joining per-layer times to nodes ------------------------------------------------------------
@@ -422,8 +581,9 @@ def graph_cost(model: "onnx.ModelProto | str | Path", pins: dict[str, int] | Non
 _ORT_REWRITES = (re.compile(r"^fused "), re.compile(r"/[A-Za-z]+$"), re.compile(r"_nchwc$"))
 
 
-def join_layer_times(times: dict[str, float], cost: GraphCost,
-                     layers: list[LayerInfo] | None = None) -> tuple[dict[str, list[str]], dict[str, float]]:
+def join_layer_times(
+    times: dict[str, float], cost: GraphCost, layers: list[LayerInfo] | None = None
+) -> tuple[dict[str, list[str]], dict[str, float]]:
     """Each timed engine layer's ONNX nodes (the join rule in the module docstring), and the times
     of keys joined to no node."""
     by_name = {c.node: c for c in cost.layers}
@@ -460,7 +620,11 @@ def join_layer_times(times: dict[str, float], cost: GraphCost,
                 # backward, from an elementwise node only: a producer whose outputs only this group reads
                 for n in c.inputs if c.op in _FUSABLE else ():
                     p = producer.get(n)
-                    if p and p not in claimed and all(x in nodes for o in by_name[p].outputs for x in consumers.get(o, [])):
+                    if (
+                        p
+                        and p not in claimed
+                        and all(x in nodes for o in by_name[p].outputs for x in consumers.get(o, []))
+                    ):
                         nodes.append(p)
                         claimed.add(p)
                         grew = True
@@ -499,9 +663,13 @@ class RooflineLayer(Result):
 
 class RooflineReport(Result):
     peak_gflops: float = Field(description="measured FP32 matmul peak (all usable cores, at least the one-core figure)")
-    peak_gbs: float = Field(description="measured memory bandwidth (triad, all usable cores, at least the one-core figure)")
+    peak_gbs: float = Field(
+        description="measured memory bandwidth (triad, all usable cores, at least the one-core figure)"
+    )
     ridge: float = Field(description="peak_gflops / peak_gbs: FLOP/byte where memory-bound turns compute-bound")
-    ceilings_gflops: dict[str, float] = Field(description="compute ceilings: all_cores, one_core, nominal (where known)")
+    ceilings_gflops: dict[str, float] = Field(
+        description="compute ceilings: all_cores, one_core, nominal (where known)"
+    )
     ceilings_gbs: dict[str, float] = Field(description="bandwidth ceilings: triad, copy, triad_one_core")
     latency_ms: float = Field(description="the engine latency the achieved figures divide by (p50)")
     flops: int
@@ -530,9 +698,16 @@ def _heaviest(values: dict[str, float], coverage: float, limit: int) -> list[str
     return picked
 
 
-def roofline(cost: GraphCost, latency_ms: float, peaks: "Peaks | dict[str, Any]",
-             layer_times_ms: dict[str, float] | None = None, *, layers: list[LayerInfo] | None = None,
-             coverage: float = 0.9, max_layers: int = 25) -> RooflineReport:
+def roofline(
+    cost: GraphCost,
+    latency_ms: float,
+    peaks: Peaks | dict[str, Any],
+    layer_times_ms: dict[str, float] | None = None,
+    *,
+    layers: list[LayerInfo] | None = None,
+    coverage: float = 0.9,
+    max_layers: int = 25,
+) -> RooflineReport:
     """The engine on this host's roofline: achieved FLOP/s and bytes/s at ``latency_ms`` (p50),
     their fractions of the peaks, the ridge, and the heaviest layers (by ops until ``coverage`` of
     the total, at most ``max_layers``; with ``layer_times_ms``, also by time) on either side of it.
@@ -540,7 +715,7 @@ def roofline(cost: GraphCost, latency_ms: float, peaks: "Peaks | dict[str, Any]"
     ``peaks`` is ``pipeline.runner.peaks.Peaks`` or its JSON form; ``layer_times_ms`` is what a
     runner's ``profile_layers`` returns, joined to ONNX nodes with build.json ``layers`` where given
     (see the module docstring)."""
-    from .runner.peaks import Peaks
+    from pipeline.runner.peaks import Peaks
 
     peaks = peaks if isinstance(peaks, Peaks) else Peaks.model_validate(peaks)
     # all cores can do what one does: a lower all-core figure was measured beside a busy neighbour
@@ -575,25 +750,54 @@ def roofline(cost: GraphCost, latency_ms: float, peaks: "Peaks | dict[str, Any]"
         attainable = min(peak_gflops, intensity * peak_gbs)
         time_ms = times.get(key)
         achieved = _ratio(flops + int_ops, time_ms * 1e6) if time_ms else None
-        entries.append(RooflineLayer(
-            name=key, nodes=groups[key], op=max(members, key=lambda m: m.flops + m.int_ops).op, flops=flops,
-            int_ops=int_ops, bytes=moved, intensity=intensity, share_of_ops=_ratio(flops + int_ops, total_ops),
-            bound="memory" if intensity < ridge else "compute", attainable_gflops=attainable, time_ms=time_ms,
-            time_share=_ratio(time_ms, profiled) if time_ms is not None and profiled else None,
-            achieved_gflops=achieved, efficiency=_ratio(achieved, attainable) if achieved is not None else None))
+        entries.append(
+            RooflineLayer(
+                name=key,
+                nodes=groups[key],
+                op=max(members, key=lambda m: m.flops + m.int_ops).op,
+                flops=flops,
+                int_ops=int_ops,
+                bytes=moved,
+                intensity=intensity,
+                share_of_ops=_ratio(flops + int_ops, total_ops),
+                bound="memory" if intensity < ridge else "compute",
+                attainable_gflops=attainable,
+                time_ms=time_ms,
+                time_share=_ratio(time_ms, profiled) if time_ms is not None and profiled else None,
+                achieved_gflops=achieved,
+                efficiency=_ratio(achieved, attainable) if achieved is not None else None,
+            )
+        )
     achieved_gflops = _ratio(total_ops, seconds * 1e9)
     achieved_gbs = _ratio(cost.bytes, seconds * 1e9)
     intensity = _ratio(total_ops, cost.bytes)
     compute = {"all_cores": peaks.compute_gflops.all_cores, "one_core": peaks.compute_gflops.one_core}
     if peaks.compute_gflops.nominal is not None:
         compute["nominal"] = peaks.compute_gflops.nominal
-    bandwidth = {"triad": peaks.bandwidth_gbs.triad, "copy": peaks.bandwidth_gbs.memcopy,
-                 "triad_one_core": peaks.bandwidth_gbs.triad_one_core}
+    bandwidth = {
+        "triad": peaks.bandwidth_gbs.triad,
+        "copy": peaks.bandwidth_gbs.memcopy,
+        "triad_one_core": peaks.bandwidth_gbs.triad_one_core,
+    }
     return RooflineReport(
-        peak_gflops=peak_gflops, peak_gbs=peak_gbs, ridge=ridge, ceilings_gflops=compute, ceilings_gbs=bandwidth,
-        latency_ms=latency_ms, flops=cost.flops, int_ops=cost.int_ops, bytes=cost.bytes, intensity=intensity,
-        achieved_gflops=achieved_gflops, achieved_gbs=achieved_gbs,
-        compute_fraction=_ratio(achieved_gflops, peak_gflops), bandwidth_fraction=_ratio(achieved_gbs, peak_gbs),
-        bound="memory" if intensity < ridge else "compute", layers=entries,
-        listed_share_of_ops=_ratio(sum(e.flops + e.int_ops for e in entries), total_ops), profiled_ms=profiled,
-        unmatched_ms=unmatched, uncounted=cost.uncounted)
+        peak_gflops=peak_gflops,
+        peak_gbs=peak_gbs,
+        ridge=ridge,
+        ceilings_gflops=compute,
+        ceilings_gbs=bandwidth,
+        latency_ms=latency_ms,
+        flops=cost.flops,
+        int_ops=cost.int_ops,
+        bytes=cost.bytes,
+        intensity=intensity,
+        achieved_gflops=achieved_gflops,
+        achieved_gbs=achieved_gbs,
+        compute_fraction=_ratio(achieved_gflops, peak_gflops),
+        bandwidth_fraction=_ratio(achieved_gbs, peak_gbs),
+        bound="memory" if intensity < ridge else "compute",
+        layers=entries,
+        listed_share_of_ops=_ratio(sum(e.flops + e.int_ops for e in entries), total_ops),
+        profiled_ms=profiled,
+        unmatched_ms=unmatched,
+        uncounted=cost.uncounted,
+    )

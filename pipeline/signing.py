@@ -24,18 +24,19 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .errors import ConfigError, EnvironmentProblem
+from pipeline.errors import ConfigError, EnvironmentProblem
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from .config import SigningSpec
+    from pipeline.config import SigningSpec
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def parse_public_key(text: str) -> bytes:
     if not isinstance(text, str) or not text.startswith(PUBLIC_PREFIX):
         raise ValueError(f"a public key reads '{PUBLIC_PREFIX}<base64 of 32 bytes>' (`skuforge keys show` prints it)")
     try:
-        raw = base64.b64decode(text[len(PUBLIC_PREFIX):], validate=True)
+        raw = base64.b64decode(text[len(PUBLIC_PREFIX) :], validate=True)
     except (binascii.Error, ValueError):
         raise ValueError("the part after 'ed25519:' is not valid base64") from None
     if len(raw) != 32:
@@ -151,7 +152,9 @@ class SigningKey:
 
         self._private = private
         self.source = source
-        self.public_bytes = private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        self.public_bytes = private.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
 
     @classmethod
     def generate(cls, source: str = "generated") -> SigningKey:
@@ -167,8 +170,12 @@ class SigningKey:
 
     def sign(self, digest: str, model: str, sku: str) -> Signature:
         raw = self._private.sign(canonical_payload(digest, model, sku))
-        return Signature(key_id=self.key_id, public_key=self.public_key, signature=base64.b64encode(raw).decode("ascii"),
-                         payload=Payload(digest=digest, model=model, sku=sku))
+        return Signature(
+            key_id=self.key_id,
+            public_key=self.public_key,
+            signature=base64.b64encode(raw).decode("ascii"),
+            payload=Payload(digest=digest, model=model, sku=sku),
+        )
 
     def tuf_signer(self):
         """This key as a securesystemslib signer for TUF metadata (pipeline/rollout/trust.py)."""
@@ -179,8 +186,9 @@ class SigningKey:
     def private_pem(self) -> bytes:
         from cryptography.hazmat.primitives import serialization
 
-        return self._private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption())
+        return self._private.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
 
     def __repr__(self) -> str:
         return f"SigningKey({self.key_id}, source={self.source!r})"
@@ -224,8 +232,11 @@ def signing_key(env: Mapping[str, str] = os.environ) -> SigningKey:
     value = env.get(ENV_SIGNING_KEY)
     if value:
         where = f"environment variable {ENV_SIGNING_KEY}"
-        private = _load_private(value.encode(), where,
-                                hint="set it to an ed25519 private key (PEM, from `skuforge keys generate`) or unset it")
+        private = _load_private(
+            value.encode(),
+            where,
+            hint="set it to an ed25519 private key (PEM, from `skuforge keys generate`) or unset it",
+        )
         return SigningKey(private, f"env {ENV_SIGNING_KEY}")
     return _developer_key(key_dir(env) / DEV_KEY_FILE)
 
@@ -236,13 +247,18 @@ def _developer_key(path: Path) -> SigningKey:
     except FileNotFoundError:
         return _create_developer_key(path)
     except OSError as exc:
-        raise EnvironmentProblem(f"cannot read the developer signing key {path}: {exc.strerror}",
-                                 hint=f"fix its permissions, or set {ENV_KEY_DIR} to another folder") from exc
+        raise EnvironmentProblem(
+            f"cannot read the developer signing key {path}: {exc.strerror}",
+            hint=f"fix its permissions, or set {ENV_KEY_DIR} to another folder",
+        ) from exc
     if path.stat().st_mode & 0o077:
         log.warning("the developer signing key %s is readable by others: chmod 600 it", path)
-    private = _load_private(data, f"developer signing key {path}",
-                            hint=f"delete it to have a new one made (versions it signed will need re-publishing), "
-                                 f"or set {ENV_KEY_DIR} to another folder")
+    private = _load_private(
+        data,
+        f"developer signing key {path}",
+        hint=f"delete it to have a new one made (versions it signed will need re-publishing), "
+        f"or set {ENV_KEY_DIR} to another folder",
+    )
     return SigningKey(private, str(path))
 
 
@@ -251,13 +267,18 @@ def _create_developer_key(path: Path) -> SigningKey:
     try:
         created = write_private_key(path, key, replace=False)
     except OSError as exc:
-        raise EnvironmentProblem(f"cannot write a developer signing key to {path}: {exc.strerror}",
-                                 hint=f"set {ENV_KEY_DIR} to a writable folder, or {ENV_SIGNING_KEY} to a key") from exc
+        raise EnvironmentProblem(
+            f"cannot write a developer signing key to {path}: {exc.strerror}",
+            hint=f"set {ENV_KEY_DIR} to a writable folder, or {ENV_SIGNING_KEY} to a key",
+        ) from exc
     if not created:  # another process made it first: use theirs
         return _developer_key(path)
-    log.info("created a developer signing key %s at %s; versions it signs reach only the aliases whose "
-             "release.signing.trust lists '*' or this key (`skuforge keys show` prints the line for params.yaml)",
-             key.key_id, path)
+    log.info(
+        "created a developer signing key %s at %s; versions it signs reach only the aliases whose "
+        "release.signing.trust lists '*' or this key (`skuforge keys show` prints the line for params.yaml)",
+        key.key_id,
+        path,
+    )
     return key
 
 
@@ -296,8 +317,14 @@ def read_key_file(path: str | os.PathLike) -> SigningKey:
         data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read the key file {path}: {exc.strerror}", hint="check the path") from exc
-    return SigningKey(_load_private(data, f"key file {path}", hint="give an ed25519 private key file "
-                                    "(`skuforge keys generate --out FILE` writes one)"), str(path))
+    return SigningKey(
+        _load_private(
+            data,
+            f"key file {path}",
+            hint="give an ed25519 private key file (`skuforge keys generate --out FILE` writes one)",
+        ),
+        str(path),
+    )
 
 
 def generate_key_file(path: str | os.PathLike) -> SigningKey:
@@ -337,9 +364,11 @@ def aliases_accepting(spec: SigningSpec, aliases: list[str], public_key: str) ->
     return [a for a in aliases if ANY_SIGNER in trusted_for(spec, a) or names & set(trusted_for(spec, a))]
 
 
-def verify(sig: Signature | dict | str | None, digest: str, model: str, sku: str, alias: str,
-           trust: SigningSpec) -> Verdict:
+def verify(
+    sig: Signature | dict | str | None, digest: str, model: str, sku: str, alias: str, trust: SigningSpec
+) -> Verdict:
     """May a manifest with this digest, model and SKU, signed by ``sig``, hold ``alias``? Fails closed."""
+
     def refuse(detail: str, kid: str | None = None, name: str | None = None) -> Verdict:
         return Verdict(False, name, f"{model}/{sku} -> {alias}: {detail}", kid)
 
@@ -357,8 +386,11 @@ def verify(sig: Signature | dict | str | None, digest: str, model: str, sku: str
     for field, want in expected.items():
         got = getattr(sig.payload, field)
         if got != want:
-            return refuse(f"the signature covers {field} {got!r}, the manifest has {want!r} "
-                          "(the manifest was changed after it was signed)", sig.key_id)
+            return refuse(
+                f"the signature covers {field} {got!r}, the manifest has {want!r} "
+                "(the manifest was changed after it was signed)",
+                sig.key_id,
+            )
     try:
         carried = parse_public_key(sig.public_key)
     except ValueError as exc:
@@ -379,8 +411,12 @@ def verify(sig: Signature | dict | str | None, digest: str, model: str, sku: str
         return Verdict(True, name, f"{model}/{sku} -> {alias}: signed by trusted key {name!r} ({kid})", kid)
     if ANY_SIGNER in accepted:
         who = f"key {name!r}" if name else "an unlisted key"
-        return Verdict(True, name, f"{model}/{sku} -> {alias}: signed by {who} ({kid}); "
-                                   f"'{alias}' accepts any signer (integrity only)", kid)
+        return Verdict(
+            True,
+            name,
+            f"{model}/{sku} -> {alias}: signed by {who} ({kid}); '{alias}' accepts any signer (integrity only)",
+            kid,
+        )
     who = f"key {name!r} ({kid})" if name else f"key {kid}, which release.signing.keys does not list"
     if accepted:
         return refuse(f"signed by {who}; '{alias}' trusts only {', '.join(accepted)}", kid, name)

@@ -22,7 +22,7 @@ import re
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from .errors import ConfigError, InputError
+from pipeline.errors import ConfigError, InputError
 
 __all__ = ["UnreadableVersion", "normalize", "same_version", "satisfies", "specifier", "specifier_problem", "unmet"]
 
@@ -31,16 +31,20 @@ _OPENVINO = re.compile(r"(?P<release>\d+(?:\.\d+)+)-(?P<build>\d+)-(?P<commit>[0
 # nvcc --version: Build cuda_<release>.r<release>/compiler.<build>_<n>
 _NVCC = re.compile(r"cuda_(?P<release>\d+(?:\.\d+)+)\.r\d+(?:\.\d+)*/compiler\.(?P<build>\d+)_(?P<n>\d+)")
 
-FORMS = ("PEP 440 ('1.32.0', '10.3.0.26', '3.13.0rc20251120', '2.13.0+cpu'), OpenVINO's "
-         "'2026.4.1-22982-e213a147257-releases/2026/4' or nvcc's 'cuda_12.4.r12.4/compiler.34097967_0'")
+FORMS = (
+    "PEP 440 ('1.32.0', '10.3.0.26', '3.13.0rc20251120', '2.13.0+cpu'), OpenVINO's "
+    "'2026.4.1-22982-e213a147257-releases/2026/4' or nvcc's 'cuda_12.4.r12.4/compiler.34097967_0'"
+)
 
 
 class UnreadableVersion(InputError):
     """A version string none of the known forms reads."""
 
     def __init__(self, version: str):
-        super().__init__(f"{version!r} is not a version skuforge can read",
-                         hint=f"versions are read in these forms: {FORMS}; record or report one of them")
+        super().__init__(
+            f"{version!r} is not a version skuforge can read",
+            hint=f"versions are read in these forms: {FORMS}; record or report one of them",
+        )
         self.version = version
 
 

@@ -12,7 +12,11 @@ import models
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).with_name("skuforge")
-COMMAND = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-c", "from pipeline.cli import main; raise SystemExit(main())"]
+COMMAND = (
+    [str(SCRIPT)]
+    if SCRIPT.is_file()
+    else [sys.executable, "-c", "from pipeline.cli import main; raise SystemExit(main())"]
+)
 
 
 def skuforge(*args: str, cwd: Path, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -35,7 +39,9 @@ def assert_user_error(proc: subprocess.CompletedProcess, code: int, *words: str)
         assert word in proc.stderr, (word, out)
 
 
-def project(root: Path, spec: dict | None = None, builder=models.conv_bn_model, skus: dict | None = None, **top) -> Path:
+def project(
+    root: Path, spec: dict | None = None, builder=models.conv_bn_model, skus: dict | None = None, **top
+) -> Path:
     spec = spec or models.conv_bn_spec()
     builder(root / spec["dir"] / spec["source"])
     return models.write_project(root, {"m": spec}, skus or {"cpu": models.ort_sku("fp32")}, **top)

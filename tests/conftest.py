@@ -31,8 +31,10 @@ def zip_bomb(tmp_path_factory) -> Path:
 
     path = tmp_path_factory.mktemp("bomb") / "bomb.npz"
     inflated, chunk = 1 << 30, bytes(1 << 24)
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as archive, \
-            archive.open("x.npy", "w", force_zip64=True) as member:
+    with (
+        zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as archive,
+        archive.open("x.npy", "w", force_zip64=True) as member,
+    ):
         npy.write_array_header_1_0(member, {"descr": "<f4", "fortran_order": False, "shape": (inflated // 4, 1)})
         for _ in range(inflated // len(chunk)):
             member.write(chunk)

@@ -39,7 +39,9 @@ def conv_bn_model(path: Path, batch: str | int = "batch", seed: int = 0) -> Path
         numpy_helper.from_array(rng.normal(0, 1, (8,)).astype(np.float32), "unused_init"),
     ]
     nodes = [
-        helper.make_node("Constant", [], ["two"], value=numpy_helper.from_array(np.array(2.0, np.float32)), name="const_two"),
+        helper.make_node(
+            "Constant", [], ["two"], value=numpy_helper.from_array(np.array(2.0, np.float32)), name="const_two"
+        ),
         helper.make_node("Mul", ["fc_w_half", "two"], ["fc_w"], name="fold_me"),
         helper.make_node("Conv", ["x", "W", "B"], ["conv"], pads=[1, 1, 1, 1], name="conv"),
         helper.make_node("BatchNormalization", ["conv", "bn_scale", "bn_bias", "bn_mean", "bn_var"], ["bn"], name="bn"),
@@ -51,7 +53,8 @@ def conv_bn_model(path: Path, batch: str | int = "batch", seed: int = 0) -> Path
         helper.make_node("Sigmoid", ["relu"], ["dead"], name="dead_branch"),
     ]
     graph = helper.make_graph(
-        nodes, "conv_bn",
+        nodes,
+        "conv_bn",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, 8, 8])],
         [helper.make_tensor_value_info("probs", TensorProto.FLOAT, [batch, 4])],
         init,
@@ -79,12 +82,17 @@ def multi_io_model(path: Path, seed: int = 0) -> Path:
         helper.make_node("ArgMax", ["y"], ["cls"], axis=-1, keepdims=0, name="argmax"),
     ]
     graph = helper.make_graph(
-        nodes, "multi_io",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 6]),
-         helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", 3]),
-         helper.make_tensor_value_info("scale", TensorProto.FLOAT, [])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4]),
-         helper.make_tensor_value_info("cls", TensorProto.INT64, ["batch"])],
+        nodes,
+        "multi_io",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 6]),
+            helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", 3]),
+            helper.make_tensor_value_info("scale", TensorProto.FLOAT, []),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4]),
+            helper.make_tensor_value_info("cls", TensorProto.INT64, ["batch"]),
+        ],
         init,
     )
     return _save(graph, path)
@@ -93,23 +101,39 @@ def multi_io_model(path: Path, seed: int = 0) -> Path:
 def nan_model(path: Path) -> Path:
     """y = sqrt(x - 10): NaN for inputs in the default [0, 1] range."""
     init = [numpy_helper.from_array(np.array(10.0, np.float32), "ten")]
-    nodes = [helper.make_node("Sub", ["x", "ten"], ["d"], name="sub"), helper.make_node("Sqrt", ["d"], ["y"], name="sqrt")]
-    graph = helper.make_graph(nodes, "nan", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])], init)
+    nodes = [
+        helper.make_node("Sub", ["x", "ten"], ["d"], name="sub"),
+        helper.make_node("Sqrt", ["d"], ["y"], name="sqrt"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "nan",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        init,
+    )
     return _save(graph, path)
 
 
 def conv_bn_spec(dir_: str = "models/conv", batch: str | int = "batch") -> dict:
     """The params.yaml entry for conv_bn_model (generated data, no metric)."""
-    return {"dir": dir_, "source": "model.onnx",
-            "inputs": [{"name": "x", "dtype": "float32", "shape": [batch, 3, 8, 8]}]}
+    return {
+        "dir": dir_,
+        "source": "model.onnx",
+        "inputs": [{"name": "x", "dtype": "float32", "shape": [batch, 3, 8, 8]}],
+    }
 
 
 def multi_io_spec(dir_: str = "models/multi") -> dict:
-    return {"dir": dir_, "source": "model.onnx",
-            "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 6], "range": [-1.0, 1.0]},
-                       {"name": "ids", "dtype": "int64", "shape": ["batch", 3], "range": [0, 10]},
-                       {"name": "scale", "dtype": "float32", "shape": [], "range": [0.5, 2.0]}]}
+    return {
+        "dir": dir_,
+        "source": "model.onnx",
+        "inputs": [
+            {"name": "x", "dtype": "float32", "shape": ["batch", 6], "range": [-1.0, 1.0]},
+            {"name": "ids", "dtype": "int64", "shape": ["batch", 3], "range": [0, 10]},
+            {"name": "scale", "dtype": "float32", "shape": [], "range": [0.5, 2.0]},
+        ],
+    }
 
 
 def ort_sku(precision: str = "fp32", **extra) -> dict:
@@ -117,9 +141,21 @@ def ort_sku(precision: str = "fp32", **extra) -> dict:
     import platform
 
     arch = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
-    sku = {"backend": "onnxruntime", "precision": precision, "target": {"arch": arch, "device": "cpu", "os": "linux"},
-           "runner_labels": ["self-hosted", "linux"], "shapes": {"batch": 1},
-           "bench": {"warmup": 2, "steady_window": 5, "max_warmup_seconds": 1.0, "roofline": False, "iterations": 10, "min_seconds": 0.0}}
+    sku = {
+        "backend": "onnxruntime",
+        "precision": precision,
+        "target": {"arch": arch, "device": "cpu", "os": "linux"},
+        "runner_labels": ["self-hosted", "linux"],
+        "shapes": {"batch": 1},
+        "bench": {
+            "warmup": 2,
+            "steady_window": 5,
+            "max_warmup_seconds": 1.0,
+            "roofline": False,
+            "iterations": 10,
+            "min_seconds": 0.0,
+        },
+    }
     sku.update(extra)
     return sku
 
@@ -129,9 +165,22 @@ def cpu_sku(backend: str, precision: str, options: dict) -> dict:
     import platform
 
     arch = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
-    return {"backend": backend, "precision": precision, "target": {"arch": arch, "device": "cpu", "os": "linux"},
-            "runner_labels": ["self-hosted", "linux"], "shapes": {"batch": 1}, "options": options,
-            "bench": {"warmup": 1, "steady_window": 5, "max_warmup_seconds": 1.0, "roofline": False, "iterations": 3, "min_seconds": 0.0}}
+    return {
+        "backend": backend,
+        "precision": precision,
+        "target": {"arch": arch, "device": "cpu", "os": "linux"},
+        "runner_labels": ["self-hosted", "linux"],
+        "shapes": {"batch": 1},
+        "options": options,
+        "bench": {
+            "warmup": 1,
+            "steady_window": 5,
+            "max_warmup_seconds": 1.0,
+            "roofline": False,
+            "iterations": 3,
+            "min_seconds": 0.0,
+        },
+    }
 
 
 def _iree_cpu() -> str:
@@ -165,16 +214,27 @@ def write_project(root: Path, models: dict, skus: dict, **top) -> Path:
 def external_data_model(path: Path, location: str = "weights.bin", seed: int = 0) -> Path:
     """y[batch,4] = x[batch,4] @ W + B, with W and B stored in the side file ``location`` (ONNX external data)."""
     rng = np.random.default_rng(seed)
-    init = [numpy_helper.from_array(rng.normal(0, 0.5, (4, 4)).astype(np.float32), "W"),
-            numpy_helper.from_array(rng.normal(0, 0.1, (4,)).astype(np.float32), "B")]
-    nodes = [helper.make_node("MatMul", ["x", "W"], ["xw"], name="matmul"), helper.make_node("Add", ["xw", "B"], ["y"], name="add")]
-    graph = helper.make_graph(nodes, "external", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])], init)
+    init = [
+        numpy_helper.from_array(rng.normal(0, 0.5, (4, 4)).astype(np.float32), "W"),
+        numpy_helper.from_array(rng.normal(0, 0.1, (4,)).astype(np.float32), "B"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["xw"], name="matmul"),
+        helper.make_node("Add", ["xw", "B"], ["y"], name="add"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "external",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        init,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="skuforge-tests")
     model.ir_version = 8
     (path.parent / location).parent.mkdir(parents=True, exist_ok=True)
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=location,
-                    size_threshold=0)
+    onnx.save_model(
+        model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=location, size_threshold=0
+    )
     return path
 
 
@@ -185,8 +245,12 @@ def relu_model(path: Path, opset: int = OPSET, custom_domain: str | None = None)
     if custom_domain:
         nodes.append(helper.make_node("MyOp", ["r"], ["y"], name="my_op", domain=custom_domain))
         opsets.append(helper.make_opsetid(custom_domain, 1))
-    graph = helper.make_graph(nodes, "relu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])])
+    graph = helper.make_graph(
+        nodes,
+        "relu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+    )
     model = helper.make_model(graph, opset_imports=opsets, producer_name="skuforge-tests")
     model.ir_version = 8 if opset >= 7 else 3
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -217,11 +281,15 @@ def set_external_location(path: Path, location: str) -> None:
 
 def _float_data(name: str, array: np.ndarray) -> onnx.TensorProto:
     """An initializer in ``float_data`` (a list, not raw bytes), as older exporters store weights."""
-    return helper.make_tensor(name, TensorProto.FLOAT, list(array.shape), vals=array.astype(np.float32).flatten().tolist())
+    return helper.make_tensor(
+        name, TensorProto.FLOAT, list(array.shape), vals=array.astype(np.float32).flatten().tolist()
+    )
 
 
 def _save_at(graph: onnx.GraphProto, path: Path, opset: int) -> Path:
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="skuforge-tests-corpus")
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="skuforge-tests-corpus"
+    )
     model.ir_version = min(onnx.IR_VERSION, max(v[1] for v in helper.VERSION_TABLE if v[2] <= opset))
     onnx.checker.check_model(model)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -234,9 +302,12 @@ def conv_pool_slice_model(path: Path, opset: int = OPSET, seed: int = 0) -> Path
     -> Flatten -> y[batch,16], at ``opset`` with every weight in ``float_data``."""
     rng = np.random.default_rng(seed)
     init = [
-        _float_data("W", rng.normal(0, 0.3, (6, 3, 3, 3))), _float_data("B", rng.normal(0, 0.1, (6,))),
-        _float_data("bn_scale", rng.uniform(0.5, 1.5, (6,))), _float_data("bn_bias", rng.normal(0, 0.1, (6,))),
-        _float_data("bn_mean", rng.normal(0, 0.1, (6,))), _float_data("bn_var", rng.uniform(0.5, 1.5, (6,))),
+        _float_data("W", rng.normal(0, 0.3, (6, 3, 3, 3))),
+        _float_data("B", rng.normal(0, 0.1, (6,))),
+        _float_data("bn_scale", rng.uniform(0.5, 1.5, (6,))),
+        _float_data("bn_bias", rng.normal(0, 0.1, (6,))),
+        _float_data("bn_mean", rng.normal(0, 0.1, (6,))),
+        _float_data("bn_var", rng.uniform(0.5, 1.5, (6,))),
         helper.make_tensor("starts", TensorProto.INT64, [1], vals=[0]),
         helper.make_tensor("ends", TensorProto.INT64, [1], vals=[4]),
         helper.make_tensor("axes", TensorProto.INT64, [1], vals=[1]),
@@ -249,29 +320,56 @@ def conv_pool_slice_model(path: Path, opset: int = OPSET, seed: int = 0) -> Path
         helper.make_node("Slice", ["pool", "starts", "ends", "axes"], ["sliced"], name="slice"),
         helper.make_node("Flatten", ["sliced"], ["y"], name="flatten"),
     ]
-    graph = helper.make_graph(nodes, "conv_pool_slice", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 8])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 64])], init)
+    graph = helper.make_graph(
+        nodes,
+        "conv_pool_slice",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 64])],
+        init,
+    )
     return _save_at(graph, path, opset)
 
 
 def if_model(path: Path) -> Path:
     """y[batch,4] = x * 2 if flag > 0 else x - 1, flag a scalar input (If with Constant nodes in
     float_data in both branches)."""
+
     def branch(name: str, op: str, value: float) -> onnx.GraphProto:
-        const = helper.make_node("Constant", [], [f"{name}_c"], name=f"{name}_const",
-                                 value=helper.make_tensor(f"{name}_v", TensorProto.FLOAT, [], vals=[value]))
-        return helper.make_graph([const, helper.make_node(op, ["x", f"{name}_c"], [f"{name}_out"], name=f"{name}_op")], name, [],
-                                 [helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, ["batch", 4])])
+        const = helper.make_node(
+            "Constant",
+            [],
+            [f"{name}_c"],
+            name=f"{name}_const",
+            value=helper.make_tensor(f"{name}_v", TensorProto.FLOAT, [], vals=[value]),
+        )
+        return helper.make_graph(
+            [const, helper.make_node(op, ["x", f"{name}_c"], [f"{name}_out"], name=f"{name}_op")],
+            name,
+            [],
+            [helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, ["batch", 4])],
+        )
 
     nodes = [
         helper.make_node("Greater", ["flag", "zero"], ["positive"], name="positive"),
-        helper.make_node("If", ["positive"], ["y"], then_branch=branch("then", "Mul", 2.0),
-                         else_branch=branch("else", "Sub", 1.0), name="if"),
+        helper.make_node(
+            "If",
+            ["positive"],
+            ["y"],
+            then_branch=branch("then", "Mul", 2.0),
+            else_branch=branch("else", "Sub", 1.0),
+            name="if",
+        ),
     ]
-    graph = helper.make_graph(nodes, "if_model", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4]),
-                                                  helper.make_tensor_value_info("flag", TensorProto.FLOAT, [])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
-                              [helper.make_tensor("zero", TensorProto.FLOAT, [], vals=[0.0])])
+    graph = helper.make_graph(
+        nodes,
+        "if_model",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4]),
+            helper.make_tensor_value_info("flag", TensorProto.FLOAT, []),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor("zero", TensorProto.FLOAT, [], vals=[0.0])],
+    )
     return _save_at(graph, path, OPSET)
 
 
@@ -279,18 +377,33 @@ def loop_model(path: Path) -> Path:
     """y[batch,4] = x * W^3 by a Loop of three MatMuls (W in float_data, outside the body)."""
     w = np.random.default_rng(0).normal(0, 0.5, (4, 4))
     body = helper.make_graph(
-        [helper.make_node("Identity", ["cond_in"], ["cond_out"], name="keep_going"),
-         helper.make_node("MatMul", ["acc_in", "W"], ["acc_out"], name="step")],
+        [
+            helper.make_node("Identity", ["cond_in"], ["cond_out"], name="keep_going"),
+            helper.make_node("MatMul", ["acc_in", "W"], ["acc_out"], name="step"),
+        ],
         "body",
-        [helper.make_tensor_value_info("i", TensorProto.INT64, []), helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
-         helper.make_tensor_value_info("acc_in", TensorProto.FLOAT, ["batch", 4])],
-        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
-         helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, ["batch", 4])])
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("acc_in", TensorProto.FLOAT, ["batch", 4]),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, ["batch", 4]),
+        ],
+    )
     nodes = [helper.make_node("Loop", ["trips", "cond", "x"], ["y"], body=body, name="loop")]
-    graph = helper.make_graph(nodes, "loop_model", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
-                              [helper.make_tensor("trips", TensorProto.INT64, [], vals=[3]),
-                               helper.make_tensor("cond", TensorProto.BOOL, [], vals=[True]), _float_data("W", w)])
+    graph = helper.make_graph(
+        nodes,
+        "loop_model",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        [
+            helper.make_tensor("trips", TensorProto.INT64, [], vals=[3]),
+            helper.make_tensor("cond", TensorProto.BOOL, [], vals=[True]),
+            _float_data("W", w),
+        ],
+    )
     return _save_at(graph, path, OPSET)
 
 
@@ -299,27 +412,35 @@ def rnn_model(path: Path, cell: str = "LSTM", seq: int = 5, hidden: int = 8) -> 
     Y_h[1,batch,8] (and Y_c): the state in and out, as a streaming exporter writes it."""
     rng = np.random.default_rng(0)
     gates = {"LSTM": 4, "GRU": 3}[cell]
-    init = [_float_data("W", rng.normal(0, 0.3, (1, gates * hidden, 4))),
-            _float_data("R", rng.normal(0, 0.3, (1, gates * hidden, hidden))),
-            _float_data("Bias", rng.normal(0, 0.1, (1, 2 * gates * hidden)))]
+    init = [
+        _float_data("W", rng.normal(0, 0.3, (1, gates * hidden, 4))),
+        _float_data("R", rng.normal(0, 0.3, (1, gates * hidden, hidden))),
+        _float_data("Bias", rng.normal(0, 0.1, (1, 2 * gates * hidden))),
+    ]
     state = [("h0", "Y_h")] + ([("c0", "Y_c")] if cell == "LSTM" else [])
     inputs = ["x", "W", "R", "Bias", "", "h0"] + (["c0"] if cell == "LSTM" else [])
     nodes = [helper.make_node(cell, inputs, ["Y"] + [o for _, o in state], hidden_size=hidden, name=cell.lower())]
     graph = helper.make_graph(
-        nodes, f"{cell.lower()}_model",
+        nodes,
+        f"{cell.lower()}_model",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [seq, "batch", 4])]
         + [helper.make_tensor_value_info(i, TensorProto.FLOAT, [1, "batch", hidden]) for i, _ in state],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [seq, 1, "batch", hidden])]
-        + [helper.make_tensor_value_info(o, TensorProto.FLOAT, [1, "batch", hidden]) for _, o in state], init)
+        + [helper.make_tensor_value_info(o, TensorProto.FLOAT, [1, "batch", hidden]) for _, o in state],
+        init,
+    )
     return _save_at(graph, path, OPSET)
 
 
 def rnn_spec(dir_: str, cell: str = "LSTM", seq: int = 5, hidden: int = 8) -> dict:
     """The params.yaml entry for rnn_model: the batch axis is axis 1 of every input."""
     state = ["h0"] + (["c0"] if cell == "LSTM" else [])
-    return {"dir": dir_, "source": "model.onnx",
-            "inputs": [{"name": "x", "dtype": "float32", "shape": [seq, "batch", 4], "range": [-1.0, 1.0]}]
-            + [{"name": s, "dtype": "float32", "shape": [1, "batch", hidden], "range": [-0.5, 0.5]} for s in state]}
+    return {
+        "dir": dir_,
+        "source": "model.onnx",
+        "inputs": [{"name": "x", "dtype": "float32", "shape": [seq, "batch", 4], "range": [-1.0, 1.0]}]
+        + [{"name": s, "dtype": "float32", "shape": [1, "batch", hidden], "range": [-0.5, 0.5]} for s in state],
+    }
 
 
 # --- exporter-style shapes: -1, 0, unnamed and per-tensor dim names (tests/test_exporter_shapes.py) -----
@@ -344,19 +465,32 @@ def exporter_dense_model(path: Path, x_dims: list | None = None, y_dims: list | 
     """y = relu(x @ W + B), x[?,6] -> y[?,4], with the dims written as given (default: torch-style
     per-tensor names, ``batch_size`` in, ``output_dim_0`` out)."""
     rng = np.random.default_rng(seed)
-    init = [numpy_helper.from_array(rng.normal(0, 0.5, (6, 4)).astype(np.float32), "W"),
-            numpy_helper.from_array(rng.normal(0, 0.1, (4,)).astype(np.float32), "B")]
-    nodes = [helper.make_node("MatMul", ["x", "W"], ["xw"], name="matmul"), helper.make_node("Add", ["xw", "B"], ["a"], name="add"),
-             helper.make_node("Relu", ["a"], ["y"], name="relu")]
-    graph = helper.make_graph(nodes, "exporter_dense", [value_info("x", x_dims if x_dims is not None else ["batch_size", 6])],
-                              [value_info("y", y_dims if y_dims is not None else ["output_dim_0", 4])], init)
+    init = [
+        numpy_helper.from_array(rng.normal(0, 0.5, (6, 4)).astype(np.float32), "W"),
+        numpy_helper.from_array(rng.normal(0, 0.1, (4,)).astype(np.float32), "B"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["xw"], name="matmul"),
+        helper.make_node("Add", ["xw", "B"], ["a"], name="add"),
+        helper.make_node("Relu", ["a"], ["y"], name="relu"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "exporter_dense",
+        [value_info("x", x_dims if x_dims is not None else ["batch_size", 6])],
+        [value_info("y", y_dims if y_dims is not None else ["output_dim_0", 4])],
+        init,
+    )
     return _save(graph, path)
 
 
 def dense_spec(dir_: str, x_shape: list | None = None) -> dict:
     """The params.yaml entry for exporter_dense_model."""
-    return {"dir": dir_, "source": "model.onnx",
-            "inputs": [{"name": "x", "dtype": "float32", "shape": x_shape or ["batch", 6], "range": [-1.0, 1.0]}]}
+    return {
+        "dir": dir_,
+        "source": "model.onnx",
+        "inputs": [{"name": "x", "dtype": "float32", "shape": x_shape or ["batch", 6], "range": [-1.0, 1.0]}],
+    }
 
 
 def batch_positions_model(path: Path, seed: int = 0) -> Path:
@@ -364,16 +498,30 @@ def batch_positions_model(path: Path, seed: int = 0) -> Path:
     unnamed or exporter-named: y = h [N,4]; t = h^T [4,N]; r = Reshape(h, [-1,2,2]) [N,2,2]
     (inference cannot name N); rt = Transpose(r) [2,N,2]; total = sum(h), a scalar with no batch axis."""
     rng = np.random.default_rng(seed)
-    init = [numpy_helper.from_array(rng.normal(0, 0.5, (6, 4)).astype(np.float32), "W"),
-            numpy_helper.from_array(np.array([-1, 2, 2], np.int64), "shape3")]
-    nodes = [helper.make_node("MatMul", ["x", "W"], ["y"], name="matmul"),
-             helper.make_node("Transpose", ["y"], ["t"], perm=[1, 0], name="transpose"),
-             helper.make_node("Reshape", ["y", "shape3"], ["r"], name="reshape"),
-             helper.make_node("Transpose", ["r"], ["rt"], perm=[1, 0, 2], name="transpose3"),
-             helper.make_node("ReduceSum", ["y"], ["total"], keepdims=0, name="total")]
-    graph = helper.make_graph(nodes, "batch_positions", [value_info("x", [-1, 6])],
-                              [value_info("y", ["output_dim_0", "output_dim_1"]), value_info("t", [None, None]),
-                               value_info("r", [-1, 2, 2]), value_info("rt", [None, None, None]), value_info("total", [])], init)
+    init = [
+        numpy_helper.from_array(rng.normal(0, 0.5, (6, 4)).astype(np.float32), "W"),
+        numpy_helper.from_array(np.array([-1, 2, 2], np.int64), "shape3"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["y"], name="matmul"),
+        helper.make_node("Transpose", ["y"], ["t"], perm=[1, 0], name="transpose"),
+        helper.make_node("Reshape", ["y", "shape3"], ["r"], name="reshape"),
+        helper.make_node("Transpose", ["r"], ["rt"], perm=[1, 0, 2], name="transpose3"),
+        helper.make_node("ReduceSum", ["y"], ["total"], keepdims=0, name="total"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "batch_positions",
+        [value_info("x", [-1, 6])],
+        [
+            value_info("y", ["output_dim_0", "output_dim_1"]),
+            value_info("t", [None, None]),
+            value_info("r", [-1, 2, 2]),
+            value_info("rt", [None, None, None]),
+            value_info("total", []),
+        ],
+        init,
+    )
     return _save(graph, path)
 
 
@@ -381,42 +529,65 @@ def upsample_model(path: Path, seed: int = 0) -> Path:
     """x[N,2,H,W] -> Conv 3x3 -> Resize x2 (nearest) -> ConvTranspose stride 2 -> y[N,2,4H,4W], every
     dynamic dim unnamed or -1 in the file."""
     rng = np.random.default_rng(seed)
-    init = [numpy_helper.from_array(rng.normal(0, 0.3, (3, 2, 3, 3)).astype(np.float32), "Wc"),
-            numpy_helper.from_array(rng.normal(0, 0.3, (3, 2, 2, 2)).astype(np.float32), "Wt"),
-            numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")]
-    nodes = [helper.make_node("Conv", ["x", "Wc"], ["c"], pads=[1, 1, 1, 1], name="conv"),
-             helper.make_node("Resize", ["c", "", "scales"], ["up"], mode="nearest", name="resize"),
-             helper.make_node("ConvTranspose", ["up", "Wt"], ["y"], strides=[2, 2], name="deconv")]
-    graph = helper.make_graph(nodes, "upsample", [value_info("x", [-1, 2, None, 0])],
-                              [value_info("y", [None, 2, -1, -1])], init)
+    init = [
+        numpy_helper.from_array(rng.normal(0, 0.3, (3, 2, 3, 3)).astype(np.float32), "Wc"),
+        numpy_helper.from_array(rng.normal(0, 0.3, (3, 2, 2, 2)).astype(np.float32), "Wt"),
+        numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "Wc"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+        helper.make_node("Resize", ["c", "", "scales"], ["up"], mode="nearest", name="resize"),
+        helper.make_node("ConvTranspose", ["up", "Wt"], ["y"], strides=[2, 2], name="deconv"),
+    ]
+    graph = helper.make_graph(
+        nodes, "upsample", [value_info("x", [-1, 2, None, 0])], [value_info("y", [None, 2, -1, -1])], init
+    )
     return _save(graph, path)
 
 
 def upsample_spec(dir_: str, height: int = 6, width: int = 5) -> dict:
-    return {"dir": dir_, "source": "model.onnx", "pins": {"height": height, "width": width},
-            "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 2, "height", "width"], "range": [-1.0, 1.0]}]}
+    return {
+        "dir": dir_,
+        "source": "model.onnx",
+        "pins": {"height": height, "width": width},
+        "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 2, "height", "width"], "range": [-1.0, 1.0]}],
+    }
 
 
 def sequence_model(path: Path, seed: int = 0) -> Path:
     """tokens[batch_size, sequence] (int64) and an int64 scalar ``k`` -> E[tokens] * k: per-token
     emb[batch_size, sequence, 4] and pooled[batch_size, 4] (the mean over the sequence)."""
     rng = np.random.default_rng(seed)
-    init = [numpy_helper.from_array(rng.normal(0, 0.5, (11, 4)).astype(np.float32), "E"),
-            numpy_helper.from_array(np.array([1], np.int64), "axis1")]
-    nodes = [helper.make_node("Gather", ["E", "tokens"], ["g"], axis=0, name="embed"),
-             helper.make_node("Cast", ["k"], ["kf"], to=TensorProto.FLOAT, name="cast"),
-             helper.make_node("Mul", ["g", "kf"], ["emb"], name="scale"),
-             helper.make_node("ReduceMean", ["emb", "axis1"], ["pooled"], keepdims=0, name="pool")]
-    graph = helper.make_graph(nodes, "sequence", [value_info("tokens", ["batch_size", "sequence"], TensorProto.INT64),
-                                                  value_info("k", [], TensorProto.INT64)],
-                              [value_info("emb", ["emb_dim_0", "emb_dim_1", 4]), value_info("pooled", [None, 4])], init)
+    init = [
+        numpy_helper.from_array(rng.normal(0, 0.5, (11, 4)).astype(np.float32), "E"),
+        numpy_helper.from_array(np.array([1], np.int64), "axis1"),
+    ]
+    nodes = [
+        helper.make_node("Gather", ["E", "tokens"], ["g"], axis=0, name="embed"),
+        helper.make_node("Cast", ["k"], ["kf"], to=TensorProto.FLOAT, name="cast"),
+        helper.make_node("Mul", ["g", "kf"], ["emb"], name="scale"),
+        helper.make_node("ReduceMean", ["emb", "axis1"], ["pooled"], keepdims=0, name="pool"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "sequence",
+        [value_info("tokens", ["batch_size", "sequence"], TensorProto.INT64), value_info("k", [], TensorProto.INT64)],
+        [value_info("emb", ["emb_dim_0", "emb_dim_1", 4]), value_info("pooled", [None, 4])],
+        init,
+    )
     return _save(graph, path, opset=18)
 
 
 def sequence_spec(dir_: str, seq: int = 7) -> dict:
-    return {"dir": dir_, "source": "model.onnx", "pins": {"seq": seq},
-            "inputs": [{"name": "tokens", "dtype": "int64", "shape": ["batch", "seq"], "range": [0, 10]},
-                       {"name": "k", "dtype": "int64", "shape": [], "range": [1, 3]}]}
+    return {
+        "dir": dir_,
+        "source": "model.onnx",
+        "pins": {"seq": seq},
+        "inputs": [
+            {"name": "tokens", "dtype": "int64", "shape": ["batch", "seq"], "range": [0, 10]},
+            {"name": "k", "dtype": "int64", "shape": [], "range": [1, 3]},
+        ],
+    }
 
 
 def torch_dense_model(path: Path, dynamo: bool, seed: int = 0) -> Path:
@@ -440,26 +611,46 @@ def torch_dense_model(path: Path, dynamo: bool, seed: int = 0) -> Path:
     net, x = Net().eval(), torch.rand(2, 1, 8, 8)
     path.parent.mkdir(parents=True, exist_ok=True)
     if dynamo:
-        program = torch.onnx.export(net, (x,), dynamo=True, input_names=["x"], output_names=["probs"],
-                                    dynamic_shapes={"x": {0: torch.export.Dim("N")}}, opset_version=18)
+        program = torch.onnx.export(
+            net,
+            (x,),
+            dynamo=True,
+            input_names=["x"],
+            output_names=["probs"],
+            dynamic_shapes={"x": {0: torch.export.Dim("N")}},
+            opset_version=18,
+        )
         program.save(str(path))
     else:
-        torch.onnx.export(net, (x,), str(path), dynamo=False, input_names=["x"], output_names=["probs"], opset_version=17,
-                          dynamic_axes={"x": {0: "batch_size"}, "probs": {0: "output_dim_0"}})
+        torch.onnx.export(
+            net,
+            (x,),
+            str(path),
+            dynamo=False,
+            input_names=["x"],
+            output_names=["probs"],
+            opset_version=17,
+            dynamic_axes={"x": {0: "batch_size"}, "probs": {0: "output_dim_0"}},
+        )
     return path
 
 
 def torch_dense_spec(dir_: str) -> dict:
-    return {"dir": dir_, "source": "model.onnx",
-            "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 1, 8, 8], "range": [0.0, 1.0]}]}
+    return {
+        "dir": dir_,
+        "source": "model.onnx",
+        "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 1, 8, 8], "range": [0.0, 1.0]}],
+    }
 
 
 def batch_mixing_model(path: Path) -> Path:
     """y[N,6] = x - mean(x over the batch): all zeros when run one sample at a time, so the
     outputs show the batch the model ran at."""
     init = [numpy_helper.from_array(np.array([0], np.int64), "axis0")]
-    nodes = [helper.make_node("ReduceMean", ["x", "axis0"], ["m"], keepdims=1, name="batch_mean"),
-             helper.make_node("Sub", ["x", "m"], ["y"], name="sub")]
+    nodes = [
+        helper.make_node("ReduceMean", ["x", "axis0"], ["m"], keepdims=1, name="batch_mean"),
+        helper.make_node("Sub", ["x", "m"], ["y"], name="sub"),
+    ]
     graph = helper.make_graph(nodes, "batch_mixing", [value_info("x", ["N", 6])], [value_info("y", ["N", 6])], init)
     return _save(graph, path, opset=18)
 
@@ -469,9 +660,13 @@ def batch_one_reshape_model(path: Path) -> Path:
     (as an exporter writes a model traced at batch 1 with a dynamic input)."""
     w = np.random.default_rng(0).normal(0, 0.5, (6, 4)).astype(np.float32)
     init = [numpy_helper.from_array(w, "W"), numpy_helper.from_array(np.array([1, 4], np.int64), "shape")]
-    nodes = [helper.make_node("MatMul", ["x", "W"], ["xw"], name="matmul"),
-             helper.make_node("Reshape", ["xw", "shape"], ["y"], name="reshape")]
-    graph = helper.make_graph(nodes, "batch_one_reshape", [value_info("x", [-1, 6])], [value_info("y", [None, None])], init)
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["xw"], name="matmul"),
+        helper.make_node("Reshape", ["xw", "shape"], ["y"], name="reshape"),
+    ]
+    graph = helper.make_graph(
+        nodes, "batch_one_reshape", [value_info("x", [-1, 6])], [value_info("y", [None, None])], init
+    )
     return _save(graph, path)
 
 
@@ -509,15 +704,22 @@ def outlier_channel_model(path: Path, seed: int = 0, factor: float = 500.0) -> P
         helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"], transB=1, name="fc"),
         helper.make_node("Softmax", ["logits"], ["probs"], axis=-1, name="softmax"),
     ]
-    graph = helper.make_graph(nodes, "outlier_channel",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 8, 8])],
-                              [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 10])], init)
+    graph = helper.make_graph(
+        nodes,
+        "outlier_channel",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 8, 8])],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 10])],
+        init,
+    )
     return _save(graph, path)
 
 
 def outlier_channel_spec(dir_: str = "m") -> dict:
-    return {"dir": dir_, "source": "model.onnx",
-            "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4, 8, 8], "range": [0.0, 1.0]}]}
+    return {
+        "dir": dir_,
+        "source": "model.onnx",
+        "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4, 8, 8], "range": [0.0, 1.0]}],
+    }
 
 
 def fp16_overflow_model(path: Path, seed: int = 0, factor: float = 4000.0) -> Path:
@@ -539,14 +741,22 @@ def fp16_overflow_model(path: Path, seed: int = 0, factor: float = 4000.0) -> Pa
         helper.make_node("Mul", ["big_relu", "down"], ["small"], name="rescale"),
         helper.make_node("MatMul", ["small", "w2"], ["y"], name="fc2"),
     ]
-    graph = helper.make_graph(nodes, "fp16_overflow", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])], init)
+    graph = helper.make_graph(
+        nodes,
+        "fp16_overflow",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])],
+        init,
+    )
     return _save(graph, path)
 
 
 def fp16_overflow_spec(dir_: str = "m") -> dict:
-    return {"dir": dir_, "source": "model.onnx",
-            "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 16], "range": [-1.0, 1.0]}]}
+    return {
+        "dir": dir_,
+        "source": "model.onnx",
+        "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 16], "range": [-1.0, 1.0]}],
+    }
 
 
 def decomposed_layernorm_model(path: Path, blocks: int = 12, width: int = 256, seed: int = 0) -> Path:
@@ -554,31 +764,45 @@ def decomposed_layernorm_model(path: Path, blocks: int = 12, width: int = 256, s
     them: ONNX Runtime fuses each into one kernel at level ``extended``/``all`` and runs nine nodes
     per block at ``disable``. A model whose speed depends on one SKU option, many times over."""
     rng = np.random.default_rng(seed)
-    inits = [numpy_helper.from_array(np.array(2.0, np.float32), "two"),
-             numpy_helper.from_array(np.array(1e-5, np.float32), "eps"),
-             numpy_helper.from_array(np.array([-1], np.int64), "axes")]
+    inits = [
+        numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+        numpy_helper.from_array(np.array(1e-5, np.float32), "eps"),
+        numpy_helper.from_array(np.array([-1], np.int64), "axes"),
+    ]
     nodes, x = [], "x"
     for b in range(blocks):
         g, bias = f"g{b}", f"b{b}"
-        inits += [numpy_helper.from_array(rng.uniform(0.5, 1.5, width).astype(np.float32), g),
-                  numpy_helper.from_array(rng.normal(0, 0.1, width).astype(np.float32), bias)]
+        inits += [
+            numpy_helper.from_array(rng.uniform(0.5, 1.5, width).astype(np.float32), g),
+            numpy_helper.from_array(rng.normal(0, 0.1, width).astype(np.float32), bias),
+        ]
         p = f"ln{b}_"
-        nodes += [helper.make_node("ReduceMean", [x, "axes"], [p + "mean"], keepdims=1, name=p + "mean"),
-                  helper.make_node("Sub", [x, p + "mean"], [p + "d"], name=p + "sub"),
-                  helper.make_node("Pow", [p + "d", "two"], [p + "sq"], name=p + "pow"),
-                  helper.make_node("ReduceMean", [p + "sq", "axes"], [p + "var"], keepdims=1, name=p + "var"),
-                  helper.make_node("Add", [p + "var", "eps"], [p + "ve"], name=p + "add_eps"),
-                  helper.make_node("Sqrt", [p + "ve"], [p + "std"], name=p + "sqrt"),
-                  helper.make_node("Div", [p + "d", p + "std"], [p + "n"], name=p + "div"),
-                  helper.make_node("Mul", [p + "n", g], [p + "s"], name=p + "scale"),
-                  helper.make_node("Add", [p + "s", bias], [p + "out"], name=p + "shift")]
+        nodes += [
+            helper.make_node("ReduceMean", [x, "axes"], [p + "mean"], keepdims=1, name=p + "mean"),
+            helper.make_node("Sub", [x, p + "mean"], [p + "d"], name=p + "sub"),
+            helper.make_node("Pow", [p + "d", "two"], [p + "sq"], name=p + "pow"),
+            helper.make_node("ReduceMean", [p + "sq", "axes"], [p + "var"], keepdims=1, name=p + "var"),
+            helper.make_node("Add", [p + "var", "eps"], [p + "ve"], name=p + "add_eps"),
+            helper.make_node("Sqrt", [p + "ve"], [p + "std"], name=p + "sqrt"),
+            helper.make_node("Div", [p + "d", p + "std"], [p + "n"], name=p + "div"),
+            helper.make_node("Mul", [p + "n", g], [p + "s"], name=p + "scale"),
+            helper.make_node("Add", [p + "s", bias], [p + "out"], name=p + "shift"),
+        ]
         x = p + "out"
     nodes.append(helper.make_node("Softmax", [x], ["probs"], axis=-1, name="softmax"))
-    graph = helper.make_graph(nodes, "decomposed_layernorm",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
-                              [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", width])], inits)
+    graph = helper.make_graph(
+        nodes,
+        "decomposed_layernorm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", width])],
+        inits,
+    )
     return _save(graph, path, opset=18)
 
 
 def vector_model_spec(dir_: str, width: int = 256) -> dict:
-    return {"dir": dir_, "source": "model.onnx", "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", width]}]}
+    return {
+        "dir": dir_,
+        "source": "model.onnx",
+        "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", width]}],
+    }

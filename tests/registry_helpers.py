@@ -15,15 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
+import models
 import pytest
 
-import models
+from pipeline.benchstats import latency_stats
 from pipeline.config import Registry, load_registry
 from pipeline.errors import GateFailed
 from pipeline.io import atomic_write_bytes, atomic_write_json, sha256_bytes
 from pipeline.paths import Layout
 from pipeline.results import BenchReport
-from pipeline.benchstats import latency_stats
 from pipeline.stages.bench import bench
 from pipeline.stages.build import build
 from pipeline.stages.calibrate import calibrate
@@ -116,12 +116,27 @@ class Server:
         offset = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [str(MLFLOW), "server", "--backend-store-uri", f"sqlite:///{self.root / 'server.db'}",
-                 "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1",
-                 "--port", str(self.port), "--workers", "1"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.root,
+                [
+                    str(MLFLOW),
+                    "server",
+                    "--backend-store-uri",
+                    f"sqlite:///{self.root / 'server.db'}",
+                    "--artifacts-destination",
+                    str(self.root / "artifacts"),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--workers",
+                    "1",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=self.root,
                 # no background job runner (a dozen huey processes the tests never use)
-                env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+                env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             # ours answers, not another test process's server on a port taken meanwhile
@@ -156,20 +171,30 @@ class Server:
 
 
 def sku(precision: str = "fp32", iterations: int = 60, **extra) -> dict:
-    return models.ort_sku(precision, bench={"warmup": 2, "steady_window": 5, "max_warmup_seconds": 1.0, "roofline": False,
-                                            "iterations": iterations, "min_seconds": 0.0}, **extra)
+    return models.ort_sku(
+        precision,
+        bench={
+            "warmup": 2,
+            "steady_window": 5,
+            "max_warmup_seconds": 1.0,
+            "roofline": False,
+            "iterations": iterations,
+            "min_seconds": 0.0,
+        },
+        **extra,
+    )
 
 
-def make_project(root: Path, skus: dict, release: dict | None = None, failing: tuple[str, ...] = (),
-                 **top) -> Registry:
+def make_project(root: Path, skus: dict, release: dict | None = None, failing: tuple[str, ...] = (), **top) -> Registry:
     """conv_bn model, the given SKUs built, validated, benched and described by a manifest.
 
     SKUs in ``failing`` are expected to fail validation (their report and manifest are still
     written, as under `skuforge validate` followed by bench and manifest).
     """
     models.conv_bn_model(root / "models/conv/model.onnx")
-    params = models.write_project(root, {"conv": models.conv_bn_spec()}, skus,
-                                  release=release or {"tracking": FAST_RETRIES}, **top)
+    params = models.write_project(
+        root, {"conv": models.conv_bn_spec()}, skus, release=release or {"tracking": FAST_RETRIES}, **top
+    )
     reg = load_registry(params)
     prepare(reg, "conv")
     make_data(reg, "conv")
@@ -196,9 +221,12 @@ def fake_bench(reg: Registry, model: str, sku_name: str, samples_ms) -> str:
     samples = [round(float(x), 4) for x in samples_ms]  # as latency.csv holds them
     csv = ("iteration,latency_ms\n" + "".join(f"{i},{v:.4f}\n" for i, v in enumerate(samples))).encode()
     report = BenchReport.model_validate_json(out.report(model, sku_name, "bench").read_text())
-    atomic_write_json(out.report(model, sku_name, "bench"),
-                      report.model_copy(update={"engine_only": latency_stats(samples),
-                                                "latency_sha256": sha256_bytes(csv)}).to_json())
+    atomic_write_json(
+        out.report(model, sku_name, "bench"),
+        report.model_copy(
+            update={"engine_only": latency_stats(samples), "latency_sha256": sha256_bytes(csv)}
+        ).to_json(),
+    )
     atomic_write_bytes(out.latency_csv(model, sku_name), csv)
     out.manifest(model, sku_name).unlink(missing_ok=True)
     return write_manifest(reg, model, sku_name).digest

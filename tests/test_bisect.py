@@ -15,11 +15,12 @@ tensor: no tensor may be called divergent (no false alarms).
 from __future__ import annotations
 
 import json
-import pytest
-import yaml
 
 import models
+import pytest
+import yaml
 from cli_helpers import skuforge
+
 from pipeline.bisect import Graph, channel_axis, remedy_nodes, tensor_error
 from pipeline.config import load_registry
 from pipeline.errors import GateFailed
@@ -40,8 +41,10 @@ PLANTED = {
     ("outlier", "ov_int8"): ("outlier_scale", "range", ["outlier_scale", "conv2"]),
     ("overflow", "iree_fp16"): ("overflow_scale", "overflow", ["overflow_scale", "relu", "rescale"]),
 }
-BUILDERS = {"outlier": (models.outlier_channel_model, models.outlier_channel_spec()),
-            "overflow": (models.fp16_overflow_model, models.fp16_overflow_spec())}
+BUILDERS = {
+    "outlier": (models.outlier_channel_model, models.outlier_channel_spec()),
+    "overflow": (models.fp16_overflow_model, models.fp16_overflow_spec()),
+}
 
 
 def _project(root, defect: str, sku: str):
@@ -78,15 +81,19 @@ def test_planted_defect_is_found_and_fixed(tmp_path, defect, sku):
     assert (suspect["node"], suspect["cause"]) == (node, cause), bisection["summary"]
     # searched by parts: fewer builds than candidates + the anchor and the confirmation
     assert 1 < bisection["builds"] <= bisection["candidates"] + 2
-    assert all(len(p["marked"]) <= SKUS[sku].get("bisect", {}).get("marks_per_build", 3) + 2 for p in bisection["probes"])
+    assert all(
+        len(p["marked"]) <= SKUS[sku].get("bisect", {}).get("marks_per_build", 3) + 2 for p in bisection["probes"]
+    )
     if cause == "overflow":
         assert bisection["first_nonfinite"] == node and suspect["error"]["inf"] > 0
     if cause == "range":
         ratio = max(v for k, v in suspect["error"]["channel_abs_max"].items() if k != "median")
         assert ratio > 100 * suspect["error"]["channel_abs_max"]["median"]
     if sku.startswith("ov"):  # fused layers are reported with the ONNX nodes they came from
-        assert any({node, f"{suspect['tensor']}_QuantizeLinear"} & set(layer["fused_from"]) and len(layer["fused_from"]) > 1
-                   for layer in suspect["engine_layers"]), suspect["engine_layers"]
+        assert any(
+            {node, f"{suspect['tensor']}_QuantizeLinear"} & set(layer["fused_from"]) and len(layer["fused_from"]) > 1
+            for layer in suspect["engine_layers"]
+        ), suspect["engine_layers"]
 
     # the remedy from the command line, written into params.yaml
     proc = skuforge("bisect", "--model", "m", "--sku", sku, "--fix", "--apply", "--json", cwd=tmp_path, timeout=600)

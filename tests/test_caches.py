@@ -13,9 +13,9 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
+import models
 import pytest
 
-import models
 from pipeline import backends as backends_pkg
 from pipeline import caches
 from pipeline.backends.onnxruntime import OnnxRuntimeBackend
@@ -102,10 +102,15 @@ def proj(base, tmp_path, monkeypatch):
     shutil.copytree(base, root)
     reg = load_registry(root / "params.yaml")
     out = Layout(reg.root)
-    return SimpleNamespace(registry=reg, root=root, out=out, params=root / "params.yaml",
-                           cache=lambda sku="fake": out.cache_dir("conv", sku),
-                           engine=lambda sku="fake": out.engine_dir("conv", sku),
-                           report=lambda sku="fake": out.report("conv", sku, "build"))
+    return SimpleNamespace(
+        registry=reg,
+        root=root,
+        out=out,
+        params=root / "params.yaml",
+        cache=lambda sku="fake": out.cache_dir("conv", sku),
+        engine=lambda sku="fake": out.engine_dir("conv", sku),
+        report=lambda sku="fake": out.report("conv", sku, "build"),
+    )
 
 
 def index(folder: Path) -> dict:
@@ -145,8 +150,7 @@ def test_first_build_writes_the_cache_and_its_index(proj):
     doc = index(folder)
     assert doc["backend"] == "fakecache" and doc["kind"] == "timing-cache"
     assert doc["key"] == FakeCacheBackend().cache_key(proj.registry.sku("fake"))
-    assert doc["files"] == [{"path": CACHE_FILE, "sha256": sha256_file(folder / CACHE_FILE),
-                             "bytes": len(decisions())}]
+    assert doc["files"] == [{"path": CACHE_FILE, "sha256": sha256_file(folder / CACHE_FILE), "bytes": len(decisions())}]
     assert doc["tuned_at"] and doc["tuned_at"].endswith("Z")
     assert doc["trials"] == 3
     # the build report and the engine's metadata carry the same record
@@ -368,8 +372,9 @@ def test_a_symlink_out_of_the_project_makes_the_cache_corrupt(proj):
     build(proj.registry, "conv", "fake")
     target = outside(proj, data=b"a secret outside the project")
     (proj.cache() / "leak.bin").symlink_to(target)
-    assert_corrupt_then_rebuilt(proj, "leak.bin is a symlink", str(target), "outside the cache folder",
-                                "a cache holds plain files only")
+    assert_corrupt_then_rebuilt(
+        proj, "leak.bin is a symlink", str(target), "outside the cache folder", "a cache holds plain files only"
+    )
     assert target.read_bytes() == b"a secret outside the project"  # the link is removed, never its target
 
 
@@ -429,7 +434,9 @@ def test_an_index_path_out_of_the_folder_is_corrupt(proj, escape):
 def test_cache_status_fails_on_a_planted_symlink(proj, capsys):
     build(proj.registry, "conv", "fake")
     (proj.cache() / "leak.bin").symlink_to(outside(proj))
-    code, out, err = cli(capsys, "--params", str(proj.params), "cache", "status", "--sku", "fake", "--fail-on", "corrupt")
+    code, out, err = cli(
+        capsys, "--params", str(proj.params), "cache", "status", "--sku", "fake", "--fail-on", "corrupt"
+    )
     assert code == 1 and "fake/conv is corrupt" in err, err
     assert "leak.bin is a symlink" in out
 
@@ -590,9 +597,15 @@ def test_the_manifest_carries_the_cache(proj):
     validate(proj.registry, "conv", "fake")
     bench(proj.registry, "conv", "fake")
     manifest = write_manifest(proj.registry, "conv", "fake").to_json()
-    assert manifest["cache"] == {"kind": "timing-cache", "sha256": caches.files_digest(index(proj.cache())["files"]),
-                                 "key": {"compiler": "1.0", "target": TARGET}, "state": "fresh", "hits": 1,
-                                 "misses": 0, "required": False}
+    assert manifest["cache"] == {
+        "kind": "timing-cache",
+        "sha256": caches.files_digest(index(proj.cache())["files"]),
+        "key": {"compiler": "1.0", "target": TARGET},
+        "state": "fresh",
+        "hits": 1,
+        "misses": 0,
+        "required": False,
+    }
     assert manifest["cache"]["sha256"] == rec.sha256
 
 
@@ -644,8 +657,15 @@ def test_cache_refresh_command(proj, capsys):
     assert code == 2 and "keeps no cache" in err
 
 
-CAPABILITY_KEYS = {"backend", "precisions", "devices", "per_node_precision", "intermediate_outputs", "cache",
-                   "runtime_package"}
+CAPABILITY_KEYS = {
+    "backend",
+    "precisions",
+    "devices",
+    "per_node_precision",
+    "intermediate_outputs",
+    "cache",
+    "runtime_package",
+}
 
 
 def test_backends_command_lists_every_backend(capsys):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
+import models
 import numpy as np
 import pytest
 
-import models
 from pipeline.compare import infer_kind, output_error, output_errors, output_problems, top1_accuracy
 from pipeline.config import Tolerance, TolerancePolicy, parse_registry
 from pipeline.errors import ConfigError
@@ -34,7 +34,9 @@ def test_beyond_tolerance_counts_the_mismatching_fraction():
 
 def test_non_finite_engine_output_fails_and_stays_json():
     ref = np.ones(4, np.float32)
-    err = output_error("y", np.array([1, np.nan, np.inf, 1], np.float32), ref, TOL.model_copy(update={"max_mismatch": 1.0}))
+    err = output_error(
+        "y", np.array([1, np.nan, np.inf, 1], np.float32), ref, TOL.model_copy(update={"max_mismatch": 1.0})
+    )
     assert not err.passed and err.mismatch_fraction == 0.5
     json.dumps(err.to_json(), allow_nan=False)  # JSON has no NaN or infinity
 
@@ -71,10 +73,16 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 def policy(precision: str, **output_kinds: str) -> TolerancePolicy:
     """The built-in tolerances of ``precision`` as params.yaml resolves them, kinds declared per output."""
-    skus = {"fp32": models.ort_sku("fp32"), "int8": models.ort_sku("int8"),
-            "fp16": models.ort_sku("fp16", options={"providers": ["CUDAExecutionProvider"]})}
-    spec = {**models.conv_bn_spec(), "output_kinds": output_kinds,
-            "datasets": {"golden": {"generate": {"count": 401}}}}  # resolves a declared kind's agreement gate
+    skus = {
+        "fp32": models.ort_sku("fp32"),
+        "int8": models.ort_sku("int8"),
+        "fp16": models.ort_sku("fp16", options={"providers": ["CUDAExecutionProvider"]}),
+    }
+    spec = {
+        **models.conv_bn_spec(),
+        "output_kinds": output_kinds,
+        "datasets": {"golden": {"generate": {"count": 401}}},
+    }  # resolves a declared kind's agreement gate
     reg = parse_registry({"defaults": {}, "examples": {}, "models": {"m": spec}, "skus": skus})
     return reg.tolerance("m", precision)
 
@@ -159,8 +167,10 @@ def test_barely_outside_is_told_from_broken():
     assert near.cosine_similarity > 0.9999 and near.p99_abs_error == 0.0
     assert far.min_passing_atol > 100 * tol.atol and abs(far.cosine_similarity) < 0.2
     line = output_problems(near)[0]
-    assert line.startswith("output x: 1 of 2048 elements (0.05%, at least 0.00% at 95%) beyond atol=0.01 rtol=0.01 "
-                           "(allowed 0.00%; max abs error 0.0")
+    assert line.startswith(
+        "output x: 1 of 2048 elements (0.05%, at least 0.00% at 95%) beyond atol=0.01 rtol=0.01 "
+        "(allowed 0.00%; max abs error 0.0"
+    )
     assert "passes at atol >= 0.0102" in line
 
 
@@ -189,8 +199,10 @@ def test_top1_agreement_gates_logits():
     err = output_error("logits", engine, ref, strict, kind="logits")
     assert err.top1_agreement == 0.97 and err.top1_rows == 1000 and err.top1_agree == 970 and err.top1_ties == 0
     assert err.top5_agreement == 1.0 and not err.kind_inferred and not err.passed
-    assert output_problems(err) == [f"output logits: top-1 agreement 970/1000 = 97.00%, {err.top1_interval[0]:.2%}.."
-                                    f"{err.top1_interval[1]:.2%} is below 99.00% at 95% confidence (logits)"]
+    assert output_problems(err) == [
+        f"output logits: top-1 agreement 970/1000 = 97.00%, {err.top1_interval[0]:.2%}.."
+        f"{err.top1_interval[1]:.2%} is below 99.00% at 95% confidence (logits)"
+    ]
     assert err.top1_interval[1] < 0.99
     # 98.8% on 1000 rows is not evidence of less than 99%: it passes
     assert output_error("logits", _flipped(ref, 12), ref, strict, kind="logits").passed
@@ -235,23 +247,28 @@ def test_the_policy_judges_fp16_and_int8_probabilities_by_the_same_criteria():
     broken = softmax(_flipped(logits, 100))  # 95% agreement: significantly below INT8's bar
     e = output_error("probs", broken, ref, policy("int8"))
     assert not e.passed and len(output_problems(e)) == 1
-    assert output_problems(e)[0].startswith("output probs: top-1 agreement ") and "below 97.00%" in output_problems(e)[0]
+    assert (
+        output_problems(e)[0].startswith("output probs: top-1 agreement ") and "below 97.00%" in output_problems(e)[0]
+    )
     assert not output_error("probs", int8, ref, policy("fp16")).passed
 
 
 # --- output kinds ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("values, kind", [
-    (softmax(RNG.normal(size=(8, 5))), "probabilities"),
-    (softmax(RNG.normal(size=(2, 7, 30))).astype(np.float16), "probabilities"),
-    (1 / (1 + np.exp(-RNG.normal(size=(8, 5)))), "regression"),  # sigmoid: in [0, 1], rows do not sum to 1
-    (RNG.normal(size=(8, 5)), "regression"),                      # logits cannot be told from values
-    (np.eye(4, dtype=np.int64), "regression"),                     # one-hot integers
-    (np.ones((8, 1), np.float32), "regression"),                   # one class
-    (np.zeros((0, 5), np.float32), "regression"),
-    (np.float32(1.0), "regression"),
-])
+@pytest.mark.parametrize(
+    "values, kind",
+    [
+        (softmax(RNG.normal(size=(8, 5))), "probabilities"),
+        (softmax(RNG.normal(size=(2, 7, 30))).astype(np.float16), "probabilities"),
+        (1 / (1 + np.exp(-RNG.normal(size=(8, 5)))), "regression"),  # sigmoid: in [0, 1], rows do not sum to 1
+        (RNG.normal(size=(8, 5)), "regression"),  # logits cannot be told from values
+        (np.eye(4, dtype=np.int64), "regression"),  # one-hot integers
+        (np.ones((8, 1), np.float32), "regression"),  # one class
+        (np.zeros((0, 5), np.float32), "regression"),
+        (np.float32(1.0), "regression"),
+    ],
+)
 def test_kind_inference(values, kind):
     assert infer_kind(values) == kind
 
@@ -285,4 +302,7 @@ def test_problems_against_a_stricter_tolerance():
     err = output_error("p", _flipped(ref, 20), ref, loose)
     assert err.passed and err.top1_agreement == 0.96 and err.top1_ties == 0
     stricter = loose.model_copy(update={"min_top1_agreement": 0.99})
-    assert len(output_problems(err, stricter)) == 1 and "below 99.00% at 95% confidence" in output_problems(err, stricter)[0]
+    assert (
+        len(output_problems(err, stricter)) == 1
+        and "below 99.00% at 95% confidence" in output_problems(err, stricter)[0]
+    )

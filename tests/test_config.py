@@ -5,9 +5,9 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import models
 import pytest
 
-import models
 from pipeline.backends import backend_class, known_backends
 from pipeline.config import (
     OUTPUT_KINDS,
@@ -24,9 +24,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def base() -> dict:
-    return {"defaults": {}, "examples": {},
-            "models": {"conv": models.conv_bn_spec(), "multi": models.multi_io_spec()},
-            "skus": {"cpu": models.ort_sku("fp32"), "cpu_int8": models.ort_sku("int8")}}
+    return {
+        "defaults": {},
+        "examples": {},
+        "models": {"conv": models.conv_bn_spec(), "multi": models.multi_io_spec()},
+        "skus": {"cpu": models.ort_sku("fp32"), "cpu_int8": models.ort_sku("int8")},
+    }
 
 
 def config_error(data: dict) -> ConfigError:
@@ -87,23 +90,32 @@ def test_sku_profiles_set_pins_to_opt():
 
 def test_fp16_on_a_gpu_provider_is_accepted():
     data = base()
-    data["skus"]["gpu"] = models.ort_sku("fp16", options={"providers": ["CUDAExecutionProvider", "CPUExecutionProvider"]})
+    data["skus"]["gpu"] = models.ort_sku(
+        "fp16", options={"providers": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+    )
     assert parse_registry(data).sku("gpu").precision == "fp16"
 
 
 # --- unknown keys -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path, value, key, suggestion", [
-    ("modles", {}, "modles", "models"),
-    ("models.conv.sorce", "model.onnx", "models.conv.sorce", "source"),
-    ("models.conv.inputs.0.dtyp", "float32", "models.conv.inputs.0.dtyp", "dtype"),
-    ("models.conv.datasets", {"golden": {"generate": {"count": 4, "sed": 1}}},
-     "models.conv.datasets.golden.generate.sed", "seed"),
-    ("skus.cpu.target.cpu_feature", ["avx2"], "skus.cpu.target.cpu_feature", "cpu_features"),
-    ("skus.cpu.tolerance", {"atl": 0.1}, "skus.cpu.tolerance.atl", "atol"),
-    ("skus.cpu.placment", {}, "skus.cpu.placment", "placement"),
-])
+@pytest.mark.parametrize(
+    "path, value, key, suggestion",
+    [
+        ("modles", {}, "modles", "models"),
+        ("models.conv.sorce", "model.onnx", "models.conv.sorce", "source"),
+        ("models.conv.inputs.0.dtyp", "float32", "models.conv.inputs.0.dtyp", "dtype"),
+        (
+            "models.conv.datasets",
+            {"golden": {"generate": {"count": 4, "sed": 1}}},
+            "models.conv.datasets.golden.generate.sed",
+            "seed",
+        ),
+        ("skus.cpu.target.cpu_feature", ["avx2"], "skus.cpu.target.cpu_feature", "cpu_features"),
+        ("skus.cpu.tolerance", {"atl": 0.1}, "skus.cpu.tolerance.atl", "atol"),
+        ("skus.cpu.placment", {}, "skus.cpu.placment", "placement"),
+    ],
+)
 def test_unknown_key_names_its_path_and_the_nearest_key(path, value, key, suggestion):
     err = config_error(mutated(path, value))
     assert f"{key}: unknown key" in err.message
@@ -239,7 +251,9 @@ def test_sku_may_not_repin_a_non_batch_axis():
 
 
 def test_fixed_dims_must_be_positive():
-    assert "models.conv.inputs.0.shape" in config_error(mutated("models.conv.inputs.0.shape", ["batch", 0, 8, 8])).message
+    assert (
+        "models.conv.inputs.0.shape" in config_error(mutated("models.conv.inputs.0.shape", ["batch", 0, 8, 8])).message
+    )
 
 
 # --- resource limits (pipeline/limits.py) -------------------------------------------------------
@@ -252,8 +266,10 @@ def test_a_billion_batch_is_refused_naming_the_key_the_size_and_the_limit():
     err = config_error(mutated("skus.cpu.shapes.batch", 10**9))
     lines = err.message.splitlines()[1:]
     conv = next(line for line in lines if "model 'conv'" in line)
-    assert conv.startswith("  - skus.cpu.shapes.batch: 1000000000 puts input 'x' of model 'conv' at shape "
-                           f"[1000000000, 3, 8, 8]: {10**9 * CONV_X} elements, 715.26 GiB of float32")
+    assert conv.startswith(
+        "  - skus.cpu.shapes.batch: 1000000000 puts input 'x' of model 'conv' at shape "
+        f"[1000000000, 3, 8, 8]: {10**9 * CONV_X} elements, 715.26 GiB of float32"
+    )
     assert "above the limit of 2147483647 elements and 4.00 GiB per input tensor" in conv
     assert conv.endswith(f"lower it to at most {CONV_MAX_BATCH}")
     assert all(line.startswith("  - skus.cpu.shapes.batch: ") for line in lines)  # multi's inputs too, nothing else
@@ -270,14 +286,22 @@ def test_the_largest_batch_suggested_is_accepted():
 PROFILE = {"shapes": {}, "profiles": {"batch": {"min": 1, "opt": 8, "max": 10**8}}}
 
 
-@pytest.mark.parametrize("model, sku, key", [
-    ({"pins": {"batch": 10**9}}, {}, "models.conv.pins.batch: 1000000000 puts input 'x'"),
-    ({}, PROFILE, "skus.cpu.profiles.batch.max: 100000000 puts input 'x'"),
-    ({"inputs": [{"name": "x", "dtype": "bool", "shape": ["batch", 3, 8, 8]}]}, PROFILE,
-     ("skus.cpu.profiles.batch.max: 100000000 puts input 'x' of model 'conv' at shape [100000000, 3, 8, 8]: "
-      "19200000000 elements, 17.88 GiB of bool")),  # the element limit binds for one-byte types
-    ({"inputs": [{"name": "x", "shape": ["batch", 3, 10**5, 10**5]}]}, {}, "models.conv.inputs.0.shape: input 'x'"),
-])
+@pytest.mark.parametrize(
+    "model, sku, key",
+    [
+        ({"pins": {"batch": 10**9}}, {}, "models.conv.pins.batch: 1000000000 puts input 'x'"),
+        ({}, PROFILE, "skus.cpu.profiles.batch.max: 100000000 puts input 'x'"),
+        (
+            {"inputs": [{"name": "x", "dtype": "bool", "shape": ["batch", 3, 8, 8]}]},
+            PROFILE,
+            (
+                "skus.cpu.profiles.batch.max: 100000000 puts input 'x' of model 'conv' at shape [100000000, 3, 8, 8]: "
+                "19200000000 elements, 17.88 GiB of bool"
+            ),
+        ),  # the element limit binds for one-byte types
+        ({"inputs": [{"name": "x", "shape": ["batch", 3, 10**5, 10**5]}]}, {}, "models.conv.inputs.0.shape: input 'x'"),
+    ],
+)
 def test_pins_profiles_and_fixed_dims_are_checked(model, sku, key):
     data = base()
     data["models"]["conv"].update(model)
@@ -296,8 +320,10 @@ def test_an_axis_used_twice_gets_a_fitting_suggestion():
 
 def test_generated_set_above_the_dataset_budget():
     err = config_error(mutated("models.conv.datasets", {"golden": {"generate": {"count": 10**8}}}))
-    assert ("  - models.conv.datasets.golden.generate.count: 100000000 samples of 768 bytes each make 71.53 GiB, "
-            "above the limit of 4.00 GiB per dataset") in err.message
+    assert (
+        "  - models.conv.datasets.golden.generate.count: 100000000 samples of 768 bytes each make 71.53 GiB, "
+        "above the limit of 4.00 GiB per dataset"
+    ) in err.message
     assert err.message.splitlines()[1].endswith(f"lower it to at most {(4 << 30) // 768}")
 
 
@@ -353,7 +379,9 @@ def test_tolerance_builtin_defaults_per_precision_and_kind():
     reg = parse_registry(base())
     fp32, int8 = reg.tolerance("conv", "cpu"), reg.tolerance("conv", "cpu_int8")
     assert fp32.precision == "fp32" and set(fp32.kinds) == set(OUTPUT_KINDS)
-    assert fp32.for_kind("regression") == Tolerance(atol=1e-4, rtol=1e-3, max_mismatch=0.0, min_snr_db=40, confidence=0.95)
+    assert fp32.for_kind("regression") == Tolerance(
+        atol=1e-4, rtol=1e-3, max_mismatch=0.0, min_snr_db=40, confidence=0.95
+    )
     assert fp32.for_kind("probabilities").min_top1_agreement == 0.99
     assert int8.for_kind("regression").max_mismatch == 0.05
     assert int8.for_kind("probabilities").atol == 0.05 and int8.for_kind("state").max_mismatch == 0.01

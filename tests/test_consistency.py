@@ -106,7 +106,9 @@ def test_skus_are_listed_with_their_engine_and_the_unbuilt_one_is_skipped(proj):
     assert [s.sku for s in proj.report.skus] == list(COMPARED)
     ov = next(s for s in proj.report.skus if s.sku == "ov_fp32")
     assert ov.backend == "openvino" and ov.precision == "fp32" and ov.validate_passed
-    assert [(s.sku, s.reason) for s in proj.report.skipped] == [("unbuilt", "not validated in this checkout (no validate.json)")]
+    assert [(s.sku, s.reason) for s in proj.report.skipped] == [
+        ("unbuilt", "not validated in this checkout (no validate.json)")
+    ]
     assert proj.report.samples == 32
 
 
@@ -212,7 +214,9 @@ def test_cli_compare_unknown_model_exits_2(proj):
 def test_cli_compare_without_reference_exits_2(tmp_path):
     models.conv_bn_model(tmp_path / "models/conv/model.onnx")
     models.write_project(tmp_path, {"conv": models.conv_bn_spec()}, {"cpu": models.ort_sku()})
-    assert_user_error(skuforge("compare", "--model", "conv", cwd=tmp_path), 2, "build/conv/reference", "skuforge reference")
+    assert_user_error(
+        skuforge("compare", "--model", "conv", cwd=tmp_path), 2, "build/conv/reference", "skuforge reference"
+    )
 
 
 def test_cli_compare_write(proj, tmp_path):
@@ -240,8 +244,9 @@ def test_repro_refreshes_the_checked_in_matrix(tmp_path):
     before = (root / "reports/consistency/good.md").read_bytes()
     again = run(root, "repro", "--no-publish", "--json")
     assert again.returncode == 0, again.stderr
-    assert json.loads(again.stdout)["consistency"] == {"good": ["reports/consistency/good.json",
-                                                                "reports/consistency/good.md"]}
+    assert json.loads(again.stdout)["consistency"] == {
+        "good": ["reports/consistency/good.json", "reports/consistency/good.md"]
+    }
     assert (root / "reports/consistency/good.md").read_bytes() == before
 
 

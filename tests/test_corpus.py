@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import models
 import onnx
 import pytest
 
-import models
 from pipeline.config import load_registry
 from pipeline.errors import GateFailed, UnsupportedOp
 from pipeline.paths import Layout
@@ -35,14 +35,23 @@ SKUS = models.CPU_SKUS
 
 def _conv(opset: int):
     return (lambda path: models.conv_pool_slice_model(path, opset)), models.vector_spec("m") | {
-        "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 3, 8, 8]}]}
+        "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 3, 8, 8]}]
+    }
 
 
 FIXTURES = {
     **{f"conv_opset{o}": _conv(o) for o in sorted({11, 12, 13, 17, NEWEST})},
-    "if": (models.if_model, {"dir": "m", "source": "model.onnx",
-                             "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4], "range": [-1.0, 1.0]},
-                                        {"name": "flag", "dtype": "float32", "shape": [], "range": [-1.0, 1.0]}]}),
+    "if": (
+        models.if_model,
+        {
+            "dir": "m",
+            "source": "model.onnx",
+            "inputs": [
+                {"name": "x", "dtype": "float32", "shape": ["batch", 4], "range": [-1.0, 1.0]},
+                {"name": "flag", "dtype": "float32", "shape": [], "range": [-1.0, 1.0]},
+            ],
+        },
+    ),
     "loop": (models.loop_model, models.vector_spec("m")),
     "lstm": (lambda path: models.rnn_model(path, "LSTM"), models.rnn_spec("m", "LSTM")),
     "gru": (lambda path: models.rnn_model(path, "GRU"), models.rnn_spec("m", "GRU")),
@@ -53,10 +62,10 @@ MATRIX: dict[tuple[str, str], str] = {}
 # Pairs that build and run but miss the accuracy gate, and why (strict: a fix turns them red)
 KNOWN_GATE_FAILURES = {
     ("multi_output", "ov_int8"): "OpenVINO 2026.4 CPU computes the QDQ graph's quantized Gather (embedding) path "
-                                 "wrong (ONNX Runtime runs the same graph within 0.04; with the intermediates made "
-                                 "outputs OpenVINO matches exactly: a CPU graph transformation); skuforge bisect "
-                                 "names the ReduceSum fed by the Gather, and --fix passes keeping [pool, embed] "
-                                 "(tests/test_bisect.py)",
+    "wrong (ONNX Runtime runs the same graph within 0.04; with the intermediates made "
+    "outputs OpenVINO matches exactly: a CPU graph transformation); skuforge bisect "
+    "names the ReduceSum fed by the Gather, and --fix passes keeping [pool, embed] "
+    "(tests/test_bisect.py)",
 }
 
 
@@ -140,11 +149,14 @@ def test_corpus(corpus, fixture, sku):
         MATRIX[fixture, sku] = f"ERROR ({type(exc).__name__})"
         raise
     record = (report.calibration or {}).get("opset_conversion") or report.options.get("opset_conversion")
-    MATRIX[fixture, sku] = (f"passed, p50 {manifest.benchmark.engine_only.p50_ms:.3g} ms"
-                            + (f" (opset {record['from_opset']}->{record['to_opset']})" if record else ""))
+    MATRIX[fixture, sku] = f"passed, p50 {manifest.benchmark.engine_only.p50_ms:.3g} ms" + (
+        f" (opset {record['from_opset']}->{record['to_opset']})" if record else ""
+    )
     if record:  # recorded where the manifest carries it: the build's warnings
-        assert any(w.startswith(f"opset converted from {record['from_opset']} to {record['to_opset']}")
-                   for w in manifest.build.warnings), manifest.build.warnings
+        assert any(
+            w.startswith(f"opset converted from {record['from_opset']} to {record['to_opset']}")
+            for w in manifest.build.warnings
+        ), manifest.build.warnings
 
 
 def test_openvino_int8_gather_workaround(tmp_path):

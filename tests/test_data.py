@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import models
 import numpy as np
 import pytest
 
-import models
 from pipeline.backends.onnxruntime import reference_runner
 from pipeline.config import Datasets, DatasetSource, GenerateSpec, ModelSpec
 from pipeline.data import (
@@ -115,10 +115,17 @@ def test_calibration_refuses_generated_edge_cases():
 
 
 def test_generate_bool_and_pinned_axes():
-    spec = ModelSpec.model_validate({
-        "dir": "m", "source": "model.onnx", "pins": {"seq": 5},
-        "inputs": [{"name": "tokens", "dtype": "int32", "shape": ["batch", "seq"], "range": [3, 7]},
-                   {"name": "mask", "dtype": "bool", "shape": ["batch", "seq"]}]})
+    spec = ModelSpec.model_validate(
+        {
+            "dir": "m",
+            "source": "model.onnx",
+            "pins": {"seq": 5},
+            "inputs": [
+                {"name": "tokens", "dtype": "int32", "shape": ["batch", "seq"], "range": [3, 7]},
+                {"name": "mask", "dtype": "bool", "shape": ["batch", "seq"]},
+            ],
+        }
+    )
     pins = {"seq": 5, "batch": 1}
     assert sample_shape(spec, "tokens", pins) == (5,)
     arrays = generate(spec, pins, gen(count=8))
@@ -138,8 +145,14 @@ def spec_with(base: ModelSpec, tmp_path: Path) -> tuple[ModelSpec, Path]:
 def test_load_npz_with_labels_and_take(tmp_path):
     spec, folder = spec_with(MULTI, tmp_path)
     rng = np.random.default_rng(0)
-    np.savez(folder / "eval.npz", x=rng.normal(size=(7, 6)).astype(np.float32), ids=rng.integers(0, 10, (7, 3)),
-             scale=np.ones(7, np.float32), target=np.arange(7, dtype=np.int32), extra=np.zeros(3))
+    np.savez(
+        folder / "eval.npz",
+        x=rng.normal(size=(7, 6)).astype(np.float32),
+        ids=rng.integers(0, 10, (7, 3)),
+        scale=np.ones(7, np.float32),
+        target=np.arange(7, dtype=np.int32),
+        extra=np.zeros(3),
+    )
     arrays = load_file(spec, tmp_path, DatasetSource(path="eval.npz", labels="target", take=5), "evaluation")
     assert set(arrays) == {"x", "ids", "scale", LABELS}
     assert all(len(v) == 5 for v in arrays.values())
@@ -190,17 +203,27 @@ def test_load_npz_with_an_object_array_is_an_input_error(tmp_path):
 def test_load_refuses_labels_that_are_not_integer_class_indices(tmp_path):
     spec, folder = spec_with(CONV, tmp_path)
     x = np.zeros((3, 3, 8, 8), np.float32)
-    for bad, words in [(np.array([0.0, 1.0, 2.0]), "float64"), (np.array(["a", "b", "c"]), "string"),
-                       (np.zeros((3, 2), np.int64), "shape (3, 2)"), (np.array([0, -1, 2]), "negative class index at sample 1")]:
+    for bad, words in [
+        (np.array([0.0, 1.0, 2.0]), "float64"),
+        (np.array(["a", "b", "c"]), "string"),
+        (np.zeros((3, 2), np.int64), "shape (3, 2)"),
+        (np.array([0, -1, 2]), "negative class index at sample 1"),
+    ]:
         np.savez(folder / "eval.npz", x=x, labels=bad)
         with pytest.raises(InputError, match="'labels'") as info:
             load_file(spec, tmp_path, DatasetSource(path="eval.npz"), "evaluation")
         assert words in info.value.message
 
 
-@pytest.mark.parametrize("value, kind", [(np.full((2, 3, 8, 8), "s"), "string"), (np.full((2, 3, 8, 8), b"s"), "bytes"),
-                                         (np.zeros((2, 3, 8, 8), np.complex64), "complex"),
-                                         (np.zeros((2, 3, 8, 8), "datetime64[s]"), "datetime")])
+@pytest.mark.parametrize(
+    "value, kind",
+    [
+        (np.full((2, 3, 8, 8), "s"), "string"),
+        (np.full((2, 3, 8, 8), b"s"), "bytes"),
+        (np.zeros((2, 3, 8, 8), np.complex64), "complex"),
+        (np.zeros((2, 3, 8, 8), "datetime64[s]"), "datetime"),
+    ],
+)
 def test_load_refuses_non_numeric_inputs(tmp_path, value, kind):
     spec, folder = spec_with(CONV, tmp_path)
     np.savez(folder / "golden.npz", x=value)
@@ -241,9 +264,16 @@ def test_check_range_counts_values_outside_the_declared_range():
 
 
 def test_check_range_compares_in_the_input_dtype_and_skips_undeclared_ranges():
-    spec = ModelSpec.model_validate({"dir": "m", "source": "model.onnx", "inputs": [
-        {"name": "a", "shape": ["batch", 2], "range": [0.0, 0.3]}, {"name": "b", "shape": ["batch", 2]}]})
-    check_range(spec, {"a": np.full((3, 2), 0.3, np.float32), "b": np.full((3, 2), 100.0, np.float32)}, "calibration", "f")
+    spec = ModelSpec.model_validate(
+        {
+            "dir": "m",
+            "source": "model.onnx",
+            "inputs": [{"name": "a", "shape": ["batch", 2], "range": [0.0, 0.3]}, {"name": "b", "shape": ["batch", 2]}],
+        }
+    )
+    check_range(
+        spec, {"a": np.full((3, 2), 0.3, np.float32), "b": np.full((3, 2), 100.0, np.float32)}, "calibration", "f"
+    )
 
 
 def test_check_dataset_counts_samples():
@@ -310,7 +340,7 @@ def test_iter_batches_pads_the_last_batch_by_repetition():
 
 def test_iter_batches_moves_the_sample_axis_to_the_batch_axis():
     arrays = {"t": np.arange(12, dtype=np.float32).reshape(3, 4)}  # 3 samples of 4
-    (real, feeds), = list(iter_batches(arrays, {"t": 1}, 3))
+    ((real, feeds),) = list(iter_batches(arrays, {"t": 1}, 3))
     assert real == 3 and feeds["t"].shape == (4, 3)
     np.testing.assert_array_equal(feeds["t"][:, 1], arrays["t"][1])
 

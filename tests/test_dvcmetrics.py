@@ -20,17 +20,27 @@ class _Point:
 
 
 def _manifest(sku: str, p50: float) -> dict:
-    return {"model": "m", "sku": sku, "benchmark": {
-        "batch": 1, "concurrency": 1, "throughput_per_s": 9000.0, "throughput_ci_per_s": None,
-        "engine_only": {"p50_ms": p50, "p50_ci_ms": [p50 * 0.5, p50 * 2], "p99_ms": 0.9, "p99_ci_ms": None}}}
+    return {
+        "model": "m",
+        "sku": sku,
+        "benchmark": {
+            "batch": 1,
+            "concurrency": 1,
+            "throughput_per_s": 9000.0,
+            "throughput_ci_per_s": None,
+            "engine_only": {"p50_ms": p50, "p50_ci_ms": [p50 * 0.5, p50 * 2], "p99_ms": 0.9, "p99_ci_ms": None},
+        },
+    }
 
 
 def _bench(tmp_path: Path, scale: float) -> tuple[Path, Path]:
     tmp_path.mkdir()
     latency, timeline = tmp_path / "latency.csv", tmp_path / "timeline.csv"
     latency.write_text("iteration,latency_ms\n" + "".join(f"{i},{scale * (1 + i % 7):.4f}\n" for i in range(300)))
-    timeline.write_text("iteration,phase,latency_ms\n" + "".join(
-        f"{i},{'warmup' if i < 10 else 'steady'},{scale * 2:.4f}\n" for i in range(310)))
+    timeline.write_text(
+        "iteration,phase,latency_ms\n"
+        + "".join(f"{i},{'warmup' if i < 10 else 'steady'},{scale * 2:.4f}\n" for i in range(310))
+    )
     return latency, timeline
 
 
@@ -49,8 +59,10 @@ def test_latency_cdf_is_101_rounded_quantiles_from_min_to_max():
 
 
 def test_timeline_bins_each_phase_apart_and_keeps_a_short_warmup():
-    rows = [{"iteration": str(i), "phase": "warmup" if i < 50 else "steady", "latency_ms": str(1 + i)}
-            for i in range(10_050)]
+    rows = [
+        {"iteration": str(i), "phase": "warmup" if i < 50 else "steady", "latency_ms": str(1 + i)}
+        for i in range(10_050)
+    ]
     out = _rows(dvcmetrics.timeline(rows))
     assert len(out) <= dvcmetrics.TIMELINE_POINTS
     assert [r["iteration"] for r in out[:50]] == [str(i) for i in range(50)]
@@ -61,13 +73,16 @@ def test_write_metrics_writes_the_pair_and_the_models_comparison(tmp_path):
     latency, timeline = _bench(tmp_path / "a", 0.1)
     written = dvcmetrics.write_metrics(tmp_path, _manifest("s1", 0.1), latency, timeline, [_Point()])
     assert set(written) == {pair_file(tmp_path, k, "m", "s1") for k in (BENCH, LATENCY_CDF, TIMELINE, SWEEP)} | {
-        tmp_path / "metrics" / COMPARE / "m.csv"}
+        tmp_path / "metrics" / COMPARE / "m.csv"
+    }
     assert _rows(pair_file(tmp_path, SWEEP, "m", "s1").read_text()) == [
-        {"batch": "1", "concurrency": "2", "p50_ms": "0.1235", "p99_ms": "0.5", "throughput_per_s": "16000.0"}]
+        {"batch": "1", "concurrency": "2", "p50_ms": "0.1235", "p99_ms": "0.5", "throughput_per_s": "16000.0"}
+    ]
     dvcmetrics.write_metrics(tmp_path, _manifest("s2", 0.2), latency, timeline)
     assert _rows((tmp_path / "metrics" / COMPARE / "m.csv").read_text()) == [
         {"sku": "s1", "p50_ms": "0.1", "p99_ms": "0.9", "throughput_per_s": "9000.0"},
-        {"sku": "s2", "p50_ms": "0.2", "p99_ms": "0.9", "throughput_per_s": "9000.0"}]
+        {"sku": "s2", "p50_ms": "0.2", "p99_ms": "0.9", "throughput_per_s": "9000.0"},
+    ]
 
 
 def test_a_rerun_the_manifest_settled_leaves_the_files_as_they_were(tmp_path):

@@ -10,11 +10,11 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import models
 import numpy as np
 import pytest
 import yaml
 
-import models
 from pipeline.config import load_registry
 from pipeline.errors import ConfigError, InputError
 from pipeline.paths import Layout
@@ -67,10 +67,17 @@ CASES = {
     "per_tensor_names": (models.exporter_dense_model, models.dense_spec("models/a"), {"y": 0}),
     "minus_one": (lambda p: models.exporter_dense_model(p, [-1, 6], [-1, 4]), models.dense_spec("models/b"), {"y": 0}),
     "zero": (lambda p: models.exporter_dense_model(p, [0, 6], [0, 4]), models.dense_spec("models/c"), {"y": 0}),
-    "unnamed": (lambda p: models.exporter_dense_model(p, [None, 6], [None, 4]), models.dense_spec("models/d"), {"y": 0}),
+    "unnamed": (
+        lambda p: models.exporter_dense_model(p, [None, 6], [None, 4]),
+        models.dense_spec("models/d"),
+        {"y": 0},
+    ),
     # batch at 0 and 1, found by inference (y, t) and by the two-batch probe (r, rt); a scalar without one
-    "batch_positions": (models.batch_positions_model, models.dense_spec("models/e"),
-                        {"y": 0, "t": 1, "r": 0, "rt": 1, "total": None}),
+    "batch_positions": (
+        models.batch_positions_model,
+        models.dense_spec("models/e"),
+        {"y": 0, "t": 1, "r": 0, "rt": 1, "total": None},
+    ),
     # Resize and ConvTranspose: inference loses every dim, the probe finds the batch
     "upsample": (models.upsample_model, models.upsample_spec("models/f"), {"y": 0}),
     # dynamic sequence width and an int64 scalar input
@@ -81,8 +88,9 @@ CASES = {
 @pytest.fixture(scope="module")
 def exporters(tmp_path_factory):
     reg = project(tmp_path_factory.mktemp("exporters"), {k: (b, s) for k, (b, s, _) in CASES.items()})
-    return reg, {name: run_model(reg, name, skus=("cpu",) if name == "batch_positions" else ("cpu", "cpu_b3"))
-                 for name in CASES}
+    return reg, {
+        name: run_model(reg, name, skus=("cpu",) if name == "batch_positions" else ("cpu", "cpu_b3")) for name in CASES
+    }
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -345,7 +353,10 @@ def test_hint_calibration_edge_cases_go_to_golden(tmp_path):
     with pytest.raises(ConfigError) as info:
         write(tmp_path, {"d": spec})
     assert "put edge cases in golden or hard_tail" in info.value.message
-    spec["datasets"] = {"calibration": {"generate": {"count": 16}}, "golden": {"generate": {"count": 16, "edge_cases": True}}}
+    spec["datasets"] = {
+        "calibration": {"generate": {"count": 16}},
+        "golden": {"generate": {"count": 16, "edge_cases": True}},
+    }
     run_model(write(tmp_path, {"d": spec}), "d")
 
 

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_compare import _flipped, policy, softmax
 
 from pipeline import gatestats
-from pipeline.compare import (input_problems, metric_input_problems, metric_result, metric_warnings, output_error, output_problems,
-                              output_warnings, state_outputs)
+from pipeline.compare import (
+    input_problems,
+    metric_input_problems,
+    metric_result,
+    metric_warnings,
+    output_error,
+    output_problems,
+    output_warnings,
+    state_outputs,
+)
 from pipeline.results import Signature, TensorSig
-from test_compare import _flipped, policy, softmax
 
 RNG = np.random.default_rng(20)
 
@@ -37,19 +45,22 @@ def test_the_smallest_set_that_resolves_an_agreement_threshold(minimum, rows):
 
 
 def test_mismatch_is_judged_from_its_count():
-    assert not gatestats.mismatch_fails(1, 64, 0.001, 0.95)   # one element of 64 at 0.1% allowed
+    assert not gatestats.mismatch_fails(1, 64, 0.001, 0.95)  # one element of 64 at 0.1% allowed
     assert gatestats.mismatch_fails(2, 64, 0.001, 0.95)
-    assert gatestats.mismatch_fails(1, 10**6, 0.0, 0.95)      # none allowed: any fails
+    assert gatestats.mismatch_fails(1, 10**6, 0.0, 0.95)  # none allowed: any fails
     assert gatestats.max_mismatches(64, 0.001, 0.95) == 1 and gatestats.max_mismatches(64, 0.0, 0.95) == 0
 
 
-@pytest.mark.parametrize("worse, better, n, fails", [
-    (1, 0, 32, False),    # a 3.1% drop on one sample: McNemar p = 0.5, not significant
-    (5, 0, 450, True),    # 1.11% > 1% and p = 0.031
-    (10, 8, 450, False),  # 0.44%: within the allowed drop
-    (6, 2, 450, False),   # 0.89%: within it (and p = 0.14)
-    (20, 5, 450, True),   # 3.3%, p = 0.002
-])
+@pytest.mark.parametrize(
+    "worse, better, n, fails",
+    [
+        (1, 0, 32, False),  # a 3.1% drop on one sample: McNemar p = 0.5, not significant
+        (5, 0, 450, True),  # 1.11% > 1% and p = 0.031
+        (10, 8, 450, False),  # 0.44%: within the allowed drop
+        (6, 2, 450, False),  # 0.89%: within it (and p = 0.14)
+        (20, 5, 450, True),  # 3.3%, p = 0.002
+    ],
+)
 def test_mcnemar_decides_a_drop_only_when_significant_and_beyond_the_allowance(worse, better, n, fails):
     assert gatestats.drop_fails(worse, better, n, 0.01, 0.95) == fails
 
@@ -59,9 +70,11 @@ def test_a_set_too_small_for_its_drop_is_named_with_the_size_that_can():
     scores = np.eye(10)[labels]
     m = metric_result("evaluation", "top1_accuracy", scores, scores, labels, 0.01, 0.95)
     assert m.passed and m.samples == 100 and m.worse == m.better == 0 and m.p_value == 1.0
-    assert metric_input_problems(m) == ["metric on evaluation: 100 samples cannot resolve a drop of 0.01 at 95% "
-                                        "confidence (a drop of twice that would not be significant); it needs 201 "
-                                        "labelled samples"]
+    assert metric_input_problems(m) == [
+        "metric on evaluation: 100 samples cannot resolve a drop of 0.01 at 95% "
+        "confidence (a drop of twice that would not be significant); it needs 201 "
+        "labelled samples"
+    ]
     # a labelled golden set that small is reported, not refused: the held-out splits judge the metric
     golden = m.model_copy(update={"split": "golden"})
     assert metric_input_problems(golden) == [] and "the held-out splits judge the metric" in metric_warnings(golden)[0]
@@ -74,7 +87,7 @@ def test_a_paired_drop_is_counted_per_sample():
     engine[:30] = np.eye(10)[(labels[:30] + 1) % 10]  # 30 samples the engine now gets wrong
     m = metric_result("evaluation", "top1_accuracy", engine, ref, labels, 0.01, 0.95)
     assert (m.worse, m.better, m.samples) == (30, 0, 500) and not m.passed
-    assert m.p_value == pytest.approx(0.5 ** 30) and m.drop_interval[0] > 0.01
+    assert m.p_value == pytest.approx(0.5**30) and m.drop_interval[0] > 0.01
 
 
 # --- error against the signal ----------------------------------------------------------------------
@@ -158,8 +171,9 @@ def test_agreement_joins_the_larger_split_when_golden_cannot_resolve_it():
     gold = softmax(RNG.normal(scale=4.0, size=(64, 10)))
     evaluation = softmax(RNG.normal(scale=4.0, size=(450, 10)))
     engine_eval = evaluation.copy()
-    err = output_error("probs", gold, gold, policy("int8", probs="probabilities"),
-                       more=[("evaluation", engine_eval, evaluation)])
+    err = output_error(
+        "probs", gold, gold, policy("int8", probs="probabilities"), more=[("evaluation", engine_eval, evaluation)]
+    )
     assert err.top1_splits == ["golden", "evaluation"] and err.top1_rows + err.top1_ties == 64 + 450
     assert err.passed and not input_problems(err)
     alone = output_error("probs", gold, gold, policy("int8", probs="probabilities"))
@@ -170,12 +184,18 @@ def test_agreement_joins_the_larger_split_when_golden_cannot_resolve_it():
 
 
 def test_an_output_fed_back_as_an_input_is_state():
-    sig = Signature(inputs=[TensorSig(name="input", dtype="float32", shape=["batch", 512]),
-                            TensorSig(name="state", dtype="float32", shape=[2, "batch", 128]),
-                            TensorSig(name="h0", dtype="float32", shape=[1, 1, 64])],
-                    outputs=[TensorSig(name="output", dtype="float32", shape=["batch", 1]),
-                             TensorSig(name="stateN", dtype="float32", shape=[2, "batch", 128]),
-                             TensorSig(name="hn", dtype="float32", shape=[1, 1, 64])])
+    sig = Signature(
+        inputs=[
+            TensorSig(name="input", dtype="float32", shape=["batch", 512]),
+            TensorSig(name="state", dtype="float32", shape=[2, "batch", 128]),
+            TensorSig(name="h0", dtype="float32", shape=[1, 1, 64]),
+        ],
+        outputs=[
+            TensorSig(name="output", dtype="float32", shape=["batch", 1]),
+            TensorSig(name="stateN", dtype="float32", shape=[2, "batch", 128]),
+            TensorSig(name="hn", dtype="float32", shape=[1, 1, 64]),
+        ],
+    )
     assert state_outputs(sig) == {"stateN", "hn"}
     ref = RNG.normal(size=(2, 4, 128)).astype(np.float32)
     err = output_error("stateN", ref, ref, policy("int8"), inferred="state")

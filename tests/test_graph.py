@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import models
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -12,7 +13,6 @@ import pytest
 import yaml
 from onnx import TensorProto, helper, numpy_helper
 
-import models
 from pipeline.config import InputSpec
 from pipeline.errors import InputError
 from pipeline.graph import (
@@ -72,8 +72,11 @@ MULTI_INPUTS = models.multi_io_spec()["inputs"]
 
 def test_passes_run_in_order_and_record_node_counts(prepared):
     _, _, records = prepared
-    assert [r.name for r in records] == [name for name, _ in PASSES] == [
-        "constants_to_initializers", "constant_folding", "batchnorm_folding", "dead_code_elimination"]
+    assert (
+        [r.name for r in records]
+        == [name for name, _ in PASSES]
+        == ["constants_to_initializers", "constant_folding", "batchnorm_folding", "dead_code_elimination"]
+    )
     assert all(r.changed for r in records)
     assert [(r.nodes_before, r.nodes_after) for r in records] == [(10, 9), (9, 8), (8, 7), (7, 6)]
     for before, after in zip(records, records[1:]):
@@ -117,8 +120,18 @@ def test_dead_branch_and_unused_initializers_are_removed(prepared):
 
 def test_op_counts_before_and_after(prepared):
     source, work, _ = prepared
-    assert op_counts(source) == {"BatchNormalization": 1, "Constant": 1, "Conv": 1, "Flatten": 1, "Gemm": 1,
-                                 "GlobalAveragePool": 1, "Mul": 1, "Relu": 1, "Sigmoid": 1, "Softmax": 1}
+    assert op_counts(source) == {
+        "BatchNormalization": 1,
+        "Constant": 1,
+        "Conv": 1,
+        "Flatten": 1,
+        "Gemm": 1,
+        "GlobalAveragePool": 1,
+        "Mul": 1,
+        "Relu": 1,
+        "Sigmoid": 1,
+        "Softmax": 1,
+    }
     assert op_counts(work) == {"Conv": 1, "Flatten": 1, "Gemm": 1, "GlobalAveragePool": 1, "Relu": 1, "Softmax": 1}
 
 
@@ -147,8 +160,9 @@ def test_source_without_work_records_no_changes(multi_path):
 
 
 def _tiny(nodes, inputs, outputs, inits) -> onnx.ModelProto:
-    model = helper.make_model(helper.make_graph(nodes, "t", inputs, outputs, inits),
-                              opset_imports=[helper.make_opsetid("", models.OPSET)])
+    model = helper.make_model(
+        helper.make_graph(nodes, "t", inputs, outputs, inits), opset_imports=[helper.make_opsetid("", models.OPSET)]
+    )
     model.ir_version = 8
     onnx.checker.check_model(model)
     return model
@@ -169,8 +183,10 @@ def test_overridable_initializer_is_not_folded():
     """An initializer also listed as a graph input can be fed at run time, so it is not constant."""
     model = _tiny(
         [helper.make_node("Neg", ["c"], ["n"]), helper.make_node("Add", ["x", "n"], ["y"])],
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
-         helper.make_tensor_value_info("c", TensorProto.FLOAT, [2])],
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+            helper.make_tensor_value_info("c", TensorProto.FLOAT, [2]),
+        ],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
         [numpy_helper.from_array(np.ones(2, np.float32), "c")],
     )
@@ -180,13 +196,24 @@ def test_overridable_initializer_is_not_folded():
 def test_batchnorm_is_kept_when_the_conv_output_is_also_read_elsewhere():
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array(rng.normal(size=(2, 1, 1, 1)).astype(np.float32), "W")] + [
-        numpy_helper.from_array(v, n) for n, v in [("s", np.ones(2, np.float32)), ("b", np.zeros(2, np.float32)),
-                                                    ("m", np.zeros(2, np.float32)), ("v", np.ones(2, np.float32))]]
+        numpy_helper.from_array(v, n)
+        for n, v in [
+            ("s", np.ones(2, np.float32)),
+            ("b", np.zeros(2, np.float32)),
+            ("m", np.zeros(2, np.float32)),
+            ("v", np.ones(2, np.float32)),
+        ]
+    ]
     model = _tiny(
-        [helper.make_node("Conv", ["x", "W"], ["c"]), helper.make_node("BatchNormalization", ["c", "s", "b", "m", "v"], ["y"])],
+        [
+            helper.make_node("Conv", ["x", "W"], ["c"]),
+            helper.make_node("BatchNormalization", ["c", "s", "b", "m", "v"], ["y"]),
+        ],
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 2, 2])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 2, 2]),
-         helper.make_tensor_value_info("c", TensorProto.FLOAT, [1, 2, 2, 2])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 2, 2]),
+            helper.make_tensor_value_info("c", TensorProto.FLOAT, [1, 2, 2, 2]),
+        ],
         inits,
     )
     assert fold_batchnorm(model) == []
@@ -205,8 +232,14 @@ def test_dead_code_keeps_what_outputs_need(multi_path):
 def test_signature_of_a_multi_io_model(multi_path):
     sig = signature(load_model(multi_path))
     assert [(t.name, t.dtype, t.shape) for t in sig.inputs] == [
-        ("x", "float32", ["batch", 6]), ("ids", "int64", ["batch", 3]), ("scale", "float32", [])]
-    assert [(t.name, t.dtype, t.shape) for t in sig.outputs] == [("y", "float32", ["batch", 4]), ("cls", "int64", ["batch"])]
+        ("x", "float32", ["batch", 6]),
+        ("ids", "int64", ["batch", 3]),
+        ("scale", "float32", []),
+    ]
+    assert [(t.name, t.dtype, t.shape) for t in sig.outputs] == [
+        ("y", "float32", ["batch", 4]),
+        ("cls", "int64", ["batch"]),
+    ]
     assert sig.inputs[2].batch_index("batch") is None and sig.inputs[0].batch_index("batch") == 0
 
 
@@ -231,18 +264,21 @@ def test_pin_axes_fixes_inputs_and_outputs(conv_path):
     assert sig.inputs[0].shape == [3, 3, 8, 8] and sig.outputs[0].shape == [3, 4]
 
 
-@pytest.mark.parametrize("spec_inputs, words", [
-    # a fixed dim of the model contradicted
-    ([{"name": "x", "shape": ["batch", 3, 8, 9]}], ["'x'", "dim 3", "fixed to 8", "9"]),
-    ([{"name": "x", "shape": ["batch", "channels", 8, 8]}], ["'x'", "dim 1", "fixed to 3"]),
-    # wrong rank
-    ([{"name": "x", "shape": ["batch", 3, 8]}], ["'x'", "rank 4"]),
-    # wrong dtype
-    ([{"name": "x", "dtype": "float16", "shape": ["batch", 3, 8, 8]}], ["'x'", "float32", "float16"]),
-    # declared in params.yaml, absent from the model
-    ([{"name": "x", "shape": ["batch", 3, 8, 8]}, {"name": "mask", "shape": ["batch", 8]}], ["'mask'", "declares"]),
-    ([{"name": "image", "shape": ["batch", 3, 8, 8]}], ["'x'"]),
-])
+@pytest.mark.parametrize(
+    "spec_inputs, words",
+    [
+        # a fixed dim of the model contradicted
+        ([{"name": "x", "shape": ["batch", 3, 8, 9]}], ["'x'", "dim 3", "fixed to 8", "9"]),
+        ([{"name": "x", "shape": ["batch", "channels", 8, 8]}], ["'x'", "dim 1", "fixed to 3"]),
+        # wrong rank
+        ([{"name": "x", "shape": ["batch", 3, 8]}], ["'x'", "rank 4"]),
+        # wrong dtype
+        ([{"name": "x", "dtype": "float16", "shape": ["batch", 3, 8, 8]}], ["'x'", "float32", "float16"]),
+        # declared in params.yaml, absent from the model
+        ([{"name": "x", "shape": ["batch", 3, 8, 8]}, {"name": "mask", "shape": ["batch", 8]}], ["'mask'", "declares"]),
+        ([{"name": "image", "shape": ["batch", 3, 8, 8]}], ["'x'"]),
+    ],
+)
 def test_rename_axes_refuses_a_spec_contradicting_the_model(conv_path, spec_inputs, words):
     with pytest.raises(InputError) as info:
         rename_axes(load_model(conv_path), specs(*spec_inputs), conv_path)
@@ -301,8 +337,9 @@ def test_rename_axes_drops_per_tensor_output_names_and_stale_value_info(tmp_path
     assert signature(model).outputs[0].shape == [None, 4] and not model.graph.value_info
     inferred = infer_shapes(model, path)
     assert signature(inferred).outputs[0].shape == ["batch", 4]
-    assert {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
-            for v in inferred.graph.value_info}["xw"] == ["batch", 4]
+    assert {
+        v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in inferred.graph.value_info
+    }["xw"] == ["batch", 4]
 
 
 def test_output_batch_axes_by_inference_leaves_unknown_dims_to_the_probe(tmp_path):
@@ -318,11 +355,14 @@ def test_output_batch_axes_by_inference_leaves_unknown_dims_to_the_probe(tmp_pat
     assert output_batch_axes(model, "batch", {"batch"}) == {"y": 0, "t": 1, "r": 0, "rt": 1, "total": None}
 
 
-@pytest.mark.parametrize("spec_shape, hint", [
-    (["batch", 3, 8, 9], "set shape: [batch, 3, 8, 8]"),
-    (["n", 3, 8], "set shape: [batch, 3, 8, 8]"),
-    ([4, 3, 8, 9], "set shape: [4, 3, 8, 8]"),
-])
+@pytest.mark.parametrize(
+    "spec_shape, hint",
+    [
+        (["batch", 3, 8, 9], "set shape: [batch, 3, 8, 8]"),
+        (["n", 3, 8], "set shape: [batch, 3, 8, 8]"),
+        ([4, 3, 8, 9], "set shape: [4, 3, 8, 8]"),
+    ],
+)
 def test_rename_axes_hints_give_a_shape_that_works(conv_path, spec_shape, hint):
     with pytest.raises(InputError) as info:
         rename_axes(load_model(conv_path), specs({"name": "x", "shape": spec_shape}), conv_path)
@@ -340,12 +380,18 @@ def test_rename_axes_hint_for_an_undeclared_input_is_an_entry(multi_path):
 
 
 def test_infer_shapes_reports_an_inconsistent_graph(tmp_path):
-    model = helper.make_model(helper.make_graph(
-        [helper.make_node("Add", ["a", "b"], ["y"])], "bad",
-        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [2, 3]),
-         helper.make_tensor_value_info("b", TensorProto.FLOAT, [4, 5])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]),
-        opset_imports=[helper.make_opsetid("", models.OPSET)])
+    model = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("Add", ["a", "b"], ["y"])],
+            "bad",
+            [
+                helper.make_tensor_value_info("a", TensorProto.FLOAT, [2, 3]),
+                helper.make_tensor_value_info("b", TensorProto.FLOAT, [4, 5]),
+            ],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        ),
+        opset_imports=[helper.make_opsetid("", models.OPSET)],
+    )
     with pytest.raises(InputError) as info:
         infer_shapes(model, tmp_path / "bad.onnx")
     assert "shape inference failed" in info.value.message
@@ -385,9 +431,12 @@ def test_load_model_garbage(tmp_path, data):
 
 
 def test_load_model_fails_the_checker(tmp_path):
-    graph = helper.make_graph([helper.make_node("NoSuchOp", ["x"], ["y"])], "bad",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    graph = helper.make_graph(
+        [helper.make_node("NoSuchOp", ["x"], ["y"])],
+        "bad",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
     path = tmp_path / "bad.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", models.OPSET)]), str(path))
     with pytest.raises(InputError) as info:
@@ -444,23 +493,37 @@ def test_truncated_external_data_is_an_input_error(tmp_path):
 
 def test_check_ops_accepts_standard_domains_and_model_local_functions(tmp_path):
     load_model(models.relu_model(tmp_path / "a.onnx", opset=MIN_OPSET))
-    func = helper.make_function("my.funcs", "Twice", ["a"], ["b"], [helper.make_node("Add", ["a", "a"], ["b"])],
-                                [helper.make_opsetid("", 17)])
-    graph = helper.make_graph([helper.make_node("Twice", ["x"], ["y"], domain="my.funcs", name="twice")], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
-    model = helper.make_model(graph, functions=[func],
-                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("my.funcs", 1)])
+    func = helper.make_function(
+        "my.funcs", "Twice", ["a"], ["b"], [helper.make_node("Add", ["a", "a"], ["b"])], [helper.make_opsetid("", 17)]
+    )
+    graph = helper.make_graph(
+        [helper.make_node("Twice", ["x"], ["y"], domain="my.funcs", name="twice")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
+    model = helper.make_model(
+        graph, functions=[func], opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("my.funcs", 1)]
+    )
     check_ops(model, tmp_path / "f.onnx")
 
 
 def test_check_ops_finds_a_custom_op_inside_a_subgraph(tmp_path):
-    inner = helper.make_graph([helper.make_node("MyOp", ["x"], ["z"], domain="com.example", name="deep")], "then", [],
-                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2])])
-    outer = helper.make_graph([helper.make_node("If", ["c"], ["y"], then_branch=inner, else_branch=inner, name="if")], "g",
-                              [helper.make_tensor_value_info("c", TensorProto.BOOL, []),
-                               helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    inner = helper.make_graph(
+        [helper.make_node("MyOp", ["x"], ["z"], domain="com.example", name="deep")],
+        "then",
+        [],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2])],
+    )
+    outer = helper.make_graph(
+        [helper.make_node("If", ["c"], ["y"], then_branch=inner, else_branch=inner, name="if")],
+        "g",
+        [
+            helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
     model = helper.make_model(outer, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.example", 1)])
     with pytest.raises(InputError, match="node 'deep' is op 'MyOp' of the custom domain 'com.example'"):
         check_ops(model, tmp_path / "m.onnx")

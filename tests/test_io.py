@@ -86,6 +86,7 @@ def test_failed_write_keeps_the_old_content_and_no_temp_file(tmp_path, monkeypat
 
 def test_interrupted_write_cleans_up(tmp_path, monkeypatch):
     """KeyboardInterrupt is not an Exception; the temp file still goes."""
+
     def interrupt(fd):
         raise KeyboardInterrupt
 
@@ -149,10 +150,9 @@ def test_atomic_dir_keeps_the_old_directory_on_failure(tmp_path):
     target = tmp_path / "engine"
     target.mkdir()
     (target / "old.bin").write_bytes(b"old")
-    with pytest.raises(Boom):
-        with atomic_dir(target) as staging:
-            (staging / "half.bin").write_bytes(b"half")
-            raise Boom("compiler crashed")
+    with pytest.raises(Boom), atomic_dir(target) as staging:
+        (staging / "half.bin").write_bytes(b"half")
+        raise Boom("compiler crashed")
     assert os.listdir(target) == ["old.bin"] and (target / "old.bin").read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["engine"]
 
@@ -169,17 +169,15 @@ def test_atomic_dir_keeps_the_old_directory_when_the_swap_fails(tmp_path, monkey
         real_replace(src, dst)
 
     monkeypatch.setattr(pio.os, "replace", replace)
-    with pytest.raises(Boom):
-        with atomic_dir(target) as staging:
-            (staging / "new.bin").write_bytes(b"new")
+    with pytest.raises(Boom), atomic_dir(target) as staging:
+        (staging / "new.bin").write_bytes(b"new")
     monkeypatch.undo()
     assert (target / "old.bin").read_bytes() == b"old"
 
 
 def test_atomic_dir_failure_without_an_old_directory_leaves_nothing(tmp_path):
-    with pytest.raises(Boom):
-        with atomic_dir(tmp_path / "engine"):
-            raise Boom
+    with pytest.raises(Boom), atomic_dir(tmp_path / "engine"):
+        raise Boom
     assert os.listdir(tmp_path) == []
 
 
@@ -202,15 +200,18 @@ def test_sha256_arrays_depends_on_content_not_order_or_layout():
     assert sha256_arrays({"z": x, "y": np.ones(2)}) != base
 
 
-@pytest.mark.parametrize("text, line", [
-    ("a: 1\n<<<<<<< HEAD\nb: 2\n=======\nb: 3\n>>>>>>> topic\n", 2),
-    ("a: 1\n||||||| merged common ancestors\n", 2),  # diff3's base marker
-    ("a: 1\n=======\n", 2),
-    ("a: 1\r\n>>>>>>> 1a2b3c4 (a commit)\r\n", 2),
-    ("a: 1\n  <<<<<<< HEAD\n", None),  # indented: not git's
-    ("a: 1\n<<<<<<<< eight\n==========\n", None),  # not seven
-    ("description: '<<<<<<< is how git marks a conflict'\n", None),
-])
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        ("a: 1\n<<<<<<< HEAD\nb: 2\n=======\nb: 3\n>>>>>>> topic\n", 2),
+        ("a: 1\n||||||| merged common ancestors\n", 2),  # diff3's base marker
+        ("a: 1\n=======\n", 2),
+        ("a: 1\r\n>>>>>>> 1a2b3c4 (a commit)\r\n", 2),
+        ("a: 1\n  <<<<<<< HEAD\n", None),  # indented: not git's
+        ("a: 1\n<<<<<<<< eight\n==========\n", None),  # not seven
+        ("description: '<<<<<<< is how git marks a conflict'\n", None),
+    ],
+)
 def test_merge_conflict_markers(text, line):
     found = pio.merge_conflict("dvc.lock", text)
     if line is None:

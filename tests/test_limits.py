@@ -64,8 +64,13 @@ def test_largest_within_handles_an_axis_used_twice():
 
 
 def test_human_bytes():
-    assert [human_bytes(n) for n in (12, 4096, 5 << 20, 4 << 30, 3 << 40)] == \
-        ["12 bytes", "4.00 KiB", "5.00 MiB", "4.00 GiB", "3.00 TiB"]
+    assert [human_bytes(n) for n in (12, 4096, 5 << 20, 4 << 30, 3 << 40)] == [
+        "12 bytes",
+        "4.00 KiB",
+        "5.00 MiB",
+        "4.00 GiB",
+        "3.00 TiB",
+    ]
 
 
 # --- legitimate files pass ----------------------------------------------------------------------

@@ -14,10 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 import models
+import pytest
 from cli_helpers import COMMAND, skuforge
+
 from pipeline.config import parse_registry
 from pipeline.errors import UnsupportedOp
 from pipeline.repro import OUTCOMES, clear_outcomes, matrix, outcome_path, record_outcome, worst_exit
@@ -39,8 +39,10 @@ def _env() -> dict[str, str]:
 
 
 def _skus() -> dict:
-    return {"int8": models.ort_sku("int8"),
-            "far": models.ort_sku("fp32", target={"arch": OTHER_ARCH}, runner_labels=["arm-box"])}
+    return {
+        "int8": models.ort_sku("int8"),
+        "far": models.ort_sku("fp32", target={"arch": OTHER_ARCH}, runner_labels=["arm-box"]),
+    }
 
 
 def _models(root: Path) -> dict:
@@ -107,21 +109,26 @@ def test_repro_keeps_going_and_shows_every_pair(repro):
     assert "output probs:" in proc.stdout and "beyond atol=0.0" in proc.stdout, proc.stdout
     assert "prepare@custom failed:" in proc.stdout and "'MyOp'" in proc.stdout, proc.stdout
     assert f"needs arch {OTHER_ARCH}" in proc.stdout and "arm-box" in proc.stdout
-    assert "1 passed, 3 not buildable here, 1 gate failed, 1 not run" in proc.stdout.splitlines()[-1] or \
-        proc.stdout.splitlines()[-1].count(",") == 3, proc.stdout
+    assert (
+        "1 passed, 3 not buildable here, 1 gate failed, 1 not run" in proc.stdout.splitlines()[-1]
+        or proc.stdout.splitlines()[-1].count(",") == 3
+    ), proc.stdout
 
 
 @pytest.mark.slow
 def test_outcome_records_sit_outside_dvc_outputs(repro):
     root, _ = repro
-    records = sorted(p.relative_to(root / "build/.outcomes").as_posix()
-                     for p in (root / "build/.outcomes").rglob("*.json"))
+    records = sorted(
+        p.relative_to(root / "build/.outcomes").as_posix() for p in (root / "build/.outcomes").rglob("*.json")
+    )
     assert records == ["custom/prepare.json", "strict/validate@int8.json"], records
     rec = json.loads((root / "build/.outcomes/strict/validate@int8.json").read_text())
     assert rec["stage"] == "validate" and rec["exit_code"] == 1 and rec["model"] == "strict" and rec["sku"] == "int8"
     assert "\n" not in rec["message"] and "time" in rec
     assert (root / "build/.outcomes/.gitignore").read_text() == "*\n"
-    status = subprocess.run(["git", "status", "--porcelain"], check=True, cwd=root, capture_output=True, text=True).stdout
+    status = subprocess.run(
+        ["git", "status", "--porcelain"], check=True, cwd=root, capture_output=True, text=True
+    ).stdout
     assert "outcomes" not in status
 
 
@@ -176,8 +183,12 @@ def test_repro_json_and_a_fixed_pair_loses_its_record(repro):
     # the strict model's gate is loosened: its record must not outlive the fix
     params = root / "params.yaml"
     # back to INT8's defaults (atol 1.0 would leave the output unexercised: a refusal, not a pass)
-    params.write_text(params.read_text().replace("max_mismatch: 0.0", "max_mismatch: 0.05")
-                      .replace("atol: 0.0", "atol: 0.05").replace("rtol: 0.0", "rtol: 0.1"))
+    params.write_text(
+        params.read_text()
+        .replace("max_mismatch: 0.0", "max_mismatch: 0.05")
+        .replace("atol: 0.0", "atol: 0.05")
+        .replace("rtol: 0.0", "rtol: 0.1")
+    )
     proc = run(root, "repro", "--no-publish", "--model", "strict", "--model", "good", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(proc.stdout)
@@ -215,10 +226,16 @@ def test_ctrl_c_during_bench_exits_130_without_traceback(tmp_path):
     started = time.perf_counter()
     assert run(tmp_path, "bench", "--model", "m", "--sku", "cpu").returncode == 0
     whole = time.perf_counter() - started  # imports, load and a short bench: the long one is timing after this
-    bench_config(iterations=10 ** 9, min_seconds=600.0, max_seconds=600.0)
+    bench_config(iterations=10**9, min_seconds=600.0, max_seconds=600.0)
     (tmp_path / "build/m/cpu/bench.json").unlink()
-    proc = subprocess.Popen([*COMMAND, "bench", "--model", "m", "--sku", "cpu"], cwd=tmp_path, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*COMMAND, "bench", "--model", "m", "--sku", "cpu"],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         time.sleep(1.5 * whole + 1)
         assert proc.poll() is None
@@ -235,11 +252,18 @@ def test_ctrl_c_during_bench_exits_130_without_traceback(tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_during_repro_stops_dvc_and_exits_130(tmp_path):
-    long_bench = {"warmup": 0, "iterations": 10 ** 9, "min_seconds": 600.0, "max_seconds": 600.0}
+    long_bench = {"warmup": 0, "iterations": 10**9, "min_seconds": 600.0, "max_seconds": 600.0}
     root = dvc_project(tmp_path, good_model(tmp_path), {"cpu": models.ort_sku("fp32", bench=long_bench)})
     # its own session: the SIGINT of a terminal's Ctrl-C goes to the whole group (skuforge, dvc, the stage)
-    proc = subprocess.Popen([*COMMAND, "repro", "--no-publish"], cwd=root, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [*COMMAND, "repro", "--no-publish"],
+        cwd=root,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while not (root / "build/good/cpu/validate.json").exists() and time.monotonic() < deadline:
@@ -263,15 +287,28 @@ def test_ctrl_c_during_repro_stops_dvc_and_exits_130(tmp_path):
 
 @pytest.fixture()
 def registry(tmp_path):
-    data = {"defaults": {}, "examples": {}, "models": {"a": models.conv_bn_spec("models/a")},
-            "skus": {"here": models.ort_sku("fp32"), "there": models.ort_sku("fp32", target={"arch": OTHER_ARCH},
-                                                                                runner_labels=["arm-box"])}}
+    data = {
+        "defaults": {},
+        "examples": {},
+        "models": {"a": models.conv_bn_spec("models/a")},
+        "skus": {
+            "here": models.ort_sku("fp32"),
+            "there": models.ort_sku("fp32", target={"arch": OTHER_ARCH}, runner_labels=["arm-box"]),
+        },
+    }
     return parse_registry(data, root=tmp_path)
 
 
 def test_unsupported_op_record_names_op_and_node(registry):
-    record_outcome(registry.root, "build", "a", "here", 3, "onnxruntime cannot compile op 'X' (node 'n'): no kernel",
-                   UnsupportedOp("onnxruntime", "X", "n", "no kernel"))
+    record_outcome(
+        registry.root,
+        "build",
+        "a",
+        "here",
+        3,
+        "onnxruntime cannot compile op 'X' (node 'n'): no kernel",
+        UnsupportedOp("onnxruntime", "X", "n", "no kernel"),
+    )
     rows = {(r.model, r.sku): r for r in matrix(registry)}
     row = rows[("a", "here")]
     assert row.outcome == "unsupported" and row.exit_code == 3 and row.stage == "build"
@@ -283,7 +320,11 @@ def test_unsupported_op_record_names_op_and_node(registry):
 def test_build_and_publish_failures_and_clearing(registry):
     record_outcome(registry.root, "bench", "a", "here", 70, "internal error (a bug): RuntimeError: x\nmore")
     row = matrix(registry, skus=["here"])[0]
-    assert (row.outcome, row.exit_code, row.detail) == ("build failed", 70, "bench: internal error (a bug): RuntimeError: x / more")
+    assert (row.outcome, row.exit_code, row.detail) == (
+        "build failed",
+        70,
+        "bench: internal error (a bug): RuntimeError: x / more",
+    )
     clear_outcomes(registry, ["manifest@a-here"])
     assert not outcome_path(registry.root, "bench", "a", "here").exists()
     row = matrix(registry, skus=["here"])[0]
@@ -296,6 +337,7 @@ def test_build_and_publish_failures_and_clearing(registry):
 
 def test_a_stage_command_records_its_failure_and_clears_it_on_success(tmp_path, monkeypatch):
     from cli_helpers import project
+
     from pipeline.cli import main
 
     project(tmp_path)
@@ -323,8 +365,15 @@ def test_ci_job_summary_shows_failed_pairs(registry):
     from pipeline.ci.summary import markdown
 
     assert "No manifest was written" in markdown(registry, "here")
-    record_outcome(registry.root, "build", "a", "here", 3, "onnxruntime cannot compile op 'X' | y",
-                   UnsupportedOp("onnxruntime", "X", "n", "no kernel"))
+    record_outcome(
+        registry.root,
+        "build",
+        "a",
+        "here",
+        3,
+        "onnxruntime cannot compile op 'X' | y",
+        UnsupportedOp("onnxruntime", "X", "n", "no kernel"),
+    )
     text = markdown(registry, "here")
     row = next(line for line in text.splitlines() if line.startswith("| a |"))
     assert row.endswith("| **unsupported**: onnxruntime cannot compile op 'X' \\| y |"), row

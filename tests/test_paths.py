@@ -44,19 +44,36 @@ def test_per_model_stage_outputs_match_the_layout():
 
 def test_per_sku_stage_outputs_match_the_layout():
     stages = dvc_stages()
-    assert names(stages["build"]["outs"]) == {L.engine_dir("M", "S"), L.report("M", "S", "build"), L.cache_dir("M", "S")}
+    assert names(stages["build"]["outs"]) == {
+        L.engine_dir("M", "S"),
+        L.report("M", "S", "build"),
+        L.cache_dir("M", "S"),
+    }
     assert names(stages["validate"]["outs"]) == {L.report("M", "S", "validate"), L.engine_outputs("M", "S")}
-    assert names(stages["bench"]["outs"]) == {L.report("M", "S", "bench"), L.latency_csv("M", "S"), L.timeline_csv("M", "S")}
-    assert names(stages["manifest"]["outs"]) == {L.manifest("M", "S"), *(pair_file(ROOT, kind, "M", "S")
-                                                                      for kind in ("bench", "latency_cdf", "timeline"))}
+    assert names(stages["bench"]["outs"]) == {
+        L.report("M", "S", "bench"),
+        L.latency_csv("M", "S"),
+        L.timeline_csv("M", "S"),
+    }
+    assert names(stages["manifest"]["outs"]) == {
+        L.manifest("M", "S"),
+        *(pair_file(ROOT, kind, "M", "S") for kind in ("bench", "latency_cdf", "timeline")),
+    }
     assert names(stages["publish"]["outs"]) == {L.report("M", "S", "publish")}
 
 
 def test_publish_reads_what_the_earlier_stages_wrote():
     stages = dvc_stages()
     assert names(stages["publish"]["deps"]) == {
-        L.config_file("M", "S"), L.manifest("M", "S"), L.engine_dir("M", "S"), L.report("M", "S", "build"),
-        L.report("M", "S", "validate"), L.report("M", "S", "bench"), L.latency_csv("M", "S"), L.timeline_csv("M", "S")}
+        L.config_file("M", "S"),
+        L.manifest("M", "S"),
+        L.engine_dir("M", "S"),
+        L.report("M", "S", "build"),
+        L.report("M", "S", "validate"),
+        L.report("M", "S", "bench"),
+        L.latency_csv("M", "S"),
+        L.timeline_csv("M", "S"),
+    }
     # a receipt of an external side effect: never restored from DVC's cache without running
     (receipt,) = stages["publish"]["outs"]
     assert next(iter(receipt.values())) == {"cache": False, "persist": True}

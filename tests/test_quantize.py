@@ -6,12 +6,12 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import models
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import models
 from pipeline import graph
 from pipeline.backends.onnxruntime import newest_qdq_opset, reference_runner
 from pipeline.errors import InputError, UnsupportedOp
@@ -39,7 +39,9 @@ def _pinned(path: Path) -> onnx.ModelProto:
 def test_tensors_to_raw_moves_every_typed_field_in_graphs_and_subgraphs(tmp_path):
     model = onnx.load(str(models.if_model(tmp_path / "if.onnx")))
     # an FP16 initializer as converters write it (int32_data), read by a node
-    half = helper.make_tensor("half", TensorProto.FLOAT16, [4], vals=np.array([1, 2, 3, 4], np.float16).view(np.uint16).tolist())
+    half = helper.make_tensor(
+        "half", TensorProto.FLOAT16, [4], vals=np.array([1, 2, 3, 4], np.float16).view(np.uint16).tolist()
+    )
     model.graph.initializer.append(half)
     model.graph.node.append(helper.make_node("Cast", ["half"], ["half_f"], to=TensorProto.FLOAT, name="cast_half"))
     model.graph.output.append(helper.make_tensor_value_info("half_f", TensorProto.FLOAT, [4]))
@@ -105,7 +107,9 @@ def test_iree_importer_failure_names_the_node_reading_the_tensor(tmp_path):
     model = _pinned(models.conv_pool_slice_model(tmp_path / "src.onnx", 17))
     w = next(t for t in model.graph.initializer if t.name == "W")
     halves = numpy_helper.to_array(w).astype(np.float16)
-    w.CopyFrom(helper.make_tensor("W", TensorProto.FLOAT16, list(halves.shape), vals=halves.view(np.uint16).flatten().tolist()))
+    w.CopyFrom(
+        helper.make_tensor("W", TensorProto.FLOAT16, list(halves.shape), vals=halves.view(np.uint16).flatten().tolist())
+    )
     cast = helper.make_node("Cast", ["W"], ["W32"], to=TensorProto.FLOAT, name="w_cast")
     conv = next(n for n in model.graph.node if n.name == "conv")
     conv.input[1] = "W32"
@@ -194,17 +198,23 @@ def test_newest_qdq_opset_runs_quantize_linear():
 
     newest = newest_qdq_opset()
     assert newest is not None and 13 <= newest <= onnx.defs.onnx_opset_version()
-    q = helper.make_graph([helper.make_node("QuantizeLinear", ["x", "s"], ["y"])], "q",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-                          [helper.make_tensor_value_info("y", TensorProto.UINT8, [2])],
-                          [helper.make_tensor("s", TensorProto.FLOAT, [], [0.5])])
-    session = ort.InferenceSession(helper.make_model(q, opset_imports=[helper.make_opsetid("", newest)]).SerializeToString())
+    q = helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["x", "s"], ["y"])],
+        "q",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.UINT8, [2])],
+        [helper.make_tensor("s", TensorProto.FLOAT, [], [0.5])],
+    )
+    session = ort.InferenceSession(
+        helper.make_model(q, opset_imports=[helper.make_opsetid("", newest)]).SerializeToString()
+    )
     assert session.run(None, {"x": np.array([1.0, 2.0], np.float32)})[0].tolist() == [2, 4]
 
 
 def test_conversion_warnings_from_the_qdq_record():
-    record = graph.OpsetConversion(from_opset=11, to_opset=17, reason="INT8 QDQ needs opset 13 or newer",
-                                   max_abs_error=0.0, relative_error=0.0)
+    record = graph.OpsetConversion(
+        from_opset=11, to_opset=17, reason="INT8 QDQ needs opset 13 or newer", max_abs_error=0.0, relative_error=0.0
+    )
     assert conversion_warnings({"format": "QDQ", "opset_conversion": record.to_json()}) == [record.warning()]
     assert conversion_warnings({"format": "QDQ"}) == [] and conversion_warnings(None) == []
 

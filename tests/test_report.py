@@ -12,10 +12,10 @@ import shutil
 import sys
 from pathlib import Path
 
-import pytest
-
 import models
+import pytest
 from cli_helpers import assert_user_error, skuforge
+
 from pipeline.config import load_registry
 from pipeline.errors import InputError
 from pipeline.report import pages, write_pair_report, write_site
@@ -30,54 +30,148 @@ CHROMIUM = Path(os.environ.get("SKUFORGE_CHROMIUM", "/usr/bin/chromium"))
 
 # --- a project with schema-shaped reports ---------------------------------------------------------
 
+
 def _stats(p50: float, ci: bool) -> dict:
-    s = {"iterations": 400, "mean_ms": p50 * 1.1, "std_ms": p50 * 0.1, "min_ms": p50 * 0.8, "p50_ms": p50,
-         "p95_ms": p50 * 1.5, "p99_ms": p50 * 2, "max_ms": p50 * 3}
+    s = {
+        "iterations": 400,
+        "mean_ms": p50 * 1.1,
+        "std_ms": p50 * 0.1,
+        "min_ms": p50 * 0.8,
+        "p50_ms": p50,
+        "p95_ms": p50 * 1.5,
+        "p99_ms": p50 * 2,
+        "max_ms": p50 * 3,
+    }
     if ci:
         s.update(p50_ci_ms=[p50 * 0.95, p50 * 1.05], p95_ci_ms=[p50 * 1.4, p50 * 1.6], p99_ci_ms=[p50 * 1.8, p50 * 2.3])
     return s
 
 
 def _bench(sku: str, p50: float, new: bool) -> dict:
-    doc = {"model": MODEL, "sku": sku, "batch": 1, "concurrency": 1, "load_seconds": 0.05, "first_inference_ms": 2.0,
-           "engine_only": _stats(p50, new), "end_to_end": _stats(p50 * 2, new), "warmup": _stats(p50 * 1.3, False),
-           "throughput_per_s": 1000 / p50, "memory_mb": {"peak_rss": 90.0, "engine_load_delta": 12.5},
-           "device_state": {"before": {"governor": "performance", EVIL: [1, 2]}, "after": {"governor": EVIL}},
-           "engine_sha256": "0" * 64, "latency_sha256": "1" * 64}
+    doc = {
+        "model": MODEL,
+        "sku": sku,
+        "batch": 1,
+        "concurrency": 1,
+        "load_seconds": 0.05,
+        "first_inference_ms": 2.0,
+        "engine_only": _stats(p50, new),
+        "end_to_end": _stats(p50 * 2, new),
+        "warmup": _stats(p50 * 1.3, False),
+        "throughput_per_s": 1000 / p50,
+        "memory_mb": {"peak_rss": 90.0, "engine_load_delta": 12.5},
+        "device_state": {"before": {"governor": "performance", EVIL: [1, 2]}, "after": {"governor": EVIL}},
+        "engine_sha256": "0" * 64,
+        "latency_sha256": "1" * 64,
+    }
     if new:
-        doc.update(steady_state={"reached": True, "warmup_iterations": 40, "warmup_seconds": 0.2, "window": 10,
-                                 "tolerance": 0.05, "reason": EVIL},
-                   drift={"first_p50_ms": p50, "last_p50_ms": p50 * 1.01, "ratio": 1.01, "threshold": 0.05,
-                          "flagged": False, "window": 10},
-                   execution={"affinity": [0, 1], "usable_cores": 2, "engine_threads": {"intra_op": 1},
-                              "env": {"OMP_NUM_THREADS": EVIL}, "concurrency": 1, "timer": "perf_counter_ns"},
-                   sweep=[{"batch": b, "concurrency": c, "iterations": 100, "p50_ms": p50 * b * c,
-                           "p99_ms": p50 * b * c * 2, "throughput_per_s": 1000 * b / p50} for b, c in ((1, 1), (4, 1), (4, 2))],
-                   throughput_ci_per_s=[900 / p50, 1100 / p50], stopped="iterations", timeline_sha256="2" * 64)
+        doc.update(
+            steady_state={
+                "reached": True,
+                "warmup_iterations": 40,
+                "warmup_seconds": 0.2,
+                "window": 10,
+                "tolerance": 0.05,
+                "reason": EVIL,
+            },
+            drift={
+                "first_p50_ms": p50,
+                "last_p50_ms": p50 * 1.01,
+                "ratio": 1.01,
+                "threshold": 0.05,
+                "flagged": False,
+                "window": 10,
+            },
+            execution={
+                "affinity": [0, 1],
+                "usable_cores": 2,
+                "engine_threads": {"intra_op": 1},
+                "env": {"OMP_NUM_THREADS": EVIL},
+                "concurrency": 1,
+                "timer": "perf_counter_ns",
+            },
+            sweep=[
+                {
+                    "batch": b,
+                    "concurrency": c,
+                    "iterations": 100,
+                    "p50_ms": p50 * b * c,
+                    "p99_ms": p50 * b * c * 2,
+                    "throughput_per_s": 1000 * b / p50,
+                }
+                for b, c in ((1, 1), (4, 1), (4, 2))
+            ],
+            throughput_ci_per_s=[900 / p50, 1100 / p50],
+            stopped="iterations",
+            timeline_sha256="2" * 64,
+        )
     return doc
 
 
 def _build(sku: str) -> dict:
-    layers = [{"name": "conv", "op_type": "Conv", "precision": "fp32", "device": "CPUExecutionProvider",
-               "kernel": "FusedConv", "fused_from": ["bn_0"]},
-              {"name": "fc", "op_type": "Gemm", "precision": "fp32", "device": "CPUExecutionProvider",
-               "kernel": "Gemm", "fused_from": []},
-              {"name": EVIL, "op_type": "Relu", "precision": "fp32", "device": "CPUExecutionProvider",
-               "kernel": "Relu", "fused_from": []}]
-    return {"model": MODEL, "sku": sku, "backend": "onnxruntime", "precision": "fp32", "build_seconds": 0.4,
-            "engine_files": [{"path": "model.onnx", "bytes": 4096, "sha256": "0" * 64}], "layers": layers}
+    layers = [
+        {
+            "name": "conv",
+            "op_type": "Conv",
+            "precision": "fp32",
+            "device": "CPUExecutionProvider",
+            "kernel": "FusedConv",
+            "fused_from": ["bn_0"],
+        },
+        {
+            "name": "fc",
+            "op_type": "Gemm",
+            "precision": "fp32",
+            "device": "CPUExecutionProvider",
+            "kernel": "Gemm",
+            "fused_from": [],
+        },
+        {
+            "name": EVIL,
+            "op_type": "Relu",
+            "precision": "fp32",
+            "device": "CPUExecutionProvider",
+            "kernel": "Relu",
+            "fused_from": [],
+        },
+    ]
+    return {
+        "model": MODEL,
+        "sku": sku,
+        "backend": "onnxruntime",
+        "precision": "fp32",
+        "build_seconds": 0.4,
+        "engine_files": [{"path": "model.onnx", "bytes": 4096, "sha256": "0" * 64}],
+        "layers": layers,
+    }
 
 
 def _validate(sku: str, passed: bool) -> dict:
-    return {"model": MODEL, "sku": sku, "passed": passed, "precision": "fp32",
-            "failures": [] if passed else [f"output y: max abs error 0.5 > atol {EVIL}"],
-            "outputs": [{"output": "y", "passed": passed, "max_abs_error": 1e-6, "p99_abs_error": 5e-7,
-                         "mean_abs_error": 1e-8, "cosine_similarity": 1.0, "top1_agreement": None,
-                         "atol": 1e-4, "rtol": 1e-3}],
-            "metrics": [{"split": "evaluation", "reference": 0.9, "engine": 0.89, "delta": -0.01, "max_drop": 0.02,
-                         "passed": True}],
-            "placement": {"passed": True, "allowed": ["CPUExecutionProvider"], "offending": []},
-            "precision_gate": {"passed": True, "policy": "warn", "mismatched": []}}
+    return {
+        "model": MODEL,
+        "sku": sku,
+        "passed": passed,
+        "precision": "fp32",
+        "failures": [] if passed else [f"output y: max abs error 0.5 > atol {EVIL}"],
+        "outputs": [
+            {
+                "output": "y",
+                "passed": passed,
+                "max_abs_error": 1e-6,
+                "p99_abs_error": 5e-7,
+                "mean_abs_error": 1e-8,
+                "cosine_similarity": 1.0,
+                "top1_agreement": None,
+                "atol": 1e-4,
+                "rtol": 1e-3,
+            }
+        ],
+        "metrics": [
+            {"split": "evaluation", "reference": 0.9, "engine": 0.89, "delta": -0.01, "max_drop": 0.02, "passed": True}
+        ],
+        "placement": {"passed": True, "allowed": ["CPUExecutionProvider"], "offending": []},
+        "precision_gate": {"passed": True, "policy": "warn", "mismatched": []},
+    }
 
 
 def _roofline(root: Path) -> dict:
@@ -85,9 +179,15 @@ def _roofline(root: Path) -> dict:
     joined to no node (its name lands in ``unmatched_ms``)."""
     from pipeline.roofline import graph_cost, roofline
 
-    peaks = {"key": "test", "host": {}, "measured_at": "2026-01-01T00:00:00Z", "seconds": 1.0,
-             "one_core_method": "subprocess", "compute_gflops": {"all_cores": 200.0, "one_core": 60.0, "matmul_n": 256},
-             "bandwidth_gbs": {"triad": 20.0, "memcopy": 25.0, "triad_one_core": 8.0, "array_mb": 64}}
+    peaks = {
+        "key": "test",
+        "host": {},
+        "measured_at": "2026-01-01T00:00:00Z",
+        "seconds": 1.0,
+        "one_core_method": "subprocess",
+        "compute_gflops": {"all_cores": 200.0, "one_core": 60.0, "matmul_n": 256},
+        "bandwidth_gbs": {"triad": 20.0, "memcopy": 25.0, "triad_one_core": 8.0, "array_mb": 64},
+    }
     cost = graph_cost(root / "models" / "conv" / "model.onnx", {"batch": 1})
     return roofline(cost, 0.05, peaks, {"conv": 0.02, "fc": 0.01, EVIL: 0.001}).to_json()
 
@@ -120,13 +220,37 @@ def write_pair(root: Path, sku: str, p50: float, new: bool, passed: bool = True)
 def _consistency() -> dict:
     labels = ["reference", NEW, OLD]
     zero = [[0.0] * 3 for _ in labels]
-    return {"model": MODEL, "samples": 8, "reference_sha256": "0" * 64,
-            "skus": [{"sku": s, "backend": "onnxruntime", "precision": "fp32", "validate_passed": True,
-                      "engine_sha256": "0" * 64, "outputs_sha256": "0" * 64} for s in (NEW, OLD)],
-            "skipped": [{"sku": FAILED, "reason": EVIL}],
-            "outputs": [{"output": "y", "dtype": "float32", "shape": [8, 4], "kind": "regression", "labels": labels,
-                         "max_abs_error": zero, "mean_abs_error": zero, "nonfinite_mismatch": [[0] * 3] * 3,
-                         "top1_agreement": None, "nonfinite": {l: {"nan": 0, "inf": 0} for l in labels}}]}
+    return {
+        "model": MODEL,
+        "samples": 8,
+        "reference_sha256": "0" * 64,
+        "skus": [
+            {
+                "sku": s,
+                "backend": "onnxruntime",
+                "precision": "fp32",
+                "validate_passed": True,
+                "engine_sha256": "0" * 64,
+                "outputs_sha256": "0" * 64,
+            }
+            for s in (NEW, OLD)
+        ],
+        "skipped": [{"sku": FAILED, "reason": EVIL}],
+        "outputs": [
+            {
+                "output": "y",
+                "dtype": "float32",
+                "shape": [8, 4],
+                "kind": "regression",
+                "labels": labels,
+                "max_abs_error": zero,
+                "mean_abs_error": zero,
+                "nonfinite_mismatch": [[0] * 3] * 3,
+                "top1_agreement": None,
+                "nonfinite": {l: {"nan": 0, "inf": 0} for l in labels},
+            }
+        ],
+    }
 
 
 def make_project(root: Path) -> Path:
@@ -155,6 +279,7 @@ def _read(path: Path) -> str:
 
 
 # --- the site -------------------------------------------------------------------------------------
+
 
 def test_pages_exist_for_each_pair_with_a_report(site):
     registry, index = site
@@ -204,8 +329,21 @@ def test_untrusted_strings_are_escaped(site):
 def test_pair_page_shows_the_new_bench_fields(site):
     _, index = site
     text = _read(index.parent / MODEL / NEW / "index.html")
-    for piece in ("Steady state", "Drift", "Execution", "perf_counter_ns", "Sweep", "Device state", "performance",
-                  "Roofline", "times from roofline.json", "Heaviest layers", "FusedConv", "bn_0", "Correctness"):
+    for piece in (
+        "Steady state",
+        "Drift",
+        "Execution",
+        "perf_counter_ns",
+        "Sweep",
+        "Device state",
+        "performance",
+        "Roofline",
+        "times from roofline.json",
+        "Heaviest layers",
+        "FusedConv",
+        "bn_0",
+        "Correctness",
+    ):
         assert piece in text, piece
     assert "[0.475 – 0.525]" in text  # the p50 confidence interval
     assert "no timeline.csv" not in text
@@ -251,6 +389,7 @@ def test_pair_report_is_self_contained(site, tmp_path):
 
 # --- refusals -------------------------------------------------------------------------------------
 
+
 def _copy(site, tmp_path: Path) -> Path:
     registry, _ = site
     root = tmp_path / "copy"
@@ -278,9 +417,10 @@ def test_cli_prints_the_index(site, tmp_path):
     assert (root / "site" / MODEL / NEW / "index.html").is_file()
 
 
-@pytest.mark.parametrize("out, words", [("../elsewhere", ["outside the project root"]),
-                                        (".", ["project root"]),
-                                        ("build", ["is not a skuforge report"])])
+@pytest.mark.parametrize(
+    "out, words",
+    [("../elsewhere", ["outside the project root"]), (".", ["project root"]), ("build", ["is not a skuforge report"])],
+)
 def test_cli_refuses_an_out_folder_it_must_not_replace(site, tmp_path, out, words):
     root = _copy(site, tmp_path)
     proc = skuforge("report", "--out", out, cwd=root)
@@ -295,6 +435,7 @@ def test_cli_unknown_model_names_the_known_ones(site, tmp_path):
 
 
 # --- in a browser ---------------------------------------------------------------------------------
+
 
 def _browser():
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
@@ -314,7 +455,10 @@ def test_pages_render_in_a_browser(site, tmp_path):
         try:
             context = browser.new_context(viewport={"width": 1200, "height": 900}, offline=True)
             page = context.new_page()
-            page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning") else None)
+            page.on(
+                "console",
+                lambda m: problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning") else None,
+            )
             page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
             page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
             for path in pages(index):
@@ -341,6 +485,7 @@ def test_pages_render_in_a_browser(site, tmp_path):
 
 # --- over reports the stages wrote ----------------------------------------------------------------
 
+
 def test_report_over_a_really_built_pair(tmp_path):
     """The stages' own reports (whatever format bench writes today) make a page with every chart."""
     from pipeline.stages.bench import bench
@@ -351,8 +496,11 @@ def test_report_over_a_really_built_pair(tmp_path):
     from pipeline.stages.validate import validate
 
     models.conv_bn_model(tmp_path / "models" / "conv" / "model.onnx")
-    registry = load_registry(models.write_project(tmp_path, {MODEL: models.conv_bn_spec()},
-                                                  {"cpu": models.ort_sku("fp32"), "other": models.ort_sku("fp32")}))
+    registry = load_registry(
+        models.write_project(
+            tmp_path, {MODEL: models.conv_bn_spec()}, {"cpu": models.ort_sku("fp32"), "other": models.ort_sku("fp32")}
+        )
+    )
     prepare(registry, MODEL)
     make_data(registry, MODEL)
     reference(registry, MODEL)
@@ -382,8 +530,10 @@ def test_report_of_some_skus_and_the_ci_summary_link(site, tmp_path):
     assert f"build/ci/{NEW}/report/index.html" in text
 
 
-@pytest.mark.parametrize("content, words", [(b"iteration,latency_ms\n0,abc\n", ["line 2", "'abc'"]),
-                                            (b"iteration,latency_ms\n0,\xff\n", ["not a CSV file"])])
+@pytest.mark.parametrize(
+    "content, words",
+    [(b"iteration,latency_ms\n0,abc\n", ["line 2", "'abc'"]), (b"iteration,latency_ms\n0,\xff\n", ["not a CSV file"])],
+)
 def test_damaged_samples_are_refused_naming_the_file(site, tmp_path, content, words):
     root = _copy(site, tmp_path)
     bad = root / "build" / MODEL / OLD / "latency.csv"

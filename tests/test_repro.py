@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
+import models
 import pytest
 
-import models
 from pipeline.config import parse_registry
 from pipeline.errors import ConfigError, InputError
 from pipeline.repro import DvcFailed, run_dvc_repro, sku_statuses, targets
@@ -17,9 +17,16 @@ OTHER_ARCH = "aarch64" if host_arch() == "x86_64" else "x86_64"
 
 @pytest.fixture()
 def registry(tmp_path):
-    data = {"defaults": {}, "examples": {}, "models": {"a": models.conv_bn_spec("models/a"), "b": models.conv_bn_spec("models/b")},
-            "skus": {"here": models.ort_sku("fp32"), "here_int8": models.ort_sku("int8"),
-                     "there": models.ort_sku("fp32", target={"arch": OTHER_ARCH}, runner_labels=["arm-box"])}}
+    data = {
+        "defaults": {},
+        "examples": {},
+        "models": {"a": models.conv_bn_spec("models/a"), "b": models.conv_bn_spec("models/b")},
+        "skus": {
+            "here": models.ort_sku("fp32"),
+            "here_int8": models.ort_sku("int8"),
+            "there": models.ort_sku("fp32", target={"arch": OTHER_ARCH}, runner_labels=["arm-box"]),
+        },
+    }
     return parse_registry(data, root=tmp_path)
 
 
@@ -66,8 +73,11 @@ def test_repro_outside_a_dvc_repository(tmp_path):
 def test_dvc_failure_without_an_error_line_quotes_dvc(tmp_path):
     from pipeline.repro import dvc_failure
 
-    err = dvc_failure(tmp_path, 255, "\x1b[31mERROR\x1b[39m: failed to reproduce 'build@m-cpu': failed to run: "
-                                     "skuforge build, exited with 3\n")
+    err = dvc_failure(
+        tmp_path,
+        255,
+        "\x1b[31mERROR\x1b[39m: failed to reproduce 'build@m-cpu': failed to run: skuforge build, exited with 3\n",
+    )
     assert err.stage_failed and err.exit_code == 3 and "failed to reproduce 'build@m-cpu'" in err.message
     err = dvc_failure(tmp_path, 255, "ERROR: './dvc.yaml' is invalid.\nwhile parsing a flow sequence\n  in line 3\n")
     assert err.exit_code == 2 and "is invalid" in err.message and "while parsing a flow sequence" in err.message
@@ -84,10 +94,12 @@ def test_a_stage_that_failed_early_in_a_long_run_is_still_a_stage_failure(tmp_pa
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "dvc"
-    fake.write_text("#!/bin/sh\n"
-                    "echo \"WARNING: failed to run: skuforge validate --model 'm' --sku 'int8', exited with 1\"\n"
-                    "i=0; while [ $i -lt 200 ]; do echo \"Running stage 'other@$i'\"; i=$((i+1)); done\n"
-                    "echo \"ERROR: failed to reproduce stages: 'validate@m-int8'\"\nexit 1\n")
+    fake.write_text(
+        "#!/bin/sh\n"
+        "echo \"WARNING: failed to run: skuforge validate --model 'm' --sku 'int8', exited with 1\"\n"
+        "i=0; while [ $i -lt 200 ]; do echo \"Running stage 'other@$i'\"; i=$((i+1)); done\n"
+        "echo \"ERROR: failed to reproduce stages: 'validate@m-int8'\"\nexit 1\n"
+    )
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     with pytest.raises(DvcFailed) as info:
@@ -122,7 +134,10 @@ def test_a_conflicted_dvc_lock_is_refused_before_dvc_runs(tmp_path):
         run_dvc_repro(tmp_path, ["publish@a-here"])
     err = info.value
     assert err.exit_code == 2
-    assert f"{tmp_path / 'dvc.lock'} has an unresolved git merge conflict: line 7 is the marker '<<<<<<< HEAD'" == err.message
+    assert (
+        f"{tmp_path / 'dvc.lock'} has an unresolved git merge conflict: line 7 is the marker '<<<<<<< HEAD'"
+        == err.message
+    )
     assert "resolve the merge conflict" in err.hint and "delete dvc.lock" in err.hint
 
 
@@ -131,7 +146,9 @@ def test_conflict_markers_in_dvc_yaml_or_params_are_refused(tmp_path, name, line
     from pipeline.errors import MalformedFile
 
     (tmp_path / ".dvc").mkdir()
-    (tmp_path / name).write_text("stages:\n  a:\n=======\n    cmd: x\n" if name == "dvc.yaml" else "a: 1\n>>>>>>> theirs\n")
+    (tmp_path / name).write_text(
+        "stages:\n  a:\n=======\n    cmd: x\n" if name == "dvc.yaml" else "a: 1\n>>>>>>> theirs\n"
+    )
     with pytest.raises(MalformedFile) as info:
         run_dvc_repro(tmp_path, ["publish@a-here"], dry=True)
     assert f"{name} has an unresolved git merge conflict: line {line}" in info.value.message
@@ -153,8 +170,12 @@ def test_skuforge_repro_names_the_conflicted_file(tmp_path):
     (root / "dvc.lock").unlink()
     params.write_text("<<<<<<< HEAD\n" + params.read_text() + "=======\nskus: {}\n>>>>>>> other\n")
     proc = skuforge("repro", cwd=root)
-    assert_user_error(proc, 2, "params.yaml has an unresolved git merge conflict: line 1 is the marker '<<<<<<< HEAD'",
-                      "resolve the merge conflict")
+    assert_user_error(
+        proc,
+        2,
+        "params.yaml has an unresolved git merge conflict: line 1 is the marker '<<<<<<< HEAD'",
+        "resolve the merge conflict",
+    )
 
 
 def test_dvc_refusing_its_lock_file_says_how_to_rebuild_it(tmp_path):

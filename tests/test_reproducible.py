@@ -16,13 +16,13 @@ import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
+import models
 import numpy as np
 import onnx
 import pytest
+from cli_helpers import skuforge
 from onnx import numpy_helper
 
-import models
-from cli_helpers import skuforge
 from pipeline import reproducible
 from pipeline.backends.onnxruntime import OnnxRuntimeBackend
 from pipeline.config import load_registry, parse_registry
@@ -128,6 +128,7 @@ def _second_build_planted(monkeypatch, plant) -> None:
             with monkeypatch.context() as m:
                 m.setattr(OnnxRuntimeBackend, "build", planted)
                 return build_engine(reg, model, sku, engine_dir, cache_dir=cache_dir, keep_precise=keep_precise)
+
         return rebuild
 
     monkeypatch.setattr(reproducible, "in_new_process", in_process)
@@ -199,20 +200,25 @@ def _plant_in_every_process(tmp_path: Path, wrapper: str) -> str:
         "from pipeline.backends.onnxruntime import OnnxRuntimeBackend\n"
         "from pipeline.errors import UnsupportedOp\n"
         "original = OnnxRuntimeBackend.build\n"
-        "def build(self, ctx):\n" + textwrap.indent(textwrap.dedent(wrapper), "    ")
-        + "OnnxRuntimeBackend.build = build\n")
+        "def build(self, ctx):\n"
+        + textwrap.indent(textwrap.dedent(wrapper), "    ")
+        + "OnnxRuntimeBackend.build = build\n"
+    )
     return os.pathsep.join([str(plant), os.environ.get("PYTHONPATH", "")])
 
 
 def test_cli_exits_1_below_the_required_level_and_writes_the_report(proj, tmp_path):
     """A compiler that stamps each engine it writes: the SKU requires bitwise, the verdict is equivalent."""
-    path = _plant_in_every_process(tmp_path, f"""
+    path = _plant_in_every_process(
+        tmp_path,
+        f"""
         outcome = original(self, ctx)
         model = onnx.load(str(ctx.engine_dir / "model.onnx"))
         model.doc_string = "{STAMP} " + str(time.time_ns())
         onnx.save(model, str(ctx.engine_dir / "model.onnx"))
         return outcome
-    """)
+    """,
+    )
     proc = _cli_build(proj, "stamped", env={**os.environ, "PYTHONPATH": path})
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "skuforge: error:" in proc.stderr and "hint:" in proc.stderr and "Traceback" not in proc.stderr
@@ -225,12 +231,20 @@ def test_cli_exits_1_below_the_required_level_and_writes_the_report(proj, tmp_pa
 
 def test_a_failing_second_build_keeps_its_exit_code(proj, tmp_path, monkeypatch):
     """UnsupportedOp does not survive pickling: the failure travels as data and comes back as exit 3."""
-    monkeypatch.setenv("PYTHONPATH", _plant_in_every_process(tmp_path, """
+    monkeypatch.setenv(
+        "PYTHONPATH",
+        _plant_in_every_process(
+            tmp_path,
+            """
         if multiprocessing.parent_process() is not None:  # only in the second build's process
             raise UnsupportedOp("onnxruntime", "Conv", "conv", "planted in the rebuild")
         return original(self, ctx)
-    """))
-    with pytest.raises(EnvironmentProblem, match="second build failed where the first passed.*planted in the rebuild") as exc:
+    """,
+        ),
+    )
+    with pytest.raises(
+        EnvironmentProblem, match="second build failed where the first passed.*planted in the rebuild"
+    ) as exc:
         build(proj.registry, "conv", "unchecked", check_reproducible=True)
     assert exc.value.exit_code == 3 and exc.value.hint
 
@@ -282,8 +296,14 @@ def test_output_diff_is_bitwise():
 
 def test_require_implies_check_and_a_bad_level_names_the_key():
     def registry(option):
-        return parse_registry({"defaults": {}, "examples": {}, "models": {"m": models.conv_bn_spec()},
-                               "skus": {"s": models.ort_sku("fp32", reproducibility=option)}})
+        return parse_registry(
+            {
+                "defaults": {},
+                "examples": {},
+                "models": {"m": models.conv_bn_spec()},
+                "skus": {"s": models.ort_sku("fp32", reproducibility=option)},
+            }
+        )
 
     assert reproducible.wanted(registry({"require": "equivalent"}).sku("s"))
     assert not reproducible.wanted(registry({}).sku("s"))

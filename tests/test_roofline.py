@@ -3,14 +3,12 @@ the runners' per-layer profiles (ONNX Runtime, OpenVINO) on a small real engine.
 
 from __future__ import annotations
 
-from pathlib import Path
-
+import models
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import models
 from pipeline.results import LayerInfo
 from pipeline.roofline import GraphCost, RooflineReport, graph_cost, join_layer_times, roofline
 
@@ -18,17 +16,25 @@ F = TensorProto.FLOAT
 
 
 def cost_of(nodes, inputs, outputs, inits=(), opsets=(("", 17),)) -> GraphCost:
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, F, s) for n, s in inputs],
-                              [helper.make_tensor_value_info(n, F, s) for n, s in outputs],
-                              [numpy_helper.from_array(np.zeros(s, np.float32), n) for n, s in inits])
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, F, s) for n, s in inputs],
+        [helper.make_tensor_value_info(n, F, s) for n, s in outputs],
+        [numpy_helper.from_array(np.zeros(s, np.float32), n) for n, s in inits],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets])
     model.ir_version = 8
     return graph_cost(model)
 
 
 def test_conv_with_bias():
-    cost = cost_of([helper.make_node("Conv", ["x", "W", "B"], ["y"], pads=[1, 1, 1, 1], name="conv")],
-                   [("x", [1, 3, 8, 8])], [("y", None)], [("W", [8, 3, 3, 3]), ("B", [8])])
+    cost = cost_of(
+        [helper.make_node("Conv", ["x", "W", "B"], ["y"], pads=[1, 1, 1, 1], name="conv")],
+        [("x", [1, 3, 8, 8])],
+        [("y", None)],
+        [("W", [8, 3, 3, 3]), ("B", [8])],
+    )
     layer = cost.layer("conv")
     # 512 outputs, each 3·3·3 multiply-adds and a bias add
     assert layer.flops == 2 * 512 * 27 + 512 == 28160
@@ -39,31 +45,47 @@ def test_conv_with_bias():
 
 
 def test_depthwise_conv_counts_one_input_channel_per_output():
-    cost = cost_of([helper.make_node("Conv", ["x", "W"], ["y"], pads=[1, 1, 1, 1], group=8, name="dw")],
-                   [("x", [1, 8, 8, 8])], [("y", None)], [("W", [8, 1, 3, 3])])
+    cost = cost_of(
+        [helper.make_node("Conv", ["x", "W"], ["y"], pads=[1, 1, 1, 1], group=8, name="dw")],
+        [("x", [1, 8, 8, 8])],
+        [("y", None)],
+        [("W", [8, 1, 3, 3])],
+    )
     assert cost.layer("dw").flops == 2 * 512 * 9 == 9216
     assert cost.layer("dw").bytes == (512 + 72 + 512) * 4
 
 
 def test_gemm_trans_b_with_c():
-    cost = cost_of([helper.make_node("Gemm", ["a", "w", "c"], ["y"], transB=1, name="fc")],
-                   [("a", [4, 16])], [("y", None)], [("w", [32, 16]), ("c", [32])])
+    cost = cost_of(
+        [helper.make_node("Gemm", ["a", "w", "c"], ["y"], transB=1, name="fc")],
+        [("a", [4, 16])],
+        [("y", None)],
+        [("w", [32, 16]), ("c", [32])],
+    )
     assert cost.layer("fc").flops == 2 * 4 * 32 * 16 + 4 * 32 == 4224
     assert cost.layer("fc").bytes == (64 + 512 + 32 + 128) * 4 == 2944
 
 
 def test_matmul_with_batch_dims_broadcast():
-    cost = cost_of([helper.make_node("MatMul", ["a", "b"], ["y"], name="mm")],
-                   [("a", [2, 1, 5, 7]), ("b", [3, 7, 4])], [("y", None)])
+    cost = cost_of(
+        [helper.make_node("MatMul", ["a", "b"], ["y"], name="mm")],
+        [("a", [2, 1, 5, 7]), ("b", [3, 7, 4])],
+        [("y", None)],
+    )
     # y is [2, 3, 5, 4]: 120 outputs of 7 multiply-adds each
     assert cost.layer("mm").flops == 2 * 120 * 7 == 1680
     assert cost.layer("mm").bytes == (70 + 84 + 120) * 4
 
 
 def test_softmax_and_an_unknown_op():
-    cost = cost_of([helper.make_node("Softmax", ["x"], ["s"], axis=-1, name="softmax"),
-                    helper.make_node("Det", ["m"], ["d"], name="det")],
-                   [("x", [2, 10]), ("m", [3, 4, 4])], [("s", None), ("d", None)])
+    cost = cost_of(
+        [
+            helper.make_node("Softmax", ["x"], ["s"], axis=-1, name="softmax"),
+            helper.make_node("Det", ["m"], ["d"], name="det"),
+        ],
+        [("x", [2, 10]), ("m", [3, 4, 4])],
+        [("s", None), ("d", None)],
+    )
     assert cost.layer("softmax").flops == 5 * 20 and cost.layer("softmax").bytes == 160
     det = cost.layer("det")
     assert (det.flops, det.bytes, det.counted) == (0, (48 + 3) * 4, False)
@@ -73,9 +95,13 @@ def test_softmax_and_an_unknown_op():
 @pytest.mark.parametrize("mode, flops", [("linear", 2 * 4 * 128), ("nearest", 0), ("cubic", 2 * 16 * 128)])
 def test_resize(mode, flops):
     scales = numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")
-    graph = helper.make_graph([helper.make_node("Resize", ["x", "", "scales"], ["y"], mode=mode, name="up")], "g",
-                              [helper.make_tensor_value_info("x", F, [1, 2, 4, 4])],
-                              [helper.make_tensor_value_info("y", F, None)], [scales])
+    graph = helper.make_graph(
+        [helper.make_node("Resize", ["x", "", "scales"], ["y"], mode=mode, name="up")],
+        "g",
+        [helper.make_tensor_value_info("x", F, [1, 2, 4, 4])],
+        [helper.make_tensor_value_info("y", F, None)],
+        [scales],
+    )
     cost = graph_cost(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     # 128 outputs interpolated over 2 axes: 4 taps (linear) or 16 (cubic), a multiply-add each
     assert cost.layer("up").flops == flops
@@ -84,9 +110,12 @@ def test_resize(mode, flops):
 
 def test_integer_kernels_count_int_ops():
     graph = helper.make_graph(
-        [helper.make_node("MatMulInteger", ["a", "b"], ["y"], name="mmi")], "g",
-        [helper.make_tensor_value_info("a", TensorProto.UINT8, [4, 8])], [helper.make_tensor_value_info("y", TensorProto.INT32, None)],
-        [numpy_helper.from_array(np.zeros((8, 2), np.int8), "b")])
+        [helper.make_node("MatMulInteger", ["a", "b"], ["y"], name="mmi")],
+        "g",
+        [helper.make_tensor_value_info("a", TensorProto.UINT8, [4, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.INT32, None)],
+        [numpy_helper.from_array(np.zeros((8, 2), np.int8), "b")],
+    )
     cost = graph_cost(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     layer = cost.layer("mmi")
     assert (layer.flops, layer.int_ops, layer.bytes) == (0, 2 * 8 * 8, 32 + 16 + 32)
@@ -94,10 +123,18 @@ def test_integer_kernels_count_int_ops():
 
 def test_contrib_attention_shapes_flow_on():
     hidden, heads, b, s = 8, 2, 1, 4
-    cost = cost_of([helper.make_node("Attention", ["x", "w", "bias"], ["att"], domain="com.microsoft", num_heads=heads, name="att"),
-                    helper.make_node("Relu", ["att"], ["y"], name="after")],
-                   [("x", [b, s, hidden])], [("y", None)], [("w", [hidden, 3 * hidden]), ("bias", [3 * hidden])],
-                   opsets=(("", 17), ("com.microsoft", 1)))
+    cost = cost_of(
+        [
+            helper.make_node(
+                "Attention", ["x", "w", "bias"], ["att"], domain="com.microsoft", num_heads=heads, name="att"
+            ),
+            helper.make_node("Relu", ["att"], ["y"], name="after"),
+        ],
+        [("x", [b, s, hidden])],
+        [("y", None)],
+        [("w", [hidden, 3 * hidden]), ("bias", [3 * hidden])],
+        opsets=(("", 17), ("com.microsoft", 1)),
+    )
     qkv = 2 * b * s * hidden * 3 * hidden + b * s * 3 * hidden
     assert cost.layer("att").flops == qkv + 2 * b * s * s * hidden + 5 * b * heads * s * s + 2 * b * s * s * hidden
     assert cost.layer("after").flops == b * s * hidden and not cost.unshaped
@@ -116,49 +153,77 @@ def test_pins_fix_named_dims(tmp_path):
 def chain_model() -> onnx.ModelProto:
     """x -> Conv -> Relu -> MaxPool -> MatMul -> Add -> Relu, named as ONNX Runtime's tests expect."""
     rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array(rng.normal(size=s).astype(np.float32), n)
-             for n, s in (("W", (8, 3, 3, 3)), ("W2", (8 * 8 * 8, 16)), ("B2", (16,)))]
-    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], pads=[1, 1, 1, 1], name="conv"),
-             helper.make_node("Relu", ["c"], ["r"], name="relu"),
-             helper.make_node("MaxPool", ["r"], ["p"], kernel_shape=[2, 2], strides=[2, 2], name="pool"),
-             helper.make_node("Flatten", ["p"], ["f"], name="flat"),
-             helper.make_node("MatMul", ["f", "W2"], ["mm"], name="mm"),
-             helper.make_node("Add", ["mm", "B2"], ["a"], name="add"),
-             helper.make_node("Relu", ["a"], ["y"], name="relu2")]
-    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", F, [1, 3, 16, 16])],
-                              [helper.make_tensor_value_info("y", F, [1, 16])], inits)
+    inits = [
+        numpy_helper.from_array(rng.normal(size=s).astype(np.float32), n)
+        for n, s in (("W", (8, 3, 3, 3)), ("W2", (8 * 8 * 8, 16)), ("B2", (16,)))
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "W"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+        helper.make_node("Relu", ["c"], ["r"], name="relu"),
+        helper.make_node("MaxPool", ["r"], ["p"], kernel_shape=[2, 2], strides=[2, 2], name="pool"),
+        helper.make_node("Flatten", ["p"], ["f"], name="flat"),
+        helper.make_node("MatMul", ["f", "W2"], ["mm"], name="mm"),
+        helper.make_node("Add", ["mm", "B2"], ["a"], name="add"),
+        helper.make_node("Relu", ["a"], ["y"], name="relu2"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", F, [1, 3, 16, 16])],
+        [helper.make_tensor_value_info("y", F, [1, 16])],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model
 
 
-@pytest.mark.parametrize("times, groups, unmatched", [
-    # graph_optimization_level basic: nodes keep their names; MatMul+Add became a Gemm
-    ({"conv": 1, "relu": 1, "pool": 1, "flat": 1, "mm/MatMulAddFusion": 1, "relu2": 1},
-     {"conv": ["conv"], "relu": ["relu"], "mm/MatMulAddFusion": ["mm", "add"]}, {}),
-    # extended: FusedConv keeps the Conv's name, FusedGemm takes the activation too
-    ({"conv": 1, "pool": 1, "fused mm/MatMulAddFusion": 1},
-     {"conv": ["conv", "relu"], "fused mm/MatMulAddFusion": ["mm", "add", "relu2"]}, {}),
-    # all (x86): NCHWc nodes are named after the output tensor, plus a layout reorder of no node
-    ({"r_nchwc": 1, "p_nchwc": 1, "ReorderOutput": 0.5},
-     {"r_nchwc": ["conv", "relu"], "p_nchwc": ["pool"]}, {"ReorderOutput": 0.5}),
-])
+@pytest.mark.parametrize(
+    "times, groups, unmatched",
+    [
+        # graph_optimization_level basic: nodes keep their names; MatMul+Add became a Gemm
+        (
+            {"conv": 1, "relu": 1, "pool": 1, "flat": 1, "mm/MatMulAddFusion": 1, "relu2": 1},
+            {"conv": ["conv"], "relu": ["relu"], "mm/MatMulAddFusion": ["mm", "add"]},
+            {},
+        ),
+        # extended: FusedConv keeps the Conv's name, FusedGemm takes the activation too
+        (
+            {"conv": 1, "pool": 1, "fused mm/MatMulAddFusion": 1},
+            {"conv": ["conv", "relu"], "fused mm/MatMulAddFusion": ["mm", "add", "relu2"]},
+            {},
+        ),
+        # all (x86): NCHWc nodes are named after the output tensor, plus a layout reorder of no node
+        (
+            {"r_nchwc": 1, "p_nchwc": 1, "ReorderOutput": 0.5},
+            {"r_nchwc": ["conv", "relu"], "p_nchwc": ["pool"]},
+            {"ReorderOutput": 0.5},
+        ),
+    ],
+)
 def test_join_follows_onnxruntime_renames(times, groups, unmatched):
     joined, left = join_layer_times(times, graph_cost(chain_model()))
     assert {k: joined[k] for k in groups} == groups and left == unmatched
 
 
 def test_join_uses_fused_from_of_build_layers():
-    layers = [LayerInfo(name="conv", op_type="Convolution", fused_from=["conv", "r"]),  # OpenVINO: node and tensor names
-              LayerInfo(name="x_abcd_acdb_conv", op_type="Reorder")]
+    layers = [
+        LayerInfo(name="conv", op_type="Convolution", fused_from=["conv", "r"]),  # OpenVINO: node and tensor names
+        LayerInfo(name="x_abcd_acdb_conv", op_type="Reorder"),
+    ]
     joined, left = join_layer_times({"conv": 2.0, "x_abcd_acdb_conv": 0.1}, graph_cost(chain_model()), layers)
     assert joined == {"conv": ["conv", "relu"]} and left == {"x_abcd_acdb_conv": 0.1}
 
 
-PEAKS = {"key": "k", "host": {}, "measured_at": "2026-01-01T00:00:00+00:00", "seconds": 5.0,
-         "one_core_method": "threadpoolctl",
-         "compute_gflops": {"all_cores": 100.0, "one_core": 50.0, "nominal": None, "nominal_basis": None, "matmul_n": 2048},
-         "bandwidth_gbs": {"triad": 10.0, "memcopy": 12.0, "triad_one_core": 8.0, "array_mb": 256}}
+PEAKS = {
+    "key": "k",
+    "host": {},
+    "measured_at": "2026-01-01T00:00:00+00:00",
+    "seconds": 5.0,
+    "one_core_method": "threadpoolctl",
+    "compute_gflops": {"all_cores": 100.0, "one_core": 50.0, "nominal": None, "nominal_basis": None, "matmul_n": 2048},
+    "bandwidth_gbs": {"triad": 10.0, "memcopy": 12.0, "triad_one_core": 8.0, "array_mb": 256},
+}
 
 
 def test_roofline_of_an_engine():
@@ -201,8 +266,10 @@ def engines(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("roofline")
     models.conv_bn_model(root / "models/conv/model.onnx")
-    skus = {"ort": models.cpu_sku("onnxruntime", "fp32", {}),
-            "ort_basic": models.cpu_sku("onnxruntime", "fp32", {"graph_optimization_level": "basic"})}
+    skus = {
+        "ort": models.cpu_sku("onnxruntime", "fp32", {}),
+        "ort_basic": models.cpu_sku("onnxruntime", "fp32", {"graph_optimization_level": "basic"}),
+    }
     try:
         import openvino  # noqa: F401
 

@@ -12,14 +12,23 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import models
+import pytest
 from cli_helpers import assert_user_error, skuforge
+
 from pipeline.config import SigningSpec, load_registry, parse_registry
 from pipeline.errors import ConfigError, EnvironmentProblem
-from pipeline.signing import (ENV_KEY_DIR, ENV_SIGNING_KEY, SigningKey, aliases_accepting, canonical_payload,
-                              generate_key_file, signing_key, verify, write_private_key)
+from pipeline.signing import (
+    ENV_KEY_DIR,
+    ENV_SIGNING_KEY,
+    SigningKey,
+    aliases_accepting,
+    canonical_payload,
+    generate_key_file,
+    signing_key,
+    verify,
+    write_private_key,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,8 +39,10 @@ ALIASES = ["candidate", "staging", "production"]
 
 
 def spec(**trust) -> SigningSpec:
-    return SigningSpec(keys={"ci": CI.public_key, "dev": DEV.public_key},
-                       trust=trust or {"candidate": ["*"], "staging": ["*", "dev"], "production": ["ci"]})
+    return SigningSpec(
+        keys={"ci": CI.public_key, "dev": DEV.public_key},
+        trust=trust or {"candidate": ["*"], "staging": ["*", "dev"], "production": ["ci"]},
+    )
 
 
 def check(sig, alias="production", digest=DIGEST, model="m", sku="cpu", trust=None):
@@ -57,8 +68,10 @@ def test_roundtrip_through_json():
 
 
 def test_payload_is_canonical():
-    assert canonical_payload(DIGEST, "m", "cpu") == (
-        '{"digest":"' + DIGEST + '","model":"m","sku":"cpu","type":"skuforge-manifest","version":1}').encode()
+    assert (
+        canonical_payload(DIGEST, "m", "cpu")
+        == ('{"digest":"' + DIGEST + '","model":"m","sku":"cpu","type":"skuforge-manifest","version":1}').encode()
+    )
     assert CI.key_id.startswith("ed25519:") and len(CI.key_id) == len("ed25519:") + 16
     assert len(base64.b64decode(CI.public_key.removeprefix("ed25519:"))) == 32
 
@@ -130,17 +143,25 @@ def test_unconfigured_project_accepts_any_valid_signature():
     refused(check(None, trust=SigningSpec()), "unsigned")
 
 
-@pytest.mark.parametrize("doc, words", [
-    (None, ["unsigned"]),
-    ({}, ["malformed"]),
-    ("not json", ["malformed"]),
-    ([1, 2], ["malformed"]),
-    ({"garbage": True}, ["malformed"]),
-    ({**CI.sign(DIGEST, "m", "cpu").to_json(), "algorithm": "rsa"}, ["unsupported signature algorithm 'rsa'"]),
-    ({**CI.sign(DIGEST, "m", "cpu").to_json(), "public_key": "ed25519:AAAA"}, ["public key is malformed"]),
-    ({**CI.sign(DIGEST, "m", "cpu").to_json(), "payload": {"type": "other", "version": 1, "digest": DIGEST,
-                                                             "model": "m", "sku": "cpu"}}, ["malformed"]),
-])
+@pytest.mark.parametrize(
+    "doc, words",
+    [
+        (None, ["unsigned"]),
+        ({}, ["malformed"]),
+        ("not json", ["malformed"]),
+        ([1, 2], ["malformed"]),
+        ({"garbage": True}, ["malformed"]),
+        ({**CI.sign(DIGEST, "m", "cpu").to_json(), "algorithm": "rsa"}, ["unsupported signature algorithm 'rsa'"]),
+        ({**CI.sign(DIGEST, "m", "cpu").to_json(), "public_key": "ed25519:AAAA"}, ["public key is malformed"]),
+        (
+            {
+                **CI.sign(DIGEST, "m", "cpu").to_json(),
+                "payload": {"type": "other", "version": 1, "digest": DIGEST, "model": "m", "sku": "cpu"},
+            },
+            ["malformed"],
+        ),
+    ],
+)
 def test_missing_or_garbage_signature_is_refused(doc, words):
     refused(check(doc), "m/cpu -> production", *words)
 
@@ -157,8 +178,14 @@ def test_env_key_pem_and_raw_base64(tmp_path):
     assert not list(tmp_path.iterdir()), "an env key makes no developer key"
 
 
-@pytest.mark.parametrize("value", ["s3cr3t-not-a-key", base64.b64encode(b"x" * 31).decode(),
-                                   "-----BEGIN PRIVATE KEY-----\nc2VjcmV0LWJ5dGVz\n-----END PRIVATE KEY-----\n"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "s3cr3t-not-a-key",
+        base64.b64encode(b"x" * 31).decode(),
+        "-----BEGIN PRIVATE KEY-----\nc2VjcmV0LWJ5dGVz\n-----END PRIVATE KEY-----\n",
+    ],
+)
 def test_malformed_env_key_names_the_variable_not_the_secret(value, tmp_path):
     with pytest.raises(EnvironmentProblem) as info:
         signing_key({ENV_SIGNING_KEY: value, ENV_KEY_DIR: str(tmp_path)})
@@ -172,8 +199,11 @@ def test_env_key_of_another_algorithm(tmp_path):
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    pem = ec.generate_private_key(ec.SECP256R1()).private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode()
+    pem = (
+        ec.generate_private_key(ec.SECP256R1())
+        .private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        .decode()
+    )
     with pytest.raises(EnvironmentProblem, match="not ed25519"):
         signing_key({ENV_SIGNING_KEY: pem, ENV_KEY_DIR: str(tmp_path)})
 
@@ -229,8 +259,13 @@ def test_signing_key_repr_shows_no_material():
 
 def registry_with(signing: dict, aliases: list[str] | None = None):
     release = {"signing": signing, **({"aliases": aliases} if aliases else {})}
-    doc = {"defaults": {}, "examples": {}, "models": {"m": models.conv_bn_spec()},
-           "skus": {"cpu": models.ort_sku("fp32")}, "release": release}
+    doc = {
+        "defaults": {},
+        "examples": {},
+        "models": {"m": models.conv_bn_spec()},
+        "skus": {"cpu": models.ort_sku("fp32")},
+        "release": release,
+    }
     return parse_registry(doc)
 
 
@@ -241,18 +276,23 @@ def test_signing_config_parses():
     assert registry_with({}).release.signing == SigningSpec()
 
 
-@pytest.mark.parametrize("signing, words", [
-    ({"keys": {"ci": "ed25519:not base64!"}}, ["release.signing.keys", "keys.ci", "not valid base64"]),
-    ({"keys": {"ci": "ed25519:" + base64.b64encode(b"x" * 31).decode()}}, ["keys.ci", "32 bytes", "31"]),
-    ({"keys": {"ci": base64.b64encode(b"x" * 32).decode()}}, ["keys.ci", "ed25519:<base64"]),
-    ({"keys": {"c/i": CI.public_key}}, ["'c/i' is not a key name"]),
-    ({"keys": {"ci": CI.public_key}, "trust": {"prod": ["ci"]}}, ["signing.trust", "'prod'", "not in aliases"]),
-    ({"keys": {"ci": CI.public_key}, "trust": {"production": ["cl"]}}, ["trust.production", "unknown key 'cl'",
-                                                                         "did you mean 'ci'", "known keys: ci"]),
-    ({"trust": {"production": ["ci"]}}, ["unknown key 'ci'", "add release.signing.keys"]),
-    ({"trust": {"production": []}}, ["trusts no key"]),
-    ({"keys": {}, "trusted": {}}, ["release.signing.trusted", "did you mean 'trust'"]),
-])
+@pytest.mark.parametrize(
+    "signing, words",
+    [
+        ({"keys": {"ci": "ed25519:not base64!"}}, ["release.signing.keys", "keys.ci", "not valid base64"]),
+        ({"keys": {"ci": "ed25519:" + base64.b64encode(b"x" * 31).decode()}}, ["keys.ci", "32 bytes", "31"]),
+        ({"keys": {"ci": base64.b64encode(b"x" * 32).decode()}}, ["keys.ci", "ed25519:<base64"]),
+        ({"keys": {"c/i": CI.public_key}}, ["'c/i' is not a key name"]),
+        ({"keys": {"ci": CI.public_key}, "trust": {"prod": ["ci"]}}, ["signing.trust", "'prod'", "not in aliases"]),
+        (
+            {"keys": {"ci": CI.public_key}, "trust": {"production": ["cl"]}},
+            ["trust.production", "unknown key 'cl'", "did you mean 'ci'", "known keys: ci"],
+        ),
+        ({"trust": {"production": ["ci"]}}, ["unknown key 'ci'", "add release.signing.keys"]),
+        ({"trust": {"production": []}}, ["trusts no key"]),
+        ({"keys": {}, "trusted": {}}, ["release.signing.trusted", "did you mean 'trust'"]),
+    ],
+)
 def test_bad_signing_config(signing, words):
     with pytest.raises(ConfigError) as info:
         registry_with(signing)
@@ -274,9 +314,12 @@ def cli_env(tmp_path, **extra) -> dict:
 
 
 def test_keys_show_developer_key(tmp_path):
-    models.write_project(tmp_path, {"m": models.conv_bn_spec()}, {"cpu": models.ort_sku("fp32")},
-                         release={"signing": {"keys": {"ci": CI.public_key},
-                                              "trust": {"candidate": ["*"], "production": ["ci"]}}})
+    models.write_project(
+        tmp_path,
+        {"m": models.conv_bn_spec()},
+        {"cpu": models.ort_sku("fp32")},
+        release={"signing": {"keys": {"ci": CI.public_key}, "trust": {"candidate": ["*"], "production": ["ci"]}}},
+    )
     proc = skuforge("keys", "show", "--json", cwd=tmp_path, env=cli_env(tmp_path))
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
@@ -315,10 +358,12 @@ def test_keys_generate(tmp_path):
 
 
 def test_keys_parser_imports_no_crypto():
-    code = ("import contextlib, io, sys\nfrom pipeline.cli import main\n"
-            "with contextlib.redirect_stdout(io.StringIO()):\n"
-            "    try:\n        main(['keys', 'show', '--help'])\n    except SystemExit:\n        pass\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cryptography', 'pydantic')))")
+    code = (
+        "import contextlib, io, sys\nfrom pipeline.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try:\n        main(['keys', 'show', '--help'])\n    except SystemExit:\n        pass\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cryptography', 'pydantic')))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]"

@@ -107,10 +107,19 @@ def test_a_bad_specifier_is_a_config_error():
         specifier("1.20")
 
 
-@pytest.mark.parametrize("a, b, same", [
-    (OPENVINO, "2026.4.1", True), ("10.3", "10.3.0", True), ("2.13.0+cpu", "2.13.0", True),
-    ("2026.4.1", "2026.3.0", False), ("3.13.0rc20251120", "3.13.0", False), ("garbage", "garbage", False),
-    (None, None, False), ("1.32.0", None, False)])
+@pytest.mark.parametrize(
+    "a, b, same",
+    [
+        (OPENVINO, "2026.4.1", True),
+        ("10.3", "10.3.0", True),
+        ("2.13.0+cpu", "2.13.0", True),
+        ("2026.4.1", "2026.3.0", False),
+        ("3.13.0rc20251120", "3.13.0", False),
+        ("garbage", "garbage", False),
+        (None, None, False),
+        ("1.32.0", None, False),
+    ],
+)
 def test_same_version(a, b, same):
     assert same_version(a, b) is same
 
@@ -125,5 +134,6 @@ def test_every_check_reads_versions_the_same_way():
     assert compatibility({"specifiers": {"openvino": ">=2026.0,<2027"}, "exact": {"openvino": "2026.4.1"}}, dev) == []
     garbled = Device(id="d", sku="ov", arch="x86_64", runtime={"openvino": "garbage"}, cpu_features=frozenset())
     assert compatibility({"specifiers": {"openvino": ">=2026.0,<2027"}}, garbled) == [
-        "needs openvino >=2026.0,<2027, the device has garbage"]
+        "needs openvino >=2026.0,<2027, the device has garbage"
+    ]
     assert version_compatible_runtime("10.3.0", "10.7.0.23") and not version_compatible_runtime("garbage", "10.3.0")

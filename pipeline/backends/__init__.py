@@ -8,10 +8,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError
+from pipeline.errors import ConfigError
 
 if TYPE_CHECKING:
-    from .base import Backend
+    from pipeline.backends.base import Backend
 
 _BACKENDS: dict[str, str] = {
     "onnxruntime": "pipeline.backends.onnxruntime:OnnxRuntimeBackend",
@@ -26,7 +26,7 @@ def known_backends() -> tuple[str, ...]:
     return tuple(sorted(_BACKENDS))
 
 
-def backend_class(name: str) -> "type[Backend]":
+def backend_class(name: str) -> type[Backend]:
     try:
         target = _BACKENDS[name]
     except KeyError:
@@ -35,7 +35,7 @@ def backend_class(name: str) -> "type[Backend]":
     return getattr(importlib.import_module(module), cls)
 
 
-def get_backend(name: str) -> "Backend":
+def get_backend(name: str) -> Backend:
     return backend_class(name)()
 
 

@@ -9,22 +9,23 @@ from __future__ import annotations
 
 import abc
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..errors import ConfigError, EnvironmentProblem, InputError
-from ..io import atomic_write_json, read_json, sha256_file
-from ..results import FileRecord, LayerInfo, TensorSig, engine_digest
+from pipeline.errors import ConfigError, EnvironmentProblem, InputError
+from pipeline.io import atomic_write_json, read_json, sha256_file
+from pipeline.results import FileRecord, LayerInfo, TensorSig, engine_digest
 
 if TYPE_CHECKING:
     import numpy as np
     import onnx
 
-    from ..caches import CacheSession
-    from ..config import ModelSpec, Profile, SkuSpec
+    from pipeline.caches import CacheSession
+    from pipeline.config import ModelSpec, Profile, SkuSpec
 
 ENGINE_META = "engine.json"
 
@@ -46,9 +47,14 @@ class Capabilities:
     cache: CacheKind | None = None  # what it keeps under caches/<sku>/<model>/
 
     def to_json(self) -> dict[str, Any]:
-        return {"precisions": list(self.precisions), "devices": list(self.devices),
-                "per_node_precision": self.per_node_precision, "intermediate_outputs": self.intermediate_outputs,
-                "cache": self.cache, "runtime_package": self.runtime_package}
+        return {
+            "precisions": list(self.precisions),
+            "devices": list(self.devices),
+            "per_node_precision": self.per_node_precision,
+            "intermediate_outputs": self.intermediate_outputs,
+            "cache": self.cache,
+            "runtime_package": self.runtime_package,
+        }
 
 
 class EngineMeta(BaseModel):
@@ -74,14 +80,14 @@ class EngineMeta(BaseModel):
 class BuildContext:
     model: str
     sku: str
-    spec: "ModelSpec"
-    sku_spec: "SkuSpec"
+    spec: ModelSpec
+    sku_spec: SkuSpec
     prepared: Path
     pins: dict[str, int]  # axes to fix in the engine
-    profiles: dict[str, "Profile"]  # axes the engine keeps dynamic within {min, opt, max}
+    profiles: dict[str, Profile]  # axes the engine keeps dynamic within {min, opt, max}
     engine_dir: Path
     calibration_table: Path | None
-    probe_inputs: dict[str, "np.ndarray"]
+    probe_inputs: dict[str, np.ndarray]
     cache_dir: Path
     progress: Callable[[str, float], None] | None = None
     # ONNX node names (of the prepared model) kept in higher precision than the SKU's: excluded from
@@ -108,7 +114,7 @@ class BuildOutcome:
     warnings: list[str] = field(default_factory=list)
     meta: EngineMeta = field(default_factory=EngineMeta)
     # the cache session, decided but not written: the caller commits it once the engine is in place
-    cache: "CacheSession | None" = None
+    cache: CacheSession | None = None
 
 
 @dataclass
@@ -118,11 +124,11 @@ class Staged:
     is the ONNX file to compile; ``model`` is its graph (weights included unless reloaded)."""
 
     work: Path
-    model: "onnx.ModelProto"
+    model: onnx.ModelProto
     source: Path
     options: Any  # the backend's typed options (INT8 may decide reduce_range for the target)
     calibration: dict[str, Any] | None = None
-    cache: "CacheSession | None" = None
+    cache: CacheSession | None = None
     warnings: list[str] = field(default_factory=list)
     notes: dict[str, Any] = field(default_factory=dict)  # what _adapt found, for _build_impl
 
@@ -166,7 +172,7 @@ class Runner(abc.ABC):
             static = tuple(sig.shape) if all(isinstance(d, int) for d in sig.shape) else None
             self._expected.append((sig, dtype, static))
 
-    def infer(self, feeds: dict[str, "np.ndarray"]) -> dict[str, "np.ndarray"]:
+    def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         for sig, dtype, shape in self._expected:
             arr = feeds.get(sig.name)
             if arr is None or arr.dtype != dtype or arr.shape != shape:
@@ -174,7 +180,7 @@ class Runner(abc.ABC):
         return self._infer_impl(feeds)
 
     @staticmethod
-    def _check_input(sig: TensorSig, feeds: dict[str, "np.ndarray"]) -> None:
+    def _check_input(sig: TensorSig, feeds: dict[str, np.ndarray]) -> None:
         import numpy as np
 
         if sig.name not in feeds:
@@ -187,9 +193,9 @@ class Runner(abc.ABC):
             raise InputError(f"engine input {sig.name!r} must have shape {sig.shape}, got {list(arr.shape)}")
 
     @abc.abstractmethod
-    def _infer_impl(self, feeds: dict[str, "np.ndarray"]) -> dict[str, "np.ndarray"]: ...
+    def _infer_impl(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
-    def profile_layers(self, feeds: dict[str, "np.ndarray"], iterations: int = 20) -> dict[str, float] | None:
+    def profile_layers(self, feeds: dict[str, np.ndarray], iterations: int = 20) -> dict[str, float] | None:
         """Milliseconds per engine layer, the median of ``iterations`` runs on ``feeds`` after a warm-up,
         keyed by the names of build.json ``layers`` (pipeline.roofline joins them to ONNX nodes);
         None where the backend cannot time its layers. The default cannot."""
@@ -198,7 +204,7 @@ class Runner(abc.ABC):
     def close(self) -> None:
         """Release the engine; the default has nothing to release."""
 
-    def __enter__(self) -> "Runner":
+    def __enter__(self) -> Runner:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -218,17 +224,19 @@ class Backend(abc.ABC):
     runtime_keys: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
-    def options(cls, sku: "SkuSpec") -> Any:
+    def options(cls, sku: SkuSpec) -> Any:
         try:
             return cls.Options.model_validate(sku.options)
         except ValidationError as exc:
-            from ..config import validation_problems
+            from pipeline.config import validation_problems
 
-            raise ConfigError("; ".join(validation_problems(exc, cls.Options, ("options",))),
-                              hint=f"valid {cls.name} options: {', '.join(cls.Options.model_fields)}") from None
+            raise ConfigError(
+                "; ".join(validation_problems(exc, cls.Options, ("options",))),
+                hint=f"valid {cls.name} options: {', '.join(cls.Options.model_fields)}",
+            ) from None
 
     @classmethod
-    def check_sku(cls, sku: "SkuSpec") -> list[str]:
+    def check_sku(cls, sku: SkuSpec) -> list[str]:
         """Config-time problems with a SKU for this backend (no SDK import): what the declared
         capabilities rule out, then the backend's own checks."""
         try:
@@ -237,26 +245,30 @@ class Backend(abc.ABC):
             return [exc.message]
         caps, problems = cls.capabilities, []
         if sku.precision not in caps.precisions:
-            problems.append(f"precision: {sku.precision} is not supported by the {cls.name} backend; "
-                            f"supported: {', '.join(caps.precisions)}")
+            problems.append(
+                f"precision: {sku.precision} is not supported by the {cls.name} backend; "
+                f"supported: {', '.join(caps.precisions)}"
+            )
         if sku.target.device not in caps.devices:
-            problems.append(f"target.device: {sku.target.device} is not a device the {cls.name} backend builds for; "
-                            f"it builds for: {', '.join(caps.devices)}")
+            problems.append(
+                f"target.device: {sku.target.device} is not a device the {cls.name} backend builds for; "
+                f"it builds for: {', '.join(caps.devices)}"
+            )
         if sku.cache.require and caps.cache is None:
             problems.append(f"cache.require: the {cls.name} backend keeps no cache; remove it")
         return problems + cls._check_sku_impl(sku, opts)
 
     @classmethod
-    def _check_sku_impl(cls, sku: "SkuSpec", options: Any) -> list[str]:
+    def _check_sku_impl(cls, sku: SkuSpec, options: Any) -> list[str]:
         return []
 
-    def cross_compiles(self, sku: "SkuSpec") -> bool:
+    def cross_compiles(self, sku: SkuSpec) -> bool:
         """True when this backend builds the SKU's engine on any host (the target is only needed
         to run it). The default: engines are built on the target."""
         return False
 
     @abc.abstractmethod
-    def environment_problems(self, sku: "SkuSpec", purpose: str = "run") -> list[str]:
+    def environment_problems(self, sku: SkuSpec, purpose: str = "run") -> list[str]:
         """What this host lacks to ``build`` or ``run`` the SKU's engines (SDK, providers, devices)."""
 
     @abc.abstractmethod
@@ -266,7 +278,7 @@ class Backend(abc.ABC):
         """Build the engine into ``ctx.engine_dir``: the shared preamble, then ``_build_impl``."""
         import onnx
 
-        from ..graph import pin_axes
+        from pipeline.graph import pin_axes
 
         options = self.options(ctx.sku_spec)
         problems = self.environment_problems(ctx.sku_spec, "build")
@@ -279,7 +291,7 @@ class Backend(abc.ABC):
             onnx.save(staged.model, str(staged.source))
             self._convert_precision(ctx, staged)
             if self.capabilities.cache is not None and self.uses_cache(staged.options):
-                from ..caches import open_session
+                from pipeline.caches import open_session
 
                 staged.cache = open_session(self, ctx)
             outcome = self._build_impl(ctx, staged)
@@ -290,7 +302,7 @@ class Backend(abc.ABC):
         outcome.warnings[:0] = staged.warnings
         return outcome
 
-    def _adapt(self, model: "onnx.ModelProto", ctx: BuildContext, staged: Staged) -> "onnx.ModelProto":
+    def _adapt(self, model: onnx.ModelProto, ctx: BuildContext, staged: Staged) -> onnx.ModelProto:
         """The pinned model as this backend's importer needs it (an opset conversion, say)."""
         return model
 
@@ -298,13 +310,18 @@ class Backend(abc.ABC):
         """INT8: the calibrated QDQ graph (for backends whose options take QDQ settings); FP16:
         FP16 weights and compute with the nodes to keep precise left in FP32. A backend that
         converts otherwise (a compiler precision hint) overrides this."""
-        from ..quantize import QdqOptions, quantize_qdq, to_fp16
+        from pipeline.quantize import QdqOptions, quantize_qdq, to_fp16
 
         precision = ctx.sku_spec.precision
         if precision == "int8" and isinstance(staged.options, QdqOptions):
             staged.options = staged.options.for_target(ctx.sku_spec.target)
-            staged.calibration = quantize_qdq(staged.source, staged.work / "quantized.onnx", ctx,
-                                              staged.options.qdq_settings(), **self._qdq_arguments())
+            staged.calibration = quantize_qdq(
+                staged.source,
+                staged.work / "quantized.onnx",
+                ctx,
+                staged.options.qdq_settings(),
+                **self._qdq_arguments(),
+            )
             staged.replace(staged.work / "quantized.onnx")
         elif precision == "fp16":
             staged.replace(to_fp16(staged.source, staged.work / "fp16.onnx", ctx.keep_precise))
@@ -320,7 +337,7 @@ class Backend(abc.ABC):
         """Whether a build with these options reads and writes the cache (a backend with a cache)."""
         return True
 
-    def cache_key(self, sku: "SkuSpec") -> dict[str, str]:
+    def cache_key(self, sku: SkuSpec) -> dict[str, str]:
         """What a cache of this backend is valid for (compiler version, target): a cache made
         under another key is stale. Only backends that declare a cache implement it."""
         raise NotImplementedError(f"the {self.name} backend keeps no cache")
@@ -330,18 +347,20 @@ class Backend(abc.ABC):
         tell without the SDK running them)."""
         return None
 
-    def load(self, engine_dir: Path, sku: "SkuSpec") -> Runner:
+    def load(self, engine_dir: Path, sku: SkuSpec) -> Runner:
         """Load an engine after checking it is whole and was built by this backend and version."""
         meta = self.read_meta(engine_dir)
         have = self.versions()
         for key in self.runtime_keys if not meta.portable else ():
             built = meta.versions.get(key)
             if built != have.get(key):
-                raise InputError(f"{engine_dir} was built with {key} {built}, this host has {have.get(key)}",
-                                 hint="rebuild the engine here, or install the version it was built with")
+                raise InputError(
+                    f"{engine_dir} was built with {key} {built}, this host has {have.get(key)}",
+                    hint="rebuild the engine here, or install the version it was built with",
+                )
         return self._loaded(engine_dir, meta, sku)
 
-    def _loaded(self, engine_dir: Path, meta: EngineMeta, sku: "SkuSpec") -> Runner:
+    def _loaded(self, engine_dir: Path, meta: EngineMeta, sku: SkuSpec) -> Runner:
         runner = self._load_impl(engine_dir, meta, sku)
         runner.engine_sha256 = engine_digest(meta.files)
         return runner
@@ -354,18 +373,30 @@ class Backend(abc.ABC):
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
-            raise InputError(f"{engine_dir / ENGINE_META} does not describe a {self.name} engine this skuforge loads: "
-                             f"{where}: {first['msg']}", hint="rebuild the engine (skuforge build, or dvc repro)") from None
+            raise InputError(
+                f"{engine_dir / ENGINE_META} does not describe a {self.name} engine this skuforge loads: "
+                f"{where}: {first['msg']}",
+                hint="rebuild the engine (skuforge build, or dvc repro)",
+            ) from None
 
     @abc.abstractmethod
-    def _load_impl(self, engine_dir: Path, meta: Any, sku: "SkuSpec") -> Runner: ...
+    def _load_impl(self, engine_dir: Path, meta: Any, sku: SkuSpec) -> Runner: ...
 
     def write_meta(self, engine_dir: Path, files: list[str], meta: EngineMeta, **common: Any) -> list[FileRecord]:
         """Write engine.json: the backend's typed metadata with the base fields (``common``: the
         model, SKU and nodes kept precise)."""
-        records = [FileRecord(path=f, sha256=sha256_file(engine_dir / f), bytes=(engine_dir / f).stat().st_size) for f in files]
-        full = meta.model_copy(update={"format": self.engine_format, "backend": self.name, "versions": self.versions(),
-                                       "files": [r.to_json() for r in records], **common})
+        records = [
+            FileRecord(path=f, sha256=sha256_file(engine_dir / f), bytes=(engine_dir / f).stat().st_size) for f in files
+        ]
+        full = meta.model_copy(
+            update={
+                "format": self.engine_format,
+                "backend": self.name,
+                "versions": self.versions(),
+                "files": [r.to_json() for r in records],
+                **common,
+            }
+        )
         atomic_write_json(engine_dir / ENGINE_META, self.Meta.model_validate(full.model_dump()).model_dump(mode="json"))
         return records
 
@@ -377,24 +408,30 @@ def median_per_run(times: list[float], runs: int, skip: int = 0) -> float:
     import statistics
 
     k = max(1, len(times) // runs)
-    return statistics.median(sum(times[r * k:(r + 1) * k]) for r in range(skip, max(skip + 1, len(times) // k)))
+    return statistics.median(sum(times[r * k : (r + 1) * k]) for r in range(skip, max(skip + 1, len(times) // k)))
 
 
 def verify_engine(engine_dir: Path, engine_format: str) -> dict[str, Any]:
     """Refuse an engine whose files are missing, truncated, altered or of another format."""
     meta_path = engine_dir / ENGINE_META
     if not meta_path.is_file():
-        raise InputError(f"{engine_dir} is not an engine (no {ENGINE_META})", hint="run the build stage for this model and SKU")
+        raise InputError(
+            f"{engine_dir} is not an engine (no {ENGINE_META})", hint="run the build stage for this model and SKU"
+        )
     try:
         meta = read_json(meta_path)
     except ValueError as exc:
         raise InputError(f"{meta_path} is corrupt: {exc}", hint="rebuild the engine") from exc
     if meta.get("format") != engine_format:
-        raise InputError(f"{engine_dir} holds a {meta.get('format')!r} engine, expected {engine_format!r}",
-                         hint="the SKU's backend changed since the build: rebuild the engine")
+        raise InputError(
+            f"{engine_dir} holds a {meta.get('format')!r} engine, expected {engine_format!r}",
+            hint="the SKU's backend changed since the build: rebuild the engine",
+        )
     for rec in meta.get("files", []):
         path = engine_dir / rec["path"]
         if not path.is_file() or path.stat().st_size != rec["bytes"] or sha256_file(path) != rec["sha256"]:
-            raise InputError(f"engine file {path} is missing, truncated or altered (size or sha256 differs from {ENGINE_META})",
-                             hint="rebuild it: skuforge build (or dvc repro)")
+            raise InputError(
+                f"engine file {path} is missing, truncated or altered (size or sha256 differs from {ENGINE_META})",
+                hint="rebuild it: skuforge build (or dvc repro)",
+            )
     return meta

@@ -26,16 +26,16 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import ConfigError, EnvironmentProblem, InputError, UnsupportedOp
-from ..results import LayerInfo, TensorSig
-from ..runner import probe
-from .base import Backend, BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
+from pipeline.backends.base import Backend, BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
+from pipeline.errors import ConfigError, EnvironmentProblem, InputError, UnsupportedOp
+from pipeline.results import LayerInfo, TensorSig
+from pipeline.runner import probe
 
 if TYPE_CHECKING:
     import numpy as np
     import onnx
 
-    from ..config import SkuSpec
+    from pipeline.config import SkuSpec
 
 VMFB = "module.vmfb"
 IMPORTER_MIN_OPSET = 17
@@ -44,10 +44,20 @@ _DRIVERS = {"local": ("local-task", "local-sync"), "vulkan": ("vulkan",), "cuda"
 # the embedded-ELF triples IREE's llvm-cpu backend uses per SKU architecture
 _TRIPLES = {"x86_64": "x86_64-unknown-unknown-eabi-elf", "aarch64": "aarch64-unknown-unknown-eabi-elf"}
 # flags the backend sets from the options: passing them in extra_flags would contradict the record
-_OWNED_FLAGS = ("--iree-hal-target-device", "--iree-hal-local-target-device-backends", "--iree-llvmcpu-target-cpu",
-                "--iree-llvmcpu-target-cpu-features", "--iree-llvmcpu-target-triple", "--iree-vulkan-target",
-                "--iree-cuda-target", "--iree-hal-dump-executable-sources-to", "--mlir-print-debuginfo",
-                "--iree-scheduling-dump-statistics-format", "--iree-scheduling-dump-statistics-file", "-o")
+_OWNED_FLAGS = (
+    "--iree-hal-target-device",
+    "--iree-hal-local-target-device-backends",
+    "--iree-llvmcpu-target-cpu",
+    "--iree-llvmcpu-target-cpu-features",
+    "--iree-llvmcpu-target-triple",
+    "--iree-vulkan-target",
+    "--iree-cuda-target",
+    "--iree-hal-dump-executable-sources-to",
+    "--mlir-print-debuginfo",
+    "--iree-scheduling-dump-statistics-format",
+    "--iree-scheduling-dump-statistics-file",
+    "-o",
+)
 _PIP = "pip install 'iree-base-compiler==3.13.*' 'iree-base-runtime==3.13.*'"
 
 
@@ -56,14 +66,20 @@ class IreeOptions(BaseModel):
 
     target_device: Literal["local", "vulkan", "cuda"] = "local"
     target_backend: Literal["llvm-cpu"] = Field("llvm-cpu", description="code generator of the local device")
-    target_cpu: str = Field("host", description="LLVM CPU name (e.g. x86-64-v3, znver3, cortex-a76); host: the build "
-                                                "host's CPU, as a generic CPU with the features the host reports")
+    target_cpu: str = Field(
+        "host",
+        description="LLVM CPU name (e.g. x86-64-v3, znver3, cortex-a76); host: the build "
+        "host's CPU, as a generic CPU with the features the host reports",
+    )
     target_cpu_features: list[str] = Field(default_factory=list, description="LLVM features, e.g. [+avx2, +fma]")
-    vulkan_target: str | None = Field(None, description="e.g. llvmpipe (lavapipe), valhall, rdna3, ampere; required for vulkan")
+    vulkan_target: str | None = Field(
+        None, description="e.g. llvmpipe (lavapipe), valhall, rdna3, ampere; required for vulkan"
+    )
     cuda_target: str = "sm_80"
     extra_flags: list[str] = Field(default_factory=list, description="passed verbatim to iree-compile, recorded")
     driver: Literal["local-task", "local-sync", "vulkan", "cuda"] | None = Field(
-        None, description="runtime HAL driver (default: local-task, vulkan or cuda after target_device)")
+        None, description="runtime HAL driver (default: local-task, vulkan or cuda after target_device)"
+    )
 
     @property
     def runtime_driver(self) -> str:
@@ -95,21 +111,29 @@ class IreeBackend(Backend):
     name = "iree"
     Options = IreeOptions
     Meta = IreeMeta
-    capabilities = Capabilities(precisions=("fp32", "fp16"), devices=("cpu", "gpu"),
-                                runtime_package="iree-base-runtime", per_node_precision=True)
+    capabilities = Capabilities(
+        precisions=("fp32", "fp16"),
+        devices=("cpu", "gpu"),
+        runtime_package="iree-base-runtime",
+        per_node_precision=True,
+    )
     install_hint = _PIP
     engine_format = "skuforge-iree-vmfb/1"
     runtime_keys = ("iree-base-runtime",)  # a vmfb is tied to the runtime that loads it
 
     @classmethod
-    def _check_sku_impl(cls, sku: "SkuSpec", options: IreeOptions) -> list[str]:
+    def _check_sku_impl(cls, sku: SkuSpec, options: IreeOptions) -> list[str]:
         problems = []
         if options.runtime_driver not in _DRIVERS[options.target_device]:
-            problems.append(f"options.driver: {options.driver} cannot run a {options.target_device} engine "
-                            f"(use {' or '.join(_DRIVERS[options.target_device])})")
+            problems.append(
+                f"options.driver: {options.driver} cannot run a {options.target_device} engine "
+                f"(use {' or '.join(_DRIVERS[options.target_device])})"
+            )
         if options.target_device == "vulkan" and not options.vulkan_target:
-            problems.append("options.vulkan_target: required for target_device vulkan (e.g. llvmpipe for lavapipe, "
-                            "valhall, rdna3, ampere): a target that does not match the device can run and compute wrong results")
+            problems.append(
+                "options.vulkan_target: required for target_device vulkan (e.g. llvmpipe for lavapipe, "
+                "valhall, rdna3, ampere): a target that does not match the device can run and compute wrong results"
+            )
         if options.target_device != "local":
             set_here = sorted({"target_cpu", "target_cpu_features", "target_backend"} & options.model_fields_set)
             if set_here:
@@ -120,14 +144,16 @@ class IreeBackend(Backend):
             if not flag.startswith("-"):
                 problems.append(f"options.extra_flags: {flag!r} is not a flag (write --name=value)")
             elif flag.split("=", 1)[0] in _OWNED_FLAGS:
-                problems.append(f"options.extra_flags: {flag.split('=', 1)[0]} is set from the other options; use those")
+                problems.append(
+                    f"options.extra_flags: {flag.split('=', 1)[0]} is set from the other options; use those"
+                )
         return problems
 
-    def cross_compiles(self, sku: "SkuSpec") -> bool:
+    def cross_compiles(self, sku: SkuSpec) -> bool:
         opts: IreeOptions = self.options(sku)
         return not (opts.target_device == "local" and opts.target_cpu == "host")
 
-    def environment_problems(self, sku: "SkuSpec", purpose: str = "run") -> list[str]:
+    def environment_problems(self, sku: SkuSpec, purpose: str = "run") -> list[str]:
         if purpose == "build":
             return _compiler_problems()
         return list(_runtime_problems(self.options(sku).runtime_driver))
@@ -137,12 +163,16 @@ class IreeBackend(Backend):
 
     # --- build ----------------------------------------------------------------------------------
 
-    def _adapt(self, model: "onnx.ModelProto", ctx: BuildContext, staged: Staged) -> "onnx.ModelProto":
-        from ..graph import convert_opset, default_opset, signature, tensors_to_raw
+    def _adapt(self, model: onnx.ModelProto, ctx: BuildContext, staged: Staged) -> onnx.ModelProto:
+        from pipeline.graph import convert_opset, default_opset, signature, tensors_to_raw
 
         # the importer lowers ops as defined from opset 17 on (older MaxPool, Slice, ... have no lowering)
-        model, conversion = convert_opset(model, max(default_opset(model), IMPORTER_MIN_OPSET), ctx.probe_inputs,
-                                          f"IREE's ONNX importer lowers ops from opset {IMPORTER_MIN_OPSET} on")
+        model, conversion = convert_opset(
+            model,
+            max(default_opset(model), IMPORTER_MIN_OPSET),
+            ctx.probe_inputs,
+            f"IREE's ONNX importer lowers ops from opset {IMPORTER_MIN_OPSET} on",
+        )
         tensors_to_raw(model)  # the importer reads raw_data, not every typed field (FP16 in int32_data)
         staged.notes.update(conversion=conversion, entry=_entry_name(model), signature=signature(model))
         return model
@@ -162,39 +192,67 @@ class IreeBackend(Backend):
         target = _resolved_target(work / "sources")
         sites = _dispatch_sites(work / "statistics.json")
         if not dispatches:
-            raise EnvironmentProblem("iree-compile dumped no executable sources: the dispatch report would be empty",
-                                     hint="check the extra_flags; this IREE version may name its dumps differently")
+            raise EnvironmentProblem(
+                "iree-compile dumped no executable sources: the dispatch report would be empty",
+                hint="check the extra_flags; this IREE version may name its dumps differently",
+            )
         warnings = [conversion.warning()] if conversion else []
         hardware_specific = opts.target_device == "local" and opts.target_cpu == "host"
-        requested = ({"cpu": opts.target_cpu, "cpu_features": opts.target_cpu_features}
-                     if opts.target_device == "local" else {})
+        requested = (
+            {"cpu": opts.target_cpu, "cpu_features": opts.target_cpu_features} if opts.target_device == "local" else {}
+        )
         if hardware_specific:
-            warnings.append(f"target_cpu host resolved to {target.get('cpu')} with {len(target.get('cpu_features', []))} "
-                            "CPU features (those this host reports): the engine runs only on CPUs that have them (a CPU "
-                            "without one crashes with an illegal instruction; loading checks this)")
+            warnings.append(
+                f"target_cpu host resolved to {target.get('cpu')} with {len(target.get('cpu_features', []))} "
+                "CPU features (those this host reports): the engine runs only on CPUs that have them (a CPU "
+                "without one crashes with an illegal instruction; loading checks this)"
+            )
         fused = sum(1 for d in dispatches if len(d.fused_from) > 1)
         if not any(d.fused_from for d in dispatches):
             warnings.append("no ONNX node locations survived in the dumped dispatches: fused_from is empty")
-        meta = IreeMeta(entry=entry, driver=opts.runtime_driver, target_device=opts.target_device,
-                        inputs=sig.inputs, outputs=sig.outputs, compile_flags=flags, requested_target=requested,
-                        resolved_target=target,
-                        # the reported flags the target was resolved from
-                        host_cpu=probe.cpu_record() if hardware_specific else None)
-        options = {**opts.model_dump(mode="json"), "compile_flags": flags, "requested_target": requested,
-                   "resolved_target": target,
-                   "dispatches": len(dispatches), "fused_dispatches": fused, "dispatch_sites": sites,
-                   "opset_conversion": conversion.to_json() if conversion else None}
-        return BuildOutcome(files=[VMFB], layers=dispatches, requested_devices=[opts.runtime_driver],
-                            partition_boundaries=0, options=options, hardware_specific=hardware_specific,
-                            warnings=warnings, meta=meta)
+        meta = IreeMeta(
+            entry=entry,
+            driver=opts.runtime_driver,
+            target_device=opts.target_device,
+            inputs=sig.inputs,
+            outputs=sig.outputs,
+            compile_flags=flags,
+            requested_target=requested,
+            resolved_target=target,
+            # the reported flags the target was resolved from
+            host_cpu=probe.cpu_record() if hardware_specific else None,
+        )
+        options = {
+            **opts.model_dump(mode="json"),
+            "compile_flags": flags,
+            "requested_target": requested,
+            "resolved_target": target,
+            "dispatches": len(dispatches),
+            "fused_dispatches": fused,
+            "dispatch_sites": sites,
+            "opset_conversion": conversion.to_json() if conversion else None,
+        }
+        return BuildOutcome(
+            files=[VMFB],
+            layers=dispatches,
+            requested_devices=[opts.runtime_driver],
+            partition_boundaries=0,
+            options=options,
+            hardware_specific=hardware_specific,
+            warnings=warnings,
+            meta=meta,
+        )
 
     # --- load -----------------------------------------------------------------------------------
 
-    def _load_impl(self, engine_dir: Path, meta: "IreeMeta", sku: "SkuSpec") -> Runner:
+    def _load_impl(self, engine_dir: Path, meta: IreeMeta, sku: SkuSpec) -> Runner:
         problems = list(_runtime_problems(meta.driver))
         if problems:
-            raise EnvironmentProblem("; ".join(problems), hint=f"run it where the {meta.driver} device is "
-                                     f"(the SKU's runner labels: {', '.join(sku.runner_labels)}); {self.install_hint}")
+            raise EnvironmentProblem(
+                "; ".join(problems),
+                hint=f"run it where the {meta.driver} device is "
+                f"(the SKU's runner labels: {', '.join(sku.runner_labels)}); {self.install_hint}",
+            )
         if meta.target_device == "local":
             missing = missing_cpu_features(meta.resolved_target.get("cpu_features", []))
             if missing:
@@ -202,7 +260,8 @@ class IreeBackend(Backend):
                     f"{engine_dir} was compiled for CPU {meta.resolved_target.get('cpu')} with features this CPU "
                     f"lacks: {', '.join(missing)}",
                     hint="rebuild it on this host (target_cpu: host), or with an options.target_cpu this CPU supports "
-                         "(e.g. x86-64-v3), or run it on the SKU's runner")
+                    "(e.g. x86-64-v3), or run it on the SKU's runner",
+                )
         return IreeRunner(engine_dir / VMFB, meta)
 
 
@@ -220,7 +279,7 @@ def _compiler_problems() -> list[str]:
     return problems
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _runtime_problems(driver: str) -> tuple[str, ...]:
     """Cached per process: every stage asks, and creating a Vulkan or CUDA device takes a while."""
     if importlib.util.find_spec("iree.runtime") is None:
@@ -229,7 +288,9 @@ def _runtime_problems(driver: str) -> tuple[str, ...]:
 
     available = rt.query_available_drivers()
     if driver not in available:
-        return (f"IREE runtime driver {driver} is not in this iree-base-runtime (available: {', '.join(sorted(available))})",)
+        return (
+            f"IREE runtime driver {driver} is not in this iree-base-runtime (available: {', '.join(sorted(available))})",
+        )
     try:
         rt.get_driver(driver).create_default_device()
     except Exception as exc:  # the runtime raises RuntimeError/ValueError with the driver's status
@@ -259,7 +320,7 @@ def missing_cpu_features(required: list[str]) -> list[str]:
 _SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
-def _entry_name(model: "onnx.ModelProto") -> str:
+def _entry_name(model: onnx.ModelProto) -> str:
     """The entry function is named after the graph; give it a plain name when the graph's is not one."""
     if not _SYMBOL.match(model.graph.name or ""):
         model.graph.name = re.sub(r"\W", "_", model.graph.name or "") if model.graph.name else "main"
@@ -290,11 +351,11 @@ def _import_onnx(source: Path, out: Path, node_types: dict[str, str]) -> None:
 _PROTO_NAME = re.compile(r'^name: "((?:[^"\\]|\\.)*)"', re.M)
 
 
-def import_error(message: str, model: "onnx.ModelProto", node_types: dict[str, str]) -> Exception:
+def import_error(message: str, model: onnx.ModelProto, node_types: dict[str, str]) -> Exception:
     """The importer's failure as the error the user can act on: UnsupportedOp naming the node the
     message names (directly, or through a tensor the node reads), else InputError (never an
     environment problem: the importer ran)."""
-    from ..graph import _all_nodes
+    from pipeline.graph import _all_nodes
 
     detail = message.strip().splitlines()[0] if message.strip() else "unknown error"
     quoted = [n for n in node_types if f"'{n}'" in message or f'"{n}"' in message]
@@ -309,9 +370,11 @@ def import_error(message: str, model: "onnx.ModelProto", node_types: dict[str, s
                 node_types = {**node_types, node: reader.op_type}
                 break
     if node is None:
-        return InputError(f"IREE's ONNX importer refused the model: {detail}",
-                          hint="ONNX Runtime runs this model but iree-import-onnx cannot read it: use another backend "
-                               "for this model, or report it to iree-org/iree with the model")
+        return InputError(
+            f"IREE's ONNX importer refused the model: {detail}",
+            hint="ONNX Runtime runs this model but iree-import-onnx cannot read it: use another backend "
+            "for this model, or report it to iree-org/iree with the model",
+        )
     what = f" (its input {tensor!r})" if tensor else ""
     return UnsupportedOp("iree", node_types[node], node, f"the ONNX importer failed{what}: {detail}")
 
@@ -322,8 +385,7 @@ def compile_flags(opts: IreeOptions, arch: str) -> list[str]:
     flags = [f"--iree-hal-target-device={opts.target_device}"]
     if opts.target_device == "local":
         cpu, features = probe.resolve_llvm_target(opts.target_cpu, opts.target_cpu_features, arch)
-        flags += [f"--iree-hal-local-target-device-backends={opts.target_backend}",
-                  f"--iree-llvmcpu-target-cpu={cpu}"]
+        flags += [f"--iree-hal-local-target-device-backends={opts.target_backend}", f"--iree-llvmcpu-target-cpu={cpu}"]
         if arch in _TRIPLES:
             flags.append(f"--iree-llvmcpu-target-triple={_TRIPLES[arch]}")
         if features:
@@ -337,15 +399,25 @@ def compile_flags(opts: IreeOptions, arch: str) -> list[str]:
 
 def _compile(work: Path, flags: list[str], out: Path, node_types: dict[str, str]) -> None:
     # relative dump path and cwd: the vmfb embeds the dump path, and must not depend on the temp dir
-    cmd = [_iree_compile() or "iree-compile", "input.mlir", *flags, "--iree-hal-dump-executable-sources-to=sources",
-           "--mlir-print-debuginfo", "--iree-scheduling-dump-statistics-format=json",
-           "--iree-scheduling-dump-statistics-file=statistics.json", "-o", str(out.resolve())]
+    cmd = [
+        _iree_compile() or "iree-compile",
+        "input.mlir",
+        *flags,
+        "--iree-hal-dump-executable-sources-to=sources",
+        "--mlir-print-debuginfo",
+        "--iree-scheduling-dump-statistics-format=json",
+        "--iree-scheduling-dump-statistics-file=statistics.json",
+        "-o",
+        str(out.resolve()),
+    ]
     try:
         proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
-        raise EnvironmentProblem(f"iree-compile did not finish in {COMPILE_TIMEOUT_S} s",
-                                 hint="the model may be too large for this host, or the compiler hangs on an op: "
-                                      "report it to IREE with the model") from exc
+        raise EnvironmentProblem(
+            f"iree-compile did not finish in {COMPILE_TIMEOUT_S} s",
+            hint="the model may be too large for this host, or the compiler hangs on an op: "
+            "report it to IREE with the model",
+        ) from exc
     if proc.returncode != 0:
         raise compile_error(proc.returncode, proc.stderr, node_types, cmd, work)
 
@@ -354,8 +426,9 @@ _LEGALIZE = re.compile(r"failed to legalize operation '([^']+)'")
 _TORCH_OP = re.compile(r'name = "onnx\.(\w+)"')
 
 
-def compile_error(returncode: int, stderr: str, node_types: dict[str, str], cmd: list[str],
-                  work: Path | None = None) -> Exception:
+def compile_error(
+    returncode: int, stderr: str, node_types: dict[str, str], cmd: list[str], work: Path | None = None
+) -> Exception:
     """Turn iree-compile's diagnostics into the error the user can act on (``work``: its scratch folder)."""
     lines = [line for line in stderr.splitlines() if line.strip()]
     errors = [line for line in lines if "error:" in line]
@@ -363,17 +436,28 @@ def compile_error(returncode: int, stderr: str, node_types: dict[str, str], cmd:
     shown = "\n".join(lines[:12])
     if "No space left on device" in stderr or "ENOSPC" in stderr:  # before the crash check: LLVM may abort on it
         out = Path(cmd[cmd.index("-o") + 1]).parent if "-o" in cmd[:-1] else None
-        folders = " and ".join(f"{name} {folder}" for name, folder in (("the engine folder", out), ("the scratch folder", work)) if folder)
+        folders = " and ".join(
+            f"{name} {folder}" for name, folder in (("the engine folder", out), ("the scratch folder", work)) if folder
+        )
         line = next((ln for ln in reversed(lines) if "No space left on device" in ln or "ENOSPC" in ln), first)
-        return EnvironmentProblem(f"iree-compile ran out of disk space writing {folders or 'its output'}: {line.strip()}",
-                                  hint="free space on the disk(s) holding those folders (the scratch folder is under TMPDIR: point it at a larger disk) and rebuild")
+        return EnvironmentProblem(
+            f"iree-compile ran out of disk space writing {folders or 'its output'}: {line.strip()}",
+            hint="free space on the disk(s) holding those folders (the scratch folder is under TMPDIR: point it at a larger disk) and rebuild",
+        )
     if "Unknown command line argument" in stderr or "Unknown Vulkan target" in stderr or "missing GPU target" in stderr:
-        return ConfigError(f"iree-compile refused the flags {' '.join(cmd[2:])}: {first.strip()}",
-                           hint="fix options.extra_flags / vulkan_target / cuda_target (iree-compile --help lists flags)")
+        return ConfigError(
+            f"iree-compile refused the flags {' '.join(cmd[2:])}: {first.strip()}",
+            hint="fix options.extra_flags / vulkan_target / cuda_target (iree-compile --help lists flags)",
+        )
     if returncode < 0 or "Stack dump" in stderr or "PLEASE submit a bug report" in stderr:
-        return UnsupportedOp("iree", None, None, f"iree-compile crashed (exit {returncode}) on this model:\n{shown}",
-                             hint="a compiler bug triggered by one of the model's ops: use another backend for this "
-                                  "model, or report it to iree-org/iree with the model")
+        return UnsupportedOp(
+            "iree",
+            None,
+            None,
+            f"iree-compile crashed (exit {returncode}) on this model:\n{shown}",
+            hint="a compiler bug triggered by one of the model's ops: use another backend for this "
+            "model, or report it to iree-org/iree with the model",
+        )
     for line in errors:
         node = next((n for n in _loc_names(line) if n in node_types), None)
         if node is None:
@@ -385,8 +469,10 @@ def compile_error(returncode: int, stderr: str, node_types: dict[str, str], cmd:
             lowered = f"onnx.{torch_op.group(1)}" if torch_op else legal.group(1)
             detail = f"no lowering for {lowered} (failed to legalize {legal.group(1)})"
         return UnsupportedOp("iree", node_types[node], node, detail)
-    return EnvironmentProblem(f"iree-compile failed (exit {returncode}): {first.strip()}\n{shown}",
-                              hint="see the compiler's messages above; check options.extra_flags")
+    return EnvironmentProblem(
+        f"iree-compile failed (exit {returncode}): {first.strip()}\n{shown}",
+        hint="see the compiler's messages above; check options.extra_flags",
+    )
 
 
 def _progress(ctx: BuildContext, label: str, fraction: float) -> None:
@@ -405,11 +491,31 @@ _SHAPE = re.compile(r"^(\d+|D)(x(\d+|D))*(x\w+)?$")
 _ELEMENT = re.compile(r"^(bf16|f16|f32|f64|f8\w*|i1|i4|i8|i16|i32|i64)$")
 # ops that bind, load, store, allocate or initialise: their locations name a neighbour, not a
 # fused node (CSE merges identical empties and fills graph-wide, keeping the first node's location)
-_PLUMBING = ("hal.", "iree_tensor_ext.", "arith.constant", "tensor.empty", "linalg.fill", "func.return",
-             "linalg.yield", "scf.yield")
+_PLUMBING = (
+    "hal.",
+    "iree_tensor_ext.",
+    "arith.constant",
+    "tensor.empty",
+    "linalg.fill",
+    "func.return",
+    "linalg.yield",
+    "scf.yield",
+)
 # conversions and layout ops: a dispatch made only of these moves data and has no compute precision
-_MOVES = {"arith.extf", "arith.truncf", "arith.extsi", "arith.extui", "arith.trunci", "arith.index_cast",
-          "arith.bitcast", "linalg.generic", "linalg.fill", "linalg.copy", "linalg.transpose", "linalg.broadcast"}
+_MOVES = {
+    "arith.extf",
+    "arith.truncf",
+    "arith.extsi",
+    "arith.extui",
+    "arith.trunci",
+    "arith.index_cast",
+    "arith.bitcast",
+    "linalg.generic",
+    "linalg.fill",
+    "linalg.copy",
+    "linalg.transpose",
+    "linalg.broadcast",
+}
 _PRECISIONS = {"f16": "fp16", "bf16": "bf16", "f32": "fp32", "f64": "fp64"}
 _NARROW_FIRST = ("f8", "bf16", "f16", "f32", "f64")
 _CONTRACTIONS = ("conv", "matmul", "batch_matmul", "contract", "mmt4d", "depthwise")
@@ -419,7 +525,9 @@ def parse_dispatches(sources: Path, node_names: list[str], device: str) -> list[
     """One LayerInfo per dispatch in the executable sources iree-compile dumped; ``node_names``
     are the imported graph's nodes in graph order (the order of each ``fused_from``)."""
     order = {n: i for i, n in enumerate(node_names)}
-    files = sorted(sources.glob("*.mlir"), key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)])
+    files = sorted(
+        sources.glob("*.mlir"), key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
+    )
     layers = []
     for path in files:
         text = path.read_text()
@@ -428,9 +536,16 @@ def parse_dispatches(sources: Path, node_names: list[str], device: str) -> list[
             name = export.group(1).strip('"')
             body = _function_body(text, name)
             ops, fused, own = _body_ops_and_locs(body, aliases, order)
-            layers.append(LayerInfo(name=name, op_type=dispatch_op_type(name),
-                                    precision=dispatch_precision(name, ops, body), device=device, kernel=name,
-                                    fused_from=sorted(fused, key=order.__getitem__) or own))
+            layers.append(
+                LayerInfo(
+                    name=name,
+                    op_type=dispatch_op_type(name),
+                    precision=dispatch_precision(name, ops, body),
+                    device=device,
+                    kernel=name,
+                    fused_from=sorted(fused, key=order.__getitem__) or own,
+                )
+            )
     return layers
 
 
@@ -458,7 +573,9 @@ def _loc_names(line: str, aliases: dict[str, str] | None = None) -> list[str]:
     return _QUOTED.findall(loc)
 
 
-def _body_ops_and_locs(body: list[str], aliases: dict[str, str], node_names: dict[str, int]) -> tuple[list[str], list[str], list[str]]:
+def _body_ops_and_locs(
+    body: list[str], aliases: dict[str, str], node_names: dict[str, int]
+) -> tuple[list[str], list[str], list[str]]:
     """The compute ops of a dispatch, the ONNX nodes their locations name (in order) and the
     nodes the function itself is located at (the fallback for a pure copy)."""
     ops, fused, own = [], [], []
@@ -544,9 +661,13 @@ def _resolved_target(sources: Path) -> dict[str, Any]:
         if variant is None:
             continue
         out: dict[str, Any] = {"backend": variant.group(1), "format": variant.group(2)}
-        for key, pattern in (("cpu", r'\bcpu = "([^"]*)"'), ("cpu_features", r'\bcpu_features = "([^"]*)"'),
-                             ("triple", r'\btarget_triple = "([^"]*)"'), ("gpu_arch", r'iree_gpu\.target<arch = "([^"]*)"'),
-                             ("gpu_features", r'iree_gpu\.target<arch = "[^"]*", features = "([^"]*)"')):
+        for key, pattern in (
+            ("cpu", r'\bcpu = "([^"]*)"'),
+            ("cpu_features", r'\bcpu_features = "([^"]*)"'),
+            ("triple", r'\btarget_triple = "([^"]*)"'),
+            ("gpu_arch", r'iree_gpu\.target<arch = "([^"]*)"'),
+            ("gpu_features", r'iree_gpu\.target<arch = "[^"]*", features = "([^"]*)"'),
+        ):
             found = re.search(pattern, text)
             if found:
                 out[key] = found.group(1)
@@ -564,7 +685,7 @@ class IreeRunner(Runner):
     """A loaded vmfb on one HAL device. Calls are serialised: an IREE VM context is not safe to
     invoke from several threads at once."""
 
-    def __init__(self, vmfb: Path, meta: "IreeMeta"):
+    def __init__(self, vmfb: Path, meta: IreeMeta):
         import iree.runtime as rt
         import numpy as np
 
@@ -580,8 +701,10 @@ class IreeRunner(Runner):
             self._context.add_vm_module(module)
         except (RuntimeError, ValueError) as exc:
             detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise InputError(f"{vmfb} cannot be loaded on the IREE {driver} driver: {detail}",
-                             hint="the file is damaged, from another IREE version or for another device: rebuild the engine") from exc
+            raise InputError(
+                f"{vmfb} cannot be loaded on the IREE {driver} driver: {detail}",
+                hint="the file is damaged, from another IREE version or for another device: rebuild the engine",
+            ) from exc
         self._device, self._driver = self._config.device, driver
         self._allocator = self._device.allocator
         from iree.runtime.array_interop import map_dtype_to_element_type
@@ -592,41 +715,54 @@ class IreeRunner(Runner):
         self._host_visible, self._mapping = int(rt.MemoryType.HOST_VISIBLE), int(rt.BufferUsage.MAPPING_SCOPED)
         self._function = module.lookup_function(entry)
         if self._function is None:
-            raise InputError(f"{vmfb} has no function {entry!r} (it has {', '.join(module.function_names)})",
-                             hint="engine.json and the vmfb disagree: rebuild the engine")
+            raise InputError(
+                f"{vmfb} has no function {entry!r} (it has {', '.join(module.function_names)})",
+                hint="engine.json and the vmfb disagree: rebuild the engine",
+            )
 
-    def _infer_impl(self, feeds: dict[str, "np.ndarray"]) -> dict[str, "np.ndarray"]:
+    def _infer_impl(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         rt, np = self._rt, self._np
         with self._lock:
             args = rt.VmVariantList(len(self.inputs))
             for sig in self.inputs:
                 arr = np.asarray(feeds[sig.name], order="C")  # keeps 0-d arrays 0-d
-                args.push_ref(self._allocator.allocate_buffer_copy(
-                    memory_type=rt.MemoryType.DEVICE_LOCAL, allowed_usage=rt.BufferUsage.DEFAULT, device=self._device,
-                    buffer=arr, element_type=self._element_type(arr.dtype)))
+                args.push_ref(
+                    self._allocator.allocate_buffer_copy(
+                        memory_type=rt.MemoryType.DEVICE_LOCAL,
+                        allowed_usage=rt.BufferUsage.DEFAULT,
+                        device=self._device,
+                        buffer=arr,
+                        element_type=self._element_type(arr.dtype),
+                    )
+                )
             results = rt.VmVariantList(len(self.output_names))
             try:
                 self._context.vm_context.invoke(self._function, args, results)
             except (RuntimeError, ValueError) as exc:  # the runtime's status: a failed assertion, a lost device
-                raise EnvironmentProblem(f"the IREE {self._driver} runtime failed to run the engine: {exc}",
-                                         hint="the engine and this device or runtime disagree: rebuild it for this SKU, "
-                                              "or check the device") from exc
-            return {name: self._read(results.get_as_object(i, rt.HalBufferView), dtype)
-                    for i, (name, dtype) in enumerate(zip(self.output_names, self._out_dtypes))}
+                raise EnvironmentProblem(
+                    f"the IREE {self._driver} runtime failed to run the engine: {exc}",
+                    hint="the engine and this device or runtime disagree: rebuild it for this SKU, or check the device",
+                ) from exc
+            return {
+                name: self._read(results.get_as_object(i, rt.HalBufferView), dtype)
+                for i, (name, dtype) in enumerate(zip(self.output_names, self._out_dtypes))
+            }
 
-    def _read(self, view: Any, dtype: "np.dtype") -> "np.ndarray":
+    def _read(self, view: Any, dtype: np.dtype) -> np.ndarray:
         """Copy an output to the host. A buffer the host cannot map (Vulkan device-local memory)
         goes through a host-visible staging buffer: DeviceArray.to_host() would try to import a
         numpy allocation instead, which lavapipe refuses (minImportedHostPointerAlignment 4096)."""
         rt, np = self._rt, self._np
         raw = self._raw_dtype(view.element_type)
         buffer = view.get_buffer()
-        if (buffer.memory_type() & self._host_visible) != self._host_visible or \
-                (buffer.allowed_usage() & self._mapping) != self._mapping:
+        if (buffer.memory_type() & self._host_visible) != self._host_visible or (
+            buffer.allowed_usage() & self._mapping
+        ) != self._mapping:
             staging = self._device.allocator.allocate_buffer(
                 memory_type=int(rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE),
                 allowed_usage=int(rt.BufferUsage.TRANSFER_TARGET | rt.BufferUsage.MAPPING_SCOPED),
-                allocation_size=buffer.byte_length())
+                allocation_size=buffer.byte_length(),
+            )
             sem = self._device.create_semaphore(0)
             self._device.queue_copy(buffer, staging, rt.HalFence.create_at(sem, 0), rt.HalFence.create_at(sem, 1))
             rt.HalFence.create_at(sem, 1).wait()
@@ -634,7 +770,7 @@ class IreeRunner(Runner):
         host = np.array(buffer.map().asarray(list(view.shape), raw), copy=True)
         return host if host.dtype == dtype else host.astype(dtype)
 
-    def profile_layers(self, feeds: dict[str, "np.ndarray"], iterations: int = 20) -> dict[str, float] | None:
+    def profile_layers(self, feeds: dict[str, np.ndarray], iterations: int = 20) -> dict[str, float] | None:
         """None: the default runtime does not time its dispatches. The wheel's Tracy variant does,
         but it is chosen once per process at import (``IREE_PY_RUNTIME=tracy``) and its zones reach
         a file only through ``iree-tracy-capture`` listening on a socket, in Tracy's binary format:
@@ -643,4 +779,3 @@ class IreeRunner(Runner):
 
     def close(self) -> None:
         self._function = self._context = self._config = self._device = None
-

@@ -12,23 +12,33 @@ import json
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
-from ..errors import EnvironmentProblem, InputError, UnsupportedOp
-from ..io import atomic_write_bytes
-from ..results import LayerInfo, TensorSig
-from ..runner import probe
-from ..quantize import QdqOptions, conversion_warnings
-from .base import Backend, BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged, median_per_run
+from pipeline.backends.base import (
+    Backend,
+    BuildContext,
+    BuildOutcome,
+    Capabilities,
+    EngineMeta,
+    Runner,
+    Staged,
+    median_per_run,
+)
+from pipeline.errors import EnvironmentProblem, InputError, UnsupportedOp
+from pipeline.io import atomic_write_bytes
+from pipeline.quantize import QdqOptions, conversion_warnings
+from pipeline.results import LayerInfo, TensorSig
+from pipeline.runner import probe
 
 if TYPE_CHECKING:
     import numpy as np
     import onnxruntime as ort
 
-    from ..config import SkuSpec
+    from pipeline.config import SkuSpec
 
 CPU = "CPUExecutionProvider"
 
@@ -49,41 +59,79 @@ PROVIDER_PRECISIONS: dict[str, frozenset[str]] = {
     "AzureExecutionProvider": frozenset({"fp32", "fp16", "int8"}),
 }
 
-_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
+_LEVELS = {
+    "disable": "ORT_DISABLE_ALL",
+    "basic": "ORT_ENABLE_BASIC",
+    "extended": "ORT_ENABLE_EXTENDED",
+    "all": "ORT_ENABLE_ALL",
+}
 # Profiler type names (both spellings occur) to precisions; uint8 and int8 are both "int8" kernels.
-_ORT_TYPES = {"float": "fp32", "float16": "fp16", "MLFloat16": "fp16", "double": "fp64", "int8_t": "int8", "int8": "int8",
-              "uint8_t": "int8", "uint8": "int8", "int32_t": "int32", "int32": "int32", "int64_t": "int64",
-              "int64": "int64", "bool": "bool", "int16_t": "int16", "uint16_t": "int16"}
+_ORT_TYPES = {
+    "float": "fp32",
+    "float16": "fp16",
+    "MLFloat16": "fp16",
+    "double": "fp64",
+    "int8_t": "int8",
+    "int8": "int8",
+    "uint8_t": "int8",
+    "uint8": "int8",
+    "int32_t": "int32",
+    "int32": "int32",
+    "int64_t": "int64",
+    "int64": "int64",
+    "bool": "bool",
+    "int16_t": "int16",
+    "uint16_t": "int16",
+}
 # Ops that move or reinterpret data; a layer's precision is judged on the others.
-_PRECISION_NEUTRAL = {"QuantizeLinear", "DequantizeLinear", "Cast", "Reshape", "Shape", "Transpose", "Flatten",
-                      "Squeeze", "Unsqueeze", "Gather", "Concat", "Identity", "MemcpyToHost", "MemcpyFromHost"}
+_PRECISION_NEUTRAL = {
+    "QuantizeLinear",
+    "DequantizeLinear",
+    "Cast",
+    "Reshape",
+    "Shape",
+    "Transpose",
+    "Flatten",
+    "Squeeze",
+    "Unsqueeze",
+    "Gather",
+    "Concat",
+    "Identity",
+    "MemcpyToHost",
+    "MemcpyFromHost",
+}
 
 
 class OnnxRuntimeOptions(QdqOptions):
-
     providers: list[str] = Field(default_factory=lambda: [CPU], min_length=1, description="in priority order")
     require_all_providers: bool = Field(
-        True, description="false: providers this onnxruntime build lacks are skipped (recorded); the placement gate judges")
+        True,
+        description="false: providers this onnxruntime build lacks are skipped (recorded); the placement gate judges",
+    )
     provider_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
     graph_optimization_level: Literal["disable", "basic", "extended", "all"] = "all"
     # the saved engine is the graph at graph_optimization_level; a portable engine (no contrib or NCHWc
     # ops) loaded at "all" gets the device's own fusions and NCHWc blocks (1.3-2.6x, benchmarks/speedup.py)
     load_optimization_level: Literal["disable", "basic", "extended", "all"] = Field(
-        "disable", description="what ONNX Runtime optimises when the engine loads on the device (disable: the "
-                               "engine is already optimised)")
+        "disable",
+        description="what ONNX Runtime optimises when the engine loads on the device (disable: the "
+        "engine is already optimised)",
+    )
     intra_op_num_threads: int = Field(0, ge=0, description="0: ONNX Runtime's default")
     inter_op_num_threads: int = Field(0, ge=0)
 
 
-def _ort() -> "Any":
+def _ort() -> Any:
     try:
         import onnxruntime
     except ImportError as exc:
-        raise EnvironmentProblem("onnxruntime is not installed", hint="pip install onnxruntime (or onnxruntime-gpu)") from exc
+        raise EnvironmentProblem(
+            "onnxruntime is not installed", hint="pip install onnxruntime (or onnxruntime-gpu)"
+        ) from exc
     return onnxruntime
 
 
-def session_options(opts: OnnxRuntimeOptions, level: str, profile_dir: Path | None = None) -> "ort.SessionOptions":
+def session_options(opts: OnnxRuntimeOptions, level: str, profile_dir: Path | None = None) -> ort.SessionOptions:
     ort = _ort()
     so = ort.SessionOptions()
     so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[level])
@@ -98,38 +146,49 @@ def session_options(opts: OnnxRuntimeOptions, level: str, profile_dir: Path | No
     return so
 
 
-def create_session(model: Path | bytes, so: "ort.SessionOptions", providers: list[str],
-                   provider_options: dict[str, dict[str, Any]] | None = None) -> "ort.InferenceSession":
+def create_session(
+    model: Path | bytes,
+    so: ort.SessionOptions,
+    providers: list[str],
+    provider_options: dict[str, dict[str, Any]] | None = None,
+) -> ort.InferenceSession:
     ort = _ort()
     provider_options = provider_options or {}
     try:
         return ort.InferenceSession(
-            model if isinstance(model, bytes) else str(model), so,
-            providers=providers, provider_options=[provider_options.get(p, {}) for p in providers],
+            model if isinstance(model, bytes) else str(model),
+            so,
+            providers=providers,
+            provider_options=[provider_options.get(p, {}) for p in providers],
         )
     except Exception as exc:  # ORT raises its own Fail/InvalidGraph/NotImplemented classes
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         missing = re.search(r"Could not find an implementation for (\w+)\(\d+\) node with name '([^']*)'", msg)
         if missing or "NOT_IMPLEMENTED" in msg:
-            raise UnsupportedOp("onnxruntime", missing.group(1) if missing else None, missing.group(2) if missing else None,
-                                f"no kernel on {', '.join(providers)} ({msg})",
-                                hint="list a provider that implements it, or replace the op before export") from exc
-        raise InputError(f"ONNX Runtime could not load the model: {msg}",
-                         hint="the model is valid ONNX but this ONNX Runtime refuses it for the reason above: "
-                              "re-export it without what is named (for an opset: onnx.version_converter), "
-                              "or use another onnxruntime version") from exc
+            raise UnsupportedOp(
+                "onnxruntime",
+                missing.group(1) if missing else None,
+                missing.group(2) if missing else None,
+                f"no kernel on {', '.join(providers)} ({msg})",
+                hint="list a provider that implements it, or replace the op before export",
+            ) from exc
+        raise InputError(
+            f"ONNX Runtime could not load the model: {msg}",
+            hint="the model is valid ONNX but this ONNX Runtime refuses it for the reason above: "
+            "re-export it without what is named (for an opset: onnx.version_converter), "
+            "or use another onnxruntime version",
+        ) from exc
 
 
 class SessionRunner(Runner):
-    def __init__(self, session: "ort.InferenceSession",
-                 reopen: "Callable[[Path], ort.InferenceSession] | None" = None):
+    def __init__(self, session: ort.InferenceSession, reopen: Callable[[Path], ort.InferenceSession] | None = None):
         """``reopen(folder)``: the same engine in a new session that profiles into ``folder``."""
         inputs = [TensorSig(name=i.name, dtype=_np_dtype(i.type), shape=list(i.shape)) for i in session.get_inputs()]
         super().__init__(inputs, [o.name for o in session.get_outputs()])
         self.session = session
         self._reopen = reopen
 
-    def profile_layers(self, feeds: dict[str, "np.ndarray"], iterations: int = 20) -> dict[str, float] | None:
+    def profile_layers(self, feeds: dict[str, np.ndarray], iterations: int = 20) -> dict[str, float] | None:
         """Median ms per node of the engine graph (build.json layer names) over ``iterations`` runs,
         from ONNX Runtime's profiler in a second session; the first run is left out (allocation,
         first touch)."""
@@ -146,7 +205,7 @@ class SessionRunner(Runner):
             durations.setdefault(name, []).append(event["dur"] / 1e3)
         return {name: median_per_run(d, iterations + 1, skip=1) for name, d in durations.items()}
 
-    def _infer_impl(self, feeds: dict[str, "np.ndarray"]) -> dict[str, "np.ndarray"]:
+    def _infer_impl(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         # infer() checked every input is there: feeds of the same size hold nothing else (ONNX
         # Runtime refuses unknown names), so they go as they are. run() returns new arrays.
         if len(feeds) != len(self.inputs) or type(feeds) is not dict:
@@ -165,7 +224,7 @@ def reference_runner(model: Path | bytes) -> SessionRunner:
     """The reference: ONNX Runtime, CPU provider, FP32, graph optimisations off."""
     opts = OnnxRuntimeOptions()
 
-    def open_session(profile_dir: Path | None = None) -> "ort.InferenceSession":
+    def open_session(profile_dir: Path | None = None) -> ort.InferenceSession:
         return create_session(model, session_options(opts, "disable", profile_dir=profile_dir), [CPU])
 
     return SessionRunner(open_session(), reopen=open_session)
@@ -175,10 +234,15 @@ def runtime_version() -> str:
     return _ort().__version__
 
 
-def calibrate(model: Path, batches: list[dict[str, "np.ndarray"]], method: str, table: Path) -> int:
+def calibrate(model: Path, batches: list[dict[str, np.ndarray]], method: str, table: Path) -> int:
     """Collect activation ranges over the calibration batches; write ONNX Runtime's table JSON."""
     _ort()
-    from onnxruntime.quantization.calibrate import CalibrationDataReader, CalibrationMethod, create_calibrator, save_tensors_data
+    from onnxruntime.quantization.calibrate import (
+        CalibrationDataReader,
+        CalibrationMethod,
+        create_calibrator,
+        save_tensors_data,
+    )
 
     class Reader(CalibrationDataReader):
         def __init__(self) -> None:
@@ -187,10 +251,15 @@ def calibrate(model: Path, batches: list[dict[str, "np.ndarray"]], method: str, 
         def get_next(self) -> dict | None:
             return next(self._it, None)
 
-    methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy, "percentile": CalibrationMethod.Percentile}
+    methods = {
+        "minmax": CalibrationMethod.MinMax,
+        "entropy": CalibrationMethod.Entropy,
+        "percentile": CalibrationMethod.Percentile,
+    }
     with tempfile.TemporaryDirectory(prefix="skuforge-calib-") as tmp:
-        calibrator = create_calibrator(model, None, augmented_model_path=str(Path(tmp) / "augmented.onnx"),
-                                       calibrate_method=methods[method])
+        calibrator = create_calibrator(
+            model, None, augmented_model_path=str(Path(tmp) / "augmented.onnx"), calibrate_method=methods[method]
+        )
         calibrator.collect_data(Reader())
         ranges = calibrator.compute_data()
         staged = Path(tmp) / "table.json"
@@ -209,10 +278,13 @@ def newest_qdq_opset() -> int | None:
     ort = _ort()
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    graph = helper.make_graph([helper.make_node("QuantizeLinear", ["x", "s"], ["y"])], "q",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-                              [helper.make_tensor_value_info("y", TensorProto.UINT8, [2])],
-                              [helper.make_tensor("s", TensorProto.FLOAT, [], [0.1])])
+    graph = helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["x", "s"], ["y"])],
+        "q",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.UINT8, [2])],
+        [helper.make_tensor("s", TensorProto.FLOAT, [], [0.1])],
+    )
     for opset in range(onnx.defs.onnx_opset_version(), 12, -1):
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
         try:
@@ -236,25 +308,33 @@ class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
     Options = OnnxRuntimeOptions
     Meta = OnnxRuntimeMeta
-    capabilities = Capabilities(precisions=("fp32", "fp16", "int8"), devices=("cpu", "gpu", "npu"),
-                                runtime_package="onnxruntime", per_node_precision=True)
+    capabilities = Capabilities(
+        precisions=("fp32", "fp16", "int8"),
+        devices=("cpu", "gpu", "npu"),
+        runtime_package="onnxruntime",
+        per_node_precision=True,
+    )
     install_hint = "pip install onnxruntime (CPU) or onnxruntime-gpu (CUDA, TensorRT)"
     engine_format = "skuforge-onnxruntime/1"
     runtime_keys = ("onnxruntime",)
 
     @classmethod
-    def _check_sku_impl(cls, sku: "SkuSpec", options: OnnxRuntimeOptions) -> list[str]:
+    def _check_sku_impl(cls, sku: SkuSpec, options: OnnxRuntimeOptions) -> list[str]:
         primary = options.providers[0]
         supported = PROVIDER_PRECISIONS.get(primary)
         if supported is None:
-            return [f"options.providers: unknown execution provider {primary!r}; known: {', '.join(PROVIDER_PRECISIONS)}"]
+            return [
+                f"options.providers: unknown execution provider {primary!r}; known: {', '.join(PROVIDER_PRECISIONS)}"
+            ]
         if sku.precision not in supported:
             others = [p for p, precs in PROVIDER_PRECISIONS.items() if sku.precision in precs]
-            return [f"precision: {sku.precision} is not supported by onnxruntime on {primary} "
-                    f"(it runs {', '.join(sorted(supported))}); list a provider that runs {sku.precision} first: {', '.join(others)}"]
+            return [
+                f"precision: {sku.precision} is not supported by onnxruntime on {primary} "
+                f"(it runs {', '.join(sorted(supported))}); list a provider that runs {sku.precision} first: {', '.join(others)}"
+            ]
         return []
 
-    def environment_problems(self, sku: "SkuSpec", purpose: str = "run") -> list[str]:
+    def environment_problems(self, sku: SkuSpec, purpose: str = "run") -> list[str]:
         try:
             ort = _ort()
         except EnvironmentProblem as exc:
@@ -264,7 +344,10 @@ class OnnxRuntimeBackend(Backend):
         missing = [p for p in opts.providers if p not in available]
         if not opts.require_all_providers and len(missing) < len(opts.providers):
             return []
-        return [f"execution provider {p} is not in this onnxruntime build (available: {', '.join(sorted(available))})" for p in missing]
+        return [
+            f"execution provider {p} is not in this onnxruntime build (available: {', '.join(sorted(available))})"
+            for p in missing
+        ]
 
     def versions(self) -> dict[str, str]:
         import onnx
@@ -280,7 +363,9 @@ class OnnxRuntimeBackend(Backend):
         requested: list[str] = staged.options.providers
         available = set(_ort().get_available_providers())
         skipped = [p for p in requested if p not in available]
-        opts: OnnxRuntimeOptions = staged.options.model_copy(update={"providers": [p for p in requested if p in available]})
+        opts: OnnxRuntimeOptions = staged.options.model_copy(
+            update={"providers": [p for p in requested if p in available]}
+        )
         engine = ctx.engine_dir / "model.onnx"
         so = session_options(opts, opts.graph_optimization_level)
         so.optimized_model_filepath = str(engine)
@@ -290,25 +375,39 @@ class OnnxRuntimeBackend(Backend):
         optimized = onnx.load(str(engine), load_external_data=False)
         hardware_specific = any(n.domain == "com.microsoft.nchwc" for n in optimized.graph.node)
         meta = OnnxRuntimeMeta(
-            providers=opts.providers, provider_options=opts.provider_options,
+            providers=opts.providers,
+            provider_options=opts.provider_options,
             load_optimization_level=opts.load_optimization_level,
-            intra_op_num_threads=opts.intra_op_num_threads, inter_op_num_threads=opts.inter_op_num_threads,
-            host_cpu=probe.cpu_record(), nchwc_block=nchwc_block() if hardware_specific else None,
+            intra_op_num_threads=opts.intra_op_num_threads,
+            inter_op_num_threads=opts.inter_op_num_threads,
+            host_cpu=probe.cpu_record(),
+            nchwc_block=nchwc_block() if hardware_specific else None,
             # standard ONNX ops only: any ONNX Runtime with the opset runs it, so loading does not insist
             # on the version that built it (the rollout's portable fallback relies on this)
-            portable=all(n.domain in ("", "ai.onnx") for n in optimized.graph.node))
+            portable=all(n.domain in ("", "ai.onnx") for n in optimized.graph.node),
+        )
         layers, boundaries = self._probe(optimized, engine, opts, ctx.probe_inputs)
         warnings = [f"execution provider {p} is not in this onnxruntime build: skipped" for p in skipped]
         warnings += conversion_warnings(staged.calibration)
         if hardware_specific:
-            warnings.append("optimized at level 'all': the engine holds NCHWc layout ops specific to this CPU's vector width")
-        return BuildOutcome(files=["model.onnx"], layers=layers, requested_devices=requested,
-                            partition_boundaries=boundaries,
-                            options=opts.model_dump(mode="json"), calibration=staged.calibration,
-                            hardware_specific=hardware_specific, warnings=warnings, meta=meta)
+            warnings.append(
+                "optimized at level 'all': the engine holds NCHWc layout ops specific to this CPU's vector width"
+            )
+        return BuildOutcome(
+            files=["model.onnx"],
+            layers=layers,
+            requested_devices=requested,
+            partition_boundaries=boundaries,
+            options=opts.model_dump(mode="json"),
+            calibration=staged.calibration,
+            hardware_specific=hardware_specific,
+            warnings=warnings,
+            meta=meta,
+        )
 
-    def _probe(self, graph: "Any", engine: Path, opts: OnnxRuntimeOptions,
-               feeds: dict[str, "np.ndarray"]) -> tuple[list[LayerInfo], int]:
+    def _probe(
+        self, graph: Any, engine: Path, opts: OnnxRuntimeOptions, feeds: dict[str, np.ndarray]
+    ) -> tuple[list[LayerInfo], int]:
         """Run the engine once with profiling on: which provider ran each node, on which types."""
         with tempfile.TemporaryDirectory(prefix="skuforge-prof-") as tmp:
             so = session_options(opts, "disable", profile_dir=Path(tmp))
@@ -321,27 +420,40 @@ class OnnxRuntimeBackend(Backend):
             args = seen.get(node.name, {})
             device = args.get("provider")
             device_of.update({out: device for out in node.output})
-            layers.append(LayerInfo(
-                name=node.name, op_type=node.op_type, device=device,
-                precision=_layer_precision(node.op_type, args.get("input_type_shape", [])) if args else None,
-                kernel=f"{node.domain + '.' if node.domain else ''}{node.op_type}",
-            ))
+            layers.append(
+                LayerInfo(
+                    name=node.name,
+                    op_type=node.op_type,
+                    device=device,
+                    precision=_layer_precision(node.op_type, args.get("input_type_shape", [])) if args else None,
+                    kernel=f"{node.domain + '.' if node.domain else ''}{node.op_type}",
+                )
+            )
         # a tensor made on one device and read on another is a copy between partitions
         boundaries = sum(
-            1 for node, layer in zip(graph.graph.node, layers) for name in node.input
+            1
+            for node, layer in zip(graph.graph.node, layers)
+            for name in node.input
             if layer.device and device_of.get(name) and device_of[name] != layer.device
         )
         return layers, boundaries
 
-    def _load_impl(self, engine_dir: Path, meta: "OnnxRuntimeMeta", sku: "SkuSpec") -> Runner:
+    def _load_impl(self, engine_dir: Path, meta: OnnxRuntimeMeta, sku: SkuSpec) -> Runner:
         problem = nchwc_problem(meta.nchwc_block)
         if problem:
-            raise EnvironmentProblem(f"{engine_dir}: {problem}", hint="rebuild the engine on this CPU, or build it with "
-                                     "options.graph_optimization_level: extended (portable, no NCHWc ops)")
-        opts = self.options(sku).model_copy(update={"intra_op_num_threads": meta.intra_op_num_threads,
-                                                    "inter_op_num_threads": meta.inter_op_num_threads})
+            raise EnvironmentProblem(
+                f"{engine_dir}: {problem}",
+                hint="rebuild the engine on this CPU, or build it with "
+                "options.graph_optimization_level: extended (portable, no NCHWc ops)",
+            )
+        opts = self.options(sku).model_copy(
+            update={
+                "intra_op_num_threads": meta.intra_op_num_threads,
+                "inter_op_num_threads": meta.inter_op_num_threads,
+            }
+        )
 
-        def open_session(profile_dir: Path | None = None) -> "ort.InferenceSession":
+        def open_session(profile_dir: Path | None = None) -> ort.InferenceSession:
             so = session_options(opts, meta.load_optimization_level, profile_dir=profile_dir)
             return create_session(engine_dir / "model.onnx", so, meta.providers, meta.provider_options)
 
@@ -350,11 +462,14 @@ class OnnxRuntimeBackend(Backend):
 
 def _node_events(trace: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
     """(node name, event) of each kernel run in an ONNX Runtime profile, in run order."""
-    return [(ev["name"].removesuffix("_kernel_time"), ev) for ev in trace
-            if ev.get("cat") == "Node" and ev.get("name", "").endswith("_kernel_time")]
+    return [
+        (ev["name"].removesuffix("_kernel_time"), ev)
+        for ev in trace
+        if ev.get("cat") == "Node" and ev.get("name", "").endswith("_kernel_time")
+    ]
 
 
-def nchwc_block(flags: "Any" = None, arch: str | None = None) -> int | None:
+def nchwc_block(flags: Any = None, arch: str | None = None) -> int | None:
     """The channel block of ONNX Runtime's NCHWc ops on a CPU (MLAS: 16 floats with AVX-512F, 8 on
     other x86-64 CPUs), from the flags the host reports; None where it is not known."""
     if (arch or probe.host_arch()) != "x86_64":
@@ -362,7 +477,7 @@ def nchwc_block(flags: "Any" = None, arch: str | None = None) -> int | None:
     return 16 if "avx512f" in (probe.cpu_features() if flags is None else set(flags)) else 8
 
 
-def nchwc_problem(built: int | None, flags: "Any" = None, arch: str | None = None) -> str | None:
+def nchwc_problem(built: int | None, flags: Any = None, arch: str | None = None) -> str | None:
     """Why an engine with NCHWc ops cannot run on this CPU: its weights and channel padding are laid
     out in blocks of the build CPU's vector width and ORT reads them in this CPU's. ORT does not
     check at load; at run time a ReorderOutput may fail its channel assertion, or, where the
@@ -371,8 +486,10 @@ def nchwc_problem(built: int | None, flags: "Any" = None, arch: str | None = Non
     if built is None or have is None or built == have:
         return None
     decided = "avx512f" if built == 16 else "no avx512f"
-    return (f"the engine holds NCHWc ops in blocks of {built} channels (built on a CPU with {decided}); this CPU "
-            f"{'has' if have == 16 else 'lacks'} avx512f and uses blocks of {have}")
+    return (
+        f"the engine holds NCHWc ops in blocks of {built} channels (built on a CPU with {decided}); this CPU "
+        f"{'has' if have == 16 else 'lacks'} avx512f and uses blocks of {have}"
+    )
 
 
 def _layer_precision(op_type: str, type_shapes: list[dict[str, Any]]) -> str | None:
@@ -383,4 +500,3 @@ def _layer_precision(op_type: str, type_shapes: list[dict[str, Any]]) -> str | N
         if want in kinds:
             return want
     return kinds[0] if kinds else None
-

@@ -13,24 +13,34 @@ import functools
 import logging
 import re
 import threading
+from collections.abc import Callable
 from io import BytesIO
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
-from ..errors import EnvironmentProblem, InputError, UnsupportedOp
-from ..io import atomic_write_bytes
-from ..quantize import QdqOptions, conversion_warnings
-from ..results import LayerInfo, TensorSig
-from ..runner import probe
-from .base import Backend, BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged, median_per_run
+from pipeline.backends.base import (
+    Backend,
+    BuildContext,
+    BuildOutcome,
+    Capabilities,
+    EngineMeta,
+    Runner,
+    Staged,
+    median_per_run,
+)
+from pipeline.errors import EnvironmentProblem, InputError, UnsupportedOp
+from pipeline.io import atomic_write_bytes
+from pipeline.quantize import QdqOptions, conversion_warnings
+from pipeline.results import LayerInfo, TensorSig
+from pipeline.runner import probe
 
 if TYPE_CHECKING:
     import numpy as np
     import openvino as ov
 
-    from ..config import SkuSpec
+    from pipeline.config import SkuSpec
 
 log = logging.getLogger(__name__)
 
@@ -41,26 +51,77 @@ EXPORTABLE = ("CPU", "GPU", "NPU", "HETERO")
 TARGET_DEVICES = {"cpu": "CPU", "gpu": "GPU", "npu": "NPU"}
 PRECISION_HINTS = {"fp32": "f32", "fp16": "f16"}  # int8 comes from the QDQ graph; the rest stays f32
 # runtimePrecision (rt_info of the runtime model's layers) to the precisions of LayerInfo
-_OV_PRECISIONS = {"f32": "fp32", "f16": "fp16", "bf16": "bf16", "i8": "int8", "u8": "int8", "f8e4m3": "fp8",
-                  "f8e5m2": "fp8", "i4": "int4", "u4": "int4", "i32": "int32", "i64": "int64", "f64": "fp64",
-                  "boolean": "bool", "u1": "bool"}
+_OV_PRECISIONS = {
+    "f32": "fp32",
+    "f16": "fp16",
+    "bf16": "bf16",
+    "i8": "int8",
+    "u8": "int8",
+    "f8e4m3": "fp8",
+    "f8e5m2": "fp8",
+    "i4": "int4",
+    "u4": "int4",
+    "i32": "int32",
+    "i64": "int64",
+    "f64": "fp64",
+    "boolean": "bool",
+    "u1": "bool",
+}
 # Layers that are not executed kernels: graph inputs, outputs and weights are left out of the report.
 _NOT_LAYERS = {"Input", "Output", "Const"}
 # Layers that move, convert or reshape data: their precision is not a compute precision ("n/a").
-_DATA_MOVEMENT = {"Reorder", "Reshape", "Transpose", "Concatenation", "Gather", "GatherND", "GatherElements",
-                  "Convert", "ShapeOf", "Split", "VariadicSplit", "StridedSlice", "Slice", "Broadcast", "Tile",
-                  "Squeeze", "Unsqueeze", "Pad", "DepthToSpace", "SpaceToDepth", "ScatterUpdate", "FakeQuantize"}
+_DATA_MOVEMENT = {
+    "Reorder",
+    "Reshape",
+    "Transpose",
+    "Concatenation",
+    "Gather",
+    "GatherND",
+    "GatherElements",
+    "Convert",
+    "ShapeOf",
+    "Split",
+    "VariadicSplit",
+    "StridedSlice",
+    "Slice",
+    "Broadcast",
+    "Tile",
+    "Squeeze",
+    "Unsqueeze",
+    "Pad",
+    "DepthToSpace",
+    "SpaceToDepth",
+    "ScatterUpdate",
+    "FakeQuantize",
+}
 # A layer made only of these ONNX ops is a quantization boundary, not compute (as in ONNX Runtime's report).
 _QDQ = {"QuantizeLinear", "DequantizeLinear"}
 # ONNX ops the CPU plugin computes only in float inside a fused subgraph
-_FLOAT_ONLY = {"Erf", "Div", "Tanh", "Sigmoid", "Exp", "Log", "Sqrt", "Pow", "Reciprocal", "Softmax", "Gelu",
-               "LayerNormalization", "ReduceMean", "HardSigmoid", "Softplus", "Mish", "HardSwish"}
+_FLOAT_ONLY = {
+    "Erf",
+    "Div",
+    "Tanh",
+    "Sigmoid",
+    "Exp",
+    "Log",
+    "Sqrt",
+    "Pow",
+    "Reciprocal",
+    "Softmax",
+    "Gelu",
+    "LayerNormalization",
+    "ReduceMean",
+    "HardSigmoid",
+    "Softplus",
+    "Mish",
+    "HardSwish",
+}
 
 
 class OpenVinoOptions(QdqOptions):
-
-    device: str | None = Field(None, description="OpenVINO device: CPU, GPU, GPU.1, NPU, HETERO:GPU,CPU "
-                                                 "(default: from target.device)")
+    device: str | None = Field(
+        None, description="OpenVINO device: CPU, GPU, GPU.1, NPU, HETERO:GPU,CPU (default: from target.device)"
+    )
     performance_hint: Literal["LATENCY", "THROUGHPUT"] = "LATENCY"
     num_streams: int | None = Field(None, ge=1, description="None: what the performance hint picks")
     inference_num_threads: int = Field(0, ge=0, description="0: the plugin's default")
@@ -76,7 +137,7 @@ def _ov() -> Any:
 
 
 @functools.lru_cache(maxsize=1)
-def _core() -> "ov.Core":
+def _core() -> ov.Core:
     return _ov().Core()
 
 
@@ -87,7 +148,7 @@ def _first_line(exc: BaseException) -> str:
     return (useful or lines or [type(exc).__name__])[0]
 
 
-def device_of(sku: "SkuSpec", options: OpenVinoOptions) -> str:
+def device_of(sku: SkuSpec, options: OpenVinoOptions) -> str:
     return options.device or TARGET_DEVICES[sku.target.device]
 
 
@@ -115,10 +176,12 @@ def _missing_devices(device: str, available: list[str]) -> list[str]:
 
 
 def _compile_config(options: OpenVinoOptions, precision: str) -> dict[str, str]:
-    config = {"PERFORMANCE_HINT": options.performance_hint,
-              # set even for fp32: on CPUs with BF16 the plugin's default is bf16 (import_model
-              # of a blob without this property ran bf16 here), so the hint is also passed at load
-              "INFERENCE_PRECISION_HINT": PRECISION_HINTS.get(precision, "f32")}
+    config = {
+        "PERFORMANCE_HINT": options.performance_hint,
+        # set even for fp32: on CPUs with BF16 the plugin's default is bf16 (import_model
+        # of a blob without this property ran bf16 here), so the hint is also passed at load
+        "INFERENCE_PRECISION_HINT": PRECISION_HINTS.get(precision, "f32"),
+    }
     if options.num_streams is not None:
         config["NUM_STREAMS"] = str(options.num_streams)
     if options.inference_num_threads:
@@ -139,7 +202,9 @@ def _supported_config(device: str, config: dict[str, str]) -> tuple[dict[str, st
         if len(takers) == len(devices):
             keep[key] = value
         else:
-            dropped.append(f"{key}={value} ignored: device {', '.join(sorted(set(devices) - set(takers)))} does not support it")
+            dropped.append(
+                f"{key}={value} ignored: device {', '.join(sorted(set(devices) - set(takers)))} does not support it"
+            )
     return keep, dropped
 
 
@@ -147,31 +212,41 @@ def _device_properties(device: str) -> dict[str, Any]:
     core = _core()
     out = {}
     for d in member_devices(device):
-        out[d] = {"full_device_name": str(core.get_property(d, "FULL_DEVICE_NAME")),
-                  "optimization_capabilities": [str(c) for c in core.get_property(d, "OPTIMIZATION_CAPABILITIES")]}
+        out[d] = {
+            "full_device_name": str(core.get_property(d, "FULL_DEVICE_NAME")),
+            "optimization_capabilities": [str(c) for c in core.get_property(d, "OPTIMIZATION_CAPABILITIES")],
+        }
     return out
 
 
 class OpenVinoRunner(Runner):
     """A compiled model; one infer request per calling thread (requests are not thread-safe)."""
 
-    def __init__(self, compiled: "ov.CompiledModel", input_names: list[str], output_names: list[str],
-                 reopen: "Callable[[dict[str, str]], ov.CompiledModel] | None" = None):
+    def __init__(
+        self,
+        compiled: ov.CompiledModel,
+        input_names: list[str],
+        output_names: list[str],
+        reopen: Callable[[dict[str, str]], ov.CompiledModel] | None = None,
+    ):
         """``reopen(config)``: the same engine loaded again with ``config`` added (profiling)."""
         inputs = []
         self._bounds: dict[str, list[tuple[int, int, int]]] = {}  # input -> (axis, min, max) of bounded dims
         for name, port in zip(input_names, compiled.inputs):
             pshape = port.get_partial_shape()
             shape = [d.get_length() if d.is_static else None for d in pshape]
-            self._bounds[name] = [(i, d.get_min_length(), d.get_max_length()) for i, d in enumerate(pshape)
-                                  if d.is_dynamic and d.get_max_length() >= 0]
+            self._bounds[name] = [
+                (i, d.get_min_length(), d.get_max_length())
+                for i, d in enumerate(pshape)
+                if d.is_dynamic and d.get_max_length() >= 0
+            ]
             inputs.append(TensorSig(name=name, dtype=port.get_element_type().to_dtype().name, shape=shape))
         super().__init__(inputs, output_names)
         self.compiled = compiled
         self._local = threading.local()
         self._reopen = reopen
 
-    def profile_layers(self, feeds: dict[str, "np.ndarray"], iterations: int = 20) -> dict[str, float] | None:
+    def profile_layers(self, feeds: dict[str, np.ndarray], iterations: int = 20) -> dict[str, float] | None:
         """Median ms per executed layer of the runtime model (build.json layer names; ``fused_from``
         holds their ONNX nodes) over ``iterations`` runs, from the plugin's performance counters on
         a second load of the engine with PERF_COUNT on; the first run is left out."""
@@ -194,19 +269,21 @@ class OpenVinoRunner(Runner):
                     runs.setdefault(info.node_name, []).append(info.real_time.total_seconds() * 1e3)
         return {name: median_per_run(times, iterations) for name, times in runs.items()}
 
-    def _request(self) -> "tuple[ov.InferRequest, list[Any]]":
+    def _request(self) -> tuple[ov.InferRequest, list[Any]]:
         """This thread's request and, per input, the array bound to it and its shape (or None)."""
         slot = getattr(self._local, "slot", None)
         if slot is None:
             slot = self._local.slot = (self.compiled.create_infer_request(), [None] * len(self.inputs))
         return slot
 
-    def _infer_impl(self, feeds: dict[str, "np.ndarray"]) -> dict[str, "np.ndarray"]:
+    def _infer_impl(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         for name, bounds in self._bounds.items():
             for axis, low, high in bounds:
                 if not low <= feeds[name].shape[axis] <= high:
-                    raise InputError(f"engine input {name!r} dim {axis} must be in [{low}, {high}] (the SKU's profile), "
-                                     f"got {feeds[name].shape[axis]}")
+                    raise InputError(
+                        f"engine input {name!r} dim {axis} must be in [{low}, {high}] (the SKU's profile), "
+                        f"got {feeds[name].shape[axis]}"
+                    )
         request, bound = self._request()
         # bind the arrays without copies and copy only the outputs: InferRequest.infer(list) costs
         # about 3x the plugin's own time on a tiny model (~100 us against ~30 us here). The array a
@@ -219,7 +296,7 @@ class OpenVinoRunner(Runner):
         return {name: request.get_output_tensor(i).data.copy() for i, name in enumerate(self.output_names)}
 
     @staticmethod
-    def _bind(request: "ov.InferRequest", index: int, arr: "np.ndarray") -> "tuple[np.ndarray, tuple[int, ...]] | None":
+    def _bind(request: ov.InferRequest, index: int, arr: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]] | None:
         """Set ``arr`` as input ``index`` of ``request``; (arr, its shape) when the tensor shares the
         array's memory, None when it holds a copy (a copy of another array, or made by OpenVINO)."""
         import numpy as np
@@ -246,29 +323,37 @@ class OpenVinoBackend(Backend):
     name = "openvino"
     Options = OpenVinoOptions
     Meta = OpenVinoMeta
-    capabilities = Capabilities(precisions=("fp32", "fp16", "int8"), devices=("cpu", "gpu", "npu"),
-                                runtime_package="openvino", per_node_precision=True)
+    capabilities = Capabilities(
+        precisions=("fp32", "fp16", "int8"),
+        devices=("cpu", "gpu", "npu"),
+        runtime_package="openvino",
+        per_node_precision=True,
+    )
     install_hint = "pip install openvino (CPU, Intel GPU and NPU plugins; GPU/NPU also need the device's driver)"
     engine_format = "skuforge-openvino/1"
     runtime_keys = ("openvino",)  # an exported blob loads only in the OpenVINO build that wrote it
 
     @classmethod
-    def _check_sku_impl(cls, sku: "SkuSpec", options: OpenVinoOptions) -> list[str]:
+    def _check_sku_impl(cls, sku: SkuSpec, options: OpenVinoOptions) -> list[str]:
         device = device_of(sku, options)
         plugin = device.partition(":")[0]
         if _base(plugin) not in EXPORTABLE:
-            return [f"options.device: {device!r} cannot be exported as an engine (OpenVINO plugins that export: "
-                    f"{', '.join(EXPORTABLE)}); name the device, e.g. {TARGET_DEVICES[sku.target.device]!r}"]
+            return [
+                f"options.device: {device!r} cannot be exported as an engine (OpenVINO plugins that export: "
+                f"{', '.join(EXPORTABLE)}); name the device, e.g. {TARGET_DEVICES[sku.target.device]!r}"
+            ]
         members = member_devices(device)
         if plugin == "HETERO" and (not members or any(_base(m) not in EXPORTABLE[:-1] for m in members)):
             return [f"options.device: {device!r}: HETERO needs its devices in priority order, e.g. 'HETERO:GPU,CPU'"]
         primary = _base(members[0])
         if primary != TARGET_DEVICES[sku.target.device]:
-            return [f"options.device: {device!r} runs on {primary} but target.device is {sku.target.device!r} "
-                    f"(use {TARGET_DEVICES[sku.target.device]!r} or change target.device)"]
+            return [
+                f"options.device: {device!r} runs on {primary} but target.device is {sku.target.device!r} "
+                f"(use {TARGET_DEVICES[sku.target.device]!r} or change target.device)"
+            ]
         return []
 
-    def environment_problems(self, sku: "SkuSpec", purpose: str = "run") -> list[str]:
+    def environment_problems(self, sku: SkuSpec, purpose: str = "run") -> list[str]:
         try:
             _ov()
         except EnvironmentProblem as exc:
@@ -278,20 +363,29 @@ class OpenVinoBackend(Backend):
         available = list(_core().available_devices)
         missing = _missing_devices(device, available)
         if missing:
-            problems.append(f"OpenVINO device {', '.join(missing)} is not available on this host "
-                            f"(available: {', '.join(available) or 'none'}); install the device's driver or "
-                            f"build this SKU on its runner")
+            problems.append(
+                f"OpenVINO device {', '.join(missing)} is not available on this host "
+                f"(available: {', '.join(available) or 'none'}); install the device's driver or "
+                f"build this SKU on its runner"
+            )
         elif purpose == "build":
-            no_export = [d for d, p in _device_properties(device).items()
-                         if "EXPORT_IMPORT" not in p["optimization_capabilities"]]
+            no_export = [
+                d
+                for d, p in _device_properties(device).items()
+                if "EXPORT_IMPORT" not in p["optimization_capabilities"]
+            ]
             if no_export:
-                problems.append(f"OpenVINO device {', '.join(no_export)} cannot export compiled models "
-                                f"(no EXPORT_IMPORT capability): the engine could not be saved")
+                problems.append(
+                    f"OpenVINO device {', '.join(no_export)} cannot export compiled models "
+                    f"(no EXPORT_IMPORT capability): the engine could not be saved"
+                )
         if purpose == "build" and sku.precision == "int8":
             try:
                 import onnxruntime.quantization  # noqa: F401  (quantize_qdq uses it)
             except ImportError:
-                problems.append("INT8 builds quantize with onnxruntime, which is not installed (pip install onnxruntime)")
+                problems.append(
+                    "INT8 builds quantize with onnxruntime, which is not installed (pip install onnxruntime)"
+                )
         return problems
 
     def versions(self) -> dict[str, str]:
@@ -303,8 +397,9 @@ class OpenVinoBackend(Backend):
         """FP32 and FP16 are the plugin's inference precision hint; INT8 the QDQ graph (the base's)."""
         if ctx.sku_spec.precision == "int8":
             super()._convert_precision(ctx, staged)
-            staged.calibration["runtime"] = ("OpenVINO reads the QDQ pairs as FakeQuantize; its low-precision "
-                                             "transformations run them in int8")
+            staged.calibration["runtime"] = (
+                "OpenVINO reads the QDQ pairs as FakeQuantize; its low-precision transformations run them in int8"
+            )
 
     def _build_impl(self, ctx: BuildContext, staged: Staged) -> BuildOutcome:
         opts: OpenVinoOptions = staged.options
@@ -329,36 +424,61 @@ class OpenVinoBackend(Backend):
         # report and probe the engine as it will be loaded: the re-imported blob
         engine = _import(blob, device, config, ctx.engine_dir / BLOB)
         runner = OpenVinoRunner(engine, input_names, output_names)
-        got, want = runner.infer(ctx.probe_inputs), OpenVinoRunner(compiled, input_names, output_names).infer(ctx.probe_inputs)
+        got, want = (
+            runner.infer(ctx.probe_inputs),
+            OpenVinoRunner(compiled, input_names, output_names).infer(ctx.probe_inputs),
+        )
         if any(got[k].tobytes() != want[k].tobytes() for k in output_names):
-            warnings.append("the re-imported engine's outputs differ from the freshly compiled model's on the probe batch")
+            warnings.append(
+                "the re-imported engine's outputs differ from the freshly compiled model's on the probe batch"
+            )
         props = _device_properties(device)
         inference_precision = _inference_precision(engine)
         if precision == "fp16" and inference_precision != "f16":
             caps = {d: p["optimization_capabilities"] for d, p in props.items()}
-            warnings.append(f"FP16 was asked for but {device} compiled with inference precision {inference_precision} "
-                            f"(capabilities: {caps}); the precision gate lists the layers")
+            warnings.append(
+                f"FP16 was asked for but {device} compiled with inference precision {inference_precision} "
+                f"(capabilities: {caps}); the precision gate lists the layers"
+            )
         # the layers of the model as compiled: the same graph as the exported blob, but import keeps only
         # each fused layer's own name (38 of 42 in a small transformer), which hides what ran in fp32
         layers, boundaries = runtime_layers(compiled, affinity, onnx_op_types(onnx_model))
-        meta = OpenVinoMeta(blob=BLOB, device=device, config=config, inputs=input_names, outputs=output_names,
-                            devices=props, execution_devices=[str(d) for d in engine.get_property("EXECUTION_DEVICES")],
-                            inference_precision=inference_precision,
-                            # the blob holds the transformed graph; the CPU plugin picks its kernels for the loading
-                            # CPU at import, so this is a record for people, not a load-time check
-                            host_cpu=probe.cpu_record())
-        return BuildOutcome(files=[BLOB], layers=layers, requested_devices=member_devices(device),
-                            partition_boundaries=boundaries, options=opts.model_dump(mode="json"),
-                            calibration=staged.calibration, warnings=warnings, meta=meta)
+        meta = OpenVinoMeta(
+            blob=BLOB,
+            device=device,
+            config=config,
+            inputs=input_names,
+            outputs=output_names,
+            devices=props,
+            execution_devices=[str(d) for d in engine.get_property("EXECUTION_DEVICES")],
+            inference_precision=inference_precision,
+            # the blob holds the transformed graph; the CPU plugin picks its kernels for the loading
+            # CPU at import, so this is a record for people, not a load-time check
+            host_cpu=probe.cpu_record(),
+        )
+        return BuildOutcome(
+            files=[BLOB],
+            layers=layers,
+            requested_devices=member_devices(device),
+            partition_boundaries=boundaries,
+            options=opts.model_dump(mode="json"),
+            calibration=staged.calibration,
+            warnings=warnings,
+            meta=meta,
+        )
 
-    def _load_impl(self, engine_dir: Path, meta: "OpenVinoMeta", sku: "SkuSpec") -> Runner:
+    def _load_impl(self, engine_dir: Path, meta: OpenVinoMeta, sku: SkuSpec) -> Runner:
         blob = engine_dir / meta.blob
         compiled = _import(blob.read_bytes(), meta.device, meta.config, blob)
-        return OpenVinoRunner(compiled, meta.inputs, meta.outputs,
-                              reopen=lambda extra: _import(blob.read_bytes(), meta.device, {**meta.config, **extra}, blob))
+        return OpenVinoRunner(
+            compiled,
+            meta.inputs,
+            meta.outputs,
+            reopen=lambda extra: _import(blob.read_bytes(), meta.device, {**meta.config, **extra}, blob),
+        )
 
 
-def _read_model(path: Path, onnx_model: Any) -> "ov.Model":
+def _read_model(path: Path, onnx_model: Any) -> ov.Model:
     """The ONNX file as an OpenVINO model; ops the ONNX frontend cannot convert are UnsupportedOp."""
     ov = _ov()
     try:
@@ -370,19 +490,31 @@ def _read_model(path: Path, onnx_model: Any) -> "ov.Model":
             # ops the frontend knows but could not convert in this model (its detail says why)
             op_type, node, _ = failures[0]
             listed = "; ".join(f"{t} (node {n!r}): {d}" for t, n, d in failures)
-            raise UnsupportedOp("openvino", op_type, node,
-                                f"OpenVINO {ov.get_version()}'s ONNX frontend could not convert {listed}") from exc
+            raise UnsupportedOp(
+                "openvino", op_type, node, f"OpenVINO {ov.get_version()}'s ONNX frontend could not convert {listed}"
+            ) from exc
         if not unconverted:
-            raise InputError(f"OpenVINO could not read the model: {_first_line(exc)}",
-                             hint="the prepared model is valid ONNX but OpenVINO's ONNX frontend refuses it for the "
-                                  "reason above: upgrade openvino, re-export at another opset, or use another backend") from exc
-        found = [(op, node.name or node.output[0]) for op in unconverted for node in onnx_model.graph.node
-                 if (node.domain or "", node.op_type) == op]
-        named = [f"{f'{d}.' if d else ''}{t} (node {n!r})" for (d, t), n in found] or \
-                [f"{f'{d}.' if d else ''}{t}" for d, t in unconverted]
+            raise InputError(
+                f"OpenVINO could not read the model: {_first_line(exc)}",
+                hint="the prepared model is valid ONNX but OpenVINO's ONNX frontend refuses it for the "
+                "reason above: upgrade openvino, re-export at another opset, or use another backend",
+            ) from exc
+        found = [
+            (op, node.name or node.output[0])
+            for op in unconverted
+            for node in onnx_model.graph.node
+            if (node.domain or "", node.op_type) == op
+        ]
+        named = [f"{f'{d}.' if d else ''}{t} (node {n!r})" for (d, t), n in found] or [
+            f"{f'{d}.' if d else ''}{t}" for d, t in unconverted
+        ]
         (domain, op_type), node = found[0] if found else (unconverted[0], None)
-        raise UnsupportedOp("openvino", f"{domain}.{op_type}" if domain else op_type, node,
-                            f"OpenVINO {ov.get_version()} has no conversion for {', '.join(named)}") from exc
+        raise UnsupportedOp(
+            "openvino",
+            f"{domain}.{op_type}" if domain else op_type,
+            node,
+            f"OpenVINO {ov.get_version()} has no conversion for {', '.join(named)}",
+        ) from exc
 
 
 _FAILED_OP = re.compile(r"^-- (\S+?)-\d+ with a message:\n(.*?)(?=^-- |^Summary:|\Z)", re.S | re.M)
@@ -398,8 +530,13 @@ def _conversion_failures(message: str) -> list[tuple[str, str | None, str]]:
         node = _FAILED_NODE.search(block.group(2))
         lines = [ln.strip() for ln in block.group(2).splitlines() if ln.strip()]
         reasons = [ln for ln in lines if not ln.startswith(_PLUMBING_LINES)]
-        out.append((node.group(1) if node else block.group(1), node.group(2) if node else None,
-                    (reasons or lines or ["no reason given"])[-1]))
+        out.append(
+            (
+                node.group(1) if node else block.group(1),
+                node.group(2) if node else None,
+                (reasons or lines or ["no reason given"])[-1],
+            )
+        )
     return out
 
 
@@ -429,7 +566,7 @@ def _unconverted_ops(path: Path) -> list[tuple[str, str]]:
     return ops
 
 
-def _set_profiles(model: "ov.Model", onnx_model: Any, profiles: dict[str, Any]) -> None:
+def _set_profiles(model: ov.Model, onnx_model: Any, profiles: dict[str, Any]) -> None:
     """Profile axes stay dynamic, bounded to [min, max]. OpenVINO drops ONNX dim names, so the
     axes are found on the ONNX graph's inputs (same order as the model's parameters)."""
     if not profiles:
@@ -437,9 +574,14 @@ def _set_profiles(model: "ov.Model", onnx_model: Any, profiles: dict[str, Any]) 
     ov = _ov()
     shapes = {}
     for port, value in zip(model.inputs, onnx_model.graph.input):
-        dims = [ov.Dimension(profiles[d.dim_param].min, profiles[d.dim_param].max) if d.dim_param in profiles
-                else ov.Dimension(d.dim_value) if d.HasField("dim_value") else ov.Dimension()
-                for d in value.type.tensor_type.shape.dim]
+        dims = [
+            ov.Dimension(profiles[d.dim_param].min, profiles[d.dim_param].max)
+            if d.dim_param in profiles
+            else ov.Dimension(d.dim_value)
+            if d.HasField("dim_value")
+            else ov.Dimension()
+            for d in value.type.tensor_type.shape.dim
+        ]
         shapes[port] = ov.PartialShape(dims)
     model.reshape(shapes)
 
@@ -449,7 +591,7 @@ def _set_profiles(model: "ov.Model", onnx_model: Any, profiles: dict[str, Any]) 
 DISABLE_FP16 = "disable_fp16_compression_0"
 
 
-def keep_precise(model: "ov.Model", onnx_model: Any, nodes: tuple[str, ...]) -> list[str]:
+def keep_precise(model: ov.Model, onnx_model: Any, nodes: tuple[str, ...]) -> list[str]:
     """Mark the ops made from the named ONNX nodes to stay FP32 under an FP16 (or BF16) inference
     precision. The ONNX frontend names an op after its node or the node's output, so both are
     looked up. Whether the plugin honours the mark shows in the runtime layers' precision (the
@@ -464,11 +606,13 @@ def keep_precise(model: "ov.Model", onnx_model: Any, nodes: tuple[str, ...]) -> 
             op.get_rt_info()[DISABLE_FP16] = ""
             marked += 1
     if not marked:
-        return [f"none of the nodes to keep in fp32 ({', '.join(nodes)}) is an op of the converted model: nothing marked"]
+        return [
+            f"none of the nodes to keep in fp32 ({', '.join(nodes)}) is an op of the converted model: nothing marked"
+        ]
     return []
 
 
-def _refuse_unsupported(model: "ov.Model", device: str) -> dict[str, str]:
+def _refuse_unsupported(model: ov.Model, device: str) -> dict[str, str]:
     """Ask the plugin which ops it runs before compiling: an op it lacks is named, not a crash.
     Returns op name -> device (HETERO's split of the model)."""
     ov = _ov()
@@ -476,34 +620,45 @@ def _refuse_unsupported(model: "ov.Model", device: str) -> dict[str, str]:
         supported = _core().query_model(model, device)
     except Exception as exc:
         raise UnsupportedOp("openvino", None, None, f"{device} could not check the model: {_first_line(exc)}") from exc
-    missing = [op for op in model.get_ordered_ops()
-               if op.get_type_name() not in ("Parameter", "Result", "Constant") and op.get_friendly_name() not in supported]
+    missing = [
+        op
+        for op in model.get_ordered_ops()
+        if op.get_type_name() not in ("Parameter", "Result", "Constant") and op.get_friendly_name() not in supported
+    ]
     if missing:
         first = missing[0]
         listed = ", ".join(f"{op.get_type_name()} ({op.get_friendly_name()})" for op in missing[:10])
-        raise UnsupportedOp("openvino", first.get_type_name(), first.get_friendly_name(),
-                            f"device {device} (OpenVINO {ov.get_version()}) does not support {listed}")
+        raise UnsupportedOp(
+            "openvino",
+            first.get_type_name(),
+            first.get_friendly_name(),
+            f"device {device} (OpenVINO {ov.get_version()}) does not support {listed}",
+        )
     return {name: str(dev) for name, dev in supported.items()}
 
 
-def _compile(model: "ov.Model", device: str, config: dict[str, str]) -> "ov.CompiledModel":
+def _compile(model: ov.Model, device: str, config: dict[str, str]) -> ov.CompiledModel:
     try:
         return _core().compile_model(model, device, config)
     except Exception as exc:  # every op passed query_model: a plugin limit, driver or property problem
-        raise EnvironmentProblem(f"OpenVINO {_ov().get_version()} could not compile the model for {device}: {_first_line(exc)}",
-                                 hint="check the SKU's OpenVINO options and the device's driver, or use another device") from exc
+        raise EnvironmentProblem(
+            f"OpenVINO {_ov().get_version()} could not compile the model for {device}: {_first_line(exc)}",
+            hint="check the SKU's OpenVINO options and the device's driver, or use another device",
+        ) from exc
 
 
-def _import(blob: bytes, device: str, config: dict[str, str], path: Path) -> "ov.CompiledModel":
+def _import(blob: bytes, device: str, config: dict[str, str], path: Path) -> ov.CompiledModel:
     try:
         return _core().import_model(BytesIO(blob), device, config)
     except Exception as exc:  # a blob from another OpenVINO build or device, or damaged contents
-        raise InputError(f"OpenVINO {_ov().get_version()} could not import the engine {path} on {device}: {_first_line(exc)}",
-                         hint="the blob is specific to the OpenVINO build and device that wrote it: rebuild the engine "
-                              "(skuforge build, or dvc repro)") from exc
+        raise InputError(
+            f"OpenVINO {_ov().get_version()} could not import the engine {path} on {device}: {_first_line(exc)}",
+            hint="the blob is specific to the OpenVINO build and device that wrote it: rebuild the engine "
+            "(skuforge build, or dvc repro)",
+        ) from exc
 
 
-def _inference_precision(compiled: "ov.CompiledModel") -> str | None:
+def _inference_precision(compiled: ov.CompiledModel) -> str | None:
     try:
         return str(compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name())
     except Exception:  # NPU and some plugins do not report it
@@ -536,8 +691,9 @@ def _precision(layer_type: str, runtime_precision: str, origins: list[str | None
     return precision
 
 
-def runtime_layers(compiled: "ov.CompiledModel", affinity: dict[str, str],
-                   onnx_types: dict[str, str]) -> tuple[list[LayerInfo], int]:
+def runtime_layers(
+    compiled: ov.CompiledModel, affinity: dict[str, str], onnx_types: dict[str, str]
+) -> tuple[list[LayerInfo], int]:
     """Each executed layer of the compiled model: type, precision, kernel, the ONNX nodes fused
     into it and the device that runs it; and how many edges cross between devices.
 
@@ -551,18 +707,27 @@ def runtime_layers(compiled: "ov.CompiledModel", affinity: dict[str, str],
     layers, device_of_op = [], {}
     for op in ops:
         rt = op.get_rt_info()
-        info = {k: rt[k].astype(str) for k in ("layerType", "runtimePrecision", "primitiveType", "originalLayersNames")
-                if k in rt}
+        info = {
+            k: rt[k].astype(str)
+            for k in ("layerType", "runtimePrecision", "primitiveType", "originalLayersNames")
+            if k in rt
+        }
         fused = [n for n in info.get("originalLayersNames", "").split(",") if n]
         where = next((affinity[n] for n in fused if n in affinity), None) if affinity else next(iter(execution), None)
         device_of_op[op.get_friendly_name()] = where
         layer_type = info.get("layerType", op.get_type_name())
         if layer_type in _NOT_LAYERS:
             continue
-        layers.append(LayerInfo(name=op.get_friendly_name(), op_type=layer_type, device=where,
-                                precision=_precision(layer_type, info.get("runtimePrecision", ""),
-                                                     [onnx_types.get(n) for n in fused]),
-                                kernel=info.get("primitiveType"), fused_from=fused))
+        layers.append(
+            LayerInfo(
+                name=op.get_friendly_name(),
+                op_type=layer_type,
+                device=where,
+                precision=_precision(layer_type, info.get("runtimePrecision", ""), [onnx_types.get(n) for n in fused]),
+                kernel=info.get("primitiveType"),
+                fused_from=fused,
+            )
+        )
     boundaries = 0
     for op in ops:
         here = device_of_op.get(op.get_friendly_name())

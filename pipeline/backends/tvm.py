@@ -26,16 +26,25 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import EnvironmentProblem, InputError, UnsupportedOp
-from ..results import LayerInfo, TensorSig
-from ..runner import probe
-from .base import Backend, BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged, median_per_run
+from pipeline.backends.base import (
+    Backend,
+    BuildContext,
+    BuildOutcome,
+    Capabilities,
+    EngineMeta,
+    Runner,
+    Staged,
+    median_per_run,
+)
+from pipeline.errors import EnvironmentProblem, InputError, UnsupportedOp
+from pipeline.results import LayerInfo, TensorSig
+from pipeline.runner import probe
 
 if TYPE_CHECKING:
     import numpy as np
     import onnx
 
-    from ..config import SkuSpec
+    from pipeline.config import SkuSpec
 
 LIBRARY = "model.so"
 WORKLOADS = "database_workload.json"
@@ -53,15 +62,33 @@ _NOT_OPS = {"fused", "compute", "cast", "expand", "dims"}
 class TvmOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    target_kind: Literal["llvm"] = Field("llvm", description="TVM target kind (the PyPI wheel's runtime has LLVM CPU only)")
-    target_cpu: str = Field("host", description="LLVM CPU (-mcpu), e.g. x86-64-v3, znver3, cortex-a76; host: the "
-                                                "generic CPU of the architecture with the features this host reports")
-    target_cpu_features: list[str] = Field(default_factory=list, description="LLVM features (-mattr), e.g. [+avx2, +fma]")
-    num_cores: int | None = Field(None, ge=1, le=1024, description="cores the schedules are tuned for (target num-cores); "
-                                                                   "None: this host's (then part of the cache key)")
-    trials: int = Field(0, ge=0, le=100_000, description="MetaSchedule trials for a model without a database "
-                                                          "(0: TVM's default schedules, no database)")
-    trials_per_task: int | None = Field(None, ge=1, description="cap per tuning task (default: trials spread over the tasks)")
+    target_kind: Literal["llvm"] = Field(
+        "llvm", description="TVM target kind (the PyPI wheel's runtime has LLVM CPU only)"
+    )
+    target_cpu: str = Field(
+        "host",
+        description="LLVM CPU (-mcpu), e.g. x86-64-v3, znver3, cortex-a76; host: the "
+        "generic CPU of the architecture with the features this host reports",
+    )
+    target_cpu_features: list[str] = Field(
+        default_factory=list, description="LLVM features (-mattr), e.g. [+avx2, +fma]"
+    )
+    num_cores: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="cores the schedules are tuned for (target num-cores); "
+        "None: this host's (then part of the cache key)",
+    )
+    trials: int = Field(
+        0,
+        ge=0,
+        le=100_000,
+        description="MetaSchedule trials for a model without a database (0: TVM's default schedules, no database)",
+    )
+    trials_per_task: int | None = Field(
+        None, ge=1, description="cap per tuning task (default: trials spread over the tasks)"
+    )
     opt_level: int = Field(3, ge=0, le=3)
     num_threads: int = Field(0, ge=0, description="TVM runtime threads (0: TVM's default, one per physical core)")
 
@@ -97,8 +124,11 @@ def target_of(options: TvmOptions, arch: str) -> dict[str, Any]:
     """The TVM target (JSON form) of the options; ``host`` resolves to the architecture's generic
     CPU with the features this host reports, as the IREE backend does."""
     cpu, features = probe.resolve_llvm_target(options.target_cpu, options.target_cpu_features, arch)
-    target: dict[str, Any] = {"kind": options.target_kind, "mcpu": cpu,
-                              "num-cores": options.num_cores or probe.usable_cores()}
+    target: dict[str, Any] = {
+        "kind": options.target_kind,
+        "mcpu": cpu,
+        "num-cores": options.num_cores or probe.usable_cores(),
+    }
     if arch in _TRIPLES:
         target["mtriple"] = _TRIPLES[arch]
     if features:
@@ -125,16 +155,19 @@ class TvmRunner(Runner):
             self._main = self._vm[meta.entry]
         except Exception as exc:  # TVMError, OSError from dlopen: a damaged or foreign library
             detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            raise InputError(f"{library} cannot be loaded by TVM {_version()}: {detail}",
-                             hint="the library is damaged or from another TVM build or CPU: rebuild the engine") from exc
+            raise InputError(
+                f"{library} cannot be loaded by TVM {_version()}: {detail}",
+                hint="the library is damaged or from another TVM build or CPU: rebuild the engine",
+            ) from exc
 
-    def _infer_impl(self, feeds: dict[str, "np.ndarray"]) -> dict[str, "np.ndarray"]:
+    def _infer_impl(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import numpy as np
 
         with self._lock:
             if self._buffers is None:  # static shapes: one device buffer per input, filled per call
-                self._buffers = [self._tvm.runtime.empty(feeds[s.name].shape, feeds[s.name].dtype, self._dev)
-                                 for s in self.inputs]
+                self._buffers = [
+                    self._tvm.runtime.empty(feeds[s.name].shape, feeds[s.name].dtype, self._dev) for s in self.inputs
+                ]
                 self._views = [_host_view(b) for b in self._buffers]
             for buffer, view, sig in zip(self._buffers, self._views, self.inputs):
                 arr = feeds[sig.name]
@@ -148,7 +181,7 @@ class TvmRunner(Runner):
             # (np.from_dlpack + copy: 1-2 us here, Tensor.numpy(): about 15)
             return {name: _to_numpy(o) for name, o in zip(self.output_names, outs)}
 
-    def profile_layers(self, feeds: dict[str, "np.ndarray"], iterations: int = 20) -> dict[str, float] | None:
+    def profile_layers(self, feeds: dict[str, np.ndarray], iterations: int = 20) -> dict[str, float] | None:
         """Median ms per primitive function (build.json layer names) on a second VM over the same
         library, timed by the VM's instrument hook around each call (the VM's builtins, such as
         allocations, are left out); the first run is left out. The hook's own cost, a few
@@ -182,7 +215,7 @@ class TvmRunner(Runner):
         self._views = []
 
 
-def _host_view(tensor: Any) -> "np.ndarray | None":
+def _host_view(tensor: Any) -> np.ndarray | None:
     """A writable numpy array on a CPU tensor's memory; None where numpy cannot import its dtype."""
     import numpy as np
 
@@ -193,7 +226,7 @@ def _host_view(tensor: Any) -> "np.ndarray | None":
     return view if view.flags.writeable else None
 
 
-def _to_numpy(tensor: Any) -> "np.ndarray":
+def _to_numpy(tensor: Any) -> np.ndarray:
     import numpy as np
 
     try:
@@ -206,28 +239,35 @@ class TvmBackend(Backend):
     name = "tvm"
     Options = TvmOptions
     Meta = TvmMeta
-    capabilities = Capabilities(precisions=("fp32",), devices=("cpu",), runtime_package=_PACKAGE,
-                                per_node_precision=False, cache="tuning-database")
+    capabilities = Capabilities(
+        precisions=("fp32",),
+        devices=("cpu",),
+        runtime_package=_PACKAGE,
+        per_node_precision=False,
+        cache="tuning-database",
+    )
     cache_files = (WORKLOADS, RECORDS, DEFAULTS)
     install_hint = _PIP
     engine_format = "skuforge-tvm-relax/1"
     runtime_keys = (_PACKAGE,)  # the library calls into the runtime of the TVM that compiled it
 
     @classmethod
-    def _check_sku_impl(cls, sku: "SkuSpec", options: TvmOptions) -> list[str]:
+    def _check_sku_impl(cls, sku: SkuSpec, options: TvmOptions) -> list[str]:
         problems = []
         if options.trials_per_task is not None and options.trials == 0:
             problems.append("options.trials_per_task: set with trials 0 (no tuning); set options.trials too")
         if sku.cache.require and options.trials == 0:
             problems.append("cache.require: options.trials is 0, so the build uses no tuning database; set trials")
         if sku.profiles:
-            problems.append(f"profiles: the tvm backend compiles static shapes; pin {', '.join(sorted(sku.profiles))} "
-                            "in shapes instead")
+            problems.append(
+                f"profiles: the tvm backend compiles static shapes; pin {', '.join(sorted(sku.profiles))} "
+                "in shapes instead"
+            )
         if sku.target.arch not in _TRIPLES:
             problems.append(f"target.arch: {sku.target.arch} has no LLVM triple here (known: {', '.join(_TRIPLES)})")
         return problems
 
-    def environment_problems(self, sku: "SkuSpec", purpose: str = "run") -> list[str]:
+    def environment_problems(self, sku: SkuSpec, purpose: str = "run") -> list[str]:
         try:
             tvm = _tvm()
         except EnvironmentProblem as exc:
@@ -254,10 +294,12 @@ class TvmBackend(Backend):
     def uses_cache(self, options: TvmOptions) -> bool:
         return options.trials > 0
 
-    def cache_key(self, sku: "SkuSpec") -> dict[str, str]:
+    def cache_key(self, sku: SkuSpec) -> dict[str, str]:
         """A tuning database holds schedules measured for one target under one TVM version."""
-        return {_PACKAGE: _version() or "unknown",
-                "target": json.dumps(target_of(self.options(sku), sku.target.arch), sort_keys=True)}
+        return {
+            _PACKAGE: _version() or "unknown",
+            "target": json.dumps(target_of(self.options(sku), sku.target.arch), sort_keys=True),
+        }
 
     def check_cache(self, folder: Path) -> str | None:
         """Each line of MetaSchedule's JSON database is a JSON array; the defaults file maps task
@@ -288,7 +330,7 @@ class TvmBackend(Backend):
     # --- build --------------------------------------------------------------------------------
 
     def _build_impl(self, ctx: BuildContext, staged: Staged) -> BuildOutcome:
-        from ..graph import signature
+        from pipeline.graph import signature
 
         opts: TvmOptions = staged.options
         tvm = _tvm()
@@ -308,28 +350,60 @@ class TvmBackend(Backend):
         _progress(ctx, "tvm compile", 0.7)
         executable = compile_module(mod, target, database, opts.opt_level)
         executable.export_library(str(ctx.engine_dir / LIBRARY))
-        meta = TvmMeta(library=LIBRARY, target=target_json, device="cpu", entry="main", inputs=sig.inputs,
-                       outputs=sig.outputs, num_threads=opts.num_threads, tuned=len(tuned & set(functions)),
-                       functions=len(functions), host_cpu=probe.cpu_record())
+        meta = TvmMeta(
+            library=LIBRARY,
+            target=target_json,
+            device="cpu",
+            entry="main",
+            inputs=sig.inputs,
+            outputs=sig.outputs,
+            num_threads=opts.num_threads,
+            tuned=len(tuned & set(functions)),
+            functions=len(functions),
+            host_cpu=probe.cpu_record(),
+        )
         runner = TvmRunner(ctx.engine_dir / LIBRARY, meta)
         runner.infer(ctx.probe_inputs)  # it loads and runs before it is called an engine
         runner.close()
-        layers = [LayerInfo(name=fn, op_type=op_type_of(fn), precision=precision, device="cpu",
-                            kernel="tuned" if fn in tuned else "default", fused_from=origins.get(fn, []))
-                  for fn, precision in functions.items()]
+        layers = [
+            LayerInfo(
+                name=fn,
+                op_type=op_type_of(fn),
+                precision=precision,
+                device="cpu",
+                kernel="tuned" if fn in tuned else "default",
+                fused_from=origins.get(fn, []),
+            )
+            for fn, precision in functions.items()
+        ]
         if not any(layer.fused_from for layer in layers):
             warnings.append("no primitive function could be traced to its ONNX nodes: fused_from is empty")
         hardware_specific = opts.target_cpu == "host"
         if hardware_specific:
-            warnings.append(f"target_cpu host resolved to {target_json['mcpu']} with {len(target_json.get('mattr', []))} "
-                            "CPU features (those this host reports): the engine runs only on CPUs that have them")
-        options = {**opts.model_dump(mode="json"), "target": target_json, "functions": len(functions),
-                   "tuned_functions": meta.tuned}
-        return BuildOutcome(files=[LIBRARY], layers=layers, requested_devices=["cpu"], partition_boundaries=0,
-                            options=options, hardware_specific=hardware_specific, warnings=warnings, meta=meta)
+            warnings.append(
+                f"target_cpu host resolved to {target_json['mcpu']} with {len(target_json.get('mattr', []))} "
+                "CPU features (those this host reports): the engine runs only on CPUs that have them"
+            )
+        options = {
+            **opts.model_dump(mode="json"),
+            "target": target_json,
+            "functions": len(functions),
+            "tuned_functions": meta.tuned,
+        }
+        return BuildOutcome(
+            files=[LIBRARY],
+            layers=layers,
+            requested_devices=["cpu"],
+            partition_boundaries=0,
+            options=options,
+            hardware_specific=hardware_specific,
+            warnings=warnings,
+            meta=meta,
+        )
 
-    def _schedule(self, ctx: BuildContext, staged: Staged, mod: Any, target: Any,
-                  opts: TvmOptions) -> tuple[Any, set[str], int]:
+    def _schedule(
+        self, ctx: BuildContext, staged: Staged, mod: Any, target: Any, opts: TvmOptions
+    ) -> tuple[Any, set[str], int]:
         """The tuning database for ``mod``: the trusted cache's records, plus tuning for each task
         it lacks (a miss: under cache.require the build fails here). Returns the database, the
         primitive functions it schedules and the trials spent."""
@@ -368,29 +442,36 @@ class TvmBackend(Backend):
         tuned = {t.task_name for t in tasks if has_record(database, t, target)}
         return database, tuned, spent
 
-    def _load_impl(self, engine_dir: Path, meta: TvmMeta, sku: "SkuSpec") -> Runner:
+    def _load_impl(self, engine_dir: Path, meta: TvmMeta, sku: SkuSpec) -> Runner:
         missing = probe.missing_llvm_features(meta.target.get("mattr", []))
         if missing:
-            raise EnvironmentProblem(f"{engine_dir} was compiled for CPU {meta.target.get('mcpu')} with features this CPU "
-                                     f"lacks: {', '.join(missing)}",
-                                     hint="rebuild it on this host (target_cpu: host), or with an options.target_cpu "
-                                          "this CPU supports (e.g. x86-64-v3), or run it on the SKU's runner")
+            raise EnvironmentProblem(
+                f"{engine_dir} was compiled for CPU {meta.target.get('mcpu')} with features this CPU "
+                f"lacks: {', '.join(missing)}",
+                hint="rebuild it on this host (target_cpu: host), or with an options.target_cpu "
+                "this CPU supports (e.g. x86-64-v3), or run it on the SKU's runner",
+            )
         return TvmRunner(engine_dir / meta.library, meta)
 
 
 # --- import and lowering ----------------------------------------------------------------------------
 
 
-def import_onnx(model: "onnx.ModelProto") -> tuple[Any, dict[Any, str]]:
+def import_onnx(model: onnx.ModelProto) -> tuple[Any, dict[Any, str]]:
     """The Relax module of the ONNX model (static shapes, weights bound as constants) and, for
     each binding of its main function, the ONNX node it was converted from."""
     from tvm.relax.frontend.onnx import onnx_frontend as frontend
 
     convert = frontend._get_convert_map()
     names = [n.name or f"{n.op_type}_{i}" for i, n in enumerate(model.graph.node)]
-    unsupported = [(n.op_type, name) for n, name in zip(model.graph.node, names)
-                   if n.op_type not in convert and n.domain in ("", "ai.onnx")]
-    foreign = [(f"{n.domain}.{n.op_type}", name) for n, name in zip(model.graph.node, names) if n.domain not in ("", "ai.onnx")]
+    unsupported = [
+        (n.op_type, name)
+        for n, name in zip(model.graph.node, names)
+        if n.op_type not in convert and n.domain in ("", "ai.onnx")
+    ]
+    foreign = [
+        (f"{n.domain}.{n.op_type}", name) for n, name in zip(model.graph.node, names) if n.domain not in ("", "ai.onnx")
+    ]
     if unsupported or foreign:
         (op, node), *_ = unsupported or foreign
         listed = ", ".join(f"{o} (node {n!r})" for o, n in (unsupported + foreign)[:10])
@@ -401,8 +482,10 @@ def import_onnx(model: "onnx.ModelProto") -> tuple[Any, dict[Any, str]]:
     for value in inputs:
         dims = value.type.tensor_type.shape.dim
         if any(not d.HasField("dim_value") for d in dims):
-            raise InputError(f"input {value.name!r} has a dynamic axis: the tvm backend compiles static shapes",
-                             hint="pin the axis in the SKU's shapes (profiles are not supported by tvm)")
+            raise InputError(
+                f"input {value.name!r} has a dynamic axis: the tvm backend compiles static shapes",
+                hint="pin the axis in the SKU's shapes (profiles are not supported by tvm)",
+            )
         shapes[value.name] = [d.dim_value for d in dims]
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     importer = frontend.ONNXGraphImporter(shapes, "float32", keep_params_in_input=False, sanitize=True)
@@ -410,9 +493,11 @@ def import_onnx(model: "onnx.ModelProto") -> tuple[Any, dict[Any, str]]:
         mod = importer.from_onnx(model.graph, opset)
     except Exception as exc:  # the frontend raises whatever its converters raise
         detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise InputError(f"TVM's Relax ONNX frontend could not convert the model: {detail}",
-                         hint="the model is valid ONNX but this TVM refuses it for the reason above: re-export at "
-                              "another opset, upgrade apache-tvm, or use another backend") from exc
+        raise InputError(
+            f"TVM's Relax ONNX frontend could not convert the model: {detail}",
+            hint="the model is valid ONNX but this TVM refuses it for the reason above: re-export at "
+            "another opset, upgrade apache-tvm, or use another backend",
+        ) from exc
     producer = {out: name for node, name in zip(model.graph.node, names) for out in node.output if out}
     outputs = [(importer._nodes[o], n) for o, n in producer.items() if o in getattr(importer, "_nodes", {})]
     node_of: dict[Any, str] = {}
@@ -434,9 +519,15 @@ def lower(mod: Any, target: Any, node_of: dict[Any, str]) -> tuple[Any, dict[str
     from tvm import relax
 
     with tvm.target.Target(target):
-        mod = tvm.transform.Sequential([relax.transform.DecomposeOpsForInference(),
-                                        relax.transform.CanonicalizeBindings(), relax.transform.LegalizeOps(),
-                                        relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant()])(mod)
+        mod = tvm.transform.Sequential(
+            [
+                relax.transform.DecomposeOpsForInference(),
+                relax.transform.CanonicalizeBindings(),
+                relax.transform.LegalizeOps(),
+                relax.transform.AnnotateTIROpPattern(),
+                relax.transform.FoldConstant(),
+            ]
+        )(mod)
         before = _calls(mod["main"])
         mod = relax.transform.FuseOps()(mod)
         origins = _fused_origins(mod, node_of, before)
@@ -514,8 +605,17 @@ def primitive_functions(mod: Any) -> dict[str, str]:
     return out
 
 
-_PRECISIONS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int8": "int8", "uint8": "int8",
-               "float64": "fp64", "int32": "int32", "int64": "int64", "bool": "bool"}
+_PRECISIONS = {
+    "float32": "fp32",
+    "float16": "fp16",
+    "bfloat16": "bf16",
+    "int8": "int8",
+    "uint8": "int8",
+    "float64": "fp64",
+    "int32": "int32",
+    "int64": "int64",
+    "bool": "bool",
+}
 
 
 def _precision(dtype: str) -> str:
@@ -540,8 +640,9 @@ def _ms() -> Any:
 
 def open_database(work: Path) -> Any:
     ms = _ms()
-    return ms.database.JSONDatabase(path_workload=str(work / WORKLOADS), path_tuning_record=str(work / RECORDS),
-                                    allow_missing=True)
+    return ms.database.JSONDatabase(
+        path_workload=str(work / WORKLOADS), path_tuning_record=str(work / RECORDS), allow_missing=True
+    )
 
 
 def extract_tasks(mod: Any, target: Any) -> list[Any]:
@@ -582,8 +683,9 @@ def tune(tasks: list[Any], target: Any, work: Path, trials: int, per_task: int |
     # (TVM's pool spin-waits: two tuning processes on 2 cores each with 2 threads crawled for minutes)
     threads = max(1, min(int(target.attrs.get("num-cores", 1)), probe.usable_cores()))
     with _tuning_logs():
-        contexts, weights = extracted_tasks_to_tune_contexts(tasks, work_dir=str(work / "logs"), num_threads=threads,
-                                                             seed=seed)
+        contexts, weights = extracted_tasks_to_tune_contexts(
+            tasks, work_dir=str(work / "logs"), num_threads=threads, seed=seed
+        )
         _tune_contexts(ms, contexts, weights, work, database, trials, per_task)
     return len(open_database(work).get_all_tuning_records()) - before
 
@@ -615,18 +717,28 @@ class _tuning_logs:
                 handler.close()
 
 
-def _tune_contexts(ms: Any, contexts: list[Any], weights: list[float], work: Path, database: Any, trials: int,
-                   per_task: int) -> None:
+def _tune_contexts(
+    ms: Any, contexts: list[Any], weights: list[float], work: Path, database: Any, trials: int, per_task: int
+) -> None:
     try:
-        ms.tune.tune_tasks(tasks=contexts, task_weights=weights, work_dir=str(work / "logs"), max_trials_global=trials,
-                           max_trials_per_task=per_task, num_trials_per_iter=min(per_task, 16),
-                           builder=ms.builder.LocalBuilder(f_build=_build_candidate, max_workers=1, timeout_sec=120),
-                           runner=ms.runner.LocalRunner(timeout_sec=60),
-                           database=database, cost_model="random")
+        ms.tune.tune_tasks(
+            tasks=contexts,
+            task_weights=weights,
+            work_dir=str(work / "logs"),
+            max_trials_global=trials,
+            max_trials_per_task=per_task,
+            num_trials_per_iter=min(per_task, 16),
+            builder=ms.builder.LocalBuilder(f_build=_build_candidate, max_workers=1, timeout_sec=120),
+            runner=ms.runner.LocalRunner(timeout_sec=60),
+            database=database,
+            cost_model="random",
+        )
     except Exception as exc:  # TVMError from a search or measurement: name it, keep the cause
         detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise EnvironmentProblem(f"MetaSchedule tuning failed: {detail}",
-                                 hint="set options.trials: 0 to build with default schedules, or check the runner") from exc
+        raise EnvironmentProblem(
+            f"MetaSchedule tuning failed: {detail}",
+            hint="set options.trials: 0 to build with default schedules, or check the runner",
+        ) from exc
 
 
 def _build_candidate(mod: Any, target: Any, _params: Any) -> Any:
@@ -691,4 +803,3 @@ class _threads:
 def _progress(ctx: BuildContext, label: str, fraction: float) -> None:
     if ctx.progress:
         ctx.progress(label, fraction)
-

@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..config import Registry
-from ..errors import InputError
+from pipeline.config import Registry
+from pipeline.errors import InputError
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -24,11 +24,14 @@ def _load(path: Path) -> dict[str, Any]:
     try:
         doc = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
-        raise InputError(f"cannot read the DVC lock file {path}: {exc}",
-                         hint="download the build jobs' artifacts again") from exc
+        raise InputError(
+            f"cannot read the DVC lock file {path}: {exc}", hint="download the build jobs' artifacts again"
+        ) from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("stages"), dict):
-        raise InputError(f"{path} is not a DVC lock file (no 'stages' mapping)",
-                         hint="pass the folder the build jobs' <sku>/dvc.lock files were downloaded to")
+        raise InputError(
+            f"{path} is not a DVC lock file (no 'stages' mapping)",
+            hint="pass the folder the build jobs' <sku>/dvc.lock files were downloaded to",
+        )
     return doc
 
 
@@ -38,7 +41,7 @@ def assemble(registry: Registry, locks_dir: Path, lock: Path | None = None) -> d
     the files written, or why not)."""
     import yaml
 
-    from ..io import atomic_write_bytes
+    from pipeline.io import atomic_write_bytes
 
     lock = Path(lock) if lock is not None else registry.root / "dvc.lock"
     merged = _load(lock) if lock.is_file() else {"schema": "2.0", "stages": {}}
@@ -59,17 +62,24 @@ def assemble(registry: Registry, locks_dir: Path, lock: Path | None = None) -> d
                 shared_from[name] = sku
                 stages[name] = entry
     if not found:
-        raise InputError(f"no <sku>/dvc.lock under {locks_dir}",
-                         hint="the build jobs upload build/ci/<sku>/dvc.lock in their artifacts; did any succeed?")
+        raise InputError(
+            f"no <sku>/dvc.lock under {locks_dir}",
+            hint="the build jobs upload build/ci/<sku>/dvc.lock in their artifacts; did any succeed?",
+        )
     merged["stages"] = dict(sorted(stages.items()))
     text = yaml.safe_dump(merged, sort_keys=False)
     changed = not lock.is_file() or lock.read_text() != text
     if changed:
         atomic_write_bytes(lock, text.encode())
-    from ..consistency import refresh_reports
-    from ..dvcmetrics import write_comparison
+    from pipeline.consistency import refresh_reports
+    from pipeline.dvcmetrics import write_comparison
 
     # each SKU job wrote its own metrics/bench files; the per-model comparison spans them all
     compared = [str(path) for model in registry.models if (path := write_comparison(registry.root, model))]
-    return {"lock": str(lock), "skus": found, "changed": changed, "consistency": refresh_reports(registry),
-            "metrics": compared}
+    return {
+        "lock": str(lock),
+        "skus": found,
+        "changed": changed,
+        "consistency": refresh_reports(registry),
+        "metrics": compared,
+    }

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import NAME_PATTERN, Registry, SkuSpec
-from ..errors import ConfigError
+from pipeline.config import NAME_PATTERN, Registry, SkuSpec
+from pipeline.errors import ConfigError
 
 WORKFLOW_DIR = Path(".github") / "workflows"
 TEMPLATES = {"build.yml": "build.yml.j2", "promote.yml": "promote.yml.j2", "rollout.yml": "rollout.yml.j2"}
@@ -38,11 +38,18 @@ def _environment():
 
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(Path(__file__).parent / "templates")),
-        variable_start_string="[[", variable_end_string="]]",
-        block_start_string="[%", block_end_string="%]",
-        comment_start_string="[#", comment_end_string="#]",
-        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
-        undefined=jinja2.StrictUndefined, autoescape=False, finalize=_serialized,
+        variable_start_string="[[",
+        variable_end_string="]]",
+        block_start_string="[%",
+        block_end_string="%]",
+        comment_start_string="[#",
+        comment_end_string="#]",
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        finalize=_serialized,
     )
 
 
@@ -65,8 +72,10 @@ def yaml_value(value: Any) -> str:
 
     text = json.dumps(value)
     if "${{" in text:
-        raise ConfigError(f"registry value {value!r} holds '${{{{': GitHub would evaluate it as an expression",
-                          hint="rename it in params.yaml (see the name rule in docs/registry.md)")
+        raise ConfigError(
+            f"registry value {value!r} holds '${{{{': GitHub would evaluate it as an expression",
+            hint="rename it in params.yaml (see the name rule in docs/registry.md)",
+        )
     return _Serialized(text)
 
 
@@ -89,8 +98,8 @@ def workflows(registry: Registry) -> dict[str, str]:
 @dataclass
 class RenderResult:
     directory: Path
-    files: list[str]      # every rendered file, relative to the project root
-    differ: list[str]     # files whose content differs from (or is missing in) the directory
+    files: list[str]  # every rendered file, relative to the project root
+    differ: list[str]  # files whose content differs from (or is missing in) the directory
 
     def to_json(self) -> dict[str, Any]:
         return {"directory": str(self.directory), "files": self.files, "differ": self.differ}
@@ -101,7 +110,7 @@ def render(registry: Registry, output: Path | None = None, check: bool = False) 
 
     With ``check`` nothing is written; ``differ`` lists the files that are stale or missing.
     """
-    from ..io import atomic_write_bytes
+    from pipeline.io import atomic_write_bytes
 
     directory = Path(output) if output is not None else registry.root / WORKFLOW_DIR
     files, differ = [], []

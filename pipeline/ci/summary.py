@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
-from ..config import Registry
-from ..redact import redact
+from pipeline.config import Registry
+from pipeline.redact import redact
 
-COLUMNS = [("model", "model"), ("passed", "correct"), ("max_abs_error", "max abs error"), ("p50_ms", "p50 ms"),
-           ("p99_ms", "p99 ms"), ("throughput_per_s", "samples/s"), ("build_s", "build s"), ("digest", "digest"),
-           ("mlflow", "MLflow")]
+COLUMNS = [
+    ("model", "model"),
+    ("passed", "correct"),
+    ("max_abs_error", "max abs error"),
+    ("p50_ms", "p50 ms"),
+    ("p99_ms", "p99 ms"),
+    ("throughput_per_s", "samples/s"),
+    ("build_s", "build s"),
+    ("digest", "digest"),
+    ("mlflow", "MLflow"),
+]
 
 
 def _cell(value) -> str:
@@ -25,7 +33,7 @@ def markdown(registry: Registry, sku: str, report_url: str | None = None) -> str
     written; otherwise the outcome (gate failed, build failed, unsupported, not run) and why.
     ``report_url``: where the job's HTML report (``skuforge report``) can be downloaded; a job
     summary cannot show its charts itself (GitHub drops ``data:`` images), so it links to them."""
-    from ..repro import matrix
+    from pipeline.repro import matrix
 
     registry.sku(sku)  # an unknown SKU is a config error naming the known ones
     pairs = [p for p in matrix(registry, skus=[sku]) if p.manifest is not None or p.outcome != "not run" or p.exit_code]
@@ -40,9 +48,12 @@ def markdown(registry: Registry, sku: str, report_url: str | None = None) -> str
             outcome = p.outcome if p.outcome == "passed" else f"**{p.outcome}**: {_escape(p.detail)}"
             lines.append("| " + " | ".join(_cell(row.get(key)) for key, _ in COLUMNS) + f" | {outcome} |")
     if report_url:
-        lines += ["", f"Latency histograms and CDFs, warm-up timelines, percentile intervals and the cross-SKU "
-                      f"latency chart: the HTML report in the [run's artifacts]({report_url}) (artifact "
-                      f"`sku-{sku}`, `build/ci/{sku}/report/index.html`)."]
+        lines += [
+            "",
+            f"Latency histograms and CDFs, warm-up timelines, percentile intervals and the cross-SKU "
+            f"latency chart: the HTML report in the [run's artifacts]({report_url}) (artifact "
+            f"`sku-{sku}`, `build/ci/{sku}/report/index.html`).",
+        ]
     return redact("\n".join(lines + [""]))  # the summary is public on the run's page
 
 

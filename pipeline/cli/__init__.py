@@ -13,11 +13,11 @@ import argparse
 import logging
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
-from .. import redact
-from ..errors import EXIT_INTERNAL, EnvironmentProblem, InputError, SkuforgeError
-from . import bisect, cache, ci, commands, compare, keys, rollout
+from pipeline import redact
+from pipeline.cli import bisect, cache, ci, commands, compare, keys, rollout
+from pipeline.errors import EXIT_INTERNAL, EnvironmentProblem, InputError, SkuforgeError
 
 # Loggers that log a traceback for an error skuforge reports itself in one line (-v shows them).
 _NOISY = ("mlflow.store.db.utils",)
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="skuforge",
         description="Build, gate, benchmark and describe ML inference engines per device SKU.",
         epilog="exit codes: 0 ok, 1 gate failed, 2 bad config or input, 3 environment (backend, hardware, "
-               "toolchain), 4 external service, 70 internal error, 130 interrupted",
+        "toolchain), 4 external service, 70 internal error, 130 interrupted",
     )
     parser.add_argument("--params", default="params.yaml", help="the registry (default: params.yaml)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -48,8 +48,9 @@ def _drop_tracebacks(record: logging.LogRecord) -> bool:
 
 
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(levelname).1s %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO, format="%(levelname).1s %(message)s", stream=sys.stderr
+    )
     for name in _NOISY:
         logger = logging.getLogger(name)
         if verbose:
@@ -60,7 +61,7 @@ def _setup_logging(verbose: bool) -> None:
 
 def _os_error(exc: OSError) -> SkuforgeError | None:
     """A file-system error no library code turned into a message: still one the user can act on."""
-    from ..io import storage_error
+    from pipeline.io import storage_error
 
     if exc.filename is None:
         return None
@@ -69,8 +70,10 @@ def _os_error(exc: OSError) -> SkuforgeError | None:
         return err
     if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
         return InputError(f"{exc.filename}: {exc.strerror}", hint="check the path (run the step that writes it first)")
-    return EnvironmentProblem(f"cannot access {exc.filename}: {exc.strerror}",
-                              hint="check the file's permissions and the disk, then run again")
+    return EnvironmentProblem(
+        f"cannot access {exc.filename}: {exc.strerror}",
+        hint="check the file's permissions and the disk, then run again",
+    )
 
 
 def _error(exc: SkuforgeError) -> int:
@@ -138,14 +141,18 @@ def _record(args: argparse.Namespace, code: int, exc: BaseException | None) -> i
         return code
     from pathlib import Path
 
-    from ..repro import clear_outcome, record_outcome
+    from pipeline.repro import clear_outcome, record_outcome
 
     root = Path(args.params).resolve().parent
     try:
         if code == 0:
             clear_outcome(root, *stage)
         else:
-            message = exc.message if isinstance(exc, SkuforgeError) else f"internal error (a bug): {type(exc).__name__}: {exc}"
+            message = (
+                exc.message
+                if isinstance(exc, SkuforgeError)
+                else f"internal error (a bug): {type(exc).__name__}: {exc}"
+            )
             record_outcome(root, *stage, exit_code=code, message=message, error=exc)
     except (OSError, SkuforgeError) as err:  # a full disk, say: never let the record hide the stage's own result
         logging.getLogger(__name__).debug("could not update the outcome record of %s: %s", stage, err)

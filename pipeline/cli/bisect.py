@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .commands import _emit, _registry
+from pipeline.cli.commands import _emit, _registry
 
 
 def count(value: str) -> int:
@@ -15,34 +15,48 @@ def count(value: str) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bisect", help="find the first node whose output leaves tolerance, and why (--fix: keep it "
-                                      "in higher precision until the gate passes)")
+    p = sub.add_parser(
+        "bisect",
+        help="find the first node whose output leaves tolerance, and why (--fix: keep it "
+        "in higher precision until the gate passes)",
+    )
     p.add_argument("--model", required=True)
     p.add_argument("--sku", required=True)
-    p.add_argument("--fix", action="store_true", help="rebuild with the suspects in higher precision and re-validate, "
-                                                     "round after round, until the gate passes")
-    p.add_argument("--apply", action="store_true", help="with --fix: write the nodes into params.yaml "
-                                                       "(models.<model>.higher_precision.<sku>)")
+    p.add_argument(
+        "--fix",
+        action="store_true",
+        help="rebuild with the suspects in higher precision and re-validate, round after round, until the gate passes",
+    )
+    p.add_argument(
+        "--apply",
+        action="store_true",
+        help="with --fix: write the nodes into params.yaml (models.<model>.higher_precision.<sku>)",
+    )
     p.add_argument("--max-builds", type=count, help="builds one bisection may take (default: skus.<sku>.bisect)")
     p.add_argument("--marks", type=count, help="tensors marked as outputs per build (default: skus.<sku>.bisect)")
     p.add_argument("--rounds", type=count, help="--fix rounds (default: skus.<sku>.bisect.max_fix_rounds)")
-    p.add_argument("--scan", action="store_true", help="measure every intermediate tensor (passing engine or not): "
-                                                       "the per-layer error profile")
+    p.add_argument(
+        "--scan",
+        action="store_true",
+        help="measure every intermediate tensor (passing engine or not): the per-layer error profile",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import ConfigError
-    from ..io import atomic_write_json
-    from ..stages.build import require_host
-    from ..stages.common import layout
-    from .progress import ProgressLine
+    from pipeline.cli.progress import ProgressLine
+    from pipeline.errors import ConfigError
+    from pipeline.io import atomic_write_json
+    from pipeline.stages.build import require_host
+    from pipeline.stages.common import layout
 
     if args.scan and args.fix:
         raise ConfigError("--scan measures, --fix repairs: give one", hint="skuforge bisect --model M --sku S --scan")
     if args.apply and not args.fix:
-        raise ConfigError("--apply writes what --fix found: give both", hint="skuforge bisect --model M --sku S --fix --apply")
+        raise ConfigError(
+            "--apply writes what --fix found: give both", hint="skuforge bisect --model M --sku S --fix --apply"
+        )
     registry = _registry(args)
     registry.model(args.model)
     require_host(registry, args.sku, "build")
@@ -50,17 +64,25 @@ def run(args: argparse.Namespace) -> int:
     progress = ProgressLine()
     try:
         if args.fix:
-            from ..remedy import apply_overrides, fix
+            from pipeline.remedy import apply_overrides, fix
 
-            result = fix(registry, args.model, args.sku, max_rounds=args.rounds,
-                         max_builds=args.max_builds, progress=progress)
+            result = fix(
+                registry, args.model, args.sku, max_rounds=args.rounds, max_builds=args.max_builds, progress=progress
+            )
             if args.apply and result.passed:
                 apply_overrides(Path(args.params), args.model, args.sku, result.keep_precise)
         else:
-            from ..bisect import bisect
+            from pipeline.bisect import bisect
 
-            result = bisect(registry, args.model, args.sku, max_builds=args.max_builds,
-                            marks_per_build=args.marks, scan=args.scan, progress=progress)
+            result = bisect(
+                registry,
+                args.model,
+                args.sku,
+                max_builds=args.max_builds,
+                marks_per_build=args.marks,
+                scan=args.scan,
+                progress=progress,
+            )
     finally:
         progress.close()
     atomic_write_json(out.report(args.model, args.sku, "fix" if args.fix else "bisect"), result.to_json())
@@ -69,26 +91,37 @@ def run(args: argparse.Namespace) -> int:
 
 
 def bisection_text(b) -> str:
-    lines = [f"{b.model}/{b.sku} ({b.backend} {b.precision}): {b.verdict}, {b.builds} builds, "
-             f"{b.candidates} candidate tensors, {b.samples} golden samples", f"  {b.summary}"]
+    lines = [
+        f"{b.model}/{b.sku} ({b.backend} {b.precision}): {b.verdict}, {b.builds} builds, "
+        f"{b.candidates} candidate tensors, {b.samples} golden samples",
+        f"  {b.summary}",
+    ]
     for s in b.suspects:
         e = s.error
         lines.append(f"  suspect {s.node} ({s.op_type}) -> {s.tensor}: cause {s.cause}")
-        lines.append(f"    error: relative {_num(e.relative_error)}, median channel {_num(e.channel_relative_error)}, "
-                     f"max abs {_num(e.max_abs_error)}, NaN {e.nan}, Inf {e.inf}")
-        lines.append(f"    reference range [{_num(e.reference_min)}, {_num(e.reference_max)}], abs-max {_num(e.reference_abs_max)}"
-                     + (f"; channel abs-max {e.channel_abs_max}" if e.channel_abs_max else ""))
+        lines.append(
+            f"    error: relative {_num(e.relative_error)}, median channel {_num(e.channel_relative_error)}, "
+            f"max abs {_num(e.max_abs_error)}, NaN {e.nan}, Inf {e.inf}"
+        )
+        lines.append(
+            f"    reference range [{_num(e.reference_min)}, {_num(e.reference_max)}], abs-max {_num(e.reference_abs_max)}"
+            + (f"; channel abs-max {e.channel_abs_max}" if e.channel_abs_max else "")
+        )
         for i in s.inputs:
             lines.append(f"    input {i.tensor}: relative {_num(i.relative_error)}, max abs {_num(i.max_abs_error)}")
         for layer in s.engine_layers:
-            lines.append(f"    engine layer {layer.name} ({layer.op_type})" + (f" fused from {', '.join(layer.fused_from)}"
-                                                                              if layer.fused_from else ""))
+            lines.append(
+                f"    engine layer {layer.name} ({layer.op_type})"
+                + (f" fused from {', '.join(layer.fused_from)}" if layer.fused_from else "")
+            )
         lines.append(f"    {s.explanation}")
         lines.append(f"    remedy: keep {', '.join(s.keep)} in higher precision (skuforge bisect --fix)")
     for t in b.tensors:
-        lines.append(f"  {'DIVERGES' if t.divergent else 'ok':8} {t.node} ({t.op_type}): relative {_num(t.relative_error)}, "
-                     f"median channel {_num(t.channel_relative_error)}, max abs {_num(t.max_abs_error)}"
-                     + (f", NaN {t.nan}, Inf {t.inf}" if t.nan or t.inf else ""))
+        lines.append(
+            f"  {'DIVERGES' if t.divergent else 'ok':8} {t.node} ({t.op_type}): relative {_num(t.relative_error)}, "
+            f"median channel {_num(t.channel_relative_error)}, max abs {_num(t.max_abs_error)}"
+            + (f", NaN {t.nan}, Inf {t.inf}" if t.nan or t.inf else "")
+        )
     if b.first_nonfinite:
         lines.append(f"  NaN/Inf first appear at {b.first_nonfinite}")
     return "\n".join(lines)
@@ -99,12 +132,17 @@ def _fix_text(r, args: argparse.Namespace) -> str:
     for name, o in (("before", r.before), ("after", r.after)):
         errs = ", ".join(f"{e.output} max abs {_num(e.max_abs_error)}" for e in o.outputs)
         mets = ", ".join(f"{m.split} {m.engine:.4f} (ref {m.reference:.4f})" for m in o.metrics)
-        lines.append(f"  {name}: {'pass' if o.passed else 'fail'}; {errs}{'; ' + mets if mets else ''}; p50 {_num(o.p50_ms)} ms")
+        lines.append(
+            f"  {name}: {'pass' if o.passed else 'fail'}; {errs}{'; ' + mets if mets else ''}; p50 {_num(o.p50_ms)} ms"
+        )
     if r.latency_ratio:
         lines.append(f"  latency cost: x{r.latency_ratio:.2f}")
     if r.passed:
-        lines.append(("written to params.yaml:" if args.apply else "params.yaml override (add it, or rerun with --apply):")
-                     + "\n" + "\n".join(f"  {line}" for line in r.overrides.splitlines()))
+        lines.append(
+            ("written to params.yaml:" if args.apply else "params.yaml override (add it, or rerun with --apply):")
+            + "\n"
+            + "\n".join(f"  {line}" for line in r.overrides.splitlines())
+        )
     return "\n".join(lines)
 
 

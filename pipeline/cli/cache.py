@@ -17,16 +17,25 @@ def _trials(value: str) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cache", help="the checked-in compiler caches (TVM tuning databases, TensorRT timing caches)")
     csub = p.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
-    s = csub.add_parser("status", help="per SKU and model: present, size, compiler version, target, stale or not, "
-                                       "last tuned, hit rate of the last build")
+    s = csub.add_parser(
+        "status",
+        help="per SKU and model: present, size, compiler version, target, stale or not, "
+        "last tuned, hit rate of the last build",
+    )
     s.add_argument("--sku", action="append", help="only this SKU (repeatable)")
     s.add_argument("--model", action="append", help="only this model (repeatable)")
-    s.add_argument("--fail-on", choices=("corrupt", "not-fresh"),
-                   help="exit 1 when a cache listed is corrupt, or is anything but fresh (stale, corrupt, missing)")
+    s.add_argument(
+        "--fail-on",
+        choices=("corrupt", "not-fresh"),
+        help="exit 1 when a cache listed is corrupt, or is anything but fresh (stale, corrupt, missing)",
+    )
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=status)
-    r = csub.add_parser("refresh", help="rebuild a SKU's caches from scratch (TVM tunes; TensorRT times every "
-                                        "tactic); a cache is replaced only when its build succeeds")
+    r = csub.add_parser(
+        "refresh",
+        help="rebuild a SKU's caches from scratch (TVM tunes; TensorRT times every "
+        "tactic); a cache is replaced only when its build succeeds",
+    )
     r.add_argument("--sku", required=True)
     r.add_argument("--model", action="append", help="only this model (repeatable; default: every model)")
     r.add_argument("--trials", type=_trials, help="tuning trials per model (default: the SKU's options.trials)")
@@ -40,8 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def status(args: argparse.Namespace) -> int:
-    from ..caches import status as cache_status
-    from ..config import load_registry
+    from pipeline.caches import status as cache_status
+    from pipeline.config import load_registry
 
     registry = load_registry(args.params)
     for name in args.sku or []:
@@ -53,11 +62,17 @@ def status(args: argparse.Namespace) -> int:
         print(json.dumps([r.to_json() for r in rows], indent=2, sort_keys=True))
     else:
         print(status_text(rows))
-    bad = [r for r in rows if (args.fail_on == "corrupt" and r.state == "corrupt")
-           or (args.fail_on == "not-fresh" and r.state != "fresh")]
+    bad = [
+        r
+        for r in rows
+        if (args.fail_on == "corrupt" and r.state == "corrupt") or (args.fail_on == "not-fresh" and r.state != "fresh")
+    ]
     if bad:
-        print(f"skuforge: {', '.join(f'{r.sku}/{r.model} is {r.state}' for r in bad)}; refresh with skuforge cache "
-              "refresh --sku S on the SKU's runner and commit caches/", file=sys.stderr)
+        print(
+            f"skuforge: {', '.join(f'{r.sku}/{r.model} is {r.state}' for r in bad)}; refresh with skuforge cache "
+            "refresh --sku S on the SKU's runner and commit caches/",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -69,15 +84,32 @@ def status_text(rows) -> str:
     for r in rows:
         last = r.last_build or {}
         rate = last.get("hit_rate")
-        last_text = (f"{last.get('hits', 0)} hits, {last.get('misses', 0)} misses"
-                     + (f" ({rate:.0%})" if rate is not None else "")) if last else "-"
+        last_text = (
+            (
+                f"{last.get('hits', 0)} hits, {last.get('misses', 0)} misses"
+                + (f" ({rate:.0%})" if rate is not None else "")
+            )
+            if last
+            else "-"
+        )
         compiler = next((f"{k} {v}" for k, v in r.key.items() if k != "target"), "-")
         target = r.key.get("target", "-")
         if len(target) > 48:
             target = target[:45] + "..."
         tuned = f"{r.tuned_at or '-'}" + (f" ({r.trials} trials)" if r.trials else "")
-        table.append([r.sku, r.model, r.kind or "-", r.state, _size(r.bytes) if r.files else "-", compiler, target, tuned,
-                      last_text])
+        table.append(
+            [
+                r.sku,
+                r.model,
+                r.kind or "-",
+                r.state,
+                _size(r.bytes) if r.files else "-",
+                compiler,
+                target,
+                tuned,
+                last_text,
+            ]
+        )
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
     lines += [f"  {r.sku}/{r.model}: {r.reason}" for r in rows if r.state not in ("fresh", "none")]
@@ -93,9 +125,9 @@ def _size(n: int) -> str:
 
 
 def refresh(args: argparse.Namespace) -> int:
-    from ..caches import refresh as cache_refresh
-    from ..config import load_registry
-    from .progress import ProgressLine
+    from pipeline.caches import refresh as cache_refresh
+    from pipeline.cli.progress import ProgressLine
+    from pipeline.config import load_registry
 
     registry = load_registry(args.params)
     for name in args.model or []:
@@ -110,13 +142,15 @@ def refresh(args: argparse.Namespace) -> int:
     else:
         for r in records:
             where = f"caches/{r['sku']}/{r['model']}"
-            print(f"refreshed {where}: {len(r.get('files', []))} files, sha256 {str(r.get('sha256'))[:12]}, "
-                  f"{'written' if r.get('updated') else 'unchanged'}; commit {where}")
+            print(
+                f"refreshed {where}: {len(r.get('files', []))} files, sha256 {str(r.get('sha256'))[:12]}, "
+                f"{'written' if r.get('updated') else 'unchanged'}; commit {where}"
+            )
     return 0
 
 
 def backends(args: argparse.Namespace) -> int:
-    from ..backends import capability_table
+    from pipeline.backends import capability_table
 
     rows = capability_table()
     if args.json:
@@ -124,17 +158,29 @@ def backends(args: argparse.Namespace) -> int:
     elif args.markdown:
         print(markdown(rows))
     else:
-        print("\n".join(f"{r['backend']}: precisions {', '.join(r['precisions'])}; devices {', '.join(r['devices'])}; "
-                        f"cache {r['cache'] or 'none'}; per-node precision {'yes' if r['per_node_precision'] else 'no'}; "
-                        f"intermediate outputs {'yes' if r['intermediate_outputs'] else 'no'}; "
-                        f"device package {r['runtime_package']}" for r in rows))
+        print(
+            "\n".join(
+                f"{r['backend']}: precisions {', '.join(r['precisions'])}; devices {', '.join(r['devices'])}; "
+                f"cache {r['cache'] or 'none'}; per-node precision {'yes' if r['per_node_precision'] else 'no'}; "
+                f"intermediate outputs {'yes' if r['intermediate_outputs'] else 'no'}; "
+                f"device package {r['runtime_package']}"
+                for r in rows
+            )
+        )
     return 0
 
 
 def markdown(rows) -> str:
-    head = ("| backend | precisions | devices | per-node precision | intermediate outputs | cache | device package |\n"
-            "|---|---|---|---|---|---|---|")
+    head = (
+        "| backend | precisions | devices | per-node precision | intermediate outputs | cache | device package |\n"
+        "|---|---|---|---|---|---|---|"
+    )
     yes = {True: "yes", False: "no"}
-    return "\n".join([head] + [
-        f"| `{r['backend']}` | {', '.join(r['precisions'])} | {', '.join(r['devices'])} | {yes[r['per_node_precision']]} "
-        f"| {yes[r['intermediate_outputs']]} | {r['cache'] or '-'} | `{r['runtime_package']}` |" for r in rows])
+    return "\n".join(
+        [head]
+        + [
+            f"| `{r['backend']}` | {', '.join(r['precisions'])} | {', '.join(r['devices'])} | {yes[r['per_node_precision']]} "
+            f"| {yes[r['intermediate_outputs']]} | {r['cache'] or '-'} | `{r['runtime_package']}` |"
+            for r in rows
+        ]
+    )

@@ -21,20 +21,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--report-url", metavar="URL", help="link the HTML report (skuforge report) there")
     s.set_defaults(func=summary)
 
-    a = csub.add_parser("assemble", help="merge the SKU jobs' <sku>/dvc.lock files into dvc.lock; write the "
-                                         "consistency reports from their golden outputs")
+    a = csub.add_parser(
+        "assemble",
+        help="merge the SKU jobs' <sku>/dvc.lock files into dvc.lock; write the "
+        "consistency reports from their golden outputs",
+    )
     a.add_argument("locks_dir", type=Path, help="the folder holding <sku>/dvc.lock")
     a.set_defaults(func=assemble)
 
 
 def _registry(args: argparse.Namespace):
-    from ..config import load_registry
+    from pipeline.config import load_registry
 
     return load_registry(args.params)
 
 
 def render(args: argparse.Namespace) -> int:
-    from ..ci.render import render as do_render
+    from pipeline.ci.render import render as do_render
 
     result = do_render(_registry(args), args.output, check=args.check)
     if args.check:
@@ -52,15 +55,15 @@ def render(args: argparse.Namespace) -> int:
 
 
 def summary(args: argparse.Namespace) -> int:
-    from ..ci.summary import markdown
+    from pipeline.ci.summary import markdown
 
     print(markdown(_registry(args), args.sku, args.report_url))
     return 0
 
 
 def assemble(args: argparse.Namespace) -> int:
-    from ..ci.assemble import assemble as do_assemble
-    from .compare import refresh_lines
+    from pipeline.ci.assemble import assemble as do_assemble
+    from pipeline.cli.compare import refresh_lines
 
     result = do_assemble(_registry(args), args.locks_dir)
     print(f"dvc.lock {'updated' if result['changed'] else 'unchanged'} from the SKUs {', '.join(result['skus'])}")

@@ -5,19 +5,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def positive_int(value: str) -> str:
     """A registered version number (MLflow counts from 1), checked before any store is opened."""
     if not value.strip().isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a version number: give a positive integer such as 3 "
-                                         "(`skuforge releases MODEL` lists the versions)")
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a version number: give a positive integer such as 3 "
+            "(`skuforge releases MODEL` lists the versions)"
+        )
     return str(int(value))
 
 
 def _registry(args: argparse.Namespace):
-    from ..config import load_registry
+    from pipeline.config import load_registry
 
     return load_registry(args.params)
 
@@ -29,12 +32,13 @@ def _emit(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None:
         print(text())
 
 
-def _stage(fn_path: str, needs_sku: bool, summarize: Callable[[Any], str],
-           flags: tuple[str, ...] = ()) -> Callable[[argparse.Namespace], int]:
+def _stage(
+    fn_path: str, needs_sku: bool, summarize: Callable[[Any], str], flags: tuple[str, ...] = ()
+) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         import importlib
 
-        from .progress import ProgressLine
+        from pipeline.cli.progress import ProgressLine
 
         module, _, name = fn_path.partition(":")
         fn = getattr(importlib.import_module(module), name)
@@ -53,35 +57,81 @@ def _stage(fn_path: str, needs_sku: bool, summarize: Callable[[Any], str],
 
 
 STAGES: dict[str, tuple[str, bool, str, Callable[[Any], str]]] = {
-    "prepare": ("pipeline.stages.prepare:prepare", False, "check the model, infer shapes, run graph passes",
-                lambda r: f"prepared {r.model}: " + ", ".join(f"{p.name} {'changed' if p.changed else 'no change'}" for p in r.passes)),
-    "data": ("pipeline.stages.data:make_data", False, "golden, calibration, evaluation and hard-tail sets",
-             lambda r: f"data {r.model}: " + ", ".join(f"{k} {v.samples}" for k, v in r.splits.items())),
-    "reference": ("pipeline.stages.reference:reference", False, "ONNX Runtime CPU FP32 reference outputs",
-                  lambda r: f"reference {r.model}: " + (", ".join(f"{k} {v:.4f}" for k, v in r.metric.items()) or "done")),
-    "calibrate": ("pipeline.stages.calibrate:calibrate", False, "INT8 calibration table",
-                  lambda r: f"calibrated {r.model}: {r.method}, {r.samples} samples, {r.tensors} tensors"),
-    "build": ("pipeline.stages.build:build", True, "build the engine with the SKU's backend",
-              lambda r: f"built {r.model}/{r.sku} in {r.build_seconds:.1f}s: placement {r.placement}, precision {r.precision_counts}"
-                        + (f", reproducible: {r.reproducibility.verdict}" if r.reproducibility else "")),
-    "validate": ("pipeline.stages.validate:validate", True, "correctness and placement gates",
-                 lambda r: f"validated {r.model}/{r.sku}: passed"),
-    "bench": ("pipeline.stages.bench:bench", True, "latency, throughput and memory",
-              lambda r: f"bench {r.model}/{r.sku}: p50 {r.engine_only.p50_ms:.3f} ms, p99 {r.engine_only.p99_ms:.3f} ms, "
-                        f"{r.throughput_per_s:.0f} samples/s"),
-    "manifest": ("pipeline.stages.manifest:write_manifest", True, "write the manifest",
-                 lambda r: f"manifest {r.model}/{r.sku}: digest {r.digest[:12]}"),
+    "prepare": (
+        "pipeline.stages.prepare:prepare",
+        False,
+        "check the model, infer shapes, run graph passes",
+        lambda r: (
+            f"prepared {r.model}: " + ", ".join(f"{p.name} {'changed' if p.changed else 'no change'}" for p in r.passes)
+        ),
+    ),
+    "data": (
+        "pipeline.stages.data:make_data",
+        False,
+        "golden, calibration, evaluation and hard-tail sets",
+        lambda r: f"data {r.model}: " + ", ".join(f"{k} {v.samples}" for k, v in r.splits.items()),
+    ),
+    "reference": (
+        "pipeline.stages.reference:reference",
+        False,
+        "ONNX Runtime CPU FP32 reference outputs",
+        lambda r: f"reference {r.model}: " + (", ".join(f"{k} {v:.4f}" for k, v in r.metric.items()) or "done"),
+    ),
+    "calibrate": (
+        "pipeline.stages.calibrate:calibrate",
+        False,
+        "INT8 calibration table",
+        lambda r: f"calibrated {r.model}: {r.method}, {r.samples} samples, {r.tensors} tensors",
+    ),
+    "build": (
+        "pipeline.stages.build:build",
+        True,
+        "build the engine with the SKU's backend",
+        lambda r: (
+            f"built {r.model}/{r.sku} in {r.build_seconds:.1f}s: placement {r.placement}, precision {r.precision_counts}"
+            + (f", reproducible: {r.reproducibility.verdict}" if r.reproducibility else "")
+        ),
+    ),
+    "validate": (
+        "pipeline.stages.validate:validate",
+        True,
+        "correctness and placement gates",
+        lambda r: f"validated {r.model}/{r.sku}: passed",
+    ),
+    "bench": (
+        "pipeline.stages.bench:bench",
+        True,
+        "latency, throughput and memory",
+        lambda r: (
+            f"bench {r.model}/{r.sku}: p50 {r.engine_only.p50_ms:.3f} ms, p99 {r.engine_only.p99_ms:.3f} ms, "
+            f"{r.throughput_per_s:.0f} samples/s"
+        ),
+    ),
+    "manifest": (
+        "pipeline.stages.manifest:write_manifest",
+        True,
+        "write the manifest",
+        lambda r: f"manifest {r.model}/{r.sku}: digest {r.digest[:12]}",
+    ),
 }
 
 # Extra switches of a stage command: flag -> (keyword argument of the stage function, help)
 STAGE_FLAGS: dict[str, dict[str, tuple[str, str]]] = {
-    "build": {"--check-reproducible": ("check_reproducible", "build the engine a second time (new process, temporary "
-                                       "folder and cache copy) and record the verdict (bitwise, equivalent, "
-                                       "unverified, differs) in build.json; exit 1 below the SKU's "
-                                       "reproducibility.require"),
-              "--require-cache": ("cache_required", "fail on any miss of the SKU's checked-in compiler cache (a "
-                                  "stale, corrupt or missing cache, a tuning task not in the database), as "
-                                  "skus.<s>.cache.require or SKUFORGE_REQUIRE_CACHE=1 do")},
+    "build": {
+        "--check-reproducible": (
+            "check_reproducible",
+            "build the engine a second time (new process, temporary "
+            "folder and cache copy) and record the verdict (bitwise, equivalent, "
+            "unverified, differs) in build.json; exit 1 below the SKU's "
+            "reproducibility.require",
+        ),
+        "--require-cache": (
+            "cache_required",
+            "fail on any miss of the SKU's checked-in compiler cache (a "
+            "stale, corrupt or missing cache, a tuning task not in the database), as "
+            "skus.<s>.cache.require or SKUFORGE_REQUIRE_CACHE=1 do",
+        ),
+    },
 }
 
 
@@ -130,8 +180,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     which.add_argument("--sku", action="append", help="the SKU (repeatable)")
     which.add_argument("--all-skus", action="store_true", help="every SKU the release requires (release.skus)")
     p.add_argument("--to", required=True, metavar="ALIAS", help="the alias to move (release.aliases)")
-    p.add_argument("--version", type=positive_int, metavar="N", help="the version to move (default: newest for the first alias, else the holder "
-                                     "of the alias before)")
+    p.add_argument(
+        "--version",
+        type=positive_int,
+        metavar="N",
+        help="the version to move (default: newest for the first alias, else the holder of the alias before)",
+    )
     p.add_argument("--reason", help="why (required for the aliases in release.reason_required)")
     p.add_argument("--rollback", action="store_true", help="move the alias back to its previous holder")
     p.add_argument("--json", action="store_true")
@@ -143,7 +197,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=releases)
 
-    r = sub.add_parser("repro", help="dvc repro (keep going) for the SKUs this host can build; the outcome of every pair")
+    r = sub.add_parser(
+        "repro", help="dvc repro (keep going) for the SKUs this host can build; the outcome of every pair"
+    )
     r.add_argument("--model", action="append", help="only this model (repeatable)")
     r.add_argument("--sku", action="append", help="only this SKU (repeatable)")
     r.add_argument("--force", action="store_true", help="rerun stages even if unchanged")
@@ -152,12 +208,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=repro)
 
-    s = sub.add_parser("summary", help="the outcome of every (model, SKU) with its manifest's gates, metric deltas, latency")
+    s = sub.add_parser(
+        "summary", help="the outcome of every (model, SKU) with its manifest's gates, metric deltas, latency"
+    )
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=summary)
 
-    p = sub.add_parser("report", help="a static HTML report (no network needed): latency, correctness, layers, "
-                                      "roofline per pair; SKUs side by side per model")
+    p = sub.add_parser(
+        "report",
+        help="a static HTML report (no network needed): latency, correctness, layers, "
+        "roofline per pair; SKUs side by side per model",
+    )
     p.add_argument("--model", help="only this model (default: every model)")
     p.add_argument("--sku", action="append", help="only this SKU (repeatable; default: every SKU)")
     p.add_argument("--out", metavar="DIR", help="the folder to (re)write, inside the project (default: build/report)")
@@ -167,8 +228,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     rsub = rn.add_subparsers(dest="runner_command", metavar="ACTION", required=True)
     p = rsub.add_parser("probe", help="the host's hardware, device state, GPU, toolchain and the SKUs it can build/run")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--peaks", action="store_true",
-                   help="add the host's peak FP32 GFLOP/s and memory GB/s (measured once, about 10 s, then cached)")
+    p.add_argument(
+        "--peaks",
+        action="store_true",
+        help="add the host's peak FP32 GFLOP/s and memory GB/s (measured once, about 10 s, then cached)",
+    )
     p.add_argument("--refresh", action="store_true", help="measure the peaks again (implies --peaks)")
     p.set_defaults(func=runner_probe)
     p = rsub.add_parser("check", help="exit 3 with every difference when this host does not match the SKU")
@@ -177,7 +241,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=runner_check)
     p = rsub.add_parser("labels", help="the labels of a runner class (for setup-runner.sh)")
     p.add_argument("--class", dest="runner_class", required=True, metavar="NAME")
-    p.add_argument("--classes", default="runners/classes.yaml", help="the runner classes (default: runners/classes.yaml)")
+    p.add_argument(
+        "--classes", default="runners/classes.yaml", help="the runner classes (default: runners/classes.yaml)"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=runner_labels)
 
@@ -190,16 +256,22 @@ def config_validate(args: argparse.Namespace) -> int:
 
 
 def config_resolve(args: argparse.Namespace) -> int:
-    from ..stages.config import write_config
+    from pipeline.stages.config import write_config
 
     result = write_config(_registry(args))
-    _emit(args, result, lambda: f"{result['files']} resolved config files, {len(result['changed'])} changed, "
-                                f"{len(result['removed'])} removed")
+    _emit(
+        args,
+        result,
+        lambda: (
+            f"{result['files']} resolved config files, {len(result['changed'])} changed, "
+            f"{len(result['removed'])} removed"
+        ),
+    )
     return 0
 
 
 def list_skus(args: argparse.Namespace) -> int:
-    from ..repro import sku_statuses
+    from pipeline.repro import sku_statuses
 
     rows = [s for s in sku_statuses(_registry(args)) if s.buildable or not args.buildable_here]
 
@@ -209,8 +281,9 @@ def list_skus(args: argparse.Namespace) -> int:
     def text() -> str:
         lines = [f"{'SKU':24} {'BACKEND':12} {'PREC':5} {'TARGET':20} {'HERE':10} RUNNER LABELS"]
         for s in rows:
-            lines.append(f"{s.sku:24} {s.backend:12} {s.precision:5} {s.target:20} {here(s):10} "
-                         f"{','.join(s.runner_labels)}")
+            lines.append(
+                f"{s.sku:24} {s.backend:12} {s.precision:5} {s.target:20} {here(s):10} {','.join(s.runner_labels)}"
+            )
             lines += [f"{'':24} - {p}" for p in s.problems]
         return "\n".join(lines)
 
@@ -219,8 +292,8 @@ def list_skus(args: argparse.Namespace) -> int:
 
 
 def export_example(args: argparse.Namespace) -> int:
-    from ..stages.export import export
-    from .progress import ProgressLine
+    from pipeline.cli.progress import ProgressLine
+    from pipeline.stages.export import export
 
     progress = ProgressLine()
     try:
@@ -232,23 +305,36 @@ def export_example(args: argparse.Namespace) -> int:
 
 
 def repro(args: argparse.Namespace) -> int:
-    from ..repro import (DvcFailed, ProjectStatus, clear_outcomes, matrix, run_dvc_repro, sku_statuses, targets,
-                         upstream_stages, worst_exit)
+    from pipeline.repro import (
+        DvcFailed,
+        ProjectStatus,
+        clear_outcomes,
+        matrix,
+        run_dvc_repro,
+        sku_statuses,
+        targets,
+        upstream_stages,
+        worst_exit,
+    )
 
     reg = _registry(args)
     status = None if args.force else ProjectStatus(reg.root)
     dvc_targets, skipped = targets(reg, args.model, args.sku, publish=not args.no_publish)
     for s in skipped:
         what = "building only (validate and bench need the target)" if s.buildable else "skipping"
-        print(f"{what} SKU {s.sku}: {'; '.join(s.problems)}; "
-              f"needs a runner with labels [{', '.join(s.runner_labels)}]", file=sys.stderr)
+        print(
+            f"{what} SKU {s.sku}: {'; '.join(s.problems)}; needs a runner with labels [{', '.join(s.runner_labels)}]",
+            file=sys.stderr,
+        )
     if not dvc_targets:
         if args.sku:  # asked for by name (a CI job for one SKU): building nothing is not success
-            from ..errors import EnvironmentProblem
+            from pipeline.errors import EnvironmentProblem
 
-            raise EnvironmentProblem(f"this host can build none of the SKUs asked for: {', '.join(args.sku)}",
-                                     hint="run it on a runner with the labels printed above "
-                                          "(skuforge skus --buildable-here lists what this host can build)")
+            raise EnvironmentProblem(
+                f"this host can build none of the SKUs asked for: {', '.join(args.sku)}",
+                hint="run it on a runner with the labels printed above "
+                "(skuforge skus --buildable-here lists what this host can build)",
+            )
         print("nothing this host can build", file=sys.stderr)
         return 0
     stale = None if status is None else status.stale(upstream_stages(reg, dvc_targets))
@@ -271,18 +357,26 @@ def repro(args: argparse.Namespace) -> int:
     rows = matrix(reg, args.model, [s.sku for s in statuses], statuses)
     consistency, consistency_exit = _consistency_reports(reg, args.model)
     code = max(worst_exit(rows), failed.exit_code if failed else 0, consistency_exit)
-    _emit(args, {"targets": dvc_targets, "skipped": [s.to_json() for s in skipped],
-                 "matrix": [r.to_json() for r in rows], "consistency": consistency, "exit_code": code},
-          lambda: _matrix_text(rows))
+    _emit(
+        args,
+        {
+            "targets": dvc_targets,
+            "skipped": [s.to_json() for s in skipped],
+            "matrix": [r.to_json() for r in rows],
+            "consistency": consistency,
+            "exit_code": code,
+        },
+        lambda: _matrix_text(rows),
+    )
     return code
 
 
 def _consistency_reports(reg, models: list[str] | None) -> tuple[dict[str, Any], int]:
     """Refresh the checked-in consistency matrix of each model (reports/consistency/) after a run:
     model -> the files written or why not, and an exit code for a failure to write them."""
-    from ..consistency import refresh_reports
-    from ..errors import SkuforgeError
-    from .compare import refresh_lines
+    from pipeline.cli.compare import refresh_lines
+    from pipeline.consistency import refresh_reports
+    from pipeline.errors import SkuforgeError
 
     try:
         done = refresh_reports(reg, models)
@@ -303,18 +397,21 @@ def _quiet_mlflow() -> None:
 
 
 def publish(args: argparse.Namespace) -> int:
-    from ..errors import ConfigError
-    from ..paths import Layout
-    from ..registry.tracking import require_mlflow
-    from ..stages.publish import publish as publish_pair
-    from .progress import ProgressLine
+    from pipeline.cli.progress import ProgressLine
+    from pipeline.errors import ConfigError
+    from pipeline.paths import Layout
+    from pipeline.registry.tracking import require_mlflow
+    from pipeline.stages.publish import publish as publish_pair
 
     _quiet_mlflow()
     reg = _registry(args)
     if (args.model or args.sku) if args.all else not (args.model and args.sku):
         raise ConfigError("say what to publish", hint="give --model M --sku S, or --all (every manifest)")
-    pairs = ([(m, s) for m, s in reg.pairs() if Layout(reg.root).manifest(m, s).is_file()] if args.all
-             else [(args.model, args.sku)])
+    pairs = (
+        [(m, s) for m, s in reg.pairs() if Layout(reg.root).manifest(m, s).is_file()]
+        if args.all
+        else [(args.model, args.sku)]
+    )
     results = []
     require_mlflow()  # before the progress line starts: it should time publishing, not a 2 s import
     progress = ProgressLine()
@@ -326,8 +423,10 @@ def publish(args: argparse.Namespace) -> int:
 
     def line(r) -> str:
         state = "registered" if r.created_version else "already registered"
-        return (f"published {r.model}/{r.sku}: {r.registered_model} version {r.version} {state} "
-                f"(run {r.run_id[:12]}{', resumed' if r.resumed else ''}) at {r.tracking_uri}")
+        return (
+            f"published {r.model}/{r.sku}: {r.registered_model} version {r.version} {state} "
+            f"(run {r.run_id[:12]}{', resumed' if r.resumed else ''}) at {r.tracking_uri}"
+        )
 
     data = [r.to_json() for r in results]
     _emit(args, data if args.all else data[0], lambda: "\n".join(line(r) for r in results) or "no manifests to publish")
@@ -341,8 +440,13 @@ def _gate_lines(gates, indent: str) -> list[str]:
 def _promotion_text(report) -> str:
     lines = [f"{report.action} {report.model}: {report.alias!r} by {report.who} at {report.when} ({report.why})"]
     for m in report.moves:
-        to = "no version" if m.version is None and report.action == "promote" else \
-            "removed" if m.version is None else f"version {m.version}"
+        to = (
+            "no version"
+            if m.version is None and report.action == "promote"
+            else "removed"
+            if m.version is None
+            else f"version {m.version}"
+        )
         state = "already there" if m.already else "moved" if m.moved else "not moved"
         lines.append(f"  {m.sku}: {to} (was {m.previous or 'none'}) - {state}")
         lines += _gate_lines(m.gates, "    ")
@@ -351,8 +455,8 @@ def _promotion_text(report) -> str:
 
 
 def promote(args: argparse.Namespace) -> int:
-    from ..registry.promotion import PromotionBlocked, rollback
-    from ..registry.promotion import promote as promote_alias
+    from pipeline.registry.promotion import PromotionBlocked, rollback
+    from pipeline.registry.promotion import promote as promote_alias
 
     _quiet_mlflow()
     reg = _registry(args)
@@ -360,7 +464,7 @@ def promote(args: argparse.Namespace) -> int:
     try:
         if args.rollback:
             if args.version:
-                from ..errors import ConfigError
+                from pipeline.errors import ConfigError
 
                 raise ConfigError("--rollback moves the alias to its previous holder", hint="leave out --version")
             report = rollback(reg, args.model, args.to, skus=skus, reason=args.reason)
@@ -375,7 +479,7 @@ def promote(args: argparse.Namespace) -> int:
 
 
 def releases(args: argparse.Namespace) -> int:
-    from ..registry.releases import list_releases
+    from pipeline.registry.releases import list_releases
 
     _quiet_mlflow()
     listing = list_releases(_registry(args), args.model, with_history=args.history)
@@ -383,17 +487,31 @@ def releases(args: argparse.Namespace) -> int:
     def text() -> str:
         lines = [f"{listing.model} at {listing.tracking_uri} (chain: {' -> '.join(listing.chain)})"]
         cols = ("SKU", "VERSION", "DIGEST", "CREATED", "CORRECTNESS", "P50_MS", "ALIASES")
-        rows = [(s.sku, v.version, (v.digest or "-")[:12], v.created, v.correctness or "-",
-                 f"{v.p50_ms:.4g}" if v.p50_ms is not None else "-", ",".join(v.aliases) or "-")
-                for s in listing.skus for v in s.versions]
-        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)] if rows else [len(c) for c in cols]
+        rows = [
+            (
+                s.sku,
+                v.version,
+                (v.digest or "-")[:12],
+                v.created,
+                v.correctness or "-",
+                f"{v.p50_ms:.4g}" if v.p50_ms is not None else "-",
+                ",".join(v.aliases) or "-",
+            )
+            for s in listing.skus
+            for v in s.versions
+        ]
+        widths = (
+            [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)] if rows else [len(c) for c in cols]
+        )
         lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
         lines += ["  ".join(x.ljust(w) for x, w in zip(r, widths)) for r in rows]
         for s in listing.skus:
             for alias, entries in s.history.items():
                 for e in entries:
-                    lines.append(f"  {s.sku} {alias} #{e.id} {e.action}: {e.previous or 'none'} -> {e.version or 'none'} "
-                                 f"by {e.who} at {e.when}: {e.why}")
+                    lines.append(
+                        f"  {s.sku} {alias} #{e.id} {e.action}: {e.previous or 'none'} -> {e.version or 'none'} "
+                        f"by {e.who} at {e.when}: {e.why}"
+                    )
         if listing.missing:
             lines.append(f"required by the release but never published: {', '.join(listing.missing)}")
         return "\n".join(lines)
@@ -403,7 +521,7 @@ def releases(args: argparse.Namespace) -> int:
 
 
 def summary(args: argparse.Namespace) -> int:
-    from ..repro import matrix
+    from pipeline.repro import matrix
 
     rows = matrix(_registry(args))
     _emit(args, [r.to_json() for r in rows], lambda: _matrix_text(rows))
@@ -413,7 +531,7 @@ def summary(args: argparse.Namespace) -> int:
 def report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ..report import write_site
+    from pipeline.report import write_site
 
     index = write_site(_registry(args), args.model, Path(args.out).absolute() if args.out else None, args.sku)
     print(index)
@@ -421,7 +539,7 @@ def report(args: argparse.Namespace) -> int:
 
 
 def runner_probe(args: argparse.Namespace) -> int:
-    from ..runner.report import probe_report
+    from pipeline.runner.report import probe_report
 
     report = probe_report(_registry(args), peaks=args.peaks or args.refresh, refresh=args.refresh)
     # the probe is a JSON document either way (pin-device-state.sh and the benchmark record it)
@@ -430,8 +548,8 @@ def runner_probe(args: argparse.Namespace) -> int:
 
 
 def runner_check(args: argparse.Namespace) -> int:
-    from ..errors import EnvironmentProblem
-    from ..runner.report import check_report
+    from pipeline.errors import EnvironmentProblem
+    from pipeline.runner.report import check_report
 
     report = check_report(_registry(args), args.sku)
     if report["matches"]:
@@ -442,20 +560,36 @@ def runner_check(args: argparse.Namespace) -> int:
     raise EnvironmentProblem(
         f"host does not match SKU {args.sku}:\n" + "\n".join(f"  - {p}" for p in report["problems"]),
         hint=f"run on a runner with labels [{', '.join(report['runner_labels'])}] and the SKU's toolchain "
-             f"{report['toolchain'] or '(none pinned)'}; `skuforge runner probe` shows this host")
+        f"{report['toolchain'] or '(none pinned)'}; `skuforge runner probe` shows this host",
+    )
 
 
 def runner_labels(args: argparse.Namespace) -> int:
-    from ..runner.report import class_labels, load_classes
+    from pipeline.runner.report import class_labels, load_classes
 
     labels = class_labels(load_classes(args.classes), args.runner_class)
     _emit(args, labels, lambda: ",".join(labels))
     return 0
 
 
-MATRIX_COLUMNS = ["model", "sku", "outcome", "precision", "build_s", "layers", "fused_layers", "max_abs_error",
-                  "evaluation_reference", "evaluation_delta", "hard_tail_delta", "p50_ms", "p99_ms", "e2e_p50_ms",
-                  "throughput_per_s", "mlflow"]
+MATRIX_COLUMNS = [
+    "model",
+    "sku",
+    "outcome",
+    "precision",
+    "build_s",
+    "layers",
+    "fused_layers",
+    "max_abs_error",
+    "evaluation_reference",
+    "evaluation_delta",
+    "hard_tail_delta",
+    "p50_ms",
+    "p99_ms",
+    "e2e_p50_ms",
+    "throughput_per_s",
+    "mlflow",
+]
 
 
 def _matrix_text(rows) -> str:

@@ -8,18 +8,21 @@ import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("compare", help="every SKU's golden outputs against the reference and each other "
-                                       "(max/mean abs error, top-1 agreement)")
+    p = sub.add_parser(
+        "compare",
+        help="every SKU's golden outputs against the reference and each other (max/mean abs error, top-1 agreement)",
+    )
     p.add_argument("--model", required=True)
-    p.add_argument("--write", action="store_true",
-                   help="also write reports/consistency/<model>.json and .md (checked in)")
+    p.add_argument(
+        "--write", action="store_true", help="also write reports/consistency/<model>.json and .md (checked in)"
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=compare)
 
 
 def compare(args: argparse.Namespace) -> int:
-    from ..config import load_registry
-    from ..consistency import consistency, write_report
+    from pipeline.config import load_registry
+    from pipeline.consistency import consistency, write_report
 
     registry = load_registry(args.params)
     report = consistency(registry, args.model)
@@ -40,12 +43,15 @@ def _aligned(rows: list[list[str]], indent: str = "  ") -> list[str]:
 
 def text(report) -> str:
     """Per output, the max abs error matrix (top-1 agreement in brackets for classification scores)."""
-    from ..consistency import describe, nonfinite_line, table
+    from pipeline.consistency import describe, nonfinite_line, table
 
-    skus = ", ".join(f"{s.sku} ({s.backend} {s.precision}{'' if s.validate_passed else ', validate FAILED'})"
-                     for s in report.skus)
-    lines = [f"{report.model}: {report.samples} golden samples; {len(report.skus)} SKUs compared"
-             + (f": {skus}" if skus else "")]
+    skus = ", ".join(
+        f"{s.sku} ({s.backend} {s.precision}{'' if s.validate_passed else ', validate FAILED'})" for s in report.skus
+    )
+    lines = [
+        f"{report.model}: {report.samples} golden samples; {len(report.skus)} SKUs compared"
+        + (f": {skus}" if skus else "")
+    ]
     lines += [f"  not compared: {s.sku}: {s.reason}" for s in report.skipped]
     if not report.skus:
         return "\n".join(lines)
@@ -60,5 +66,7 @@ def text(report) -> str:
 
 def refresh_lines(done: dict) -> list[str]:
     """One line per model of ``consistency.refresh_reports``'s result (`repro`, `ci assemble`)."""
-    return [f"consistency {model}: " + (f"wrote {', '.join(r)}" if isinstance(r, list) else f"not written: {r}")
-            for model, r in done.items()]
+    return [
+        f"consistency {model}: " + (f"wrote {', '.join(r)}" if isinstance(r, list) else f"not written: {r}")
+        for model, r in done.items()
+    ]

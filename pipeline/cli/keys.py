@@ -11,14 +11,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     keys = sub.add_parser("keys", help="the ed25519 key publish signs manifests with")
     ksub = keys.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
 
-    s = ksub.add_parser("show", help="this host's signing key (SKUFORGE_SIGNING_KEY, else the developer key, "
-                                     "made on first use) and its line for params.yaml")
-    s.add_argument("--name", help="key name in the params.yaml line (default: 'ci' for SKUFORGE_SIGNING_KEY, else 'dev')")
+    s = ksub.add_parser(
+        "show",
+        help="this host's signing key (SKUFORGE_SIGNING_KEY, else the developer key, "
+        "made on first use) and its line for params.yaml",
+    )
+    s.add_argument(
+        "--name", help="key name in the params.yaml line (default: 'ci' for SKUFORGE_SIGNING_KEY, else 'dev')"
+    )
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=show)
 
-    g = ksub.add_parser("generate", help="write a new private key (PEM, mode 0600), e.g. for the CI secret "
-                                         "SKUFORGE_SIGNING_KEY, and print its public key")
+    g = ksub.add_parser(
+        "generate",
+        help="write a new private key (PEM, mode 0600), e.g. for the CI secret "
+        "SKUFORGE_SIGNING_KEY, and print its public key",
+    )
     g.add_argument("--out", type=Path, required=True, help="the file to write; an existing one is not overwritten")
     g.add_argument("--name", default="ci", help="key name in the params.yaml line (default: ci)")
     g.add_argument("--json", action="store_true")
@@ -26,23 +34,27 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _describe(key, name: str) -> dict:
-    return {"key_id": key.key_id, "source": key.source, "public_key": key.public_key,
-            "params_line": f"release.signing.keys.{name}: {key.public_key}"}
+    return {
+        "key_id": key.key_id,
+        "source": key.source,
+        "public_key": key.public_key,
+        "params_line": f"release.signing.keys.{name}: {key.public_key}",
+    }
 
 
 def _trust(args: argparse.Namespace, public_key: str) -> list[str] | None:
     """Aliases this key's versions may reach, when params.yaml is at hand."""
     if not Path(args.params).is_file():
         return None
-    from ..config import load_registry
-    from ..signing import aliases_accepting
+    from pipeline.config import load_registry
+    from pipeline.signing import aliases_accepting
 
     release = load_registry(args.params).release
     return aliases_accepting(release.signing, release.aliases, public_key)
 
 
 def show(args: argparse.Namespace) -> int:
-    from ..signing import ENV_SIGNING_KEY, signing_key
+    from pipeline.signing import ENV_SIGNING_KEY, signing_key
 
     key = signing_key()
     data = _describe(key, args.name or ("ci" if key.source.endswith(ENV_SIGNING_KEY) else "dev"))
@@ -61,7 +73,7 @@ def show(args: argparse.Namespace) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from ..signing import ENV_SIGNING_KEY, generate_key_file
+    from pipeline.signing import ENV_SIGNING_KEY, generate_key_file
 
     key = generate_key_file(args.out)
     data = _describe(key, args.name)

@@ -15,8 +15,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     rsub = rel.add_subparsers(dest="release_command", metavar="ACTION", required=True)
     p = rsub.add_parser("init", help="create the store's signed root and empty metadata (once per store)")
     _store_arg(p)
-    p.add_argument("--root-key", action="append", type=Path, default=[],
-                   help="offline root key file (repeat for several; default: the publishing key)")
+    p.add_argument(
+        "--root-key",
+        action="append",
+        type=Path,
+        default=[],
+        help="offline root key file (repeat for several; default: the publishing key)",
+    )
     p.add_argument("--threshold", type=int, default=1, help="root keys needed to sign a new root (default 1)")
     p.set_defaults(func=release_init)
     p = rsub.add_parser("publish", help="sign one model's engines (every release SKU and the fallback) into the store")
@@ -48,8 +53,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     _store_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=rollout_start)
-    for name, text in (("status", "each rollout's wave, device reports and gate verdicts"),
-                       ("advance", "check the gates: roll back on failure, else next wave once baked")):
+    for name, text in (
+        ("status", "each rollout's wave, device reports and gate verdicts"),
+        ("advance", "check the gates: roll back on failure, else next wave once baked"),
+    ):
         p = osub.add_parser(name, help=text)
         _which(p)
         _store_arg(p)
@@ -58,10 +65,15 @@ def register(sub: argparse._SubParsersAction) -> None:
             p.add_argument("--markdown", action="store_true", help="a table for a CI job summary")
         p.set_defaults(func=rollout_status if name == "status" else rollout_advance)
     for name in ACTIONS:
-        p = osub.add_parser(name, help={"pause": "stop advancing (devices keep what they run)",
-                                        "resume": "advance again (the wave's bake time restarts)",
-                                        "abort": "end the rollout where it is (no more devices take it)",
-                                        "rollback": "every device returns to the previous release"}[name])
+        p = osub.add_parser(
+            name,
+            help={
+                "pause": "stop advancing (devices keep what they run)",
+                "resume": "advance again (the wave's bake time restarts)",
+                "abort": "end the rollout where it is (no more devices take it)",
+                "rollback": "every device returns to the previous release",
+            }[name],
+        )
         _which(p)
         p.add_argument("--reason", required=True, help="goes into the rollout's log")
         _store_arg(p)
@@ -70,7 +82,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("agent", help="the device agent: fetch, verify, smoke-test, activate and report")
     p.add_argument("--device", type=Path, required=True, help="the device file (id, sku, models; docs/rollout.md)")
-    p.add_argument("--state", type=Path, required=True, help="the agent's folder (engines, A/B slots, trusted metadata)")
+    p.add_argument(
+        "--state", type=Path, required=True, help="the agent's folder (engines, A/B slots, trusted metadata)"
+    )
     p.add_argument("--root", type=Path, help="the trusted root.json (needed on the first run)")
     p.add_argument("--store", help="s3://bucket/prefix or a folder (default: $SKUFORGE_STORE)")
     p.add_argument("--interval", type=float, default=0, help="seconds between passes (default 0: one pass)")
@@ -89,10 +103,10 @@ def _which(p: argparse.ArgumentParser) -> None:
 
 
 def _context(args: argparse.Namespace, keys: bool = True):
-    from ..config import load_registry
-    from ..rollout.store import open_store, store_url
-    from ..rollout.trust import Keys
-    from ..signing import signing_key
+    from pipeline.config import load_registry
+    from pipeline.rollout.store import open_store, store_url
+    from pipeline.rollout.trust import Keys
+    from pipeline.signing import signing_key
 
     reg = load_registry(args.params)
     store = open_store(args.store or store_url(reg.rollout.store), reg.root)
@@ -102,7 +116,7 @@ def _context(args: argparse.Namespace, keys: bool = True):
 
 
 def _actor() -> str:
-    from ..registry.tracking import actor
+    from pipeline.registry.tracking import actor
 
     return actor()
 
@@ -112,40 +126,47 @@ def _print(args: argparse.Namespace, data, text: str) -> None:
 
 
 def release_init(args: argparse.Namespace) -> int:
-    from ..rollout.trust import Keys, initialise
-    from ..signing import read_key_file
+    from pipeline.rollout.trust import Keys, initialise
+    from pipeline.signing import read_key_file
 
     reg, store, keys = _context(args)
     if args.root_key:
         keys = Keys(root=[read_key_file(p) for p in args.root_key], online=keys.online, root_threshold=args.threshold)
-    from ..io import atomic_write_bytes
-    from ..rollout.trust import root_bytes
+    from pipeline.io import atomic_write_bytes
+    from pipeline.rollout.trust import root_bytes
 
     made = initialise(store, keys, reg.rollout.expiry)
     pinned = reg.root / PINNED_ROOT
     if made or not pinned.is_file():
         atomic_write_bytes(pinned, root_bytes(store, keys))
-    print(f"{'created' if made else 'already initialised:'} signed release store at {store.url}; its root is pinned "
-          f"in {PINNED_ROOT} (commit it: writers refuse a store whose root chain does not hold it)")
+    print(
+        f"{'created' if made else 'already initialised:'} signed release store at {store.url}; its root is pinned "
+        f"in {PINNED_ROOT} (commit it: writers refuse a store whose root chain does not hold it)"
+    )
     return 0
 
 
 def release_publish(args: argparse.Namespace) -> int:
-    from ..rollout.release import publish_release
+    from pipeline.rollout.release import publish_release
 
     reg, store, keys = _context(args)
     r = publish_release(reg, store, keys, args.model, alias=args.alias, skus=args.sku, actor=_actor())
-    lines = [f"{'published' if r.created else 'unchanged, already'} {r.model} release {r.release} in {r.store} "
-             f"({r.seconds:.1f} s)"]
-    lines += [f"  {s.sku:24s} {s.backend}/{s.precision}  manifest {s.manifest_digest[:12]}  {s.bytes} bytes  from {s.source}"
-              + ("  (portable fallback)" if s.sku == r.fallback_sku else "") for s in r.skus]
+    lines = [
+        f"{'published' if r.created else 'unchanged, already'} {r.model} release {r.release} in {r.store} "
+        f"({r.seconds:.1f} s)"
+    ]
+    lines += [
+        f"  {s.sku:24s} {s.backend}/{s.precision}  manifest {s.manifest_digest[:12]}  {s.bytes} bytes  from {s.source}"
+        + ("  (portable fallback)" if s.sku == r.fallback_sku else "")
+        for s in r.skus
+    ]
     _print(args, r.to_json(), "\n".join(lines))
     return 0
 
 
 def release_root(args: argparse.Namespace) -> int:
-    from ..io import atomic_write_bytes
-    from ..rollout.trust import root_bytes
+    from pipeline.io import atomic_write_bytes
+    from pipeline.rollout.trust import root_bytes
 
     _, store, keys = _context(args)
     atomic_write_bytes(args.out, root_bytes(store, keys))
@@ -154,10 +175,10 @@ def release_root(args: argparse.Namespace) -> int:
 
 
 def rollout_plan(args: argparse.Namespace) -> int:
-    from ..rollout import trust
-    from ..rollout.inventory import load_inventory
-    from ..rollout.plan import plan
-    from ..rollout.release import release_doc, releases_of
+    from pipeline.rollout import trust
+    from pipeline.rollout.inventory import load_inventory
+    from pipeline.rollout.plan import plan
+    from pipeline.rollout.release import release_doc, releases_of
 
     reg, store, _ = _context(args, keys=False)
     inventory = load_inventory(args.inventory)
@@ -167,7 +188,9 @@ def rollout_plan(args: argparse.Namespace) -> int:
     doc = release_doc(store, args.model, rid) if rid in released else None
     skus = list(doc["skus"]) if doc else reg.release_skus()
     p = plan(inventory, reg.rollout.waves, f"{args.model}-{rid or 'next'}", skus, reg.rollout.fallback_sku)
-    lines = [f"plan for {args.model} {rid or '(no release yet)'}: {len(inventory)} devices, planned in {p.seconds * 1000:.0f} ms"]
+    lines = [
+        f"plan for {args.model} {rid or '(no release yet)'}: {len(inventory)} devices, planned in {p.seconds * 1000:.0f} ms"
+    ]
     for w in p.waves:
         lines.append(f"  {w.name:10s} {w.devices:8d} devices (+{w.new_devices})  bake {w.bake_minutes:g} min")
     _print(args, p.to_json(), "\n".join(lines))
@@ -175,23 +198,27 @@ def rollout_plan(args: argparse.Namespace) -> int:
 
 
 def rollout_start(args: argparse.Namespace) -> int:
-    from ..rollout import controller
+    from pipeline.rollout import controller
 
     reg, store, keys = _context(args)
     inventory = None
     if args.inventory is not None:
-        from ..rollout.inventory import load_inventory
+        from pipeline.rollout.inventory import load_inventory
 
         inventory = load_inventory(args.inventory)
-    doc = controller.start(reg, store, keys, args.model, args.release, inventory=inventory, actor=_actor(),
-                           reason=args.reason)
-    _print(args, doc.to_json(), f"started {doc.id}: {doc.release} (previous {doc.previous or 'none'}), "
-                                f"wave {doc.waves[0].name}")
+    doc = controller.start(
+        reg, store, keys, args.model, args.release, inventory=inventory, actor=_actor(), reason=args.reason
+    )
+    _print(
+        args,
+        doc.to_json(),
+        f"started {doc.id}: {doc.release} (previous {doc.previous or 'none'}), wave {doc.waves[0].name}",
+    )
     return 0
 
 
 def _models(args: argparse.Namespace, store, registry) -> list[str]:
-    from ..rollout.controller import live_models
+    from pipeline.rollout.controller import live_models
 
     if args.all:
         return live_models(store)
@@ -209,8 +236,10 @@ def _status_line(model: str, s) -> str:
         head += f", {h.reports} reports: " + ", ".join(f"{k} {v}" for k, v in h.counts.items() if v)
     lines = [head, f"  next: {s.action} ({s.reason})"]
     if h is not None:
-        lines += [f"  gate {g.name}: {'pass' if g.passed else 'FAIL' if g.passed is False else 'wait'} - {g.detail}"
-                  for g in h.gates]
+        lines += [
+            f"  gate {g.name}: {'pass' if g.passed else 'FAIL' if g.passed is False else 'wait'} - {g.detail}"
+            for g in h.gates
+        ]
     return "\n".join(lines)
 
 
@@ -222,49 +251,61 @@ def _markdown(rows) -> str:
             out.append(f"| {model} | - | none | - | - | - | - |")
             continue
         failed = h.reports - h.counts.get("ok", 0) if h else 0
-        out.append(f"| {model} | {d.id} | {d.status} | {d.waves[d.wave].name} | {h.reports if h else 0} | {failed} | "
-                   f"{s.action}: {s.reason.replace('|', '/')} |")
+        out.append(
+            f"| {model} | {d.id} | {d.status} | {d.waves[d.wave].name} | {h.reports if h else 0} | {failed} | "
+            f"{s.action}: {s.reason.replace('|', '/')} |"
+        )
     return "\n".join(out)
 
 
 def rollout_status(args: argparse.Namespace) -> int:
-    from ..rollout.controller import status
+    from pipeline.rollout.controller import status
 
     reg, store, _ = _context(args, keys=False)
     rows = [(m, status(reg, store, m)) for m in _models(args, store, reg)]
     if args.markdown:
         print(_markdown(rows) if rows else "no live rollouts")
         return 0
-    _print(args, {m: s.to_json() for m, s in rows}, "\n".join(_status_line(m, s) for m, s in rows) or "no live rollouts")
+    _print(
+        args, {m: s.to_json() for m, s in rows}, "\n".join(_status_line(m, s) for m, s in rows) or "no live rollouts"
+    )
     return 0
 
 
 def rollout_advance(args: argparse.Namespace) -> int:
-    from ..rollout.controller import advance
+    from pipeline.rollout.controller import advance
 
     reg, store, keys = _context(args)
     rows = [(m, advance(reg, store, keys, m, actor=_actor())) for m in _models(args, store, reg)]
-    _print(args, {m: s.to_json() for m, s in rows},
-           "\n".join(f"{m}: {s.action}: {s.reason}" for m, s in rows) or "no live rollouts")
+    _print(
+        args,
+        {m: s.to_json() for m, s in rows},
+        "\n".join(f"{m}: {s.action}: {s.reason}" for m, s in rows) or "no live rollouts",
+    )
     return 1 if any(s.action in ("rolled_back", "aborted") for _, s in rows) else 0  # a gate failed
 
 
 def rollout_move(args: argparse.Namespace) -> int:
-    from ..rollout.controller import move
+    from pipeline.rollout.controller import move
 
     reg, store, keys = _context(args)
-    docs = [move(reg, store, keys, m, args.action, actor=_actor(), reason=args.reason) for m in _models(args, store, reg)]
-    _print(args, [d.to_json() for d in docs], "\n".join(f"{d.model}: {d.id} is {d.status}" for d in docs)
-           or "no live rollouts")
+    docs = [
+        move(reg, store, keys, m, args.action, actor=_actor(), reason=args.reason) for m in _models(args, store, reg)
+    ]
+    _print(
+        args,
+        [d.to_json() for d in docs],
+        "\n".join(f"{d.model}: {d.id} is {d.status}" for d in docs) or "no live rollouts",
+    )
     return 0
 
 
 def run_agent(args: argparse.Namespace) -> int:
     import time
 
-    from ..errors import ConfigError
-    from ..rollout.agent import Agent, Device, load_device
-    from ..rollout.store import open_store, store_url
+    from pipeline.errors import ConfigError
+    from pipeline.rollout.agent import Agent, Device, load_device
+    from pipeline.rollout.store import open_store, store_url
 
     url = args.store or store_url("")
     if not url:
@@ -277,8 +318,12 @@ def run_agent(args: argparse.Namespace) -> int:
         for model in cfg.models:
             r = agent.run_once(model)
             active = r.active or {}
-            _print(args, r.to_json(), f"{r.device} {model}: {r.outcome}: {r.detail} (active: "
-                                      f"{active.get('release', 'none')} {active.get('sku', '')} {active.get('kind', '')})")
+            _print(
+                args,
+                r.to_json(),
+                f"{r.device} {model}: {r.outcome}: {r.detail} (active: "
+                f"{active.get('release', 'none')} {active.get('sku', '')} {active.get('kind', '')})",
+            )
             code = max(code, 0 if r.outcome in ("ok", "idle", "current") else 1)
         if args.interval <= 0:
             return code

@@ -36,8 +36,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -112,9 +113,7 @@ def export_example(
     ort_probs = _ort_probs(session, data["evaluation"]["image"])
     diff = float(np.max(np.abs(ort_probs - reference)))
     if not diff <= ORT_TOLERANCE:
-        raise RuntimeError(
-            f"{name}: ONNX Runtime differs from torch by {diff:.3g} (tolerance {ORT_TOLERANCE})"
-        )
+        raise RuntimeError(f"{name}: ONNX Runtime differs from torch by {diff:.3g} (tolerance {ORT_TOLERANCE})")
 
     accuracy = {
         "train": _accuracy(session, data["train_image"], data["train_labels"]),
@@ -282,9 +281,7 @@ def _datasets(seed: int) -> dict[str, Any]:
     }
 
 
-def _hard_tail(
-    images: np.ndarray, labels: np.ndarray, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
+def _hard_tail(images: np.ndarray, labels: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Evaluation images split in three: gaussian noise, low contrast, magnitudes beyond 0..16."""
     order = rng.permutation(len(images))
     noisy, faint, loud = np.array_split(order, 3)
@@ -311,9 +308,7 @@ def _build(name: str):
     class Residual(nn.Module):
         def __init__(self, channels: int):
             super().__init__()
-            self.body = nn.Sequential(
-                *conv_bn(channels, channels, 3), nn.ReLU(), *conv_bn(channels, channels, 3)
-            )
+            self.body = nn.Sequential(*conv_bn(channels, channels, 3), nn.ReLU(), *conv_bn(channels, channels, 3))
             self.relu = nn.ReLU()
 
         def forward(self, x):
@@ -380,9 +375,7 @@ def _build(name: str):
             self.patch = nn.Conv2d(1, dim, kernel_size=2, stride=2)
             self.position = nn.Parameter(torch.zeros(1, tokens, dim))
             nn.init.normal_(self.position, std=0.02)
-            self.layers = nn.Sequential(
-                *[EncoderLayer(dim, heads, tokens, hidden) for _ in range(layers)]
-            )
+            self.layers = nn.Sequential(*[EncoderLayer(dim, heads, tokens, hidden) for _ in range(layers)])
             self.norm = nn.LayerNorm(dim)
             self.classifier = nn.Linear(dim, 10)
 

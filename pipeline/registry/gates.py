@@ -7,18 +7,19 @@ folder: promotion runs wherever the registry is reachable (a release job, a lapt
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from ..compare import input_problems, metric_input_problems, metric_problems, output_problems
-from ..config import PerformanceGate, Registry
-from ..errors import InputError
-from ..gatestats import max_mismatches
-from ..io import sha256_file
-from ..results import BenchReport, Manifest, OutputError, engine_digest
-from ..versions import unmet
-from .reports import GateResult
-from .stats import compare_latency
+from pipeline.compare import input_problems, metric_input_problems, metric_problems, output_problems
+from pipeline.config import PerformanceGate, Registry
+from pipeline.errors import InputError
+from pipeline.gatestats import max_mismatches
+from pipeline.io import sha256_file
+from pipeline.registry.reports import GateResult
+from pipeline.registry.stats import compare_latency
+from pipeline.results import BenchReport, Manifest, OutputError, engine_digest
+from pipeline.versions import unmet
 
 
 def chain_gate(chain: Sequence[str], alias: str, version: str, holds: Sequence[str]) -> GateResult:
@@ -28,10 +29,16 @@ def chain_gate(chain: Sequence[str], alias: str, version: str, holds: Sequence[s
         return GateResult(name="chain", passed=True, detail=f"{alias!r} is the first alias of the chain")
     before = chain[i - 1]
     if before in holds:
-        return GateResult(name="chain", passed=True, detail=f"version {version} holds {before!r}, the alias before {alias!r}")
-    return GateResult(name="chain", passed=False,
-                      detail=f"version {version} does not hold {before!r} (it holds {', '.join(holds) or 'no alias'}); "
-                             f"promote it to {before!r} first", data={"required": before, "holds": list(holds)})
+        return GateResult(
+            name="chain", passed=True, detail=f"version {version} holds {before!r}, the alias before {alias!r}"
+        )
+    return GateResult(
+        name="chain",
+        passed=False,
+        detail=f"version {version} does not hold {before!r} (it holds {', '.join(holds) or 'no alias'}); "
+        f"promote it to {before!r} first",
+        data={"required": before, "holds": list(holds)},
+    )
 
 
 def correctness_problems(m: Manifest, registry: Registry) -> list[str]:
@@ -50,8 +57,10 @@ def correctness_problems(m: Manifest, registry: Registry) -> list[str]:
         bad += _kind_problems(o, policy.declared.get(o.output))
         tol = policy.for_kind(o.kind)
         if o.atol > tol.atol + eps or o.rtol > tol.rtol + eps:
-            bad.append(f"output {o.output}: measured with atol={o.atol} rtol={o.rtol}, looser than the SKU's "
-                       f"atol={tol.atol} rtol={tol.rtol} for {o.kind} outputs")
+            bad.append(
+                f"output {o.output}: measured with atol={o.atol} rtol={o.rtol}, looser than the SKU's "
+                f"atol={tol.atol} rtol={tol.rtol} for {o.kind} outputs"
+            )
         contradictions = _figure_problems(o)
         bad += [f"output {o.output}: {p}" for p in contradictions]
         if not contradictions:
@@ -63,11 +72,17 @@ def correctness_problems(m: Manifest, registry: Registry) -> list[str]:
         bad.append("task metric: no evaluation figure in the manifest")
     for x in c.metrics:
         allowed = gate.max_drop_hard_tail if x.split == "hard_tail" else gate.max_drop
-        paired = x.samples > 0 and 0 <= x.worse and 0 <= x.better and x.worse + x.better <= x.samples
-        if not all(math.isfinite(v) for v in (x.engine, x.reference, x.delta)) or abs(x.engine - x.reference - x.delta) > 1e-9 \
-                or not paired or abs(x.delta - (x.better - x.worse) / x.samples) > 1e-9:
-            bad.append(f"{x.split} metric: figures do not add up (engine {x.engine}, reference {x.reference}, delta "
-                       f"{x.delta}, {x.samples} samples, {x.worse} worse, {x.better} better)")
+        paired = x.samples > 0 and x.worse >= 0 and x.better >= 0 and x.worse + x.better <= x.samples
+        if (
+            not all(math.isfinite(v) for v in (x.engine, x.reference, x.delta))
+            or abs(x.engine - x.reference - x.delta) > 1e-9
+            or not paired
+            or abs(x.delta - (x.better - x.worse) / x.samples) > 1e-9
+        ):
+            bad.append(
+                f"{x.split} metric: figures do not add up (engine {x.engine}, reference {x.reference}, delta "
+                f"{x.delta}, {x.samples} samples, {x.worse} worse, {x.better} better)"
+            )
         else:
             bad += metric_problems(x, spec.metric.kind if spec.metric else "metric", allowed, gate.confidence)
             bad += metric_input_problems(x, allowed, gate.confidence)
@@ -92,8 +107,18 @@ def _kind_problems(o: OutputError, declared: str | None) -> list[str]:
 
 def _figure_problems(o: OutputError) -> list[str]:
     """Figures that are missing where the output had values, out of range, or contradict each other."""
-    stats = (o.max_abs_error, o.mean_abs_error, o.median_abs_error, o.p99_abs_error, o.max_rel_error,
-             o.median_rel_error, o.p99_rel_error, o.cosine_similarity, o.min_passing_atol, o.min_passing_rtol)
+    stats = (
+        o.max_abs_error,
+        o.mean_abs_error,
+        o.median_abs_error,
+        o.p99_abs_error,
+        o.max_rel_error,
+        o.median_rel_error,
+        o.p99_rel_error,
+        o.cosine_similarity,
+        o.min_passing_atol,
+        o.min_passing_rtol,
+    )
     fractions = (o.mismatch_fraction, o.top1_agreement, o.top5_agreement)
     if not all(x is None or math.isfinite(x) for x in stats + fractions):
         return ["non-finite error figures"]
@@ -108,15 +133,20 @@ def _figure_problems(o: OutputError) -> list[str]:
         bad.append("no error figures for its finite elements")
     if o.elements and abs(o.mismatch_count / o.elements - o.mismatch_fraction) > 1e-9:
         bad.append(f"{o.mismatch_count} of {o.elements} elements beyond contradicts the fraction {o.mismatch_fraction}")
-    if o.top1_rows is not None and (o.top1_agree is None or not 0 <= o.top1_agree <= o.top1_rows or o.top1_rows < 0
-                                    or (o.top1_rows and abs(o.top1_agree / o.top1_rows - (o.top1_agreement or 0)) > 1e-9)):
+    if o.top1_rows is not None and (
+        o.top1_agree is None
+        or not 0 <= o.top1_agree <= o.top1_rows
+        or o.top1_rows < 0
+        or (o.top1_rows and abs(o.top1_agree / o.top1_rows - (o.top1_agreement or 0)) > 1e-9)
+    ):
         bad.append(f"top-1 counts ({o.top1_agree} of {o.top1_rows}) contradict the agreement {o.top1_agreement}")
     # the element-wise verdict and the smallest passing atol come from one measurement: they agree
     within = o.mismatch_count <= max_mismatches(o.elements, o.max_mismatch, o.confidence)
-    if o.elements and not unexpected and \
-            within != (o.min_passing_atol is not None and o.min_passing_atol <= o.atol):
-        bad.append(f"{o.mismatch_fraction:.2%} beyond tolerance (allowed {o.max_mismatch:.2%}) contradicts the smallest "
-                   f"passing atol {o.min_passing_atol} at atol={o.atol}")
+    if o.elements and not unexpected and within != (o.min_passing_atol is not None and o.min_passing_atol <= o.atol):
+        bad.append(
+            f"{o.mismatch_fraction:.2%} beyond tolerance (allowed {o.max_mismatch:.2%}) contradicts the smallest "
+            f"passing atol {o.min_passing_atol} at atol={o.atol}"
+        )
     return bad
 
 
@@ -128,9 +158,12 @@ def correctness_gate(m: Manifest, registry: Registry, version_tag: str | None = 
         bad.append(f"the registered version is tagged correctness={version_tag or 'nothing'}")
     if bad:
         return GateResult(name="correctness", passed=False, detail="; ".join(bad), data={"failures": bad})
-    return GateResult(name="correctness", passed=True,
-                      detail=f"{len(m.correctness.outputs)} outputs within tolerance, {len(m.correctness.metrics)} "
-                             "task metrics within their drop (recomputed against params.yaml)")
+    return GateResult(
+        name="correctness",
+        passed=True,
+        detail=f"{len(m.correctness.outputs)} outputs within tolerance, {len(m.correctness.metrics)} "
+        "task metrics within their drop (recomputed against params.yaml)",
+    )
 
 
 def placement_gate(m: Manifest, registry: Registry) -> GateResult:
@@ -142,28 +175,35 @@ def placement_gate(m: Manifest, registry: Registry) -> GateResult:
     offending = [layer.name for layer in m.layers if layer.device is not None and layer.device not in allowed]
     shown = ", ".join(allowed)
     if len(offending) > sku.placement.max_fallback_nodes or not m.correctness.placement.passed:
-        return GateResult(name="placement", passed=False,
-                          detail=f"{len(offending)} layers ran outside {shown} (allowed {sku.placement.max_fallback_nodes})"
-                                 + ("" if m.correctness.placement.passed else "; recorded as failed"),
-                          data={"offending": offending[:50], "allowed": allowed})
+        return GateResult(
+            name="placement",
+            passed=False,
+            detail=f"{len(offending)} layers ran outside {shown} (allowed {sku.placement.max_fallback_nodes})"
+            + ("" if m.correctness.placement.passed else "; recorded as failed"),
+            data={"offending": offending[:50], "allowed": allowed},
+        )
     return GateResult(name="placement", passed=True, detail=f"every layer on {shown}")
 
 
-def manifest_gate(document: Any, version_digest: str | None, registry: Registry | None = None,
-                  bench: BenchReport | None = None) -> GateResult:
+def manifest_gate(
+    document: Any, version_digest: str | None, registry: Registry | None = None, bench: BenchReport | None = None
+) -> GateResult:
     """The uploaded manifest matches its schema, its own digest, the version's digest tag and,
     with ``registry``, the SKU it claims to be for (backend, precision, toolchain, architecture) and
     the host its run's ``bench`` report was timed on (every host field; no report: fails)."""
-    from ..manifest import host_problems, validate_document
+    from pipeline.manifest import host_problems, validate_document
 
     try:
         validate_document(document, "the manifest artifact")
     except InputError as exc:
         return GateResult(name="manifest", passed=False, detail=exc.message)
     if version_digest != document["digest"]:
-        return GateResult(name="manifest", passed=False,
-                          detail=f"the manifest artifact has digest {document['digest'][:12]}, the version's tag says "
-                                 f"{(version_digest or 'nothing')[:12]}: the artifact was replaced after registration")
+        return GateResult(
+            name="manifest",
+            passed=False,
+            detail=f"the manifest artifact has digest {document['digest'][:12]}, the version's tag says "
+            f"{(version_digest or 'nothing')[:12]}: the artifact was replaced after registration",
+        )
     if registry is not None:
         m = Manifest.model_validate(document)
         bad = sku_mismatches(m, registry) + host_problems(m.host, bench, "the run's bench.json")
@@ -193,11 +233,15 @@ def sku_mismatches(m: Manifest, registry: Registry) -> list[str]:
 
 def signature_gate(signature: Any, m: Manifest, alias: str, registry: Registry) -> GateResult:
     """The manifest digest signed by a key params.yaml trusts for ``alias``."""
-    from ..signing import verify
+    from pipeline.signing import verify
 
     verdict = verify(signature, m.digest, m.model, m.sku, alias, registry.release.signing)
-    return GateResult(name="signature", passed=verdict.passed, detail=verdict.detail,
-                      data={"key": verdict.key_name} if verdict.key_name else {})
+    return GateResult(
+        name="signature",
+        passed=verdict.passed,
+        detail=verdict.detail,
+        data={"key": verdict.key_name} if verdict.key_name else {},
+    )
 
 
 def engine_gate(m: Manifest, files: dict[str, Path] | None, where: str) -> GateResult:
@@ -210,31 +254,56 @@ def engine_gate(m: Manifest, files: dict[str, Path] | None, where: str) -> GateR
         if path is None:
             bad.append(f"{rec.path} missing")
         elif path.stat().st_size != rec.bytes or sha256_file(path) != rec.sha256:
-            bad.append(f"{rec.path} differs from the manifest (sha256 {sha256_file(path)[:12]}, manifest {rec.sha256[:12]})")
+            bad.append(
+                f"{rec.path} differs from the manifest (sha256 {sha256_file(path)[:12]}, manifest {rec.sha256[:12]})"
+            )
     if bad:
-        return GateResult(name="engine", passed=False, detail=f"engine in the store at {where}: " + "; ".join(bad),
-                          data={"problems": bad})
-    return GateResult(name="engine", passed=True,
-                      detail=f"{len(m.engine)} engine files in the store match the manifest's sha256")
+        return GateResult(
+            name="engine",
+            passed=False,
+            detail=f"engine in the store at {where}: " + "; ".join(bad),
+            data={"problems": bad},
+        )
+    return GateResult(
+        name="engine", passed=True, detail=f"{len(m.engine)} engine files in the store match the manifest's sha256"
+    )
 
 
-def performance_gate(candidate: Sequence[float] | None, incumbent: Sequence[float] | None, incumbent_version: str | None,
-                     alias: str, settings: PerformanceGate) -> GateResult:
+def performance_gate(
+    candidate: Sequence[float] | None,
+    incumbent: Sequence[float] | None,
+    incumbent_version: str | None,
+    alias: str,
+    settings: PerformanceGate,
+) -> GateResult:
     """Candidate latency samples against those of the version holding ``alias`` now."""
     if incumbent_version is None:
         return GateResult(name="performance", passed=True, detail=f"no version holds {alias!r}: nothing to compare")
     if candidate is None or incumbent is None:
         which = "candidate" if candidate is None else f"version {incumbent_version}"
-        return GateResult(name="performance", passed=settings.on_noisy == "allow",
-                          detail=f"no latency samples for the {which}: cannot compare",
-                          data={"outcome": "too_noisy"})
-    cmp = compare_latency(candidate, incumbent, max_regression=settings.max_regression, alpha=settings.alpha,
-                          confidence=settings.confidence, resamples=settings.bootstrap, min_samples=settings.min_samples)
+        return GateResult(
+            name="performance",
+            passed=settings.on_noisy == "allow",
+            detail=f"no latency samples for the {which}: cannot compare",
+            data={"outcome": "too_noisy"},
+        )
+    cmp = compare_latency(
+        candidate,
+        incumbent,
+        max_regression=settings.max_regression,
+        alpha=settings.alpha,
+        confidence=settings.confidence,
+        resamples=settings.bootstrap,
+        min_samples=settings.min_samples,
+    )
     passed = cmp.outcome == "not_regressed" or (cmp.outcome == "too_noisy" and settings.on_noisy == "allow")
     note = " (release.performance.on_noisy: allow)" if cmp.outcome == "too_noisy" and passed else ""
-    return GateResult(name="performance", passed=passed,
-                      detail=f"against version {incumbent_version}: {cmp.outcome.replace('_', ' ')}; {cmp.reason}{note}",
-                      data=cmp.to_json() | {"incumbent": incumbent_version})
+    return GateResult(
+        name="performance",
+        passed=passed,
+        detail=f"against version {incumbent_version}: {cmp.outcome.replace('_', ' ')}; {cmp.reason}{note}",
+        data=cmp.to_json() | {"incumbent": incumbent_version},
+    )
 
 
 def release_gate(required: Sequence[str], present: Sequence[str], why: dict[str, str] | None = None) -> GateResult:
@@ -242,7 +311,10 @@ def release_gate(required: Sequence[str], present: Sequence[str], why: dict[str,
     missing = [s for s in required if s not in present]
     if missing:
         each = ", ".join(f"{s} ({(why or {}).get(s)})" if (why or {}).get(s) else s for s in missing)
-        return GateResult(name="release_skus", passed=False,
-                          detail=f"no version to promote for {each}; {len(required) - len(missing)} of "
-                                 f"{len(required)} SKUs present", data={"missing": missing})
+        return GateResult(
+            name="release_skus",
+            passed=False,
+            detail=f"no version to promote for {each}; {len(required) - len(missing)} of {len(required)} SKUs present",
+            data={"missing": missing},
+        )
     return GateResult(name="release_skus", passed=True, detail=f"all {len(required)} SKUs present")

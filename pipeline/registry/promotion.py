@@ -18,18 +18,40 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ..config import Registry, _did_you_mean
-from ..errors import ConfigError, GateFailed, InputError, ServiceError
-from ..benchstats import latency_stats, same_figure
-from ..io import sha256_bytes
-from ..results import BenchReport, Manifest
-from .gates import (chain_gate, correctness_gate, engine_gate, manifest_gate, performance_gate, placement_gate,
-                    release_gate, signature_gate)
-from .publish import BENCH_ARTIFACT, ENGINE_ARTIFACTS, LATENCY_ARTIFACT, LATENCY_FILE, MANIFEST_ARTIFACT
-from .reports import GateResult, HistoryEntry, Move, PromotionReport
-from .stats import read_latency_csv
-from .tracking import (TAG_CORRECTNESS, TAG_DIGEST, TAG_HISTORY, TAG_SIGNATURE, Tracking, actor, connect,
-                       registered_model_name)
+from pipeline.benchstats import latency_stats, same_figure
+from pipeline.config import Registry, _did_you_mean
+from pipeline.errors import ConfigError, GateFailed, InputError, ServiceError
+from pipeline.io import sha256_bytes
+from pipeline.registry.gates import (
+    chain_gate,
+    correctness_gate,
+    engine_gate,
+    manifest_gate,
+    performance_gate,
+    placement_gate,
+    release_gate,
+    signature_gate,
+)
+from pipeline.registry.publish import (
+    BENCH_ARTIFACT,
+    ENGINE_ARTIFACTS,
+    LATENCY_ARTIFACT,
+    LATENCY_FILE,
+    MANIFEST_ARTIFACT,
+)
+from pipeline.registry.reports import GateResult, HistoryEntry, Move, PromotionReport
+from pipeline.registry.stats import read_latency_csv
+from pipeline.registry.tracking import (
+    TAG_CORRECTNESS,
+    TAG_DIGEST,
+    TAG_HISTORY,
+    TAG_SIGNATURE,
+    Tracking,
+    actor,
+    connect,
+    registered_model_name,
+)
+from pipeline.results import BenchReport, Manifest
 
 log = logging.getLogger(__name__)
 # Gates that read the manifest's evidence: all fail when the manifest cannot be trusted.
@@ -40,10 +62,14 @@ class PromotionBlocked(GateFailed):
     """A gate failed; nothing moved. ``report`` holds every gate's result."""
 
     def __init__(self, report: PromotionReport):
-        failed = [f"{m.sku}: {', '.join(g.name for g in m.gates if not g.passed)}" for m in report.moves if not m.passed]
+        failed = [
+            f"{m.sku}: {', '.join(g.name for g in m.gates if not g.passed)}" for m in report.moves if not m.passed
+        ]
         failed += [g.name for g in report.gates if not g.passed]
-        super().__init__(f"promotion of {report.model} to {report.alias!r} blocked ({'; '.join(failed)})",
-                         hint="the gate results above say why; no alias was moved")
+        super().__init__(
+            f"promotion of {report.model} to {report.alias!r} blocked ({'; '.join(failed)})",
+            hint="the gate results above say why; no alias was moved",
+        )
         self.report = report
 
 
@@ -54,8 +80,10 @@ def _now() -> str:
 def _chain_index(registry: Registry, alias: str) -> int:
     chain = registry.release.aliases
     if alias not in chain:
-        raise ConfigError(f"unknown alias {alias!r}{_did_you_mean(alias, chain)}",
-                          hint=f"the chain (release.aliases in params.yaml): {' -> '.join(chain)}")
+        raise ConfigError(
+            f"unknown alias {alias!r}{_did_you_mean(alias, chain)}",
+            hint=f"the chain (release.aliases in params.yaml): {' -> '.join(chain)}",
+        )
     return chain.index(alias)
 
 
@@ -63,8 +91,10 @@ def _why(registry: Registry, alias: str, reason: str | None, action: str) -> str
     if reason and reason.strip():
         return reason.strip()
     if alias in registry.release.reason_required:
-        raise ConfigError(f"moving {alias!r} needs a reason", hint=f"add --reason \"...\" (release.reason_required: "
-                                                                   f"{', '.join(registry.release.reason_required)})")
+        raise ConfigError(
+            f"moving {alias!r} needs a reason",
+            hint=f'add --reason "..." (release.reason_required: {", ".join(registry.release.reason_required)})',
+        )
     return f"{action} to {alias} with skuforge" if action == "promote" else f"rollback of {alias} with skuforge"
 
 
@@ -92,8 +122,14 @@ def _download(tracking: Tracking, run_id: str | None, path: str, into: str) -> P
     if not run_id:
         return None
     try:
-        local = tracking.call(f"download {path} of run {run_id}", tracking.client.download_artifacts, run_id, path,
-                              into, expect={"RESOURCE_DOES_NOT_EXIST"})
+        local = tracking.call(
+            f"download {path} of run {run_id}",
+            tracking.client.download_artifacts,
+            run_id,
+            path,
+            into,
+            expect={"RESOURCE_DOES_NOT_EXIST"},
+        )
     except Exception as exc:
         if getattr(exc, "error_code", None) == "RESOURCE_DOES_NOT_EXIST":
             return None
@@ -125,8 +161,9 @@ def _bench(tracking: Tracking, run_id: str | None) -> BenchReport | None:
         return None
 
 
-def _samples(tracking: Tracking, run_id: str | None, manifest: dict | None,
-             bench: BenchReport | None) -> tuple[list[float] | None, str | None]:
+def _samples(
+    tracking: Tracking, run_id: str | None, manifest: dict | None, bench: BenchReport | None
+) -> tuple[list[float] | None, str | None]:
     """Latency samples of a run, checked against its manifest and its ``bench`` report: (samples, problem).
 
     Schema 5: the run's bench.json must be about the manifest's engine, latency.csv must be the
@@ -147,8 +184,10 @@ def _samples(tracking: Tracking, run_id: str | None, manifest: dict | None,
             return None, f"the bench report of run {run_id} is about another engine than its manifest"
         expected = bench.latency_sha256
     if sha256_bytes(data) != expected:
-        return None, (f"the latency samples of run {run_id} are not the ones its bench report and manifest recorded "
-                      f"(sha256 {sha256_bytes(data)[:12]}, expected {(expected or 'nothing')[:12]})")
+        return None, (
+            f"the latency samples of run {run_id} are not the ones its bench report and manifest recorded "
+            f"(sha256 {sha256_bytes(data)[:12]}, expected {(expected or 'nothing')[:12]})"
+        )
     try:
         samples = read_latency_csv(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
@@ -172,15 +211,22 @@ def _samples_match_manifest(samples: list[float], manifest: dict | None) -> str 
     for q in ("p50", "p99"):
         mine, theirs = getattr(stats, f"{q}_ms"), getattr(recorded, f"{q}_ms")
         if not same_figure(theirs, getattr(recorded, f"{q}_ci_ms"), mine, getattr(stats, f"{q}_ci_ms")):
-            return (f"the latency samples' {q} {mine:.4g} ms is not the manifest's {theirs:.4g} ms "
-                    f"(interval {getattr(recorded, f'{q}_ci_ms')})")
+            return (
+                f"the latency samples' {q} {mine:.4g} ms is not the manifest's {theirs:.4g} ms "
+                f"(interval {getattr(recorded, f'{q}_ci_ms')})"
+            )
     return None
 
 
 def _version(tracking: Tracking, name: str, version: str):
     try:
-        return tracking.call(f"read version {version} of {name}", tracking.client.get_model_version, name, version,
-                             expect={"RESOURCE_DOES_NOT_EXIST"})
+        return tracking.call(
+            f"read version {version} of {name}",
+            tracking.client.get_model_version,
+            name,
+            version,
+            expect={"RESOURCE_DOES_NOT_EXIST"},
+        )
     except Exception as exc:
         if getattr(exc, "error_code", None) == "RESOURCE_DOES_NOT_EXIST":
             return None
@@ -197,7 +243,9 @@ def _source(tracking: Tracking, registry: Registry, rm: Any, name: str, index: i
             raise InputError(f"{name} has no version {version}", hint="skuforge releases MODEL lists the versions")
         return found, ""
     if index == 0:
-        versions = tracking.call(f"search versions of {name}", tracking.client.search_model_versions, f"name = '{name}'")
+        versions = tracking.call(
+            f"search versions of {name}", tracking.client.search_model_versions, f"name = '{name}'"
+        )
         if not versions:
             return None, "no version"
         return max(versions, key=lambda v: int(v.version)), ""
@@ -216,7 +264,9 @@ def _engine_files(tracking: Tracking, run_id: str, into: str) -> dict[str, Path]
     return {p.relative_to(local).as_posix(): p for p in local.rglob("*") if p.is_file()}
 
 
-def _gates(tracking: Tracking, registry: Registry, alias: str, rm: Any, src: Any, incumbent: str | None) -> list[GateResult]:
+def _gates(
+    tracking: Tracking, registry: Registry, alias: str, rm: Any, src: Any, incumbent: str | None
+) -> list[GateResult]:
     """Every gate of one SKU's move, recomputed from what the store holds (fail closed)."""
     holds = [a for a, v in (rm.aliases or {}).items() if str(v) == str(src.version)]
     tags = src.tags or {}
@@ -229,15 +279,21 @@ def _gates(tracking: Tracking, registry: Registry, alias: str, rm: Any, src: Any
     gate = manifest_gate(doc, tags.get(TAG_DIGEST), registry, bench)
     gates.append(gate)
     if not gate.passed:
-        return gates + [GateResult(name=n, passed=False, detail="the manifest cannot be trusted (see the manifest gate)")
-                        for n in EVIDENCE_GATES if n != "manifest"]
+        return gates + [
+            GateResult(name=n, passed=False, detail="the manifest cannot be trusted (see the manifest gate)")
+            for n in EVIDENCE_GATES
+            if n != "manifest"
+        ]
     m = Manifest.model_validate(doc)
     try:
         signature = json.loads(tags[TAG_SIGNATURE]) if TAG_SIGNATURE in tags else None
     except ValueError:
         signature = "unreadable"
-    gates += [signature_gate(signature, m, alias, registry), correctness_gate(m, registry, tags.get(TAG_CORRECTNESS)),
-              placement_gate(m, registry)]
+    gates += [
+        signature_gate(signature, m, alias, registry),
+        correctness_gate(m, registry, tags.get(TAG_CORRECTNESS)),
+        placement_gate(m, registry),
+    ]
     with tempfile.TemporaryDirectory(prefix="skuforge-promote-") as tmp:
         gates.append(engine_gate(m, _engine_files(tracking, src.run_id, tmp), f"run {src.run_id}/{ENGINE_ARTIFACTS}"))
     candidate, problem = _samples(tracking, src.run_id, doc, bench)
@@ -251,13 +307,26 @@ def _gates(tracking: Tracking, registry: Registry, alias: str, rm: Any, src: Any
         held_run = holder.run_id if holder else None
         incumbent_samples, problem = _samples(tracking, held_run, held, _bench(tracking, held_run))
         if problem:
-            log.warning("%s: %s; the latency comparison treats version %s as having no samples", rm.name, problem, incumbent)
+            log.warning(
+                "%s: %s; the latency comparison treats version %s as having no samples", rm.name, problem, incumbent
+            )
     gates.append(performance_gate(candidate, incumbent_samples, incumbent, alias, registry.release.performance))
     return gates
 
 
-def _record(tracking: Tracking, registry: Registry, name: str, alias: str, entry: HistoryEntry | None,
-            version: str | None, when: str, who: str, why: str, previous: str | None, action: str) -> None:
+def _record(
+    tracking: Tracking,
+    registry: Registry,
+    name: str,
+    alias: str,
+    entry: HistoryEntry | None,
+    version: str | None,
+    when: str,
+    who: str,
+    why: str,
+    previous: str | None,
+    action: str,
+) -> None:
     """Write the history entry (when new), then move the alias, then tag the version."""
     client = tracking.client
     if entry is not None:
@@ -266,37 +335,76 @@ def _record(tracking: Tracking, registry: Registry, name: str, alias: str, entry
         last = entries[-1] if entries else None
         if not (last and (last.action, last.version, last.previous) == (entry.action, entry.version, entry.previous)):
             entry = entry.model_copy(update={"id": (last.id + 1) if last else 1})
-            entries = (entries + [entry])[-registry.release.history:]
-            tracking.call(f"record the move of {alias!r} on {name}", client.set_registered_model_tag, name,
-                          TAG_HISTORY + alias, json.dumps([e.to_json() for e in entries]))
+            entries = (entries + [entry])[-registry.release.history :]
+            tracking.call(
+                f"record the move of {alias!r} on {name}",
+                client.set_registered_model_tag,
+                name,
+                TAG_HISTORY + alias,
+                json.dumps([e.to_json() for e in entries]),
+            )
     if version is None:
         tracking.call(f"remove alias {alias!r} of {name}", client.delete_registered_model_alias, name, alias)
     else:
-        tracking.call(f"move alias {alias!r} of {name} to version {version}", client.set_registered_model_alias,
-                      name, alias, version)
-        tracking.call(f"tag version {version} of {name}", client.set_model_version_tag, name, version,
-                      f"skuforge.{action}.{alias}", json.dumps({"who": who, "when": when, "why": why, "previous": previous}))
+        tracking.call(
+            f"move alias {alias!r} of {name} to version {version}",
+            client.set_registered_model_alias,
+            name,
+            alias,
+            version,
+        )
+        tracking.call(
+            f"tag version {version} of {name}",
+            client.set_model_version_tag,
+            name,
+            version,
+            f"skuforge.{action}.{alias}",
+            json.dumps({"who": who, "when": when, "why": why, "previous": previous}),
+        )
 
 
-def _apply(tracking: Tracking, registry: Registry, report: PromotionReport, entries: dict[str, HistoryEntry | None]) -> None:
+def _apply(
+    tracking: Tracking, registry: Registry, report: PromotionReport, entries: dict[str, HistoryEntry | None]
+) -> None:
     done: list[str] = []
     try:
         for move in report.moves:
             if move.already:
                 continue
-            _record(tracking, registry, move.registered_model, report.alias, entries.get(move.sku), move.version,
-                    report.when, report.who, report.why, move.previous, report.action)
+            _record(
+                tracking,
+                registry,
+                move.registered_model,
+                report.alias,
+                entries.get(move.sku),
+                move.version,
+                report.when,
+                report.who,
+                report.why,
+                move.previous,
+                report.action,
+            )
             move.moved = True
             done.append(move.sku)
             log.debug("%s: %s -> version %s (was %s)", move.registered_model, report.alias, move.version, move.previous)
     except ServiceError as exc:
         left = [m.sku for m in report.moves if not m.moved and not m.already]
-        raise ServiceError(f"{exc.message}; moved: {', '.join(done) or 'none'}; not moved: {', '.join(left)}",
-                           hint="run the same command again: SKUs already moved are skipped") from exc
+        raise ServiceError(
+            f"{exc.message}; moved: {', '.join(done) or 'none'}; not moved: {', '.join(left)}",
+            hint="run the same command again: SKUs already moved are skipped",
+        ) from exc
 
 
-def promote(registry: Registry, model: str, alias: str, skus: list[str] | None = None, version: str | None = None,
-            reason: str | None = None, tracking: Tracking | None = None, who: str | None = None) -> PromotionReport:
+def promote(
+    registry: Registry,
+    model: str,
+    alias: str,
+    skus: list[str] | None = None,
+    version: str | None = None,
+    reason: str | None = None,
+    tracking: Tracking | None = None,
+    who: str | None = None,
+) -> PromotionReport:
     """Move ``alias`` to the next version on each SKU (``skus=None``: every SKU the release requires)."""
     index = _chain_index(registry, alias)
     wanted = _skus(registry, model, skus)
@@ -319,26 +427,49 @@ def promote(registry: Registry, model: str, alias: str, skus: list[str] | None =
             moves.append(Move(sku=sku, registered_model=name, version=None, previous=incumbent))
             continue
         target = str(src.version)
-        move = Move(sku=sku, registered_model=name, version=target, previous=incumbent,
-                    digest=(src.tags or {}).get(TAG_DIGEST), already=incumbent == target)
+        move = Move(
+            sku=sku,
+            registered_model=name,
+            version=target,
+            previous=incumbent,
+            digest=(src.tags or {}).get(TAG_DIGEST),
+            already=incumbent == target,
+        )
         if not move.already:
             move.gates = _gates(tracking, registry, alias, rm, src, incumbent)
-            entries[sku] = HistoryEntry(id=0, action="promote", version=target, previous=incumbent, who=who, when=when,
-                                        why=why)
+            entries[sku] = HistoryEntry(
+                id=0, action="promote", version=target, previous=incumbent, who=who, when=when, why=why
+            )
         moves.append(move)
     present = [m.sku for m in moves if m.version is not None]
     gate = release_gate(wanted, present, missing)
-    report = PromotionReport(model=model, alias=alias, action="promote", tracking_uri=tracking.display, who=who,
-                             when=when, why=why, gates=[gate], moves=moves,
-                             passed=gate.passed and all(m.passed for m in moves))
+    report = PromotionReport(
+        model=model,
+        alias=alias,
+        action="promote",
+        tracking_uri=tracking.display,
+        who=who,
+        when=when,
+        why=why,
+        gates=[gate],
+        moves=moves,
+        passed=gate.passed and all(m.passed for m in moves),
+    )
     if not report.passed:
         raise PromotionBlocked(report)
     _apply(tracking, registry, report, entries)
     return report
 
 
-def rollback(registry: Registry, model: str, alias: str, skus: list[str] | None = None, reason: str | None = None,
-             tracking: Tracking | None = None, who: str | None = None) -> PromotionReport:
+def rollback(
+    registry: Registry,
+    model: str,
+    alias: str,
+    skus: list[str] | None = None,
+    reason: str | None = None,
+    tracking: Tracking | None = None,
+    who: str | None = None,
+) -> PromotionReport:
     """Move ``alias`` back to the version it had before its last recorded promotion (no gates:
     that version passed them when it was promoted)."""
     _chain_index(registry, alias)
@@ -368,18 +499,32 @@ def rollback(registry: Registry, model: str, alias: str, skus: list[str] | None 
                 problems.append(f"{sku}: no recorded move of {alias!r} left to roll back")
                 continue
             if undo.version != current:
-                problems.append(f"{sku}: {alias!r} is on version {current}, but the last recorded move put version "
-                                f"{undo.version} there (moved outside skuforge?)")
+                problems.append(
+                    f"{sku}: {alias!r} is on version {current}, but the last recorded move put version "
+                    f"{undo.version} there (moved outside skuforge?)"
+                )
                 continue
             target = undo.previous
-            entry = HistoryEntry(id=0, action="rollback", version=target, previous=current, who=who, when=when, why=why,
-                                 reverts=undo.id)
+            entry = HistoryEntry(
+                id=0, action="rollback", version=target, previous=current, who=who, when=when, why=why, reverts=undo.id
+            )
         entries[sku] = entry
         moves.append(Move(sku=sku, registered_model=name, version=target, previous=current))
     if problems:
-        raise InputError(f"cannot roll back {alias!r} of {model}: " + "; ".join(problems),
-                         hint="move the alias explicitly: skuforge promote MODEL --sku SKU --to ALIAS --version N")
-    report = PromotionReport(model=model, alias=alias, action="rollback", tracking_uri=tracking.display, who=who,
-                             when=when, why=why, moves=moves, passed=True)
+        raise InputError(
+            f"cannot roll back {alias!r} of {model}: " + "; ".join(problems),
+            hint="move the alias explicitly: skuforge promote MODEL --sku SKU --to ALIAS --version N",
+        )
+    report = PromotionReport(
+        model=model,
+        alias=alias,
+        action="rollback",
+        tracking_uri=tracking.display,
+        who=who,
+        when=when,
+        why=why,
+        moves=moves,
+        passed=True,
+    )
     _apply(tracking, registry, report, entries)
     return report

@@ -26,19 +26,32 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator, Mapping
+from typing import Any
 
-from .. import __version__
-from ..config import Registry
-from ..errors import ServiceError
-from ..results import BenchReport, Manifest
-from ..stages import Progress
-from .reports import PublishResult
-from .gates import correctness_problems
-from .tracking import (TAG_COMPLETE, TAG_CORRECTNESS, TAG_DIGEST, TAG_LOGGED, TAG_MODEL, TAG_SIGNATURE, TAG_SKU, Tracking,
-                       actor, experiment_name, registered_model_name, unreachable)
+from pipeline import __version__
+from pipeline.config import Registry
+from pipeline.errors import ServiceError
+from pipeline.registry.gates import correctness_problems
+from pipeline.registry.reports import PublishResult
+from pipeline.registry.tracking import (
+    TAG_COMPLETE,
+    TAG_CORRECTNESS,
+    TAG_DIGEST,
+    TAG_LOGGED,
+    TAG_MODEL,
+    TAG_SIGNATURE,
+    TAG_SKU,
+    Tracking,
+    actor,
+    experiment_name,
+    registered_model_name,
+    unreachable,
+)
+from pipeline.results import BenchReport, Manifest
+from pipeline.stages import Progress
 
 log = logging.getLogger(__name__)
 
@@ -82,17 +95,26 @@ def flatten(obj: Any, prefix: str = "") -> dict[str, str]:
             out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
     elif prefix:
         text = obj if isinstance(obj, str) else json.dumps(obj, sort_keys=True)
-        out[_name(prefix)] = text if len(text) <= MAX_PARAM_VALUE else text[:MAX_PARAM_VALUE - 1] + "…"
+        out[_name(prefix)] = text if len(text) <= MAX_PARAM_VALUE else text[: MAX_PARAM_VALUE - 1] + "…"
     return out
 
 
 def params(inputs: PublishInputs) -> dict[str, str]:
     m = inputs.manifest
-    return flatten({**inputs.config, "toolchain": m.toolchain, "skuforge_version": __version__,
-                    "model_source_sha256": m.source.sha256, "build_config_sha256": m.build_config_sha256})
+    return flatten(
+        {
+            **inputs.config,
+            "toolchain": m.toolchain,
+            "skuforge_version": __version__,
+            "model_source_sha256": m.source.sha256,
+            "build_config_sha256": m.build_config_sha256,
+        }
+    )
 
 
-def manifest_metrics(m: Manifest, bench: BenchReport | None = None, build_seconds: float | None = None) -> dict[str, float]:
+def manifest_metrics(
+    m: Manifest, bench: BenchReport | None = None, build_seconds: float | None = None
+) -> dict[str, float]:
     """Latency, throughput, memory, error statistics, task-metric deltas and gate results; with
     the bench report, the run's volatile detail too (``bench.*``: unrounded statistics, warm-up,
     drift, load time, every memory reading)."""
@@ -127,8 +149,16 @@ def manifest_metrics(m: Manifest, bench: BenchReport | None = None, build_second
         out["build.seconds"] = build_seconds
     c = m.correctness
     for o in c.outputs:
-        for key in ("max_abs_error", "max_rel_error", "mean_abs_error", "p99_abs_error", "mismatch_fraction",
-                    "cosine_similarity", "top1_agreement", "min_passing_atol"):
+        for key in (
+            "max_abs_error",
+            "max_rel_error",
+            "mean_abs_error",
+            "p99_abs_error",
+            "mismatch_fraction",
+            "cosine_similarity",
+            "top1_agreement",
+            "min_passing_atol",
+        ):
             if getattr(o, key) is not None:  # a figure over no elements does not exist
                 out[f"error.{o.output}.{key}"] = getattr(o, key)
     for x in c.metrics:
@@ -141,8 +171,11 @@ def manifest_metrics(m: Manifest, bench: BenchReport | None = None, build_second
     out["precision.mismatched_layers"] = c.precision.mismatched_layers
     out["layers"] = len(m.layers)
     out["layers.fused"] = sum(1 for layer in m.layers if len(layer.fused_from) > 1)
-    return {_name(k): float(v) for k, v in out.items()
-            if isinstance(v, (int, float)) and not (isinstance(v, float) and not math.isfinite(v))}
+    return {
+        _name(k): float(v)
+        for k, v in out.items()
+        if isinstance(v, (int, float)) and not (isinstance(v, float) and not math.isfinite(v))
+    }
 
 
 def ci_tags(m: Manifest, env: Mapping[str, str]) -> dict[str, str]:
@@ -164,21 +197,33 @@ def ci_tags(m: Manifest, env: Mapping[str, str]) -> dict[str, str]:
 def _summary(m: Manifest) -> str:
     e = m.benchmark.engine_only
     state = "passed" if m.correctness.passed else "FAILED"
-    return (f"{m.model} on {m.sku}: {m.backend} {m.precision}, correctness {state}, p50 {e.p50_ms:.4g} ms, "
-            f"p99 {e.p99_ms:.4g} ms, {m.benchmark.throughput_per_s:.4g} samples/s; manifest {m.digest[:12]}")
+    return (
+        f"{m.model} on {m.sku}: {m.backend} {m.precision}, correctness {state}, p50 {e.p50_ms:.4g} ms, "
+        f"p99 {e.p99_ms:.4g} ms, {m.benchmark.throughput_per_s:.4g} samples/s; manifest {m.digest[:12]}"
+    )
 
 
 def _run_tags(m: Manifest, env: Mapping[str, str]) -> dict[str, str]:
-    return {TAG_MODEL: m.model, TAG_SKU: m.sku, TAG_DIGEST: m.digest, "skuforge.backend": m.backend,
-            "skuforge.precision": m.precision, "skuforge.version": __version__,
-            "skuforge.hardware_specific": str(m.hardware_specific).lower(), "mlflow.user": actor(dict(env)),
-            "mlflow.note.content": _summary(m), **ci_tags(m, env)}
+    return {
+        TAG_MODEL: m.model,
+        TAG_SKU: m.sku,
+        TAG_DIGEST: m.digest,
+        "skuforge.backend": m.backend,
+        "skuforge.precision": m.precision,
+        "skuforge.version": __version__,
+        "skuforge.hardware_specific": str(m.hardware_specific).lower(),
+        "mlflow.user": actor(dict(env)),
+        "mlflow.note.content": _summary(m),
+        **ci_tags(m, env),
+    }
 
 
 def expected_artifacts(inputs: PublishInputs) -> dict[str, int]:
     """Artifact path -> size in bytes, as they must be listed after the upload."""
-    out = {str(PurePosixPath(ENGINE_ARTIFACTS, rel)): (inputs.engine_dir / rel).stat().st_size
-           for rel in inputs.engine_files}
+    out = {
+        str(PurePosixPath(ENGINE_ARTIFACTS, rel)): (inputs.engine_dir / rel).stat().st_size
+        for rel in inputs.engine_files
+    }
     out[MANIFEST_ARTIFACT] = inputs.manifest_path.stat().st_size
     out.update({f"{REPORT_ARTIFACTS}/{p.name}": p.stat().st_size for p in inputs.reports})
     return out
@@ -202,8 +247,12 @@ def _version_by_digest(client, name: str, digest: str):
 def _find_runs(client, experiment_id: str, digest: str):
     from mlflow.entities import ViewType
 
-    return client.search_runs([experiment_id], filter_string=f"tags.`{TAG_DIGEST}` = '{digest}'",
-                              run_view_type=ViewType.ACTIVE_ONLY, order_by=["attributes.start_time ASC"])
+    return client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`{TAG_DIGEST}` = '{digest}'",
+        run_view_type=ViewType.ACTIVE_ONLY,
+        order_by=["attributes.start_time ASC"],
+    )
 
 
 def _pick(runs):
@@ -222,18 +271,27 @@ def _log_data(tracking: Tracking, run_id: str, inputs: PublishInputs) -> None:
     have = run.data.params
     todo = [Param(k, v) for k, v in params(inputs).items() if k not in have]  # a resumed run keeps its first values
     for i in range(0, len(todo), PARAMS_PER_BATCH):
-        tracking.call("log params", client.log_batch, run_id, params=todo[i:i + PARAMS_PER_BATCH])
+        tracking.call("log params", client.log_batch, run_id, params=todo[i : i + PARAMS_PER_BATCH])
     m = inputs.manifest
-    datasets = [DatasetInput(Dataset(name=f"{m.model}.{split}", digest=sha[:32], source_type="local",
-                                     source=json.dumps({"uri": where}), profile=json.dumps({"sha256": sha})),
-                             tags=[InputTag("mlflow.data.context", split)])
-                for split, (sha, where) in sorted(inputs.datasets.items())]
+    datasets = [
+        DatasetInput(
+            Dataset(
+                name=f"{m.model}.{split}",
+                digest=sha[:32],
+                source_type="local",
+                source=json.dumps({"uri": where}),
+                profile=json.dumps({"sha256": sha}),
+            ),
+            tags=[InputTag("mlflow.data.context", split)],
+        )
+        for split, (sha, where) in sorted(inputs.datasets.items())
+    ]
     if datasets:
         tracking.call("log dataset inputs", client.log_inputs, run_id, datasets=datasets)
     now = int(time.time() * 1000)
     metrics = [Metric(k, v, now, 0) for k, v in sorted(manifest_metrics(m, inputs.bench, inputs.build_seconds).items())]
     for i in range(0, max(len(metrics), 1), METRICS_PER_BATCH):
-        chunk = metrics[i:i + METRICS_PER_BATCH]
+        chunk = metrics[i : i + METRICS_PER_BATCH]
         last = i + METRICS_PER_BATCH >= len(metrics)
 
         def batch(chunk=chunk, last=last) -> None:
@@ -278,18 +336,21 @@ def _ended_on_failure(tracking: Tracking, run_id: str) -> Iterator[None]:
 def _verdict_tags(m: Manifest, registry: Registry, key) -> dict[str, str]:
     """The version tags promotion trusts: correctness recomputed against params.yaml, and the
     publisher's signature of the manifest digest."""
-    return {TAG_CORRECTNESS: "failed" if correctness_problems(m, registry) else "passed",
-            TAG_SIGNATURE: json.dumps(key.sign(m.digest, m.model, m.sku).to_json(), sort_keys=True)}
+    return {
+        TAG_CORRECTNESS: "failed" if correctness_problems(m, registry) else "passed",
+        TAG_SIGNATURE: json.dumps(key.sign(m.digest, m.model, m.sku).to_json(), sort_keys=True),
+    }
 
 
-def publish_engine(tracking: Tracking, registry: Registry, inputs: PublishInputs,
-                   progress: Progress | None = None) -> PublishResult:
+def publish_engine(
+    tracking: Tracking, registry: Registry, inputs: PublishInputs, progress: Progress | None = None
+) -> PublishResult:
     """Record one engine in MLflow and register it; see the module docstring for the steps.
 
     The version is tagged with the correctness verdict recomputed from the manifest's figures
     against params.yaml (not the manifest's own flag) and with the publisher's signature of the
     manifest digest, which promotion verifies against the keys params.yaml trusts."""
-    from ..signing import signing_key
+    from pipeline.signing import signing_key
 
     release = registry.release
     started = time.perf_counter()
@@ -310,8 +371,14 @@ def publish_engine(tracking: Tracking, registry: Registry, inputs: PublishInputs
         # tags promotion needs; tags it already has are left alone
         for tag, value in _verdict_tags(m, registry, key).items():
             if tag not in (version.tags or {}):
-                tracking.call(f"tag version {version.version} of {name}", client.set_model_version_tag, name,
-                              version.version, tag, value)
+                tracking.call(
+                    f"tag version {version.version} of {name}",
+                    client.set_model_version_tag,
+                    name,
+                    version.version,
+                    tag,
+                    value,
+                )
     else:
         experiment_id = tracking.experiment_id(experiment_name(release, m.model))
 
@@ -319,8 +386,9 @@ def publish_engine(tracking: Tracking, registry: Registry, inputs: PublishInputs
             found = _pick(_find_runs(client, experiment_id, m.digest))
             if found is not None:
                 return found, False
-            return client.create_run(experiment_id, tags=_run_tags(m, inputs.env),
-                                     run_name=f"{m.sku} {m.digest[:12]}"), True
+            return client.create_run(
+                experiment_id, tags=_run_tags(m, inputs.env), run_name=f"{m.sku} {m.digest[:12]}"
+            ), True
 
         step("publish: run", 0.1)
         run, created_run = tracking.call(f"create run in experiment {experiment_id}", find_or_create)
@@ -332,22 +400,35 @@ def publish_engine(tracking: Tracking, registry: Registry, inputs: PublishInputs
                 _upload(tracking, run_id, inputs, step)
                 expected = expected_artifacts(inputs)
                 listed = _listing(tracking, run_id)
-                wrong = sorted(p for p, size in expected.items() if p not in listed or
-                               (listed[p] is not None and listed[p] != size))
+                wrong = sorted(
+                    p
+                    for p, size in expected.items()
+                    if p not in listed or (listed[p] is not None and listed[p] != size)
+                )
                 if wrong:
-                    raise ServiceError(f"MLflow at {tracking.display}: artifacts of run {run_id} missing or "
-                                       f"truncated after upload: {', '.join(wrong)}",
-                                       hint="publish again (the run is resumed); check the artifact store's space")
+                    raise ServiceError(
+                        f"MLflow at {tracking.display}: artifacts of run {run_id} missing or "
+                        f"truncated after upload: {', '.join(wrong)}",
+                        hint="publish again (the run is resumed); check the artifact store's space",
+                    )
                 tracking.call("mark run complete", client.set_tag, run_id, TAG_COMPLETE, "true")
             tracking.call("end run", client.set_terminated, run_id, "FINISHED")
         step("publish: register", 0.9)
-        tracking.registered_model(name, tags={TAG_MODEL: m.model, TAG_SKU: m.sku},
-                                  description=f"Engines of model {m.model} for SKU {m.sku} (skuforge)")
+        tracking.registered_model(
+            name,
+            tags={TAG_MODEL: m.model, TAG_SKU: m.sku},
+            description=f"Engines of model {m.model} for SKU {m.sku} (skuforge)",
+        )
         engine_path = f"{run.info.artifact_uri.rstrip('/')}/{ENGINE_ARTIFACTS}"
-        version_tags = {TAG_DIGEST: m.digest, TAG_MODEL: m.model, TAG_SKU: m.sku, "skuforge.backend": m.backend,
-                        "skuforge.precision": m.precision,
-                        **_verdict_tags(m, registry, key),
-                        "skuforge.p50_ms": f"{m.benchmark.engine_only.p50_ms:.6g}"}
+        version_tags = {
+            TAG_DIGEST: m.digest,
+            TAG_MODEL: m.model,
+            TAG_SKU: m.sku,
+            "skuforge.backend": m.backend,
+            "skuforge.precision": m.precision,
+            **_verdict_tags(m, registry, key),
+            "skuforge.p50_ms": f"{m.benchmark.engine_only.p50_ms:.6g}",
+        }
         if m.provenance.git_commit:
             version_tags["skuforge.git_commit"] = m.provenance.git_commit
 
@@ -355,15 +436,32 @@ def publish_engine(tracking: Tracking, registry: Registry, inputs: PublishInputs
             found = _version_by_digest(client, name, m.digest)
             if found is not None:
                 return found, False
-            return client.create_model_version(name, engine_path, run_id=run_id, tags=version_tags,
-                                               description=_summary(m)), True
+            return client.create_model_version(
+                name, engine_path, run_id=run_id, tags=version_tags, description=_summary(m)
+            ), True
 
         version, created_version = tracking.call(f"register a version of {name}", register)
-        log.debug("[%s] %s %s version %s (run %s)", where, "registered" if created_version else "found", name,
-                 version.version, run_id)
+        log.debug(
+            "[%s] %s %s version %s (run %s)",
+            where,
+            "registered" if created_version else "found",
+            name,
+            version.version,
+            run_id,
+        )
     step("publish: done", 1.0)
-    return PublishResult(model=m.model, sku=m.sku, digest=m.digest, tracking_uri=tracking.display,
-                         experiment_id=run.info.experiment_id, run_id=run.info.run_id,
-                         artifact_uri=run.info.artifact_uri, registered_model=name, version=str(version.version),
-                         created_run=created_run, created_version=created_version, resumed=resumed,
-                         seconds=round(time.perf_counter() - started, 3))
+    return PublishResult(
+        model=m.model,
+        sku=m.sku,
+        digest=m.digest,
+        tracking_uri=tracking.display,
+        experiment_id=run.info.experiment_id,
+        run_id=run.info.run_id,
+        artifact_uri=run.info.artifact_uri,
+        registered_model=name,
+        version=str(version.version),
+        created_run=created_run,
+        created_version=created_version,
+        resumed=resumed,
+        seconds=round(time.perf_counter() - started, 3),
+    )

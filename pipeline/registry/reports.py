@@ -6,9 +6,11 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ..results import Result
+from pipeline.results import Result
 
-GateName = Literal["chain", "manifest", "signature", "correctness", "placement", "engine", "performance", "release_skus"]
+GateName = Literal[
+    "chain", "manifest", "signature", "correctness", "placement", "engine", "performance", "release_skus"
+]
 
 
 class PublishResult(Result):

@@ -15,11 +15,12 @@ otherwise (or with too few samples) ``too_noisy`` to decide. numpy only (scipy m
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
-from ..results import Result
+from pipeline.results import Result
 
 if TYPE_CHECKING:
     import numpy as np
@@ -44,7 +45,7 @@ class LatencyComparison(Result):
     alpha: float
 
 
-def rankdata(a: "np.ndarray") -> "np.ndarray":
+def rankdata(a: np.ndarray) -> np.ndarray:
     """Ranks from 1, ties get the mean of their ranks."""
     import numpy as np
 
@@ -71,7 +72,7 @@ def mann_whitney_greater(x: Sequence[float], y: Sequence[float]) -> tuple[float,
     u1 = float(ranks[:n1].sum() - n1 * (n1 + 1) / 2.0)
     n = n1 + n2
     _, counts = np.unique(np.concatenate([x, y]), return_counts=True)
-    tie_term = float((counts ** 3 - counts).sum()) / (n * (n - 1)) if n > 1 else 0.0
+    tie_term = float((counts**3 - counts).sum()) / (n * (n - 1)) if n > 1 else 0.0
     var = n1 * n2 / 12.0 * ((n + 1) - tie_term)
     if var <= 0:  # every value equal: no evidence either way
         return u1, 1.0
@@ -79,8 +80,9 @@ def mann_whitney_greater(x: Sequence[float], y: Sequence[float]) -> tuple[float,
     return u1, 0.5 * math.erfc(z / math.sqrt(2.0))
 
 
-def bootstrap_median_ratio(x: Sequence[float], y: Sequence[float], resamples: int, confidence: float,
-                           seed: int = 0) -> tuple[float, float]:
+def bootstrap_median_ratio(
+    x: Sequence[float], y: Sequence[float], resamples: int, confidence: float, seed: int = 0
+) -> tuple[float, float]:
     """Percentile bootstrap interval of median(x) / median(y), resampling each side on its own."""
     import numpy as np
 
@@ -92,15 +94,22 @@ def bootstrap_median_ratio(x: Sequence[float], y: Sequence[float], resamples: in
         k = min(block, resamples - start)
         mx = np.median(x[rng.integers(0, len(x), (k, len(x)))], axis=1)
         my = np.median(y[rng.integers(0, len(y), (k, len(y)))], axis=1)
-        ratios[start:start + k] = mx / my
+        ratios[start : start + k] = mx / my
     tail = (1.0 - confidence) / 2.0
     low, high = np.quantile(ratios, [tail, 1.0 - tail])
     return float(low), float(high)
 
 
-def compare_latency(candidate: Sequence[float], baseline: Sequence[float], max_regression: float = 0.05,
-                    alpha: float = 0.05, confidence: float = 0.95, resamples: int = 2000,
-                    min_samples: int = 30, seed: int = 0) -> LatencyComparison:
+def compare_latency(
+    candidate: Sequence[float],
+    baseline: Sequence[float],
+    max_regression: float = 0.05,
+    alpha: float = 0.05,
+    confidence: float = 0.95,
+    resamples: int = 2000,
+    min_samples: int = 30,
+    seed: int = 0,
+) -> LatencyComparison:
     """Is ``candidate`` (latency samples, ms) slower than ``baseline`` by more than ``max_regression``?"""
     import numpy as np
 
@@ -110,18 +119,31 @@ def compare_latency(candidate: Sequence[float], baseline: Sequence[float], max_r
     common = dict(n_candidate=len(c), n_baseline=len(b), confidence=confidence, threshold=threshold, alpha=alpha)
     bad = [name for name, a in (("candidate", c), ("baseline", b)) if not np.all(np.isfinite(a)) or np.any(a <= 0)]
     if len(c) < min_samples or len(b) < min_samples or bad:
-        why = (f"samples not positive and finite: {', '.join(bad)}" if bad else
-               f"too few samples to decide ({len(c)} candidate, {len(b)} baseline; need {min_samples} each)")
-        return LatencyComparison(outcome="too_noisy", reason=why,
-                                 median_candidate_ms=float(np.median(c)) if len(c) else None,
-                                 median_baseline_ms=float(np.median(b)) if len(b) else None,
-                                 ratio=None, ci_low=None, ci_high=None, p_value=None, prob_slower=None, **common)
+        why = (
+            f"samples not positive and finite: {', '.join(bad)}"
+            if bad
+            else f"too few samples to decide ({len(c)} candidate, {len(b)} baseline; need {min_samples} each)"
+        )
+        return LatencyComparison(
+            outcome="too_noisy",
+            reason=why,
+            median_candidate_ms=float(np.median(c)) if len(c) else None,
+            median_baseline_ms=float(np.median(b)) if len(b) else None,
+            ratio=None,
+            ci_low=None,
+            ci_high=None,
+            p_value=None,
+            prob_slower=None,
+            **common,
+        )
     med_c, med_b = float(np.median(c)), float(np.median(b))
     ratio = med_c / med_b
     u1, p = mann_whitney_greater(c, b)
     low, high = bootstrap_median_ratio(c, b, resamples, confidence, seed)
-    numbers = (f"median {med_c:.4g} ms vs {med_b:.4g} ms (ratio {ratio:.3f}, {confidence:.0%} interval "
-               f"{low:.3f}..{high:.3f}), Mann-Whitney p={p:.3g}")
+    numbers = (
+        f"median {med_c:.4g} ms vs {med_b:.4g} ms (ratio {ratio:.3f}, {confidence:.0%} interval "
+        f"{low:.3f}..{high:.3f}), Mann-Whitney p={p:.3g}"
+    )
     if high <= threshold:
         outcome: Outcome = "not_regressed"
         reason = f"not slower than allowed ({threshold:.3f}): {numbers}"
@@ -131,9 +153,18 @@ def compare_latency(candidate: Sequence[float], baseline: Sequence[float], max_r
     else:
         outcome = "too_noisy"
         reason = f"too noisy to decide against {threshold:.3f}: {numbers}"
-    return LatencyComparison(outcome=outcome, reason=reason, median_candidate_ms=med_c, median_baseline_ms=med_b,
-                             ratio=ratio, ci_low=low, ci_high=high, p_value=p, prob_slower=u1 / (len(c) * len(b)),
-                             **common)
+    return LatencyComparison(
+        outcome=outcome,
+        reason=reason,
+        median_candidate_ms=med_c,
+        median_baseline_ms=med_b,
+        ratio=ratio,
+        ci_low=low,
+        ci_high=high,
+        p_value=p,
+        prob_slower=u1 / (len(c) * len(b)),
+        **common,
+    )
 
 
 def read_latency_csv(text: str) -> list[float]:

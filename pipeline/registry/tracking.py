@@ -23,15 +23,16 @@ import os
 import random
 import re
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Collection, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
-from ..config import NAME_FORBIDDEN, Registry, Release, TrackingSpec
-from ..errors import ConfigError, EnvironmentProblem, ServiceError, SkuforgeError, StorageError
-from ..io import storage_error
-from ..redact import redact  # also imported from here by older callers
+from pipeline.config import NAME_FORBIDDEN, Registry, Release, TrackingSpec
+from pipeline.errors import ConfigError, EnvironmentProblem, ServiceError, SkuforgeError, StorageError
+from pipeline.io import storage_error
+from pipeline.redact import redact  # also imported from here by older callers
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,28 +54,59 @@ TAG_HISTORY = "skuforge.history."  # + alias: JSON list of moves, on the registe
 
 _TRANSIENT_CODES = {"TEMPORARILY_UNAVAILABLE", "INTERNAL_ERROR", "REQUEST_LIMIT_EXCEEDED"}
 # The server could not be reached or did not answer (as opposed to answering with an error).
-_NETWORK_TEXT = ("connection refused", "connection reset", "connection aborted", "connection broken", "timed out",
-                 "max retries exceeded", "remotedisconnected", "temporary failure in name resolution")
+_NETWORK_TEXT = (
+    "connection refused",
+    "connection reset",
+    "connection aborted",
+    "connection broken",
+    "timed out",
+    "max retries exceeded",
+    "remotedisconnected",
+    "temporary failure in name resolution",
+)
 _NETWORK_ERRORS = {("requests", "ConnectionError"), ("requests", "Timeout"), ("urllib3", "HTTPError")}
-_TRANSIENT_TEXT = ("database is locked", "unique constraint failed", "integrityerror", "duplicate key",
-                   "bad gateway", "service unavailable") + _NETWORK_TEXT
+_TRANSIENT_TEXT = (
+    "database is locked",
+    "unique constraint failed",
+    "integrityerror",
+    "duplicate key",
+    "bad gateway",
+    "service unavailable",
+) + _NETWORK_TEXT
 # Checked first: a 500 answer or a wrapped OperationalError that no retry heals.
 _READ_ONLY_TEXT = ("readonly database", "read-only database", "read-only file system", "unable to open database file")
 _FULL_TEXT = ("database or disk is full", "no space left on device")
 # Wrapped in urllib3's "Max retries exceeded" like a refused connection, but no retry heals them.
-_PERMANENT_TEXT = ("certificate verify failed", "sslerror", "wrong version number", "no connection adapters",
-                   "invalid url", "name or service not known", "nodename nor servname")
+_PERMANENT_TEXT = (
+    "certificate verify failed",
+    "sslerror",
+    "wrong version number",
+    "no connection adapters",
+    "invalid url",
+    "name or service not known",
+    "nodename nor servname",
+)
 # Database drivers SQLAlchemy imports for a scheme, and the pip package that provides each.
-_DRIVERS = {"psycopg2": "psycopg2-binary", "psycopg": "'psycopg[binary]'", "MySQLdb": "mysqlclient",
-            "pymysql": "pymysql", "pyodbc": "pyodbc", "pymssql": "pymssql", "asyncpg": "asyncpg",
-            "pg8000": "pg8000", "mysql": "mysql-connector-python"}
+_DRIVERS = {
+    "psycopg2": "psycopg2-binary",
+    "psycopg": "'psycopg[binary]'",
+    "MySQLdb": "mysqlclient",
+    "pymysql": "pymysql",
+    "pyodbc": "pyodbc",
+    "pymssql": "pymssql",
+    "asyncpg": "asyncpg",
+    "pg8000": "pg8000",
+    "mysql": "mysql-connector-python",
+}
 
 
 def _check_name(name: str, what: str) -> str:
     bad = [c for c in NAME_FORBIDDEN if c in name]
     if bad or not name.strip():
-        raise ConfigError(f"{what} {name!r} cannot be an MLflow name (it contains {' '.join(bad) or 'nothing'})",
-                          hint=f"rename it in params.yaml without {' '.join(NAME_FORBIDDEN)}")
+        raise ConfigError(
+            f"{what} {name!r} cannot be an MLflow name (it contains {' '.join(bad) or 'nothing'})",
+            hint=f"rename it in params.yaml without {' '.join(NAME_FORBIDDEN)}",
+        )
     return name
 
 
@@ -207,33 +239,52 @@ class Tracking:
         local = self.artifact_problem(exc, what)
         if local is not None:
             return local
-        if "unsupported uri" in text or any("Unsupported" in type(e).__name__ and "URI" in type(e).__name__
-                                            for e in _chain(exc)):
-            return ConfigError(f"{where}: {what} failed: the URI scheme {urlsplit(self.uri).scheme + '://'!r} is not "
-                               "one MLflow supports", hint=f"set {ENV_TRACKING_URI} to http(s)://HOST:PORT of a tracking "
-                               "server, or a database URI (sqlite:///PATH, postgresql://…, mysql://…); unset it to use "
-                               "the project's embedded store")
+        if "unsupported uri" in text or any(
+            "Unsupported" in type(e).__name__ and "URI" in type(e).__name__ for e in _chain(exc)
+        ):
+            return ConfigError(
+                f"{where}: {what} failed: the URI scheme {urlsplit(self.uri).scheme + '://'!r} is not "
+                "one MLflow supports",
+                hint=f"set {ENV_TRACKING_URI} to http(s)://HOST:PORT of a tracking "
+                "server, or a database URI (sqlite:///PATH, postgresql://…, mysql://…); unset it to use "
+                "the project's embedded store",
+            )
         driver = _missing_driver(exc)
         if driver:
-            return EnvironmentProblem(f"{where}: {what} failed: the database driver {driver!r} is not installed",
-                                      hint=f"pip install {_DRIVERS[driver]} in this environment, or point "
-                                           f"{ENV_TRACKING_URI} at a tracking server (http://HOST:PORT)")
+            return EnvironmentProblem(
+                f"{where}: {what} failed: the database driver {driver!r} is not installed",
+                hint=f"pip install {_DRIVERS[driver]} in this environment, or point "
+                f"{ENV_TRACKING_URI} at a tracking server (http://HOST:PORT)",
+            )
         local = _sqlite_path(self.uri)
         if any(t in text for t in _READ_ONLY_TEXT):
             if local:
-                state = ("cannot be opened (its folder is missing or read-only)" if "unable to open" in text
-                         else "is read-only")
-                return StorageError(f"{where}: {what} failed: the database {local} {state}",
-                                    hint=f"make {local} and its folder writable (permissions, `lsattr`, read-only "
-                                         "mounts), then run again", path=local)
-            return ServiceError(f"{where}: {what} failed: the server's database is read-only ({_first_line(exc, 200)})",
-                                hint="ask the server's operator to make its backend store writable; then run again")
+                state = (
+                    "cannot be opened (its folder is missing or read-only)"
+                    if "unable to open" in text
+                    else "is read-only"
+                )
+                return StorageError(
+                    f"{where}: {what} failed: the database {local} {state}",
+                    hint=f"make {local} and its folder writable (permissions, `lsattr`, read-only "
+                    "mounts), then run again",
+                    path=local,
+                )
+            return ServiceError(
+                f"{where}: {what} failed: the server's database is read-only ({_first_line(exc, 200)})",
+                hint="ask the server's operator to make its backend store writable; then run again",
+            )
         if any(t in text for t in _FULL_TEXT):
             if local:
-                return StorageError(f"{where}: {what} failed: no space left for the database {local}",
-                                    hint=f"free space on the disk holding {local}, then run again", path=local)
-            return ServiceError(f"{where}: {what} failed: the server's disk is full ({_first_line(exc, 200)})",
-                                hint="ask the server's operator to free space; then run again")
+                return StorageError(
+                    f"{where}: {what} failed: no space left for the database {local}",
+                    hint=f"free space on the disk holding {local}, then run again",
+                    path=local,
+                )
+            return ServiceError(
+                f"{where}: {what} failed: the server's disk is full ({_first_line(exc, 200)})",
+                hint="ask the server's operator to free space; then run again",
+            )
         return None
 
     def artifact_problem(self, exc: BaseException, what: str) -> StorageError | None:
@@ -245,8 +296,12 @@ class Tracking:
             return None
         root = self.artifact_root
         if root is not None and Path(err.path or "").is_relative_to(root):
-            return StorageError(f"MLflow at {self.display}: {what} failed: the artifact folder {root} cannot be "
-                                f"written: {err.message.removeprefix('cannot write ')}", hint=err.hint, path=str(root))
+            return StorageError(
+                f"MLflow at {self.display}: {what} failed: the artifact folder {root} cannot be "
+                f"written: {err.message.removeprefix('cannot write ')}",
+                hint=err.hint,
+                path=str(root),
+            )
         return StorageError(f"MLflow at {self.display}: {what} failed: {err.message}", hint=err.hint, path=err.path)
 
     @property
@@ -257,10 +312,14 @@ class Tracking:
 
     def hint(self) -> str:
         if self.embedded:
-            return (f"the embedded store is {self.uri}; if another process holds it, run again, or route "
-                    f"parallel jobs through one `mlflow server` ({ENV_TRACKING_URI})")
-        return (f"check that the tracking server at {self.display} is up and reachable ({ENV_TRACKING_URI}); "
-                f"publish and promote are idempotent: run the same command again when it is back")
+            return (
+                f"the embedded store is {self.uri}; if another process holds it, run again, or route "
+                f"parallel jobs through one `mlflow server` ({ENV_TRACKING_URI})"
+            )
+        return (
+            f"check that the tracking server at {self.display} is up and reachable ({ENV_TRACKING_URI}); "
+            f"publish and promote are idempotent: run the same command again when it is back"
+        )
 
     def call(self, what: str, fn: Callable[..., T], *args: Any, expect: Collection[str] = (), **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` with retries on transient failures.
@@ -284,23 +343,42 @@ class Tracking:
                 if not _is_service_error(exc):
                     raise
                 if not transient(exc):
-                    raise ServiceError(f"MLflow at {self.display}: {what} failed: {_first_line(exc)}",
-                                       hint=self.hint()) from exc
+                    raise ServiceError(
+                        f"MLflow at {self.display}: {what} failed: {_first_line(exc)}", hint=self.hint()
+                    ) from exc
                 delay = min(self.policy.max_backoff_seconds, self.policy.backoff_seconds * 2 ** (attempt - 1))
                 delay *= random.uniform(0.8, 1.2)  # concurrent writers should not retry in lockstep
                 now = self.clock()
                 # a dead or silent server: no retry that could not end before the deadline, judging by
                 # this attempt (a busy database answers: it gets every retry)
-                late = (attempt < attempts and unreachable(exc)
-                        and now - began + delay + (now - tried) > self.policy.deadline_seconds)
+                late = (
+                    attempt < attempts
+                    and unreachable(exc)
+                    and now - began + delay + (now - tried) > self.policy.deadline_seconds
+                )
                 if attempt == attempts or late:
-                    spent = (f" in {now - began:.1f} s (release.tracking.deadline_seconds: "
-                             f"{self.policy.deadline_seconds:g})") if late else ""
-                    raise ServiceError(f"MLflow at {self.display}: {what} failed after {attempt} attempt"
-                                       f"{'s' if attempt > 1 else ''}{spent}: {_first_line(exc)}",
-                                       hint=self.hint()) from exc
-                log.warning("MLflow at %s: %s failed (%s); retry %d of %d in %.1fs", self.display, what,
-                            _first_line(exc, 120), attempt, attempts - 1, delay)
+                    spent = (
+                        (
+                            f" in {now - began:.1f} s (release.tracking.deadline_seconds: "
+                            f"{self.policy.deadline_seconds:g})"
+                        )
+                        if late
+                        else ""
+                    )
+                    raise ServiceError(
+                        f"MLflow at {self.display}: {what} failed after {attempt} attempt"
+                        f"{'s' if attempt > 1 else ''}{spent}: {_first_line(exc)}",
+                        hint=self.hint(),
+                    ) from exc
+                log.warning(
+                    "MLflow at %s: %s failed (%s); retry %d of %d in %.1fs",
+                    self.display,
+                    what,
+                    _first_line(exc, 120),
+                    attempt,
+                    attempts - 1,
+                    delay,
+                )
                 self.sleep(delay)
         raise AssertionError("unreachable")
 
@@ -309,26 +387,41 @@ class Tracking:
         exp = self.call(f"read experiment {name!r}", self.client.get_experiment_by_name, name)
         if exp is None:
             try:
-                return self.call(f"create experiment {name!r}", self.client.create_experiment, name,
-                                 artifact_location=self.artifact_location, expect={"RESOURCE_ALREADY_EXISTS"})
+                return self.call(
+                    f"create experiment {name!r}",
+                    self.client.create_experiment,
+                    name,
+                    artifact_location=self.artifact_location,
+                    expect={"RESOURCE_ALREADY_EXISTS"},
+                )
             except Exception as exc:
                 if getattr(exc, "error_code", None) != "RESOURCE_ALREADY_EXISTS":
                     raise
                 exp = self.call(f"read experiment {name!r}", self.client.get_experiment_by_name, name)
         if exp is None:
-            raise ServiceError(f"MLflow at {self.display}: experiment {name!r} vanished while being created",
-                               hint="run the command again")
+            raise ServiceError(
+                f"MLflow at {self.display}: experiment {name!r} vanished while being created",
+                hint="run the command again",
+            )
         if exp.lifecycle_stage != "active":
-            raise ServiceError(f"MLflow at {self.display}: experiment {name!r} is deleted",
-                               hint=f"restore it (mlflow experiments restore --experiment-id {exp.experiment_id}) "
-                                    "or set release.name_prefix in params.yaml")
+            raise ServiceError(
+                f"MLflow at {self.display}: experiment {name!r} is deleted",
+                hint=f"restore it (mlflow experiments restore --experiment-id {exp.experiment_id}) "
+                "or set release.name_prefix in params.yaml",
+            )
         return exp.experiment_id
 
     def registered_model(self, name: str, tags: dict[str, str], description: str | None = None):
         """The registered model, created when missing."""
         try:
-            return self.call(f"create registered model {name!r}", self.client.create_registered_model, name,
-                             tags=tags, description=description, expect={"RESOURCE_ALREADY_EXISTS"})
+            return self.call(
+                f"create registered model {name!r}",
+                self.client.create_registered_model,
+                name,
+                tags=tags,
+                description=description,
+                expect={"RESOURCE_ALREADY_EXISTS"},
+            )
         except Exception as exc:
             if getattr(exc, "error_code", None) != "RESOURCE_ALREADY_EXISTS":
                 raise
@@ -337,8 +430,12 @@ class Tracking:
     def get_registered_model(self, name: str):
         """The registered model, or None when it does not exist."""
         try:
-            return self.call(f"read registered model {name!r}", self.client.get_registered_model, name,
-                             expect={"RESOURCE_DOES_NOT_EXIST"})
+            return self.call(
+                f"read registered model {name!r}",
+                self.client.get_registered_model,
+                name,
+                expect={"RESOURCE_DOES_NOT_EXIST"},
+            )
         except Exception as exc:
             if getattr(exc, "error_code", None) != "RESOURCE_DOES_NOT_EXIST":
                 raise
@@ -350,8 +447,9 @@ def require_mlflow():
     try:
         import mlflow
     except ImportError as exc:
-        raise EnvironmentProblem(f"mlflow is not importable here ({exc})",
-                                 hint="pip install 'mlflow>=3,<4' (a skuforge dependency)") from exc
+        raise EnvironmentProblem(
+            f"mlflow is not importable here ({exc})", hint="pip install 'mlflow>=3,<4' (a skuforge dependency)"
+        ) from exc
     return mlflow
 
 
@@ -361,7 +459,9 @@ def mlflow_environment(policy: TrackingSpec) -> dict[str, str]:
         # MLflow's own HTTP retries (7 by default, minutes of backoff) would hide a dead server behind
         # the policy's retries and deadline
         "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
-        "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, math.ceil(policy.timeout_seconds))),  # connect and read; whole seconds
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": str(
+            max(1, math.ceil(policy.timeout_seconds))
+        ),  # connect and read; whole seconds
         # ending a run prints "View run ... at" to stdout for servers: it would corrupt --json output
         "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
         "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",  # tqdm bars in CI logs
@@ -388,12 +488,22 @@ def connect(registry: Registry, uri: str | None = None) -> Tracking:
     uri = uri or os.environ.get(ENV_TRACKING_URI) or None
     policy = registry.release.tracking
     if uri:
-        return Tracking(uri=uri, registry_uri=os.environ.get(ENV_REGISTRY_URI) or uri, embedded=False,
-                        artifact_location=None, policy=policy)
+        return Tracking(
+            uri=uri,
+            registry_uri=os.environ.get(ENV_REGISTRY_URI) or uri,
+            embedded=False,
+            artifact_location=None,
+            policy=policy,
+        )
     root = registry.root.resolve()
     local = embedded_uri(root)
-    return Tracking(uri=local, registry_uri=local, embedded=True,
-                    artifact_location=(root / EMBEDDED_ARTIFACTS).as_uri(), policy=policy)
+    return Tracking(
+        uri=local,
+        registry_uri=local,
+        embedded=True,
+        artifact_location=(root / EMBEDDED_ARTIFACTS).as_uri(),
+        policy=policy,
+    )
 
 
 def actor(env: dict[str, str] | None = None) -> str:

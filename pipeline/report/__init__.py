@@ -5,6 +5,6 @@
 only when a chart is drawn.
 """
 
-from .site import DEFAULT_DIR, PAIR_REPORT, pages, write_pair_report, write_site
+from pipeline.report.site import DEFAULT_DIR, PAIR_REPORT, pages, write_pair_report, write_site
 
 __all__ = ["DEFAULT_DIR", "PAIR_REPORT", "pages", "write_pair_report", "write_site"]

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
-from ..io import read_json
-from ..paths import Layout
+from pipeline.errors import InputError
+from pipeline.io import read_json
+from pipeline.paths import Layout
 
 ROOFLINE = "roofline.json"
 
@@ -26,8 +26,10 @@ def read_optional(path: Path) -> dict[str, Any] | None:
         return None
     data = read_json(path)  # MalformedFile (an InputError) naming the file when it is not JSON
     if not isinstance(data, dict):
-        raise InputError(f"{path} is not a report: it holds a JSON {type(data).__name__}, not an object",
-                         hint="regenerate it with the step that writes it (or delete it and run again)")
+        raise InputError(
+            f"{path} is not a report: it holds a JSON {type(data).__name__}, not an object",
+            hint="regenerate it with the step that writes it (or delete it and run again)",
+        )
     return data
 
 
@@ -43,8 +45,9 @@ def read_samples(path: Path, columns: tuple[str, ...]) -> list[dict[str, str]] |
                 return None
             return list(reader)
     except (UnicodeDecodeError, csv.Error) as exc:
-        raise InputError(f"{path} is not a CSV file of latencies ({exc})",
-                         hint="rerun the bench stage to write it again") from exc
+        raise InputError(
+            f"{path} is not a CSV file of latencies ({exc})", hint="rerun the bench stage to write it again"
+        ) from exc
 
 
 def _floats(path: Path, rows: list[dict[str, str]], column: str) -> list[float]:
@@ -53,8 +56,10 @@ def _floats(path: Path, rows: list[dict[str, str]], column: str) -> list[float]:
         try:
             value = float(row[column])
         except (TypeError, ValueError):
-            raise InputError(f"{path} line {n}: {column} is {row[column]!r}, not a number",
-                             hint="rerun the bench stage to write it again") from None
+            raise InputError(
+                f"{path} line {n}: {column} is {row[column]!r}, not a number",
+                hint="rerun the bench stage to write it again",
+            ) from None
         if math.isfinite(value):
             values.append(value)
     return values
@@ -103,9 +108,11 @@ def load_pair(out: Layout, model: str, sku: str) -> PairData:
     timeline_path = out.timeline_csv(model, sku)
     rows = read_samples(timeline_path, ("iteration", "phase", "latency_ms"))
     if rows is None:
-        pair.notes.append("no timeline.csv with columns iteration, phase, latency_ms (a bench run before warm-up "
-                          "was recorded): the timeline shows "
-                          "the steady samples of latency.csv alone")
+        pair.notes.append(
+            "no timeline.csv with columns iteration, phase, latency_ms (a bench run before warm-up "
+            "was recorded): the timeline shows "
+            "the steady samples of latency.csv alone"
+        )
     else:
         lat = _floats(timeline_path, rows, "latency_ms")
         its = _floats(timeline_path, rows, "iteration")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 Interval = tuple[float, float] | None  # a confidence interval, None where the report has none
 
@@ -64,7 +64,9 @@ def latency_distribution(samples: Sequence[float], percentiles: dict[str, float]
     cdf.set(title="latency CDF (to p99.9)", xlabel="ms", ylabel="fraction of calls", xlim=(values[0], hi))
     for name, value in percentiles.items():
         for ax in (hist, cdf):
-            ax.axvline(value, color=COLOURS.get(name, "grey"), linestyle="--", linewidth=1, label=f"{name} {value:.4g} ms")
+            ax.axvline(
+                value, color=COLOURS.get(name, "grey"), linestyle="--", linewidth=1, label=f"{name} {value:.4g} ms"
+            )
     hist.legend(loc="upper right")
     return fig
 
@@ -110,17 +112,27 @@ def sweep(points: Sequence[dict]):
     for key, colour in (("p50_ms", COLOURS["p50"]), ("p99_ms", COLOURS["p99"])):
         ax.plot([p["throughput_per_s"] for p in pts], [p[key] for p in pts], "o-", color=colour, label=key[:3])
     for p in pts:
-        ax.annotate(f"b{p['batch']} c{p['concurrency']}", (p["throughput_per_s"], p["p50_ms"]),
-                    textcoords="offset points", xytext=(4, -10), fontsize=7)
+        ax.annotate(
+            f"b{p['batch']} c{p['concurrency']}",
+            (p["throughput_per_s"], p["p50_ms"]),
+            textcoords="offset points",
+            xytext=(4, -10),
+            fontsize=7,
+        )
     ax.set(title="throughput against latency (sweep)", xlabel="samples/s", ylabel="latency ms")
     ax.legend()
     return fig
 
 
 @_draw
-def roofline(peak_gflops: float, peak_gbs: float, layers: Sequence[tuple[str, float, float]],
-             engine: tuple[float, float] | None, compute_ceilings: dict[str, float] | None = None,
-             bandwidth_ceilings: dict[str, float] | None = None):
+def roofline(
+    peak_gflops: float,
+    peak_gbs: float,
+    layers: Sequence[tuple[str, float, float]],
+    engine: tuple[float, float] | None,
+    compute_ceilings: dict[str, float] | None = None,
+    bandwidth_ceilings: dict[str, float] | None = None,
+):
     """The classic log-log roofline: min(peak compute, bandwidth x intensity), lower ceilings
     dashed, the timed layers and the whole engine as points (FLOP/byte, achieved GFLOP/s); the
     five slowest-running layers (lowest achieved) are named."""
@@ -133,8 +145,13 @@ def roofline(peak_gflops: float, peak_gbs: float, layers: Sequence[tuple[str, fl
     lo = min([ridge / 100, *(x / 2 for x in xs if x > 0)])
     hi = max([ridge * 100, *(x * 2 for x in xs)])
     grid = np.logspace(math.log10(lo), math.log10(hi), 200)
-    ax.plot(grid, np.minimum(peak_gflops, peak_gbs * grid), color="black", linewidth=1.8,
-            label=f"roof: {peak_gflops:.4g} GFLOP/s, {peak_gbs:.4g} GB/s")
+    ax.plot(
+        grid,
+        np.minimum(peak_gflops, peak_gbs * grid),
+        color="black",
+        linewidth=1.8,
+        label=f"roof: {peak_gflops:.4g} GFLOP/s, {peak_gbs:.4g} GB/s",
+    )
     for label, value in (compute_ceilings or {}).items():
         ax.plot(grid, np.minimum(value, peak_gbs * grid), color="grey", linestyle="--", linewidth=0.8)
         ax.annotate(_text(label), (hi, value), ha="right", va="bottom", fontsize=7, color="grey")
@@ -143,21 +160,31 @@ def roofline(peak_gflops: float, peak_gbs: float, layers: Sequence[tuple[str, fl
         ax.annotate(_text(label), (lo, value * lo), ha="left", va="bottom", fontsize=7, color="grey")
     ax.axvline(ridge, color="grey", linestyle=":", linewidth=1, label=f"ridge {ridge:.3g} FLOP/B")
     if layers:
-        ax.scatter([x for _, x, _ in layers], [y for _, _, y in layers], s=16, color="#1f77b4", alpha=0.75,
-                   label=f"layers ({len(layers)})")
+        ax.scatter(
+            [x for _, x, _ in layers],
+            [y for _, _, y in layers],
+            s=16,
+            color="#1f77b4",
+            alpha=0.75,
+            label=f"layers ({len(layers)})",
+        )
         for name, x, y in sorted(layers, key=lambda t: t[2])[:5]:
             ax.annotate(_text(name[:32]), (x, y), textcoords="offset points", xytext=(4, 2), fontsize=6)
     if engine and engine[0] > 0 and engine[1] > 0:
         ax.scatter([engine[0]], [engine[1]], s=90, marker="*", color="#d62728", label="engine", zorder=3)
-    ax.set(xscale="log", yscale="log", title="roofline", xlabel="arithmetic intensity (FLOP/byte)",
-           ylabel="GFLOP/s")
+    ax.set(xscale="log", yscale="log", title="roofline", xlabel="arithmetic intensity (FLOP/byte)", ylabel="GFLOP/s")
     ax.legend(loc="lower right", fontsize=7)
     return fig
 
 
 @_draw
-def latency_bars(skus: Sequence[str], p50: Sequence[float | None], p50_ci: Sequence[Interval],
-                 p99: Sequence[float | None], p99_ci: Sequence[Interval]):
+def latency_bars(
+    skus: Sequence[str],
+    p50: Sequence[float | None],
+    p50_ci: Sequence[Interval],
+    p99: Sequence[float | None],
+    p99_ci: Sequence[Interval],
+):
     """Engine-only p50 and p99 per SKU, side by side, confidence intervals as error bars."""
     fig, axes = _figure(height=3.6)
     ax = axes[0][0]
@@ -167,8 +194,15 @@ def latency_bars(skus: Sequence[str], p50: Sequence[float | None], p50_ci: Seque
             if v is None:
                 continue
             err = [[v - ci[0]], [ci[1] - v]] if ci else None
-            ax.bar(x + offset, v, width=0.4, color=COLOURS[name], yerr=err, capsize=3,
-                   label=name if x == next(i for i, w in enumerate(values) if w is not None) else None)
+            ax.bar(
+                x + offset,
+                v,
+                width=0.4,
+                color=COLOURS[name],
+                yerr=err,
+                capsize=3,
+                label=name if x == next(i for i, w in enumerate(values) if w is not None) else None,
+            )
     _sku_axis(ax, skus)
     shown = [v for v in (*p50, *p99) if v is not None and v > 0]
     if shown and max(shown) / min(shown) > 30:  # one slow SKU would flatten the others to nothing
@@ -179,8 +213,9 @@ def latency_bars(skus: Sequence[str], p50: Sequence[float | None], p50_ci: Seque
 
 
 @_draw
-def bars(skus: Sequence[str], values: Sequence[float | None], title: str, ylabel: str,
-         cis: Sequence[Interval] | None = None):
+def bars(
+    skus: Sequence[str], values: Sequence[float | None], title: str, ylabel: str, cis: Sequence[Interval] | None = None
+):
     fig, axes = _figure(height=3.4)
     ax = axes[0][0]
     for x, (v, ci) in enumerate(zip(values, cis or [None] * len(values))):

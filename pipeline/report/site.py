@@ -13,15 +13,16 @@ import json
 import logging
 import math
 import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
-from ..config import Registry
-from ..errors import InputError, SkuforgeError
-from ..io import atomic_dir, atomic_write_bytes
-from ..paths import Layout, inside
-from . import plots
-from .load import ROOFLINE, PairData, load_pair, read_optional
+from pipeline.config import Registry
+from pipeline.errors import InputError, SkuforgeError
+from pipeline.io import atomic_dir, atomic_write_bytes
+from pipeline.paths import Layout, inside
+from pipeline.report import plots
+from pipeline.report.load import ROOFLINE, PairData, load_pair, read_optional
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ PLOT_ERRORS = (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, O
 
 
 # --- formatting (Jinja filters) -------------------------------------------------------------------
+
 
 def fmt(value: Any) -> str:
     """A cell: 4 significant digits for floats, yes/no, JSON for lists and dicts, '–' for nothing."""
@@ -66,13 +68,19 @@ def status_class(outcome: str) -> str:
 def _environment():
     import jinja2
 
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(Path(__file__).parent / "templates")),
-                             autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(Path(__file__).parent / "templates")),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
     env.filters.update(fmt=fmt, ci=interval, status_class=status_class)
     return env
 
 
 # --- where the charts go --------------------------------------------------------------------------
+
 
 class _Files:
     """Charts as PNG files in ``folder``; the page refers to them by name."""
@@ -106,11 +114,13 @@ def _chart(images: Images, notes: list[str], name: str, what: str, draw: Callabl
 
 # --- outcomes -------------------------------------------------------------------------------------
 
-def _outcomes(registry: Registry, models: list[str], pairs: dict[tuple[str, str], PairData],
-              notes: list[str] | None = None) -> dict[tuple[str, str], tuple[str, str]]:
+
+def _outcomes(
+    registry: Registry, models: list[str], pairs: dict[tuple[str, str], PairData], notes: list[str] | None = None
+) -> dict[tuple[str, str], tuple[str, str]]:
     """(model, SKU) -> (outcome, detail), from the manifests and the failures stage commands
     recorded (what `skuforge summary` shows), else from validate.json (said in ``notes``)."""
-    from ..repro import matrix
+    from pipeline.repro import matrix
 
     try:
         # what is on disk, not what this host could build (statuses=[]: no probing)
@@ -134,6 +144,7 @@ def _outcomes(registry: Registry, models: list[str], pairs: dict[tuple[str, str]
 
 
 # --- per-pair page --------------------------------------------------------------------------------
+
 
 def _d(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
@@ -164,38 +175,76 @@ def _bench_view(pair: PairData, images: Images, notes: list[str]) -> dict[str, A
     if b is None:
         return None
     what = f"{pair.model}/{pair.sku}"
-    phases = [(label, _d(b.get(key))) for label, key in
-              (("engine only", "engine_only"), ("end to end", "end_to_end"), ("warm-up", "warmup")) if b.get(key)]
-    summary = {k: b[k] for k in ("batch", "concurrency", "throughput_per_s", "throughput_ci_per_s", "stopped",
-                                 "load_seconds", "first_inference_ms") if k in b}
+    phases = [
+        (label, _d(b.get(key)))
+        for label, key in (("engine only", "engine_only"), ("end to end", "end_to_end"), ("warm-up", "warmup"))
+        if b.get(key)
+    ]
+    summary = {
+        k: b[k]
+        for k in (
+            "batch",
+            "concurrency",
+            "throughput_per_s",
+            "throughput_ci_per_s",
+            "stopped",
+            "load_seconds",
+            "first_inference_ms",
+        )
+        if k in b
+    }
     engine = _d(b.get("engine_only"))
     shown: list[tuple[str, str]] = []
     if pair.latency_ms:
         marks = {p: v for p in ("p50", "p95", "p99") if (v := _num(engine.get(f"{p}_ms"))) is not None}
-        src = _chart(images, notes, "latency.png", f"{what} latency histogram",
-                     lambda: plots.latency_distribution(pair.latency_ms, marks))
+        src = _chart(
+            images,
+            notes,
+            "latency.png",
+            f"{what} latency histogram",
+            lambda: plots.latency_distribution(pair.latency_ms, marks),
+        )
         shown.append((src, "latency histogram and CDF"))
     if pair.timeline is not None:
         t = pair.timeline
-        src = _chart(images, notes, "timeline.png", f"{what} timeline", lambda: plots.timeline(t.iteration, t.phase, t.latency_ms))
+        src = _chart(
+            images,
+            notes,
+            "timeline.png",
+            f"{what} timeline",
+            lambda: plots.timeline(t.iteration, t.phase, t.latency_ms),
+        )
         shown.append((src, "latency per call, warm-up to steady state"))
     elif pair.latency_ms:
         lat = pair.latency_ms
-        src = _chart(images, notes, "timeline.png", f"{what} timeline",
-                     lambda: plots.timeline(list(range(len(lat))), ["steady"] * len(lat), lat))
+        src = _chart(
+            images,
+            notes,
+            "timeline.png",
+            f"{what} timeline",
+            lambda: plots.timeline(list(range(len(lat))), ["steady"] * len(lat), lat),
+        )
         shown.append((src, "latency per steady call (no timeline.csv)"))
-    rows = [(f"{label} {p}", v, _ci(s.get(f"{p}_ci_ms")))
-            for label, key in (("engine only", "engine_only"), ("end to end", "end_to_end"))
-            for s in [_d(b.get(key))] for p in ("p50", "p95", "p99") if (v := _num(s.get(f"{p}_ms"))) is not None]
+    rows = [
+        (f"{label} {p}", v, _ci(s.get(f"{p}_ci_ms")))
+        for label, key in (("engine only", "engine_only"), ("end to end", "end_to_end"))
+        for s in [_d(b.get(key))]
+        for p in ("p50", "p95", "p99")
+        if (v := _num(s.get(f"{p}_ms"))) is not None
+    ]
     if rows:
         if not any(ci for *_, ci in rows):
-            notes.append("no confidence intervals in bench.json (too few samples for them, or a bench report of an "
-                         "older format)")
+            notes.append(
+                "no confidence intervals in bench.json (too few samples for them, or a bench report of an older format)"
+            )
         src = _chart(images, notes, "percentiles.png", f"{what} percentiles", lambda: plots.percentile_intervals(rows))
         shown.append((src, "percentiles with confidence intervals"))
     sweep = [p for p in _list(b.get("sweep")) if isinstance(p, dict)]
-    usable = [p for p in sweep if all(_num(p.get(k)) is not None for k in ("batch", "concurrency", "p50_ms", "p99_ms",
-                                                                           "throughput_per_s"))]
+    usable = [
+        p
+        for p in sweep
+        if all(_num(p.get(k)) is not None for k in ("batch", "concurrency", "p50_ms", "p99_ms", "throughput_per_s"))
+    ]
     sweep_plot = None
     if len(usable) >= 2:
         sweep_plot = _chart(images, notes, "sweep.png", f"{what} sweep", lambda: plots.sweep(usable))
@@ -204,22 +253,37 @@ def _bench_view(pair: PairData, images: Images, notes: list[str]) -> dict[str, A
     device = [(k, before.get(k), after.get(k)) for k in sorted(set(before) | set(after))]
     if not device and state:
         device = [(k, v, None) for k, v in sorted(state.items())]
-    return {"phases": phases, "summary": summary, "plots": [(s, a) for s, a in shown if s],
-            "steady_state": _d(b.get("steady_state")), "drift": _d(b.get("drift")),
-            "execution": _d(b.get("execution")), "sweep": sweep, "sweep_plot": sweep_plot,
-            "memory": _d(b.get("memory_mb")), "device_state": device}
+    return {
+        "phases": phases,
+        "summary": summary,
+        "plots": [(s, a) for s, a in shown if s],
+        "steady_state": _d(b.get("steady_state")),
+        "drift": _d(b.get("drift")),
+        "execution": _d(b.get("execution")),
+        "sweep": sweep,
+        "sweep_plot": sweep_plot,
+        "memory": _d(b.get("memory_mb")),
+        "device_state": device,
+    }
 
 
 def _correctness_view(validate: dict[str, Any] | None) -> dict[str, Any] | None:
     if validate is None:
         return None
     passed = validate.get("passed")
-    gates = [(name, _d(validate.get(key))) for name, key in (("placement", "placement"),
-                                                            ("precision gate", "precision_gate")) if validate.get(key)]
-    return {"outcome": "passed" if passed is True else "failed" if passed is False else "unknown",
-            "precision": validate.get("precision"), "failures": [str(f) for f in _list(validate.get("failures"))],
-            "outputs": [_d(o) for o in _list(validate.get("outputs"))],
-            "metrics": [_d(m) for m in _list(validate.get("metrics"))], "gates": gates}
+    gates = [
+        (name, _d(validate.get(key)))
+        for name, key in (("placement", "placement"), ("precision gate", "precision_gate"))
+        if validate.get(key)
+    ]
+    return {
+        "outcome": "passed" if passed is True else "failed" if passed is False else "unknown",
+        "precision": validate.get("precision"),
+        "failures": [str(f) for f in _list(validate.get("failures"))],
+        "outputs": [_d(o) for o in _list(validate.get("outputs"))],
+        "metrics": [_d(m) for m in _list(validate.get("metrics"))],
+        "gates": gates,
+    }
 
 
 def _roofline_layers(roofline: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
@@ -228,9 +292,11 @@ def _roofline_layers(roofline: dict[str, Any] | None) -> dict[str, dict[str, Any
     out = {}
     for layer in _list(_d(roofline).get("layers")):
         if isinstance(layer, dict) and isinstance(layer.get("name"), str):
-            out[layer["name"]] = {"time_ms": _num(layer.get("time_ms")),
-                                  "gflops": _num(layer.get("achieved_gflops")),
-                                  "intensity": _num(layer.get("intensity"))}
+            out[layer["name"]] = {
+                "time_ms": _num(layer.get("time_ms")),
+                "gflops": _num(layer.get("achieved_gflops")),
+                "intensity": _num(layer.get("intensity")),
+            }
     return out
 
 
@@ -240,15 +306,24 @@ def _layers_view(build: dict[str, Any] | None, roofline: dict[str, Any] | None) 
         return None
     timed = _roofline_layers(roofline)
     empty = {"time_ms": None, "gflops": None, "intensity": None}
-    rows = [{"name": l.get("name"), "op_type": l.get("op_type"), "precision": l.get("precision"),
-             "device": l.get("device"), "kernel": l.get("kernel"),
-             "fused_from": [str(f) for f in _list(l.get("fused_from"))], **timed.get(str(l.get("name")), empty)}
-            for l in layers]
+    rows = [
+        {
+            "name": l.get("name"),
+            "op_type": l.get("op_type"),
+            "precision": l.get("precision"),
+            "device": l.get("device"),
+            "kernel": l.get("kernel"),
+            "fused_from": [str(f) for f in _list(l.get("fused_from"))],
+            **timed.get(str(l.get("name")), empty),
+        }
+        for l in layers
+    ]
     return {"rows": rows, "timed": bool(timed)}
 
 
-def _roofline_view(roofline: dict[str, Any] | None, images: Images, notes: list[str], what: str
-                   ) -> dict[str, Any] | None:
+def _roofline_view(
+    roofline: dict[str, Any] | None, images: Images, notes: list[str], what: str
+) -> dict[str, Any] | None:
     """The RooflineReport's figures, its heaviest layers and the chart (pipeline/roofline.py)."""
     if roofline is None:
         return None
@@ -262,26 +337,43 @@ def _roofline_view(roofline: dict[str, Any] | None, images: Images, notes: list[
     if not peak_gflops or not peak_gbs or peak_gflops <= 0 or peak_gbs <= 0:
         notes.append(f"{ROOFLINE} has no positive compute and bandwidth peaks: no roofline chart")
         return view
-    points = [(str(x.get("name")), i, a) for x in layers
-              if (i := _num(x.get("intensity"))) and (a := _num(x.get("achieved_gflops"))) and i > 0 and a > 0]
+    points = [
+        (str(x.get("name")), i, a)
+        for x in layers
+        if (i := _num(x.get("intensity"))) and (a := _num(x.get("achieved_gflops"))) and i > 0 and a > 0
+    ]
     if layers and not points:
         notes.append("roofline: no per-layer times (the backend does not profile layers): layers are not plotted")
     engine = (_num(roofline.get("intensity")), _num(roofline.get("achieved_gflops")))
-    ceilings = {f"{k} {v:.4g} GFLOP/s": v for k, v in _d(roofline.get("ceilings_gflops")).items()
-                if _num(v) and k != "all_cores"}
-    bandwidths = {f"{k} {v:.4g} GB/s": v for k, v in _d(roofline.get("ceilings_gbs")).items()
-                  if _num(v) and k != "triad"}
-    view["plot"] = _chart(images, notes, "roofline.png", f"{what} roofline",
-                          lambda: plots.roofline(peak_gflops, peak_gbs, points,
-                                                 engine if None not in engine else None, ceilings, bandwidths))
+    ceilings = {
+        f"{k} {v:.4g} GFLOP/s": v
+        for k, v in _d(roofline.get("ceilings_gflops")).items()
+        if _num(v) and k != "all_cores"
+    }
+    bandwidths = {
+        f"{k} {v:.4g} GB/s": v for k, v in _d(roofline.get("ceilings_gbs")).items() if _num(v) and k != "triad"
+    }
+    view["plot"] = _chart(
+        images,
+        notes,
+        "roofline.png",
+        f"{what} roofline",
+        lambda: plots.roofline(
+            peak_gflops, peak_gbs, points, engine if None not in engine else None, ceilings, bandwidths
+        ),
+    )
     return view
 
 
 def _build_view(build: dict[str, Any] | None) -> dict[str, Any] | None:
     if build is None:
         return None
-    return {"backend": build.get("backend"), "precision": build.get("precision"), "engine_bytes": engine_bytes(build),
-            "seconds": build.get("build_seconds")}
+    return {
+        "backend": build.get("backend"),
+        "precision": build.get("precision"),
+        "engine_bytes": engine_bytes(build),
+        "seconds": build.get("build_seconds"),
+    }
 
 
 def _pair_html(env, pair: PairData, outcome: tuple[str, str], images: Images, nav: bool) -> str:
@@ -290,25 +382,44 @@ def _pair_html(env, pair: PairData, outcome: tuple[str, str], images: Images, na
     bench = _bench_view(pair, images, notes)
     roofline = _roofline_view(pair.roofline, images, notes, what)
     return env.get_template("pair.html.j2").render(
-        model=pair.model, sku=pair.sku, outcome=outcome[0], detail=outcome[1], nav=nav,
-        build=_build_view(pair.build), bench=bench, correctness=_correctness_view(pair.validate),
-        roofline=roofline, roofline_note=f"no {ROOFLINE} for this pair (the roofline step has not run here)",
-        layers=_layers_view(pair.build, pair.roofline), page_notes=notes)
+        model=pair.model,
+        sku=pair.sku,
+        outcome=outcome[0],
+        detail=outcome[1],
+        nav=nav,
+        build=_build_view(pair.build),
+        bench=bench,
+        correctness=_correctness_view(pair.validate),
+        roofline=roofline,
+        roofline_note=f"no {ROOFLINE} for this pair (the roofline step has not run here)",
+        layers=_layers_view(pair.build, pair.roofline),
+        page_notes=notes,
+    )
 
 
 # --- cross-SKU page -------------------------------------------------------------------------------
+
 
 def _model_row(pair: PairData, outcome: tuple[str, str], href: str | None) -> dict[str, Any]:
     b = _d(pair.bench)
     engine, e2e, memory = _d(b.get("engine_only")), _d(b.get("end_to_end")), _d(b.get("memory_mb"))
     deltas = [(m.get("split"), m.get("delta")) for m in _list(_d(pair.validate).get("metrics")) if isinstance(m, dict)]
-    return {"sku": pair.sku, "outcome": outcome[0], "href": href,
-            "p50": _num(engine.get("p50_ms")), "p50_ci": _ci(engine.get("p50_ci_ms")),
-            "p99": _num(engine.get("p99_ms")), "p99_ci": _ci(engine.get("p99_ci_ms")),
-            "e2e_p50": _num(e2e.get("p50_ms")), "throughput": _num(b.get("throughput_per_s")),
-            "throughput_ci": _ci(b.get("throughput_ci_per_s")), "peak_rss": _num(memory.get("peak_rss")),
-            "load_delta": _num(memory.get("engine_load_delta")), "deltas": deltas,
-            "engine_bytes": engine_bytes(pair.build)}
+    return {
+        "sku": pair.sku,
+        "outcome": outcome[0],
+        "href": href,
+        "p50": _num(engine.get("p50_ms")),
+        "p50_ci": _ci(engine.get("p50_ci_ms")),
+        "p99": _num(engine.get("p99_ms")),
+        "p99_ci": _ci(engine.get("p99_ci_ms")),
+        "e2e_p50": _num(e2e.get("p50_ms")),
+        "throughput": _num(b.get("throughput_per_s")),
+        "throughput_ci": _ci(b.get("throughput_ci_per_s")),
+        "peak_rss": _num(memory.get("peak_rss")),
+        "load_delta": _num(memory.get("engine_load_delta")),
+        "deltas": deltas,
+        "engine_bytes": engine_bytes(pair.build),
+    }
 
 
 def _model_charts(model: str, rows: list[dict[str, Any]], images: Images, notes: list[str]) -> list[tuple[str, str]]:
@@ -316,16 +427,40 @@ def _model_charts(model: str, rows: list[dict[str, Any]], images: Images, notes:
     if not benched:
         return []
     skus = [r["sku"] for r in benched]
-    charts = [("latency.png", "engine-only latency per SKU",
-               lambda: plots.latency_bars(skus, [r["p50"] for r in benched], [r["p50_ci"] for r in benched],
-                                          [r["p99"] for r in benched], [r["p99_ci"] for r in benched])),
-              ("throughput.png", "throughput per SKU",
-               lambda: plots.bars(skus, [r["throughput"] for r in benched], "throughput per SKU", "samples/s",
-                                  [r["throughput_ci"] for r in benched])),
-              ("memory.png", "peak memory per SKU",
-               lambda: plots.bars(skus, [r["peak_rss"] for r in benched], "peak RSS per SKU", "MB")),
-              ("engine-size.png", "engine size per SKU",
-               lambda: plots.bars(skus, [r["engine_bytes"] for r in benched], "engine size per SKU", "bytes"))]
+    charts = [
+        (
+            "latency.png",
+            "engine-only latency per SKU",
+            lambda: plots.latency_bars(
+                skus,
+                [r["p50"] for r in benched],
+                [r["p50_ci"] for r in benched],
+                [r["p99"] for r in benched],
+                [r["p99_ci"] for r in benched],
+            ),
+        ),
+        (
+            "throughput.png",
+            "throughput per SKU",
+            lambda: plots.bars(
+                skus,
+                [r["throughput"] for r in benched],
+                "throughput per SKU",
+                "samples/s",
+                [r["throughput_ci"] for r in benched],
+            ),
+        ),
+        (
+            "memory.png",
+            "peak memory per SKU",
+            lambda: plots.bars(skus, [r["peak_rss"] for r in benched], "peak RSS per SKU", "MB"),
+        ),
+        (
+            "engine-size.png",
+            "engine size per SKU",
+            lambda: plots.bars(skus, [r["engine_bytes"] for r in benched], "engine size per SKU", "bytes"),
+        ),
+    ]
     out = []
     for name, alt, draw in charts:
         src = _chart(images, notes, name, f"{model} {alt}", draw)
@@ -342,16 +477,22 @@ def _consistency_view(path: Path) -> dict[str, Any] | None:
     for o in _list(report.get("outputs")):
         o = _d(o)
         labels = [str(x) for x in _list(o.get("labels"))]
-        tables = [(metric.replace("_", " "), list(zip(labels, _list(o.get(metric)))))
-                  for metric in ("max_abs_error", "mean_abs_error", "top1_agreement", "nonfinite_mismatch")
-                  if isinstance(o.get(metric), list)]
+        tables = [
+            (metric.replace("_", " "), list(zip(labels, _list(o.get(metric)))))
+            for metric in ("max_abs_error", "mean_abs_error", "top1_agreement", "nonfinite_mismatch")
+            if isinstance(o.get(metric), list)
+        ]
         outputs.append({"output": o.get("output"), "kind": o.get("kind"), "labels": labels, "tables": tables})
-    return {"samples": report.get("samples"), "skus": [str(_d(s).get("sku")) for s in _list(report.get("skus"))],
-            "skipped": [(_d(s).get("sku"), _d(s).get("reason")) for s in _list(report.get("skipped"))],
-            "outputs": outputs}
+    return {
+        "samples": report.get("samples"),
+        "skus": [str(_d(s).get("sku")) for s in _list(report.get("skus"))],
+        "skipped": [(_d(s).get("sku"), _d(s).get("reason")) for s in _list(report.get("skipped"))],
+        "outputs": outputs,
+    }
 
 
 # --- the site -------------------------------------------------------------------------------------
+
 
 def _safe(name: str) -> str:
     """``name`` as a folder name and URL path segment (registry names always are)."""
@@ -365,16 +506,21 @@ def _target(registry: Registry, out: str | Path | None) -> Path:
     root = Path(registry.root)
     target = inside(root, out if out is not None else DEFAULT_DIR)
     if target.resolve() == root.resolve():
-        raise InputError(f"{target} is the project root: the report needs a folder of its own",
-                         hint=f"pass --out {DEFAULT_DIR.as_posix()} (the default)")
+        raise InputError(
+            f"{target} is the project root: the report needs a folder of its own",
+            hint=f"pass --out {DEFAULT_DIR.as_posix()} (the default)",
+        )
     if target.exists() and (not target.is_dir() or (any(target.iterdir()) and not (target / MARKER).is_file())):
-        raise InputError(f"{target} exists and is not a skuforge report: writing the report would replace it",
-                         hint="choose another --out folder (or remove that one)")
+        raise InputError(
+            f"{target} exists and is not a skuforge report: writing the report would replace it",
+            hint="choose another --out folder (or remove that one)",
+        )
     return target
 
 
-def write_site(registry: Registry, model: str | None = None, out: str | Path | None = None,
-               skus: list[str] | None = None) -> Path:
+def write_site(
+    registry: Registry, model: str | None = None, out: str | Path | None = None, skus: list[str] | None = None
+) -> Path:
     """Write the HTML report of ``model`` (default: every model) over ``skus`` (default: every
     SKU) under ``out`` (relative to the project root; default build/report), replacing the
     previous report in one swap. Returns the index page.
@@ -411,15 +557,27 @@ def write_site(registry: Registry, model: str | None = None, out: str | Path | N
                     href = f"{s}/index.html"
                 row = _model_row(pair, outcome, href)
                 rows.append(row)
-                listed.append({"sku": s, "backend": registry.sku(s).backend, "outcome": outcome[0],
-                               "detail": outcome[1], "p50": row["p50"], "p99": row["p99"],
-                               "href": f"{m}/{href}" if href else None})
+                listed.append(
+                    {
+                        "sku": s,
+                        "backend": registry.sku(s).backend,
+                        "outcome": outcome[0],
+                        "detail": outcome[1],
+                        "p50": row["p50"],
+                        "p99": row["p99"],
+                        "href": f"{m}/{href}" if href else None,
+                    }
+                )
             (tmp / m).mkdir(exist_ok=True)
             notes: list[str] = []
             charts = _model_charts(m, rows, _Files(tmp / m), notes)
             html = env.get_template("model.html.j2").render(
-                model=m, rows=rows, charts=charts, consistency=_consistency_view(layout.consistency_report(m)),
-                page_notes=notes)
+                model=m,
+                rows=rows,
+                charts=charts,
+                consistency=_consistency_view(layout.consistency_report(m)),
+                page_notes=notes,
+            )
             (tmp / m / "index.html").write_text(html, encoding="utf-8")
             index_models.append({"name": m, "href": f"{m}/index.html", "pairs": listed})
         html = env.get_template("index.html.j2").render(models=index_models, counts=counts, page_notes=index_notes)

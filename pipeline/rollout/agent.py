@@ -25,20 +25,22 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pydantic import Field, field_validator
 
-from ..config import SkuSpec, Strict
-from ..errors import ServiceError, SkuforgeError
-from ..io import atomic_write_json, read_json, sha256_bytes
-from ..results import Result
-from ..versions import same_version, satisfies
-from . import controller, release as rel, trust
-from .store import Store
+from pipeline.config import SkuSpec, Strict
+from pipeline.errors import ServiceError, SkuforgeError
+from pipeline.io import atomic_write_json, read_json, sha256_bytes
+from pipeline.results import Result
+from pipeline.rollout import controller, trust
+from pipeline.rollout import release as rel
+from pipeline.rollout.store import Store
+from pipeline.versions import same_version, satisfies
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +63,13 @@ class DeviceConfig(Strict):
     @field_validator("id")
     @classmethod
     def _id(cls, value: str) -> str:
-        from .inventory import ID_PATTERN
+        from pipeline.rollout.inventory import ID_PATTERN
 
         if not ID_PATTERN.fullmatch(value) or ".." in value:
-            raise ValueError(f"{value!r} is not a device id: a letter or digit, then letters, digits, '.', '_', ':' "
-                             "or '-', at most 128 characters (ids name files and store keys)")
+            raise ValueError(
+                f"{value!r} is not a device id: a letter or digit, then letters, digits, '.', '_', ':' "
+                "or '-', at most 128 characters (ids name files and store keys)"
+            )
         return value
 
 
@@ -82,16 +86,20 @@ class Device:
 
     @classmethod
     def from_config(cls, cfg: DeviceConfig) -> Device:
-        from ..runner.probe import cpu_features, host_arch
+        from pipeline.runner.probe import cpu_features, host_arch
 
-        return cls(id=cfg.id, sku=cfg.sku, arch=cfg.arch or host_arch(),
-                   runtime=cfg.runtime if cfg.runtime is not None else installed_runtimes(),
-                   cpu_features=frozenset(cfg.cpu_features) if cfg.cpu_features is not None else cpu_features(),
-                   ring=cfg.ring)
+        return cls(
+            id=cfg.id,
+            sku=cfg.sku,
+            arch=cfg.arch or host_arch(),
+            runtime=cfg.runtime if cfg.runtime is not None else installed_runtimes(),
+            cpu_features=frozenset(cfg.cpu_features) if cfg.cpu_features is not None else cpu_features(),
+            ring=cfg.ring,
+        )
 
 
 def installed_runtimes() -> dict[str, str]:
-    from ..backends import runtime_packages
+    from pipeline.backends import runtime_packages
 
     out = {}
     for pkg in runtime_packages():
@@ -153,14 +161,14 @@ def _arrays(data: bytes) -> dict[str, Any]:
 
 
 def _load(entry: dict[str, Any], engine_dir: Path):
-    from ..backends import get_backend
+    from pipeline.backends import get_backend
 
     return get_backend(entry["backend"]).load(engine_dir, SkuSpec.model_validate(entry["sku_spec"]))
 
 
 def _timed(runner, golden: dict[str, Any], entry: dict[str, Any], repeats: int = 3) -> tuple[dict[str, Any], float]:
     """Outputs on the golden inputs and the median time of one inference call (ms)."""
-    from ..data import iter_batches, run_dataset
+    from pipeline.data import iter_batches, run_dataset
 
     run = entry["run"]
     outputs = run_dataset(runner.infer, golden, run["inputs"], run["outputs"], run["batch"])
@@ -200,8 +208,10 @@ def smoke_test(entry: dict[str, Any], slot: Path) -> Smoke:
         beyond &= ~(np.isnan(e64) & np.isnan(r64))
         frac = float(beyond.mean()) if beyond.size else 0.0
         if frac > tol["max_mismatch"]:
-            bad.append(f"{name}: {frac:.2%} of elements beyond atol {tol['atol']:g} + rtol {tol['rtol']:g} "
-                       f"(allowed {tol['max_mismatch']:.2%})")
+            bad.append(
+                f"{name}: {frac:.2%} of elements beyond atol {tol['atol']:g} + rtol {tol['rtol']:g} "
+                f"(allowed {tol['max_mismatch']:.2%})"
+            )
     if bad:
         return Smoke(False, "outputs differ from validation: " + "; ".join(bad), latency)
     return Smoke(True, f"{len(entry['tolerance'])} outputs match validation", latency)
@@ -244,7 +254,7 @@ class Agent:
 
     def _stage(self, model: str, slot: str, rid: str, sku: str, entry: dict[str, Any], kind: str) -> Path:
         """Download and verify every file of the engine into ``slot`` (replaced whole, or not at all)."""
-        from ..io import atomic_dir
+        from pipeline.io import atomic_dir
 
         files = entry["files"]
         wanted = {"golden.npz": files["golden"], "expected.npz": files["expected"], "manifest.json": files["manifest"]}
@@ -254,8 +264,10 @@ class Agent:
             for name, path in wanted.items():
                 data = self.client.fetch(path)
                 if data is None:
-                    raise trust.VerificationFailed(f"{path} is not in the signed targets",
-                                                   hint="the release document names a file the store does not sign")
+                    raise trust.VerificationFailed(
+                        f"{path} is not in the signed targets",
+                        hint="the release document names a file the store does not sign",
+                    )
                 dest = tmp / name
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 dest.write_bytes(data)
@@ -280,8 +292,14 @@ class Agent:
         return True
 
     def _activate(self, model: str, slot: str, rid: str, sku: str, kind: str, rollout: str | None) -> dict[str, Any]:
-        doc = {"slot": slot, "release": rid, "sku": sku, "kind": kind, "rollout": rollout,
-               "activated": datetime.now(timezone.utc).replace(microsecond=0).isoformat()}
+        doc = {
+            "slot": slot,
+            "release": rid,
+            "sku": sku,
+            "kind": kind,
+            "rollout": rollout,
+            "activated": datetime.now(timezone.utc).replace(microsecond=0).isoformat(),
+        }
         atomic_write_json(self._model_dir(model) / ACTIVE, doc)  # the one atomic switch
         return doc
 
@@ -304,8 +322,10 @@ class Agent:
                 return self._result(model, rollout_id, desired, outcome, why, act, t0)
             release_raw = self.client.fetch(rel.release_path(model, desired, rel.RELEASE_DOC))
             if release_raw is None:
-                raise trust.VerificationFailed(f"release {desired} of {model} is not in the signed targets",
-                                               hint="the rollout names a release the store does not hold")
+                raise trust.VerificationFailed(
+                    f"release {desired} of {model} is not in the signed targets",
+                    hint="the rollout names a release the store does not hold",
+                )
             return self._install(model, json.loads(release_raw), doc, t0)
         except trust.VerificationFailed as exc:
             result = self._result(model, rollout_id, desired, "verify_failed", exc.message, self.active(model), t0)
@@ -340,20 +360,37 @@ class Agent:
             if smoke.passed:
                 previous_latency = self._previous_latency(model, act, choice[1], staged)
                 active = self._activate(model, slot, rid, choice[0], choice[2], rollout)
-                return self._report(model, self._result(model, rollout, rid, "ok", smoke.detail, active,
-                                                        t0, smoke.latency_ms, previous_latency), doc_release=rid,
-                                    rollout_release=doc.release if doc else None)
+                return self._report(
+                    model,
+                    self._result(
+                        model, rollout, rid, "ok", smoke.detail, active, t0, smoke.latency_ms, previous_latency
+                    ),
+                    doc_release=rid,
+                    rollout_release=doc.release if doc else None,
+                )
             outcome, detail = "smoke_failed", smoke.detail
             if act is not None:  # keep the engine that works
-                return self._report(model, self._result(model, rollout, rid, outcome,
-                                                        f"{detail}; kept {act['release']}", act, t0, smoke.latency_ms),
-                                    doc_release=rid, rollout_release=doc.release if doc else None)
+                return self._report(
+                    model,
+                    self._result(
+                        model, rollout, rid, outcome, f"{detail}; kept {act['release']}", act, t0, smoke.latency_ms
+                    ),
+                    doc_release=rid,
+                    rollout_release=doc.release if doc else None,
+                )
         # incompatible, or failed with nothing to keep: the portable engine of the same release
         if fallback is None or compatibility(fallback["requires"], self.device):
-            why = "no fallback in the release" if fallback is None else "; ".join(compatibility(fallback["requires"], self.device))
-            return self._report(model, self._result(model, rollout, rid, outcome,
-                                                    f"{detail}; portable fallback unusable: {why}", act, t0),
-                                doc_release=rid, rollout_release=doc.release if doc else None)
+            why = (
+                "no fallback in the release"
+                if fallback is None
+                else "; ".join(compatibility(fallback["requires"], self.device))
+            )
+            return self._report(
+                model,
+                self._result(model, rollout, rid, outcome, f"{detail}; portable fallback unusable: {why}", act, t0),
+                doc_release=rid,
+                rollout_release=doc.release if doc else None,
+            )
         fsku = release["fallback_sku"]
         if act is not None and act["release"] == rid and act["sku"] == fsku:
             return self._result(model, rollout, rid, "current", "on the portable fallback already", act, t0)
@@ -363,17 +400,35 @@ class Agent:
             staged = self._stage(model, slot, rid, fsku, fallback, "fallback")
         smoke = self.smoke(fallback, staged)
         if not smoke.passed:
-            return self._report(model, self._result(model, rollout, rid, outcome,
-                                                    f"{detail}; the portable fallback failed too: {smoke.detail}", act, t0),
-                                doc_release=rid, rollout_release=doc.release if doc else None)
+            return self._report(
+                model,
+                self._result(
+                    model, rollout, rid, outcome, f"{detail}; the portable fallback failed too: {smoke.detail}", act, t0
+                ),
+                doc_release=rid,
+                rollout_release=doc.release if doc else None,
+            )
         active = self._activate(model, slot, rid, fsku, "fallback", rollout)
         outcome = outcome if outcome == "smoke_failed" else "fallback"
-        return self._report(model, self._result(model, rollout, rid, outcome,
-                                                f"{detail}; running the portable fallback {fsku}", active, t0,
-                                                smoke.latency_ms),
-                            doc_release=rid, rollout_release=doc.release if doc else None)
+        return self._report(
+            model,
+            self._result(
+                model,
+                rollout,
+                rid,
+                outcome,
+                f"{detail}; running the portable fallback {fsku}",
+                active,
+                t0,
+                smoke.latency_ms,
+            ),
+            doc_release=rid,
+            rollout_release=doc.release if doc else None,
+        )
 
-    def _previous_latency(self, model: str, act: dict[str, Any] | None, entry: dict[str, Any], staged: Path) -> float | None:
+    def _previous_latency(
+        self, model: str, act: dict[str, Any] | None, entry: dict[str, Any], staged: Path
+    ) -> float | None:
         """The active engine's time on the same golden inputs, for the latency-regression gate."""
         if act is None:
             return None
@@ -388,26 +443,56 @@ class Agent:
             log.debug("%s: previous engine not timed: %s", self.device.id, exc)
             return None
 
-    def _result(self, model: str, rollout: str | None, desired: str | None, outcome: str, detail: str,
-                active: dict[str, Any] | None, t0: float, latency: float | None = None,
-                previous: float | None = None) -> AgentResult:
-        return AgentResult(device=self.device.id, model=model, rollout=rollout, desired=desired, outcome=outcome,
-                           detail=detail, active=active, latency_ms=latency, previous_latency_ms=previous,
-                           seconds=round(time.perf_counter() - t0, 4))
+    def _result(
+        self,
+        model: str,
+        rollout: str | None,
+        desired: str | None,
+        outcome: str,
+        detail: str,
+        active: dict[str, Any] | None,
+        t0: float,
+        latency: float | None = None,
+        previous: float | None = None,
+    ) -> AgentResult:
+        return AgentResult(
+            device=self.device.id,
+            model=model,
+            rollout=rollout,
+            desired=desired,
+            outcome=outcome,
+            detail=detail,
+            active=active,
+            latency_ms=latency,
+            previous_latency_ms=previous,
+            seconds=round(time.perf_counter() - t0, 4),
+        )
 
-    def _report(self, model: str, result: AgentResult, doc_release: str | None,
-                rollout_release: str | None = None) -> AgentResult:
+    def _report(
+        self, model: str, result: AgentResult, doc_release: str | None, rollout_release: str | None = None
+    ) -> AgentResult:
         """Tell the controller, for installs of the rollout's own release (returning to the previous
         release on a rollback is not evidence about the new one)."""
         if result.rollout is None or (rollout_release is not None and doc_release != rollout_release):
             return result
         key = controller.report_key(model, result.rollout, result.outcome, self.device.id)
-        ratio = (result.latency_ms / result.previous_latency_ms
-                 if result.latency_ms and result.previous_latency_ms else None)
-        body = {"device": self.device.id, "sku": self.device.sku, "arch": self.device.arch, "ring": self.device.ring,
-                "release": result.desired, "active": result.active, "outcome": result.outcome, "detail": result.detail,
-                "latency_ms": result.latency_ms, "previous_latency_ms": result.previous_latency_ms,
-                "latency_ratio": ratio, "at": datetime.now(timezone.utc).replace(microsecond=0).isoformat()}
+        ratio = (
+            result.latency_ms / result.previous_latency_ms if result.latency_ms and result.previous_latency_ms else None
+        )
+        body = {
+            "device": self.device.id,
+            "sku": self.device.sku,
+            "arch": self.device.arch,
+            "ring": self.device.ring,
+            "release": result.desired,
+            "active": result.active,
+            "outcome": result.outcome,
+            "detail": result.detail,
+            "latency_ms": result.latency_ms,
+            "previous_latency_ms": result.previous_latency_ms,
+            "latency_ratio": ratio,
+            "at": datetime.now(timezone.utc).replace(microsecond=0).isoformat(),
+        }
         marker = self._model_dir(model) / "reported.json"
         try:
             before = read_json(marker)
@@ -429,17 +514,21 @@ class Agent:
 def load_device(path: str | os.PathLike) -> DeviceConfig:
     import yaml
 
-    from ..config import validation_problems
-    from ..errors import InputError
+    from pipeline.config import validation_problems
+    from pipeline.errors import InputError
 
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read the device file {path}: {exc}", hint="write a YAML mapping (docs/rollout.md)") from exc
+        raise InputError(
+            f"cannot read the device file {path}: {exc}", hint="write a YAML mapping (docs/rollout.md)"
+        ) from exc
     from pydantic import ValidationError
 
     try:
         return DeviceConfig.model_validate(data)
     except ValidationError as exc:
-        raise InputError(f"{path}: " + "; ".join(validation_problems(exc, DeviceConfig, ())),
-                         hint="see docs/rollout.md for the device file") from None
+        raise InputError(
+            f"{path}: " + "; ".join(validation_problems(exc, DeviceConfig, ())),
+            hint="see docs/rollout.md for the device file",
+        ) from None

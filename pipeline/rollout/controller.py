@@ -23,13 +23,13 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ..config import HealthGates, Registry, Wave
-from ..errors import ConfigError, InputError
-from ..results import Result
-from . import trust
-from .plan import included
-from .release import RELEASE_DOC, release_path, releases_of
-from .store import Store
+from pipeline.config import HealthGates, Registry, Wave
+from pipeline.errors import ConfigError, InputError
+from pipeline.results import Result
+from pipeline.rollout import trust
+from pipeline.rollout.plan import included
+from pipeline.rollout.release import RELEASE_DOC, release_path, releases_of
+from pipeline.rollout.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +62,16 @@ class RolloutDoc(Result):
     release: str
     previous: str | None = Field(description="the release devices return to on rollback (null: the first release)")
     status: Status
-    wave: int = Field(description="index of the current wave; devices included by it or an earlier one take the release")
+    wave: int = Field(
+        description="index of the current wave; devices included by it or an earlier one take the release"
+    )
     wave_started: str
     started: str
     waves: list[Wave]
     gates: HealthGates
-    planned: list[int] | None = Field(None, description="devices included up to each wave (from the inventory at start)")
+    planned: list[int] | None = Field(
+        None, description="devices included up to each wave (from the inventory at start)"
+    )
     log: list[Transition] = Field(default_factory=list)
 
 
@@ -138,8 +142,11 @@ def read_doc(store: Store, state: trust.State, model: str) -> RolloutDoc | None:
 
 def models_with_rollouts(state: trust.State) -> list[str]:
     prefix = f"{ROLLOUTS}/"
-    return sorted(p[len(prefix):-len(".json")] for p in state.targets.signed.targets
-                  if p.startswith(prefix) and p.endswith(".json") and "/" not in p[len(prefix):])
+    return sorted(
+        p[len(prefix) : -len(".json")]
+        for p in state.targets.signed.targets
+        if p.startswith(prefix) and p.endswith(".json") and "/" not in p[len(prefix) :]
+    )
 
 
 def health(store: Store, doc: RolloutDoc, now: datetime | None = None) -> Health:
@@ -148,7 +155,7 @@ def health(store: Store, doc: RolloutDoc, now: datetime | None = None) -> Health
     ok_keys: list[str] = []
     prefix = report_prefix(doc.model, doc.id)
     for key in store.list(prefix):
-        parts = key[len(prefix) + 1:].split("/")
+        parts = key[len(prefix) + 1 :].split("/")
         if len(parts) != 2 or parts[0] not in counts:
             continue
         counts[parts[0]] += 1
@@ -180,23 +187,47 @@ def health(store: Store, doc: RolloutDoc, now: datetime | None = None) -> Health
 
     gates = [
         GateCheck(name="reports", passed=True if total >= need else None, detail=f"{total} reports, {need} needed"),
-        GateCheck(name="failure_rate", passed=share(failed, g.max_failure_rate),
-                  detail=f"{failed}/{total} failed" + (f" ({rate:.1%}, max {g.max_failure_rate:.1%})" if total else "")
-                         + "".join(f", {o} {n}" for o, n in counts.items() if n and o != "ok")),
-        GateCheck(name="fallback_rate", passed=share(degraded, g.max_fallback_rate),
-                  detail=f"{degraded}/{total} on the portable fallback or unserved"
-                         + (f" ({degraded / total:.1%}, max {g.max_fallback_rate:.1%})" if total else "")),
-        GateCheck(name="smoke_tests", passed=counts["smoke_failed"] <= g.max_smoke_failures,
-                  detail=f"{counts['smoke_failed']} smoke-test failures (max {g.max_smoke_failures})"),
-        GateCheck(name="latency", passed=(True if doc.previous is None else None) if median is None
-                  else median <= 1 + g.max_latency_regression,
-                  detail=("first release: no previous engine to compare with" if doc.previous is None else
-                          "no device measured both engines yet") if median is None else
-                  f"median new/previous latency {median:.3f} over {len(ratios)} devices "
-                  f"(max {1 + g.max_latency_regression:.2f})"),
+        GateCheck(
+            name="failure_rate",
+            passed=share(failed, g.max_failure_rate),
+            detail=f"{failed}/{total} failed"
+            + (f" ({rate:.1%}, max {g.max_failure_rate:.1%})" if total else "")
+            + "".join(f", {o} {n}" for o, n in counts.items() if n and o != "ok"),
+        ),
+        GateCheck(
+            name="fallback_rate",
+            passed=share(degraded, g.max_fallback_rate),
+            detail=f"{degraded}/{total} on the portable fallback or unserved"
+            + (f" ({degraded / total:.1%}, max {g.max_fallback_rate:.1%})" if total else ""),
+        ),
+        GateCheck(
+            name="smoke_tests",
+            passed=counts["smoke_failed"] <= g.max_smoke_failures,
+            detail=f"{counts['smoke_failed']} smoke-test failures (max {g.max_smoke_failures})",
+        ),
+        GateCheck(
+            name="latency",
+            passed=(True if doc.previous is None else None)
+            if median is None
+            else median <= 1 + g.max_latency_regression,
+            detail=(
+                "first release: no previous engine to compare with"
+                if doc.previous is None
+                else "no device measured both engines yet"
+            )
+            if median is None
+            else f"median new/previous latency {median:.3f} over {len(ratios)} devices "
+            f"(max {1 + g.max_latency_regression:.2f})",
+        ),
     ]
-    return Health(reports=total, counts=counts, failure_rate=rate, latency_ratio_median=median,
-                  latency_samples=len(ratios), gates=gates)
+    return Health(
+        reports=total,
+        counts=counts,
+        failure_rate=rate,
+        latency_ratio_median=median,
+        latency_samples=len(ratios),
+        gates=gates,
+    )
 
 
 def _bake_left(doc: RolloutDoc, now: datetime) -> float:
@@ -207,8 +238,9 @@ def _bake_left(doc: RolloutDoc, now: datetime) -> float:
 # --- transitions ------------------------------------------------------------------------------------
 
 
-def _write(store: Store, keys: trust.Keys, registry: Registry, model: str,
-           decide, what: str) -> tuple[RolloutDoc | None, str, str]:
+def _write(
+    store: Store, keys: trust.Keys, registry: Registry, model: str, decide, what: str
+) -> tuple[RolloutDoc | None, str, str]:
     """Commit the document ``decide(current_doc, state)`` returns as (doc or None, action, reason)."""
     outcome: dict[str, Any] = {}
 
@@ -228,15 +260,27 @@ def _write(store: Store, keys: trust.Keys, registry: Registry, model: str,
 
 
 def _log(doc: RolloutDoc, actor: str, action: str, reason: str, now: datetime) -> None:
-    doc.log.append(Transition(at=_iso(now), actor=actor, action=action, status=doc.status, wave=doc.wave, reason=reason))
+    doc.log.append(
+        Transition(at=_iso(now), actor=actor, action=action, status=doc.status, wave=doc.wave, reason=reason)
+    )
 
 
-def start(registry: Registry, store: Store, keys: trust.Keys, model: str, release: str | None = None,
-          inventory=None, actor: str = "unknown", reason: str = "", now: datetime | None = None) -> RolloutDoc:
+def start(
+    registry: Registry,
+    store: Store,
+    keys: trust.Keys,
+    model: str,
+    release: str | None = None,
+    inventory=None,
+    actor: str = "unknown",
+    reason: str = "",
+    now: datetime | None = None,
+) -> RolloutDoc:
     """Begin rolling ``release`` (default: the newest) out; refused while another rollout of the
     model is live. With ``inventory``, the plan (salted by the rollout id, as devices compute it)
     sizes each wave's minimum report count."""
-    from .plan import plan
+    from pipeline.rollout.plan import plan
+
     registry.model(model)
     now = now or _now()
 
@@ -248,15 +292,20 @@ def start(registry: Registry, store: Store, keys: trust.Keys, model: str, releas
         if target not in released:
             raise InputError(f"{model} has no release {target!r} in the store", hint=f"releases: {', '.join(released)}")
         if current is not None and current.status in LIVE:
-            raise ConfigError(f"rollout {current.id} of {model} is {current.status}",
-                              hint="advance it to completion, or abort or roll it back first")
+            raise ConfigError(
+                f"rollout {current.id} of {model} is {current.status}",
+                hint="advance it to completion, or abort or roll it back first",
+            )
         previous = None
         if current is not None:  # what the fleet runs now
             # a release aborted by a failed gate is not one to return to (devices it reached keep
             # it until a wave of the new rollout includes them); one an operator halted may be
             failed = any(t.action == "auto-abort" for t in current.log if t.at >= current.started)
-            previous = {"completed": current.release, "rolled_back": current.previous,
-                        "aborted": current.previous if failed else current.previous or current.release}[current.status]
+            previous = {
+                "completed": current.release,
+                "rolled_back": current.previous,
+                "aborted": current.previous if failed else current.previous or current.release,
+            }[current.status]
         if previous == target:
             raise ConfigError(f"{model} {target} is already what the fleet runs", hint="publish a new release first")
         n = sum(1 for _ in current.log if _.action == "start") if current else 0
@@ -266,10 +315,20 @@ def start(registry: Registry, store: Store, keys: trust.Keys, model: str, releas
             doc_skus = json.loads(trust.read_target(store, state, release_path(model, target, RELEASE_DOC)))["skus"]
             p = plan(inventory, registry.rollout.waves, rid, list(doc_skus), registry.rollout.fallback_sku)
             planned = [w.devices for w in p.waves]
-        doc = RolloutDoc(id=rid, model=model, release=target,
-                         previous=previous, status="active", wave=0, wave_started=_iso(now), started=_iso(now),
-                         waves=registry.rollout.waves, gates=registry.rollout.gates, planned=planned,
-                         log=list(current.log[-50:]) if current else [])
+        doc = RolloutDoc(
+            id=rid,
+            model=model,
+            release=target,
+            previous=previous,
+            status="active",
+            wave=0,
+            wave_started=_iso(now),
+            started=_iso(now),
+            waves=registry.rollout.waves,
+            gates=registry.rollout.gates,
+            planned=planned,
+            log=list(current.log[-50:]) if current else [],
+        )
         _log(doc, actor, "start", reason or f"roll {target} out over {len(doc.waves)} waves", now)
         return doc, "start", f"started {doc.id}"
 
@@ -277,8 +336,9 @@ def start(registry: Registry, store: Store, keys: trust.Keys, model: str, releas
     return doc
 
 
-def advance(registry: Registry, store: Store, keys: trust.Keys, model: str, actor: str = "unknown",
-            now: datetime | None = None) -> RolloutStatus:
+def advance(
+    registry: Registry, store: Store, keys: trust.Keys, model: str, actor: str = "unknown", now: datetime | None = None
+) -> RolloutStatus:
     """Check the gates of the live wave: roll back when one fails, move to the next wave when the
     bake time is over and every gate passed, else do nothing (and say why)."""
     now = now or _now()
@@ -286,7 +346,11 @@ def advance(registry: Registry, store: Store, keys: trust.Keys, model: str, acto
 
     def decide(current: RolloutDoc | None, state: trust.State):
         if current is None or current.status != "active":
-            return None, "none", f"no active rollout of {model}" + (f" ({current.id} is {current.status})" if current else "")
+            return (
+                None,
+                "none",
+                f"no active rollout of {model}" + (f" ({current.id} is {current.status})" if current else ""),
+            )
         h = health(store, current, now)
         observed["health"] = h
         failed = [g for g in h.gates if g.passed is False]
@@ -295,8 +359,14 @@ def advance(registry: Registry, store: Store, keys: trust.Keys, model: str, acto
             why = "; ".join(f"{g.name}: {g.detail}" for g in failed)
             if current.previous is None:  # nothing older to return to: halt where it is
                 doc.status = "aborted"
-                _log(doc, actor, "auto-abort", f"gate failed in wave {doc.waves[doc.wave].name} and there is no "
-                                               f"previous release to return to: {why}", now)
+                _log(
+                    doc,
+                    actor,
+                    "auto-abort",
+                    f"gate failed in wave {doc.waves[doc.wave].name} and there is no "
+                    f"previous release to return to: {why}",
+                    now,
+                )
                 return doc, "aborted", why
             doc.status = "rolled_back"
             _log(doc, actor, "auto-rollback", f"gate failed in wave {doc.waves[doc.wave].name}: {why}", now)
@@ -313,15 +383,24 @@ def advance(registry: Registry, store: Store, keys: trust.Keys, model: str, acto
             return doc, "completed", f"{current.release} reached every wave"
         doc.wave += 1
         doc.wave_started = _iso(now)
-        _log(doc, actor, "advance", f"wave {current.waves[current.wave].name} healthy: "
-                                    + "; ".join(g.detail for g in h.gates), now)
+        _log(
+            doc,
+            actor,
+            "advance",
+            f"wave {current.waves[current.wave].name} healthy: " + "; ".join(g.detail for g in h.gates),
+            now,
+        )
         return doc, "advanced", f"now in wave {doc.waves[doc.wave].name}"
 
     doc, action, reason = _write(store, keys, registry, model, decide, f"rollout advance {model}")
     trust.refresh_timestamp(store, keys, registry.rollout.expiry)
-    return RolloutStatus(rollout=doc, health=observed.get("health"),
-                         bake_left_minutes=_bake_left(doc, now) if doc is not None and doc.status == "active" else None,
-                         action=action, reason=reason)
+    return RolloutStatus(
+        rollout=doc,
+        health=observed.get("health"),
+        bake_left_minutes=_bake_left(doc, now) if doc is not None and doc.status == "active" else None,
+        action=action,
+        reason=reason,
+    )
 
 
 _MOVES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -332,8 +411,16 @@ _MOVES: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
-def move(registry: Registry, store: Store, keys: trust.Keys, model: str, action: str, actor: str = "unknown",
-         reason: str = "", now: datetime | None = None) -> RolloutDoc:
+def move(
+    registry: Registry,
+    store: Store,
+    keys: trust.Keys,
+    model: str,
+    action: str,
+    actor: str = "unknown",
+    reason: str = "",
+    now: datetime | None = None,
+) -> RolloutDoc:
     """pause, resume, abort (halt: devices keep what they run, no new device takes the release) or
     rollback (every device returns to the previous release)."""
     allowed, to = _MOVES[action]
@@ -347,11 +434,15 @@ def move(registry: Registry, store: Store, keys: trust.Keys, model: str, action:
         if current.status == to:
             return None, "none", f"{current.id} is already {to}"
         if current.status not in allowed:
-            raise ConfigError(f"cannot {action} rollout {current.id}: it is {current.status}",
-                              hint=f"{action} applies to a rollout that is {' or '.join(allowed)}")
+            raise ConfigError(
+                f"cannot {action} rollout {current.id}: it is {current.status}",
+                hint=f"{action} applies to a rollout that is {' or '.join(allowed)}",
+            )
         if action == "rollback" and current.previous is None:
-            raise ConfigError(f"{current.id} has no previous release to return to",
-                              hint="abort it instead (devices keep what they run)")
+            raise ConfigError(
+                f"{current.id} has no previous release to return to",
+                hint="abort it instead (devices keep what they run)",
+            )
         doc = current.model_copy(deep=True)
         doc.status = to
         if action == "resume":
@@ -368,8 +459,9 @@ def status(registry: Registry, store: Store, model: str, now: datetime | None = 
     state = trust.read_state(store)
     doc = read_doc(store, state, model)
     if doc is None:
-        return RolloutStatus(rollout=None, health=None, bake_left_minutes=None, action="none",
-                             reason=f"{model} has no rollout")
+        return RolloutStatus(
+            rollout=None, health=None, bake_left_minutes=None, action="none", reason=f"{model} has no rollout"
+        )
     h = health(store, doc, now)
     left = _bake_left(doc, now) if doc.status == "active" else None
     failed = [g for g in h.gates if g.passed is False]

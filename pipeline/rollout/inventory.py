@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any, get_args
 
 import yaml
 
-from ..config import Target, _did_you_mean
-from ..errors import InputError
-from ..io import atomic_write_bytes
+from pipeline.config import Target, _did_you_mean
+from pipeline.errors import InputError
+from pipeline.io import atomic_write_bytes
 
 if TYPE_CHECKING:
-    from ..config import Registry
+    from pipeline.config import Registry
 
 ARCHES: tuple[str, ...] = get_args(Target.model_fields["arch"].annotation)
 ARCH_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64", "armv8": "aarch64"}
@@ -122,8 +122,11 @@ class Inventory:
         for device in self.devices:
             if device.sku not in registry.skus:
                 unknown.setdefault(device.sku, []).append(device.id)
-        return [f"{where}{len(ids)} device(s) have SKU {sku!r}, which params.yaml does not define"
-                f"{_did_you_mean(sku, registry.skus)} (e.g. {_first(ids)})" for sku, ids in sorted(unknown.items())]
+        return [
+            f"{where}{len(ids)} device(s) have SKU {sku!r}, which params.yaml does not define"
+            f"{_did_you_mean(sku, registry.skus)} (e.g. {_first(ids)})"
+            for sku, ids in sorted(unknown.items())
+        ]
 
 
 def load_inventory(path: str | os.PathLike) -> Inventory:
@@ -131,21 +134,24 @@ def load_inventory(path: str | os.PathLike) -> Inventory:
     path = Path(path)
     kind = SUFFIXES.get(path.suffix.lower())
     if kind is None:
-        raise InputError(f"{path}: an inventory is a .csv, .yaml or .yml file, not {path.suffix or 'suffix-less'}",
-                         hint=f"rename it, or write it as CSV with the header {','.join(COLUMNS)}")
+        raise InputError(
+            f"{path}: an inventory is a .csv, .yaml or .yml file, not {path.suffix or 'suffix-less'}",
+            hint=f"rename it, or write it as CSV with the header {','.join(COLUMNS)}",
+        )
     try:
         text = path.read_text(encoding="utf-8-sig")  # -sig: spreadsheets write a byte-order mark
     except FileNotFoundError:
         raise InputError(f"inventory {path} does not exist", hint="check the path") from None
     except UnicodeDecodeError as exc:
-        raise InputError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})",
-                         hint="save it as UTF-8") from exc
+        raise InputError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})", hint="save it as UTF-8") from exc
     devices, problems = (_read_csv if kind == "csv" else _read_yaml)(text)
     if problems:
         listed = "\n  ".join(problems[:MAX_LISTED])
         more = f"\n  ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
-        raise InputError(f"{path}: {len(problems)} problem(s) in the inventory:\n  {listed}{more}",
-                         hint="fix these rows (one device a row, ids unique) and run again")
+        raise InputError(
+            f"{path}: {len(problems)} problem(s) in the inventory:\n  {listed}{more}",
+            hint="fix these rows (one device a row, ids unique) and run again",
+        )
     return Inventory(devices, source=str(path))
 
 
@@ -162,8 +168,17 @@ def write_inventory(path: str | os.PathLike, devices: Iterable[Device]) -> Path:
         writer.writerows((d.id, d.sku, d.arch, _runtime_text(d), d.ring or "", _labels_text(d)) for d in devices)
         data = buf.getvalue()
     else:
-        rows = [{"id": d.id, "sku": d.sku, "arch": d.arch, "runtime": dict(d.runtime), "ring": d.ring,
-                 "labels": list(d.labels)} for d in devices]
+        rows = [
+            {
+                "id": d.id,
+                "sku": d.sku,
+                "arch": d.arch,
+                "runtime": dict(d.runtime),
+                "ring": d.ring,
+                "labels": list(d.labels),
+            }
+            for d in devices
+        ]
         data = yaml.dump({"devices": rows}, Dumper=_Dumper, sort_keys=False, allow_unicode=True)
     return atomic_write_bytes(path, data.encode())
 
@@ -235,14 +250,17 @@ class _Parser:
         self._labels: dict[str, tuple[str, ...]] = {"": ()}
         self._seen: dict[str, str] = {}  # id -> where it first appeared
 
-    def __call__(self, where: str, id: str, sku: str, arch: str, runtime: str, ring: str, labels: str,
-                 problems: list[str]) -> Device | None:
+    def __call__(
+        self, where: str, id: str, sku: str, arch: str, runtime: str, ring: str, labels: str, problems: list[str]
+    ) -> Device | None:
         before = len(problems)
         if not id:
             problems.append(f"{where}: empty id")
         elif ID_PATTERN.fullmatch(id) is None or ".." in id:
-            problems.append(f"{where}: id {id!r} is not a valid device id: a letter or digit, then letters, digits, "
-                            "'.', '_', ':' or '-' (no '/', spaces or '..'; at most 128 characters)")
+            problems.append(
+                f"{where}: id {id!r} is not a valid device id: a letter or digit, then letters, digits, "
+                "'.', '_', ':' or '-' (no '/', spaces or '..'; at most 128 characters)"
+            )
         elif id in self._seen:
             problems.append(f"{where}: id {id!r} repeats {self._seen[id]} (ids must be unique)")
         else:
@@ -284,8 +302,11 @@ def _parse_runtime(text: str) -> Versions | str:
 
 
 def _columns(names: list[str], what: str) -> list[str]:
-    problems = [f"{what} {n!r} is unknown{_did_you_mean(n, COLUMNS)}; known: {', '.join(COLUMNS)}"
-                for n in names if n not in COLUMNS]
+    problems = [
+        f"{what} {n!r} is unknown{_did_you_mean(n, COLUMNS)}; known: {', '.join(COLUMNS)}"
+        for n in names
+        if n not in COLUMNS
+    ]
     problems += [f"{what} {n!r} is missing (required: {', '.join(REQUIRED)})" for n in REQUIRED if n not in names]
     repeated = sorted(n for n, count in Counter(names).items() if count > 1)
     problems += [f"{what} {n!r} appears twice" for n in repeated]

@@ -15,10 +15,10 @@ from collections.abc import Collection, Iterable, Sequence
 
 from pydantic import Field
 
-from ..config import Wave
-from ..errors import ConfigError
-from ..results import Result
-from .inventory import Device, Inventory
+from pipeline.config import Wave
+from pipeline.errors import ConfigError
+from pipeline.results import Result
+from pipeline.rollout.inventory import Device, Inventory
 
 MAX_EXAMPLES = 20
 _BELOW_100 = math.nextafter(100.0, 0.0)
@@ -68,7 +68,9 @@ class WavePlan(Result):
     bake_minutes: float
     devices: int = Field(description="devices in this wave and the earlier ones (cumulative)")
     new_devices: int = Field(description="devices this wave adds")
-    on_fallback: int = Field(description="of `devices`, those whose SKU the release lacks: they get the fallback engine")
+    on_fallback: int = Field(
+        description="of `devices`, those whose SKU the release lacks: they get the fallback engine"
+    )
     by_sku: dict[str, int] = Field(description="`devices` per device SKU (cumulative)")
 
 
@@ -84,15 +86,22 @@ class RolloutPlan(Result):
     seconds: float = Field(description="time taken to plan")
 
 
-def plan(inventory: Inventory | Iterable[Device], waves: Sequence[Wave], rollout_id: str,
-         release_skus: Collection[str], fallback_sku: str | None = None) -> RolloutPlan:
+def plan(
+    inventory: Inventory | Iterable[Device],
+    waves: Sequence[Wave],
+    rollout_id: str,
+    release_skus: Collection[str],
+    fallback_sku: str | None = None,
+) -> RolloutPlan:
     """Assign every device its first wave and count each wave's devices."""
     start = time.perf_counter()
     release = frozenset(release_skus)
     if fallback_sku is not None and fallback_sku not in release:
-        raise ConfigError(f"rollout {rollout_id}: the release has no engine for the fallback SKU {fallback_sku!r} "
-                          f"(it has {', '.join(sorted(release)) or 'none'})",
-                          hint="add the fallback SKU to release.skus and promote the release again")
+        raise ConfigError(
+            f"rollout {rollout_id}: the release has no engine for the fallback SKU {fallback_sku!r} "
+            f"(it has {', '.join(sorted(release)) or 'none'})",
+            hint="add the fallback SKU to release.skus and promote the release again",
+        )
     first: list[Counter[str]] = [Counter() for _ in waves]  # SKU counts of the devices each wave adds
     first_fallback = [0] * len(waves)
     never, fallback, unserved = _Group(), _Group(), _Group()
@@ -117,13 +126,29 @@ def plan(inventory: Inventory | Iterable[Device], waves: Sequence[Wave], rollout
     for wave, added, added_fallback in zip(waves, first, first_fallback):
         cumulative.update(added)
         on_fallback += added_fallback
-        wave_plans.append(WavePlan(name=wave.name, percent=wave.percent, rings=wave.rings,
-                                   bake_minutes=wave.bake_minutes, devices=cumulative.total(),
-                                   new_devices=added.total(), on_fallback=on_fallback,
-                                   by_sku=dict(sorted(cumulative.items()))))
-    return RolloutPlan(rollout_id=rollout_id, release_skus=sorted(release), fallback_sku=fallback_sku,
-                       devices=total, waves=wave_plans, never_included=never.result(), fallback=fallback.result(),
-                       not_served=unserved.result(), seconds=time.perf_counter() - start)
+        wave_plans.append(
+            WavePlan(
+                name=wave.name,
+                percent=wave.percent,
+                rings=wave.rings,
+                bake_minutes=wave.bake_minutes,
+                devices=cumulative.total(),
+                new_devices=added.total(),
+                on_fallback=on_fallback,
+                by_sku=dict(sorted(cumulative.items())),
+            )
+        )
+    return RolloutPlan(
+        rollout_id=rollout_id,
+        release_skus=sorted(release),
+        fallback_sku=fallback_sku,
+        devices=total,
+        waves=wave_plans,
+        never_included=never.result(),
+        fallback=fallback.result(),
+        not_served=unserved.result(),
+        seconds=time.perf_counter() - start,
+    )
 
 
 class _Group:
@@ -141,5 +166,9 @@ class _Group:
             self.examples.append(device.id)
 
     def result(self) -> DeviceGroup:
-        return DeviceGroup(devices=self.skus.total(), by_sku=dict(sorted(self.skus.items())),
-                           by_ring=dict(sorted(self.rings.items())), examples=self.examples)
+        return DeviceGroup(
+            devices=self.skus.total(),
+            by_sku=dict(sorted(self.skus.items())),
+            by_ring=dict(sorted(self.rings.items())),
+            examples=self.examples,
+        )

@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import Registry
-from ..errors import ConfigError, GateFailed, InputError
-from ..io import read_json, sha256_arrays
-from ..manifest import Manifest, evidence_digest
-from ..registry.gates import correctness_problems, engine_gate, manifest_gate, placement_gate, signature_gate
-from ..results import Result
-from . import trust
-from .store import Store
+from pipeline.config import Registry
+from pipeline.errors import ConfigError, GateFailed, InputError
+from pipeline.io import read_json, sha256_arrays
+from pipeline.manifest import Manifest, evidence_digest
+from pipeline.registry.gates import correctness_problems, engine_gate, manifest_gate, placement_gate, signature_gate
+from pipeline.results import Result
+from pipeline.rollout import trust
+from pipeline.rollout.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def releases_of(targets, model: str) -> list[str]:
     prefix = f"{RELEASES}/{model}/"
     for path in targets.targets:
         if path.startswith(prefix) and path.endswith("/" + RELEASE_DOC):
-            rid = path[len(prefix):].split("/", 1)[0]
+            rid = path[len(prefix) :].split("/", 1)[0]
             if RELEASE_ID.fullmatch(rid):
                 found.add(rid)
     return sorted(found, key=lambda r: int(r[1:]))
@@ -101,31 +101,42 @@ def releases_of(targets, model: str) -> list[str]:
 
 def local_candidate(registry: Registry, model: str, sku: str) -> Candidate:
     """The pair as this project's build folder holds it, signed now with the publishing key."""
-    from ..signing import signing_key
-    from ..stages.common import layout
-    from ..stages.publish import collect
+    from pipeline.signing import signing_key
+    from pipeline.stages.common import layout
+    from pipeline.stages.publish import collect
 
     inputs = collect(registry, model, sku)  # refuses a manifest that does not match its reports and engine
     out = layout(registry)
     m = inputs.manifest
-    return Candidate(sku=sku, manifest=m, manifest_doc=read_json(inputs.manifest_path),
-                     signature=signing_key().sign(m.digest, model, sku).to_json(),
-                     engine={rel: inputs.engine_dir / rel for rel in inputs.engine_files},
-                     golden=out.split(model, "golden"), expected=out.engine_outputs(model, sku),
-                     validate=out.report(model, sku, "validate"), source=str(inputs.manifest_path))
+    return Candidate(
+        sku=sku,
+        manifest=m,
+        manifest_doc=read_json(inputs.manifest_path),
+        signature=signing_key().sign(m.digest, model, sku).to_json(),
+        engine={rel: inputs.engine_dir / rel for rel in inputs.engine_files},
+        golden=out.split(model, "golden"),
+        expected=out.engine_outputs(model, sku),
+        validate=out.report(model, sku, "validate"),
+        source=str(inputs.manifest_path),
+    )
 
 
 def mlflow_candidate(tracking, registry: Registry, model: str, sku: str, alias: str, into: Path) -> Candidate | None:
     """The version of ``<model>.<sku>`` holding ``alias``, downloaded under ``into``; None when no
     version holds it."""
-    from ..registry.promotion import _bench, _download, _engine_files
-    from ..registry.publish import MANIFEST_ARTIFACT, REPORT_ARTIFACTS
-    from ..registry.tracking import TAG_DIGEST, TAG_SIGNATURE, registered_model_name
+    from pipeline.registry.promotion import _bench, _download, _engine_files
+    from pipeline.registry.publish import MANIFEST_ARTIFACT, REPORT_ARTIFACTS
+    from pipeline.registry.tracking import TAG_DIGEST, TAG_SIGNATURE, registered_model_name
 
     name = registered_model_name(registry.release, model, sku)
     try:
-        version = tracking.call(f"read alias {alias} of {name}", tracking.client.get_model_version_by_alias, name, alias,
-                                expect={"RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"})
+        version = tracking.call(
+            f"read alias {alias} of {name}",
+            tracking.client.get_model_version_by_alias,
+            name,
+            alias,
+            expect={"RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"},
+        )
     except Exception as exc:
         if getattr(exc, "error_code", None) in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
             return None
@@ -147,21 +158,34 @@ def mlflow_candidate(tracking, registry: Registry, model: str, sku: str, alias: 
     gate = manifest_gate(doc, (version.tags or {}).get(TAG_DIGEST), registry, _bench(tracking, run)) if doc else None
     if gate is not None and not gate.passed:
         problems.append(f"{name} v{version.version}: manifest: {gate.detail}")
-    reports = {n: _download(tracking, run, f"{REPORT_ARTIFACTS}/{n}", str(into))
-               for n in ("validate.json", "outputs.npz", "golden.npz")}
+    reports = {
+        n: _download(tracking, run, f"{REPORT_ARTIFACTS}/{n}", str(into))
+        for n in ("validate.json", "outputs.npz", "golden.npz")
+    }
     missing = [n for n, p in reports.items() if p is None]
     if missing:
-        problems.append(f"{name} v{version.version}: no {', '.join(missing)} among its reports (published before "
-                        "releases needed them: publish the engine again)")
+        problems.append(
+            f"{name} v{version.version}: no {', '.join(missing)} among its reports (published before "
+            "releases needed them: publish the engine again)"
+        )
     engine = _engine_files(tracking, run, str(into / "engine-dl")) or {}
     try:
         signature = json.loads(version.tags[TAG_SIGNATURE]) if TAG_SIGNATURE in (version.tags or {}) else None
     except ValueError:
         signature = "unreadable"
     manifest = Manifest.model_validate(doc) if doc and not problems else None
-    return Candidate(sku=sku, manifest=manifest, manifest_doc=doc, signature=signature, engine=engine,
-                     golden=reports["golden.npz"], expected=reports["outputs.npz"], validate=reports["validate.json"],
-                     source=f"mlflow {name} v{version.version} ({alias})", problems=problems)
+    return Candidate(
+        sku=sku,
+        manifest=manifest,
+        manifest_doc=doc,
+        signature=signature,
+        engine=engine,
+        golden=reports["golden.npz"],
+        expected=reports["outputs.npz"],
+        validate=reports["validate.json"],
+        source=f"mlflow {name} v{version.version} ({alias})",
+        problems=problems,
+    )
 
 
 def check(registry: Registry, model: str, c: Candidate, alias: str | None) -> list[str]:
@@ -205,7 +229,7 @@ def check(registry: Registry, model: str, c: Candidate, alias: str | None) -> li
 
 def _requires(registry: Registry, m: Manifest, engine_meta: dict) -> dict[str, Any]:
     """What a device needs to run the engine: architecture, CPU features, runtime versions."""
-    from ..backends import backend_class
+    from pipeline.backends import backend_class
 
     sku = registry.sku(m.sku)
     backend = backend_class(m.backend)
@@ -221,32 +245,44 @@ def _requires(registry: Registry, m: Manifest, engine_meta: dict) -> dict[str, A
 
 
 def _sku_entry(registry: Registry, model: str, rid: str, c: Candidate, shas: dict[str, str]) -> dict[str, Any]:
-    from ..stages.common import run_plan
+    from pipeline.stages.common import run_plan
 
     m = c.manifest
     base = release_path(model, rid, c.sku)
     engine_meta = json.loads(c.engine["engine.json"].read_bytes()) if "engine.json" in c.engine else {}
     in_idx, out_idx, batch = run_plan(registry, model, m.signature, c.sku)
     return {
-        "backend": m.backend, "precision": m.precision, "manifest_digest": m.digest, "source": c.source,
+        "backend": m.backend,
+        "precision": m.precision,
+        "manifest_digest": m.digest,
+        "source": c.source,
         "sku_spec": registry.sku(c.sku).model_dump(mode="json"),
         "requires": _requires(registry, m, engine_meta),
-        "files": {"manifest": f"{base}/manifest.json", "signature": f"{base}/signature.json",
-                  "golden": f"{base}/golden.npz", "expected": f"{base}/expected.npz",
-                  "engine": {rel: f"{base}/engine/{rel}" for rel in sorted(c.engine)}},
+        "files": {
+            "manifest": f"{base}/manifest.json",
+            "signature": f"{base}/signature.json",
+            "golden": f"{base}/golden.npz",
+            "expected": f"{base}/expected.npz",
+            "engine": {rel: f"{base}/engine/{rel}" for rel in sorted(c.engine)},
+        },
         "sha256": shas,
         "run": {"batch": batch, "inputs": in_idx, "outputs": out_idx},
-        "tolerance": [{"output": o.output, "atol": o.atol, "rtol": o.rtol, "max_mismatch": o.max_mismatch}
-                      for o in m.correctness.outputs],
+        "tolerance": [
+            {"output": o.output, "atol": o.atol, "rtol": o.rtol, "max_mismatch": o.max_mismatch}
+            for o in m.correctness.outputs
+        ],
         "p50_ms": m.benchmark.engine_only.p50_ms if m.benchmark is not None else None,
     }
 
 
 def _files(c: Candidate) -> dict[str, bytes]:
     """Target-relative name -> bytes of one SKU's release files."""
-    out = {"manifest.json": json.dumps(c.manifest_doc, indent=2, sort_keys=True).encode(),
-           "signature.json": json.dumps(c.signature, sort_keys=True).encode(),
-           "golden.npz": _inputs_only(c.golden, c.manifest), "expected.npz": c.expected.read_bytes()}
+    out = {
+        "manifest.json": json.dumps(c.manifest_doc, indent=2, sort_keys=True).encode(),
+        "signature.json": json.dumps(c.signature, sort_keys=True).encode(),
+        "golden.npz": _inputs_only(c.golden, c.manifest),
+        "expected.npz": c.expected.read_bytes(),
+    }
     out.update({f"engine/{rel}": path.read_bytes() for rel, path in c.engine.items()})
     return out
 
@@ -262,12 +298,21 @@ def _inputs_only(path: Path, m: Manifest) -> bytes:
     return buf.getvalue()
 
 
-def publish_release(registry: Registry, store: Store, keys: trust.Keys, model: str, *, alias: str | None = None,
-                    tracking=None, skus: list[str] | None = None, actor: str = "unknown") -> ReleaseResult:
+def publish_release(
+    registry: Registry,
+    store: Store,
+    keys: trust.Keys,
+    model: str,
+    *,
+    alias: str | None = None,
+    tracking=None,
+    skus: list[str] | None = None,
+    actor: str = "unknown",
+) -> ReleaseResult:
     """Gather, check, upload and commit one release of ``model``. With ``alias``, the engines are the
     MLflow versions holding it (and their signatures must be trusted for it); without, this
     project's build folder. Idempotent: the same engines as the newest release publish nothing new."""
-    from ..registry.tracking import connect
+    from pipeline.registry.tracking import connect
 
     t0 = time.perf_counter()
     registry.model(model)
@@ -284,7 +329,7 @@ def publish_release(registry: Registry, store: Store, keys: trust.Keys, model: s
             absent = [s for s, c in found.items() if c is None]
             candidates = [c for c in found.values() if c is not None]
         else:
-            from ..paths import Layout
+            from pipeline.paths import Layout
 
             candidates, absent, refused = [], [], []
             for s in wanted:
@@ -297,19 +342,27 @@ def publish_release(registry: Registry, store: Store, keys: trust.Keys, model: s
                 except InputError as exc:  # there, but not what its manifest says: never shipped quietly
                     refused.append(f"{s}: {exc.message}")
             if refused:
-                raise GateFailed(f"release of {model} refused: " + "; ".join(refused),
-                                 hint="rebuild the engines named (skuforge repro); nothing was published")
+                raise GateFailed(
+                    f"release of {model} refused: " + "; ".join(refused),
+                    hint="rebuild the engines named (skuforge repro); nothing was published",
+                )
         if fallback in absent:
-            raise GateFailed(f"the release of {model} lacks the portable fallback {fallback}"
-                             + (f" holding {alias!r}" if alias else ""),
-                             hint=f"build, validate and promote {model}/{fallback} with the other SKUs")
+            raise GateFailed(
+                f"the release of {model} lacks the portable fallback {fallback}"
+                + (f" holding {alias!r}" if alias else ""),
+                hint=f"build, validate and promote {model}/{fallback} with the other SKUs",
+            )
         problems = [p for c in candidates for p in check(registry, model, c, alias)]
         if problems:
-            raise GateFailed(f"release of {model} refused: " + "; ".join(problems),
-                             hint="fix or rebuild the engines named; nothing was published")
+            raise GateFailed(
+                f"release of {model} refused: " + "; ".join(problems),
+                hint="fix or rebuild the engines named; nothing was published",
+            )
         if not candidates:
-            raise InputError(f"no engine of {model} to release" + (f" holds {alias!r}" if alias else ""),
-                             hint="promote or build the engines first")
+            raise InputError(
+                f"no engine of {model} to release" + (f" holds {alias!r}" if alias else ""),
+                hint="promote or build the engines first",
+            )
         uploads = {c.sku: _files(c) for c in candidates}
         shas = {s: {name: trust.put_blob(store, data) for name, data in files.items()} for s, files in uploads.items()}
         digests = {c.sku: c.manifest.digest for c in candidates}
@@ -328,27 +381,57 @@ def publish_release(registry: Registry, store: Store, keys: trust.Keys, model: s
                 base = release_path(model, rid, c.sku)
                 for name, data in uploads[c.sku].items():
                     trust.add_target(targets, f"{base}/{name}", data, {"model": model, "sku": c.sku, "release": rid})
-            doc = {"schema": SCHEMA, "model": model, "release": rid, "previous": existing[-1] if existing else None,
-                   "created": trust._now().isoformat(), "actor": actor,
-                   "source": f"mlflow alias {alias}" if alias else "build folder", "fallback_sku": fallback,
-                   "skus": entries}
+            doc = {
+                "schema": SCHEMA,
+                "model": model,
+                "release": rid,
+                "previous": existing[-1] if existing else None,
+                "created": trust._now().isoformat(),
+                "actor": actor,
+                "source": f"mlflow alias {alias}" if alias else "build folder",
+                "fallback_sku": fallback,
+                "skus": entries,
+            }
             data = json.dumps(doc, indent=2, sort_keys=True).encode()
             trust.put_blob(store, data)
             trust.add_target(targets, release_path(model, rid, RELEASE_DOC), data, {"model": model, "release": rid})
             for c in candidates:
-                pointer = json.dumps({"model": model, "sku": c.sku, "release": rid,
-                                      "release_doc": release_path(model, rid, RELEASE_DOC)}, sort_keys=True).encode()
+                pointer = json.dumps(
+                    {
+                        "model": model,
+                        "sku": c.sku,
+                        "release": rid,
+                        "release_doc": release_path(model, rid, RELEASE_DOC),
+                    },
+                    sort_keys=True,
+                ).encode()
                 trust.put_blob(store, pointer)
                 trust.add_target(targets, channel_path(model, c.sku), pointer, {"model": model, "sku": c.sku})
             outcome.update(release=rid, created=True)
             return True
 
         trust.commit(store, keys, registry.rollout.expiry, change, what=f"release {model}")
-    rows = [ReleaseSku(sku=c.sku, backend=c.manifest.backend, precision=c.manifest.precision,
-                       manifest_digest=c.manifest.digest, source=c.source, files=shas[c.sku],
-                       bytes=sum(len(d) for d in uploads[c.sku].values())) for c in candidates]
-    return ReleaseResult(model=model, release=outcome["release"], created=outcome["created"], store=store.url,
-                         fallback_sku=fallback, skus=rows, seconds=round(time.perf_counter() - t0, 3))
+    rows = [
+        ReleaseSku(
+            sku=c.sku,
+            backend=c.manifest.backend,
+            precision=c.manifest.precision,
+            manifest_digest=c.manifest.digest,
+            source=c.source,
+            files=shas[c.sku],
+            bytes=sum(len(d) for d in uploads[c.sku].values()),
+        )
+        for c in candidates
+    ]
+    return ReleaseResult(
+        model=model,
+        release=outcome["release"],
+        created=outcome["created"],
+        store=store.url,
+        fallback_sku=fallback,
+        skus=rows,
+        seconds=round(time.perf_counter() - t0, 3),
+    )
 
 
 def release_doc(store: Store, model: str, release: str) -> dict | None:

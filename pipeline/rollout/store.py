@@ -23,12 +23,13 @@ import re
 import tempfile
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Protocol
 
-from ..errors import ConfigError, ServiceError, StorageError
-from ..redact import redact
+from pipeline.errors import ConfigError, ServiceError, StorageError
+from pipeline.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +102,11 @@ class LocalStore:
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return None
         except OSError as exc:
-            raise StorageError(f"cannot read {key} from the store {self.root}: {exc.strerror}",
-                               hint="check the folder's permissions", path=str(self._path(key))) from exc
+            raise StorageError(
+                f"cannot read {key} from the store {self.root}: {exc.strerror}",
+                hint="check the folder's permissions",
+                path=str(self._path(key)),
+            ) from exc
         return Blob(data, _etag(data))
 
     def exists(self, key: str) -> bool:
@@ -147,8 +151,11 @@ class LocalStore:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
         except OSError as exc:
-            raise StorageError(f"cannot write {key} to the store {self.root}: {exc.strerror}",
-                               hint="check the folder's permissions and free space", path=str(path)) from exc
+            raise StorageError(
+                f"cannot write {key} to the store {self.root}: {exc.strerror}",
+                hint="check the folder's permissions and free space",
+                path=str(path),
+            ) from exc
 
     def list(self, prefix: str) -> Iterator[str]:
         self.requests["list"] += 1
@@ -225,18 +232,22 @@ class S3Store:
         from botocore.exceptions import ClientError, NoCredentialsError
 
         if isinstance(exc, NoCredentialsError):
-            return ServiceError(f"S3: no credentials to {what} {self.url}/{key}",
-                                hint="set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or an instance role")
+            return ServiceError(
+                f"S3: no credentials to {what} {self.url}/{key}",
+                hint="set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or an instance role",
+            )
         if isinstance(exc, ClientError):
             err = exc.response.get("Error", {})
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            return ServiceError(f"S3 refused to {what} {self.url}/{key}: {err.get('Code')} (HTTP {status})",
-                                hint="check the bucket, its permissions and AWS_ENDPOINT_URL; transient errors "
-                                     "were retried already")
-        return ServiceError(f"{self._endpoint()}: could not {what} {self.url}/{key}: {type(exc).__name__}"
-                            f"{self._bounds()}",
-                            hint="the S3 endpoint is unreachable or timed out; check AWS_ENDPOINT_URL and the "
-                                 "network, then run again (nothing was left half-written)")
+            return ServiceError(
+                f"S3 refused to {what} {self.url}/{key}: {err.get('Code')} (HTTP {status})",
+                hint="check the bucket, its permissions and AWS_ENDPOINT_URL; transient errors were retried already",
+            )
+        return ServiceError(
+            f"{self._endpoint()}: could not {what} {self.url}/{key}: {type(exc).__name__}{self._bounds()}",
+            hint="the S3 endpoint is unreachable or timed out; check AWS_ENDPOINT_URL and the "
+            "network, then run again (nothing was left half-written)",
+        )
 
     def _endpoint(self) -> str:
         url = getattr(getattr(self.client, "meta", None), "endpoint_url", None)
@@ -305,8 +316,12 @@ class S3Store:
         token = None
         while True:
             self.requests["list"] += 1
-            kwargs = {"Bucket": self.bucket, "Prefix": self._key(prefix.rstrip("/")) + "/" if prefix.strip("/") else
-                      (self.prefix + "/" if self.prefix else "")}
+            kwargs = {
+                "Bucket": self.bucket,
+                "Prefix": self._key(prefix.rstrip("/")) + "/"
+                if prefix.strip("/")
+                else (self.prefix + "/" if self.prefix else ""),
+            }
             if token:
                 kwargs["ContinuationToken"] = token
             try:

@@ -24,19 +24,20 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
 
-from ..errors import ConfigError, GateFailed, InputError, ServiceError
-from .store import PreconditionFailed, Store
+from pipeline.errors import ConfigError, GateFailed, InputError, ServiceError
+from pipeline.rollout.store import PreconditionFailed, Store
 
 if TYPE_CHECKING:
     from tuf.api.metadata import Metadata, Targets
 
-    from ..config import Expiry
-    from ..signing import SigningKey
+    from pipeline.config import Expiry
+    from pipeline.signing import SigningKey
 
 log = logging.getLogger(__name__)
 
@@ -140,11 +141,16 @@ def initialise(store: Store, keys: Keys, expiry: Expiry) -> bool:
     root_bytes = _sign(Metadata(root), keys.root)
     targets = Targets(version=1, spec_version=SPEC_VERSION, expires=_expires(expiry.targets_days))
     targets_bytes = _sign(Metadata(targets), [keys.online])
-    snapshot = Snapshot(version=1, spec_version=SPEC_VERSION, expires=_expires(expiry.snapshot_days),
-                        meta={"targets.json": MetaFile(version=1)})
+    snapshot = Snapshot(
+        version=1,
+        spec_version=SPEC_VERSION,
+        expires=_expires(expiry.snapshot_days),
+        meta={"targets.json": MetaFile(version=1)},
+    )
     snapshot_bytes = _sign(Metadata(snapshot), [keys.online])
-    timestamp = Timestamp(version=1, spec_version=SPEC_VERSION, expires=_expires(expiry.timestamp_days),
-                          snapshot_meta=MetaFile(version=1))
+    timestamp = Timestamp(
+        version=1, spec_version=SPEC_VERSION, expires=_expires(expiry.timestamp_days), snapshot_meta=MetaFile(version=1)
+    )
     if not _put_new(store, f"{METADATA}/1.root.json", root_bytes):
         return False
     store.put(f"{METADATA}/root.json", root_bytes)
@@ -160,8 +166,10 @@ def _parse(data: bytes, what: str) -> Metadata:
     try:
         return Metadata.from_bytes(data)
     except Exception as exc:  # DeserializationError and friends: the store holds garbage
-        raise VerificationFailed(f"the store's {what} is not TUF metadata: {exc}",
-                                 hint="restore it from a backup; never edit store metadata by hand") from exc
+        raise VerificationFailed(
+            f"the store's {what} is not TUF metadata: {exc}",
+            hint="restore it from a backup; never edit store metadata by hand",
+        ) from exc
 
 
 def _root_signed(md: Metadata, by: Metadata, what: str) -> None:
@@ -170,8 +178,10 @@ def _root_signed(md: Metadata, by: Metadata, what: str) -> None:
     try:
         by.signed.verify_delegate("root", md.signed_bytes, md.signatures)
     except UnsignedMetadataError as exc:
-        raise VerificationFailed(f"the store's {what} is not signed by the root keys it must be: {exc}",
-                                 hint="someone replaced the store's root; restore it from a backup") from exc
+        raise VerificationFailed(
+            f"the store's {what} is not signed by the root keys it must be: {exc}",
+            hint="someone replaced the store's root; restore it from a backup",
+        ) from exc
 
 
 def _latest_root(store: Store, keys: Keys | None = None) -> Metadata:
@@ -182,19 +192,21 @@ def _latest_root(store: Store, keys: Keys | None = None) -> Metadata:
     could hand it a forged root listing the writer's public key and have it sign their targets."""
     first = store.get(f"{METADATA}/1.root.json")
     if first is None:
-        raise InputError(f"the store {store.url} has no signed root",
-                         hint="run `skuforge release init` once to create it")
+        raise InputError(
+            f"the store {store.url} has no signed root", hint="run `skuforge release init` once to create it"
+        )
     root = _parse(first.data, "1.root.json")
     _root_signed(root, root, "1.root.json")
     anchor = _parse(keys.anchor, "pinned root") if keys is not None and keys.anchor else None
     if keys is not None and anchor is None:
         ours = {k.tuf_signer().public_key.keyid for k in keys.root}
         if not ours & set(root.signed.roles["root"].keyids):
-            raise VerificationFailed(f"the root of {store.url} is not one this project created: none of its root "
-                                     "keys is the signing key",
-                                     hint="commit the release-root.json that `skuforge release init` wrote when it "
-                                          "created this store (a copy of its genuine metadata/1.root.json, from a source "
-                                          "you trust, not from the store)")
+            raise VerificationFailed(
+                f"the root of {store.url} is not one this project created: none of its root keys is the signing key",
+                hint="commit the release-root.json that `skuforge release init` wrote when it "
+                "created this store (a copy of its genuine metadata/1.root.json, from a source "
+                "you trust, not from the store)",
+            )
     chain = {1: root}
     while True:
         n = root.signed.version
@@ -203,18 +215,22 @@ def _latest_root(store: Store, keys: Keys | None = None) -> Metadata:
             break
         new = _parse(nxt.data, f"{n + 1}.root.json")
         if new.signed.version != n + 1:
-            raise VerificationFailed(f"{n + 1}.root.json says version {new.signed.version}",
-                                     hint="the store's root chain was tampered with; restore it")
+            raise VerificationFailed(
+                f"{n + 1}.root.json says version {new.signed.version}",
+                hint="the store's root chain was tampered with; restore it",
+            )
         _root_signed(new, root, f"{n + 1}.root.json")
         _root_signed(new, new, f"{n + 1}.root.json")
         root = chain[n + 1] = new
     if anchor is not None:
         link = chain.get(anchor.signed.version)
         if link is None or link.signed_bytes != anchor.signed_bytes:
-            raise VerificationFailed(f"the root chain of {store.url} does not contain the project's pinned root "
-                                     f"(version {anchor.signed.version})",
-                                     hint="the store was replaced or tampered with; restore it, or pin its root "
-                                          "again only if you know why it changed")
+            raise VerificationFailed(
+                f"the root chain of {store.url} does not contain the project's pinned root "
+                f"(version {anchor.signed.version})",
+                hint="the store was replaced or tampered with; restore it, or pin its root "
+                "again only if you know why it changed",
+            )
     return root
 
 
@@ -236,16 +252,20 @@ def read_state(store: Store, keys: Keys | None = None) -> State:
         try:
             root.signed.verify_delegate(role, md.signed_bytes, md.signatures)
         except UnsignedMetadataError as exc:
-            raise VerificationFailed(f"the store's {role} metadata is not signed by the keys its root names: {exc}",
-                                     hint="someone wrote to the store without the signing key; restore it") from exc
+            raise VerificationFailed(
+                f"the store's {role} metadata is not signed by the keys its root names: {exc}",
+                hint="someone wrote to the store without the signing key; restore it",
+            ) from exc
     return State(root, targets, snapshot, timestamp, ts_blob.etag)
 
 
 def _must(store: Store, key: str):
     blob = store.get(key)
     if blob is None:
-        raise VerificationFailed(f"the store lacks {key}, which its metadata names",
-                                 hint="the store was damaged (files deleted); restore it from a backup")
+        raise VerificationFailed(
+            f"the store lacks {key}, which its metadata names",
+            hint="the store was damaged (files deleted); restore it from a backup",
+        )
     return blob
 
 
@@ -253,8 +273,11 @@ def _check_online(state: State, keys: Keys) -> None:
     keyid = keys.online.tuf_signer().public_key.keyid
     for role in ("targets", "snapshot", "timestamp"):
         if keyid not in state.root.signed.roles[role].keyids:
-            raise ConfigError(f"the signing key {keys.online.key_id} may not sign {role} metadata in {state.root.signed.type} "
-                              f"of this store", hint="set SKUFORGE_SIGNING_KEY to the key the store was created with")
+            raise ConfigError(
+                f"the signing key {keys.online.key_id} may not sign {role} metadata in {state.root.signed.type} "
+                f"of this store",
+                hint="set SKUFORGE_SIGNING_KEY to the key the store was created with",
+            )
 
 
 def _write_versioned(store: Store, role: str, start: int, make: Callable[[int], bytes]) -> int:
@@ -263,12 +286,15 @@ def _write_versioned(store: Store, role: str, start: int, make: Callable[[int], 
     for version in range(start, start + MAX_ATTEMPTS):
         if _put_new(store, f"{METADATA}/{version}.{role}.json", make(version)):
             return version
-    raise ServiceError(f"could not find a free {role} version after {MAX_ATTEMPTS} tries",
-                       hint="another writer keeps winning; run again later")
+    raise ServiceError(
+        f"could not find a free {role} version after {MAX_ATTEMPTS} tries",
+        hint="another writer keeps winning; run again later",
+    )
 
 
-def commit(store: Store, keys: Keys, expiry: Expiry, change: Callable[[Targets, State], bool],
-           what: str = "update") -> State | None:
+def commit(
+    store: Store, keys: Keys, expiry: Expiry, change: Callable[[Targets, State], bool], what: str = "update"
+) -> State | None:
     """Apply ``change`` (which edits the targets in place; False: nothing to do) and publish the
     result atomically. Retries from a fresh read when another writer commits first. Returns the
     state written, or None when ``change`` had nothing to do."""
@@ -306,8 +332,10 @@ def commit(store: Store, keys: Keys, expiry: Expiry, change: Callable[[Targets, 
             log.info("%s: targets v%d, snapshot v%d, timestamp v%d", what, tv, sv, ts.version)
             return state
         log.info("%s: another writer committed first (attempt %d); reading again", what, attempt + 1)
-    raise ServiceError(f"{what}: lost the race for the store's timestamp {MAX_ATTEMPTS} times",
-                       hint="too many concurrent writers; run again")
+    raise ServiceError(
+        f"{what}: lost the race for the store's timestamp {MAX_ATTEMPTS} times",
+        hint="too many concurrent writers; run again",
+    )
 
 
 def _swap_timestamp(store: Store, data: bytes, etag: str) -> bool:
@@ -363,8 +391,10 @@ def read_target(store: Store, state: State, path: str) -> bytes | None:
     try:
         info.verify_length_and_hashes(blob.data)
     except Exception as exc:
-        raise VerificationFailed(f"{path} in the store does not match its signed hash",
-                                 hint="the blob was damaged; publish the release again") from exc
+        raise VerificationFailed(
+            f"{path} in the store does not match its signed hash",
+            hint="the blob was damaged; publish the release again",
+        ) from exc
     return blob.data
 
 
@@ -410,15 +440,22 @@ class Client:
         self.dir.mkdir(parents=True, exist_ok=True)
         have_root = (self.dir / "root.json").is_file()
         if not have_root and root is None:
-            raise ConfigError(f"no trusted root in {self.dir}",
-                              hint="provision the device with the store's root (`skuforge release root --out root.json`)")
+            raise ConfigError(
+                f"no trusted root in {self.dir}",
+                hint="provision the device with the store's root (`skuforge release root --out root.json`)",
+            )
         try:
-            self.updater = Updater(metadata_dir=str(self.dir), metadata_base_url="store:/metadata/",
-                                   target_base_url="store:/targets/", fetcher=_fetcher_class()(store),
-                                   bootstrap=None if have_root else root)
+            self.updater = Updater(
+                metadata_dir=str(self.dir),
+                metadata_base_url="store:/metadata/",
+                target_base_url="store:/targets/",
+                fetcher=_fetcher_class()(store),
+                bootstrap=None if have_root else root,
+            )
         except Exception as exc:
-            raise VerificationFailed(f"the trusted root is unusable: {exc}",
-                                     hint="provision the device again with the store's root") from exc
+            raise VerificationFailed(
+                f"the trusted root is unusable: {exc}", hint="provision the device again with the store's root"
+            ) from exc
         self._fresh = False
 
     def refresh(self) -> None:
@@ -432,10 +469,14 @@ class Client:
             cause = exc.__cause__
             if isinstance(cause, ServiceError):
                 raise cause
-            raise ServiceError(f"could not fetch release metadata: {exc}", hint="check the store and the network") from exc
+            raise ServiceError(
+                f"could not fetch release metadata: {exc}", hint="check the store and the network"
+            ) from exc
         except tex.RepositoryError as exc:
-            raise VerificationFailed(f"release metadata refused: {type(exc).__name__}: {exc}",
-                                     hint="the store serves metadata this device must not trust; nothing was installed") from exc
+            raise VerificationFailed(
+                f"release metadata refused: {type(exc).__name__}: {exc}",
+                hint="the store serves metadata this device must not trust; nothing was installed",
+            ) from exc
         self._fresh = True
 
     def fetch(self, path: str) -> bytes | None:
@@ -456,11 +497,15 @@ class Client:
             cause = exc.__cause__
             if isinstance(cause, ServiceError):
                 raise cause
-            raise VerificationFailed(f"{path}: download failed verification or transfer: {exc}",
-                                     hint="the store holds a damaged or missing file") from exc
+            raise VerificationFailed(
+                f"{path}: download failed verification or transfer: {exc}",
+                hint="the store holds a damaged or missing file",
+            ) from exc
         except tex.RepositoryError as exc:
-            raise VerificationFailed(f"{path} does not match its signed hash or length ({type(exc).__name__})",
-                                     hint="the store holds a damaged or tampered file; nothing was installed") from exc
+            raise VerificationFailed(
+                f"{path} does not match its signed hash or length ({type(exc).__name__})",
+                hint="the store holds a damaged or tampered file; nothing was installed",
+            ) from exc
         finally:
             Path(tmp).unlink(missing_ok=True)
 

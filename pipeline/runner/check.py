@@ -10,10 +10,10 @@ from __future__ import annotations
 from importlib import metadata
 from typing import Literal
 
-from ..backends import get_backend
-from ..config import Registry
-from ..versions import UnreadableVersion, normalize, satisfies, specifier_problem
-from . import probe
+from pipeline.backends import get_backend
+from pipeline.config import Registry
+from pipeline.runner import probe
+from pipeline.versions import UnreadableVersion, normalize, satisfies, specifier_problem
 
 Purpose = Literal["build", "run"]
 
@@ -68,4 +68,6 @@ def host_problems(registry: Registry, sku: str, purpose: Purpose = "run") -> lis
         problems = hardware_problems(registry, sku)
         if problems:  # wrong hardware: the SDK checks below would only add noise
             return problems
-    return toolchain_problems(spec.toolchain, installed_only=purpose == "run") + backend.environment_problems(spec, purpose)
+    return toolchain_problems(spec.toolchain, installed_only=purpose == "run") + backend.environment_problems(
+        spec, purpose
+    )

@@ -26,9 +26,9 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from ..io import atomic_write_json, read_json, sha256_json
-from ..results import Result
-from . import probe
+from pipeline.io import atomic_write_json, read_json, sha256_json
+from pipeline.results import Result
+from pipeline.runner import probe
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,14 @@ ENV_CACHE_DIR = "SKUFORGE_CACHE_DIR"
 
 ARRAY_MB = 128  # per bandwidth array, at least; 4x the last-level cache where that is larger
 _BLOCK = 1 << 17  # triad elements per step: the temporary (512 KB) stays in cache
-_BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
-                     "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
+_BLAS_THREAD_VARS = (
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "BLIS_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)
 # FP32 lanes of one FMA instruction, by the widest vector flag the CPU reports (x86: needs "fma")
 _FMA_LANES = (("avx512f", 16), ("fma", 8), ("asimd", 4))
 
@@ -89,8 +95,13 @@ def host_key() -> tuple[str, dict[str, Any]]:
     import numpy as np
 
     cpu = probe.cpu_info()
-    basis = {"cpu_model": cpu["model"], "flags": cpu["flags"], "usable_cores": probe.usable_cores(),
-             "numpy": np.__version__, "blas": _blas()}
+    basis = {
+        "cpu_model": cpu["model"],
+        "flags": cpu["flags"],
+        "usable_cores": probe.usable_cores(),
+        "numpy": np.__version__,
+        "blas": _blas(),
+    }
     record = {k: v for k, v in basis.items() if k != "flags"} | {"flags_sha256": sha256_json(cpu["flags"])}
     return sha256_json(basis)[:16], record
 
@@ -154,9 +165,13 @@ def _one_core_gflops(n: int, repeats: int, deadline: float) -> tuple[float, Lite
     # BLAS reads its thread count once, at load: a fresh interpreter with the variables at 1
     env = os.environ | dict.fromkeys(_BLAS_THREAD_VARS, "1")
     root = str(Path(__file__).resolve().parents[2])
-    code = (f"import sys; sys.path.insert(0, {root!r}); from pipeline.runner.peaks import _gemm_gflops; "
-            f"print(_gemm_gflops({n}, {repeats}))")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    code = (
+        f"import sys; sys.path.insert(0, {root!r}); from pipeline.runner.peaks import _gemm_gflops; "
+        f"print(_gemm_gflops({n}, {repeats}))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
     return float(done.stdout.strip().splitlines()[-1]), "subprocess"
 
 
@@ -194,8 +209,8 @@ class _Stream:
             tmp = temps[part]
             for s in range(lo, hi, _BLOCK):
                 e = min(s + _BLOCK, hi)
-                np.multiply(c[s:e], np.float32(3.0), out=tmp[:e - s])
-                np.add(b[s:e], tmp[:e - s], out=a[s:e])
+                np.multiply(c[s:e], np.float32(3.0), out=tmp[: e - s])
+                np.add(b[s:e], tmp[: e - s], out=a[s:e])
 
         def copy(part: int) -> None:
             lo, hi = bounds[part]
@@ -214,7 +229,9 @@ class _Stream:
         return arrays * self.n * 4 / best / 1e9
 
 
-def nominal_gflops(cores: int, flags: frozenset[str] | None = None, mhz: float | None = None) -> tuple[float | None, str | None]:
+def nominal_gflops(
+    cores: int, flags: frozenset[str] | None = None, mhz: float | None = None
+) -> tuple[float | None, str | None]:
     """cores × FP32 lanes per FMA × 2 × GHz, and how it was made; None where the flags or the
     clock do not give it."""
     flags = probe.cpu_features() if flags is None else flags
@@ -222,9 +239,11 @@ def nominal_gflops(cores: int, flags: frozenset[str] | None = None, mhz: float |
     lanes = next((n for flag, n in _FMA_LANES if flag in flags), None)
     if lanes is None or not mhz:
         return None, None
-    return (cores * lanes * 2 * mhz / 1e3,
-            f"{cores} cores × {lanes} FP32 lanes per FMA × 2 × {mhz / 1e3:.3g} GHz "
-            "(one FMA port per core: cores with two peak at twice this)")
+    return (
+        cores * lanes * 2 * mhz / 1e3,
+        f"{cores} cores × {lanes} FP32 lanes per FMA × 2 × {mhz / 1e3:.3g} GHz "
+        "(one FMA port per core: cores with two peak at twice this)",
+    )
 
 
 def measure(budget_s: float = 10.0) -> Peaks:
@@ -244,10 +263,19 @@ def measure(budget_s: float = 10.0) -> Peaks:
     triad_one = stream.best_gbs("triad", 1, 3, started + 0.9 * budget_s) if cores > 1 else triad
     nominal, basis = nominal_gflops(cores)
     seconds = time.perf_counter() - started
-    log.info("measured this host's peaks in %.1f s: %.1f GFLOP/s (%d cores), %.1f GB/s", seconds, all_cores, cores, triad)
-    return Peaks(key=key, host=record, measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                 seconds=round(seconds, 2), one_core_method=method,
-                 compute_gflops=ComputePeaks(all_cores=all_cores, one_core=one_core, nominal=nominal,
-                                             nominal_basis=basis, matmul_n=n),
-                 bandwidth_gbs=BandwidthPeaks(triad=triad, memcopy=memcopy, triad_one_core=triad_one,
-                                              array_mb=stream.n * 4 >> 20))
+    log.info(
+        "measured this host's peaks in %.1f s: %.1f GFLOP/s (%d cores), %.1f GB/s", seconds, all_cores, cores, triad
+    )
+    return Peaks(
+        key=key,
+        host=record,
+        measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        seconds=round(seconds, 2),
+        one_core_method=method,
+        compute_gflops=ComputePeaks(
+            all_cores=all_cores, one_core=one_core, nominal=nominal, nominal_basis=basis, matmul_n=n
+        ),
+        bandwidth_gbs=BandwidthPeaks(
+            triad=triad, memcopy=memcopy, triad_one_core=triad_one, array_mb=stream.n * 4 >> 20
+        ),
+    )

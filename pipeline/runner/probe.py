@@ -61,8 +61,12 @@ def cpu_info() -> dict[str, Any]:
         flags = fake_flags.replace(",", " ").split()
     if fake_model is not None:
         model = fake_model
-    return {"model": model or platform.processor() or None, "cores": os.cpu_count(), "flags": sorted(set(flags)),
-            "faked": fake_flags is not None or fake_model is not None}
+    return {
+        "model": model or platform.processor() or None,
+        "cores": os.cpu_count(),
+        "flags": sorted(set(flags)),
+        "faked": fake_flags is not None or fake_model is not None,
+    }
 
 
 def cpu_max_mhz() -> float | None:
@@ -99,24 +103,81 @@ LLVM_GENERIC_CPU = {"x86_64": "x86-64", "aarch64": "generic"}
 # /proc/cpuinfo flag -> LLVM feature, per architecture; features not listed here are not judged
 LLVM_FEATURES = {
     "x86_64": {
-        "sse": "sse", "sse2": "sse2", "pni": "sse3", "ssse3": "ssse3", "sse4_1": "sse4.1", "sse4_2": "sse4.2",
-        "sse4a": "sse4a", "cx16": "cx16", "lahf_lm": "sahf", "popcnt": "popcnt", "abm": "lzcnt", "movbe": "movbe",
-        "avx": "avx", "avx2": "avx2", "fma": "fma", "fma4": "fma4", "f16c": "f16c", "bmi1": "bmi", "bmi2": "bmi2",
-        "adx": "adx", "aes": "aes", "pclmulqdq": "pclmul", "sha_ni": "sha", "rdrand": "rdrnd", "rdseed": "rdseed",
-        "xsave": "xsave", "xsaveopt": "xsaveopt", "xsavec": "xsavec", "xsaves": "xsaves", "fsgsbase": "fsgsbase",
-        "gfni": "gfni", "vaes": "vaes", "vpclmulqdq": "vpclmulqdq", "avx_vnni": "avxvnni",
-        "avx512f": "avx512f", "avx512bw": "avx512bw", "avx512cd": "avx512cd", "avx512dq": "avx512dq",
-        "avx512vl": "avx512vl", "avx512ifma": "avx512ifma", "avx512vbmi": "avx512vbmi",
-        "avx512_vbmi2": "avx512vbmi2", "avx512_vnni": "avx512vnni", "avx512_bitalg": "avx512bitalg",
-        "avx512_vpopcntdq": "avx512vpopcntdq", "avx512_bf16": "avx512bf16", "avx512_fp16": "avx512fp16",
+        "sse": "sse",
+        "sse2": "sse2",
+        "pni": "sse3",
+        "ssse3": "ssse3",
+        "sse4_1": "sse4.1",
+        "sse4_2": "sse4.2",
+        "sse4a": "sse4a",
+        "cx16": "cx16",
+        "lahf_lm": "sahf",
+        "popcnt": "popcnt",
+        "abm": "lzcnt",
+        "movbe": "movbe",
+        "avx": "avx",
+        "avx2": "avx2",
+        "fma": "fma",
+        "fma4": "fma4",
+        "f16c": "f16c",
+        "bmi1": "bmi",
+        "bmi2": "bmi2",
+        "adx": "adx",
+        "aes": "aes",
+        "pclmulqdq": "pclmul",
+        "sha_ni": "sha",
+        "rdrand": "rdrnd",
+        "rdseed": "rdseed",
+        "xsave": "xsave",
+        "xsaveopt": "xsaveopt",
+        "xsavec": "xsavec",
+        "xsaves": "xsaves",
+        "fsgsbase": "fsgsbase",
+        "gfni": "gfni",
+        "vaes": "vaes",
+        "vpclmulqdq": "vpclmulqdq",
+        "avx_vnni": "avxvnni",
+        "avx512f": "avx512f",
+        "avx512bw": "avx512bw",
+        "avx512cd": "avx512cd",
+        "avx512dq": "avx512dq",
+        "avx512vl": "avx512vl",
+        "avx512ifma": "avx512ifma",
+        "avx512vbmi": "avx512vbmi",
+        "avx512_vbmi2": "avx512vbmi2",
+        "avx512_vnni": "avx512vnni",
+        "avx512_bitalg": "avx512bitalg",
+        "avx512_vpopcntdq": "avx512vpopcntdq",
+        "avx512_bf16": "avx512bf16",
+        "avx512_fp16": "avx512fp16",
         "avx512_vp2intersect": "avx512vp2intersect",
-        "amx_tile": "amx-tile", "amx_int8": "amx-int8", "amx_bf16": "amx-bf16", "amx_fp16": "amx-fp16",
+        "amx_tile": "amx-tile",
+        "amx_int8": "amx-int8",
+        "amx_bf16": "amx-bf16",
+        "amx_fp16": "amx-fp16",
     },
     "aarch64": {
-        "fp": "fp-armv8", "asimd": "neon", "aes": "aes", "sha2": "sha2", "sha3": "sha3", "sm4": "sm4",
-        "crc32": "crc", "atomics": "lse", "fphp": "fullfp16", "asimdhp": "fullfp16", "asimdrdm": "rdm",
-        "lrcpc": "rcpc", "asimddp": "dotprod", "asimdfhm": "fp16fml", "jscvt": "jsconv", "fcma": "complxnum",
-        "dcpop": "ccpp", "sve": "sve", "sve2": "sve2", "i8mm": "i8mm", "bf16": "bf16",
+        "fp": "fp-armv8",
+        "asimd": "neon",
+        "aes": "aes",
+        "sha2": "sha2",
+        "sha3": "sha3",
+        "sm4": "sm4",
+        "crc32": "crc",
+        "atomics": "lse",
+        "fphp": "fullfp16",
+        "asimdhp": "fullfp16",
+        "asimdrdm": "rdm",
+        "lrcpc": "rcpc",
+        "asimddp": "dotprod",
+        "asimdfhm": "fp16fml",
+        "jscvt": "jsconv",
+        "fcma": "complxnum",
+        "dcpop": "ccpp",
+        "sve": "sve",
+        "sve2": "sve2",
+        "i8mm": "i8mm",
+        "bf16": "bf16",
     },
 }
 
@@ -149,8 +210,9 @@ def resolve_llvm_target(cpu: str, features: Iterable[str], arch: str | None = No
     return host["cpu"], [f for f in host["cpu_features"] if f[1:] not in dropped] + features
 
 
-def missing_llvm_features(required: Iterable[str], flags: Iterable[str] | None = None,
-                          arch: str | None = None) -> list[str]:
+def missing_llvm_features(
+    required: Iterable[str], flags: Iterable[str] | None = None, arch: str | None = None
+) -> list[str]:
     """Enabled LLVM features (``+name``) an engine was compiled for that the host does not report.
     Only features with a /proc/cpuinfo flag are judged (``+crc32``, ``+evex512`` and the like are
     implied by others), and nothing where the host reports no flags (no ``/proc/cpuinfo``)."""
@@ -165,8 +227,25 @@ def missing_llvm_features(required: Iterable[str], flags: Iterable[str] | None =
 def host() -> dict[str, Any]:
     """The host's identity-free hardware description (deterministic on one machine)."""
     cpu = cpu_info()
-    interesting = {"avx", "avx2", "avx512f", "avx512_vnni", "avx_vnni", "fma", "f16c", "amx_tile", "amx_int8",
-                   "amx_bf16", "neon", "asimd", "asimdhp", "asimddp", "sve", "i8mm", "bf16"}
+    interesting = {
+        "avx",
+        "avx2",
+        "avx512f",
+        "avx512_vnni",
+        "avx_vnni",
+        "fma",
+        "f16c",
+        "amx_tile",
+        "amx_int8",
+        "amx_bf16",
+        "neon",
+        "asimd",
+        "asimdhp",
+        "asimddp",
+        "sve",
+        "i8mm",
+        "bf16",
+    }
     return {
         "arch": host_arch(),
         "os": host_os(),
@@ -192,8 +271,11 @@ def cpu_record(flags: Iterable[str] | None = None, arch: str | None = None) -> d
     arch = arch or host_arch()
     info = cpu_info()
     table = LLVM_FEATURES.get(arch, {})
-    return {"arch": arch, "model": info["model"],
-            "features": sorted(f for f in (info["flags"] if flags is None else flags) if f in table)}
+    return {
+        "arch": arch,
+        "model": info["model"],
+        "features": sorted(f for f in (info["flags"] if flags is None else flags) if f in table),
+    }
 
 
 def device_state() -> dict[str, Any]:
@@ -254,11 +336,19 @@ class GpuInfo:
         return float(self.compute_capability) if self.compute_capability else None
 
     def to_json(self) -> dict[str, str | None]:
-        return {"name": self.name, "driver": self.driver, "compute_capability": self.compute_capability,
-                "memory_mb": self.memory_mb}
+        return {
+            "name": self.name,
+            "driver": self.driver,
+            "compute_capability": self.compute_capability,
+            "memory_mb": self.memory_mb,
+        }
 
 
-NVIDIA_SMI_QUERY = ("nvidia-smi", "--query-gpu=name,compute_cap,driver_version,memory.total", "--format=csv,noheader,nounits")
+NVIDIA_SMI_QUERY = (
+    "nvidia-smi",
+    "--query-gpu=name,compute_cap,driver_version,memory.total",
+    "--format=csv,noheader,nounits",
+)
 
 
 def parse_nvidia_smi_all(text: str) -> list[GpuInfo]:
@@ -305,8 +395,14 @@ def _gpus_from_nvml() -> list[GpuInfo]:
                 handle = pynvml.nvmlDeviceGetHandleByIndex(i)
                 major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
                 memory = pynvml.nvmlDeviceGetMemoryInfo(handle).total // 2**20
-                gpus.append(GpuInfo(name=as_str(pynvml.nvmlDeviceGetName(handle)), compute_capability=f"{major}.{minor}",
-                                    driver=driver, memory_mb=str(memory)))
+                gpus.append(
+                    GpuInfo(
+                        name=as_str(pynvml.nvmlDeviceGetName(handle)),
+                        compute_capability=f"{major}.{minor}",
+                        driver=driver,
+                        memory_mb=str(memory),
+                    )
+                )
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # NVMLError_*: no driver, no device (Jetson has no NVML)
@@ -375,14 +471,18 @@ def _nvidia_gpus(path: str) -> tuple[GpuInfo, ...]:
             continue
         if not gpus:
             return (found,)
-        gpus = [g if g.compute_capability else dataclasses.replace(g, compute_capability=found.compute_capability)
-                for g in gpus]
+        gpus = [
+            g if g.compute_capability else dataclasses.replace(g, compute_capability=found.compute_capability)
+            for g in gpus
+        ]
         if all(g.compute_capability for g in gpus):
             break
     return tuple(gpus)
 
 
-NO_GPU = "no NVIDIA GPU is visible on this host (NVML, nvidia-smi, the CUDA runtime and a Jetson device tree found none)"
+NO_GPU = (
+    "no NVIDIA GPU is visible on this host (NVML, nvidia-smi, the CUDA runtime and a Jetson device tree found none)"
+)
 
 
 def gpu_info() -> GpuInfo | None:

@@ -7,11 +7,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ..config import Registry
-from ..errors import ConfigError, InputError
-from ..versions import satisfies
-from . import probe
-from .check import host_problems
+from pipeline.config import Registry
+from pipeline.errors import ConfigError, InputError
+from pipeline.runner import probe
+from pipeline.runner.check import host_problems
+from pipeline.versions import satisfies
 
 
 def toolchain_versions(registry: Registry) -> dict[str, str | None]:
@@ -27,8 +27,8 @@ def toolchain_versions(registry: Registry) -> dict[str, str | None]:
 
 def backend_versions(registry: Registry) -> dict[str, dict[str, str] | str]:
     """Each used backend's SDK versions, or why they cannot be read here."""
-    from ..backends import get_backend
-    from ..errors import SkuforgeError
+    from pipeline.backends import get_backend
+    from pipeline.errors import SkuforgeError
 
     out: dict[str, dict[str, str] | str] = {}
     for name in sorted({s.backend for s in registry.skus.values()}):
@@ -42,7 +42,7 @@ def backend_versions(registry: Registry) -> dict[str, dict[str, str] | str]:
 def probe_report(registry: Registry, peaks: bool = False, refresh: bool = False) -> dict[str, Any]:
     """The host as a runner; with ``peaks``, its peak compute and bandwidth (pipeline.runner.peaks:
     cached per host, ``refresh`` measures again)."""
-    from ..repro import sku_statuses
+    from pipeline.repro import sku_statuses
 
     statuses = sku_statuses(registry)
     report = {
@@ -51,11 +51,13 @@ def probe_report(registry: Registry, peaks: bool = False, refresh: bool = False)
         "gpu": probe.gpu(),
         "toolchain": toolchain_versions(registry),
         "backends": backend_versions(registry),
-        "skus": {"buildable": [s.sku for s in statuses if s.buildable],
-                 "runnable": [s.sku for s in statuses if s.runnable]},
+        "skus": {
+            "buildable": [s.sku for s in statuses if s.buildable],
+            "runnable": [s.sku for s in statuses if s.runnable],
+        },
     }
     if peaks:
-        from .peaks import host_peaks
+        from pipeline.runner.peaks import host_peaks
 
         report["peaks"] = host_peaks(refresh=refresh).to_json()
     return report
@@ -65,11 +67,18 @@ def check_report(registry: Registry, sku: str) -> dict[str, Any]:
     """Host versus SKU for building and running its engines: every difference, named."""
     spec = registry.sku(sku)
     problems = list(dict.fromkeys(host_problems(registry, sku, "build") + host_problems(registry, sku, "run")))
-    return {"sku": sku, "matches": not problems, "problems": problems,
-            "target": spec.target.model_dump(), "toolchain": spec.toolchain, "runner_labels": spec.runner_labels}
+    return {
+        "sku": sku,
+        "matches": not problems,
+        "problems": problems,
+        "target": spec.target.model_dump(),
+        "toolchain": spec.toolchain,
+        "runner_labels": spec.runner_labels,
+    }
 
 
 # --- runner classes --------------------------------------------------------------------------
+
 
 def load_classes(path: str | Path) -> dict[str, dict[str, Any]]:
     import yaml
@@ -78,8 +87,10 @@ def load_classes(path: str | Path) -> dict[str, dict[str, Any]]:
     try:
         data = yaml.safe_load(path.read_text())
     except OSError as exc:
-        raise InputError(f"cannot read runner classes {path}: {exc.strerror}",
-                         hint="give --classes runners/classes.yaml (from the project root)") from exc
+        raise InputError(
+            f"cannot read runner classes {path}: {exc.strerror}",
+            hint="give --classes runners/classes.yaml (from the project root)",
+        ) from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}", hint="fix the file") from exc
     classes = (data or {}).get("classes") if isinstance(data, dict) else None
@@ -111,7 +122,9 @@ def classes_problems(registry: Registry, classes: dict[str, dict[str, Any]]) -> 
                 if hw.get(key) != getattr(spec.target, key):
                     problems.append(f"SKU {sku} / class {name}: {key} {hw.get(key)} != {getattr(spec.target, key)}")
             if spec.target.device == "gpu" and hw.get("device") != "gpu":
-                problems.append(f"SKU {sku} / class {name}: the SKU needs a GPU, the class has device {hw.get('device')}")
+                problems.append(
+                    f"SKU {sku} / class {name}: the SKU needs a GPU, the class has device {hw.get('device')}"
+                )
             missing = set(spec.target.cpu_features) - set(hw.get("cpu_features") or [])
             if missing:
                 problems.append(f"SKU {sku} / class {name}: class lacks CPU features {sorted(missing)}")
@@ -119,7 +132,9 @@ def classes_problems(registry: Registry, classes: dict[str, dict[str, Any]]) -> 
             for package, wanted in sorted(spec.toolchain.items()):
                 have = pins.get(package)
                 if have is None:
-                    problems.append(f"SKU {sku} / class {name}: the class does not pin {package} (the SKU wants {wanted})")
+                    problems.append(
+                        f"SKU {sku} / class {name}: the class does not pin {package} (the SKU wants {wanted})"
+                    )
                 elif not satisfies(have, wanted):
                     problems.append(f"SKU {sku} / class {name}: pins {package} {have}, the SKU wants {wanted}")
     return problems

@@ -3,6 +3,6 @@ returns its typed report; the CLI and dvc.yaml call these functions."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 Progress = Callable[[str, float], None]

@@ -9,27 +9,34 @@ import math
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from ..backends import get_backend
-from ..benchstats import drift, latency_stats, settled
-from ..config import BenchSpec, Registry
-from ..data import LABELS, iter_batches, postprocess, preprocess
-from ..errors import ConfigError
-from ..io import atomic_write_bytes, atomic_write_json, sha256_bytes
-from ..results import BenchReport, BuildReport, Execution, HostInfo, PrepareReport, SteadyState, SweepPoint
+from pipeline.backends import get_backend
+from pipeline.benchstats import drift, latency_stats, settled
+from pipeline.config import BenchSpec, Registry
+from pipeline.data import LABELS, iter_batches, postprocess, preprocess
+from pipeline.errors import ConfigError
+from pipeline.io import atomic_write_bytes, atomic_write_json, sha256_bytes
+from pipeline.results import BenchReport, BuildReport, Execution, HostInfo, PrepareReport, SteadyState, SweepPoint
 
 if TYPE_CHECKING:
-    from ..roofline import RooflineReport
-from ..runner.probe import device_state, host, rss_mb, usable_cores
-from . import Progress
-from .build import require_host
-from .common import batch_indices, check_engine, layout, load_arrays, log, read_report
+    from pipeline.roofline import RooflineReport
+from pipeline.runner.probe import device_state, host, rss_mb, usable_cores
+from pipeline.stages import Progress
+from pipeline.stages.build import require_host
+from pipeline.stages.common import batch_indices, check_engine, layout, load_arrays, log, read_report
 
 
-def time_calls(fn: Callable[[], object], iterations: int, min_seconds: float = 0.0,
-               progress: Progress | None = None, label: str = "", stop: threading.Event | None = None,
-               max_seconds: float = math.inf) -> list[float]:
+def time_calls(
+    fn: Callable[[], object],
+    iterations: int,
+    min_seconds: float = 0.0,
+    progress: Progress | None = None,
+    label: str = "",
+    stop: threading.Event | None = None,
+    max_seconds: float = math.inf,
+) -> list[float]:
     """Call ``fn`` at least ``iterations`` times and for at least ``min_seconds``, but never past
     ``max_seconds`` (after one call) or once ``stop`` is set; ms per call. The loop does one clock
     read per side of the call and nothing else between them."""
@@ -53,15 +60,23 @@ def time_calls(fn: Callable[[], object], iterations: int, min_seconds: float = 0
                 progress(label, min(1.0, n / iterations))
 
 
-def warm_up(fn: Callable[[], object], cfg: BenchSpec, progress: Progress | None = None) -> tuple[list[float], SteadyState]:
+def warm_up(
+    fn: Callable[[], object], cfg: BenchSpec, progress: Progress | None = None
+) -> tuple[list[float], SteadyState]:
     """Call ``fn`` in windows until the medians of the last three settle (after at least
     ``cfg.warmup`` calls), or until ``cfg.max_warmup_seconds``; ``warmup: 0`` skips it. A window is shrunk for slow engines
     so that three fit in the time cap."""
     import numpy as np
 
     if cfg.warmup == 0:
-        return [], SteadyState(reached=False, warmup_iterations=0, warmup_seconds=0.0, window=cfg.steady_window,
-                               tolerance=cfg.steady_tolerance, reason="warm-up disabled (bench.warmup: 0)")
+        return [], SteadyState(
+            reached=False,
+            warmup_iterations=0,
+            warmup_seconds=0.0,
+            window=cfg.steady_window,
+            tolerance=cfg.steady_tolerance,
+            reason="warm-up disabled (bench.warmup: 0)",
+        )
     t0 = time.perf_counter()
     fn()
     once = max(time.perf_counter() - t0, 1e-7)
@@ -75,21 +90,38 @@ def warm_up(fn: Callable[[], object], cfg: BenchSpec, progress: Progress | None 
         medians.append(float(np.median(block)))
         elapsed = time.perf_counter() - start
         if len(samples) >= cfg.warmup and settled(medians, cfg.steady_tolerance):
-            reason = (f"medians of the last 3 windows of {window} calls within {cfg.steady_tolerance:.0%} "
-                      f"after {len(samples)} calls")
-            return samples, SteadyState(reached=True, warmup_iterations=len(samples), warmup_seconds=round(elapsed, 3),
-                                        window=window, tolerance=cfg.steady_tolerance, reason=reason)
+            reason = (
+                f"medians of the last 3 windows of {window} calls within {cfg.steady_tolerance:.0%} "
+                f"after {len(samples)} calls"
+            )
+            return samples, SteadyState(
+                reached=True,
+                warmup_iterations=len(samples),
+                warmup_seconds=round(elapsed, 3),
+                window=window,
+                tolerance=cfg.steady_tolerance,
+                reason=reason,
+            )
         if elapsed >= cfg.max_warmup_seconds:
-            reason = (f"not settled within max_warmup_seconds ({cfg.max_warmup_seconds:g} s, {len(samples)} calls): "
-                      f"last window medians {', '.join(f'{m:.4g}' for m in medians[-3:])} ms")
-            return samples, SteadyState(reached=False, warmup_iterations=len(samples), warmup_seconds=round(elapsed, 3),
-                                        window=window, tolerance=cfg.steady_tolerance, reason=reason)
+            reason = (
+                f"not settled within max_warmup_seconds ({cfg.max_warmup_seconds:g} s, {len(samples)} calls): "
+                f"last window medians {', '.join(f'{m:.4g}' for m in medians[-3:])} ms"
+            )
+            return samples, SteadyState(
+                reached=False,
+                warmup_iterations=len(samples),
+                warmup_seconds=round(elapsed, 3),
+                window=window,
+                tolerance=cfg.steady_tolerance,
+                reason=reason,
+            )
         if progress is not None:
             progress("bench warm-up", min(1.0, elapsed / cfg.max_warmup_seconds))
 
 
-def _concurrent(fn: Callable[[], object], threads: int, iterations: int, min_seconds: float,
-                max_seconds: float = math.inf) -> tuple[list[float], float]:
+def _concurrent(
+    fn: Callable[[], object], threads: int, iterations: int, min_seconds: float, max_seconds: float = math.inf
+) -> tuple[list[float], float]:
     """Each thread times its own calls; returns all latencies and the wall time.
 
     On Ctrl-C (delivered to the main thread only) the workers are told to stop and are waited
@@ -118,8 +150,9 @@ def _concurrent(fn: Callable[[], object], threads: int, iterations: int, min_sec
     return [x for r in results for x in r], time.perf_counter() - start
 
 
-def _timed(fn: Callable[[], object], cfg: BenchSpec, concurrency: int, progress: Progress | None,
-           label: str) -> tuple[list[float], float, bool]:
+def _timed(
+    fn: Callable[[], object], cfg: BenchSpec, concurrency: int, progress: Progress | None, label: str
+) -> tuple[list[float], float, bool]:
     """Steady-state calls at ``concurrency`` under the SKU's iteration and time bounds: (ms per call,
     busy seconds for the throughput, whether max_seconds ended them)."""
     start = time.perf_counter()
@@ -131,19 +164,35 @@ def _timed(fn: Callable[[], object], cfg: BenchSpec, concurrency: int, progress:
     return samples, wall, time.perf_counter() - start >= cfg.max_seconds
 
 
-THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TVM_NUM_THREADS", "OMP_PROC_BIND",
-              "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+THREAD_ENV = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "TVM_NUM_THREADS",
+    "OMP_PROC_BIND",
+    "OMP_PLACES",
+    "GOMP_CPU_AFFINITY",
+    "KMP_AFFINITY",
+)
 
 
 def execution(build: BuildReport, concurrency: int) -> Execution:
     """The thread and affinity settings the engine runs under (read after it was loaded: a runner
     may set its pool's variable)."""
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    threads = {k: v for k, v in build.options.items()
-               if any(word in k for word in ("thread", "stream", "num_cores", "topology", "affinity"))}
-    return Execution(affinity=affinity, usable_cores=usable_cores(), engine_threads=threads,
-                     env={k: os.environ[k] for k in THREAD_ENV if k in os.environ}, concurrency=concurrency,
-                     timer="time.perf_counter around runner.infer")
+    threads = {
+        k: v
+        for k, v in build.options.items()
+        if any(word in k for word in ("thread", "stream", "num_cores", "topology", "affinity"))
+    }
+    return Execution(
+        affinity=affinity,
+        usable_cores=usable_cores(),
+        engine_threads=threads,
+        env={k: os.environ[k] for k in THREAD_ENV if k in os.environ},
+        concurrency=concurrency,
+        timer="time.perf_counter around runner.infer",
+    )
 
 
 def _sweep_feeds(registry: Registry, model: str, sku: str, golden: dict, in_idx, batches: list[int]) -> dict[int, dict]:
@@ -154,10 +203,13 @@ def _sweep_feeds(registry: Registry, model: str, sku: str, golden: dict, in_idx,
     feeds = {}
     for b in batches:
         if b != pinned and (profile is None or not profile.min <= b <= profile.max):
-            raise ConfigError(f"skus.{sku}.bench.sweep.batch: {model}/{sku} is built for batch {pinned}"
-                              + (f" (profile {profile.min}..{profile.max})" if profile else "") + f", not {b}",
-                              hint=f"move {spec.batch_axis or 'batch'} from skus.{sku}.shapes to skus.{sku}.profiles "
-                                   "with a min..max covering the swept batch sizes, or sweep only the built batch")
+            raise ConfigError(
+                f"skus.{sku}.bench.sweep.batch: {model}/{sku} is built for batch {pinned}"
+                + (f" (profile {profile.min}..{profile.max})" if profile else "")
+                + f", not {b}",
+                hint=f"move {spec.batch_axis or 'batch'} from skus.{sku}.shapes to skus.{sku}.profiles "
+                "with a min..max covering the swept batch sizes, or sweep only the built batch",
+            )
         rows = max(len(next(iter(golden.values()))), 1)
         tiled = {k: v if len(v) >= b else v[[i % rows for i in range(b)]] for k, v in golden.items()}
         _, feeds[b] = next(iter_batches(tiled, in_idx, b))
@@ -176,22 +228,35 @@ def sweep(runner, cfg: BenchSpec, feeds: dict[int, dict], progress: Progress | N
         for c in cfg.sweep.concurrency or [cfg.concurrency]:
             call = functools.partial(runner.infer, feeds[b])
             call()  # a new shape may re-plan
-            point_cfg = cfg.model_copy(update={"iterations": 1, "min_seconds": cfg.sweep.seconds,
-                                               "max_seconds": max(cfg.sweep.seconds, 1.0) * 2})
+            point_cfg = cfg.model_copy(
+                update={
+                    "iterations": 1,
+                    "min_seconds": cfg.sweep.seconds,
+                    "max_seconds": max(cfg.sweep.seconds, 1.0) * 2,
+                }
+            )
             samples, wall, _ = _timed(call, point_cfg, c, progress, f"bench sweep b{b} c{c}")
-            points.append(SweepPoint(batch=b, concurrency=c, iterations=len(samples),
-                                     p50_ms=float(np.percentile(samples, 50)), p99_ms=float(np.percentile(samples, 99)),
-                                     throughput_per_s=len(samples) * b / wall if wall > 0 else 0.0))
+            points.append(
+                SweepPoint(
+                    batch=b,
+                    concurrency=c,
+                    iterations=len(samples),
+                    p50_ms=float(np.percentile(samples, 50)),
+                    p99_ms=float(np.percentile(samples, 99)),
+                    throughput_per_s=len(samples) * b / wall if wall > 0 else 0.0,
+                )
+            )
     return points
 
 
-def engine_roofline(registry: Registry, model: str, sku: str, runner, feeds: dict, build: BuildReport,
-                    p50_ms: float) -> RooflineReport | None:
+def engine_roofline(
+    registry: Registry, model: str, sku: str, runner, feeds: dict, build: BuildReport, p50_ms: float
+) -> RooflineReport | None:
     """The engine against this host's peaks (measured once per host and cached: ``skuforge runner
     probe --peaks``), with per-layer times where the backend profiles them. None, with a warning,
     where the graph's costs cannot be counted; the benchmark itself never fails on it."""
-    from ..roofline import graph_cost, roofline
-    from ..runner.peaks import host_peaks
+    from pipeline.roofline import graph_cost, roofline
+    from pipeline.runner.peaks import host_peaks
 
     out = layout(registry)
     try:
@@ -257,7 +322,11 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
 
         e2e, _, _ = _timed(end_to_end, cfg, 1, progress, "bench end-to-end")
         points = sweep(runner, cfg, sweep_feeds, progress)
-        roof = engine_roofline(registry, model, sku, runner, feeds, build, float(np.median(steady))) if cfg.roofline else None
+        roof = (
+            engine_roofline(registry, model, sku, runner, feeds, build, float(np.median(steady)))
+            if cfg.roofline
+            else None
+        )
         run = execution(build, cfg.concurrency)
         mem_after = rss_mb()
     # the statistics of the samples as latency.csv holds them: the manifest stage recomputes them from it
@@ -269,20 +338,35 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
     if engine.mean_ci_ms is not None and cfg.concurrency == 1:
         throughput_ci = (batch * 1000 / engine.mean_ci_ms[1], batch * 1000 / engine.mean_ci_ms[0])
     report = BenchReport(
-        model=model, sku=sku, engine_sha256=engine_sha, build_config_sha256=build.build_config_sha256,
-        latency_sha256=sha256_bytes(samples), timeline_sha256=sha256_bytes(timeline),
+        model=model,
+        sku=sku,
+        engine_sha256=engine_sha,
+        build_config_sha256=build.build_config_sha256,
+        latency_sha256=sha256_bytes(samples),
+        timeline_sha256=sha256_bytes(timeline),
         roofline_sha256=sha256_bytes(roof_bytes) if roof_bytes is not None else None,
-        roofline_fraction=roof.compute_fraction if roof is not None else None, batch=batch,
-        concurrency=cfg.concurrency, load_seconds=round(load_seconds, 4), first_inference_ms=first_ms,
-        warmup=latency_stats(warm, cfg.confidence) if warm else None, steady_state=steady_state,
-        engine_only=engine, end_to_end=latency_stats(e2e, cfg.confidence),
+        roofline_fraction=roof.compute_fraction if roof is not None else None,
+        batch=batch,
+        concurrency=cfg.concurrency,
+        load_seconds=round(load_seconds, 4),
+        first_inference_ms=first_ms,
+        warmup=latency_stats(warm, cfg.confidence) if warm else None,
+        steady_state=steady_state,
+        engine_only=engine,
+        end_to_end=latency_stats(e2e, cfg.confidence),
         stopped="max_seconds" if capped else "iterations",
         drift=drift(steady, steady_state.window, cfg.drift_threshold),
-        throughput_per_s=len(steady) * batch / wall if wall > 0 else 0.0, throughput_ci_per_s=throughput_ci,
-        execution=run, sweep=points,
-        memory_mb={"rss_before_load": mem_before["rss"], "rss_after_load": mem_loaded["rss"],
-                   "engine_load_delta": mem_loaded["rss"] - mem_before["rss"], "rss_after_bench": mem_after["rss"],
-                   "peak_rss": mem_after["peak_rss"]},
+        throughput_per_s=len(steady) * batch / wall if wall > 0 else 0.0,
+        throughput_ci_per_s=throughput_ci,
+        execution=run,
+        sweep=points,
+        memory_mb={
+            "rss_before_load": mem_before["rss"],
+            "rss_after_load": mem_loaded["rss"],
+            "engine_load_delta": mem_loaded["rss"] - mem_before["rss"],
+            "rss_after_bench": mem_after["rss"],
+            "peak_rss": mem_after["peak_rss"],
+        },
         device_state={"before": state_before, "after": device_state()},
         host=HostInfo(**host()),  # the manifest's host comes from here, not from wherever the manifest is written
     )
@@ -295,14 +379,25 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
         out.roofline(model, sku).unlink(missing_ok=True)  # never a stale analysis beside a new report
     atomic_write_json(out.report(model, sku, "bench"), report.to_json())
     s = report.engine_only
-    log(model, sku).info("bench: p50 %.4g ms (%s) p99 %.4g ms, %.0f samples/s; %s", s.p50_ms, _ci(s.p50_ci_ms),
-                         s.p99_ms, report.throughput_per_s, steady_state.reason)
+    log(model, sku).info(
+        "bench: p50 %.4g ms (%s) p99 %.4g ms, %.0f samples/s; %s",
+        s.p50_ms,
+        _ci(s.p50_ci_ms),
+        s.p99_ms,
+        report.throughput_per_s,
+        steady_state.reason,
+    )
     if not steady_state.reached:
         log(model, sku).warning("bench: %s", steady_state.reason)
     if report.drift is not None and report.drift.flagged:
-        log(model, sku).warning("bench: latency drifted %.1f%% between the first and last %d calls (%.4g -> %.4g ms): "
-                                "throttling or a noisy neighbour; the figures may not hold", (report.drift.ratio - 1) * 100,
-                                report.drift.window, report.drift.first_p50_ms, report.drift.last_p50_ms)
+        log(model, sku).warning(
+            "bench: latency drifted %.1f%% between the first and last %d calls (%.4g -> %.4g ms): "
+            "throttling or a noisy neighbour; the figures may not hold",
+            (report.drift.ratio - 1) * 100,
+            report.drift.window,
+            report.drift.first_p50_ms,
+            report.drift.last_p50_ms,
+        )
     return report
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from ..config import Registry
-from ..data import LABELS, check_finite, iter_batches
-from ..io import atomic_write_json, sha256_file
-from ..results import CalibrationReport, DataReport, PrepareReport
-from . import Progress
-from .common import batch_indices, layout, load_arrays, log, read_report
+from pipeline.config import Registry
+from pipeline.data import LABELS, check_finite, iter_batches
+from pipeline.io import atomic_write_json, sha256_file
+from pipeline.results import CalibrationReport, DataReport, PrepareReport
+from pipeline.stages import Progress
+from pipeline.stages.common import batch_indices, layout, load_arrays, log, read_report
 
 TABLE = "table.json"
 
@@ -22,8 +22,8 @@ def calibration_table(registry: Registry, model: str) -> Path:
 def calibrate(registry: Registry, model: str, progress: Progress | None = None) -> CalibrationReport:
     import onnx
 
-    from ..backends.onnxruntime import calibrate as ort_calibrate
-    from ..graph import pin_axes
+    from pipeline.backends.onnxruntime import calibrate as ort_calibrate
+    from pipeline.graph import pin_axes
 
     spec = registry.model(model)
     out = layout(registry)
@@ -44,9 +44,14 @@ def calibrate(registry: Registry, model: str, progress: Progress | None = None) 
         pinned = Path(tmp) / "pinned.onnx"
         onnx.save(pin_axes(onnx.load(str(prepared)), pins, prepared), str(pinned))
         tensors = ort_calibrate(pinned, batches, spec.calibration.method, calibration_table(registry, model))
-    report = CalibrationReport(model=model, method=spec.calibration.method, samples=samples,
-                               calibration_set_sha256=data.splits["calibration"].sha256, tensors=tensors,
-                               table_sha256=sha256_file(calibration_table(registry, model)))
+    report = CalibrationReport(
+        model=model,
+        method=spec.calibration.method,
+        samples=samples,
+        calibration_set_sha256=data.splits["calibration"].sha256,
+        tensors=tensors,
+        table_sha256=sha256_file(calibration_table(registry, model)),
+    )
     atomic_write_json(out.report(model, None, "calibrate"), report.to_json())
     log(model).info("calibrate: %s over %d samples, %d tensors", report.method, samples, tensors)
     return report

@@ -6,16 +6,16 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from ..config import Registry
-from ..errors import InputError
-from ..io import read_json
-from ..paths import Layout
-from ..results import Result
+from pipeline.config import Registry
+from pipeline.errors import InputError
+from pipeline.io import read_json
+from pipeline.paths import Layout
+from pipeline.results import Result
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from ..results import BuildReport
+    from pipeline.results import BuildReport
 
 R = TypeVar("R", bound=Result)
 
@@ -43,7 +43,7 @@ def read_report(path: Path, cls: type[R], producer: str) -> R:
         raise InputError(f"{path} is not a valid {producer} report: {exc}", hint=f"rerun the {producer} stage") from exc
 
 
-def load_arrays(path: Path, producer: str) -> dict[str, "np.ndarray"]:
+def load_arrays(path: Path, producer: str) -> dict[str, np.ndarray]:
     import numpy as np
 
     if not path.is_file():
@@ -52,26 +52,33 @@ def load_arrays(path: Path, producer: str) -> dict[str, "np.ndarray"]:
         with np.load(path, allow_pickle=False) as data:
             return {k: data[k] for k in data.files}
     except Exception as exc:  # a damaged archive: zipfile, OSError or ValueError
-        raise InputError(f"{path} is damaged ({type(exc).__name__}: {exc})", hint=f"rerun the {producer} stage") from exc
+        raise InputError(
+            f"{path} is damaged ({type(exc).__name__}: {exc})", hint=f"rerun the {producer} stage"
+        ) from exc
 
 
-def check_engine(runner, build: "BuildReport", engine_dir: Path, model: str, sku: str) -> str:
+def check_engine(runner, build: BuildReport, engine_dir: Path, model: str, sku: str) -> str:
     """The loaded engine is the one the build report describes; returns its engine_sha256."""
     if runner.engine_sha256 != build.engine_sha256:
-        raise InputError(f"{engine_dir} is not the engine build.json describes (engine sha256 "
-                         f"{(runner.engine_sha256 or '?')[:12]}, build report {build.engine_sha256[:12]})",
-                         hint=f"rebuild it: skuforge build --model {model} --sku {sku} (or dvc repro)")
+        raise InputError(
+            f"{engine_dir} is not the engine build.json describes (engine sha256 "
+            f"{(runner.engine_sha256 or '?')[:12]}, build report {build.engine_sha256[:12]})",
+            hint=f"rebuild it: skuforge build --model {model} --sku {sku} (or dvc repro)",
+        )
     return build.engine_sha256
 
 
 def batch_indices(registry: Registry, model: str, signature) -> tuple[dict[str, int | None], dict[str, int | None]]:
     axis = registry.model(model).batch_axis
-    return ({t.name: t.batch_index(axis) for t in signature.inputs},
-            {t.name: t.batch_index(axis) for t in signature.outputs})
+    return (
+        {t.name: t.batch_index(axis) for t in signature.inputs},
+        {t.name: t.batch_index(axis) for t in signature.outputs},
+    )
 
 
-def run_plan(registry: Registry, model: str, signature, sku: str | None = None
-             ) -> tuple[dict[str, int | None], dict[str, int | None], int]:
+def run_plan(
+    registry: Registry, model: str, signature, sku: str | None = None
+) -> tuple[dict[str, int | None], dict[str, int | None], int]:
     """Batch axes of the inputs and outputs, and the batch to run at: the SKU's pin, else the
     model's (1 by default). A batch above 1 is split back into samples along each output's batch
     axis (found by the prepare stage), so every output needs one."""
@@ -86,7 +93,9 @@ def run_plan(registry: Registry, model: str, signature, sku: str | None = None
             where = f"skus.{sku}.shapes.{axis}: 1 in place of skus.{sku}.profiles.{axis}"
         elif sku is not None and axis in registry.sku(sku).shapes:
             where = f"skus.{sku}.shapes.{axis}: 1"
-        raise InputError(f"{model}{'/' + sku if sku else ''} runs at {axis}={batch}, but outputs {unbatched} have no "
-                         f"batch axis (see the prepare report's signature), so batched samples cannot be split apart",
-                         hint=f"set {where} in params.yaml (one sample per call)")
+        raise InputError(
+            f"{model}{'/' + sku if sku else ''} runs at {axis}={batch}, but outputs {unbatched} have no "
+            f"batch axis (see the prepare report's signature), so batched samples cannot be split apart",
+            hint=f"set {where} in params.yaml (one sample per call)",
+        )
     return in_idx, out_idx, batch

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import Registry
-from ..io import atomic_write_bytes, to_json
-from . import Progress
-from .common import layout
+from pipeline.config import Registry
+from pipeline.io import atomic_write_bytes, to_json
+from pipeline.stages import Progress
+from pipeline.stages.common import layout
 
 
 def resolved(registry: Registry) -> dict[str, dict[str, Any]]:
@@ -23,11 +23,15 @@ def resolved(registry: Registry) -> dict[str, dict[str, Any]]:
         files[out.config_file(name, example=True).name] = {"example": name, **example.model_dump(mode="json")}
     for model, spec in registry.models.items():
         # per-SKU overrides are read by the pair's stages only: editing them reruns no model stage
-        files[out.config_file(model).name] = {"model": model, "spec": spec.model_dump(mode="json", exclude={"higher_precision"}),
-                                              "pins": registry.pins(model)}
+        files[out.config_file(model).name] = {
+            "model": model,
+            "spec": spec.model_dump(mode="json", exclude={"higher_precision"}),
+            "pins": registry.pins(model),
+        }
         for sku, sku_spec in registry.skus.items():
             files[out.config_file(model, sku).name] = {
-                "model": model, "sku": sku,
+                "model": model,
+                "sku": sku,
                 "spec": spec.model_dump(mode="json", exclude={"higher_precision"}),
                 "sku_spec": sku_spec.model_dump(mode="json"),
                 "higher_precision": registry.higher_precision(model, sku),

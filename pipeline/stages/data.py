@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from ..config import Registry
-from ..data import LABELS, check_dataset, check_finite, check_range, generate, load_file, preprocess
-from ..errors import InputError
-from ..io import atomic_savez, atomic_write_json, sha256_arrays
-from ..paths import SPLITS
-from ..results import DatasetRecord, DataReport
-from . import Progress
-from .common import layout, log
+from pipeline.config import Registry
+from pipeline.data import LABELS, check_dataset, check_finite, check_range, generate, load_file, preprocess
+from pipeline.errors import InputError
+from pipeline.io import atomic_savez, atomic_write_json, sha256_arrays
+from pipeline.paths import SPLITS
+from pipeline.results import DataReport, DatasetRecord
+from pipeline.stages import Progress
+from pipeline.stages.common import layout, log
 
 
 def make_data(registry: Registry, model: str, progress: Progress | None = None) -> DataReport:
@@ -43,16 +43,23 @@ def make_data(registry: Registry, model: str, progress: Progress | None = None) 
     if spec.metric is not None:
         for split in ("evaluation", "hard_tail"):
             if split in staged and LABELS not in staged[split][0]:
-                raise InputError(f"dataset {split} of {model} has no labels, but the model declares a metric",
-                                 hint=f"add a '{LABELS}' array to the .npz (or set datasets.{split}.labels to its key)")
+                raise InputError(
+                    f"dataset {split} of {model} has no labels, but the model declares a metric",
+                    hint=f"add a '{LABELS}' array to the .npz (or set datasets.{split}.labels to its key)",
+                )
     records = {}
     for split, (inputs, raw, origin) in staged.items():
         atomic_savez(out.split(model, split), **inputs)
         if split == "golden":
             atomic_savez(out.split(model, split, raw=True), **raw)
-        records[split] = DatasetRecord(split=split, samples=len(next(iter(inputs.values()))), sha256=sha256_arrays(inputs),
-                                       source=origin, has_labels=LABELS in inputs,
-                                       synthetic=getattr(spec.datasets, split).generate is not None)
+        records[split] = DatasetRecord(
+            split=split,
+            samples=len(next(iter(inputs.values()))),
+            sha256=sha256_arrays(inputs),
+            source=origin,
+            has_labels=LABELS in inputs,
+            synthetic=getattr(spec.datasets, split).generate is not None,
+        )
     report = DataReport(model=model, splits=records)
     atomic_write_json(out.report(model, None, "data"), report.to_json())
     log(model).info("data: %s", ", ".join(f"{k} {v.samples}" for k, v in records.items()))

@@ -4,20 +4,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import Registry
-from ..errors import ConfigError
-from ..io import atomic_dir
-from . import Progress
-from .common import log
+from pipeline.config import Registry
+from pipeline.errors import ConfigError
+from pipeline.io import atomic_dir
+from pipeline.stages import Progress
+from pipeline.stages.common import log
 
 
 def export(registry: Registry, example: str, progress: Progress | None = None) -> dict[str, Any]:
-    from ..examples.digits import export_example
+    from pipeline.examples.digits import export_example
 
     if example not in registry.examples:
-        raise ConfigError(f"unknown example {example!r}", hint=f"examples in params.yaml: {', '.join(registry.examples) or '(none)'}")
+        raise ConfigError(
+            f"unknown example {example!r}", hint=f"examples in params.yaml: {', '.join(registry.examples) or '(none)'}"
+        )
     spec = registry.examples[example]
     with atomic_dir(registry.path(spec.dir)) as staging:
-        result = export_example(example, staging, opset=spec.opset, seed=spec.seed, epochs=spec.epochs, progress=progress)
+        result = export_example(
+            example, staging, opset=spec.opset, seed=spec.seed, epochs=spec.epochs, progress=progress
+        )
     log(example).info("exported: accuracy %s", result.get("accuracy"))
     return result

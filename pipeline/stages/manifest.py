@@ -2,28 +2,49 @@
 
 from __future__ import annotations
 
-from ..config import Registry
-from ..errors import InputError
-from ..benchstats import latency_stats
-from ..dvcmetrics import write_metrics
-from ..io import atomic_write_json, read_json, sha256_file
-from ..registry.stats import read_latency_csv
-from ..manifest import benchmark_summary, digest, evidence_digest, provenance, settle, validate_document
-from ..results import (BenchReport, BuildInfo, BuildReport, CacheInfo, CalibrationInfo, CalibrationReport, Correctness,
-                       DataReport, EngineBound, Evidence, Manifest, PlacementSummary, PrecisionSummary,
-                       PrepareReport, SourceInfo, TargetInfo, ValidationReport)
-from . import Progress
-from .common import layout, log, read_report
+from pipeline.benchstats import latency_stats
+from pipeline.config import Registry
+from pipeline.dvcmetrics import write_metrics
+from pipeline.errors import InputError
+from pipeline.io import atomic_write_json, read_json, sha256_file
+from pipeline.manifest import benchmark_summary, digest, evidence_digest, provenance, settle, validate_document
+from pipeline.registry.stats import read_latency_csv
+from pipeline.results import (
+    BenchReport,
+    BuildInfo,
+    BuildReport,
+    CacheInfo,
+    CalibrationInfo,
+    CalibrationReport,
+    Correctness,
+    DataReport,
+    EngineBound,
+    Evidence,
+    Manifest,
+    PlacementSummary,
+    PrecisionSummary,
+    PrepareReport,
+    SourceInfo,
+    TargetInfo,
+    ValidationReport,
+)
+from pipeline.stages import Progress
+from pipeline.stages.common import layout, log, read_report
 
 
 def _bound(build: BuildReport, reports: dict[str, EngineBound], model: str, sku: str) -> None:
     """Refuse reports written about another engine or other build settings than build.json's."""
-    other = [name for name, r in reports.items()
-             if (r.engine_sha256, r.build_config_sha256) != (build.engine_sha256, build.build_config_sha256)]
+    other = [
+        name
+        for name, r in reports.items()
+        if (r.engine_sha256, r.build_config_sha256) != (build.engine_sha256, build.build_config_sha256)
+    ]
     if other:
-        raise InputError(f"{', '.join(other)} of {model}/{sku} describe another build than build.json "
-                         f"(engine {build.engine_sha256[:12]})",
-                         hint=f"rerun them for this engine: skuforge repro --model {model} --sku {sku} (or dvc repro)")
+        raise InputError(
+            f"{', '.join(other)} of {model}/{sku} describe another build than build.json "
+            f"(engine {build.engine_sha256[:12]})",
+            hint=f"rerun them for this engine: skuforge repro --model {model} --sku {sku} (or dvc repro)",
+        )
 
 
 def assemble(registry: Registry, model: str, sku: str) -> dict:
@@ -42,54 +63,99 @@ def assemble(registry: Registry, model: str, sku: str) -> dict:
     latency = out.latency_csv(model, sku)
     latency_sha = sha256_file(latency) if latency.is_file() else None
     if latency_sha != bench.latency_sha256:
-        raise InputError(f"{latency} is {'missing' if latency_sha is None else 'not the samples bench.json was written with'}",
-                         hint=f"rerun the bench stage: skuforge bench --model {model} --sku {sku}")
+        raise InputError(
+            f"{latency} is {'missing' if latency_sha is None else 'not the samples bench.json was written with'}",
+            hint=f"rerun the bench stage: skuforge bench --model {model} --sku {sku}",
+        )
     if bench.host is None:
-        raise InputError(f"{out.report(model, sku, 'bench')} does not say which host the engine was timed on "
-                         "(written by an older skuforge)",
-                         hint=f"rerun the bench stage on the SKU's host: skuforge bench --model {model} --sku {sku}")
+        raise InputError(
+            f"{out.report(model, sku, 'bench')} does not say which host the engine was timed on "
+            "(written by an older skuforge)",
+            hint=f"rerun the bench stage on the SKU's host: skuforge bench --model {model} --sku {sku}",
+        )
     recomputed = latency_stats(read_latency_csv(latency.read_text(encoding="utf-8")), registry.bench(sku).confidence)
     if recomputed != bench.engine_only:
-        raise InputError(f"{out.report(model, sku, 'bench')}: its engine-only figures are not those of its samples "
-                         f"(p50 {bench.engine_only.p50_ms:.4g} ms, the samples' {recomputed.p50_ms:.4g} ms): edited?",
-                         hint=f"rerun the bench stage: skuforge bench --model {model} --sku {sku}")
-    files = {f"{stage}.json": evidence_digest(f"{stage}.json", out.report(model, sku, stage)) for stage in ("build", "validate")}
+        raise InputError(
+            f"{out.report(model, sku, 'bench')}: its engine-only figures are not those of its samples "
+            f"(p50 {bench.engine_only.p50_ms:.4g} ms, the samples' {recomputed.p50_ms:.4g} ms): edited?",
+            hint=f"rerun the bench stage: skuforge bench --model {model} --sku {sku}",
+        )
+    files = {
+        f"{stage}.json": evidence_digest(f"{stage}.json", out.report(model, sku, stage))
+        for stage in ("build", "validate")
+    }
     calibration = None
     if build.calibration is not None:
         cal = read_report(out.report(model, None, "calibrate"), CalibrationReport, "calibrate")
         settings = {k: v for k, v in build.calibration.items() if k not in ("method", "table_sha256")}
-        calibration = CalibrationInfo(method=build.calibration.get("method", cal.method),
-                                      calibration_set_sha256=cal.calibration_set_sha256, samples=cal.samples,
-                                      table_sha256=build.calibration.get("table_sha256"), settings=settings)
+        calibration = CalibrationInfo(
+            method=build.calibration.get("method", cal.method),
+            calibration_set_sha256=cal.calibration_set_sha256,
+            samples=cal.samples,
+            table_sha256=build.calibration.get("table_sha256"),
+            settings=settings,
+        )
     spec = registry.model(model)
     body = Manifest.model_construct(
-        model=model, sku=sku,
-        source=SourceInfo(path=f"{spec.dir}/{spec.source}", sha256=prep.source_sha256,
-                          prepared_sha256=prep.prepared_sha256, opset=prep.opset, producer=prep.producer,
-                          passes=prep.passes),
+        model=model,
+        sku=sku,
+        source=SourceInfo(
+            path=f"{spec.dir}/{spec.source}",
+            sha256=prep.source_sha256,
+            prepared_sha256=prep.prepared_sha256,
+            opset=prep.opset,
+            producer=prep.producer,
+            passes=prep.passes,
+        ),
         target=TargetInfo(**sku_spec.target.model_dump(mode="json"), runner_labels=sku_spec.runner_labels),
-        backend=build.backend, precision=build.precision, toolchain=build.versions,
-        build_config_sha256=build.build_config_sha256, shapes=build.shapes, profiles=build.profiles,
-        signature=prep.signature, engine=build.engine_files,
+        backend=build.backend,
+        precision=build.precision,
+        toolchain=build.versions,
+        build_config_sha256=build.build_config_sha256,
+        shapes=build.shapes,
+        profiles=build.profiles,
+        signature=prep.signature,
+        engine=build.engine_files,
         evidence=Evidence(engine_sha256=build.engine_sha256, files=files),
-        build=BuildInfo(warnings=build.warnings, options=build.options,
-                        keep_precise=build.keep_precise, remedy=build.remedy,
-                        reproducibility=build.reproducibility),
-        hardware_specific=build.hardware_specific, calibration=calibration,
-        cache=CacheInfo(**build.cache.model_dump(include={"kind", "sha256", "key", "state", "hits", "misses", "required"}))
-        if build.cache else None,
+        build=BuildInfo(
+            warnings=build.warnings,
+            options=build.options,
+            keep_precise=build.keep_precise,
+            remedy=build.remedy,
+            reproducibility=build.reproducibility,
+        ),
+        hardware_specific=build.hardware_specific,
+        calibration=calibration,
+        cache=CacheInfo(
+            **build.cache.model_dump(include={"kind", "sha256", "key", "state", "hits", "misses", "required"})
+        )
+        if build.cache
+        else None,
         datasets={k: v.sha256 for k, v in data.splits.items()},
         synthetic_datasets=sorted(k for k, v in data.splits.items() if v.synthetic),
-        layers=build.layers, placement=build.placement, precision_counts=build.precision_counts,
+        layers=build.layers,
+        placement=build.placement,
+        precision_counts=build.precision_counts,
         correctness=Correctness(
-            passed=val.passed, failures=val.failures, outputs=val.outputs, metrics=val.metrics,
-            placement=PlacementSummary(passed=val.placement.passed, allowed=val.placement.allowed,
-                                       offending=len(val.placement.offending),
-                                       partition_boundaries=val.placement.partition_boundaries),
-            precision=PrecisionSummary(passed=val.precision_gate.passed, requested=val.precision_gate.requested,
-                                       policy=val.precision_gate.policy,
-                                       mismatched_layers=len(val.precision_gate.mismatched)),
-            warnings=val.warnings, bisection=val.bisection),
+            passed=val.passed,
+            failures=val.failures,
+            outputs=val.outputs,
+            metrics=val.metrics,
+            placement=PlacementSummary(
+                passed=val.placement.passed,
+                allowed=val.placement.allowed,
+                offending=len(val.placement.offending),
+                partition_boundaries=val.placement.partition_boundaries,
+            ),
+            precision=PrecisionSummary(
+                passed=val.precision_gate.passed,
+                requested=val.precision_gate.requested,
+                policy=val.precision_gate.policy,
+                mismatched_layers=len(val.precision_gate.mismatched),
+            ),
+            warnings=val.warnings,
+            bisection=val.bisection,
+        ),
         benchmark=benchmark_summary(bench, registry.bench(sku).noise_floor),
         host=bench.host,
     )

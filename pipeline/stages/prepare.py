@@ -4,14 +4,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..config import DatasetSource, GenerateSpec, ModelSpec, Registry
-from ..errors import GateFailed, InputError
-from ..graph import (infer_shapes, load_model, mark_batch_axes, op_counts, output_batch_axes, rename_axes, run_passes,
-                     signature, source_sha256)
-from ..io import atomic_write_bytes, atomic_write_json, sha256_bytes
-from ..results import PrepareReport
-from . import Progress
-from .common import layout, log
+from pipeline.config import DatasetSource, GenerateSpec, ModelSpec, Registry
+from pipeline.errors import GateFailed, InputError
+from pipeline.graph import (
+    infer_shapes,
+    load_model,
+    mark_batch_axes,
+    op_counts,
+    output_batch_axes,
+    rename_axes,
+    run_passes,
+    signature,
+    source_sha256,
+)
+from pipeline.io import atomic_write_bytes, atomic_write_json, sha256_bytes
+from pipeline.results import PrepareReport
+from pipeline.stages import Progress
+from pipeline.stages.common import layout, log
 
 if TYPE_CHECKING:
     import onnx
@@ -19,7 +28,7 @@ if TYPE_CHECKING:
 SELF_CHECK_SAMPLES = 4
 
 
-def load_source(registry: Registry, model: str) -> "onnx.ModelProto":
+def load_source(registry: Registry, model: str) -> onnx.ModelProto:
     """The source model, checked against the spec, dynamic axes named as in params.yaml."""
     path = registry.model_file(model)
     proto = load_model(path, root=registry.path(registry.model(model).dir))
@@ -27,7 +36,7 @@ def load_source(registry: Registry, model: str) -> "onnx.ModelProto":
     return infer_shapes(proto, path)
 
 
-def batch_axes(model: str, spec: ModelSpec, pins: dict[str, int], prepared: "onnx.ModelProto") -> dict[str, int | None]:
+def batch_axes(model: str, spec: ModelSpec, pins: dict[str, int], prepared: onnx.ModelProto) -> dict[str, int | None]:
     """Each output's batch axis (None: it has none). Shape inference from the spec's axis names
     decides where it can; an output it leaves open (an unnamed or unknown dim) is probed: the
     model runs at batch 1 and 2 and the one axis whose size follows the batch is it."""
@@ -41,14 +50,16 @@ def batch_axes(model: str, spec: ModelSpec, pins: dict[str, int], prepared: "onn
     return found
 
 
-def probe_batch_axes(model: str, spec: ModelSpec, pins: dict[str, int], model_bytes: bytes, outputs: list[str]) -> dict[str, int | None]:
+def probe_batch_axes(
+    model: str, spec: ModelSpec, pins: dict[str, int], model_bytes: bytes, outputs: list[str]
+) -> dict[str, int | None]:
     """The axis of each of ``outputs`` whose size is 1 at batch 1 and 2 at batch 2, all other dims
     unchanged; None where no single axis does, or the model does not run at batch 2 (then only
     batch 1 works, which needs no batch axis)."""
     import numpy as np
 
-    from ..backends.onnxruntime import reference_runner
-    from ..data import generate, iter_batches
+    from pipeline.backends.onnxruntime import reference_runner
+    from pipeline.data import generate, iter_batches
 
     feeds = generate(spec, pins, DatasetSource(generate=GenerateSpec(count=1, seed=4321)))
     bidx = {i.name: (i.shape.index(spec.batch_axis) if spec.batch_axis in i.shape else None) for i in spec.inputs}
@@ -59,15 +70,26 @@ def probe_batch_axes(model: str, spec: ModelSpec, pins: dict[str, int], model_by
             try:
                 got = runner.infer(batched)
             except Exception as exc:  # ORT raises its own classes; a model fixed to batch 1 fails here
-                log(model).warning("batch-axis probe: the model does not run at batch %d (%s); outputs %s are taken "
-                                   "to have no batch axis, so only batch 1 works", batch, str(exc).strip()[:200], outputs)
+                log(model).warning(
+                    "batch-axis probe: the model does not run at batch %d (%s); outputs %s are taken "
+                    "to have no batch axis, so only batch 1 works",
+                    batch,
+                    str(exc).strip()[:200],
+                    outputs,
+                )
                 return dict.fromkeys(outputs)
             shapes.append({k: np.shape(got[k]) for k in outputs})
     found: dict[str, int | None] = {}
     for name in outputs:
         one, two = shapes[0][name], shapes[1][name]
-        follows = [i for i in range(len(one)) if len(one) == len(two) and one[i] == 1 and two[i] == 2
-                   and all(a == b for j, (a, b) in enumerate(zip(one, two)) if j != i)]
+        follows = [
+            i
+            for i in range(len(one))
+            if len(one) == len(two)
+            and one[i] == 1
+            and two[i] == 2
+            and all(a == b for j, (a, b) in enumerate(zip(one, two)) if j != i)
+        ]
         found[name] = follows[0] if len(follows) == 1 else None
     return found
 
@@ -77,8 +99,8 @@ def prepare(registry: Registry, model: str, progress: Progress | None = None) ->
 
     import numpy as np
 
-    from ..backends.onnxruntime import reference_runner
-    from ..data import generate, iter_batches
+    from pipeline.backends.onnxruntime import reference_runner
+    from pipeline.data import generate, iter_batches
 
     spec = registry.model(model)
     path = registry.model_file(model)
@@ -87,8 +109,10 @@ def prepare(registry: Registry, model: str, progress: Progress | None = None) ->
     names = [o.name for o in sig.outputs]
     for wanted in [*(spec.outputs or []), *([spec.metric.output] if spec.metric else [])]:
         if wanted not in names:
-            raise InputError(f"{path}: params.yaml names output {wanted!r} but the model's outputs are {names}",
-                             hint="fix models.<name>.outputs / metric.output")
+            raise InputError(
+                f"{path}: params.yaml names output {wanted!r} but the model's outputs are {names}",
+                hint="fix models.<name>.outputs / metric.output",
+            )
     work = copy.deepcopy(source)
     records = run_passes(work)
     prepared = infer_shapes(work, path)
@@ -114,8 +138,10 @@ def prepare(registry: Registry, model: str, progress: Progress | None = None) ->
                 scale = max(1.0, float(np.max(np.abs(np.nan_to_num(a[name])), initial=0.0)))
                 worst = max(worst, float(np.max(diff, initial=0.0)) / scale if same_nonfinite else np.inf)
     if not worst <= 1e-4:
-        raise GateFailed(f"{model}: graph passes changed the model's outputs (relative error {worst:.3g})",
-                         hint="this is a skuforge bug in a graph pass: report it with the model")
+        raise GateFailed(
+            f"{model}: graph passes changed the model's outputs (relative error {worst:.3g})",
+            hint="this is a skuforge bug in a graph pass: report it with the model",
+        )
     worst = float(worst)
 
     report = PrepareReport(

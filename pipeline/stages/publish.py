@@ -9,19 +9,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..config import Registry
-from ..errors import InputError
-from ..io import atomic_write_json, sha256_file
-from ..manifest import evidence_digest, host_problems, load_manifest, settle
-from ..registry.publish import PublishInputs, publish_engine
-from ..report import write_pair_report
-from ..registry.reports import PublishResult
-from ..registry.tracking import Tracking, connect
-from . import Progress
-from ..results import BenchReport, BuildReport
-from .common import layout, log, read_report
-from .config import resolved
-from .manifest import assemble
+from pipeline.config import Registry
+from pipeline.errors import InputError
+from pipeline.io import atomic_write_json, sha256_file
+from pipeline.manifest import evidence_digest, host_problems, load_manifest, settle
+from pipeline.registry.publish import PublishInputs, publish_engine
+from pipeline.registry.reports import PublishResult
+from pipeline.registry.tracking import Tracking, connect
+from pipeline.report import write_pair_report
+from pipeline.results import BenchReport, BuildReport
+from pipeline.stages import Progress
+from pipeline.stages.common import layout, log, read_report
+from pipeline.stages.config import resolved
+from pipeline.stages.manifest import assemble
 
 
 def collect(registry: Registry, model: str, sku: str) -> PublishInputs:
@@ -30,38 +30,57 @@ def collect(registry: Registry, model: str, sku: str) -> PublishInputs:
     manifest_path = out.manifest(model, sku)
     manifest = load_manifest(manifest_path)
     if (manifest.model, manifest.sku) != (model, sku):
-        raise InputError(f"{manifest_path} describes {manifest.model}/{manifest.sku}, not {model}/{sku}",
-                         hint=f"regenerate it: skuforge manifest --model {model} --sku {sku}")
+        raise InputError(
+            f"{manifest_path} describes {manifest.model}/{manifest.sku}, not {model}/{sku}",
+            hint=f"regenerate it: skuforge manifest --model {model} --sku {sku}",
+        )
     evidence = {f"{stage}.json": out.report(model, sku, stage) for stage in ("build", "validate")}
-    stale = [name for name, path in evidence.items()
-             if not path.is_file() or evidence_digest(name, path) != manifest.evidence.files.get(name)]
+    stale = [
+        name
+        for name, path in evidence.items()
+        if not path.is_file() or evidence_digest(name, path) != manifest.evidence.files.get(name)
+    ]
     if stale:
-        raise InputError(f"{', '.join(stale)} of {model}/{sku} are missing or are not the reports {manifest_path} "
-                         "was written from", hint=f"run skuforge manifest --model {model} --sku {sku} (or dvc repro)")
+        raise InputError(
+            f"{', '.join(stale)} of {model}/{sku} are missing or are not the reports {manifest_path} was written from",
+            hint=f"run skuforge manifest --model {model} --sku {sku} (or dvc repro)",
+        )
     bench = read_report(out.report(model, sku, "bench"), BenchReport, "bench")
     wrong_host = host_problems(manifest.host, bench)
     if wrong_host:
-        raise InputError(f"{manifest_path} names another host than the bench report it was written from: "
-                         f"{'; '.join(wrong_host)}", hint=f"regenerate it: skuforge manifest --model {model} --sku {sku} "
-                         "(rerun skuforge bench first on the SKU's host if bench.json names none)")
+        raise InputError(
+            f"{manifest_path} names another host than the bench report it was written from: {'; '.join(wrong_host)}",
+            hint=f"regenerate it: skuforge manifest --model {model} --sku {sku} "
+            "(rerun skuforge bench first on the SKU's host if bench.json names none)",
+        )
     # the bench report and samples of this run: about this engine, and measuring what the manifest says
     # (its figures may be an earlier run's, kept because this one lies within their intervals)
     rederived = settle(assemble(registry, model, sku), manifest.to_json())
     if rederived["digest"] != manifest.digest:
-        raise InputError(f"{manifest_path} says other things than the reports it names (edited after it was written, "
-                         "or the benchmark moved beyond its intervals since)",
-                         hint=f"regenerate it: skuforge manifest --model {model} --sku {sku} (or dvc repro)")
+        raise InputError(
+            f"{manifest_path} says other things than the reports it names (edited after it was written, "
+            "or the benchmark moved beyond its intervals since)",
+            hint=f"regenerate it: skuforge manifest --model {model} --sku {sku} (or dvc repro)",
+        )
     build = read_report(out.report(model, sku, "build"), BuildReport, "build")
     samples = [out.report(model, sku, "bench"), out.latency_csv(model, sku)]
     # the run's other files, each only when it is the one bench.json names
-    samples += [p for p, sha in ((out.timeline_csv(model, sku), bench.timeline_sha256),
-                                 (out.roofline(model, sku), bench.roofline_sha256)) if p.is_file() and sha256_file(p) == sha]
+    samples += [
+        p
+        for p, sha in (
+            (out.timeline_csv(model, sku), bench.timeline_sha256),
+            (out.roofline(model, sku), bench.roofline_sha256),
+        )
+        if p.is_file() and sha256_file(p) == sha
+    ]
     engine_dir = out.engine_dir(model, sku)
     for rec in manifest.engine:
         path = engine_dir / rec.path
         if not path.is_file() or path.stat().st_size != rec.bytes or sha256_file(path) != rec.sha256:
-            raise InputError(f"engine file {path} is missing or differs from {manifest_path}",
-                             hint=f"rebuild: skuforge build --model {model} --sku {sku} (or dvc repro)")
+            raise InputError(
+                f"engine file {path} is missing or differs from {manifest_path}",
+                hint=f"rebuild: skuforge build --model {model} --sku {sku} (or dvc repro)",
+            )
     engine_files = [rec.path for rec in manifest.engine]
     if (engine_dir / "engine.json").is_file():
         engine_files.append("engine.json")
@@ -74,18 +93,35 @@ def collect(registry: Registry, model: str, sku: str) -> PublishInputs:
     reports += [p for p in (out.engine_outputs(model, sku), out.split(model, "golden")) if p.is_file()]
     config = resolved(registry)[out.config_file(model, sku).name]
     settings = {"sku": config["sku_spec"], **{k: config[k] for k in ("pins", "tolerance", "metric_gate", "bench")}}
-    datasets = {split: (sha, Path(os.path.relpath(out.split(model, split), registry.root)).as_posix())
-                for split, sha in manifest.datasets.items()}
-    return PublishInputs(manifest=manifest, manifest_path=manifest_path, engine_dir=engine_dir,
-                         engine_files=engine_files, reports=reports, config=settings, datasets=datasets,
-                         env=dict(os.environ), bench=bench, build_seconds=build.build_seconds)
+    datasets = {
+        split: (sha, Path(os.path.relpath(out.split(model, split), registry.root)).as_posix())
+        for split, sha in manifest.datasets.items()
+    }
+    return PublishInputs(
+        manifest=manifest,
+        manifest_path=manifest_path,
+        engine_dir=engine_dir,
+        engine_files=engine_files,
+        reports=reports,
+        config=settings,
+        datasets=datasets,
+        env=dict(os.environ),
+        bench=bench,
+        build_seconds=build.build_seconds,
+    )
 
 
-def publish(registry: Registry, model: str, sku: str, progress: Progress | None = None,
-            tracking: Tracking | None = None) -> PublishResult:
+def publish(
+    registry: Registry, model: str, sku: str, progress: Progress | None = None, tracking: Tracking | None = None
+) -> PublishResult:
     inputs = collect(registry, model, sku)
     result = publish_engine(tracking or connect(registry), registry, inputs, progress)
     atomic_write_json(layout(registry).report(model, sku, "publish"), result.receipt())
-    log(model, sku).info("published: %s version %s (run %s%s)", result.registered_model, result.version,
-                         result.run_id[:12], ", new" if result.created_version else "")
+    log(model, sku).info(
+        "published: %s version %s (run %s%s)",
+        result.registered_model,
+        result.version,
+        result.run_id[:12],
+        ", new" if result.created_version else "",
+    )
     return result

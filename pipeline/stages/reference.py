@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-from ..compare import metric_score
-from ..config import Registry
-from ..data import LABELS, run_dataset
-from ..errors import InputError
-from ..io import atomic_savez, atomic_write_json, sha256_arrays
-from ..paths import REFERENCE_SPLITS
-from ..results import DataReport, PrepareReport, ReferenceReport
-from . import Progress
-from .common import layout, load_arrays, log, read_report, run_plan
-from .prepare import load_source
+from pipeline.compare import metric_score
+from pipeline.config import Registry
+from pipeline.data import LABELS, run_dataset
+from pipeline.errors import InputError
+from pipeline.io import atomic_savez, atomic_write_json, sha256_arrays
+from pipeline.paths import REFERENCE_SPLITS
+from pipeline.results import DataReport, PrepareReport, ReferenceReport
+from pipeline.stages import Progress
+from pipeline.stages.common import layout, load_arrays, log, read_report, run_plan
+from pipeline.stages.prepare import load_source
 
 
 def reference(registry: Registry, model: str, progress: Progress | None = None) -> ReferenceReport:
     import numpy as np
 
-    from ..backends.onnxruntime import reference_runner, runtime_version
+    from pipeline.backends.onnxruntime import reference_runner, runtime_version
 
     spec = registry.model(model)
     out = layout(registry)
@@ -39,15 +39,22 @@ def reference(registry: Registry, model: str, progress: Progress | None = None) 
                     bad = int((~np.isfinite(value)).sum())
                     raise InputError(
                         f"reference run of {model} gives {bad} NaN/Inf values in output {name!r} on the {split} set",
-                        hint="the model or its inputs are broken: check the model, models.<name>.inputs[].range and preprocess")
+                        hint="the model or its inputs are broken: check the model, models.<name>.inputs[].range and preprocess",
+                    )
             atomic_savez(out.reference_dir(model) / f"{split}.npz", **result)
             hashes[split] = sha256_arrays(result)
             samples[split] = len(arrays[spec.inputs[0].name])
             if spec.metric is not None and LABELS in arrays:
                 metric[split] = metric_score(spec.metric.kind, result[spec.metric.output], arrays[LABELS])
-    report = ReferenceReport(model=model, runtime="onnxruntime CPUExecutionProvider fp32, optimisations off",
-                             runtime_version=runtime_version(), outputs=outputs, samples=samples,
-                             metric=metric, output_sha256=hashes)
+    report = ReferenceReport(
+        model=model,
+        runtime="onnxruntime CPUExecutionProvider fp32, optimisations off",
+        runtime_version=runtime_version(),
+        outputs=outputs,
+        samples=samples,
+        metric=metric,
+        output_sha256=hashes,
+    )
     atomic_write_json(out.report(model, None, "reference"), report.to_json())
     log(model).info("reference: %s", ", ".join(f"{k} {v:.4f}" for k, v in metric.items()) or "no metric")
     return report

@@ -18,10 +18,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import models
 import numpy as np
 import pytest
 
-import models
 from pipeline.backends import get_backend
 from pipeline.backends.base import ENGINE_META
 from pipeline.backends.onnxruntime import nchwc_block, nchwc_problem
@@ -32,16 +32,15 @@ from pipeline.runner import probe
 from pipeline.runner.probe import ENV_FAKE_CPU_FLAGS, ENV_FAKE_CPU_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
-BASE = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr sse sse2 ht syscall nx "
-        "pdpe1gb rdtscp lm constant_tsc rep_good nopl xtopology cpuid pni pclmulqdq ssse3 cx16 sse4_1 sse4_2 x2apic popcnt "
-        "aes hypervisor lahf_lm").split()
-V3 = BASE + "fma movbe xsave avx f16c abm bmi1 avx2 bmi2".split()
+BASE = ["fpu", "vme", "de", "pse", "tsc", "msr", "pae", "mce", "cx8", "apic", "sep", "mtrr", "pge", "mca", "cmov", "pat", "pse36", "clflush", "mmx", "fxsr", "sse", "sse2", "ht", "syscall", "nx", "pdpe1gb", "rdtscp", "lm", "constant_tsc", "rep_good", "nopl", "xtopology", "cpuid", "pni", "pclmulqdq", "ssse3", "cx16", "sse4_1", "sse4_2", "x2apic", "popcnt", "aes", "hypervisor", "lahf_lm"]
+V3 = BASE + ["fma", "movbe", "xsave", "avx", "f16c", "abm", "bmi1", "avx2", "bmi2"]
 # family 6 model 207, as /proc/cpuinfo shows it in a KVM guest that masks AMX
-EMR_GUEST = V3 + ("rdrand adx rdseed smap clflushopt clwb sha_ni xsaveopt xsavec xsaves avx512f avx512dq avx512ifma "
-                  "avx512cd avx512bw avx512vl avx512vbmi avx512_vbmi2 gfni vaes vpclmulqdq avx512_vnni avx512_bitalg "
-                  "avx512_vpopcntdq avx_vnni avx512_bf16 avx512_fp16").split()
-AMX_HOST = EMR_GUEST + "amx_bf16 amx_tile amx_int8".split()
-ARM = "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp sve i8mm bf16".split()
+EMR_GUEST = (
+    V3
+    + ["rdrand", "adx", "rdseed", "smap", "clflushopt", "clwb", "sha_ni", "xsaveopt", "xsavec", "xsaves", "avx512f", "avx512dq", "avx512ifma", "avx512cd", "avx512bw", "avx512vl", "avx512vbmi", "avx512_vbmi2", "gfni", "vaes", "vpclmulqdq", "avx512_vnni", "avx512_bitalg", "avx512_vpopcntdq", "avx_vnni", "avx512_bf16", "avx512_fp16"]
+)
+AMX_HOST = EMR_GUEST + ["amx_bf16", "amx_tile", "amx_int8"]
+ARM = ["fp", "asimd", "evtstrm", "aes", "pmull", "sha1", "sha2", "crc32", "atomics", "fphp", "asimdhp", "cpuid", "asimdrdm", "lrcpc", "dcpop", "asimddp", "sve", "i8mm", "bf16"]
 HOSTS = {
     "v3": ("x86_64", "AMD EPYC 7B13", V3),
     "emr_guest": ("x86_64", "INTEL(R) XEON(R) PLATINUM 8592+", EMR_GUEST),
@@ -80,7 +79,9 @@ def test_faked_flags_and_model_reach_the_probe_and_subprocesses(monkeypatch):
     assert record["model"] == "INTEL(R) XEON(R) PLATINUM 8592+" and "avx512_bf16" in record["features"]
     assert "hypervisor" not in record["features"]  # only instruction-set flags are recorded
     code = "from pipeline.runner import probe; import json; print(json.dumps(probe.llvm_cpu_target(arch='x86_64')))"
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+    )
     assert json.loads(done.stdout) == target_of("emr_guest")
     monkeypatch.setenv(ENV_FAKE_CPU_FLAGS, "sse,sse2 avx2")  # commas or spaces
     assert probe.cpu_features() == {"sse", "sse2", "avx2"}
@@ -91,8 +92,15 @@ def test_the_runner_check_reads_the_faked_flags(monkeypatch):
     if probe.host_arch() != "x86_64":
         pytest.skip("x86_ort_fp32 targets x86-64")
     monkeypatch.setenv(ENV_FAKE_CPU_FLAGS, "sse sse2 pni")
-    cmd = [sys.executable, "-c", "import sys; from pipeline.cli import main; sys.exit(main(sys.argv[1:]))",
-           "runner", "check", "--sku", "x86_ort_fp32"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from pipeline.cli import main; sys.exit(main(sys.argv[1:]))",
+        "runner",
+        "check",
+        "--sku",
+        "x86_ort_fp32",
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 3 and "needs CPU features ['avx2'] this host lacks" in done.stderr, done.stderr
 
@@ -100,12 +108,20 @@ def test_the_runner_check_reads_the_faked_flags(monkeypatch):
 # --- resolution per host ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("host, cpu, has, lacks", [
-    ("v3", "x86-64", ["avx2", "fma", "bmi2", "lzcnt", "sse4.1", "sse3"], ["avx512f", *AMX]),
-    ("emr_guest", "x86-64", ["avx512f", "avx512bw", "avx512vl", "avx512vnni", "avx512bf16", "avx512fp16", "avxvnni"], AMX),
-    ("amx", "x86-64", ["avx512fp16", *AMX], []),
-    ("aarch64", "generic", ["neon", "dotprod", "i8mm", "sve", "bf16", "fullfp16", "lse", "crc"], ["sve2"]),
-])
+@pytest.mark.parametrize(
+    "host, cpu, has, lacks",
+    [
+        ("v3", "x86-64", ["avx2", "fma", "bmi2", "lzcnt", "sse4.1", "sse3"], ["avx512f", *AMX]),
+        (
+            "emr_guest",
+            "x86-64",
+            ["avx512f", "avx512bw", "avx512vl", "avx512vnni", "avx512bf16", "avx512fp16", "avxvnni"],
+            AMX,
+        ),
+        ("amx", "x86-64", ["avx512fp16", *AMX], []),
+        ("aarch64", "generic", ["neon", "dotprod", "i8mm", "sve", "bf16", "fullfp16", "lse", "crc"], ["sve2"]),
+    ],
+)
 def test_a_host_target_is_a_generic_cpu_with_the_reported_features(host, cpu, has, lacks):
     target = target_of(host)
     assert target["cpu"] == cpu
@@ -116,14 +132,17 @@ def test_a_host_target_is_a_generic_cpu_with_the_reported_features(host, cpu, ha
         probe.llvm_cpu_target([], "riscv64")
 
 
-@pytest.mark.parametrize("engine_host, load_host, named", [
-    ("emr_guest", "emr_guest", []),
-    ("amx", "emr_guest", AMX),  # the issue: an AMX engine on the guest that hides AMX
-    ("emr_guest", "amx", []),
-    ("v3", "emr_guest", []),
-    ("emr_guest", "v3", ["avx512f", "avx512bw", "avx512vl", "avx512vnni", "avx512bf16", "avx512fp16", "avxvnni"]),
-    ("aarch64", "aarch64", []),
-])
+@pytest.mark.parametrize(
+    "engine_host, load_host, named",
+    [
+        ("emr_guest", "emr_guest", []),
+        ("amx", "emr_guest", AMX),  # the issue: an AMX engine on the guest that hides AMX
+        ("emr_guest", "amx", []),
+        ("v3", "emr_guest", []),
+        ("emr_guest", "v3", ["avx512f", "avx512bw", "avx512vl", "avx512vnni", "avx512bf16", "avx512fp16", "avxvnni"]),
+        ("aarch64", "aarch64", []),
+    ],
+)
 def test_compatibility_verdicts_name_the_missing_features(engine_host, load_host, named):
     arch, _, flags = HOSTS[load_host]
     required = target_of(engine_host)["cpu_features"]
@@ -171,9 +190,21 @@ def iree_engines(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("host-targets")
     models.conv_bn_model(root / "models/conv/model.onnx")
-    sku = {"backend": "iree", "precision": "fp32", "target": {"arch": "x86_64", "device": "cpu", "os": "linux"},
-           "runner_labels": ["self-hosted", "linux", "x64"], "shapes": {"batch": 1},
-           "bench": {"warmup": 1, "steady_window": 5, "max_warmup_seconds": 1.0, "roofline": False, "iterations": 2, "min_seconds": 0.0}}
+    sku = {
+        "backend": "iree",
+        "precision": "fp32",
+        "target": {"arch": "x86_64", "device": "cpu", "os": "linux"},
+        "runner_labels": ["self-hosted", "linux", "x64"],
+        "shapes": {"batch": 1},
+        "bench": {
+            "warmup": 1,
+            "steady_window": 5,
+            "max_warmup_seconds": 1.0,
+            "roofline": False,
+            "iterations": 2,
+            "min_seconds": 0.0,
+        },
+    }
     hosts = ("v3", "emr_guest", "amx")
     reg = load_registry(models.write_project(root, {"conv": models.conv_bn_spec()}, {h: sku for h in hosts}))
     prepare(reg, "conv")
@@ -199,7 +230,8 @@ def test_iree_engine_records_the_requested_and_the_resolved_target(iree_engines,
     meta = json.loads((Layout(reg.root).engine_dir("conv", host) / ENGINE_META).read_text())
     assert meta["requested_target"]["cpu"] == "host" and meta["resolved_target"] == resolved
     assert meta["host_cpu"]["arch"] == "x86_64" and meta["host_cpu"]["features"] == sorted(
-        f for f in HOSTS[host][2] if f in probe.LLVM_FEATURES["x86_64"])
+        f for f in HOSTS[host][2] if f in probe.LLVM_FEATURES["x86_64"]
+    )
 
 
 def test_iree_engine_built_for_a_host_loads_and_runs_there(iree_engines, monkeypatch):
@@ -214,13 +246,18 @@ def test_iree_engine_built_for_a_host_loads_and_runs_there(iree_engines, monkeyp
     assert probs.shape == (1, 4) and abs(float(probs.sum()) - 1) < 1e-5
 
 
-@pytest.mark.parametrize("engine_host, load_host, refused", [
-    ("emr_guest", "emr_guest", None),
-    ("v3", "emr_guest", None),
-    ("amx", "emr_guest", "amx-bf16, amx-int8, amx-tile"),
-    ("emr_guest", "v3", "avx512bf16"),
-])
-def test_iree_load_check_judges_the_engine_against_the_faked_host(iree_engines, monkeypatch, engine_host, load_host, refused):
+@pytest.mark.parametrize(
+    "engine_host, load_host, refused",
+    [
+        ("emr_guest", "emr_guest", None),
+        ("v3", "emr_guest", None),
+        ("amx", "emr_guest", "amx-bf16, amx-int8, amx-tile"),
+        ("emr_guest", "v3", "avx512bf16"),
+    ],
+)
+def test_iree_load_check_judges_the_engine_against_the_faked_host(
+    iree_engines, monkeypatch, engine_host, load_host, refused
+):
     from pipeline.backends.iree import missing_cpu_features
 
     reg, reports = iree_engines
@@ -246,7 +283,8 @@ def test_ort_nchwc_block_follows_the_reported_vector_width(host, block):
     assert nchwc_block(flags, arch) == block
     assert nchwc_problem(16, V3, "x86_64") == (
         "the engine holds NCHWc ops in blocks of 16 channels (built on a CPU with avx512f); this CPU lacks avx512f "
-        "and uses blocks of 8")
+        "and uses blocks of 8"
+    )
     assert "this CPU has avx512f" in nchwc_problem(8, AMX_HOST, "x86_64")
     assert nchwc_problem(16, EMR_GUEST, "x86_64") is None
     assert nchwc_problem(None, V3, "x86_64") is None  # no NCHWc ops: portable
@@ -263,8 +301,13 @@ def test_ort_engine_at_level_all_records_and_checks_its_vector_width(tmp_path, m
     if probe.host_arch() != "x86_64":
         pytest.skip("NCHWc blocks are judged on x86-64 only")
     models.conv_bn_model(tmp_path / "models/conv/model.onnx")
-    reg = load_registry(models.write_project(tmp_path, {"conv": models.conv_bn_spec()},
-                                             {"all": models.ort_sku("fp32", options={"graph_optimization_level": "all"})}))
+    reg = load_registry(
+        models.write_project(
+            tmp_path,
+            {"conv": models.conv_bn_spec()},
+            {"all": models.ort_sku("fp32", options={"graph_optimization_level": "all"})},
+        )
+    )
     prepare(reg, "conv")
     make_data(reg, "conv")
     reference(reg, "conv")

@@ -18,10 +18,16 @@ pytest.importorskip("iree.compiler", reason="iree-base-compiler is not installed
 pytest.importorskip("iree.runtime", reason="iree-base-runtime is not installed (pip install iree-base-runtime)")
 
 import models  # noqa: E402
+
 from pipeline.backends import get_backend  # noqa: E402
 from pipeline.backends.base import ENGINE_META  # noqa: E402
-from pipeline.backends.iree import (IreeBackend, compile_flags, dispatch_op_type, dispatch_precision,  # noqa: E402
-                                    missing_cpu_features)
+from pipeline.backends.iree import (
+    IreeBackend,
+    compile_flags,
+    dispatch_op_type,
+    dispatch_precision,  # noqa: E402
+    missing_cpu_features,
+)
 from pipeline.config import SkuSpec, load_registry  # noqa: E402
 from pipeline.errors import ConfigError, EnvironmentProblem, InputError, UnsupportedOp  # noqa: E402
 from pipeline.paths import Layout  # noqa: E402
@@ -37,11 +43,25 @@ if host_arch() != "x86_64":
     pytest.skip("the IREE test SKUs target x86-64 hosts", allow_module_level=True)
 
 
-def iree_sku(precision: str = "fp32", device: str = "cpu", labels: tuple[str, ...] = ("self-hosted", "linux", "x64"),
-             **options) -> dict:
-    return {"backend": "iree", "precision": precision, "target": {"arch": "x86_64", "device": device, "os": "linux"},
-            "runner_labels": list(labels), "shapes": {"batch": 1}, "options": options,
-            "bench": {"warmup": 2, "steady_window": 5, "max_warmup_seconds": 1.0, "roofline": False, "iterations": 10, "min_seconds": 0.0}}
+def iree_sku(
+    precision: str = "fp32", device: str = "cpu", labels: tuple[str, ...] = ("self-hosted", "linux", "x64"), **options
+) -> dict:
+    return {
+        "backend": "iree",
+        "precision": precision,
+        "target": {"arch": "x86_64", "device": device, "os": "linux"},
+        "runner_labels": list(labels),
+        "shapes": {"batch": 1},
+        "options": options,
+        "bench": {
+            "warmup": 2,
+            "steady_window": 5,
+            "max_warmup_seconds": 1.0,
+            "roofline": False,
+            "iterations": 10,
+            "min_seconds": 0.0,
+        },
+    }
 
 
 CUDA_LABELS = ("self-hosted", "linux", "x64", "gpu", "cuda", "sm80")
@@ -49,14 +69,20 @@ SKUS = {
     "cpu_fp32": iree_sku("fp32"),
     "cpu_fp16": iree_sku("fp16"),
     "v3_fp32": iree_sku("fp32", target_cpu="x86-64-v3"),
-    "vk_fp32": iree_sku("fp32", labels=("self-hosted", "linux", "x64", "vulkan"), target_device="vulkan",
-                        vulkan_target="llvmpipe"),
+    "vk_fp32": iree_sku(
+        "fp32", labels=("self-hosted", "linux", "x64", "vulkan"), target_device="vulkan", vulkan_target="llvmpipe"
+    ),
     "cuda_fp32": iree_sku("fp32", device="gpu", labels=CUDA_LABELS, target_device="cuda"),
 }
 MODELS = ("conv", "multi")
 CPU_SKUS = ("cpu_fp32", "cpu_fp16")
-DRIVER = {"cpu_fp32": "local-task", "cpu_fp16": "local-task", "v3_fp32": "local-task", "vk_fp32": "vulkan",
-          "cuda_fp32": "cuda"}
+DRIVER = {
+    "cpu_fp32": "local-task",
+    "cpu_fp16": "local-task",
+    "v3_fp32": "local-task",
+    "vk_fp32": "vulkan",
+    "cuda_fp32": "cuda",
+}
 # the fusions IREE makes of these graphs (prepare folded BatchNorm into the Conv)
 FUSED = {"conv": {"conv", "relu", "gap"}, "multi": {"matmul", "scale", "add"}}
 
@@ -70,9 +96,12 @@ def proj(tmp_path_factory):
     root = tmp_path_factory.mktemp("iree")
     models.conv_bn_model(root / "models/conv/model.onnx")
     models.multi_io_model(root / "models/multi/model.onnx")
-    reg = load_registry(models.write_project(root, {"conv": models.conv_bn_spec(), "multi": models.multi_io_spec()}, SKUS))
-    r = SimpleNamespace(registry=reg, out=Layout(reg.root), build={}, validate={}, bench={}, graph={},
-                        vulkan=vulkan_problems(reg))
+    reg = load_registry(
+        models.write_project(root, {"conv": models.conv_bn_spec(), "multi": models.multi_io_spec()}, SKUS)
+    )
+    r = SimpleNamespace(
+        registry=reg, out=Layout(reg.root), build={}, validate={}, bench={}, graph={}, vulkan=vulkan_problems(reg)
+    )
     runnable = CPU_SKUS + (() if r.vulkan else ("vk_fp32",))
     for m in MODELS:
         prepare(reg, m)
@@ -123,7 +152,10 @@ def test_host_cpu_target_is_resolved_and_recorded(proj):
     host = llvm_cpu_target()
     assert "--iree-llvmcpu-target-cpu=x86-64" in rep.options["compile_flags"]
     assert f"--iree-llvmcpu-target-cpu-features={','.join(host['cpu_features'])}" in rep.options["compile_flags"]
-    assert rep.options["target_cpu"] == "host" and rep.options["requested_target"] == {"cpu": "host", "cpu_features": []}
+    assert rep.options["target_cpu"] == "host" and rep.options["requested_target"] == {
+        "cpu": "host",
+        "cpu_features": [],
+    }
     target = rep.options["resolved_target"]
     assert target["backend"] == "llvm-cpu" and target["cpu"] == "x86-64"
     assert set(host["cpu_features"]) <= set(target["cpu_features"])
@@ -137,7 +169,9 @@ def test_host_cpu_target_is_resolved_and_recorded(proj):
 def test_a_named_cpu_target_cross_compiles_and_is_portable(proj):
     rep = proj.build["conv", "v3_fp32"]
     target = rep.options["resolved_target"]
-    assert target["cpu"] == "x86-64-v3" and "+avx2" in target["cpu_features"] and "+avx512f" not in target["cpu_features"]
+    assert (
+        target["cpu"] == "x86-64-v3" and "+avx2" in target["cpu_features"] and "+avx512f" not in target["cpu_features"]
+    )
     assert not rep.hardware_specific and IreeBackend().cross_compiles(proj.registry.sku("v3_fp32"))
     assert "--iree-llvmcpu-target-triple=x86_64-unknown-unknown-eabi-elf" in rep.options["compile_flags"]
 
@@ -148,8 +182,12 @@ def test_fp16_dispatches_compute_in_fp16(proj, model):
     contractions = [layer for layer in rep.layers if layer.op_type in ("conv", "matmul")]
     assert contractions and all(layer.precision == "fp16" and "f16" in layer.name for layer in contractions)
     # the FP32 inputs and outputs are converted in dispatches of their own, which compute nothing
-    casts = [layer for layer in rep.layers if any(n.startswith("graph_input_cast") or n.startswith("graph_output_cast")
-                                                  for n in layer.fused_from) and len(layer.fused_from) == 1]
+    casts = [
+        layer
+        for layer in rep.layers
+        if any(n.startswith("graph_input_cast") or n.startswith("graph_output_cast") for n in layer.fused_from)
+        and len(layer.fused_from) == 1
+    ]
     assert casts and all(layer.precision == "n/a" for layer in casts)
     assert rep.precision_counts.get("fp16", 0) >= len(contractions)
     assert "fp16" not in proj.build[model, "cpu_fp32"].precision_counts
@@ -171,7 +209,9 @@ def test_dispatch_names_parse():
     assert dispatch_precision("m$async_dispatch_1_conv_8x8_f16xf16xf32", ["linalg.conv_2d_nchw_fchw"], []) == "fp16"
     assert dispatch_precision("m$async_dispatch_2_reduction_8x64_f32xf32xf16", ["arith.addf"], []) == "fp16"
     assert dispatch_precision("m$async_dispatch_4_softmax_4xf32_generic", ["linalg.softmax"], []) == "fp32"
-    assert dispatch_precision("m$async_dispatch_0_elementwise_3_f32xf16", ["linalg.generic", "arith.truncf"], []) == "n/a"
+    assert (
+        dispatch_precision("m$async_dispatch_0_elementwise_3_f32xf16", ["linalg.generic", "arith.truncf"], []) == "n/a"
+    )
     assert dispatch_precision("m$async_dispatch_0_elementwise_3_i64", ["arith.addi"], []) == "n/a"
 
 
@@ -231,11 +271,15 @@ def test_int8_and_inconsistent_options_are_config_errors(tmp_path):
     def problems(**sku) -> list[str]:
         return IreeBackend.check_sku(SkuSpec.model_validate(sku))
 
-    assert problems(**iree_sku("int8")) == ["precision: int8 is not supported by the iree backend; supported: fp32, fp16"]
+    assert problems(**iree_sku("int8")) == [
+        "precision: int8 is not supported by the iree backend; supported: fp32, fp16"
+    ]
     assert "vulkan_target: required" in problems(**iree_sku(target_device="vulkan"))[0]
     assert "driver: vulkan cannot run a local engine" in problems(**iree_sku(driver="vulkan"))[0]
     assert "target.device: a cuda engine runs on a GPU" in problems(**iree_sku(target_device="cuda"))[0]
-    assert "target_cpu: only applies" in problems(**iree_sku(device="gpu", target_device="cuda", target_cpu="znver3"))[0]
+    assert (
+        "target_cpu: only applies" in problems(**iree_sku(device="gpu", target_device="cuda", target_cpu="znver3"))[0]
+    )
     assert "is set from the other options" in problems(**iree_sku(extra_flags=["--iree-hal-target-device=cuda"]))[0]
     assert "unknown key" in problems(**iree_sku(target_cpus="host"))[0]
     with pytest.raises(ConfigError, match="int8 is not supported by the iree backend"):
@@ -244,22 +288,39 @@ def test_int8_and_inconsistent_options_are_config_errors(tmp_path):
 
 def test_compile_flags_follow_the_options():
     assert compile_flags(IreeBackend.Options(target_device="vulkan", vulkan_target="valhall"), "x86_64") == [
-        "--iree-hal-target-device=vulkan", "--iree-vulkan-target=valhall"]
-    local = compile_flags(IreeBackend.Options(target_cpu="cortex-a76", target_cpu_features=["dotprod", "+fp16"],
-                                              extra_flags=["--iree-opt-level=O3"]), "aarch64")
-    assert local == ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
-                     "--iree-llvmcpu-target-cpu=cortex-a76", "--iree-llvmcpu-target-triple=aarch64-unknown-unknown-eabi-elf",
-                     "--iree-llvmcpu-target-cpu-features=+dotprod,+fp16", "--iree-opt-level=O3"]
+        "--iree-hal-target-device=vulkan",
+        "--iree-vulkan-target=valhall",
+    ]
+    local = compile_flags(
+        IreeBackend.Options(
+            target_cpu="cortex-a76", target_cpu_features=["dotprod", "+fp16"], extra_flags=["--iree-opt-level=O3"]
+        ),
+        "aarch64",
+    )
+    assert local == [
+        "--iree-hal-target-device=local",
+        "--iree-hal-local-target-device-backends=llvm-cpu",
+        "--iree-llvmcpu-target-cpu=cortex-a76",
+        "--iree-llvmcpu-target-triple=aarch64-unknown-unknown-eabi-elf",
+        "--iree-llvmcpu-target-cpu-features=+dotprod,+fp16",
+        "--iree-opt-level=O3",
+    ]
 
 
 def dft_model(path: Path) -> Path:
     """x[batch,8] -> Relu -> Unsqueeze -> DFT: IREE's ONNX lowering has no DFT."""
-    nodes = [helper.make_node("Relu", ["x"], ["r"], name="act"),
-             helper.make_node("Unsqueeze", ["r", "axes"], ["u"], name="unsqueeze"),
-             helper.make_node("DFT", ["u"], ["y"], name="spectrum", onesided=0)]
-    graph = helper.make_graph(nodes, "dft", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8, 2])],
-                              [numpy_helper.from_array(np.array([2], np.int64), "axes")])
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="act"),
+        helper.make_node("Unsqueeze", ["r", "axes"], ["u"], name="unsqueeze"),
+        helper.make_node("DFT", ["u"], ["y"], name="spectrum", onesided=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "dft",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8, 2])],
+        [numpy_helper.from_array(np.array([2], np.int64), "axes")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -270,8 +331,10 @@ def dft_model(path: Path) -> Path:
 def test_an_unsupported_op_names_the_op_the_node_and_the_backend(tmp_path):
     dft_model(tmp_path / "models/dft/model.onnx")
     spec = {"dir": "models/dft", "source": "model.onnx", "inputs": [{"name": "x", "shape": ["batch", 8]}]}
-    skus = {"cpu": iree_sku("fp32", target_cpu="x86-64-v3"),
-            "bad_flag": iree_sku("fp32", target_cpu="x86-64-v3", extra_flags=["--iree-no-such-flag"])}
+    skus = {
+        "cpu": iree_sku("fp32", target_cpu="x86-64-v3"),
+        "bad_flag": iree_sku("fp32", target_cpu="x86-64-v3", extra_flags=["--iree-no-such-flag"]),
+    }
     reg = load_registry(models.write_project(tmp_path, {"dft": spec}, skus))
     for stage in (prepare, make_data, reference):
         stage(reg, "dft")
@@ -317,7 +380,9 @@ def test_a_truncated_vmfb_is_refused(proj, engine_copy):
     # even with engine.json rewritten to match, the runtime's refusal becomes an InputError
     from pipeline.io import sha256_file
 
-    rewrite_meta(engine_copy, files=[{"path": "module.vmfb", "sha256": sha256_file(vmfb), "bytes": vmfb.stat().st_size}])
+    rewrite_meta(
+        engine_copy, files=[{"path": "module.vmfb", "sha256": sha256_file(vmfb), "bytes": vmfb.stat().st_size}]
+    )
     with pytest.raises(InputError, match="cannot be loaded on the IREE local-task driver"):
         get_backend("iree").load(engine_copy, sku)
 
@@ -333,7 +398,9 @@ def test_an_engine_for_cpu_features_this_host_lacks_is_refused(proj, engine_copy
     # a faked x86-64-v2 host (no AVX): the x86-64-v3 engine needs avx, avx2, bmi, bmi2, f16c, fma, ...
     monkeypatch.setenv(ENV_FAKE_CPU_FLAGS, "sse sse2 pni ssse3 sse4_1 sse4_2 popcnt cx16 lahf_lm")
     assert missing_cpu_features(["+amx-tile", "+sse2", "-avx", "+evex512", "+crc32"]) == ["amx-tile"]
-    with pytest.raises(EnvironmentProblem, match=r"compiled for CPU x86-64-v3 with features this CPU lacks: .*\bavx2\b"):
+    with pytest.raises(
+        EnvironmentProblem, match=r"compiled for CPU x86-64-v3 with features this CPU lacks: .*\bavx2\b"
+    ):
         get_backend("iree").load(engine_copy, proj.registry.sku("v3_fp32"))
     monkeypatch.delenv(ENV_FAKE_CPU_FLAGS)
     with get_backend("iree").load(engine_copy, proj.registry.sku("v3_fp32")):
@@ -352,9 +419,11 @@ def test_compiler_diagnostics_become_errors_the_user_can_act_on():
 
     nodes = {"spectrum": "DFT", "act": "Relu"}
     cmd = ["iree-compile", "input.mlir", "--iree-hal-target-device=local"]
-    legalize = ('<unknown>:0: error: loc("spectrum"): failed to legalize operation \'torch.operator\' that was explicitly '
-                'marked illegal: %1 = "torch.operator"(%arg0) <{name = "onnx.DFT"}> : (!torch.vtensor<[1,8,1],f32>) -> '
-                '!torch.vtensor<[1,8,2],f32>\n<unknown>:0: note: loc("spectrum"): see current operation')
+    legalize = (
+        "<unknown>:0: error: loc(\"spectrum\"): failed to legalize operation 'torch.operator' that was explicitly "
+        'marked illegal: %1 = "torch.operator"(%arg0) <{name = "onnx.DFT"}> : (!torch.vtensor<[1,8,1],f32>) -> '
+        '!torch.vtensor<[1,8,2],f32>\n<unknown>:0: note: loc("spectrum"): see current operation'
+    )
     err = compile_error(1, legalize, nodes, cmd)
     assert isinstance(err, UnsupportedOp) and (err.op_type, err.node) == ("DFT", "spectrum")
     assert "no lowering for onnx.DFT" in err.message

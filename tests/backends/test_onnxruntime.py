@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import models
 import onnxruntime as ort
 import pytest
 
-import models
 from pipeline.config import load_registry
 from pipeline.errors import ConfigError, EnvironmentProblem, GateFailed
 from pipeline.io import read_json
@@ -30,12 +30,15 @@ def project(root: Path, skus: dict):
     return reg
 
 
-@pytest.mark.skipif(AZURE not in ort.get_available_providers(), reason="this onnxruntime build has no AzureExecutionProvider")
+@pytest.mark.skipif(
+    AZURE not in ort.get_available_providers(), reason="this onnxruntime build has no AzureExecutionProvider"
+)
 def test_silent_fallback_to_cpu_is_caught_with_the_nodes_named(tmp_path):
     skus = {
         "planted": models.ort_sku("fp32", options={"providers": [AZURE, CPU]}, placement={"allowed": [AZURE]}),
-        "tolerated": models.ort_sku("fp32", options={"providers": [AZURE, CPU]},
-                                    placement={"allowed": [AZURE], "max_fallback_nodes": 100}),
+        "tolerated": models.ort_sku(
+            "fp32", options={"providers": [AZURE, CPU]}, placement={"allowed": [AZURE], "max_fallback_nodes": 100}
+        ),
     }
     reg = project(tmp_path, skus)
     report = build(reg, "conv", "planted")
@@ -55,9 +58,11 @@ def test_silent_fallback_to_cpu_is_caught_with_the_nodes_named(tmp_path):
 def test_missing_provider_is_an_environment_problem_unless_optional(tmp_path):
     skus = {
         "needs_cuda": models.ort_sku("fp32", options={"providers": ["CUDAExecutionProvider", CPU]}),
-        "prefers_cuda": models.ort_sku("fp32", options={"providers": ["CUDAExecutionProvider", CPU],
-                                                         "require_all_providers": False},
-                                       placement={"allowed": ["CUDAExecutionProvider"]}),
+        "prefers_cuda": models.ort_sku(
+            "fp32",
+            options={"providers": ["CUDAExecutionProvider", CPU], "require_all_providers": False},
+            placement={"allowed": ["CUDAExecutionProvider"]},
+        ),
     }
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("this onnxruntime build has CUDA")
@@ -82,15 +87,21 @@ def test_an_op_without_a_kernel_names_the_op_the_node_and_the_backend(tmp_path):
     from pipeline.errors import UnsupportedOp
 
     # Relu is valid ONNX for int16, but ONNX Runtime's CPU provider has no int16 Relu kernel.
-    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="relu_int16")], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.INT16, ["batch", 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.INT16, ["batch", 4])])
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"], name="relu_int16")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.INT16, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.INT16, ["batch", 4])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     (tmp_path / "models/int16").mkdir(parents=True)
     onnx.save(model, str(tmp_path / "models/int16/model.onnx"))
-    spec = {"dir": "models/int16", "source": "model.onnx",
-            "inputs": [{"name": "x", "dtype": "int16", "shape": ["batch", 4]}]}
+    spec = {
+        "dir": "models/int16",
+        "source": "model.onnx",
+        "inputs": [{"name": "x", "dtype": "int16", "shape": ["batch", 4]}],
+    }
     reg = load_registry(models.write_project(tmp_path, {"int16": spec}, {"cpu": models.ort_sku("fp32")}))
     with pytest.raises(UnsupportedOp) as info:
         prepare(reg, "int16")

@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 ov = pytest.importorskip("openvino", reason="openvino is not installed (pip install openvino)")
 
 import models  # noqa: E402
+
 from pipeline.backends import get_backend  # noqa: E402
 from pipeline.backends.base import ENGINE_META, verify_engine  # noqa: E402
 from pipeline.backends.openvino import OpenVinoBackend  # noqa: E402
@@ -47,9 +48,18 @@ SKUS = {
     "ov_fp16_warn": ov_sku("fp16", tolerance=LOOSE),
     "ov_fp16_fail": ov_sku("fp16", tolerance=LOOSE, precision_gate={"policy": "fail"}),
     "hetero": ov_sku("fp32", options={"device": "HETERO:CPU"}),
-    "throughput": ov_sku("fp32", options={"performance_hint": "THROUGHPUT", "num_streams": 2},
-                         bench={"warmup": 1, "steady_window": 5, "max_warmup_seconds": 1.0, "roofline": False, "iterations": 8,
-                                "concurrency": 2}),
+    "throughput": ov_sku(
+        "fp32",
+        options={"performance_hint": "THROUGHPUT", "num_streams": 2},
+        bench={
+            "warmup": 1,
+            "steady_window": 5,
+            "max_warmup_seconds": 1.0,
+            "roofline": False,
+            "iterations": 8,
+            "concurrency": 2,
+        },
+    ),
     "elsewhere": ov_sku("fp32", placement={"allowed": ["GPU"]}),
     "tamper": ov_sku("fp32"),
     "dyn": ov_sku("fp32", shapes={}, profiles={"batch": {"min": 1, "opt": 4, "max": 8}}),
@@ -60,11 +70,17 @@ MODELS = ("conv", "multi")
 
 def det_model(path: Path) -> Path:
     """y[batch] = det(2 * x[batch,3,3]): ONNX Runtime runs Det, OpenVINO's ONNX frontend has no Det."""
-    nodes = [helper.make_node("Mul", ["x", "two"], ["x2"], name="double"),
-             helper.make_node("Det", ["x2"], ["y"], name="determinant")]
-    graph = helper.make_graph(nodes, "det", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 3])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch"])],
-                              [numpy_helper.from_array(np.array(2.0, np.float32), "two")])
+    nodes = [
+        helper.make_node("Mul", ["x", "two"], ["x2"], name="double"),
+        helper.make_node("Det", ["x2"], ["y"], name="determinant"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "det",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch"])],
+        [numpy_helper.from_array(np.array(2.0, np.float32), "two")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", models.OPSET)])
     model.ir_version = 8
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -75,9 +91,14 @@ def det_model(path: Path) -> Path:
 @pytest.fixture(scope="module")
 def proj(tmp_path_factory):
     root = tmp_path_factory.mktemp("ovproject")
-    specs = {"conv": (models.conv_bn_model, models.conv_bn_spec()), "multi": (models.multi_io_model, models.multi_io_spec()),
-             "det": (det_model, {"dir": "models/det", "source": "model.onnx",
-                                 "inputs": [{"name": "x", "shape": ["batch", 3, 3]}]})}
+    specs = {
+        "conv": (models.conv_bn_model, models.conv_bn_spec()),
+        "multi": (models.multi_io_model, models.multi_io_spec()),
+        "det": (
+            det_model,
+            {"dir": "models/det", "source": "model.onnx", "inputs": [{"name": "x", "shape": ["batch", 3, 3]}]},
+        ),
+    }
     for builder, spec in specs.values():
         builder(root / spec["dir"] / spec["source"])
     reg = load_registry(models.write_project(root, {k: s for k, (_, s) in specs.items()}, SKUS))
@@ -119,17 +140,22 @@ def test_build_reports_every_layer_on_the_cpu(proj, model, sku):
     assert "EXPORT_IMPORT" in meta["devices"]["CPU"]["optimization_capabilities"]
 
 
-@pytest.mark.parametrize("sku, fused, kernel", [
-    ("ov_fp32", {"conv", "relu"}, "_f32"),
-    # INT8: the Relu folds into the quantize of its output, which the convolution then writes
-    ("ov_int8", {"conv", "relu_QuantizeLinear"}, "_I8"),
-])
+@pytest.mark.parametrize(
+    "sku, fused, kernel",
+    [
+        ("ov_fp32", {"conv", "relu"}, "_f32"),
+        # INT8: the Relu folds into the quantize of its output, which the convolution then writes
+        ("ov_int8", {"conv", "relu_QuantizeLinear"}, "_I8"),
+    ],
+)
 def test_convolution_layer_shows_what_was_fused_into_it(proj, sku, fused, kernel):
     conv = [layer for layer in proj.build["conv", sku].layers if layer.op_type == "Convolution"]
     assert len(conv) == 1, conv
     assert fused <= set(conv[0].fused_from), conv[0]
     assert conv[0].kernel.endswith(kernel) and conv[0].precision == ("fp32" if sku == "ov_fp32" else "int8")
-    assert not any(layer.op_type == "Eltwise" and "relu" in layer.fused_from for layer in proj.build["conv", sku].layers)
+    assert not any(
+        layer.op_type == "Eltwise" and "relu" in layer.fused_from for layer in proj.build["conv", sku].layers
+    )
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -176,13 +202,26 @@ def test_blob_does_not_keep_the_precision_hint(proj):
 def test_multi_io_runner_keeps_names_dtypes_and_scalar_shape(proj):
     with get_backend("openvino").load(proj.out.engine_dir("multi", "ov_fp32"), proj.registry.sku("ov_fp32")) as runner:
         assert [(s.name, s.dtype, s.shape) for s in runner.inputs] == [
-            ("x", "float32", [1, 6]), ("ids", "int64", [1, 3]), ("scale", "float32", [])]
-        out = runner.infer({"x": np.ones((1, 6), np.float32), "ids": np.array([[0, 1, 2]], np.int64),
-                            "scale": np.array(2.0, np.float32)})
+            ("x", "float32", [1, 6]),
+            ("ids", "int64", [1, 3]),
+            ("scale", "float32", []),
+        ]
+        out = runner.infer(
+            {
+                "x": np.ones((1, 6), np.float32),
+                "ids": np.array([[0, 1, 2]], np.int64),
+                "scale": np.array(2.0, np.float32),
+            }
+        )
         assert list(out) == ["y", "cls"] and out["cls"].dtype == np.int64 and out["y"].shape == (1, 4)
         with pytest.raises(InputError, match="'ids' must be int64"):
-            runner.infer({"x": np.ones((1, 6), np.float32), "ids": np.zeros((1, 3), np.int32),
-                          "scale": np.array(2.0, np.float32)})
+            runner.infer(
+                {
+                    "x": np.ones((1, 6), np.float32),
+                    "ids": np.zeros((1, 3), np.int32),
+                    "scale": np.array(2.0, np.float32),
+                }
+            )
 
 
 # --- validate, bench, manifest ------------------------------------------------------------------
@@ -254,12 +293,22 @@ def test_profile_axis_stays_dynamic_within_its_range(proj):
     with get_backend("openvino").load(proj.out.engine_dir("multi", "dyn"), proj.registry.sku("dyn")) as runner:
         assert [s.shape for s in runner.inputs] == [[None, 6], [None, 3], []]
         for batch in (1, 8):
-            out = runner.infer({"x": np.zeros((batch, 6), np.float32), "ids": np.zeros((batch, 3), np.int64),
-                                "scale": np.array(1.0, np.float32)})
+            out = runner.infer(
+                {
+                    "x": np.zeros((batch, 6), np.float32),
+                    "ids": np.zeros((batch, 3), np.int64),
+                    "scale": np.array(1.0, np.float32),
+                }
+            )
             assert out["y"].shape == (batch, 4)
         with pytest.raises(InputError, match=r"'x' dim 0 must be in \[1, 8\].*got 9"):
-            runner.infer({"x": np.zeros((9, 6), np.float32), "ids": np.zeros((9, 3), np.int64),
-                          "scale": np.array(1.0, np.float32)})
+            runner.infer(
+                {
+                    "x": np.zeros((9, 6), np.float32),
+                    "ids": np.zeros((9, 3), np.int64),
+                    "scale": np.array(1.0, np.float32),
+                }
+            )
     assert validate(proj.registry, "multi", "dyn").passed
     assert bench(proj.registry, "multi", "dyn").batch == 4
 
@@ -377,13 +426,16 @@ def _sku(**options):
     return SkuSpec.model_validate(ov_sku("fp32", options=options))
 
 
-@pytest.mark.parametrize("options, expected", [
-    ({"device": "AUTO"}, "cannot be exported"),
-    ({"device": "GPU"}, "target.device is 'cpu'"),
-    ({"device": "HETERO:"}, "HETERO needs its devices"),
-    ({"performance_hint": "FAST"}, "options.performance_hint"),
-    ({"streams": 2}, "unknown key"),
-])
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        ({"device": "AUTO"}, "cannot be exported"),
+        ({"device": "GPU"}, "target.device is 'cpu'"),
+        ({"device": "HETERO:"}, "HETERO needs its devices"),
+        ({"performance_hint": "FAST"}, "options.performance_hint"),
+        ({"streams": 2}, "unknown key"),
+    ],
+)
 def test_bad_options_are_config_problems(options, expected):
     problems = OpenVinoBackend.check_sku(_sku(**options))
     assert len(problems) == 1 and expected in problems[0], problems

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import models
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -24,15 +25,27 @@ import pytest
 import yaml
 from onnx import numpy_helper
 
-import models
 from pipeline.backends import get_backend
 from pipeline.backends import tensorrt as trt_backend
 from pipeline.backends.base import ENGINE_META, BuildContext
-from pipeline.backends.tensorrt import (NOT_INSTALLED, ParserError, TensorRtOptions, builder_failure, cast_feed,
-                                        cuda_version_string, format_precision, layer_precision, nonzero_zero_points,
-                                        optimization_profile, parse_engine_information, parse_nvidia_smi,
-                                        parser_failure, quantize_for_tensorrt, requested_devices,
-                                        version_compatible_runtime)
+from pipeline.backends.tensorrt import (
+    NOT_INSTALLED,
+    ParserError,
+    TensorRtOptions,
+    builder_failure,
+    cast_feed,
+    cuda_version_string,
+    format_precision,
+    layer_precision,
+    nonzero_zero_points,
+    optimization_profile,
+    parse_engine_information,
+    parse_nvidia_smi,
+    parser_failure,
+    quantize_for_tensorrt,
+    requested_devices,
+    version_compatible_runtime,
+)
 from pipeline.config import Profile, load_registry, parse_registry
 from pipeline.errors import ConfigError, EnvironmentProblem, InputError, UnsupportedOp
 from pipeline.paths import Layout
@@ -49,15 +62,30 @@ from pipeline.stages.validate import placement_gate, precision_gate, validate
 MODULE = Path(trt_backend.__file__)
 
 # The repository's TensorRT SKUs, as params.yaml declares them (docs/backends/tensorrt.md explains them).
-EXAMPLE_SKUS = {name: sku for name, sku in yaml.safe_load((MODULE.parents[2] / "params.yaml").read_text())["skus"].items()
-                if sku["backend"] == "tensorrt"}
+EXAMPLE_SKUS = {
+    name: sku
+    for name, sku in yaml.safe_load((MODULE.parents[2] / "params.yaml").read_text())["skus"].items()
+    if sku["backend"] == "tensorrt"
+}
 
 
 def trt_sku(precision: str = "fp32", **extra) -> dict:
     """A TensorRT SKU for this host's architecture (buildable where TensorRT and a GPU exist)."""
-    sku = {"backend": "tensorrt", "precision": precision, "target": {"arch": host_arch(), "device": "gpu", "os": "linux"},
-           "runner_labels": ["self-hosted", "linux", "x64", "gpu", "nvidia"], "shapes": {"batch": 1},
-           "bench": {"warmup": 5, "steady_window": 5, "max_warmup_seconds": 1.0, "roofline": False, "iterations": 30, "min_seconds": 0.0}}
+    sku = {
+        "backend": "tensorrt",
+        "precision": precision,
+        "target": {"arch": host_arch(), "device": "gpu", "os": "linux"},
+        "runner_labels": ["self-hosted", "linux", "x64", "gpu", "nvidia"],
+        "shapes": {"batch": 1},
+        "bench": {
+            "warmup": 5,
+            "steady_window": 5,
+            "max_warmup_seconds": 1.0,
+            "roofline": False,
+            "iterations": 30,
+            "min_seconds": 0.0,
+        },
+    }
     sku.update(extra)
     return sku
 
@@ -100,19 +128,25 @@ def test_example_skus_validate():
     assert requested_devices(TensorRtOptions()) == ["gpu"]  # what the examples' placement.allowed names
 
 
-@pytest.mark.parametrize("change, words", [
-    ({"options": {"workspace": 64}}, ["skus.s.options.workspace", "did you mean 'workspace_mb'"]),
-    ({"options": {"builder_optimization_level": 6}}, ["builder_optimization_level", "less than or equal to 5"]),
-    ({"options": {"hardware_compatibility": "ampere"}}, ["hardware_compatibility", "ampere_plus"]),
-    ({"options": {"fp8": True}}, ["skus.s.options.fp8", "8.9"]),
-    ({"options": {"fp8": True, "min_compute_capability": 8.6}}, ["options.fp8", "it says 8.6"]),
-    ({"options": {"fp8": True, "strongly_typed": True, "min_compute_capability": 9.0}}, ["options.fp8", "strongly typed"]),
-    ({"options": {"dla_core": 0}}, ["skus.s.options.dla_core", "Jetson"]),
-    ({"options": {"allow_gpu_fallback": True}}, ["options.allow_gpu_fallback", "dla_core"]),
-    ({"options": {"hardware_compatibility": "ampere_plus", "min_compute_capability": 7.5}}, ["ampere_plus", "7.5"]),
-    ({"target": {"arch": "x86_64", "device": "cpu", "os": "linux"}}, ["skus.s.target.device", "gpu"]),
-    ({"target": {"arch": "x86_64", "device": "gpu", "os": "macos"}}, ["skus.s.target.os"]),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"options": {"workspace": 64}}, ["skus.s.options.workspace", "did you mean 'workspace_mb'"]),
+        ({"options": {"builder_optimization_level": 6}}, ["builder_optimization_level", "less than or equal to 5"]),
+        ({"options": {"hardware_compatibility": "ampere"}}, ["hardware_compatibility", "ampere_plus"]),
+        ({"options": {"fp8": True}}, ["skus.s.options.fp8", "8.9"]),
+        ({"options": {"fp8": True, "min_compute_capability": 8.6}}, ["options.fp8", "it says 8.6"]),
+        (
+            {"options": {"fp8": True, "strongly_typed": True, "min_compute_capability": 9.0}},
+            ["options.fp8", "strongly typed"],
+        ),
+        ({"options": {"dla_core": 0}}, ["skus.s.options.dla_core", "Jetson"]),
+        ({"options": {"allow_gpu_fallback": True}}, ["options.allow_gpu_fallback", "dla_core"]),
+        ({"options": {"hardware_compatibility": "ampere_plus", "min_compute_capability": 7.5}}, ["ampere_plus", "7.5"]),
+        ({"target": {"arch": "x86_64", "device": "cpu", "os": "linux"}}, ["skus.s.target.device", "gpu"]),
+        ({"target": {"arch": "x86_64", "device": "gpu", "os": "macos"}}, ["skus.s.target.os"]),
+    ],
+)
 def test_bad_options_are_config_errors(change, words):
     message = config_error({**trt_sku("fp16"), "target": {"arch": "x86_64", "device": "gpu", "os": "linux"}, **change})
     for word in words:
@@ -127,15 +161,19 @@ def test_jetson_specific_checks():
     assert requested_devices(opts.model_copy(update={"allow_gpu_fallback": False})) == ["dla:0"]
     assert "precision: DLA runs fp16 and int8 only" in config_error({**dla, "precision": "fp32"})
     assert "not supported on JetPack" in config_error({**jetson, "options": {"hardware_compatibility": "ampere_plus"}})
-    assert "options.fp8: DLA" in config_error({**jetson, "options": {"dla_core": 1, "fp8": True, "min_compute_capability": 8.9}})
+    assert "options.fp8: DLA" in config_error(
+        {**jetson, "options": {"dla_core": 1, "fp8": True, "min_compute_capability": 8.9}}
+    )
 
 
 # --- optimization profiles ----------------------------------------------------------------------
 
 
 def test_profile_from_pins_profiles_and_fixed_dims():
-    inputs = [TensorSig(name="x", dtype="float32", shape=["batch", 3, "height", 8]),
-              TensorSig(name="scale", dtype="float32", shape=[])]
+    inputs = [
+        TensorSig(name="x", dtype="float32", shape=["batch", 3, "height", 8]),
+        TensorSig(name="scale", dtype="float32", shape=[]),
+    ]
     table = optimization_profile(inputs, {"height": 8}, {"batch": Profile(min=1, opt=4, max=16)})
     assert table == {"x": ((1, 3, 8, 8), (4, 3, 8, 8), (16, 3, 8, 8)), "scale": ((), (), ())}
     pinned = optimization_profile(inputs, {"height": 8, "batch": 2}, {})
@@ -170,7 +208,10 @@ def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
 def calibrated(tmp_path_factory):
     """conv and multi models through prepare, data and calibrate (ONNX Runtime), as the build stage sees them."""
     root = tmp_path_factory.mktemp("trt-int8")
-    specs = {"conv": (models.conv_bn_model, models.conv_bn_spec()), "multi": (models.multi_io_model, models.multi_io_spec())}
+    specs = {
+        "conv": (models.conv_bn_model, models.conv_bn_spec()),
+        "multi": (models.multi_io_model, models.multi_io_spec()),
+    }
     for builder, spec in specs.values():
         builder(root / spec["dir"] / spec["source"])
     reg = load_registry(models.write_project(root, {k: s for k, (_, s) in specs.items()}, {"trt": trt_sku("int8")}))
@@ -184,24 +225,42 @@ def calibrated(tmp_path_factory):
 @pytest.mark.parametrize("model", ["conv", "multi"])
 def test_int8_qdq_for_tensorrt_on_the_test_models(calibrated, model, tmp_path):
     reg, out = calibrated, Layout(calibrated.root)
-    ctx = BuildContext(model=model, sku="trt", spec=reg.model(model), sku_spec=reg.sku("trt"),
-                       prepared=out.prepared_model(model), pins={"batch": 1}, profiles={}, engine_dir=tmp_path / "engine",
-                       calibration_table=calibration_table(reg, model), probe_inputs={}, cache_dir=tmp_path / "cache")
+    ctx = BuildContext(
+        model=model,
+        sku="trt",
+        spec=reg.model(model),
+        sku_spec=reg.sku("trt"),
+        prepared=out.prepared_model(model),
+        pins={"batch": 1},
+        profiles={},
+        engine_dir=tmp_path / "engine",
+        calibration_table=calibration_table(reg, model),
+        probe_inputs={},
+        cache_dir=tmp_path / "cache",
+    )
     qdq = tmp_path / "qdq.onnx"
     record = quantize_for_tensorrt(out.prepared_model(model), qdq, ctx)
     assert record["format"] == "QDQ" and record["activation_type"] == record["weight_type"] == "int8"
-    assert record["quantization"].startswith("explicit") and record["symmetric_activations"] and not record["quantize_bias"]
+    assert (
+        record["quantization"].startswith("explicit")
+        and record["symmetric_activations"]
+        and not record["quantize_bias"]
+    )
     graph = onnx.load(str(qdq))
     assert nonzero_zero_points(graph) == []
-    assert not any(n.op_type == "DequantizeLinear" and n.input[0].endswith("_quantized")
-                   and numpy_helper.to_array(next(i for i in graph.graph.initializer if i.name == n.input[0])).dtype == np.int32
-                   for n in graph.graph.node if n.input[0] in {i.name for i in graph.graph.initializer})
+    assert not any(
+        n.op_type == "DequantizeLinear"
+        and n.input[0].endswith("_quantized")
+        and numpy_helper.to_array(next(i for i in graph.graph.initializer if i.name == n.input[0])).dtype == np.int32
+        for n in graph.graph.node
+        if n.input[0] in {i.name for i in graph.graph.initializer}
+    )
     # the adjusted graph still computes the model (ONNX Runtime runs Q/DQ for real)
     golden = dict(np.load(out.split(model, "golden")))
     reference_session, qdq_session = _session(out.prepared_model(model)), _session(qdq)
     worst = 0.0
     for i in range(8):
-        feeds = {k: (np.asarray(v[i]) if k == "scale" else v[i:i + 1]) for k, v in golden.items()}
+        feeds = {k: (np.asarray(v[i]) if k == "scale" else v[i : i + 1]) for k, v in golden.items()}
         for want, got in zip(reference_session.run(None, feeds), qdq_session.run(None, feeds)):
             worst = max(worst, float(np.abs(want.astype(np.float64) - got).max()))
     assert worst < 0.1  # the int8 tolerance the registry defaults to
@@ -209,9 +268,19 @@ def test_int8_qdq_for_tensorrt_on_the_test_models(calibrated, model, tmp_path):
 
 def test_int8_without_a_calibration_table_says_what_to_run(calibrated, tmp_path):
     reg, out = calibrated, Layout(calibrated.root)
-    ctx = BuildContext(model="conv", sku="trt", spec=reg.model("conv"), sku_spec=reg.sku("trt"),
-                       prepared=out.prepared_model("conv"), pins={"batch": 1}, profiles={}, engine_dir=tmp_path,
-                       calibration_table=None, probe_inputs={}, cache_dir=tmp_path)
+    ctx = BuildContext(
+        model="conv",
+        sku="trt",
+        spec=reg.model("conv"),
+        sku_spec=reg.sku("trt"),
+        prepared=out.prepared_model("conv"),
+        pins={"batch": 1},
+        profiles={},
+        engine_dir=tmp_path,
+        calibration_table=None,
+        probe_inputs={},
+        cache_dir=tmp_path,
+    )
     with pytest.raises(InputError) as info:
         quantize_for_tensorrt(out.prepared_model("conv"), tmp_path / "q.onnx", ctx)
     assert "calibrate" in info.value.hint
@@ -371,26 +440,47 @@ def test_inspector_fp16_engine():
     assert [layer.name for layer in described.fused] == ["conv + relu"]
     assert described.bindings == ["x", "probs"] and described.partition_boundaries == 0
     # the precision gate on this engine: an FP16 SKU whose softmax ran in FP32
-    report = SimpleNamespace(layers=described.layers, precision="fp16", requested_devices=["gpu"], partition_boundaries=0)
+    report = SimpleNamespace(
+        layers=described.layers, precision="fp16", requested_devices=["gpu"], partition_boundaries=0
+    )
     gate = precision_gate(report, "fail", 0)
     assert [layer.name for layer in gate.mismatched] == ["softmax"] and not gate.passed
     assert placement_gate(report, ["gpu"], 0).passed
 
 
 def test_inspector_int8_engine():
-    described = parse_engine_information(INT8_ENGINE, {"x_QuantizeLinear", "x_DequantizeLinear", "conv",
-                                                       "conv_bnfolded_W_DequantizeLinear", "relu_QuantizeLinear", "softmax"})
+    described = parse_engine_information(
+        INT8_ENGINE,
+        {
+            "x_QuantizeLinear",
+            "x_DequantizeLinear",
+            "conv",
+            "conv_bnfolded_W_DequantizeLinear",
+            "relu_QuantizeLinear",
+            "softmax",
+        },
+    )
     assert [(layer.op_type, layer.precision) for layer in described.layers] == [
-        ("Scale", "int8"), ("CaskConvolution", "int8"), ("CaskSoftMaxV2", "fp32")]
-    assert described.layers[1].fused_from == ["conv_bnfolded_W_DequantizeLinear", "x_DequantizeLinear", "conv",
-                                              "relu_QuantizeLinear"]
+        ("Scale", "int8"),
+        ("CaskConvolution", "int8"),
+        ("CaskSoftMaxV2", "fp32"),
+    ]
+    assert described.layers[1].fused_from == [
+        "conv_bnfolded_W_DequantizeLinear",
+        "x_DequantizeLinear",
+        "conv",
+        "relu_QuantizeLinear",
+    ]
 
 
 def test_inspector_dla_engine_exposes_a_silent_gpu_fallback():
     described = parse_engine_information(DLA_ENGINE, CONV_NODES, dla_core=0)
     assert [(layer.name, layer.device, layer.precision) for layer in described.layers] == [
-        ("x to nvm", "dla:0", "n/a"), ("{ForeignNode[conv...fc]}", "dla:0", "fp16"),
-        ("logits from nvm", "dla:0", "n/a"), ("softmax", "gpu", "fp16")]
+        ("x to nvm", "dla:0", "n/a"),
+        ("{ForeignNode[conv...fc]}", "dla:0", "fp16"),
+        ("logits from nvm", "dla:0", "n/a"),
+        ("softmax", "gpu", "fp16"),
+    ]
     assert described.layers[1].fused_from == ["conv", "relu", "gap", "flatten", "fc"]
     assert described.partition_boundaries == 1  # DLA -> GPU at the softmax
     report = SimpleNamespace(layers=described.layers, requested_devices=["dla:0"], partition_boundaries=1)
@@ -402,29 +492,51 @@ def test_inspector_dla_engine_exposes_a_silent_gpu_fallback():
 
 
 def test_inspector_edge_cases():
-    names_only = parse_engine_information(json.dumps({"Layers": ["conv + relu", "softmax"], "Bindings": ["x", "probs"]}),
-                                          CONV_NODES)
+    names_only = parse_engine_information(
+        json.dumps({"Layers": ["conv + relu", "softmax"], "Bindings": ["x", "probs"]}), CONV_NODES
+    )
     assert [(layer.op_type, layer.precision, layer.fused_from) for layer in names_only.layers] == [
-        ("unknown", None, ["conv", "relu"]), ("unknown", None, ["softmax"])]
+        ("unknown", None, ["conv", "relu"]),
+        ("unknown", None, ["softmax"]),
+    ]
     # raw separators (not escaped) and names joined with them; signal/wait layers are skipped
-    raw = '{"Layers": [{"Name": "conv\x1frelu", "LayerType": "CaskConvolution", "Inputs": [], "Outputs": []},' \
-          '{"Name": "sync", "LayerType": "signal", "Inputs": [], "Outputs": []}], "Bindings": []}'
+    raw = (
+        '{"Layers": [{"Name": "conv\x1frelu", "LayerType": "CaskConvolution", "Inputs": [], "Outputs": []},'
+        '{"Name": "sync", "LayerType": "signal", "Inputs": [], "Outputs": []}], "Bindings": []}'
+    )
     (layer,) = parse_engine_information(raw, CONV_NODES).layers
     assert layer.name == "conv + relu" and layer.fused_from == ["conv", "relu"] and layer.precision is None
-    meta = {"Name": "x", "LayerType": "Myelin", "Metadata": "[ONNX Layer: /blk/Conv | blk (Block)]\x1e[ONNX Layer: /blk/Relu]"}
+    meta = {
+        "Name": "x",
+        "LayerType": "Myelin",
+        "Metadata": "[ONNX Layer: /blk/Conv | blk (Block)]\x1e[ONNX Layer: /blk/Relu]",
+    }
     assert trt_backend.onnx_nodes_of(meta, set()) == ["/blk/Conv", "/blk/Relu"]
     for bad in ("not json", '{"Bindings": []}'):
         with pytest.raises(InputError):
             parse_engine_information(bad)
 
 
-@pytest.mark.parametrize("description, precision", [
-    ("Row major linear FP32", "fp32"), ("Float", "fp32"), ("Half", "fp16"), ("Row major linear FP16 format", "fp16"),
-    ("Channel major FP16 format where channel % 8 == 0", "fp16"), ("Thirty-two wide channel vectorized row major Int8 format", "int8"),
-    ("Channel major INT8 format where channel % 16 == 0", "int8"), ("Row major linear BFloat16 format", "bf16"),
-    ("Row major linear FP8 format", "fp8"), ("FP8", "fp8"), ("Row major linear Int32", "int32"), ("Row major linear BOOL", "bool"),
-    ("Row major linear UInt8 format", "uint8"), ("Row major linear Int64 format", "int64"), ("Unknown format", None),
-])
+@pytest.mark.parametrize(
+    "description, precision",
+    [
+        ("Row major linear FP32", "fp32"),
+        ("Float", "fp32"),
+        ("Half", "fp16"),
+        ("Row major linear FP16 format", "fp16"),
+        ("Channel major FP16 format where channel % 8 == 0", "fp16"),
+        ("Thirty-two wide channel vectorized row major Int8 format", "int8"),
+        ("Channel major INT8 format where channel % 16 == 0", "int8"),
+        ("Row major linear BFloat16 format", "bf16"),
+        ("Row major linear FP8 format", "fp8"),
+        ("FP8", "fp8"),
+        ("Row major linear Int32", "int32"),
+        ("Row major linear BOOL", "bool"),
+        ("Row major linear UInt8 format", "uint8"),
+        ("Row major linear Int64 format", "int64"),
+        ("Unknown format", None),
+    ],
+)
 def test_format_precision(description, precision):
     assert format_precision(description) == precision
 
@@ -443,8 +555,12 @@ def test_layer_precision_rules():
 
 
 def test_parser_errors_name_the_op_and_node():
-    err = parser_failure([ParserError("UNSUPPORTED_NODE", "No importer registered for op: DeformConv", "dcn_3", "DeformConv"),
-                          ParserError("INVALID_NODE", "shape mismatch", "add_1", "Add")])
+    err = parser_failure(
+        [
+            ParserError("UNSUPPORTED_NODE", "No importer registered for op: DeformConv", "dcn_3", "DeformConv"),
+            ParserError("INVALID_NODE", "shape mismatch", "add_1", "Add"),
+        ]
+    )
     assert isinstance(err, UnsupportedOp) and err.exit_code == 3
     assert err.op_type == "DeformConv" and err.node == "dcn_3" and err.backend == "tensorrt"
     assert "'DeformConv' (node 'dcn_3')" in err.message and "and 1 more parser errors" in err.message
@@ -457,7 +573,9 @@ def test_builder_errors():
     ops = {"conv": "Conv", "relu": "Relu"}
     msg = "[optimizer.cpp::computeCosts::4040] Error Code 10: Internal Error (Could not find any implementation for node conv + relu.)"
     err = builder_failure(["some warning-level noise", msg], ops)
-    assert isinstance(err, UnsupportedOp) and err.op_type == "Conv" and err.node == "conv" and "workspace_mb" in err.hint
+    assert (
+        isinstance(err, UnsupportedOp) and err.op_type == "Conv" and err.node == "conv" and "workspace_mb" in err.hint
+    )
     oom = builder_failure(["Requested amount of GPU memory (1073741824 bytes) could not be allocated."], ops)
     assert isinstance(oom, EnvironmentProblem) and not isinstance(oom, UnsupportedOp) and "1073741824" in oom.message
     assert "no error was logged" in builder_failure([], ops).message
@@ -468,7 +586,12 @@ def test_builder_errors():
 
 def test_gpu_probe_parsing_and_versions():
     h100 = parse_nvidia_smi("NVIDIA H100 80GB HBM3, 9.0, 550.54.15\nNVIDIA H100 80GB HBM3, 9.0, 550.54.15\n")
-    assert (h100.name, h100.compute_capability, h100.driver, h100.cc) == ("NVIDIA H100 80GB HBM3", "9.0", "550.54.15", 9.0)
+    assert (h100.name, h100.compute_capability, h100.driver, h100.cc) == (
+        "NVIDIA H100 80GB HBM3",
+        "9.0",
+        "550.54.15",
+        9.0,
+    )
     orin = parse_nvidia_smi("Orin (nvgpu), [N/A], 540.4.0\n")
     assert orin.name == "Orin (nvgpu)" and orin.compute_capability is None and orin.cc is None
     assert parse_nvidia_smi("") is None
@@ -476,12 +599,24 @@ def test_gpu_probe_parsing_and_versions():
     assert (agx.name, agx.compute_capability) == ("NVIDIA Jetson AGX Orin Developer Kit", "8.7")
     assert trt_backend.jetson_gpu("NVIDIA Jetson Xavier NX Developer Kit").cc == 7.2
     assert trt_backend.jetson_gpu("Raspberry Pi 5 Model B Rev 1.0") is None
-    assert cuda_version_string(12040) == "12.4" and cuda_version_string(11080) == "11.8" and cuda_version_string(12010) == "12.1"
+    assert (
+        cuda_version_string(12040) == "12.4"
+        and cuda_version_string(11080) == "11.8"
+        and cuda_version_string(12010) == "12.1"
+    )
 
 
-@pytest.mark.parametrize("built, have, ok", [
-    ("10.3.0", "10.3.0", True), ("10.3.0", "10.7.0.23", True), ("10.7.0", "10.3.0", False), ("10.3.0", "11.0.0", False),
-    ("8.6.1", "10.3.0", False), ("garbage", "10.3.0", False)])
+@pytest.mark.parametrize(
+    "built, have, ok",
+    [
+        ("10.3.0", "10.3.0", True),
+        ("10.3.0", "10.7.0.23", True),
+        ("10.7.0", "10.3.0", False),
+        ("10.3.0", "11.0.0", False),
+        ("8.6.1", "10.3.0", False),
+        ("garbage", "10.3.0", False),
+    ],
+)
 def test_version_compatible_runtime(built, have, ok):
     assert version_compatible_runtime(built, have) is ok
 
@@ -511,7 +646,9 @@ def test_environment_problems_name_what_is_missing():
         import tensorrt  # noqa: F401
     except (ImportError, OSError):
         assert NOT_INSTALLED in problems
-        assert NOT_INSTALLED == "tensorrt is not installed (pip install tensorrt on a host with an NVIDIA GPU and driver)"
+        assert (
+            NOT_INSTALLED == "tensorrt is not installed (pip install tensorrt on a host with an NVIDIA GPU and driver)"
+        )
     if trt_backend.gpu_info() is None:
         assert any("no NVIDIA GPU is visible" in p for p in problems)
     if not problems:
@@ -562,7 +699,10 @@ def gpu_project(tmp_path_factory):
     except EnvironmentProblem as exc:
         pytest.skip(exc.message)
     root = tmp_path_factory.mktemp("trt-gpu")
-    specs = {"conv": (models.conv_bn_model, models.conv_bn_spec()), "multi": (models.multi_io_model, models.multi_io_spec())}
+    specs = {
+        "conv": (models.conv_bn_model, models.conv_bn_spec()),
+        "multi": (models.multi_io_model, models.multi_io_spec()),
+    }
     for builder, spec in specs.values():
         builder(root / spec["dir"] / spec["source"])
     reg = load_registry(models.write_project(root, {k: s for k, (_, s) in specs.items()}, GPU_SKUS))
@@ -631,8 +771,11 @@ def test_gpu_damaged_or_foreign_plans_are_refused(gpu_project, tmp_path):
     meta = json.loads((engine / ENGINE_META).read_text())
     # a plan whose bytes engine.json vouches for but that TensorRT cannot read
     (engine / "engine.plan").write_bytes(b"not a TensorRT plan" * 100)
-    backend.write_meta(engine, ["engine.plan", "layers.json"], {k: v for k, v in meta.items()
-                                                                 if k not in ("format", "backend", "versions", "files")})
+    backend.write_meta(
+        engine,
+        ["engine.plan", "layers.json"],
+        {k: v for k, v in meta.items() if k not in ("format", "backend", "versions", "files")},
+    )
     with pytest.raises(InputError, match="could not load"):
         backend.load(engine, p.registry.sku("trt_fp32"))
     # an engine recorded as built by another TensorRT version

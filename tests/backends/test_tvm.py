@@ -18,6 +18,7 @@ pytest.importorskip("tvm", reason="apache-tvm is not installed (pip install -e '
 
 import models  # noqa: E402
 from cli_helpers import assert_user_error, skuforge  # noqa: E402
+
 from pipeline.backends import get_backend  # noqa: E402
 from pipeline.backends.base import ENGINE_META  # noqa: E402
 from pipeline.backends.tvm import DEFAULTS, RECORDS, WORKLOADS, TvmBackend, op_type_of, target_of  # noqa: E402
@@ -39,12 +40,24 @@ if "avx2" not in cpu_features():
     pytest.skip("the TVM test SKUs compile for x86-64-v3: this CPU has no AVX2 to run them", allow_module_level=True)
 
 
-
 def tvm_sku(**options) -> dict:
-    return {"backend": "tvm", "precision": "fp32", "target": {"arch": "x86_64", "device": "cpu", "os": "linux"},
-            "runner_labels": ["self-hosted", "linux", "x64"], "shapes": {"batch": 1},
-            "options": {"target_cpu": "x86-64-v3", "num_cores": 2, **options}, "placement": {"allowed": ["cpu"]},
-            "bench": {"warmup": 2, "steady_window": 5, "max_warmup_seconds": 1.0, "roofline": False, "iterations": 10, "min_seconds": 0.0}}
+    return {
+        "backend": "tvm",
+        "precision": "fp32",
+        "target": {"arch": "x86_64", "device": "cpu", "os": "linux"},
+        "runner_labels": ["self-hosted", "linux", "x64"],
+        "shapes": {"batch": 1},
+        "options": {"target_cpu": "x86-64-v3", "num_cores": 2, **options},
+        "placement": {"allowed": ["cpu"]},
+        "bench": {
+            "warmup": 2,
+            "steady_window": 5,
+            "max_warmup_seconds": 1.0,
+            "roofline": False,
+            "iterations": 10,
+            "min_seconds": 0.0,
+        },
+    }
 
 
 # a few trials: enough for MetaSchedule to write real records, little enough for the suite
@@ -58,7 +71,9 @@ def proj(tmp_path_factory):
     root = tmp_path_factory.mktemp("tvm")
     models.conv_bn_model(root / "models/conv/model.onnx")
     models.multi_io_model(root / "models/multi/model.onnx")
-    reg = load_registry(models.write_project(root, {"conv": models.conv_bn_spec(), "multi": models.multi_io_spec()}, SKUS))
+    reg = load_registry(
+        models.write_project(root, {"conv": models.conv_bn_spec(), "multi": models.multi_io_spec()}, SKUS)
+    )
     r = SimpleNamespace(registry=reg, out=Layout(reg.root), build={}, validate={}, bench={})
     for m in MODELS:
         prepare(reg, m)
@@ -124,7 +139,9 @@ def test_tuning_writes_the_database_and_a_rebuild_replays_it(proj):
     assert first["state"] == "missing" and first["updated"] and first["misses"] >= 1
     folder = proj.out.cache_dir("conv", "tuned")
     index = json.loads((folder / INDEX).read_text())
-    assert index["backend"] == "tvm" and index["kind"] == "tuning-database" and index["trials"] >= 1 and index["tuned_at"]
+    assert (
+        index["backend"] == "tvm" and index["kind"] == "tuning-database" and index["trials"] >= 1 and index["tuned_at"]
+    )
     assert index["key"] == TvmBackend().cache_key(proj.registry.sku("tuned"))
     assert sorted(f["path"] for f in index["files"]) == sorted([WORKLOADS, RECORDS, DEFAULTS])
     assert first["sha256"] == files_digest(index["files"])
@@ -206,11 +223,13 @@ def test_a_missing_database_fails_a_required_build_and_refresh_writes_it(proj):
     with pytest.raises(GateFailed, match="missing: no cache yet"):
         build(proj.registry, "conv", "required")
     assert not engine.exists() and not (proj.out.cache_dir("conv", "required") / INDEX).exists()
-    proc = skuforge("cache", "status", "--sku", "required", "--model", "conv", "--fail-on", "not-fresh",
-                    cwd=proj.registry.root)
+    proc = skuforge(
+        "cache", "status", "--sku", "required", "--model", "conv", "--fail-on", "not-fresh", cwd=proj.registry.root
+    )
     assert proc.returncode == 1 and "missing" in proc.stdout
-    proc = skuforge("cache", "refresh", "--sku", "required", "--model", "conv", "--trials", "2", cwd=proj.registry.root,
-                    timeout=600)
+    proc = skuforge(
+        "cache", "refresh", "--sku", "required", "--model", "conv", "--trials", "2", cwd=proj.registry.root, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr
     assert "refreshed caches/required/conv" in proc.stdout
     rep = build(proj.registry, "conv", "required")  # now it replays, so the required build passes
@@ -220,10 +239,12 @@ def test_a_missing_database_fails_a_required_build_and_refresh_writes_it(proj):
 def test_config_refuses_what_the_backend_cannot_do(tmp_path):
     root = tmp_path
     models.conv_bn_model(root / "models/conv/model.onnx")
-    bad = {"int8": {**tvm_sku(), "precision": "int8"},
-           "profiled": {**tvm_sku(), "shapes": {}, "profiles": {"batch": {"min": 1, "opt": 1, "max": 4}}},
-           "untuned_required": {**tvm_sku(), "cache": {"require": True}},
-           "typo": tvm_sku(trails=3)}
+    bad = {
+        "int8": {**tvm_sku(), "precision": "int8"},
+        "profiled": {**tvm_sku(), "shapes": {}, "profiles": {"batch": {"min": 1, "opt": 1, "max": 4}}},
+        "untuned_required": {**tvm_sku(), "cache": {"require": True}},
+        "typo": tvm_sku(trails=3),
+    }
     with pytest.raises(ConfigError) as err:
         load_registry(models.write_project(root, {"conv": models.conv_bn_spec()}, bad))
     text = str(err.value)

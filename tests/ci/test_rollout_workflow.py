@@ -48,8 +48,13 @@ def test_rollout_triggers(rollout):
     assert set(on) == {"schedule", "workflow_dispatch"}
     assert on["schedule"] == [{"cron": "*/30 * * * *"}]
     inputs = on["workflow_dispatch"]["inputs"]
-    assert inputs["action"] == {"description": inputs["action"]["description"], "required": True,
-                                "default": "advance", "type": "choice", "options": ACTIONS}
+    assert inputs["action"] == {
+        "description": inputs["action"]["description"],
+        "required": True,
+        "default": "advance",
+        "type": "choice",
+        "options": ACTIONS,
+    }
     for name in ("model", "reason"):
         assert inputs[name]["type"] == "string" and inputs[name]["required"] is False
 
@@ -114,12 +119,24 @@ def run_step(rollout, tmp_path):
     fake.chmod(0o755)
 
     def run(event: str, action: str = "", model: str = "", reason: str = ""):
-        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "GITHUB_EVENT_NAME": event,
-               "ACTION": action, "MODEL": model, "REASON": reason, "MODEL_RULE": step["env"]["MODEL_RULE"]}
+        env = {
+            "PATH": f"{bin_dir}:/usr/bin:/bin",
+            "GITHUB_EVENT_NAME": event,
+            "ACTION": action,
+            "MODEL": model,
+            "REASON": reason,
+            "MODEL_RULE": step["env"]["MODEL_RULE"],
+        }
         assert set(step["env"]) == {"ACTION", "MODEL", "REASON", "MODEL_RULE"}
         calls.unlink(missing_ok=True)
-        proc = subprocess.run(["bash", "--noprofile", "--norc", "-e", str(script)], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=30)
+        proc = subprocess.run(
+            ["bash", "--noprofile", "--norc", "-e", str(script)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         args = [line.split("\0")[:-1] for line in calls.read_text().splitlines()] if calls.exists() else []
         return proc.returncode, proc.stdout + proc.stderr, args
 
@@ -132,14 +149,17 @@ def test_schedule_advances_every_rollout(run_step):
     assert run_step("schedule", "abort", "resnet", "x")[::2] == (0, [["rollout", "advance", "--all"]])
 
 
-@pytest.mark.parametrize("action, model, reason, expected", [
-    ("advance", "", "", ["advance", "--all"]),
-    ("advance", "resnet", "a reason advance does not take", ["advance", "--model", "resnet"]),
-    ("status", "", "", ["status", "--all"]),
-    ("pause", "resnet", "canary looks slow", ["pause", "--model", "resnet", "--reason", "canary looks slow"]),
-    ("rollback", "", "bad build", ["rollback", "--all", "--reason", "bad build"]),
-    ("abort", "a" * 64, HOSTILE, ["abort", "--model", "a" * 64, "--reason", HOSTILE]),
-])
+@pytest.mark.parametrize(
+    "action, model, reason, expected",
+    [
+        ("advance", "", "", ["advance", "--all"]),
+        ("advance", "resnet", "a reason advance does not take", ["advance", "--model", "resnet"]),
+        ("status", "", "", ["status", "--all"]),
+        ("pause", "resnet", "canary looks slow", ["pause", "--model", "resnet", "--reason", "canary looks slow"]),
+        ("rollback", "", "bad build", ["rollback", "--all", "--reason", "bad build"]),
+        ("abort", "a" * 64, HOSTILE, ["abort", "--model", "a" * 64, "--reason", HOSTILE]),
+    ],
+)
 def test_dispatch_passes_inputs_as_arguments(run_step, tmp_path, action, model, reason, expected):
     rc, out, calls = run_step("workflow_dispatch", action, model, reason)
     assert rc == 0, out

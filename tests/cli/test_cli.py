@@ -9,11 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import models
 import numpy as np
 import pytest
-
-import models
 from cli_helpers import assert_user_error, project, skuforge
+
 from pipeline.config import load_registry
 from pipeline.runner.probe import host_arch
 from pipeline.stages.build import build
@@ -201,9 +201,19 @@ def test_building_the_parser_imports_nothing_heavy():
     assert _heavy_after("from pipeline.cli import build_parser\nbuild_parser()") == []
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["build", "--help"], ["config", "validate", "--help"],
-                                  ["publish", "--help"], ["promote", "--help"], ["releases", "--help"],
-                                  ["ci", "render", "--help"], ["runner", "check", "--help"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["build", "--help"],
+        ["config", "validate", "--help"],
+        ["publish", "--help"],
+        ["promote", "--help"],
+        ["releases", "--help"],
+        ["ci", "render", "--help"],
+        ["runner", "check", "--help"],
+    ],
+)
 def test_help_imports_nothing_heavy(argv):
     code = f"""
 import contextlib, io
@@ -227,8 +237,9 @@ def test_cli_modules_import_no_heavy_library_at_module_level():
                 names = [a.name.split(".")[0] for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
-                    assert node.level == 1 or (node.module or "").split(".")[0] in light_relative, \
+                    assert node.level == 1 or (node.module or "").split(".")[0] in light_relative, (
                         f"{path.name}: module-level import of ..{node.module}"
+                    )
                     continue
                 names = [(node.module or "").split(".")[0]]
             else:

@@ -24,9 +24,7 @@ FILES = ("model.onnx", *DATASETS, "export.json")
 def cnn(tmp_path_factory):
     out = tmp_path_factory.mktemp("digits_cnn")
     calls: list[tuple[str, float]] = []
-    record = digits.export_example(
-        "digits_cnn", out, progress=lambda msg, frac: calls.append((msg, frac))
-    )
+    record = digits.export_example("digits_cnn", out, progress=lambda msg, frac: calls.append((msg, frac)))
     return out, record, calls
 
 
@@ -164,9 +162,7 @@ def _export_both(**caps: str) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    "avx2" not in _host_flags(), reason="needs an x86-64 CPU with AVX2: the examples train on AVX2"
-)
+@pytest.mark.skipif("avx2" not in _host_flags(), reason="needs an x86-64 CPU with AVX2: the examples train on AVX2")
 def test_training_does_not_depend_on_the_host_isa():
     """An AVX-512 host and an AVX2-only one write the same files: here, this CPU unrestricted
     against the same CPU capped as a lower-ISA host would be (AVX2, or the scalar ATen kernels
@@ -174,9 +170,7 @@ def test_training_does_not_depend_on_the_host_isa():
     lower = "avx2" if "avx512f" in _host_flags() else "default"
     runs = {
         "host": _export_both(),
-        lower: _export_both(
-            ATEN_CPU_CAPABILITY=lower, ONEDNN_MAX_CPU_ISA="AVX2", MKL_ENABLE_INSTRUCTIONS="AVX2"
-        ),
+        lower: _export_both(ATEN_CPU_CAPABILITY=lower, ONEDNN_MAX_CPU_ISA="AVX2", MKL_ENABLE_INSTRUCTIONS="AVX2"),
     }
     hashes = {}
     for label, proc in runs.items():

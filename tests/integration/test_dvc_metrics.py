@@ -32,9 +32,15 @@ PROBLEMS = ("failed to load", "error", "warning")
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, DVC_NO_ANALYTICS="1", PATH=os.pathsep.join([str(BIN), os.environ.get("PATH", "")]),
-               GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com", GIT_COMMITTER_NAME="t",
-               GIT_COMMITTER_EMAIL="t@example.com")
+    env = dict(
+        os.environ,
+        DVC_NO_ANALYTICS="1",
+        PATH=os.pathsep.join([str(BIN), os.environ.get("PATH", "")]),
+        GIT_AUTHOR_NAME="t",
+        GIT_AUTHOR_EMAIL="t@example.com",
+        GIT_COMMITTER_NAME="t",
+        GIT_COMMITTER_EMAIL="t@example.com",
+    )
     for var in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "DVC_ROOT"):  # never touch the enclosing checkout
         env.pop(var, None)
     return env
@@ -46,8 +52,12 @@ def _run(root: Path, *args: str) -> subprocess.CompletedProcess:
 
 def _dvc_all(root: Path, commands: dict[str, tuple[str, ...]]) -> dict[str, subprocess.CompletedProcess]:
     """Read-only dvc commands run side by side (each spends seconds importing DVC)."""
-    procs = {name: subprocess.Popen([str(BIN / "dvc"), *args], cwd=root, env=_env(), stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True) for name, args in commands.items()}
+    procs = {
+        name: subprocess.Popen(
+            [str(BIN / "dvc"), *args], cwd=root, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for name, args in commands.items()
+    }
     done = {}
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=120)
@@ -56,11 +66,16 @@ def _dvc_all(root: Path, commands: dict[str, tuple[str, ...]]) -> dict[str, subp
 
 
 def _benchmark(p50: float) -> dict:  # the manifest's `benchmark` section
-    return {"batch": 1, "concurrency": 1, "engine_only": {"p50_ms": p50, "p50_ci_ms": [p50 * 0.98, p50 * 1.02],
-                                                          "p99_ms": p50 * 2, "p99_ci_ms": None},
-            "end_to_end": {"p50_ms": p50 * 1.5, "p50_ci_ms": None, "p99_ms": p50 * 3, "p99_ci_ms": None},
-            "throughput_per_s": round(1000 / p50), "throughput_ci_per_s": None, "peak_rss_mb": 90.0,
-            "engine_load_mb": 16.0}
+    return {
+        "batch": 1,
+        "concurrency": 1,
+        "engine_only": {"p50_ms": p50, "p50_ci_ms": [p50 * 0.98, p50 * 1.02], "p99_ms": p50 * 2, "p99_ci_ms": None},
+        "end_to_end": {"p50_ms": p50 * 1.5, "p50_ci_ms": None, "p99_ms": p50 * 3, "p99_ci_ms": None},
+        "throughput_per_s": round(1000 / p50),
+        "throughput_ci_per_s": None,
+        "peak_rss_mb": 90.0,
+        "engine_load_mb": 16.0,
+    }
 
 
 class _Point:
@@ -75,7 +90,9 @@ def _bench_files(scratch: Path, sku: str, p50: float) -> tuple[Path, Path]:
     warm = [p50 * (3 - i / 10) for i in range(20)]
     folder = scratch / sku
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "latency.csv").write_text("iteration,latency_ms\n" + "".join(f"{i},{v:.4f}\n" for i, v in enumerate(steady)))
+    (folder / "latency.csv").write_text(
+        "iteration,latency_ms\n" + "".join(f"{i},{v:.4f}\n" for i, v in enumerate(steady))
+    )
     rows = [f"{i},warmup,{v:.4f}\n" for i, v in enumerate(warm)]
     rows += [f"{len(warm) + i},steady,{v:.4f}\n" for i, v in enumerate(steady)]
     (folder / "timeline.csv").write_text("iteration,phase,latency_ms\n" + "".join(rows))
@@ -86,8 +103,9 @@ def _write_pairs(root: Path, scratch: Path, p50: dict[str, float]) -> None:
     for sku, value in p50.items():
         latency, timeline = _bench_files(scratch, sku, value)
         sweep = [_Point(1, 1, value), _Point(1, 2, value * 1.6)] if sku == BUILT[0] else []
-        dvcmetrics.write_metrics(root, {"model": MODEL, "sku": sku, "benchmark": _benchmark(value)},
-                                 latency, timeline, sweep)
+        dvcmetrics.write_metrics(
+            root, {"model": MODEL, "sku": sku, "benchmark": _benchmark(value)}, latency, timeline, sweep
+        )
 
 
 @pytest.fixture(scope="module")
@@ -99,13 +117,18 @@ def project(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
         shutil.copy(REPO / name, root / name)
     # a team's project commits its run records (this repository's example ignores its own)
     records = {"/dvc.lock", f"/{dvcmetrics.ROOT}/", "/manifests/", "/reports/"}
-    (root / ".gitignore").write_text("".join(line + "\n" for line in (REPO / ".gitignore").read_text().splitlines()
-                                             if line not in records))
+    (root / ".gitignore").write_text(
+        "".join(line + "\n" for line in (REPO / ".gitignore").read_text().splitlines() if line not in records)
+    )
     for kind in dvcmetrics.FOLDERS:
         (root / dvcmetrics.ROOT / kind).mkdir(parents=True)
         (root / dvcmetrics.ROOT / kind / ".gitkeep").write_text("")
-    registry = {"defaults": {}, "examples": {}, "models": {MODEL: {"dir": f"models/{MODEL}"}},
-                "skus": {sku: {} for sku in (*BUILT, UNBUILT)}}
+    registry = {
+        "defaults": {},
+        "examples": {},
+        "models": {MODEL: {"dir": f"models/{MODEL}"}},
+        "skus": {sku: {} for sku in (*BUILT, UNBUILT)},
+    }
     (root / "params.yaml").write_text(yaml.safe_dump(registry))
     assert _run(root, "git", "init", "-q").returncode == 0
     (root / ".dvc").mkdir()  # what `dvc init` leaves that matters here, without its seconds of start-up
@@ -116,10 +139,15 @@ def project(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     assert _run(root, "git", "commit", "-qm", "first").returncode == 0
     _write_pairs(root, scratch, {BUILT[0]: 0.15})  # a slower engine
     assert _run(root, "git", "commit", "-qam", "second").returncode == 0
-    return _dvc_all(root, {
-        "metrics show": ("metrics", "show", "--json"), "metrics diff": ("metrics", "diff", "HEAD~1", "--json"),
-        "plots show": ("plots", "show", "--json"), "plots diff": ("plots", "diff", "HEAD~1", "--json"),
-    })
+    return _dvc_all(
+        root,
+        {
+            "metrics show": ("metrics", "show", "--json"),
+            "metrics diff": ("metrics", "diff", "HEAD~1", "--json"),
+            "plots show": ("plots", "show", "--json"),
+            "plots diff": ("plots", "diff", "HEAD~1", "--json"),
+        },
+    )
 
 
 def _clean(proc: subprocess.CompletedProcess) -> dict:
@@ -155,8 +183,11 @@ def test_metrics_show_lists_built_pairs_only(project):
 def test_metrics_diff_shows_the_slower_engine(project):
     diff = _clean(project["metrics diff"])
     assert list(diff) == [_pair(dvcmetrics.BENCH, BUILT[0])]
-    assert diff[_pair(dvcmetrics.BENCH, BUILT[0])]["engine_only.p50_ms"] == {"old": 0.1, "new": 0.15,
-                                                                             "diff": pytest.approx(0.05)}
+    assert diff[_pair(dvcmetrics.BENCH, BUILT[0])]["engine_only.p50_ms"] == {
+        "old": 0.1,
+        "new": 0.15,
+        "diff": pytest.approx(0.05),
+    }
 
 
 def test_plots_show_has_every_built_pairs_plots_and_no_unbuilt_one(project):
@@ -176,4 +207,5 @@ def test_plots_diff_overlays_both_revisions(project):
     assert medians["workspace"] > medians["HEAD~1"]
     (compare,) = data[f"{dvcmetrics.ROOT}/{dvcmetrics.COMPARE}/{MODEL}.csv"]
     assert {(v["rev"], v["sku"]) for v in compare["content"]["data"]["values"]} == {
-        (rev, sku) for rev in ("HEAD~1", "workspace") for sku in BUILT}
+        (rev, sku) for rev in ("HEAD~1", "workspace") for sku in BUILT
+    }

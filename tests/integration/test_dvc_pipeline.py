@@ -96,7 +96,8 @@ def store_state(root: Path) -> dict[str, dict[str, Any]]:
             runs = client.search_runs([exp.experiment_id], f"tags.`skuforge.sku` = '{s}'") if exp else []
             versions = client.search_model_versions(f"name = '{m}.{s}'")
             state[f"{m}/{s}"] = {
-                "runs": len(runs), "versions": sorted(int(v.version) for v in versions),
+                "runs": len(runs),
+                "versions": sorted(int(v.version) for v in versions),
                 "metrics": all("latency.engine_only.p50_ms" in r.data.metrics for r in runs),
                 "artifacts": sorted({f.path for r in runs for f in client.list_artifacts(r.info.run_id)}),
             }
@@ -122,8 +123,13 @@ def skus() -> dict:
     }
 
 
-def make_project(root: Path, models: tuple[str, ...] = MODELS, sku_table: dict | None = None,
-                 defaults: bool = True, examples: bool = True) -> Path:
+def make_project(
+    root: Path,
+    models: tuple[str, ...] = MODELS,
+    sku_table: dict | None = None,
+    defaults: bool = True,
+    examples: bool = True,
+) -> Path:
     """git init, the real dvc.yaml verbatim, dvc init, models and params.yaml."""
     root.mkdir(parents=True, exist_ok=True)
     must(run(root, "git", "init", "-q"))
@@ -202,8 +208,9 @@ def far_by_dvc(project, sku_edit) -> Run:
 @pytest.fixture(scope="module")
 def gate_fail(project, far_by_dvc) -> Run:
     """5. cpu_int8 with zero tolerance: the validate stage fails its gate under dvc."""
-    edit_params(project, lambda d: d["skus"]["cpu_int8"].update(
-        tolerance={"atol": 0.0, "rtol": 0.0, "max_mismatch": 0.0}))
+    edit_params(
+        project, lambda d: d["skus"]["cpu_int8"].update(tolerance={"atol": 0.0, "rtol": 0.0, "max_mismatch": 0.0})
+    )
     result = run(project, "skuforge", "repro", "--sku", "cpu_int8")
     result.files = snapshot(project, "build/*/cpu_int8/validate.json")
     return result
@@ -217,13 +224,19 @@ def test_empty_examples_foreach_is_accepted(project):
     names = {line.split()[0] for line in listed.stdout.splitlines() if line.strip()}
     assert not any(n.startswith("export") for n in names)
     assert {f"prepare@{m}" for m in MODELS} <= names
-    assert {f"{stage}@{m}-{s}" for stage in ("build", "validate", "bench", "manifest", "publish")
-            for m in MODELS for s in (*BUILDABLE, "far")} <= names
+    assert {
+        f"{stage}@{m}-{s}"
+        for stage in ("build", "validate", "bench", "manifest", "publish")
+        for m in MODELS
+        for s in (*BUILDABLE, "far")
+    } <= names
 
 
 def test_repro_builds_every_buildable_pair(project, first):
     assert first.returncode == 0, str(first)
-    assert re.search(r"skipping SKU far: .*needs a runner with labels \[self-hosted, arm64, jetson\]", first.stderr), str(first)
+    assert re.search(r"skipping SKU far: .*needs a runner with labels \[self-hosted, arm64, jetson\]", first.stderr), (
+        str(first)
+    )
     expected = {f"manifests/{m}/{s}.json" for m in MODELS for s in BUILDABLE}
     assert set(first.files) - {"mlflow"} == expected
     for path, raw in first.files.items():
@@ -248,7 +261,11 @@ def test_repro_records_every_pair_in_the_embedded_mlflow_store(project, first):
     for m in MODELS:
         for s in BUILDABLE:
             assert first.files["mlflow"][f"{m}/{s}"] == {
-                "runs": 1, "versions": [1], "metrics": True, "artifacts": ["engine", "manifest.json", "reports"]}, (m, s)
+                "runs": 1,
+                "versions": [1],
+                "metrics": True,
+                "artifacts": ["engine", "manifest.json", "reports"],
+            }, (m, s)
         assert first.files["mlflow"][f"{m}/far"]["runs"] == 0
     assert re.search(r"^conv\s+cpu_fp32\s.*\sv1\s*$", first.stdout, re.M), first.stdout  # summary: version
 
@@ -268,7 +285,9 @@ def test_sku_edit_reruns_only_that_sku(sku_edit):
     assert ran, str(sku_edit)
     # the config stage re-resolves the registry; only cpu_int8's resolved files change
     assert ran[0] == "config" and all(name.endswith("-cpu_int8") for name in ran[1:]), ran
-    assert {f"{stage}@{m}-cpu_int8" for stage in ("build", "validate", "manifest", "publish") for m in MODELS} <= set(ran), ran
+    assert {f"{stage}@{m}-cpu_int8" for stage in ("build", "validate", "manifest", "publish") for m in MODELS} <= set(
+        ran
+    ), ran
     files = sku_edit.files
     assert files["after"] == files["before"] and len(files["after"]) == len(MODELS)  # byte for byte
     assert len(files["builds"]) == len(MODELS)

@@ -10,17 +10,17 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from cli_helpers import assert_user_error, service_env
+from registry_helpers import make_project, sku
+
 from pipeline.errors import InputError
 from pipeline.io import read_json
-from pipeline.paths import Layout
 from pipeline.manifest import load_manifest
+from pipeline.paths import Layout
 from pipeline.registry.promotion import promote, rollback
 from pipeline.registry.publish import ci_tags, flatten, manifest_metrics
 from pipeline.registry.tracking import EMBEDDED_ARTIFACTS, EMBEDDED_DB, TAG_DIGEST, connect
 from pipeline.stages.publish import publish
-from registry_helpers import make_project, sku
 
 REPO = Path(__file__).resolve().parents[2]
 SKUFORGE = Path(sys.executable).with_name("skuforge")
@@ -49,7 +49,9 @@ def proj(tmp_path_factory):
 def one_run_one_version(proj, result):
     client = connect(proj).client
     runs = client.search_runs([result.experiment_id], f"tags.`{TAG_DIGEST}` = '{result.digest}'")
-    versions = client.search_model_versions(f"name = '{result.registered_model}' and tags.`{TAG_DIGEST}` = '{result.digest}'")
+    versions = client.search_model_versions(
+        f"name = '{result.registered_model}' and tags.`{TAG_DIGEST}` = '{result.digest}'"
+    )
     assert [r.info.run_id for r in runs] == [result.run_id]
     assert [str(v.version) for v in versions] == [result.version]
     return runs[0]
@@ -65,23 +67,53 @@ def test_the_embedded_store_lives_at_the_project_root(proj):
     assert read_json(Layout(proj.root).report("conv", "a", "publish")) == result.receipt()
     assert result.created_run and result.created_version and result.version == "1"
     names = [f.path for f in connect(proj).client.list_artifacts(result.run_id, "reports")]
-    assert names == [f"reports/{n}" for n in ("bench.json", "build.json", "golden.npz", "latency.csv", "outputs.npz",
-                                              "report.html", "timeline.csv", "validate.json")]
+    assert names == [
+        f"reports/{n}"
+        for n in (
+            "bench.json",
+            "build.json",
+            "golden.npz",
+            "latency.csv",
+            "outputs.npz",
+            "report.html",
+            "timeline.csv",
+            "validate.json",
+        )
+    ]
 
 
 def test_tags_name_the_commit_runner_and_ci_run(proj):
     manifest = load_manifest(Layout(proj.root).manifest("conv", "a"))
-    manifest = manifest.model_copy(update={"provenance": manifest.provenance.model_copy(update={"git_commit": "abc123"})})
-    tags = ci_tags(manifest, {"GITHUB_SERVER_URL": "https://github.com", "GITHUB_REPOSITORY": "acme/engines",
-                              "GITHUB_RUN_ID": "42", "GITHUB_RUN_ATTEMPT": "2", "RUNNER_NAME": "jetson-07"})
-    assert tags == {"skuforge.runner": "jetson-07", "mlflow.source.git.commit": "abc123", "skuforge.git_commit": "abc123",
-                    "skuforge.ci_run_url": "https://github.com/acme/engines/actions/runs/42/attempts/2"}
+    manifest = manifest.model_copy(
+        update={"provenance": manifest.provenance.model_copy(update={"git_commit": "abc123"})}
+    )
+    tags = ci_tags(
+        manifest,
+        {
+            "GITHUB_SERVER_URL": "https://github.com",
+            "GITHUB_REPOSITORY": "acme/engines",
+            "GITHUB_RUN_ID": "42",
+            "GITHUB_RUN_ATTEMPT": "2",
+            "RUNNER_NAME": "jetson-07",
+        },
+    )
+    assert tags == {
+        "skuforge.runner": "jetson-07",
+        "mlflow.source.git.commit": "abc123",
+        "skuforge.git_commit": "abc123",
+        "skuforge.ci_run_url": "https://github.com/acme/engines/actions/runs/42/attempts/2",
+    }
     assert ci_tags(manifest, {})["skuforge.runner"] == manifest.provenance.host
     assert "skuforge.ci_run_url" not in ci_tags(manifest, {})
     metrics = manifest_metrics(manifest)
     assert metrics["latency.engine_only.p50_ms"] == manifest.benchmark.engine_only.p50_ms
     assert metrics["gate.placement_passed"] == 1.0 and metrics["layers"] == len(manifest.layers)
-    assert flatten({"a": {"b": [1, 2], "c": None, "d": "x"}, "e": {}}) == {"a.b": "[1, 2]", "a.c": "null", "a.d": "x", "e": "{}"}
+    assert flatten({"a": {"b": [1, 2], "c": None, "d": "x"}, "e": {}}) == {
+        "a.b": "[1, 2]",
+        "a.c": "null",
+        "a.d": "x",
+        "e": "{}",
+    }
 
 
 def test_a_crash_mid_upload_is_resumed(proj):
@@ -120,21 +152,35 @@ def _json_edit(change):
         doc = json.loads(data)
         change(doc)
         return json.dumps(doc).encode()
+
     return edit
 
 
 def test_reports_that_do_not_match_the_manifest_are_refused(proj):
     out = Layout(proj.root)
     # edited: no longer the figures of its samples
-    _refused_after(proj, out.report("conv", "d", "bench"),
-                   _json_edit(lambda d: d["engine_only"].update(p50_ms=d["engine_only"]["p50_ms"] * 2)),
-                   "engine-only figures are not those of its samples", "skuforge bench")
+    _refused_after(
+        proj,
+        out.report("conv", "d", "bench"),
+        _json_edit(lambda d: d["engine_only"].update(p50_ms=d["engine_only"]["p50_ms"] * 2)),
+        "engine-only figures are not those of its samples",
+        "skuforge bench",
+    )
     # build ran again, the manifest was not rewritten
-    _refused_after(proj, out.report("conv", "d", "build"),
-                   _json_edit(lambda d: d.update(warnings=["rebuilt with other settings"])),
-                   "build.json of conv/d are missing or are not the reports", "skuforge manifest")
-    _refused_after(proj, out.engine_dir("conv", "d") / "model.onnx", lambda b: b[:-1] + bytes([b[-1] ^ 1]),
-                   "differs from", "rebuild")
+    _refused_after(
+        proj,
+        out.report("conv", "d", "build"),
+        _json_edit(lambda d: d.update(warnings=["rebuilt with other settings"])),
+        "build.json of conv/d are missing or are not the reports",
+        "skuforge manifest",
+    )
+    _refused_after(
+        proj,
+        out.engine_dir("conv", "d") / "model.onnx",
+        lambda b: b[:-1] + bytes([b[-1] ^ 1]),
+        "differs from",
+        "rebuild",
+    )
     assert publish(proj, "conv", "d").created_version
 
 
@@ -150,8 +196,9 @@ def _unwritable_artifacts(root: Path, how: str):
             yield
             return
         artifacts.mkdir()
-        mount = subprocess.run(["mount", "--bind", str(artifacts), str(artifacts)], capture_output=True, text=True,
-                               check=False)
+        mount = subprocess.run(
+            ["mount", "--bind", str(artifacts), str(artifacts)], capture_output=True, text=True, check=False
+        )
         if mount.returncode != 0:
             pytest.skip(f"a read-only bind mount needs root with CAP_SYS_ADMIN: {mount.stderr.strip()}")
         try:
@@ -172,8 +219,12 @@ def test_an_unwritable_artifact_folder_is_named_and_its_run_marked_failed(proj, 
     root = proj.root.resolve()
     with _unwritable_artifacts(root, how):
         proc = run(root, "publish", "--model", "conv", "--sku", pair)
-        assert_user_error(proc, 3, f"upload model.onnx failed: the artifact folder {root / EMBEDDED_ARTIFACTS} "
-                                   "cannot be written", "hint: ")
+        assert_user_error(
+            proc,
+            3,
+            f"upload model.onnx failed: the artifact folder {root / EMBEDDED_ARTIFACTS} cannot be written",
+            "hint: ",
+        )
         assert "database" not in proc.stderr  # it was blamed on mlflow.db
     client = connect(proj).client
     experiment = client.get_experiment_by_name("conv").experiment_id
@@ -197,20 +248,26 @@ def test_promote_and_roll_back_on_the_embedded_store(proj):
 
 
 def run(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(SKUFORGE), *args], cwd=root, capture_output=True, text=True, timeout=120,
-                          env=service_env())
+    return subprocess.run(
+        [str(SKUFORGE), *args], cwd=root, capture_output=True, text=True, timeout=120, env=service_env()
+    )
 
 
-@pytest.mark.parametrize("args, words", [
-    (("publish",), ["--model M --sku S, or --all"]),
-    (("publish", "--all", "--sku", "a"), ["--all"]),
-    (("promote", "conv", "--sku", "a", "--to", "prod"), ["unknown alias 'prod'", "did you mean 'production'",
-                                                        "candidate -> staging -> production"]),
-    (("promote", "conv", "--sku", "a", "--to", "production"), ["needs a reason", "--reason"]),
-    (("promote", "conv", "--sku", "zz", "--to", "candidate"), ["unknown SKU 'zz'"]),
-    (("promote", "conv", "--sku", "a", "--to", "candidate", "--rollback", "--version", "1"), ["--rollback"]),
-    (("releases", "nope"), ["unknown model 'nope'"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (("publish",), ["--model M --sku S, or --all"]),
+        (("publish", "--all", "--sku", "a"), ["--all"]),
+        (
+            ("promote", "conv", "--sku", "a", "--to", "prod"),
+            ["unknown alias 'prod'", "did you mean 'production'", "candidate -> staging -> production"],
+        ),
+        (("promote", "conv", "--sku", "a", "--to", "production"), ["needs a reason", "--reason"]),
+        (("promote", "conv", "--sku", "zz", "--to", "candidate"), ["unknown SKU 'zz'"]),
+        (("promote", "conv", "--sku", "a", "--to", "candidate", "--rollback", "--version", "1"), ["--rollback"]),
+        (("releases", "nope"), ["unknown model 'nope'"]),
+    ],
+)
 def test_argument_errors_exit_2_before_touching_the_store(proj, args, words):
     proc = run(proj.root, *args)
     assert proc.returncode == 2, proc.stderr

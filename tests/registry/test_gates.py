@@ -4,15 +4,26 @@ each other (fail closed). The figures come from real comparisons of numpy arrays
 
 from __future__ import annotations
 
+import models
 import numpy as np
 import pytest
 
-import models
 from pipeline.compare import output_error
 from pipeline.config import parse_registry
 from pipeline.registry.gates import correctness_gate, correctness_problems, sku_mismatches
-from pipeline.results import (Correctness, Evidence, HostInfo, Manifest, OutputError, PlacementSummary,
-                              PrecisionSummary, Signature, TargetInfo, TensorSig, engine_digest)
+from pipeline.results import (
+    Correctness,
+    Evidence,
+    HostInfo,
+    Manifest,
+    OutputError,
+    PlacementSummary,
+    PrecisionSummary,
+    Signature,
+    TargetInfo,
+    TensorSig,
+    engine_digest,
+)
 
 RNG = np.random.default_rng(0)
 LOGITS = RNG.normal(scale=3.0, size=(600, 4))
@@ -21,8 +32,14 @@ REFERENCE = (np.exp(LOGITS) / np.exp(LOGITS).sum(axis=1, keepdims=True)).astype(
 
 def registry(sku_tolerance: dict | None = None, **model_keys):
     spec = {**models.conv_bn_spec(), "datasets": {"golden": {"generate": {"count": 401}}}, **model_keys}
-    return parse_registry({"defaults": {}, "examples": {}, "models": {"conv": spec},
-                           "skus": {"cpu_int8": models.ort_sku("int8", tolerance=sku_tolerance or {})}})
+    return parse_registry(
+        {
+            "defaults": {},
+            "examples": {},
+            "models": {"conv": spec},
+            "skus": {"cpu_int8": models.ort_sku("int8", tolerance=sku_tolerance or {})},
+        }
+    )
 
 
 def flipped(rows: int) -> np.ndarray:
@@ -37,13 +54,19 @@ def flipped(rows: int) -> np.ndarray:
 def manifest(*outputs: OutputError) -> Manifest:
     """The parts of a manifest the correctness gate reads, as the manifest stage writes them."""
     passed = all(o.passed for o in outputs)
-    c = Correctness(passed=passed, failures=[] if passed else ["output failed"], outputs=list(outputs), metrics=[],
-                    placement=PlacementSummary(passed=True, allowed=["CPUExecutionProvider"], offending=0,
-                                               partition_boundaries=0),
-                    precision=PrecisionSummary(passed=True, requested="int8", policy="warn", mismatched_layers=0),
-                    warnings=[])
-    sig = Signature(inputs=[TensorSig(name="x", dtype="float32", shape=["batch", 3, 8, 8])],
-                    outputs=[TensorSig(name="probs", dtype="float32", shape=["batch", 4])])
+    c = Correctness(
+        passed=passed,
+        failures=[] if passed else ["output failed"],
+        outputs=list(outputs),
+        metrics=[],
+        placement=PlacementSummary(passed=True, allowed=["CPUExecutionProvider"], offending=0, partition_boundaries=0),
+        precision=PrecisionSummary(passed=True, requested="int8", policy="warn", mismatched_layers=0),
+        warnings=[],
+    )
+    sig = Signature(
+        inputs=[TensorSig(name="x", dtype="float32", shape=["batch", 3, 8, 8])],
+        outputs=[TensorSig(name="probs", dtype="float32", shape=["batch", 4])],
+    )
     return Manifest.model_construct(model="conv", sku="cpu_int8", correctness=c, signature=sig)
 
 
@@ -90,16 +113,19 @@ def test_a_missing_agreement_figure_fails_closed():
     assert any("top-1 counts (3 of" in p for p in correctness_problems(manifest(o), registry()))
 
 
-@pytest.mark.parametrize("update, words", [
-    ({"nan_count": 3}, "non-finite counts (3 NaN, 0 Inf) contradict"),
-    ({"min_passing_atol": 0.2}, "contradicts the smallest passing atol 0.2"),
-    ({"min_passing_atol": None}, "contradicts the smallest passing atol None"),
-    ({"max_abs_error": None}, "no error figures for its finite elements"),
-    ({"top1_agreement": 1.5}, "error figures out of range"),
-    ({"cosine_similarity": float("nan")}, "non-finite error figures"),
-    ({"shape_mismatch": "engine [1] vs reference [2]"}, "a shape mismatch recorded with elements within tolerance"),
-    ({"atol": 0.5}, "measured with atol=0.5 rtol=0.1, looser than the SKU's atol=0.05 rtol=0.1 for probabilities"),
-])
+@pytest.mark.parametrize(
+    "update, words",
+    [
+        ({"nan_count": 3}, "non-finite counts (3 NaN, 0 Inf) contradict"),
+        ({"min_passing_atol": 0.2}, "contradicts the smallest passing atol 0.2"),
+        ({"min_passing_atol": None}, "contradicts the smallest passing atol None"),
+        ({"max_abs_error": None}, "no error figures for its finite elements"),
+        ({"top1_agreement": 1.5}, "error figures out of range"),
+        ({"cosine_similarity": float("nan")}, "non-finite error figures"),
+        ({"shape_mismatch": "engine [1] vs reference [2]"}, "a shape mismatch recorded with elements within tolerance"),
+        ({"atol": 0.5}, "measured with atol=0.5 rtol=0.1, looser than the SKU's atol=0.05 rtol=0.1 for probabilities"),
+    ],
+)
 def test_contradictory_or_loosened_figures_fail_closed(update, words):
     o = measured(flipped(1)).model_copy(update=update)
     bad = correctness_problems(manifest(o), registry())
@@ -120,8 +146,9 @@ def test_the_kind_must_be_the_declared_one():
     assert "output probs: judged as probabilities (inferred), params.yaml declares logits" in bad
     declared = measured(flipped(1), registry(output_kinds={"probs": "regression"}))
     assert declared.kind == "regression" and declared.top1_agreement is None
-    assert "output probs: judged as regression (declared), params.yaml declares no kind for it" in \
-        correctness_problems(manifest(declared), registry())
+    assert "output probs: judged as regression (declared), params.yaml declares no kind for it" in correctness_problems(
+        manifest(declared), registry()
+    )
     assert correctness_problems(manifest(declared), registry(output_kinds={"probs": "regression"})) == []
 
 
@@ -135,15 +162,31 @@ def test_a_missing_output_fails_closed():
 
 def ov_manifest(toolchain: dict[str, str]) -> tuple[Manifest, object]:
     """An OpenVINO engine's manifest, as far as the manifest gate's SKU check reads it, and its registry."""
-    reg = parse_registry({"defaults": {}, "examples": {}, "models": {"conv": models.conv_bn_spec()},
-                          "skus": {"ov": {**models.cpu_sku("openvino", "fp32", {"device": "CPU"}),
-                                          "toolchain": {"openvino": ">=2026.0,<2027"}}}})
+    reg = parse_registry(
+        {
+            "defaults": {},
+            "examples": {},
+            "models": {"conv": models.conv_bn_spec()},
+            "skus": {
+                "ov": {
+                    **models.cpu_sku("openvino", "fp32", {"device": "CPU"}),
+                    "toolchain": {"openvino": ">=2026.0,<2027"},
+                }
+            },
+        }
+    )
     target = reg.sku("ov").target
     m = Manifest.model_construct(
-        model="conv", sku="ov", backend="openvino", precision="fp32", toolchain=toolchain, engine=[],
+        model="conv",
+        sku="ov",
+        backend="openvino",
+        precision="fp32",
+        toolchain=toolchain,
+        engine=[],
         target=TargetInfo(arch=target.arch, device="cpu", os="linux", cpu_features=[], runner_labels=["self-hosted"]),
         host=HostInfo(arch=target.arch, os="linux", cpu_model=None, cpu_cores=None, cpu_features=[], python="3.12"),
-        evidence=Evidence(engine_sha256=engine_digest([]), files={}))
+        evidence=Evidence(engine_sha256=engine_digest([]), files={}),
+    )
     return m, reg
 
 
@@ -153,14 +196,21 @@ def test_an_openvino_build_version_satisfies_the_skus_pin():
     m, reg = ov_manifest({"openvino": "2026.4.1-22982-e213a147257-releases/2026/4", "onnx": "1.20.0"})
     assert sku_mismatches(m, reg) == []
     older, _ = ov_manifest({"openvino": "2025.3.0-19807-44526285f24-releases/2025/3"})
-    assert sku_mismatches(older, reg) == [("toolchain openvino: 2025.3.0-19807-44526285f24-releases/2025/3 "
-                                           "(read as 2025.3.0+19807.44526285f24) does not satisfy >=2026.0,<2027")]
+    assert sku_mismatches(older, reg) == [
+        (
+            "toolchain openvino: 2025.3.0-19807-44526285f24-releases/2025/3 "
+            "(read as 2025.3.0+19807.44526285f24) does not satisfy >=2026.0,<2027"
+        )
+    ]
 
 
-@pytest.mark.parametrize("recorded, words", [
-    ({"openvino": "custom build"}, "'custom build' is not a version skuforge can read"),
-    ({}, "no version recorded (needs >=2026.0,<2027)"),
-])
+@pytest.mark.parametrize(
+    "recorded, words",
+    [
+        ({"openvino": "custom build"}, "'custom build' is not a version skuforge can read"),
+        ({}, "no version recorded (needs >=2026.0,<2027)"),
+    ],
+)
 def test_an_unreadable_or_missing_toolchain_version_fails_closed(recorded, words):
     m, reg = ov_manifest(recorded)
     (problem,) = sku_mismatches(m, reg)

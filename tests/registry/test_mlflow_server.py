@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from registry_helpers import FAST_RETRIES, fake_bench, make_project, sku
+
 from pipeline.config import load_registry
 from pipeline.errors import ConfigError, ServiceError, SkuforgeError
 from pipeline.io import read_json, sha256_file
@@ -41,8 +41,11 @@ SKUS = {
     "perf": sku("fp32"),
     "down": sku("fp32"),
 }
-RELEASE = {"skus": ["cpu_fp32", "cpu_int8"], "tracking": FAST_RETRIES,
-           "performance": {"max_regression": 0.1, "min_samples": 30}}
+RELEASE = {
+    "skus": ["cpu_fp32", "cpu_int8"],
+    "tracking": FAST_RETRIES,
+    "performance": {"max_regression": 0.1, "min_samples": 30},
+}
 
 
 def latencies() -> dict[str, np.ndarray]:
@@ -50,14 +53,19 @@ def latencies() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(7)
     base = rng.lognormal(np.log(0.1), 0.05, 200)
     z = np.random.default_rng(0).normal(0.0, 1.0, 200)
-    return {"base": base, "slow": base * 1.5, "noisy": 0.11 * np.exp(z - np.median(z)),
-            "equal": rng.lognormal(np.log(0.1), 0.05, 200)}
+    return {
+        "base": base,
+        "slow": base * 1.5,
+        "noisy": 0.11 * np.exp(z - np.median(z)),
+        "equal": rng.lognormal(np.log(0.1), 0.05, 200),
+    }
 
 
 def cli(root: Path, *args: str, uri: str) -> subprocess.Popen:
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    return subprocess.Popen([str(BIN / "skuforge"), *args], cwd=root, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [str(BIN / "skuforge"), *args], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def outcome(fn, *args, **kwargs):
@@ -81,7 +89,10 @@ def tracking(proj, server):
 def published(proj, server):
     """Two `skuforge publish` processes for two SKUs at the same time (the first publishes of
     this model: both race to create its experiment), then the others in-process."""
-    procs = [cli(proj.root, "publish", "--model", "conv", "--sku", s, "--json", uri=server.uri) for s in ("cpu_fp32", "cpu_int8")]
+    procs = [
+        cli(proj.root, "publish", "--model", "conv", "--sku", s, "--json", uri=server.uri)
+        for s in ("cpu_fp32", "cpu_int8")
+    ]
     done = []
     for p in procs:
         out, err = p.communicate(timeout=180)
@@ -121,15 +132,17 @@ def story(proj, server, published):
     for name in ("slow", "noisy", "equal"):
         fake_bench(proj, "conv", "perf", lat[name])
         steps[f"perf_{name}_published"] = publish(proj, "conv", "perf", tracking=tracking)
-        steps[f"perf_{name}"] = outcome(promote, proj, "conv", "candidate", ["perf"], tracking=tracking,
-                                        reason=f"{name} engine")
+        steps[f"perf_{name}"] = outcome(
+            promote, proj, "conv", "candidate", ["perf"], tracking=tracking, reason=f"{name} engine"
+        )
     steps["rollback"] = outcome(rollback, proj, "conv", "candidate", ["perf"], tracking=tracking, reason="bad canary")
     steps["rollback_again"] = outcome(rollback, proj, "conv", "candidate", ["perf"], tracking=tracking)
     steps["rollback_nothing_left"] = outcome(rollback, proj, "conv", "candidate", ["perf"], tracking=tracking)
 
     # a later alias straight from nothing: the chain gate
-    steps["int8_skipping_candidate"] = outcome(promote, proj, "conv", "staging", ["cpu_int8"], version="1",
-                                               tracking=tracking)
+    steps["int8_skipping_candidate"] = outcome(
+        promote, proj, "conv", "staging", ["cpu_int8"], version="1", tracking=tracking
+    )
 
     # a release: all SKUs it requires, all gates before any alias moves
     bigger = proj.root / "params-release.yaml"
@@ -196,8 +209,11 @@ def test_run_holds_params_metrics_tags_inputs_and_artifacts(proj, published, tra
     assert version.tags[TAG_DIGEST] == manifest.digest and version.run_id == run.info.run_id
     import mlflow.artifacts
 
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=tempfile.mkdtemp(),
-                                                      tracking_uri=tracking.uri))
+    local = Path(
+        mlflow.artifacts.download_artifacts(
+            artifact_uri=version.source, dst_path=tempfile.mkdtemp(), tracking_uri=tracking.uri
+        )
+    )
     assert {r.path: r.sha256 for r in manifest.engine} == {r.path: sha256_file(local / r.path) for r in manifest.engine}
 
 
@@ -256,7 +272,15 @@ def test_first_alias_takes_the_newest_version_when_every_gate_passes(story, trac
     assert report.passed and report.who == "alice" and report.why == "promote to candidate with skuforge"
     move = report.moves[0]
     assert (move.version, move.previous, move.moved) == ("1", None, True)
-    assert [g.name for g in move.gates] == ["chain", "manifest", "signature", "correctness", "placement", "engine", "performance"]
+    assert [g.name for g in move.gates] == [
+        "chain",
+        "manifest",
+        "signature",
+        "correctness",
+        "placement",
+        "engine",
+        "performance",
+    ]
     assert all(g.passed for g in move.gates), move.gates
     assert "nothing to compare" in gate(move, "performance").detail
     assert story["candidate_again"].moves[0].already and not story["candidate_again"].moves[0].moved
@@ -282,9 +306,15 @@ def test_production_needs_a_reason(story):
     assert isinstance(exc, ConfigError) and "--reason" in exc.hint
 
 
-@pytest.mark.parametrize("step, sku_name, alias, failing", [
-    ("strict", "strict", "candidate", "correctness"), ("elsewhere", "elsewhere", "candidate", "placement"),
-    ("tamper", "tamper", "candidate", "manifest"), ("int8_skipping_candidate", "cpu_int8", "staging", "chain")])
+@pytest.mark.parametrize(
+    "step, sku_name, alias, failing",
+    [
+        ("strict", "strict", "candidate", "correctness"),
+        ("elsewhere", "elsewhere", "candidate", "placement"),
+        ("tamper", "tamper", "candidate", "manifest"),
+        ("int8_skipping_candidate", "cpu_int8", "staging", "chain"),
+    ],
+)
 def test_a_failing_gate_blocks_and_moves_nothing(story, tracking, step, sku_name, alias, failing):
     exc = story[step]
     assert isinstance(exc, PromotionBlocked), exc
@@ -332,8 +362,11 @@ def test_rollback_walks_back_the_recorded_moves(story, tracking):
     assert isinstance(nothing, SkuforgeError) and nothing.exit_code == 2 and "no recorded move" in nothing.message
     entries = json.loads(tracking.client.get_registered_model("conv.perf").tags[TAG_HISTORY + "candidate"])
     assert [(e["action"], e["version"], e["previous"], e["reverts"]) for e in entries] == [
-        ("promote", "1", None, None), ("promote", equal_version, "1", None),
-        ("rollback", "1", equal_version, 2), ("rollback", None, "1", 1)]
+        ("promote", "1", None, None),
+        ("promote", equal_version, "1", None),
+        ("rollback", "1", equal_version, 2),
+        ("rollback", None, "1", 1),
+    ]
 
 
 def test_a_release_needs_every_sku_and_checks_all_gates_before_moving(story):
@@ -345,8 +378,10 @@ def test_a_release_needs_every_sku_and_checks_all_gates_before_moving(story):
     assert "candidate" not in story["int8_after_blocked_release"]
     release = story["release"]
     assert release.passed
-    assert {m.sku: (m.version, m.moved or m.already) for m in release.moves} == {"cpu_int8": ("1", True),
-                                                                                 "cpu_fp32": ("1", True)}
+    assert {m.sku: (m.version, m.moved or m.already) for m in release.moves} == {
+        "cpu_int8": ("1", True),
+        "cpu_fp32": ("1", True),
+    }
 
 
 def test_releases_lists_versions_and_aliases_per_sku(story, proj, server):

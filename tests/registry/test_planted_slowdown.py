@@ -4,10 +4,10 @@ latency samples, with a real ONNX Runtime engine, real timings and a real MLflow
 
 from __future__ import annotations
 
-import pytest
-
 import models
+import pytest
 from registry_helpers import FAST_RETRIES
+
 from pipeline.config import load_registry
 from pipeline.manifest import benchmark_changes, load_manifest
 from pipeline.paths import Layout
@@ -29,11 +29,13 @@ BENCH = {"warmup": 5, "steady_window": 20, "max_warmup_seconds": 2.0, "iteration
 
 
 def project(root, level: str):
-    sku = models.ort_sku("fp32", options={"providers": ["CPUExecutionProvider"], "graph_optimization_level": level},
-                         bench=BENCH)
+    sku = models.ort_sku(
+        "fp32", options={"providers": ["CPUExecutionProvider"], "graph_optimization_level": level}, bench=BENCH
+    )
     release = {"tracking": FAST_RETRIES, "performance": {"max_regression": 0.1, "min_samples": 30}}
-    return load_registry(models.write_project(root, {"ln": models.vector_model_spec("models/ln")}, {"cpu": sku},
-                                              release=release))
+    return load_registry(
+        models.write_project(root, {"ln": models.vector_model_spec("models/ln")}, {"cpu": sku}, release=release)
+    )
 
 
 def engine(reg) -> None:

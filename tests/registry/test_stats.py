@@ -7,8 +7,13 @@ import math
 import numpy as np
 import pytest
 
-from pipeline.registry.stats import (bootstrap_median_ratio, compare_latency, mann_whitney_greater, rankdata,
-                                     read_latency_csv)
+from pipeline.registry.stats import (
+    bootstrap_median_ratio,
+    compare_latency,
+    mann_whitney_greater,
+    rankdata,
+    read_latency_csv,
+)
 
 
 def test_ranks_average_ties():
@@ -54,14 +59,17 @@ def samples(median: float, sigma: float, n: int = 200, seed: int = 0) -> np.ndar
     return median * np.exp(z - np.median(z))
 
 
-@pytest.mark.parametrize("candidate, outcome", [
-    (samples(0.100, 0.05, seed=1), "not_regressed"),   # same engine, another run
-    (samples(0.090, 0.05, seed=1), "not_regressed"),   # faster
-    (samples(0.103, 0.05, seed=1), "not_regressed"),   # 3% slower: within the 5% allowed
-    (samples(0.150, 0.05, seed=1), "regressed"),       # 50% slower, tight
-    (samples(0.107, 1.00, seed=1), "too_noisy"),        # median 7% slower, spread too wide to say
-    (samples(0.150, 0.05, n=10, seed=1), "too_noisy"),  # too few samples
-])
+@pytest.mark.parametrize(
+    "candidate, outcome",
+    [
+        (samples(0.100, 0.05, seed=1), "not_regressed"),  # same engine, another run
+        (samples(0.090, 0.05, seed=1), "not_regressed"),  # faster
+        (samples(0.103, 0.05, seed=1), "not_regressed"),  # 3% slower: within the 5% allowed
+        (samples(0.150, 0.05, seed=1), "regressed"),  # 50% slower, tight
+        (samples(0.107, 1.00, seed=1), "too_noisy"),  # median 7% slower, spread too wide to say
+        (samples(0.150, 0.05, n=10, seed=1), "too_noisy"),  # too few samples
+    ],
+)
 def test_outcomes(candidate, outcome):
     base = samples(0.100, 0.05, seed=0)
     result = compare_latency(candidate, base, max_regression=0.05, min_samples=30)

@@ -5,20 +5,38 @@ from __future__ import annotations
 import errno
 import time
 
-import pytest
-
 import models
+import pytest
 from cli_helpers import assert_user_error, project, service_env, skuforge
+from registry_helpers import SilentServer, free_port
+
 from pipeline.config import Release, TrackingSpec, parse_registry
 from pipeline.errors import ConfigError, EnvironmentProblem, ServiceError, StorageError
-from pipeline.registry.tracking import (EMBEDDED_ARTIFACTS, EMBEDDED_DB, Tracking, actor, connect, experiment_name,
-                                        redact, registered_model_name, transient, unreachable)
-from registry_helpers import SilentServer, free_port
+from pipeline.registry.tracking import (
+    EMBEDDED_ARTIFACTS,
+    EMBEDDED_DB,
+    Tracking,
+    actor,
+    connect,
+    experiment_name,
+    redact,
+    registered_model_name,
+    transient,
+    unreachable,
+)
 
 
 def registry(root, **release):
-    return parse_registry({"defaults": {}, "examples": {}, "models": {"conv": models.conv_bn_spec()},
-                           "skus": {"cpu": models.ort_sku()}, "release": release}, root=root)
+    return parse_registry(
+        {
+            "defaults": {},
+            "examples": {},
+            "models": {"conv": models.conv_bn_spec()},
+            "skus": {"cpu": models.ort_sku()},
+            "release": release,
+        },
+        root=root,
+    )
 
 
 def test_names():
@@ -55,9 +73,14 @@ def test_unreachable_server_is_retried_with_backoff_then_exit_4():
 
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     waits: list[float] = []
-    t = Tracking(uri=uri, registry_uri=uri, embedded=False, artifact_location=None,
-                 policy=TrackingSpec(retries=3, backoff_seconds=0.5, max_backoff_seconds=1.0, timeout_seconds=5),
-                 sleep=waits.append)
+    t = Tracking(
+        uri=uri,
+        registry_uri=uri,
+        embedded=False,
+        artifact_location=None,
+        policy=TrackingSpec(retries=3, backoff_seconds=0.5, max_backoff_seconds=1.0, timeout_seconds=5),
+        sleep=waits.append,
+    )
     with pytest.raises(ServiceError) as info:
         t.call("read experiment 'x'", t.client.get_experiment_by_name, "x")
     assert info.value.exit_code == 4
@@ -71,9 +94,14 @@ def test_unreachable_server_is_retried_with_backoff_then_exit_4():
 
 def test_retry_warnings_and_the_final_error_never_show_the_password(caplog):
     uri = f"http://ci-user:pa55-w0rd-x@127.0.0.1:{free_port()}"
-    t = Tracking(uri=uri, registry_uri=uri, embedded=False, artifact_location=None,
-                 policy=TrackingSpec(retries=2, backoff_seconds=0.01, max_backoff_seconds=0.01, timeout_seconds=5),
-                 sleep=lambda s: None)
+    t = Tracking(
+        uri=uri,
+        registry_uri=uri,
+        embedded=False,
+        artifact_location=None,
+        policy=TrackingSpec(retries=2, backoff_seconds=0.01, max_backoff_seconds=0.01, timeout_seconds=5),
+        sleep=lambda s: None,
+    )
     with caplog.at_level("WARNING"), pytest.raises(ServiceError) as info:
         t.call("read experiment 'x'", t.client.get_experiment_by_name, "x")
     shown = [r.getMessage() for r in caplog.records] + [str(info.value)]
@@ -86,8 +114,10 @@ def test_store_problems_are_not_retried(tmp_path):
     with pytest.raises(ConfigError, match="'foo://' is not one MLflow supports"):
         bad.client
     t = connect(registry(tmp_path), uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    for text, cls in (("(sqlite3.OperationalError) attempt to write a readonly database", StorageError),
-                      ("(sqlite3.OperationalError) database or disk is full", StorageError)):
+    for text, cls in (
+        ("(sqlite3.OperationalError) attempt to write a readonly database", StorageError),
+        ("(sqlite3.OperationalError) database or disk is full", StorageError),
+    ):
         assert not transient(RuntimeError(text))
         assert isinstance(t.store_problem(RuntimeError(text), "write"), cls)
     missing = ModuleNotFoundError("No module named 'psycopg2'", name="psycopg2")
@@ -126,12 +156,16 @@ def test_transient_classification():
     assert transient(ConnectionRefusedError())
     assert not transient(MlflowException("no such model", error_code=RESOURCE_DOES_NOT_EXIST))
     assert not transient(MlflowException("bad name", error_code=BAD_REQUEST))
-    assert not transient(MlflowException(  # urllib3 says "max retries" for a bad certificate too
-        "API request to https://h/api failed with exception HTTPSConnectionPool(host='h', port=443): Max retries "
-        "exceeded with url: /api (Caused by SSLError(SSLCertVerificationError(1, '[SSL: CERTIFICATE_VERIFY_FAILED] "
-        "certificate verify failed')))"))
-    assert not transient(MlflowException("(sqlite3.OperationalError) attempt to write a readonly database",
-                                          error_code="INTERNAL_ERROR"))
+    assert not transient(
+        MlflowException(  # urllib3 says "max retries" for a bad certificate too
+            "API request to https://h/api failed with exception HTTPSConnectionPool(host='h', port=443): Max retries "
+            "exceeded with url: /api (Caused by SSLError(SSLCertVerificationError(1, '[SSL: CERTIFICATE_VERIFY_FAILED] "
+            "certificate verify failed')))"
+        )
+    )
+    assert not transient(
+        MlflowException("(sqlite3.OperationalError) attempt to write a readonly database", error_code="INTERNAL_ERROR")
+    )
     try:
         try:
             raise ConnectionResetError("peer reset")
@@ -209,7 +243,9 @@ def test_no_retry_of_a_silent_server_starts_that_would_end_past_the_deadline():
     t = _remote("http://127.0.0.1:1", retries=4, backoff_seconds=0.5, max_backoff_seconds=8, deadline_seconds=10)
     t.sleep, t.clock = fake.sleep, lambda: fake.now
     # 4 s, a wait of 0.5 s (+-20%), 4 s: a third attempt would end near 13.5 s
-    with pytest.raises(ServiceError, match=r"failed after 2 attempts in 8\.\d s \(release.tracking.deadline_seconds: 10\)"):
+    with pytest.raises(
+        ServiceError, match=r"failed after 2 attempts in 8\.\d s \(release.tracking.deadline_seconds: 10\)"
+    ):
         t.call("read experiment 'x'", silent)
     fake.now = 0.0
     with pytest.raises(ServiceError) as info:
@@ -242,10 +278,14 @@ def test_an_unwritable_artifact_folder_is_named_not_the_database(tmp_path):
     """A read-only mount under mlartifacts/ was blamed on mlflow.db ("read-only file system")."""
     t = connect(registry(tmp_path))
     artifacts = tmp_path.resolve() / EMBEDDED_ARTIFACTS
-    for code, reason in ((errno.EROFS, "Read-only file system"), (errno.EACCES, "Permission denied"),
-                         (errno.ENOTDIR, "Not a directory")):
-        problem = t.store_problem(OSError(code, reason, str(artifacts / "0" / "run" / "artifacts" / "engine")),
-                                  "upload model.onnx")
+    for code, reason in (
+        (errno.EROFS, "Read-only file system"),
+        (errno.EACCES, "Permission denied"),
+        (errno.ENOTDIR, "Not a directory"),
+    ):
+        problem = t.store_problem(
+            OSError(code, reason, str(artifacts / "0" / "run" / "artifacts" / "engine")), "upload model.onnx"
+        )
         assert isinstance(problem, StorageError) and problem.exit_code == 3
         assert f"upload model.onnx failed: the artifact folder {artifacts} cannot be written" in problem.message
         assert reason in problem.message and "database" not in str(problem) and problem.path == str(artifacts)

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from .s3server import FaultProxy, MotoS3, s3_client
+from rollout.s3server import FaultProxy, MotoS3, s3_client
 
 FAST = {"connect_timeout": 1, "read_timeout": 2, "retries": {"mode": "standard", "total_max_attempts": 3}}
 
-WAVES = [{"name": "canary", "percent": 20, "bake_minutes": 30},
-         {"name": "half", "percent": 50, "bake_minutes": 30},
-         {"name": "all", "percent": 100, "bake_minutes": 0}]
+WAVES = [
+    {"name": "canary", "percent": 20, "bake_minutes": 30},
+    {"name": "half", "percent": 50, "bake_minutes": 30},
+    {"name": "all", "percent": 100, "bake_minutes": 0},
+]
 
 
 @pytest.fixture(scope="session")
@@ -56,10 +58,20 @@ def project(tmp_path_factory):
     from registry_helpers import make_project, sku
 
     root = tmp_path_factory.mktemp("rollout_project")
-    return make_project(root, {"cpu": sku(), "portable": sku(options={"graph_optimization_level": "basic"})},
-                        rollout={"fallback_sku": "portable", "waves": WAVES,
-                                 "gates": {"min_reports": 3, "max_failure_rate": 0.1, "max_smoke_failures": 0,
-                                           "max_latency_regression": 0.5}})
+    return make_project(
+        root,
+        {"cpu": sku(), "portable": sku(options={"graph_optimization_level": "basic"})},
+        rollout={
+            "fallback_sku": "portable",
+            "waves": WAVES,
+            "gates": {
+                "min_reports": 3,
+                "max_failure_rate": 0.1,
+                "max_smoke_failures": 0,
+                "max_latency_regression": 0.5,
+            },
+        },
+    )
 
 
 MODEL = "conv"

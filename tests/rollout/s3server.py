@@ -73,9 +73,13 @@ def s3_client(endpoint: str, **config: Any):
     from botocore.config import Config
 
     return boto3.client(
-        "s3", endpoint_url=endpoint, region_name="us-east-1",
-        aws_access_key_id="testing", aws_secret_access_key="testing",
-        config=Config(**{"s3": {"addressing_style": "path"}, **config}))
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        config=Config(**{"s3": {"addressing_style": "path"}, **config}),
+    )
 
 
 class MotoS3:
@@ -84,8 +88,8 @@ class MotoS3:
     def __init__(self, start_timeout: float = 15.0) -> None:
         self._stderr = tempfile.TemporaryFile()
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, _HOST], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=self._stderr)
+            [sys.executable, "-c", _CHILD, _HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr
+        )
         atexit.register(self.close)
         try:
             port = self._read_port(start_timeout)
@@ -125,8 +129,7 @@ class MotoS3:
     def _fail_start(self, what: str) -> NoReturn:
         self._stderr.seek(0)
         tail = self._stderr.read().decode(errors="replace")[-3000:]
-        raise RuntimeError(f"moto server {what}; is moto[server] installed in {sys.executable}?\n"
-                           f"its stderr:\n{tail}")
+        raise RuntimeError(f"moto server {what}; is moto[server] installed in {sys.executable}?\nits stderr:\n{tail}")
 
     def client(self, **config: Any):
         """boto3 S3 client straight to moto (no faults); see `s3_client`."""
@@ -166,8 +169,18 @@ class MotoS3:
 
 FaultKind = Literal["fail", "delay", "drop"]
 
-_HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "proxy-authenticate",
-               "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade", "expect"}
+_HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "expect",
+}
 
 _MESSAGES = {
     "SlowDown": "Please reduce your request rate.",
@@ -241,21 +254,38 @@ class FaultProxy:
         self._server = _Server((_HOST, 0), _Handler)
         self._server.proxy = self
         self.endpoint = f"http://{_HOST}:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name=f"FaultProxy {self.endpoint}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name=f"FaultProxy {self.endpoint}",
+            daemon=True,
+        )
         self._thread.start()
 
     # -- programming faults
 
-    def fail(self, method: str | Iterable[str] | None = None, key_pattern: str | None = None,
-             status: int = 503, times: int | None = 1, code: str = "SlowDown",
-             message: str | None = None) -> None:
+    def fail(
+        self,
+        method: str | Iterable[str] | None = None,
+        key_pattern: str | None = None,
+        status: int = 503,
+        times: int | None = 1,
+        code: str = "SlowDown",
+        message: str | None = None,
+    ) -> None:
         """Answer matching requests with ``status`` and an S3 XML error, without reaching moto."""
-        self._add(_Rule("fail", _methods(method), _compile(key_pattern), times,
-                        status=status, code=code, message=message))
+        self._add(
+            _Rule("fail", _methods(method), _compile(key_pattern), times, status=status, code=code, message=message)
+        )
 
-    def delay(self, seconds: float, method: str | Iterable[str] | None = None,
-              key_pattern: str | None = None, times: int | None = 1, after_body: bool = False) -> None:
+    def delay(
+        self,
+        seconds: float,
+        method: str | Iterable[str] | None = None,
+        key_pattern: str | None = None,
+        times: int | None = 1,
+        after_body: bool = False,
+    ) -> None:
         """Hold matching requests ``seconds`` before forwarding them (to cause client timeouts).
 
         The request still reaches moto after the hold, even when the client has given up (as a slow
@@ -263,11 +293,17 @@ class FaultProxy:
         the request, the client times out. A request still held when `clear` or `close` runs is
         dropped, never forwarded.
         """
-        self._add(_Rule("delay", _methods(method), _compile(key_pattern), times,
-                        seconds=seconds, after_body=after_body))
+        self._add(
+            _Rule("delay", _methods(method), _compile(key_pattern), times, seconds=seconds, after_body=after_body)
+        )
 
-    def drop(self, method: str | Iterable[str] | None = None, key_pattern: str | None = None,
-             times: int | None = 1, after_body: bool = False) -> None:
+    def drop(
+        self,
+        method: str | Iterable[str] | None = None,
+        key_pattern: str | None = None,
+        times: int | None = 1,
+        after_body: bool = False,
+    ) -> None:
         """Close the connection of matching requests without an answer.
 
         ``after_body=True`` forwards the request to moto first: the write is applied but the
@@ -431,8 +467,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _forward(self, body: bytes | None) -> tuple[int, str, list[tuple[str, str]], bytes]:
         """Send the request to the target as received; return its answer (status, reason,
         headers, body). An error reaching the target answers 502."""
-        headers = [(k, v) for k, v in self.headers.items()
-                   if k.lower() not in _HOP_BY_HOP and k.lower() != "content-length"]
+        headers = [
+            (k, v) for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP and k.lower() != "content-length"
+        ]
         if body is not None:
             headers.append(("Content-Length", str(len(body))))
         for attempt in range(2):
@@ -450,8 +487,15 @@ class _Handler(BaseHTTPRequestHandler):
                 conn.close()
                 if reused and attempt == 0:
                     continue  # an idle keep-alive connection the target had closed
-                rule = _Rule("fail", None, None, None, status=502, code="BadGateway",
-                             message=f"FaultProxy could not reach {self.server.proxy.target}: {exc}")
+                rule = _Rule(
+                    "fail",
+                    None,
+                    None,
+                    None,
+                    status=502,
+                    code="BadGateway",
+                    message=f"FaultProxy could not reach {self.server.proxy.target}: {exc}",
+                )
                 return _error_answer(rule, self.path, self.command)
             if resp.will_close:
                 conn.close()
@@ -485,10 +529,12 @@ def _error_answer(rule: _Rule, target: str, method: str) -> tuple[int, str, list
 
     request_id = uuid.uuid4().hex[:16].upper()
     message = rule.message or _MESSAGES.get(rule.code, "Injected by FaultProxy.")
-    body = ('<?xml version="1.0" encoding="UTF-8"?>\n'
-            f"<Error><Code>{escape(rule.code)}</Code><Message>{escape(message)}</Message>"
-            f"<Resource>{escape(urlsplit(target).path)}</Resource>"
-            f"<RequestId>{request_id}</RequestId></Error>").encode()
+    body = (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        f"<Error><Code>{escape(rule.code)}</Code><Message>{escape(message)}</Message>"
+        f"<Resource>{escape(urlsplit(target).path)}</Resource>"
+        f"<RequestId>{request_id}</RequestId></Error>"
+    ).encode()
     headers = [("Content-Type", "application/xml"), ("x-amz-request-id", request_id)]
     if method == "HEAD":
         headers.append(("Content-Length", "0"))  # S3 sends no error body to HEAD

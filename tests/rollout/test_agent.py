@@ -21,9 +21,8 @@ from pipeline.stages.bench import bench
 from pipeline.stages.build import build
 from pipeline.stages.manifest import write_manifest
 from pipeline.stages.validate import validate
-
-from .conftest import MODEL, first_in
-from .s3server import s3_client
+from rollout.conftest import MODEL, first_in
+from rollout.s3server import s3_client
 
 T0 = datetime(2026, 1, 5, 12, 0, tzinfo=timezone.utc)
 
@@ -59,8 +58,13 @@ def project_r2(project, tmp_path_factory):
 
 
 def device(device_id: str, runtime: dict[str, str] | None = None) -> agent.Device:
-    return agent.Device(id=device_id, sku="cpu", arch=host_arch(), runtime=runtime or agent.installed_runtimes(),
-                        cpu_features=frozenset())
+    return agent.Device(
+        id=device_id,
+        sku="cpu",
+        arch=host_arch(),
+        runtime=runtime or agent.installed_runtimes(),
+        cpu_features=frozenset(),
+    )
 
 
 def make_agent(store, tmp_path, dev: agent.Device, **kw) -> agent.Agent:
@@ -93,7 +97,12 @@ def test_first_wave_device_installs_then_stays_current(project, repo, keys, tmp_
     result = a.run_once(MODEL)
     assert result.outcome == "ok", result.detail
     assert {k: result.active[k] for k in ("slot", "release", "sku", "kind", "rollout")} == {
-        "slot": "a", "release": "r1", "sku": "cpu", "kind": "optimized", "rollout": doc.id}
+        "slot": "a",
+        "release": "r1",
+        "sku": "cpu",
+        "kind": "optimized",
+        "rollout": doc.id,
+    }
     entry = release.release_doc(repo, MODEL, "r1")["skus"]["cpu"]
     engine = a.active_engine_dir(MODEL)
     assert sorted(p.name for p in engine.iterdir()) == ["engine.json", "model.onnx"]
@@ -102,8 +111,9 @@ def test_first_wave_device_installs_then_stays_current(project, repo, keys, tmp_
     report = json.loads(repo.get(result.reported).data)
     assert report["release"] == "r1" and report["outcome"] == "ok" and report["latency_ms"] > 0
 
-    rollout_blob = trust.blob_key(trust.read_state(repo).targets.signed.targets[controller.rollout_path(MODEL)]
-                                  .hashes["sha256"])
+    rollout_blob = trust.blob_key(
+        trust.read_state(repo).targets.signed.targets[controller.rollout_path(MODEL)].hashes["sha256"]
+    )
     gets, reads = repo.requests["get"], len(repo.read)
     again = a.run_once(MODEL)
     assert (again.outcome, again.active) == ("current", result.active)
@@ -133,7 +143,8 @@ def test_incompatible_runtime_takes_the_portable_engine(project, repo, keys, tmp
     dev = device(first_in(doc, 0)[0], runtime={"onnxruntime": "0.1.0"})
     skus = release.release_doc(repo, MODEL, "r1")["skus"]
     assert agent.compatibility(skus["cpu"]["requires"], dev) == [
-        f"needs onnxruntime {agent.installed_runtimes()['onnxruntime']} exactly, the device has 0.1.0"]
+        f"needs onnxruntime {agent.installed_runtimes()['onnxruntime']} exactly, the device has 0.1.0"
+    ]
     assert agent.compatibility(skus["portable"]["requires"], dev) == []
 
     a = make_agent(repo, tmp_path, dev)
@@ -213,8 +224,15 @@ def test_unreachable_store_keeps_the_active_engine(project, repo, keys, tmp_path
     with socket.socket() as s:  # a port nothing listens on once the socket is closed
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dead = S3Store("s3://fleet/store", client=s3_client(f"http://127.0.0.1:{port}", connect_timeout=1, read_timeout=1,
-                                                        retries={"mode": "standard", "total_max_attempts": 1}))
+    dead = S3Store(
+        "s3://fleet/store",
+        client=s3_client(
+            f"http://127.0.0.1:{port}",
+            connect_timeout=1,
+            read_timeout=1,
+            retries={"mode": "standard", "total_max_attempts": 1},
+        ),
+    )
     result = agent.Agent(dead, dev, tmp_path / "devices" / dev.id).run_once(MODEL)
     assert result.outcome == "error" and result.reported is None
     assert result.active == installed.active
@@ -229,10 +247,15 @@ def test_no_trusted_root(repo, tmp_path):
 def test_exact_runtime_versions_compare_their_release_part():
     """OpenVINO's engines record get_version() ('2026.4.1-22982-...'); a device reports the package
     version ('2026.4.1'): the same runtime."""
-    requires = {"arch": None, "cpu_features": [], "exact": {"openvino": "2026.4.1-22982-e213a147257-releases/2026/4"},
-                "specifiers": {"openvino": ">=2026.0,<2027"}}
+    requires = {
+        "arch": None,
+        "cpu_features": [],
+        "exact": {"openvino": "2026.4.1-22982-e213a147257-releases/2026/4"},
+        "specifiers": {"openvino": ">=2026.0,<2027"},
+    }
     dev = agent.Device(id="d", sku="ov", arch=host_arch(), runtime={"openvino": "2026.4.1"}, cpu_features=frozenset())
     assert agent.compatibility(requires, dev) == []
     older = agent.Device(id="d", sku="ov", arch=host_arch(), runtime={"openvino": "2026.3.0"}, cpu_features=frozenset())
     assert agent.compatibility(requires, older) == [
-        "needs openvino 2026.4.1-22982-e213a147257-releases/2026/4 exactly, the device has 2026.3.0"]
+        "needs openvino 2026.4.1-22982-e213a147257-releases/2026/4 exactly, the device has 2026.3.0"
+    ]

@@ -21,17 +21,26 @@ def shipped(project, tmp_path_factory):
     root = tmp_path_factory.mktemp("cli") / "project"
     shutil.copytree(project.root, root)
     env = {**os.environ, "SKUFORGE_STORE": str(root / "store")}
-    for args in (("release", "init"), ("release", "publish", "--model", "conv"), ("release", "root", "--out", "root.json")):
+    for args in (
+        ("release", "init"),
+        ("release", "publish", "--model", "conv"),
+        ("release", "root", "--out", "root.json"),
+    ):
         proc = skuforge(*args, cwd=root, env=env)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-    write_inventory(root / "fleet.csv", [Device(id=f"dev-{i:03d}", sku="cpu", arch="x86_64",
-                                                runtime={"onnxruntime": "1.32.0"}) for i in range(200)])
+    write_inventory(
+        root / "fleet.csv",
+        [Device(id=f"dev-{i:03d}", sku="cpu", arch="x86_64", runtime={"onnxruntime": "1.32.0"}) for i in range(200)],
+    )
     return root, env
 
 
 def _device_file(path, device_id: str, **extra) -> None:
-    path.write_text(yaml.safe_dump({"id": device_id, "sku": "cpu", "models": ["conv"], "arch": host_arch(),
-                                    "cpu_features": [], **extra}))
+    path.write_text(
+        yaml.safe_dump(
+            {"id": device_id, "sku": "cpu", "models": ["conv"], "arch": host_arch(), "cpu_features": [], **extra}
+        )
+    )
 
 
 def test_ship_to_a_device(shipped, tmp_path):
@@ -41,8 +50,19 @@ def test_ship_to_a_device(shipped, tmp_path):
     plan = json.loads(proc.stdout)
     assert plan["devices"] == 200 and [w["name"] for w in plan["waves"]] == ["canary", "half", "all"]
 
-    proc = skuforge("rollout", "start", "--model", "conv", "--inventory", "fleet.csv", "--reason", "first ship",
-                    "--json", cwd=root, env=env)
+    proc = skuforge(
+        "rollout",
+        "start",
+        "--model",
+        "conv",
+        "--inventory",
+        "fleet.csv",
+        "--reason",
+        "first ship",
+        "--json",
+        cwd=root,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["status"] == "active" and doc["release"] == "r1" and doc["planned"][-1] == 200
@@ -53,8 +73,18 @@ def test_ship_to_a_device(shipped, tmp_path):
     waves = [Wave(**w) for w in doc["waves"]]
     canary = next(f"dev-{i:03d}" for i in range(200) if included(waves, 0, doc["id"], f"dev-{i:03d}", None))
     _device_file(tmp_path / "device.yaml", canary)
-    proc = skuforge("agent", "--device", "device.yaml", "--state", "state", "--root", str(root / "root.json"),
-                    "--json", cwd=tmp_path, env=env)
+    proc = skuforge(
+        "agent",
+        "--device",
+        "device.yaml",
+        "--state",
+        "state",
+        "--root",
+        str(root / "root.json"),
+        "--json",
+        cwd=tmp_path,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(proc.stdout)
     assert result["outcome"] == "ok" and result["active"]["release"] == "r1"
@@ -82,8 +112,9 @@ def test_ship_to_a_device(shipped, tmp_path):
 def test_agent_refuses_bad_device_files(shipped, tmp_path):
     root, env = shipped
     _device_file(tmp_path / "device.yaml", "../../etc")
-    proc = skuforge("agent", "--device", "device.yaml", "--state", "state", "--root", str(root / "root.json"),
-                    cwd=tmp_path, env=env)
+    proc = skuforge(
+        "agent", "--device", "device.yaml", "--state", "state", "--root", str(root / "root.json"), cwd=tmp_path, env=env
+    )
     assert_user_error(proc, 2, "device.yaml")
     assert not (tmp_path / "state").exists()
     (tmp_path / "device.yaml").write_text("id: [unclosed\n")
@@ -98,12 +129,15 @@ def test_agent_without_a_trusted_root(shipped, tmp_path):
     assert_user_error(proc, 2, "trusted root")
 
 
-@pytest.mark.parametrize("args, code, words", [
-    (("rollout", "status", "--model", "x; rm -rf ~"), 2, ("unknown model",)),
-    (("rollout", "start", "--model", "../../x"), 2, ("unknown model",)),
-    (("release", "publish", "--model", "conv", "--store", "ftp://host/x"), 2, ("unsupported store",)),
-    (("release", "publish", "--model", "conv", "--alias", "nope"), 2, ("unknown alias",)),
-])
+@pytest.mark.parametrize(
+    "args, code, words",
+    [
+        (("rollout", "status", "--model", "x; rm -rf ~"), 2, ("unknown model",)),
+        (("rollout", "start", "--model", "../../x"), 2, ("unknown model",)),
+        (("release", "publish", "--model", "conv", "--store", "ftp://host/x"), 2, ("unsupported store",)),
+        (("release", "publish", "--model", "conv", "--alias", "nope"), 2, ("unknown alias",)),
+    ],
+)
 def test_hostile_arguments(shipped, args, code, words):
     root, env = shipped
     proc = skuforge(*args, cwd=root, env=env)

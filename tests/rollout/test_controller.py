@@ -14,8 +14,7 @@ from pipeline.errors import ConfigError, InputError
 from pipeline.rollout import agent, controller, inventory, release, trust
 from pipeline.rollout.store import LocalStore
 from pipeline.runner.probe import host_arch
-
-from .conftest import MODEL, first_in
+from rollout.conftest import MODEL, first_in
 
 T0 = datetime(2026, 1, 5, 12, 0, tzinfo=timezone.utc)
 
@@ -51,7 +50,12 @@ def test_start(project, repo, keys):
     assert (doc.waves, doc.gates) == (project.rollout.waves, project.rollout.gates)
     [entry] = doc.log
     assert (entry.actor, entry.action, entry.status, entry.wave, entry.reason) == (
-        "ci", "start", "active", 0, "ship it")
+        "ci",
+        "start",
+        "active",
+        0,
+        "ship it",
+    )
     assert controller.status(project, repo, MODEL, now=T0).rollout == doc  # what the store signs
 
     with pytest.raises(ConfigError, match="is active"):
@@ -83,10 +87,17 @@ def test_advance_waits_for_bake_and_evidence_then_completes(project, repo, keys)
 
     log = controller.status(project, repo, MODEL).rollout.log
     assert [(t.action, t.actor, t.status, t.wave) for t in log] == [
-        ("start", "ci", "active", 0), ("advance", "ci", "active", 1), ("advance", "bot", "active", 2),
-        ("complete", "bot", "completed", 2)]
-    assert [t.at for t in log] == [T0.isoformat(), minutes(31).isoformat(), minutes(62).isoformat(),
-                                   minutes(62).isoformat()]
+        ("start", "ci", "active", 0),
+        ("advance", "ci", "active", 1),
+        ("advance", "bot", "active", 2),
+        ("complete", "bot", "completed", 2),
+    ]
+    assert [t.at for t in log] == [
+        T0.isoformat(),
+        minutes(31).isoformat(),
+        minutes(62).isoformat(),
+        minutes(62).isoformat(),
+    ]
     assert "wave canary healthy" in log[1].reason and "3 reports" in log[3].reason
 
 
@@ -98,11 +109,16 @@ def test_failing_canary_rolls_back(project, repo, keys, tmp_path):
     assert (doc.release, doc.previous) == ("r2", "r1")
 
     root = trust.root_bytes(repo)
-    devices = [agent.Device(id=i, sku="portable", arch=host_arch(), runtime=agent.installed_runtimes(),
-                            cpu_features=frozenset()) for i in first_in(doc, 0, 2)]
+    devices = [
+        agent.Device(
+            id=i, sku="portable", arch=host_arch(), runtime=agent.installed_runtimes(), cpu_features=frozenset()
+        )
+        for i in first_in(doc, 0, 2)
+    ]
     for dev in devices:
-        result = agent.Agent(repo, dev, tmp_path / dev.id, root,
-                             smoke=lambda entry, slot: agent.Smoke(False, "injected")).run_once(MODEL)
+        result = agent.Agent(
+            repo, dev, tmp_path / dev.id, root, smoke=lambda entry, slot: agent.Smoke(False, "injected")
+        ).run_once(MODEL)
         assert result.outcome == "smoke_failed", result.detail
 
     rolled = controller.advance(project, repo, keys, MODEL, actor="ci", now=minutes(5))  # within the bake time
@@ -185,21 +201,34 @@ def test_pause_resume_abort(project, repo, keys):
     assert waiting.action == "wait" and "29 more minutes" in waiting.reason
     assert controller.advance(project, repo, keys, MODEL, now=minutes(71)).action == "advanced"
 
-    aborted = controller.move(project, repo, keys, MODEL, "abort", actor="oncall", reason="wrong release",
-                              now=minutes(72))
+    aborted = controller.move(
+        project, repo, keys, MODEL, "abort", actor="oncall", reason="wrong release", now=minutes(72)
+    )
     assert aborted.status == "aborted"
     assert controller.advance(project, repo, keys, MODEL, now=minutes(200)).action == "none"
     with pytest.raises(ConfigError, match="it is aborted"):
         controller.move(project, repo, keys, MODEL, "resume", reason="oops")
     assert [(t.action, t.actor, t.reason) for t in aborted.log if t.action != "advance"] == [
-        ("start", "unknown", "roll r1 out over 3 waves"), ("pause", "oncall", "incident 42"),
-        ("resume", "oncall", "fixed"), ("abort", "oncall", "wrong release")]
+        ("start", "unknown", "roll r1 out over 3 waves"),
+        ("pause", "oncall", "incident 42"),
+        ("resume", "oncall", "fixed"),
+        ("abort", "oncall", "wrong release"),
+    ]
 
 
 def test_desired_release(project):
-    doc = controller.RolloutDoc(id="conv-r2-20260105120000-1", model=MODEL, release="r2", previous="r1",
-                                status="active", wave=0, wave_started=T0.isoformat(), started=T0.isoformat(),
-                                waves=project.rollout.waves, gates=project.rollout.gates)
+    doc = controller.RolloutDoc(
+        id="conv-r2-20260105120000-1",
+        model=MODEL,
+        release="r2",
+        previous="r1",
+        status="active",
+        wave=0,
+        wave_started=T0.isoformat(),
+        started=T0.isoformat(),
+        waves=project.rollout.waves,
+        gates=project.rollout.gates,
+    )
     [inside], [outside] = first_in(doc, 0), first_in(doc, 1)
     assert controller.desired_release(doc, inside, None)[0] == "r2"
     assert controller.desired_release(doc, outside, None) == ("r1", f"not yet in a wave of {doc.id}")

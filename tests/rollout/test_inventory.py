@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import pickle
 
+import models
 import pytest
 
-import models
 from pipeline.config import parse_registry
 from pipeline.errors import InputError
 from pipeline.rollout.inventory import Device, Inventory, Versions, load_inventory, write_inventory
@@ -18,8 +18,14 @@ GOOD = "cam-1,x86_ort_fp32,x86_64,onnxruntime=1.32.0,lab,a\n"
 
 def fleet() -> list[Device]:
     return [
-        Device("cam-001", "x86_ort_fp32", "x86_64", {"onnxruntime": "1.32.0", "openvino": "2026.1.0"}, "lab",
-               ("eu-west", "indoor")),
+        Device(
+            "cam-001",
+            "x86_ort_fp32",
+            "x86_64",
+            {"onnxruntime": "1.32.0", "openvino": "2026.1.0"},
+            "lab",
+            ("eu-west", "indoor"),
+        ),
         Device("cam-002", "arm_ort_fp32", "aarch64", {"onnxruntime": "1.20"}, None, ()),
         Device("gw:7.b_c-9", "x86_ort_fp32", "x86_64", {}, "beta", ("edge",)),
         Device("0012", "arm_ort_fp32", "aarch64", {"onnxruntime": "1.31.1"}, "prod", ()),  # YAML would read 10
@@ -59,14 +65,17 @@ def test_round_trip(tmp_path, name):
 def test_csv_as_documented(tmp_path):
     path = write(tmp_path, HEADER + "cam-1,x86_ort_fp32,x86_64,onnxruntime=1.32.0;openvino=2026.1.0,,a;b\n")
     (device,) = load_inventory(path)
-    assert device == Device("cam-1", "x86_ort_fp32", "x86_64", {"onnxruntime": "1.32.0", "openvino": "2026.1.0"},
-                            None, ("a", "b"))
+    assert device == Device(
+        "cam-1", "x86_ort_fp32", "x86_64", {"onnxruntime": "1.32.0", "openvino": "2026.1.0"}, None, ("a", "b")
+    )
 
 
 def test_csv_optional_columns_may_be_left_out_and_columns_reordered(tmp_path):
     path = write(tmp_path, "Arch,id,sku\r\nx86_64,cam-1,x86_ort_fp32\r\n\r\naarch64,cam-2,arm_ort_fp32\r\n")
-    assert load_inventory(path).devices == [Device("cam-1", "x86_ort_fp32", "x86_64"),
-                                            Device("cam-2", "arm_ort_fp32", "aarch64")]
+    assert load_inventory(path).devices == [
+        Device("cam-1", "x86_ort_fp32", "x86_64"),
+        Device("cam-2", "arm_ort_fp32", "aarch64"),
+    ]
 
 
 def test_csv_with_a_byte_order_mark(tmp_path):
@@ -76,13 +85,18 @@ def test_csv_with_a_byte_order_mark(tmp_path):
 
 
 def test_yaml_hand_written(tmp_path):
-    path = write(tmp_path, "devices:\n"
-                           "  - {id: cam-1, sku: x86_ort_fp32, arch: x86_64, runtime: {onnxruntime: '1.32.0'}}\n"
-                           "  - id: cam-2\n    sku: arm_ort_fp32\n    arch: aarch64\n    ring: lab\n"
-                           "    labels: [a, b]\n", "fleet.yaml")
+    path = write(
+        tmp_path,
+        "devices:\n"
+        "  - {id: cam-1, sku: x86_ort_fp32, arch: x86_64, runtime: {onnxruntime: '1.32.0'}}\n"
+        "  - id: cam-2\n    sku: arm_ort_fp32\n    arch: aarch64\n    ring: lab\n"
+        "    labels: [a, b]\n",
+        "fleet.yaml",
+    )
     assert load_inventory(path).devices == [
         Device("cam-1", "x86_ort_fp32", "x86_64", {"onnxruntime": "1.32.0"}),
-        Device("cam-2", "arm_ort_fp32", "aarch64", {}, "lab", ("a", "b"))]
+        Device("cam-2", "arm_ort_fp32", "aarch64", {}, "lab", ("a", "b")),
+    ]
 
 
 def test_device_is_frozen_hashable_and_picklable():
@@ -112,23 +126,26 @@ def test_write_refuses_what_csv_would_split(tmp_path):
 # --- CSV validation ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("row, expected", [
-    ("cam-1,s,x86_64,,,\n", "line 3: id 'cam-1' repeats line 2"),
-    ("../x,s,x86_64,,,\n", "line 3: id '../x' is not a valid device id"),
-    ("a b,s,x86_64,,,\n", "line 3: id 'a b' is not a valid device id"),
-    ("a/b,s,x86_64,,,\n", "line 3: id 'a/b' is not a valid device id"),
-    ("a..b,s,x86_64,,,\n", "line 3: id 'a..b' is not a valid device id"),
-    (f"{'a' * 129},s,x86_64,,,\n", "at most 128 characters"),
-    (",s,x86_64,,,\n", "line 3: empty id"),
-    ("cam-2,,x86_64,,,\n", "line 3: empty sku"),
-    ("cam-2,s,arm64,,,\n", "line 3: arch 'arm64' is not one of x86_64, aarch64 (write 'aarch64')"),
-    ("cam-2,s,sparc,,,\n", "line 3: arch 'sparc' is not one of x86_64, aarch64"),
-    ("cam-2,s,x86_64,onnxruntime,,\n", "line 3: runtime entry 'onnxruntime' is not name=version"),
-    ("cam-2,s,x86_64,onnxruntime=,,\n", "line 3: runtime entry 'onnxruntime=' is not name=version"),
-    ("cam-2,s,x86_64,=1.0,,\n", "line 3: runtime entry '=1.0' is not name=version"),
-    ("cam-2,s,x86_64,ort=1;ort=2,,\n", "line 3: runtime 'ort=1;ort=2' names a package twice"),
-    ("cam-2,s,x86_64,,\n", "line 3: 5 field(s), the header has 6"),
-])
+@pytest.mark.parametrize(
+    "row, expected",
+    [
+        ("cam-1,s,x86_64,,,\n", "line 3: id 'cam-1' repeats line 2"),
+        ("../x,s,x86_64,,,\n", "line 3: id '../x' is not a valid device id"),
+        ("a b,s,x86_64,,,\n", "line 3: id 'a b' is not a valid device id"),
+        ("a/b,s,x86_64,,,\n", "line 3: id 'a/b' is not a valid device id"),
+        ("a..b,s,x86_64,,,\n", "line 3: id 'a..b' is not a valid device id"),
+        (f"{'a' * 129},s,x86_64,,,\n", "at most 128 characters"),
+        (",s,x86_64,,,\n", "line 3: empty id"),
+        ("cam-2,,x86_64,,,\n", "line 3: empty sku"),
+        ("cam-2,s,arm64,,,\n", "line 3: arch 'arm64' is not one of x86_64, aarch64 (write 'aarch64')"),
+        ("cam-2,s,sparc,,,\n", "line 3: arch 'sparc' is not one of x86_64, aarch64"),
+        ("cam-2,s,x86_64,onnxruntime,,\n", "line 3: runtime entry 'onnxruntime' is not name=version"),
+        ("cam-2,s,x86_64,onnxruntime=,,\n", "line 3: runtime entry 'onnxruntime=' is not name=version"),
+        ("cam-2,s,x86_64,=1.0,,\n", "line 3: runtime entry '=1.0' is not name=version"),
+        ("cam-2,s,x86_64,ort=1;ort=2,,\n", "line 3: runtime 'ort=1;ort=2' names a package twice"),
+        ("cam-2,s,x86_64,,\n", "line 3: 5 field(s), the header has 6"),
+    ],
+)
 def test_csv_row_problem_names_the_line(tmp_path, row, expected):
     assert expected in problem(write(tmp_path, HEADER + GOOD + row))
 
@@ -138,11 +155,14 @@ def test_a_quoted_field_over_two_lines_keeps_the_line_numbers(tmp_path):
     assert "line 4: id 'cam-1' repeats line 3" in problem(path)
 
 
-@pytest.mark.parametrize("header, expected", [
-    ("id,sku,runtime,ring,labels\n", "line 1: column 'arch' is missing"),
-    ("id,sku,arch,runtime,rings,labels\n", "line 1: column 'rings' is unknown (did you mean 'ring'?)"),
-    ("id,sku,arch,arch\n", "line 1: column 'arch' appears twice"),
-])
+@pytest.mark.parametrize(
+    "header, expected",
+    [
+        ("id,sku,runtime,ring,labels\n", "line 1: column 'arch' is missing"),
+        ("id,sku,arch,runtime,rings,labels\n", "line 1: column 'rings' is unknown (did you mean 'ring'?)"),
+        ("id,sku,arch,arch\n", "line 1: column 'arch' appears twice"),
+    ],
+)
 def test_csv_header_problem(tmp_path, header, expected):
     assert expected in problem(write(tmp_path, header + "cam-1,s,x86_64,x\n"))
 
@@ -168,20 +188,26 @@ def test_many_problems_are_cut_short(tmp_path):
 # --- YAML validation -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("entry, expected", [
-    ("{id: cam-1, sku: s, arch: x86_64}", "devices[1] (id 'cam-1'): id 'cam-1' repeats devices[0]"),
-    ("{id: ../x, sku: s, arch: x86_64}", "devices[1] (id '../x'): id '../x' is not a valid device id"),
-    ("{id: cam-2, sku: s}", "devices[1] (id 'cam-2'): key 'arch' is missing"),
-    ("{id: cam-2, sku: s, arch: x86_64, rings: lab}", "key 'rings' is unknown (did you mean 'ring'?)"),
-    ("{id: 0012, sku: s, arch: x86_64}", "devices[1]: id: YAML reads this value as a number (10); quote it"),
-    ("{id: cam-2, sku: s, arch: x86_64, runtime: {ort: 1.20}}", "runtime.ort: YAML reads this value as a number (1.2)"),
-    ("{id: cam-2, sku: s, arch: x86_64, runtime: 'ort=1'}", "runtime must be a mapping"),
-    ("{id: cam-2, sku: s, arch: x86_64, runtime: {ort: ''}}", "runtime entry 'ort=' is not name=version"),
-    ("{id: cam-2, sku: s, arch: x86_64, ring: no}", "ring: YAML reads this value as a boolean (False)"),
-    ("{id: cam-2, sku: s, arch: x86_64, labels: lab}", "labels must be a list of text"),
-    ("{id: cam-2, sku: s, arch: ppc64le}", "arch 'ppc64le' is not one of x86_64, aarch64"),
-    ("cam-2", "devices[1]: expected a mapping"),
-])
+@pytest.mark.parametrize(
+    "entry, expected",
+    [
+        ("{id: cam-1, sku: s, arch: x86_64}", "devices[1] (id 'cam-1'): id 'cam-1' repeats devices[0]"),
+        ("{id: ../x, sku: s, arch: x86_64}", "devices[1] (id '../x'): id '../x' is not a valid device id"),
+        ("{id: cam-2, sku: s}", "devices[1] (id 'cam-2'): key 'arch' is missing"),
+        ("{id: cam-2, sku: s, arch: x86_64, rings: lab}", "key 'rings' is unknown (did you mean 'ring'?)"),
+        ("{id: 0012, sku: s, arch: x86_64}", "devices[1]: id: YAML reads this value as a number (10); quote it"),
+        (
+            "{id: cam-2, sku: s, arch: x86_64, runtime: {ort: 1.20}}",
+            "runtime.ort: YAML reads this value as a number (1.2)",
+        ),
+        ("{id: cam-2, sku: s, arch: x86_64, runtime: 'ort=1'}", "runtime must be a mapping"),
+        ("{id: cam-2, sku: s, arch: x86_64, runtime: {ort: ''}}", "runtime entry 'ort=' is not name=version"),
+        ("{id: cam-2, sku: s, arch: x86_64, ring: no}", "ring: YAML reads this value as a boolean (False)"),
+        ("{id: cam-2, sku: s, arch: x86_64, labels: lab}", "labels must be a list of text"),
+        ("{id: cam-2, sku: s, arch: ppc64le}", "arch 'ppc64le' is not one of x86_64, aarch64"),
+        ("cam-2", "devices[1]: expected a mapping"),
+    ],
+)
 def test_yaml_entry_problem_names_the_index(tmp_path, entry, expected):
     path = write(tmp_path, f"devices:\n  - {{id: cam-1, sku: s, arch: x86_64}}\n  - {entry}\n", "fleet.yaml")
     assert expected in problem(path)
@@ -211,8 +237,14 @@ def test_not_utf8(tmp_path):
 
 
 def test_check_against_names_unknown_skus(tmp_path):
-    registry = parse_registry({"defaults": {}, "examples": {}, "models": {"conv": models.conv_bn_spec()},
-                               "skus": {"x86_ort_fp32": models.ort_sku("fp32")}})
+    registry = parse_registry(
+        {
+            "defaults": {},
+            "examples": {},
+            "models": {"conv": models.conv_bn_spec()},
+            "skus": {"x86_ort_fp32": models.ort_sku("fp32")},
+        }
+    )
     path = write_inventory(tmp_path / "fleet.csv", fleet())
     (only,) = load_inventory(path).check_against(registry)
     assert "2 device(s) have SKU 'arm_ort_fp32'" in only and "cam-002, 0012" in only

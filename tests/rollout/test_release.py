@@ -98,10 +98,13 @@ def _replace_golden_outputs(root):
     np.savez(path, **arrays)
 
 
-@pytest.mark.parametrize("damage", [
-    pytest.param(_change_engine, id="engine-changed-after-manifest"),
-    pytest.param(_replace_golden_outputs, id="golden-outputs-replaced"),
-])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(_change_engine, id="engine-changed-after-manifest"),
+        pytest.param(_replace_golden_outputs, id="golden-outputs-replaced"),
+    ],
+)
 def test_refused_when_evidence_does_not_hold(copy, local_store, keys, damage):
     initialised(local_store, copy, keys)
     timestamp = local_store.get(trust.TIMESTAMP_KEY).data

@@ -54,7 +54,9 @@ def test_a_replaced_manifest_artifact_is_refused(project, server, local_store, t
     keys = trust.Keys.single(signing_key())
     trust.initialise(local_store, keys, project.rollout.expiry)
     version = tracking.client.get_model_version_by_alias("conv.cpu", "candidate")
-    doc = json.loads(Path(tracking.client.download_artifacts(version.run_id, "manifest.json", str(tmp_path))).read_text())
+    doc = json.loads(
+        Path(tracking.client.download_artifacts(version.run_id, "manifest.json", str(tmp_path))).read_text()
+    )
     doc["precision"] = "fp16"
     edited = tmp_path / "edit" / "manifest.json"
     edited.parent.mkdir()

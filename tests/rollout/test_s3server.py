@@ -12,7 +12,7 @@ import time
 import pytest
 from botocore.exceptions import ClientError, ConnectionClosedError, ReadTimeoutError
 
-from .s3server import MotoS3, object_key
+from rollout.s3server import MotoS3, object_key
 
 NO_RETRIES = {"retries": {"total_max_attempts": 1}}  # "max_attempts" counts retries
 
@@ -143,11 +143,14 @@ def test_reset_forgets_buckets():
 
 
 def test_server_dies_with_its_test_process():
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from rollout.s3server import MotoS3; "
-            "import os; s = MotoS3(); print(s._proc.pid, flush=True); os.kill(os.getpid(), 9)")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from rollout.s3server import MotoS3; "
+        "import os; s = MotoS3(); print(s._proc.pid, flush=True); os.kill(os.getpid(), 9)"
+    )
     tests_dir = os.path.dirname(os.path.dirname(__file__))
-    out = subprocess.run([sys.executable, "-c", code, tests_dir], capture_output=True, text=True,
-                         timeout=30, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code, tests_dir], capture_output=True, text=True, timeout=30, check=False
+    )
     assert out.returncode == -signal.SIGKILL and out.stdout.strip().isdigit(), out.stderr
     child = int(out.stdout)
     deadline = time.monotonic() + 10

@@ -20,9 +20,8 @@ from pipeline.rollout.store import (
     PreconditionFailed,
     S3Store,
 )
-
-from .conftest import FAST
-from .s3server import s3_client
+from rollout.conftest import FAST
+from rollout.s3server import s3_client
 
 
 def _is_s3(store) -> bool:
@@ -227,13 +226,23 @@ def test_a_dead_s3_endpoint_fails_the_command_with_exit_4(tmp_path, dead):
     project(tmp_path)
     with SilentServer() as silent:
         endpoint = f"http://127.0.0.1:{free_port()}" if dead == "closed port" else silent.url
-        env = service_env(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                          AWS_DEFAULT_REGION="us-east-1", AWS_CONFIG_FILE=str(tmp_path / "none"))
+        env = service_env(
+            AWS_ENDPOINT_URL=endpoint,
+            AWS_ACCESS_KEY_ID="testing",
+            AWS_SECRET_ACCESS_KEY="testing",
+            AWS_DEFAULT_REGION="us-east-1",
+            AWS_CONFIG_FILE=str(tmp_path / "none"),
+        )
         started = time.monotonic()
         proc = skuforge("rollout", "status", "--model", "m", "--store", "s3://bucket/fleet", cwd=tmp_path, env=env)
         print(f"S3 at a {dead}: exit {proc.returncode} after {time.monotonic() - started:.1f} s")
-        assert_user_error(proc, 4, f"S3 at {endpoint}: could not read s3://bucket/fleet/",
-                          f"({S3_ATTEMPTS} attempts, connect timeout 3 s, read timeout 4 s)", "AWS_ENDPOINT_URL")
+        assert_user_error(
+            proc,
+            4,
+            f"S3 at {endpoint}: could not read s3://bucket/fleet/",
+            f"({S3_ATTEMPTS} attempts, connect timeout 3 s, read timeout 4 s)",
+            "AWS_ENDPOINT_URL",
+        )
         if dead == "closed port":
             assert "EndpointConnectionError" in proc.stderr
         else:

@@ -36,8 +36,9 @@ def s3_repo(s3_store, keys):
     return s3_store
 
 
-def publish(store, keys, path: str, data: bytes, custom: dict | None = None,
-            expiry: Expiry | None = None) -> trust.State:
+def publish(
+    store, keys, path: str, data: bytes, custom: dict | None = None, expiry: Expiry | None = None
+) -> trust.State:
     """Upload ``data`` and commit it as target ``path``: what a release does for each file."""
     trust.put_blob(store, data)
 

@@ -2,22 +2,33 @@
 
 from __future__ import annotations
 
+import models
 import onnxruntime
 
-import models
 from pipeline.config import parse_registry
 from pipeline.runner import probe
 from pipeline.runner.check import host_problems, toolchain_problems
 
 
 def registry(**sku):
-    return parse_registry({"defaults": {}, "examples": {}, "models": {"m": models.conv_bn_spec()}, "skus": {"s": models.ort_sku("fp32", **sku)}})
+    return parse_registry(
+        {
+            "defaults": {},
+            "examples": {},
+            "models": {"m": models.conv_bn_spec()},
+            "skus": {"s": models.ort_sku("fp32", **sku)},
+        }
+    )
 
 
 def test_toolchain_pins():
     assert toolchain_problems({"onnxruntime": f"=={onnxruntime.__version__}"}) == []
-    assert toolchain_problems({"onnxruntime": "<1.0"}) == [f"onnxruntime {onnxruntime.__version__} is installed, the SKU pins <1.0"]
-    assert toolchain_problems({"skuforge-no-such-package": ">=1"}) == ["skuforge-no-such-package is not installed (the SKU pins >=1)"]
+    assert toolchain_problems({"onnxruntime": "<1.0"}) == [
+        f"onnxruntime {onnxruntime.__version__} is installed, the SKU pins <1.0"
+    ]
+    assert toolchain_problems({"skuforge-no-such-package": ">=1"}) == [
+        "skuforge-no-such-package is not installed (the SKU pins >=1)"
+    ]
     (problem,) = toolchain_problems({"onnxruntime": "one point twenty"})
     assert "not a PEP 440 version specifier" in problem
 
@@ -25,7 +36,8 @@ def test_toolchain_pins():
 def test_host_problems():
     assert host_problems(registry(), "s") == []
     assert host_problems(registry(target={"arch": probe.host_arch(), "cpu_features": ["no_such_flag"]}), "s") == [
-        "needs CPU features ['no_such_flag'] this host lacks"]
+        "needs CPU features ['no_such_flag'] this host lacks"
+    ]
 
 
 def test_missing_execution_provider_is_reported():

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_runner_cli import skuforge
 
 from pipeline.io import atomic_write_json
 from pipeline.runner import peaks
 from pipeline.runner.peaks import BandwidthPeaks, ComputePeaks, Peaks
-from test_runner_cli import skuforge
 
 
 @pytest.fixture
@@ -22,10 +22,16 @@ def fake(calls: list) -> callable:
     def measure(budget_s: float = 10.0) -> Peaks:
         calls.append(1)
         key, host = peaks.host_key()
-        return Peaks(key=key, host=host, measured_at="2026-01-01T00:00:00+00:00", seconds=0.1,
-                     one_core_method="threadpoolctl",
-                     compute_gflops=ComputePeaks(all_cores=float(len(calls)), one_core=1.0, matmul_n=2048),
-                     bandwidth_gbs=BandwidthPeaks(triad=1.0, memcopy=1.0, triad_one_core=1.0, array_mb=256))
+        return Peaks(
+            key=key,
+            host=host,
+            measured_at="2026-01-01T00:00:00+00:00",
+            seconds=0.1,
+            one_core_method="threadpoolctl",
+            compute_gflops=ComputePeaks(all_cores=float(len(calls)), one_core=1.0, matmul_n=2048),
+            bandwidth_gbs=BandwidthPeaks(triad=1.0, memcopy=1.0, triad_one_core=1.0, array_mb=256),
+        )
+
     return measure
 
 

@@ -12,9 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import models
 import pytest
 
-import models
 from pipeline.backends import get_backend
 from pipeline.config import parse_registry
 from pipeline.runner import probe
@@ -41,8 +41,13 @@ def fake_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stdout: str
 
 
 def gpu_registry():
-    trt = {"backend": "tensorrt", "precision": "fp32", "target": {"arch": probe.host_arch(), "device": "gpu", "os": "linux"},
-           "runner_labels": ["self-hosted", "linux", "gpu"], "shapes": {"batch": 1}}
+    trt = {
+        "backend": "tensorrt",
+        "precision": "fp32",
+        "target": {"arch": probe.host_arch(), "device": "gpu", "os": "linux"},
+        "runner_labels": ["self-hosted", "linux", "gpu"],
+        "shapes": {"batch": 1},
+    }
     return parse_registry({"defaults": {}, "examples": {}, "models": {"m": models.conv_bn_spec()}, "skus": {"g": trt}})
 
 
@@ -58,7 +63,9 @@ def test_nvidia_smi_output_is_parsed_per_gpu():
     gpus = probe.parse_nvidia_smi_all(f"{H100}\n{H100}\n{ORIN}\n")
     assert gpus[0] == GpuInfo("NVIDIA H100 80GB HBM3", "9.0", "550.54.15", "81559") and gpus[0].cc == 9.0
     assert len(gpus) == 3 and gpus[2] == GpuInfo("Orin (nvgpu)", None, "540.4.0", None)
-    assert probe.parse_nvidia_smi("NVIDIA A10G, 8.6, 535.1, 23028 MiB") == GpuInfo("NVIDIA A10G", "8.6", "535.1", "23028")
+    assert probe.parse_nvidia_smi("NVIDIA A10G, 8.6, 535.1, 23028 MiB") == GpuInfo(
+        "NVIDIA A10G", "8.6", "535.1", "23028"
+    )
     assert probe.parse_nvidia_smi("") is None and probe.parse_nvidia_smi_all("\n") == []
     assert GpuInfo("x").to_json() == {"name": "x", "driver": None, "compute_capability": None, "memory_mb": None}
 
@@ -76,7 +83,9 @@ def test_a_faked_gpu_is_seen_alike_by_the_runner_check_and_tensorrt(tmp_path, mo
 
 
 def test_no_gpu_is_seen_alike(tmp_path, monkeypatch):
-    fake_nvidia_smi(tmp_path, monkeypatch, "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.", 9)
+    fake_nvidia_smi(
+        tmp_path, monkeypatch, "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.", 9
+    )
     assert probe.gpu_info() is None and probe.gpu() == {"nvidia": [], "jetson": probe.jetson()}
     assert verdicts() == (False, False)
     reg = gpu_registry()
@@ -85,7 +94,9 @@ def test_no_gpu_is_seen_alike(tmp_path, monkeypatch):
 
 def test_a_missing_compute_capability_is_filled_in_from_the_jetson_table(tmp_path, monkeypatch):
     fake_nvidia_smi(tmp_path, monkeypatch, ORIN)
-    monkeypatch.setattr(probe, "_gpu_from_device_tree", lambda: probe.jetson_gpu("NVIDIA Jetson AGX Orin Developer Kit\0"))
+    monkeypatch.setattr(
+        probe, "_gpu_from_device_tree", lambda: probe.jetson_gpu("NVIDIA Jetson AGX Orin Developer Kit\0")
+    )
     assert probe.gpu_info() == GpuInfo("Orin (nvgpu)", "8.7", "540.4.0", None)
     assert verdicts() == (True, True)
 
@@ -102,11 +113,19 @@ def test_the_cli_probe_reports_the_faked_gpu(tmp_path, monkeypatch):
     if any, answers first: then the test says so and skips)."""
     bindir = fake_nvidia_smi(tmp_path, monkeypatch, H100)
     env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
-    cmd = [sys.executable, "-c", "import sys; from pipeline.cli import main; sys.exit(main(sys.argv[1:]))",
-           "runner", "probe", "--json"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from pipeline.cli import main; sys.exit(main(sys.argv[1:]))",
+        "runner",
+        "probe",
+        "--json",
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env, check=False)
     assert done.returncode == 0, done.stderr
     nvidia = json.loads(done.stdout)["gpu"]["nvidia"]
     if nvidia and nvidia[0]["name"] != "NVIDIA H100 80GB HBM3":
         pytest.skip(f"this host's NVML reports {nvidia[0]['name']} before nvidia-smi is asked")
-    assert nvidia == [{"name": "NVIDIA H100 80GB HBM3", "driver": "550.54.15", "compute_capability": "9.0", "memory_mb": "81559"}]
+    assert nvidia == [
+        {"name": "NVIDIA H100 80GB HBM3", "driver": "550.54.15", "compute_capability": "9.0", "memory_mb": "81559"}
+    ]

@@ -110,27 +110,48 @@ def test_scripts_parse():
     for script in ("setup-runner.sh", "pin-device-state.sh"):
         subprocess.run(["bash", "-n", str(ROOT / "runners" / script)], check=True)
     if shutil.which("shellcheck"):
-        done = subprocess.run(["shellcheck", *(str(p) for p in (ROOT / "runners").glob("*.sh"))],
-                              capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            ["shellcheck", *(str(p) for p in (ROOT / "runners").glob("*.sh"))],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         assert done.returncode == 0, done.stdout
 
 
 def test_setup_runner_refuses_without_token():
-    done = subprocess.run(["bash", str(ROOT / "runners" / "setup-runner.sh"), "--class", "rpi5"],
-                          env={}, capture_output=True, text=True, timeout=30, check=False)
+    done = subprocess.run(
+        ["bash", str(ROOT / "runners" / "setup-runner.sh"), "--class", "rpi5"],
+        env={},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert done.returncode != 0 and "RUNNER_TOKEN is not set" in done.stderr
 
 
 def test_setup_runner_configures_an_ephemeral_runner(tmp_path):
     # The GitHub runner cannot register here: a runner folder whose config.sh records its arguments.
     (tmp_path / "config.sh").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$(dirname "$0")/args"\n')
-    (tmp_path / "run.sh").write_text("#!/bin/sh\necho ran > \"$(dirname \"$0\")/ran\"\n")
+    (tmp_path / "run.sh").write_text('#!/bin/sh\necho ran > "$(dirname "$0")/ran"\n')
     for f in ("config.sh", "run.sh"):
         (tmp_path / f).chmod(0o755)
-    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "RUNNER_TOKEN": "tok123",
-           "REPO_URL": "https://github.com/org/repo", "HOME": str(tmp_path)}
-    done = subprocess.run(["bash", str(ROOT / "runners" / "setup-runner.sh"), "--class", "x86-nvidia-gpu",
-                           "--runner-dir", str(tmp_path)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    env = {
+        "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+        "RUNNER_TOKEN": "tok123",
+        "REPO_URL": "https://github.com/org/repo",
+        "HOME": str(tmp_path),
+    }
+    done = subprocess.run(
+        ["bash", str(ROOT / "runners" / "setup-runner.sh"), "--class", "x86-nvidia-gpu", "--runner-dir", str(tmp_path)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     args = (tmp_path / "args").read_text().split("\n")
     assert {"--ephemeral", "--unattended"} <= set(args)
@@ -142,8 +163,15 @@ def test_setup_runner_configures_an_ephemeral_runner(tmp_path):
 
 def test_pin_device_state_reports_and_probes():
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
-    done = subprocess.run(["bash", str(ROOT / "runners" / "pin-device-state.sh")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        ["bash", str(ROOT / "runners" / "pin-device-state.sh")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert "step(s) not pinned" in done.stderr
     state = json.loads(done.stdout)

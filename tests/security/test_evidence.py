@@ -13,9 +13,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from cli_helpers import assert_user_error, service_env, skuforge
 from registry_helpers import FAST_RETRIES, make_project, sku
+
 from pipeline.config import load_registry
 from pipeline.errors import GateFailed, InputError
 from pipeline.io import atomic_write_json, read_json, sha256_file
@@ -41,12 +41,25 @@ def _ci_env(monkeypatch) -> None:
     monkeypatch.setenv("SKUFORGE_SIGNING_KEY", base64.b64encode(raw).decode())
 
 
-SKUS = {"good": sku("fp32"), "bad": sku("int8", tolerance={"atol": 0, "rtol": 0, "max_mismatch": 0}),
-        "engine": sku("fp32"), "lat": sku("fp32"), "lat2": sku("fp32"), "store": sku("fp32"), "falsified": sku("fp32", toolchain={"onnxruntime": ">=1.20"}),
-        "trusted": sku("fp32"), "host": sku("fp32")}
-RELEASE = {"tracking": FAST_RETRIES, "skus": ["good"],
-           "signing": {"keys": {"ci": CI_KEY.public_key},
-                       "trust": {"candidate": ["*"], "staging": ["ci"], "production": ["ci"]}}}
+SKUS = {
+    "good": sku("fp32"),
+    "bad": sku("int8", tolerance={"atol": 0, "rtol": 0, "max_mismatch": 0}),
+    "engine": sku("fp32"),
+    "lat": sku("fp32"),
+    "lat2": sku("fp32"),
+    "store": sku("fp32"),
+    "falsified": sku("fp32", toolchain={"onnxruntime": ">=1.20"}),
+    "trusted": sku("fp32"),
+    "host": sku("fp32"),
+}
+RELEASE = {
+    "tracking": FAST_RETRIES,
+    "skus": ["good"],
+    "signing": {
+        "keys": {"ci": CI_KEY.public_key},
+        "trust": {"candidate": ["*"], "staging": ["ci"], "production": ["ci"]},
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -132,10 +145,27 @@ def test_faked_reports_signed_by_an_untrusted_key_reach_only_aliases_that_accept
     saved = {p: p.read_bytes() for p in (val_path, out.manifest("conv", "bad"))}
     try:
         val = ValidationReport.model_validate(read_json(val_path))
-        fake = val.model_copy(update={"passed": True, "failures": [], "outputs": [
-            o.model_copy(update={"passed": True, "mismatch_fraction": 0.0, "mismatch_count": 0, "max_abs_error": 0.0,
-                                 "min_passing_atol": 0.0, "snr_db": None, "top1_agreement": 1.0,
-                                 "top1_agree": o.top1_rows}) for o in val.outputs]})
+        fake = val.model_copy(
+            update={
+                "passed": True,
+                "failures": [],
+                "outputs": [
+                    o.model_copy(
+                        update={
+                            "passed": True,
+                            "mismatch_fraction": 0.0,
+                            "mismatch_count": 0,
+                            "max_abs_error": 0.0,
+                            "min_passing_atol": 0.0,
+                            "snr_db": None,
+                            "top1_agreement": 1.0,
+                            "top1_agree": o.top1_rows,
+                        }
+                    )
+                    for o in val.outputs
+                ],
+            }
+        )
         atomic_write_json(val_path, fake.to_json())
         write_manifest(proj, "conv", "bad")
         publish(proj, "conv", "bad")
@@ -292,7 +322,9 @@ def test_an_edited_host_published_anyway_is_refused_by_promotion(proj):
     saved = path.read_bytes()
     try:
         _redigest(path, _forged_host)
-        result = publish_engine(connect(proj), proj, type(inputs)(**{**inputs.__dict__, "manifest": load_manifest(path)}))
+        result = publish_engine(
+            connect(proj), proj, type(inputs)(**{**inputs.__dict__, "manifest": load_manifest(path)})
+        )
     finally:
         path.write_bytes(saved)
     exc = _blocked(proj, "candidate", "host")

@@ -14,11 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import models
 import numpy as np
 import pytest
 import yaml
-
-import models
 from cli_helpers import assert_user_error, project, skuforge
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,8 +68,11 @@ def test_inf_in_calibration_npz(tmp_path):
 
 
 def test_nan_in_evaluation(tmp_path):
-    data_project(tmp_path, {"eval.npz": {"x": with_bad(np.nan, 0), "labels": np.zeros(6, np.int64)}},
-                 evaluation={"path": "eval.npz"})
+    data_project(
+        tmp_path,
+        {"eval.npz": {"x": with_bad(np.nan, 0), "labels": np.zeros(6, np.int64)}},
+        evaluation={"path": "eval.npz"},
+    )
     refused_data(tmp_path, 2, "evaluation", "eval.npz", "'x'", "sample 0")
 
 
@@ -93,8 +95,9 @@ def test_inf_in_a_generated_set(tmp_path):
 
 
 def test_non_finite_golden_allowed_with_the_opt_in(tmp_path):
-    data_project(tmp_path, {"golden.npz": {"x": with_bad(np.nan, 4)}},
-                 golden={"path": "golden.npz", "allow_non_finite": True})
+    data_project(
+        tmp_path, {"golden.npz": {"x": with_bad(np.nan, 4)}}, golden={"path": "golden.npz", "allow_non_finite": True}
+    )
     proc = skuforge("data", "--model", "m", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     golden = np.load(tmp_path / "build/m/data/golden.npz")["x"]
@@ -103,8 +106,11 @@ def test_non_finite_golden_allowed_with_the_opt_in(tmp_path):
 
 @pytest.mark.parametrize("split", ["calibration", "evaluation"])
 def test_opt_in_refused_on_calibration_and_evaluation(tmp_path, split):
-    data_project(tmp_path, {"d.npz": {"x": finite(), "labels": np.zeros(6, np.int64)}},
-                 **{split: {"path": "d.npz", "allow_non_finite": True}})
+    data_project(
+        tmp_path,
+        {"d.npz": {"x": finite(), "labels": np.zeros(6, np.int64)}},
+        **{split: {"path": "d.npz", "allow_non_finite": True}},
+    )
     proc = skuforge("config", "validate", cwd=tmp_path)
     assert_user_error(proc, 2, "models.m.datasets", f"{split}.allow_non_finite", "golden and hard_tail")
 
@@ -129,7 +135,9 @@ def test_string_labels(tmp_path):
 
 
 def test_float_labels(tmp_path):
-    data_project(tmp_path, {"eval.npz": {"x": finite(), "labels": np.linspace(0, 1, 6)}}, evaluation={"path": "eval.npz"})
+    data_project(
+        tmp_path, {"eval.npz": {"x": finite(), "labels": np.linspace(0, 1, 6)}}, evaluation={"path": "eval.npz"}
+    )
     refused_data(tmp_path, 2, "eval.npz", "'labels'", "float64", "integer class indices")
 
 
@@ -140,7 +148,9 @@ def test_zero_dimensional_npy(tmp_path):
 
 def test_object_array_is_never_unpickled(tmp_path):
     marker = tmp_path / "unpickled"
-    data_project(tmp_path, {"golden.npz": {"x": np.array([_Boom(marker), 1], dtype=object)}}, golden={"path": "golden.npz"})
+    data_project(
+        tmp_path, {"golden.npz": {"x": np.array([_Boom(marker), 1], dtype=object)}}, golden={"path": "golden.npz"}
+    )
     refused_data(tmp_path, 2, "golden.npz", "'x'", "object (pickled) array")
     assert not marker.exists()
 
@@ -162,10 +172,17 @@ def test_every_np_load_in_the_library_refuses_pickles():
     calls = []
     for path in sorted((REPO / "pipeline").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load" \
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id in ("np", "numpy"):
-                off = any(k.arg == "allow_pickle" and isinstance(k.value, ast.Constant) and k.value.value is False
-                          for k in node.keywords)
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "load"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id in ("np", "numpy")
+            ):
+                off = any(
+                    k.arg == "allow_pickle" and isinstance(k.value, ast.Constant) and k.value.value is False
+                    for k in node.keywords
+                )
                 calls.append((f"{path.relative_to(REPO)}:{node.lineno}", off))
     assert calls and [where for where, off in calls if not off] == []
 
@@ -191,8 +208,13 @@ def test_npy_header_claiming_a_trillion_elements_is_refused_unread(tmp_path):
     with open(tmp_path / CONV / "huge.npy", "wb") as fh:
         npy.write_array_header_1_0(fh, {"descr": "<f4", "fortran_order": False, "shape": (10**12 // 192, 3, 8, 8)})
         fh.write(bytes(1024))
-    refused_data(tmp_path, 2, "dataset golden", "huge.npy declares a float32 array of shape (5208333333, 3, 8, 8)",
-                 "above the limit of 4.00 GiB per dataset")
+    refused_data(
+        tmp_path,
+        2,
+        "dataset golden",
+        "huge.npy declares a float32 array of shape (5208333333, 3, 8, 8)",
+        "above the limit of 4.00 GiB per dataset",
+    )
 
 
 def test_legitimate_compressed_dataset_passes(tmp_path):
@@ -202,12 +224,26 @@ def test_legitimate_compressed_dataset_passes(tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
-@pytest.mark.parametrize("key, value, words", [
-    ("skus", {"cpu": {"shapes": {"batch": 10**9}}}, ["skus.cpu.shapes.batch: 1000000000", "192000000000 elements",
-                                                      "2147483647 elements", "lower it to at most 5592405"]),
-    ("datasets", {"golden": {"generate": {"count": 10**8}}}, ["models.m.datasets.golden.generate.count: 100000000",
-                                                              "71.53 GiB", "lower it to at most 5592405"]),
-])
+@pytest.mark.parametrize(
+    "key, value, words",
+    [
+        (
+            "skus",
+            {"cpu": {"shapes": {"batch": 10**9}}},
+            [
+                "skus.cpu.shapes.batch: 1000000000",
+                "192000000000 elements",
+                "2147483647 elements",
+                "lower it to at most 5592405",
+            ],
+        ),
+        (
+            "datasets",
+            {"golden": {"generate": {"count": 10**8}}},
+            ["models.m.datasets.golden.generate.count: 100000000", "71.53 GiB", "lower it to at most 5592405"],
+        ),
+    ],
+)
 def test_config_validate_refuses_sizes_beyond_the_limits(tmp_path, key, value, words):
     spec, skus = models.conv_bn_spec(), {"cpu": models.ort_sku("fp32")}
     if key == "skus":
@@ -287,7 +323,11 @@ def test_changed_external_data_makes_dvc_rerun_prepare(tmp_path):
 
 
 def test_custom_op_domain(tmp_path):
-    project(tmp_path, models.vector_spec("models/custom"), builder=lambda p: models.relu_model(p, custom_domain="com.example"))
+    project(
+        tmp_path,
+        models.vector_spec("models/custom"),
+        builder=lambda p: models.relu_model(p, custom_domain="com.example"),
+    )
     proc = skuforge("prepare", "--model", "m", cwd=tmp_path)
     assert_user_error(proc, 2, "'MyOp'", "'com.example'", "node 'my_op'", "custom op library")
     assert "skuforge prepare" not in proc.stderr
@@ -299,7 +339,9 @@ def test_opset_too_old_hint_works_when_followed(tmp_path):
     newest = onnx.defs.onnx_opset_version()
     project(tmp_path, models.vector_spec("models/old"), builder=lambda p: models.relu_model(p, opset=3))
     proc = skuforge("prepare", "--model", "m", cwd=tmp_path)
-    assert_user_error(proc, 2, "opset 3", f"7 to {newest}", "onnx.version_converter.convert_version", "re-export at opset 17")
+    assert_user_error(
+        proc, 2, "opset 3", f"7 to {newest}", "onnx.version_converter.convert_version", "re-export at opset 17"
+    )
     assert "skuforge prepare" not in proc.stderr
     path = tmp_path / "models/old/model.onnx"
     onnx.save(onnx.version_converter.convert_version(onnx.load(str(path)), 17), str(path))  # what the hint says
@@ -319,8 +361,11 @@ def test_opset_too_new(tmp_path):
 
 def test_no_hint_sends_the_user_back_to_prepare():
     """A hint naming `skuforge prepare` from a failure of prepare (or after it passed) goes in a circle."""
-    offenders = [str(p.relative_to(REPO)) for p in (REPO / "pipeline").rglob("*.py")
-                 if "`skuforge prepare`" in p.read_text() or "run skuforge prepare" in p.read_text()]
+    offenders = [
+        str(p.relative_to(REPO))
+        for p in (REPO / "pipeline").rglob("*.py")
+        if "`skuforge prepare`" in p.read_text() or "run skuforge prepare" in p.read_text()
+    ]
     assert offenders == []
 
 
@@ -349,8 +394,10 @@ def test_iree_disk_full_is_a_storage_problem(tmp_path, stderr):
     assert not isinstance(crashed, UnsupportedOp) and "disk space" in crashed.message
 
 
-@pytest.mark.skipif(shutil.which("iree-compile", path=str(Path(sys.executable).parent)) is None,
-                    reason="iree-base-compiler is not installed")
+@pytest.mark.skipif(
+    shutil.which("iree-compile", path=str(Path(sys.executable).parent)) is None,
+    reason="iree-base-compiler is not installed",
+)
 def test_iree_real_compiler_disk_full_text(tmp_path):
     """The real compiler writing to a full device (/dev/full): its stderr classifies as a storage problem."""
     from pipeline.backends.iree import compile_error
@@ -358,10 +405,19 @@ def test_iree_real_compiler_disk_full_text(tmp_path):
 
     if not Path("/dev/full").exists():
         pytest.skip("no /dev/full on this host")
-    (tmp_path / "input.mlir").write_text("func.func @main(%a: tensor<4xf32>) -> tensor<4xf32> {\n"
-                                         "  %0 = arith.addf %a, %a : tensor<4xf32>\n  return %0 : tensor<4xf32>\n}\n")
-    cmd = [str(Path(sys.executable).with_name("iree-compile")), "input.mlir", "--iree-hal-target-device=local",
-           "--iree-hal-local-target-device-backends=llvm-cpu", "--iree-llvmcpu-target-cpu=generic", "-o", "/dev/full"]
+    (tmp_path / "input.mlir").write_text(
+        "func.func @main(%a: tensor<4xf32>) -> tensor<4xf32> {\n"
+        "  %0 = arith.addf %a, %a : tensor<4xf32>\n  return %0 : tensor<4xf32>\n}\n"
+    )
+    cmd = [
+        str(Path(sys.executable).with_name("iree-compile")),
+        "input.mlir",
+        "--iree-hal-target-device=local",
+        "--iree-hal-local-target-device-backends=llvm-cpu",
+        "--iree-llvmcpu-target-cpu=generic",
+        "-o",
+        "/dev/full",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     err = compile_error(proc.returncode, proc.stderr, {}, cmd, tmp_path)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import models
 import pytest
 import yaml
-
-import models
 from cli_helpers import REPO, assert_user_error, skuforge
+
 from pipeline.config import Registry, load_registry, name_problem, parse_registry, suggest_name
 from pipeline.errors import ConfigError, InputError
 from pipeline.paths import inside, path_problem
@@ -40,12 +40,14 @@ def sandbox(tmp_path):
     check()
 
 
-def write(root: Path, model_names=("m",), sku_names=("cpu",), spec: dict | None = None, sku: dict | None = None,
-          **top) -> Path:
+def write(
+    root: Path, model_names=("m",), sku_names=("cpu",), spec: dict | None = None, sku: dict | None = None, **top
+) -> Path:
     spec = spec or models.conv_bn_spec()
     models.conv_bn_model(root / spec["dir"] / spec["source"])
-    return models.write_project(root, {n: spec for n in model_names}, {n: sku or models.ort_sku("fp32") for n in sku_names},
-                                **top)
+    return models.write_project(
+        root, {n: spec for n in model_names}, {n: sku or models.ort_sku("fp32") for n in sku_names}, **top
+    )
 
 
 def validate(root: Path):
@@ -76,7 +78,13 @@ def test_shell_metachar_sku_name_is_refused_by_validate_and_repro(sandbox):
 def test_dotdot_model_name(sandbox):
     root, check = sandbox
     write(root, model_names=("../../x",))
-    assert_user_error(validate(root), 2, "models.'../../x'", "does not start with a lowercase letter, contains '.' '/'", "use e.g. 'x'")
+    assert_user_error(
+        validate(root),
+        2,
+        "models.'../../x'",
+        "does not start with a lowercase letter, contains '.' '/'",
+        "use e.g. 'x'",
+    )
     write(root)  # a valid registry: the argument is looked up, never used as a path
     assert_user_error(skuforge("prepare", "--model", "../../x", cwd=root), 2, "unknown model '../../x'")
     assert_user_error(skuforge("build", "--model", "m", "--sku", "../x", cwd=root), 2, "unknown SKU '../x'")
@@ -84,15 +92,19 @@ def test_dotdot_model_name(sandbox):
 
 
 @pytest.mark.parametrize("section", ["models", "skus", "examples"])
-@pytest.mark.parametrize("name, why, suggestion", [
-    ("a/b", "contains '/'", "a_b"),
-    ("a b", "contains ' '", "a_b"),
-    ("Conv", "does not start with a lowercase letter", "conv"),
-    ("x" * 65, "is 65 characters long", "x" * 64),
-    ("b #c", "contains ' ' '#'", "b_c"),
-    ("x\ninjected: 1", "contains '\\n' ' ' ':'", "x_injected_1"),
-    ("1st", "does not start with a lowercase letter", "n_1st"),
-], ids=["slash", "space", "uppercase", "too_long", "hash_comment", "newline", "digit_first"])
+@pytest.mark.parametrize(
+    "name, why, suggestion",
+    [
+        ("a/b", "contains '/'", "a_b"),
+        ("a b", "contains ' '", "a_b"),
+        ("Conv", "does not start with a lowercase letter", "conv"),
+        ("x" * 65, "is 65 characters long", "x" * 64),
+        ("b #c", "contains ' ' '#'", "b_c"),
+        ("x\ninjected: 1", "contains '\\n' ' ' ':'", "x_injected_1"),
+        ("1st", "does not start with a lowercase letter", "n_1st"),
+    ],
+    ids=["slash", "space", "uppercase", "too_long", "hash_comment", "newline", "digit_first"],
+)
 def test_bad_names(sandbox, section, name, why, suggestion):
     root, check = sandbox
     if section == "models":
@@ -155,16 +167,31 @@ def test_name_rule_unit():
 # --- paths -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("key, change, why", [
-    ("models.m.dir", {"dir": "/etc"}, "is absolute"),
-    ("models.m.dir", {"dir": "../elsewhere"}, "leaves the project root"),
-    ("models.m.dir", {"dir": "models/../../elsewhere"}, "leaves the project root"),
-    ("models.m.source", {"source": "/etc/passwd"}, "is absolute"),
-    ("models.m.source", {"source": "../../../x.onnx"}, "leaves the project root"),
-    ("models.m.datasets.golden.path", {"datasets": {"golden": {"path": "../../../golden.npz"}}}, "leaves the project root"),
-    ("models.m.datasets.evaluation.path", {"datasets": {"evaluation": {"path": "/tmp/eval.npz"}}}, "is absolute"),
-], ids=["dir_absolute", "dir_dotdot", "dir_inner_dotdot", "source_absolute", "source_dotdot", "dataset_dotdot",
-        "dataset_absolute"])
+@pytest.mark.parametrize(
+    "key, change, why",
+    [
+        ("models.m.dir", {"dir": "/etc"}, "is absolute"),
+        ("models.m.dir", {"dir": "../elsewhere"}, "leaves the project root"),
+        ("models.m.dir", {"dir": "models/../../elsewhere"}, "leaves the project root"),
+        ("models.m.source", {"source": "/etc/passwd"}, "is absolute"),
+        ("models.m.source", {"source": "../../../x.onnx"}, "leaves the project root"),
+        (
+            "models.m.datasets.golden.path",
+            {"datasets": {"golden": {"path": "../../../golden.npz"}}},
+            "leaves the project root",
+        ),
+        ("models.m.datasets.evaluation.path", {"datasets": {"evaluation": {"path": "/tmp/eval.npz"}}}, "is absolute"),
+    ],
+    ids=[
+        "dir_absolute",
+        "dir_dotdot",
+        "dir_inner_dotdot",
+        "source_absolute",
+        "source_dotdot",
+        "dataset_dotdot",
+        "dataset_absolute",
+    ],
+)
 def test_paths_outside_the_project(sandbox, key, change, why):
     root, check = sandbox
     spec = {**models.conv_bn_spec(), **change}
@@ -255,12 +282,16 @@ def test_merge_keys_may_override():
     assert doc["other"] == {"x": 3, "y": 2}
 
 
-@pytest.mark.parametrize("toolchain, culprit", [
-    ({"onnxruntime": "one point twenty"}, "'one point twenty' is not a PEP 440 version specifier"),
-    ({"onnxruntime": "1.20"}, "'1.20' is not a PEP 440"),
-    ({"onnx runtime": ">=1.20"}, "'onnx runtime' is not a package name"),
-    ({"-ort": ">=1.20"}, "'-ort' is not a package name"),
-], ids=["words", "no_operator", "space_in_package", "dash_first_package"])
+@pytest.mark.parametrize(
+    "toolchain, culprit",
+    [
+        ({"onnxruntime": "one point twenty"}, "'one point twenty' is not a PEP 440 version specifier"),
+        ({"onnxruntime": "1.20"}, "'1.20' is not a PEP 440"),
+        ({"onnx runtime": ">=1.20"}, "'onnx runtime' is not a package name"),
+        ({"-ort": ">=1.20"}, "'-ort' is not a package name"),
+    ],
+    ids=["words", "no_operator", "space_in_package", "dash_first_package"],
+)
 def test_bad_toolchain(sandbox, toolchain, culprit):
     root, check = sandbox
     write(root, sku=models.ort_sku("fp32", toolchain=toolchain))
@@ -273,17 +304,48 @@ def test_bad_toolchain(sandbox, toolchain, culprit):
 # --- rendered workflows ------------------------------------------------------------------------
 
 
-HOSTILE = ["b #c", "x\ninjected: true", "a: b", "'q\"", "[x]", "{y: 1}", "*alias", "&anchor", "- item", "yes", "null",
-           "1.0", "%TAG", "@at", "`tick`", "x\r\ny: 1", "\u2028z", "|\n  block", "$(touch pwned)", "${ not_an_expr }"]
+HOSTILE = [
+    "b #c",
+    "x\ninjected: true",
+    "a: b",
+    "'q\"",
+    "[x]",
+    "{y: 1}",
+    "*alias",
+    "&anchor",
+    "- item",
+    "yes",
+    "null",
+    "1.0",
+    "%TAG",
+    "@at",
+    "`tick`",
+    "x\r\ny: 1",
+    "\u2028z",
+    "|\n  block",
+    "$(touch pwned)",
+    "${ not_an_expr }",
+]
 
 
 def _registry_with(models_: list[str], skus: list[str], labels: list[str]) -> Registry:
     """Bypass the name rule (it refuses these names) to test the renderer on its own."""
-    spec = parse_registry({"defaults": {}, "examples": {}, "models": {"m": models.conv_bn_spec()},
-                           "skus": {"s": models.ort_sku(runner_labels=["self-hosted", "linux"])}})
+    spec = parse_registry(
+        {
+            "defaults": {},
+            "examples": {},
+            "models": {"m": models.conv_bn_spec()},
+            "skus": {"s": models.ort_sku(runner_labels=["self-hosted", "linux"])},
+        }
+    )
     sku = spec.skus["s"].model_copy(update={"runner_labels": labels})
-    return Registry.model_construct(defaults=spec.defaults, examples={}, models={n: spec.models["m"] for n in models_},
-                                    skus={n: sku for n in skus}, release=spec.release)
+    return Registry.model_construct(
+        defaults=spec.defaults,
+        examples={},
+        models={n: spec.models["m"] for n in models_},
+        skus={n: sku for n in skus},
+        release=spec.release,
+    )
 
 
 def _replace(doc, mapping: dict[str, str]):
@@ -321,8 +383,11 @@ def test_github_expression_in_a_name_is_refused_by_the_renderer(where):
     from pipeline.ci.render import workflows
 
     bad = "${{ github.token }}"
-    reg = _registry_with([bad] if where == "models" else ["m"], [bad] if where == "skus" else ["s"],
-                         ["self-hosted", bad] if where == "labels" else ["self-hosted"])
+    reg = _registry_with(
+        [bad] if where == "models" else ["m"],
+        [bad] if where == "skus" else ["s"],
+        ["self-hosted", bad] if where == "labels" else ["self-hosted"],
+    )
     with pytest.raises(ConfigError, match=re.escape(repr(bad))):
         workflows(reg)
 
@@ -333,4 +398,3 @@ def test_github_expression_in_a_sku_name_fails_validate_first(sandbox):
     assert_user_error(skuforge("ci", "render", "--check", cwd=root), 2, "skus.'${{ github.token }}'")
     assert not (root / ".github").exists()
     check()
-

@@ -22,17 +22,17 @@ import time
 import warnings
 from pathlib import Path
 
-import pytest
-
 import models
+import pytest
 from cli_helpers import REPO, assert_user_error, skuforge
+from registry_helpers import free_port, make_project, sku
+
 from pipeline import io as pio
 from pipeline import redact as rd
 from pipeline.cli import main
 from pipeline.io import atomic_dir, atomic_write_bytes
 from pipeline.paths import Layout
 from pipeline.repro import dvc_failure
-from registry_helpers import free_port, make_project, sku
 
 PASSWORD = "S3cr3t-pa55word"
 TOKEN = "tok-9f8e7d6c5b4a"
@@ -41,8 +41,11 @@ BIN = Path(sys.executable).parent
 
 def env(**extra: str) -> dict[str, str]:
     """The user's environment without a store of its own, plus ``extra``."""
-    out = {k: v for k, v in os.environ.items()
-           if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_TRACKING_TOKEN")}
+    out = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_TRACKING_TOKEN")
+    }
     out["DVC_NO_ANALYTICS"] = "1"
     out["PATH"] = os.pathsep.join([str(BIN), out.get("PATH", "")])
     return {**out, **extra}
@@ -94,11 +97,18 @@ def immutable():
 
 
 def test_redact_masks_uri_userinfo_env_secrets_and_headers():
-    e = {"MLFLOW_TRACKING_TOKEN": TOKEN, "MY_API_KEY": "k3y-value-1", "GPG_KEY": "A035C8C19219BA821ECEA86B64E628F8D684696D",
-         "SHORT_TOKEN": "abc", "MLFLOW_TRACKING_URI": f"https://me:{PASSWORD}@mlflow.example.com"}
-    text = (f"GET https://me:{PASSWORD}@mlflow.example.com/api failed; token {TOKEN} k3y-value-1; "
-            f"postgresql://u:pw@db/x; Authorization: Bearer abc.def-ghi; url?token=zzz999&x=1; abc; "
-            "key A035C8C19219BA821ECEA86B64E628F8D684696D")
+    e = {
+        "MLFLOW_TRACKING_TOKEN": TOKEN,
+        "MY_API_KEY": "k3y-value-1",
+        "GPG_KEY": "A035C8C19219BA821ECEA86B64E628F8D684696D",
+        "SHORT_TOKEN": "abc",
+        "MLFLOW_TRACKING_URI": f"https://me:{PASSWORD}@mlflow.example.com",
+    }
+    text = (
+        f"GET https://me:{PASSWORD}@mlflow.example.com/api failed; token {TOKEN} k3y-value-1; "
+        f"postgresql://u:pw@db/x; Authorization: Bearer abc.def-ghi; url?token=zzz999&x=1; abc; "
+        "key A035C8C19219BA821ECEA86B64E628F8D684696D"
+    )
     out = rd.redact(text, e)
     for secret in (PASSWORD, TOKEN, "k3y-value-1", "me:", "u:pw", "abc.def-ghi", "zzz999"):
         assert secret not in out, out
@@ -111,6 +121,7 @@ def test_redact_masks_uri_userinfo_env_secrets_and_headers():
 
 def test_everything_the_cli_prints_is_redacted(capsys, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", TOKEN)
+
     def to_stderr(message, category, filename, lineno, file=None, line=None):  # not into pytest's summary
         sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
@@ -148,16 +159,32 @@ def test_a_bugs_traceback_is_redacted(pair, capsys, monkeypatch):
 @pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
 def test_password_in_uri_on_a_dead_port(pair, verbose):
     uri = f"http://ci-user:{PASSWORD}@127.0.0.1:{free_port()}"
-    proc = skuforge(*(["-v"] if verbose else []), "publish", "--model", "conv", "--sku", "cpu",
-                    cwd=pair, env=env(MLFLOW_TRACKING_URI=uri))
+    proc = skuforge(
+        *(["-v"] if verbose else []),
+        "publish",
+        "--model",
+        "conv",
+        "--sku",
+        "cpu",
+        cwd=pair,
+        env=env(MLFLOW_TRACKING_URI=uri),
+    )
     assert_user_error(proc, 4, "127.0.0.1", "failed after 3 attempts")
     assert "retry 1 of 2" in proc.stderr  # the retry warnings carry MLflow's text: redacted too
     assert_no_secret(proc, PASSWORD, "ci-user")
 
 
 def test_token_in_env_on_a_dead_port(pair):
-    proc = skuforge("-v", "publish", "--model", "conv", "--sku", "cpu", cwd=pair,
-                    env=env(MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port()}", MLFLOW_TRACKING_TOKEN=TOKEN))
+    proc = skuforge(
+        "-v",
+        "publish",
+        "--model",
+        "conv",
+        "--sku",
+        "cpu",
+        cwd=pair,
+        env=env(MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port()}", MLFLOW_TRACKING_TOKEN=TOKEN),
+    )
     assert_user_error(proc, 4, "127.0.0.1")
     assert_no_secret(proc, TOKEN)
 
@@ -186,7 +213,6 @@ def test_https_to_a_plain_http_server_is_not_retried(pair, server):
     assert_user_error(proc, 4, f"https://***@127.0.0.1:{server.port}", "SSL")
     assert "retry" not in proc.stderr
     assert_no_secret(proc, PASSWORD, "ci-user")
-
 
 
 def test_unsupported_uri_scheme(pair):
@@ -222,8 +248,11 @@ def test_read_only_database_fails_at_once_in_one_line(two, immutable):
 # --- malformed input ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", [("summary",), ("publish", "--all"), ("ci", "summary", "--sku", "cpu")],
-                         ids=["summary", "publish-all", "ci-summary"])
+@pytest.mark.parametrize(
+    "command",
+    [("summary",), ("publish", "--all"), ("ci", "summary", "--sku", "cpu")],
+    ids=["summary", "publish-all", "ci-summary"],
+)
 def test_non_json_manifest(pair, command):
     path = Layout(pair).manifest("conv", "cpu")
     path.write_text("{ this is not json")
@@ -243,10 +272,14 @@ def test_version_that_is_not_a_number(two):
 # --- writes that fail ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("folder,command", [
-    ("build/conv/cpu", ("build", "--model", "conv", "--sku", "cpu")),
-    ("manifests/conv", ("manifest", "--model", "conv", "--sku", "cpu")),
-], ids=["build", "manifests"])
+@pytest.mark.parametrize(
+    "folder,command",
+    [
+        ("build/conv/cpu", ("build", "--model", "conv", "--sku", "cpu")),
+        ("manifests/conv", ("manifest", "--model", "conv", "--sku", "cpu")),
+    ],
+    ids=["build", "manifests"],
+)
 def test_read_only_output_folder(pair, immutable, folder, command):
     before = {p: p.read_bytes() for p in (pair / folder).rglob("*") if p.is_file()}
     immutable(pair / folder)
@@ -266,16 +299,21 @@ def test_read_only_artifact_store(two, immutable):
 
 def _raising(code: int):
     """A stand-in for an OS call that fails with ``code`` (what a full disk or a read-only mount answers)."""
+
     def fail(*args, **kwargs):
         raise OSError(code, os.strerror(code))
 
     return fail
 
 
-@pytest.mark.parametrize("code,words", [
-    (errno.ENOSPC, ("no space left", "free space")),
-    (errno.EFBIG, ("larger than the file system", "ulimit -f")),
-], ids=["ENOSPC", "EFBIG"])
+@pytest.mark.parametrize(
+    "code,words",
+    [
+        (errno.ENOSPC, ("no space left", "free space")),
+        (errno.EFBIG, ("larger than the file system", "ulimit -f")),
+    ],
+    ids=["ENOSPC", "EFBIG"],
+)
 def test_disk_full_or_file_too_large_keeps_the_old_manifest(pair, capsys, monkeypatch, code, words):
     # cannot be made for real on a shared disk: the write's fsync answers as a full disk would
     path = Layout(pair).manifest("conv", "cpu")
@@ -340,8 +378,9 @@ time.sleep(120)
 
 def test_dvc_lock_held_by_another_process(tmp_path):
     root = dvc_project(tmp_path)
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(root / ".dvc/tmp/lock")], cwd=root,
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(root / ".dvc/tmp/lock")], cwd=root, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         proc = skuforge("repro", "--no-publish", cwd=root, env=env())
@@ -356,7 +395,7 @@ def test_dvc_killed_by_a_signal(tmp_path):
     root = dvc_project(tmp_path)
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "dvc").write_text("#!/bin/sh\necho \"dvc $*\" >&2\nkill -9 $$\n")  # dies as under the OOM killer
+    (fake / "dvc").write_text('#!/bin/sh\necho "dvc $*" >&2\nkill -9 $$\n')  # dies as under the OOM killer
     (fake / "dvc").chmod(0o755)
     e = env()
     e["PATH"] = os.pathsep.join([str(fake), e["PATH"]])
@@ -366,8 +405,12 @@ def test_dvc_killed_by_a_signal(tmp_path):
 
 
 def test_dvc_failures_are_told_apart(tmp_path):
-    killed_stage = dvc_failure(tmp_path, 255, "ERROR: failed to reproduce 'build@m-cpu': failed to run: "
-                                              "skuforge build --model m --sku cpu, exited with 137\n")
+    killed_stage = dvc_failure(
+        tmp_path,
+        255,
+        "ERROR: failed to reproduce 'build@m-cpu': failed to run: "
+        "skuforge build --model m --sku cpu, exited with 137\n",
+    )
     assert killed_stage.exit_code == 3 and "SIGKILL" in killed_stage.message
     stage = dvc_failure(tmp_path, 255, "ERROR: failed to reproduce 'build@m-cpu': failed to run: x, exited with 3\n")
     assert stage.exit_code == 3 and "SIGKILL" not in stage.message
@@ -394,8 +437,9 @@ with atomic_dir(sys.argv[1]) as staging:
 
 def test_a_build_killed_with_sigkill_leaves_nothing_the_next_build_keeps(pair):
     engine = Layout(pair).engine_dir("conv", "cpu")
-    writer = subprocess.Popen([sys.executable, "-c", HOLD_STAGING, str(engine)], cwd=REPO, stdout=subprocess.PIPE,
-                              text=True)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", HOLD_STAGING, str(engine)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     staging = Path(writer.stdout.readline().strip())
     assert staging.is_dir() and f".engine.{writer.pid}." in staging.name
     writer.send_signal(signal.SIGKILL)
@@ -437,10 +481,9 @@ def test_a_swap_killed_half_way_is_undone(tmp_path):
     old = tmp_path / ".engine.old"  # the old engine moved aside, the new one never moved in
     old.mkdir()
     (old / "old.bin").write_bytes(b"old")
-    with pytest.raises(RuntimeError):
-        with atomic_dir(target):
-            assert (target / "old.bin").read_bytes() == b"old"  # the last good engine is back
-            raise RuntimeError("the new build fails")
+    with pytest.raises(RuntimeError), atomic_dir(target):
+        assert (target / "old.bin").read_bytes() == b"old"  # the last good engine is back
+        raise RuntimeError("the new build fails")
     assert (target / "old.bin").read_bytes() == b"old" and not old.exists()
 
 

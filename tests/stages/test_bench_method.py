@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 
+import models
 import numpy as np
 import pytest
 
-import models
 from pipeline.benchstats import block_bootstrap, drift, latency_stats, round_ci, round_to_ci, same_figure, settled
 from pipeline.config import BenchSpec, load_registry
 from pipeline.io import read_json
@@ -133,8 +133,16 @@ def test_same_figure_is_overlapping_intervals():
 
 def _summary(p50: float, ci: tuple[float, float], rss: float = 80.0) -> Benchmark:
     lat = LatencySummary(p50_ms=p50, p50_ci_ms=ci, p99_ms=p50 * 2, p99_ci_ms=(ci[0] * 2, ci[1] * 2))
-    return Benchmark(batch=1, concurrency=1, engine_only=lat, end_to_end=lat, throughput_per_s=1000 / p50,
-                     throughput_ci_per_s=(1000 / ci[1], 1000 / ci[0]), peak_rss_mb=rss, engine_load_mb=10.0)
+    return Benchmark(
+        batch=1,
+        concurrency=1,
+        engine_only=lat,
+        end_to_end=lat,
+        throughput_per_s=1000 / p50,
+        throughput_ci_per_s=(1000 / ci[1], 1000 / ci[0]),
+        peak_rss_mb=rss,
+        engine_load_mb=10.0,
+    )
 
 
 def test_benchmark_changes_name_what_moved():
@@ -174,12 +182,26 @@ def proj(tmp_path_factory):
     models.conv_bn_model(root / "models/conv/model.onnx")
     sweep = {"batch": [1, 2], "concurrency": [1, 2], "seconds": 0.1}
     # noise_floor: reruns on this shared test machine vary by tens of percent (other test workers)
-    skus = {"cpu": models.ort_sku("fp32", bench={"warmup": 5, "steady_window": 20, "max_warmup_seconds": 2.0,
-                                                  "iterations": 400, "min_seconds": 0.3, "noise_floor": 0.5}),
-            "swept": models.ort_sku("fp32", shapes={}, profiles={"batch": {"min": 1, "opt": 1, "max": 4}},
-                                    bench={"warmup": 2, "steady_window": 5, "max_warmup_seconds": 0.5,
-                                           "iterations": 20, "sweep": sweep}),
-            "badsweep": models.ort_sku("fp32", bench={"warmup": 2, "iterations": 5, "sweep": {"batch": [8]}})}
+    skus = {
+        "cpu": models.ort_sku(
+            "fp32",
+            bench={
+                "warmup": 5,
+                "steady_window": 20,
+                "max_warmup_seconds": 2.0,
+                "iterations": 400,
+                "min_seconds": 0.3,
+                "noise_floor": 0.5,
+            },
+        ),
+        "swept": models.ort_sku(
+            "fp32",
+            shapes={},
+            profiles={"batch": {"min": 1, "opt": 1, "max": 4}},
+            bench={"warmup": 2, "steady_window": 5, "max_warmup_seconds": 0.5, "iterations": 20, "sweep": sweep},
+        ),
+        "badsweep": models.ort_sku("fp32", bench={"warmup": 2, "iterations": 5, "sweep": {"batch": [8]}}),
+    }
     reg = load_registry(models.write_project(root, {"conv": models.conv_bn_spec()}, skus))
     for stage in (prepare, make_data, reference, calibrate):
         stage(reg, "conv")
@@ -195,11 +217,18 @@ def test_bench_report_records_method_and_writes_the_timeline(proj):
     assert rep.steady_state.warmup_iterations >= 5 and rep.stopped == "iterations"
     assert rep.engine_only.p50_ci_ms[0] <= rep.engine_only.p50_ms <= rep.engine_only.p50_ci_ms[1]
     assert rep.drift is not None and rep.drift.window == rep.steady_state.window
-    assert rep.execution.usable_cores >= 1 and rep.execution.affinity and "intra_op_num_threads" in rep.execution.engine_threads
+    assert (
+        rep.execution.usable_cores >= 1
+        and rep.execution.affinity
+        and "intra_op_num_threads" in rep.execution.engine_threads
+    )
     lines = out.timeline_csv("conv", "cpu").read_text().splitlines()
     assert lines[0] == "iteration,phase,latency_ms"
     phases = [line.split(",")[1] for line in lines[1:]]
-    assert phases.count("warmup") == rep.steady_state.warmup_iterations and phases.count("steady") == rep.engine_only.iterations
+    assert (
+        phases.count("warmup") == rep.steady_state.warmup_iterations
+        and phases.count("steady") == rep.engine_only.iterations
+    )
     assert phases == sorted(phases, key=lambda p: p != "warmup")  # warm-up first
     roof = read_json(out.roofline("conv", "cpu"))  # the roofline: costs from the graph, peaks of this host
     # the fraction is not bounded by 1 here: peaks measured beside other test workers can be low

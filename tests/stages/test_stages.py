@@ -7,12 +7,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import jsonschema
+import models
 import numpy as np
 import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-import models
 from pipeline import graph
 from pipeline.backends.base import ENGINE_META, verify_engine
 from pipeline.config import load_registry
@@ -43,8 +43,11 @@ SKUS = {
     "elsewhere": models.ort_sku("fp32", placement={"allowed": ["SomeOtherEP"]}),
     "tamper": models.ort_sku("fp32"),
     "unbuilt": models.ort_sku("fp32"),
-    "foreign": models.ort_sku("fp32", target={"arch": OTHER_ARCH, "device": "cpu", "os": "linux"},
-                              runner_labels=["self-hosted", "linux", "foreign-box"]),
+    "foreign": models.ort_sku(
+        "fp32",
+        target={"arch": OTHER_ARCH, "device": "cpu", "os": "linux"},
+        runner_labels=["self-hosted", "linux", "foreign-box"],
+    ),
     "old_toolchain": models.ort_sku("fp32", toolchain={"onnxruntime": "<1.0"}),
 }
 BUILT = ("cpu_fp32", "cpu_int8", "strict_int8", "elsewhere", "tamper")
@@ -54,18 +57,35 @@ def new_project(root: Path, model_specs: dict, skus: dict | None = None):
     """Write the models named in ``model_specs`` (name -> (builder, spec)) and params.yaml."""
     for name, (builder, spec) in model_specs.items():
         builder(root / spec["dir"] / spec["source"])
-    params = models.write_project(root, {k: spec for k, (_, spec) in model_specs.items()},
-                                  skus or {"cpu_fp32": models.ort_sku("fp32")})
+    params = models.write_project(
+        root, {k: spec for k, (_, spec) in model_specs.items()}, skus or {"cpu_fp32": models.ort_sku("fp32")}
+    )
     return load_registry(params)
 
 
 @pytest.fixture(scope="module")
 def proj(tmp_path_factory):
     root = tmp_path_factory.mktemp("project")
-    reg = new_project(root, {"conv": (models.conv_bn_model, models.conv_bn_spec()),
-                             "multi": (models.multi_io_model, models.multi_io_spec())}, SKUS)
-    r = SimpleNamespace(registry=reg, out=Layout(reg.root), prepare={}, data={}, reference={}, calibrate={},
-                        build={}, validate={}, bench={}, manifest={})
+    reg = new_project(
+        root,
+        {
+            "conv": (models.conv_bn_model, models.conv_bn_spec()),
+            "multi": (models.multi_io_model, models.multi_io_spec()),
+        },
+        SKUS,
+    )
+    r = SimpleNamespace(
+        registry=reg,
+        out=Layout(reg.root),
+        prepare={},
+        data={},
+        reference={},
+        calibrate={},
+        build={},
+        validate={},
+        bench={},
+        manifest={},
+    )
     for m in MODELS:
         r.prepare[m] = prepare(reg, m)
         r.data[m] = make_data(reg, m)
@@ -175,7 +195,11 @@ def test_build_config_hash_covers_what_decides_the_engine(proj):
     assert b["conv", "cpu_fp32"].build_config_sha256 != b["conv", "cpu_int8"].build_config_sha256
     assert b["conv", "cpu_fp32"].build_config_sha256 != b["multi", "cpu_fp32"].build_config_sha256
     # placement and tolerances gate an engine but do not change it
-    assert b["conv", "cpu_fp32"].build_config_sha256 == b["conv", "elsewhere"].build_config_sha256 == b["conv", "tamper"].build_config_sha256
+    assert (
+        b["conv", "cpu_fp32"].build_config_sha256
+        == b["conv", "elsewhere"].build_config_sha256
+        == b["conv", "tamper"].build_config_sha256
+    )
     assert b["conv", "cpu_int8"].build_config_sha256 == b["conv", "strict_int8"].build_config_sha256
 
 
@@ -216,8 +240,11 @@ def test_bench_percentiles_are_ordered(proj, model, sku):
 
 
 def test_bench_with_concurrency(tmp_path):
-    reg = new_project(tmp_path, {"conv": (models.conv_bn_model, models.conv_bn_spec())},
-                      {"cpu": models.ort_sku("fp32", bench={"warmup": 0, "iterations": 8, "concurrency": 2})})
+    reg = new_project(
+        tmp_path,
+        {"conv": (models.conv_bn_model, models.conv_bn_spec())},
+        {"cpu": models.ort_sku("fp32", bench={"warmup": 0, "iterations": 8, "concurrency": 2})},
+    )
     for stage in (prepare, make_data, reference):
         stage(reg, "conv")
     build(reg, "conv", "cpu")
@@ -404,12 +431,14 @@ def test_prepare_refuses_a_shape_contradicting_the_model(tmp_path):
 
 def _poison(value):
     """A graph pass that changes the model's function: adds ``value`` to the final bias."""
+
     def poison(model):
         for init in model.graph.initializer:
             if init.name == "fc_b":
                 init.CopyFrom(numpy_helper.from_array((numpy_helper.to_array(init) + value).astype(np.float32), "fc_b"))
                 return ["poisoned fc_b"]
         return []
+
     return poison
 
 
@@ -441,8 +470,9 @@ def test_damaged_dataset_file_is_an_input_error(conv_only):
 
 
 def test_failed_build_keeps_the_previous_engine(tmp_path):
-    reg = new_project(tmp_path, {"conv": (models.conv_bn_model, models.conv_bn_spec())},
-                      {"int8": models.ort_sku("int8")})
+    reg = new_project(
+        tmp_path, {"conv": (models.conv_bn_model, models.conv_bn_spec())}, {"int8": models.ort_sku("int8")}
+    )
     for stage in (prepare, make_data, calibrate):
         stage(reg, "conv")
     first = build(reg, "conv", "int8")
@@ -456,8 +486,9 @@ def test_failed_build_keeps_the_previous_engine(tmp_path):
 
 
 def test_int8_build_without_calibration_says_what_to_run(tmp_path):
-    reg = new_project(tmp_path, {"conv": (models.conv_bn_model, models.conv_bn_spec())},
-                      {"int8": models.ort_sku("int8")})
+    reg = new_project(
+        tmp_path, {"conv": (models.conv_bn_model, models.conv_bn_spec())}, {"int8": models.ort_sku("int8")}
+    )
     prepare(reg, "conv")
     make_data(reg, "conv")
     with pytest.raises(InputError) as info:
@@ -481,8 +512,11 @@ def test_profile_axis_stays_dynamic_in_the_engine_and_runs_at_opt(tmp_path):
 
 def test_fixed_batch_model_records_no_batch_pin(tmp_path):
     spec = models.conv_bn_spec(batch=2)
-    reg = new_project(tmp_path, {"conv": (lambda p: models.conv_bn_model(p, batch=2), spec)},
-                      {"cpu": models.ort_sku("fp32", shapes={})})
+    reg = new_project(
+        tmp_path,
+        {"conv": (lambda p: models.conv_bn_model(p, batch=2), spec)},
+        {"cpu": models.ort_sku("fp32", shapes={})},
+    )
     for stage in (prepare, make_data, reference):
         stage(reg, "conv")
     assert build(reg, "conv", "cpu").shapes == {}
