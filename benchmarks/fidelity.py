@@ -277,9 +277,9 @@ def run_tool(cmd: list[str], stdout_only: bool = False) -> str:
 
 def feeds_for(registry: Any, model: str, sku: str) -> dict[str, Any]:
     """The bench stage's engine-only feeds: the first golden batch at the SKU's batch."""
-    from pipeline.data import LABELS, iter_batches
-    from pipeline.results import PrepareReport
-    from pipeline.stages.common import batch_indices, layout, load_arrays, read_report
+    from pipeline.project.artifacts import batch_indices, layout, load_arrays, read_report
+    from pipeline.project.data import LABELS, iter_batches
+    from pipeline.results.reports import PrepareReport
 
     out = layout(registry)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
@@ -296,8 +296,8 @@ def measure(
     """The rows of one (model, SKU); ``aa``: also the last reference against a second copy of itself,
     timed in the same rounds (the noise floor of this machine at the time)."""
     from pipeline.backends import get_backend
-    from pipeline.errors import SkuforgeError
-    from pipeline.stages.common import layout
+    from pipeline.core.errors import SkuforgeError
+    from pipeline.project.artifacts import layout
 
     spec = registry.sku(sku)
     if spec.target.arch != platform.machine():
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args(argv)
 
-    from pipeline.config import load_registry
+    from pipeline.project.config import load_registry
 
     os.chdir(args.project)  # paths in params.yaml are relative to the project
     registry = load_registry(args.project / "params.yaml")

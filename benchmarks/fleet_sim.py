@@ -231,11 +231,11 @@ def main() -> int:
     from registry_helpers import make_project, sku
     from rollout.s3server import MotoS3, s3_client
 
-    from pipeline.config import load_registry
+    from pipeline.project.config import load_registry
+    from pipeline.results.signing import signing_key
     from pipeline.rollout import release, trust
     from pipeline.rollout.inventory import Device, load_inventory, write_inventory
     from pipeline.rollout.store import S3Store
-    from pipeline.signing import signing_key
     from pipeline.stages.bench import bench
     from pipeline.stages.build import build
     from pipeline.stages.manifest import write_manifest

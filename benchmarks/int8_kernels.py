@@ -328,10 +328,10 @@ def main() -> None:
     import numpy as np
 
     from pipeline.backends import get_backend
-    from pipeline.config import load_registry
-    from pipeline.stages.build import build_engine
+    from pipeline.engine.build import build_engine
+    from pipeline.project.artifacts import layout, load_arrays
+    from pipeline.project.config import load_registry
     from pipeline.stages.calibrate import calibrate
-    from pipeline.stages.common import layout, load_arrays
     from pipeline.stages.data import make_data
     from pipeline.stages.prepare import prepare
     from pipeline.stages.reference import reference

@@ -78,13 +78,13 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
 
-    from pipeline.config import load_registry
-    from pipeline.paths import Layout
-    from pipeline.registry.promotion import promote, rollback
-    from pipeline.registry.publish import publish_engine
-    from pipeline.registry.stats import compare_latency
-    from pipeline.registry.tracking import Tracking
+    from pipeline.core.paths import Layout
+    from pipeline.project.config import load_registry
+    from pipeline.results.latency import compare_latency
     from pipeline.stages.publish import collect
+    from pipeline.tracking.client import Tracking
+    from pipeline.tracking.promotion import promote, rollback
+    from pipeline.tracking.publish import publish_engine
 
     reg = load_registry(args.params)
     pairs = [(m, s) for m, s in reg.pairs() if Layout(reg.root).manifest(m, s).is_file()]

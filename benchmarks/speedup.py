@@ -23,8 +23,8 @@ updated by JSON, e.g.
 ``--variant 'iree_ukernels=x86_iree_cpu_fp32:{"extra_flags":["--iree-llvmcpu-enable-ukernels=all"]}'``:
 the way a default change is judged, before and after side by side in one run.
 
-The roofline column is achieved FLOP/s over the host's measured FP32 peak (``pipeline.roofline``
-FLOPs per ONNX layer, ``pipeline.runner.peaks`` host peaks); without those modules it says n/a.
+The roofline column is achieved FLOP/s over the host's measured FP32 peak (``pipeline.perf.roofline``
+FLOPs per ONNX layer, ``pipeline.host.peaks`` host peaks); without those modules it says n/a.
 """
 
 from __future__ import annotations
@@ -144,13 +144,13 @@ def measure(
 
 
 def roofline_fraction(model: Path, p50_ms: float, threads: int | None) -> str:
-    """ROOFLINE HOOK: achieved FLOP/s (the FP32 model's FLOPs, ``pipeline.roofline.graph_cost``, over
-    the p50) as a fraction of this host's measured FP32 peak (``pipeline.runner.peaks.host_peaks``:
+    """ROOFLINE HOOK: achieved FLOP/s (the FP32 model's FLOPs, ``pipeline.perf.roofline.graph_cost``, over
+    the p50) as a fraction of this host's measured FP32 peak (``pipeline.host.peaks.host_peaks``:
     all cores, or one core under ``--threads 1``); "n/a" where those modules are absent. INT8
     engines are credited with the FP32 model's FLOPs (the same work in another precision)."""
     try:
-        from pipeline.roofline import graph_cost
-        from pipeline.runner.peaks import host_peaks
+        from pipeline.host.peaks import host_peaks
+        from pipeline.perf.roofline import graph_cost
     except ImportError:
         return "n/a"
     key = (str(model), threads)
@@ -201,10 +201,10 @@ def main() -> None:
         iree.runtime.flags.parse_flags(f"--task_topology_group_count={args.threads}")
 
     from pipeline.backends import get_backend
-    from pipeline.config import load_registry
-    from pipeline.stages.build import build_engine
+    from pipeline.engine.build import build_engine
+    from pipeline.project.artifacts import layout, load_arrays
+    from pipeline.project.config import load_registry
     from pipeline.stages.calibrate import calibrate
-    from pipeline.stages.common import layout, load_arrays
     from pipeline.stages.data import make_data
     from pipeline.stages.prepare import prepare
     from pipeline.stages.reference import reference
@@ -276,11 +276,11 @@ def main() -> None:
                 }
             results[model] = rows
         if all(r.get("roofline") in (None, "n/a") for rows in results.values() for r in rows.values()):
-            print("\nroofline: n/a (pipeline/roofline.py is not in this tree)")
+            print("\nroofline: n/a (pipeline/perf/roofline.py is not in this tree)")
         else:
             print(
-                "\nroofline: the model's FP32 FLOPs / p50 / this host's measured FP32 peak (pipeline.roofline, "
-                "pipeline.runner.peaks); '!' marks a fraction above 100%: the cached peak (numpy matmul, "
+                "\nroofline: the model's FP32 FLOPs / p50 / this host's measured FP32 peak (pipeline.perf.roofline, "
+                "pipeline.host.peaks); '!' marks a fraction above 100%: the cached peak (numpy matmul, "
                 "measured once per host) is below what the engine achieved, e.g. measured on a loaded host"
             )
         if args.json:

@@ -74,8 +74,8 @@ def main() -> None:
     if not (root / "dvc.lock").is_file() or not (root / "manifests").is_dir():
         print("dvc repro no-op: skipped (run `skuforge repro` once in the example project first)")
         return
-    from pipeline.config import load_registry
-    from pipeline.repro import targets
+    from pipeline.ops.repro import targets
+    from pipeline.project.config import load_registry
 
     dvc_targets, _ = targets(load_registry(root / "params.yaml"), None, None)
     status = subprocess.run(

@@ -32,11 +32,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.backends import get_backend  # noqa: E402
-from pipeline.config import load_registry  # noqa: E402
-from pipeline.data import LABELS, iter_batches  # noqa: E402
-from pipeline.results import PrepareReport  # noqa: E402
-from pipeline.stages.build import build_engine  # noqa: E402
-from pipeline.stages.common import batch_indices, layout, load_arrays, read_report  # noqa: E402
+from pipeline.engine.build import build_engine  # noqa: E402
+from pipeline.project.artifacts import batch_indices, layout, load_arrays, read_report  # noqa: E402
+from pipeline.project.config import load_registry  # noqa: E402
+from pipeline.project.data import LABELS, iter_batches  # noqa: E402
+from pipeline.results.reports import PrepareReport  # noqa: E402
 
 
 def feeds_of(registry, model: str, sku: str) -> dict:

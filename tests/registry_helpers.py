@@ -18,12 +18,12 @@ from typing import Self
 import models
 import pytest
 
-from pipeline.benchstats import latency_stats
-from pipeline.config import Registry, load_registry
-from pipeline.errors import GateFailed
-from pipeline.io import atomic_write_bytes, atomic_write_json, sha256_bytes
-from pipeline.paths import Layout
-from pipeline.results import BenchReport
+from pipeline.core.errors import GateFailed
+from pipeline.core.io import atomic_write_bytes, atomic_write_json, sha256_bytes
+from pipeline.core.paths import Layout
+from pipeline.project.config import Registry, load_registry
+from pipeline.results.benchstats import latency_stats
+from pipeline.results.reports import BenchReport
 from pipeline.stages.bench import bench
 from pipeline.stages.build import build
 from pipeline.stages.calibrate import calibrate

@@ -21,10 +21,9 @@ import pytest
 import yaml
 from cli_helpers import skuforge
 
-from pipeline.bisect import Graph, channel_axis, remedy_nodes, tensor_error
-from pipeline.config import load_registry
-from pipeline.errors import GateFailed
-from pipeline.paths import Layout
+from pipeline.core.errors import GateFailed
+from pipeline.core.paths import Layout
+from pipeline.project.config import load_registry
 from pipeline.stages.bench import bench
 from pipeline.stages.build import build
 from pipeline.stages.calibrate import calibrate
@@ -33,6 +32,7 @@ from pipeline.stages.manifest import write_manifest
 from pipeline.stages.prepare import prepare
 from pipeline.stages.reference import reference
 from pipeline.stages.validate import validate
+from pipeline.verify.bisect import Graph, channel_axis, remedy_nodes, tensor_error
 
 SKUS = models.CPU_SKUS
 # (defect, SKU) -> the planted node, the cause bisection must give, the nodes the remedy keeps
@@ -139,7 +139,7 @@ def test_no_false_alarm_on_passing_engines(tmp_path, sku):
     reg = _stages(load_registry(tmp_path / "params.yaml"), sku)
     build(reg, "m", sku)
     assert validate(reg, "m", sku).passed
-    from pipeline.bisect import bisect
+    from pipeline.verify.bisect import bisect
 
     assert bisect(reg, "m", sku).verdict == "clean"
     scanned = bisect(reg, "m", sku, scan=True)
@@ -231,7 +231,7 @@ def test_openvino_qdq_gather_fault_found_through_fusion(tmp_path):
     assert (suspect["node"], suspect["cause"]) == ("pool", "compiler"), bisection["summary"]
     # the first build marked the Gather's output beside the ReduceSum's and saw nothing wrong
     assert any(not p["divergent"] for p in bisection["probes"])
-    from pipeline.remedy import fix
+    from pipeline.verify.remedy import fix
 
     remedy = fix(reg, "m", "ov_int8")
     assert remedy.passed and "embed" in remedy.keep_precise, remedy.summary

@@ -1,4 +1,4 @@
-"""The cache policy (pipeline.caches) without TVM or TensorRT: a fake backend with a timing cache.
+"""The cache policy (pipeline.backends.caches) without TVM or TensorRT: a fake backend with a timing cache.
 
 ``FakeCacheBackend`` is ONNX Runtime (a real engine is built) that also keeps one cache file,
 ``decisions.bin``: it replays the file when the session trusts it (a hit) and writes it otherwise.
@@ -17,14 +17,15 @@ import models
 import pytest
 
 from pipeline import backends as backends_pkg
-from pipeline import caches
+from pipeline.backends import caches
 from pipeline.backends.onnxruntime import OnnxRuntimeBackend
 from pipeline.cli import main
-from pipeline.config import load_registry
-from pipeline.errors import GateFailed
-from pipeline.io import read_json, sha256_file
-from pipeline.paths import Layout
-from pipeline.results import BuildReport
+from pipeline.core.errors import GateFailed
+from pipeline.core.io import read_json, sha256_file
+from pipeline.core.paths import Layout
+from pipeline.ops import caches as cache_commands
+from pipeline.project.config import load_registry
+from pipeline.results.reports import BuildReport
 from pipeline.stages.build import build
 from pipeline.stages.data import make_data
 from pipeline.stages.prepare import prepare
@@ -125,7 +126,7 @@ def tree(folder: Path) -> dict[str, bytes]:
 
 
 def status_of(registry, sku: str = "fake") -> caches.CacheStatus:
-    rows = caches.status(registry, [sku], ["conv"])
+    rows = cache_commands.status(registry, [sku], ["conv"])
     assert len(rows) == 1, rows
     return rows[0]
 
@@ -536,7 +537,7 @@ def test_cache_required_true_overrides_a_sku_without_require(proj):
 def test_refresh_rebuilds_a_fresh_cache(proj):
     build(proj.registry, "conv", "fake")
     before = tree(proj.cache())
-    records = caches.refresh(proj.registry, "fake")
+    records = cache_commands.refresh(proj.registry, "fake")
     assert len(records) == 1
     rec = records[0]
     assert (rec["model"], rec["sku"], rec["state"], rec["reason"]) == ("conv", "fake", "missing", REFRESH_REASON)
@@ -550,7 +551,7 @@ def test_refresh_rebuilds_a_fresh_cache(proj):
 def test_refresh_writes_what_the_new_search_decided(proj, monkeypatch):
     build(proj.registry, "conv", "fake")
     monkeypatch.setattr(f"{__name__}.decisions", lambda: MAGIC + b" a better schedule\n")
-    rec = caches.refresh(proj.registry, "fake", ["conv"])[0]
+    rec = cache_commands.refresh(proj.registry, "fake", ["conv"])[0]
     assert rec["state"] == "missing" and rec["updated"] is True
     assert (proj.cache() / CACHE_FILE).read_bytes() == MAGIC + b" a better schedule\n"
     assert index(proj.cache())["trials"] == 3  # a refresh starts afresh: the old trials are not added
@@ -559,17 +560,17 @@ def test_refresh_writes_what_the_new_search_decided(proj, monkeypatch):
 
 def test_refresh_is_never_blocked_by_require(proj, monkeypatch):
     monkeypatch.setenv(caches.REQUIRE_ENV, "1")
-    rec = caches.refresh(proj.registry, "strict")[0]  # no cache at all, SKU and environment require one
+    rec = cache_commands.refresh(proj.registry, "strict")[0]  # no cache at all, SKU and environment require one
     assert rec["state"] == "missing" and rec["required"] is False and rec["updated"] is True
     assert (proj.cache("strict") / CACHE_FILE).read_bytes() == decisions()
     assert build(proj.registry, "conv", "strict").cache.state == "fresh"  # and now the release build replays it
 
 
 def test_refresh_of_a_sku_without_a_cache_is_a_config_error(proj):
-    from pipeline.errors import ConfigError
+    from pipeline.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="keeps no cache"):
-        caches.refresh(proj.registry, "plain")
+        cache_commands.refresh(proj.registry, "plain")
 
 
 # --- 8: the manifest's cache hash ----------------------------------------------------------------------

@@ -8,9 +8,9 @@ import models
 import numpy as np
 import pytest
 
-from pipeline.compare import infer_kind, output_error, output_errors, output_problems, top1_accuracy
-from pipeline.config import Tolerance, TolerancePolicy, parse_registry
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
+from pipeline.project.config import Tolerance, TolerancePolicy, parse_registry
+from pipeline.verify.compare import infer_kind, output_error, output_errors, output_problems, top1_accuracy
 
 TOL = Tolerance(atol=0.01, rtol=0.1, max_mismatch=0.0)
 

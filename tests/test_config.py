@@ -9,7 +9,8 @@ import models
 import pytest
 
 from pipeline.backends import backend_class, known_backends
-from pipeline.config import (
+from pipeline.core.errors import ConfigError
+from pipeline.project.config import (
     OUTPUT_KINDS,
     BenchSpec,
     MetricGate,
@@ -18,7 +19,6 @@ from pipeline.config import (
     load_registry,
     parse_registry,
 )
-from pipeline.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -256,7 +256,7 @@ def test_fixed_dims_must_be_positive():
     )
 
 
-# --- resource limits (pipeline/limits.py) -------------------------------------------------------
+# --- resource limits (pipeline/core/limits.py) -------------------------------------------------------
 
 CONV_X = 3 * 8 * 8  # elements of one conv sample
 CONV_MAX_BATCH = 2**30 // CONV_X  # float32: the 4 GiB bound is the tighter one

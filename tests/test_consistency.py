@@ -15,23 +15,23 @@ import numpy as np
 import pytest
 from cli_helpers import assert_user_error, skuforge
 
-from pipeline.config import load_registry
-from pipeline.consistency import (
-    REFERENCE,
-    consistency,
-    pair_stats,
-    refresh_reports,
-    write_report,
-)
-from pipeline.io import atomic_savez, read_json, sha256_arrays
-from pipeline.paths import Layout
-from pipeline.results import ValidationReport
+from pipeline.core.io import atomic_savez, read_json, sha256_arrays
+from pipeline.core.paths import Layout
+from pipeline.project.config import load_registry
+from pipeline.results.reports import ValidationReport
 from pipeline.stages.build import build
 from pipeline.stages.calibrate import calibrate
 from pipeline.stages.data import make_data
 from pipeline.stages.prepare import prepare
 from pipeline.stages.reference import reference
 from pipeline.stages.validate import validate
+from pipeline.verify.consistency import (
+    REFERENCE,
+    consistency,
+    pair_stats,
+    refresh_reports,
+    write_report,
+)
 
 SKUS = {
     "ort_fp32": models.ort_sku("fp32"),
@@ -271,7 +271,7 @@ def test_top1_ties_on_either_side_agree():
 
 
 def test_declared_logits_get_top1_agreement(tmp_path):
-    from pipeline.consistency import _matrix
+    from pipeline.verify.consistency import _matrix
 
     logits = np.array([[2.0, -1.0], [0.5, 3.0]], np.float32)
     assert _matrix("y", logits, {"s": logits}, None).top1_agreement is None  # values alone say regression

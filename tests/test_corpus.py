@@ -15,9 +15,9 @@ import models
 import onnx
 import pytest
 
-from pipeline.config import load_registry
-from pipeline.errors import GateFailed, UnsupportedOp
-from pipeline.paths import Layout
+from pipeline.core.errors import GateFailed, UnsupportedOp
+from pipeline.core.paths import Layout
+from pipeline.project.config import load_registry
 from pipeline.stages.bench import bench
 from pipeline.stages.build import build
 from pipeline.stages.calibrate import calibrate

@@ -8,9 +8,10 @@ import models
 import numpy as np
 import pytest
 
-from pipeline.backends.onnxruntime import reference_runner
-from pipeline.config import Datasets, DatasetSource, GenerateSpec, ModelSpec
-from pipeline.data import (
+from pipeline.backends.reference import reference_runner
+from pipeline.core.errors import InputError
+from pipeline.project.config import Datasets, DatasetSource, GenerateSpec, ModelSpec
+from pipeline.project.data import (
     LABELS,
     check_dataset,
     check_finite,
@@ -23,7 +24,6 @@ from pipeline.data import (
     run_dataset,
     sample_shape,
 )
-from pipeline.errors import InputError
 
 CONV = ModelSpec.model_validate(models.conv_bn_spec())
 MULTI = ModelSpec.model_validate(models.multi_io_spec())

@@ -7,8 +7,8 @@ import io
 import json
 from pathlib import Path
 
-from pipeline import dvcmetrics
-from pipeline.dvcmetrics import BENCH, COMPARE, LATENCY_CDF, SWEEP, TIMELINE, pair_file
+from pipeline.results import dvcmetrics
+from pipeline.results.dvcmetrics import BENCH, COMPARE, LATENCY_CDF, SWEEP, TIMELINE, pair_file
 
 
 def _rows(text: str) -> list[dict[str, str]]:

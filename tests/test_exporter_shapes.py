@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import yaml
 
-from pipeline.config import load_registry
-from pipeline.errors import ConfigError, InputError
-from pipeline.paths import Layout
+from pipeline.core.errors import ConfigError, InputError
+from pipeline.core.paths import Layout
+from pipeline.project.config import load_registry
 from pipeline.stages.build import build
 from pipeline.stages.calibrate import calibrate
 from pipeline.stages.data import make_data
@@ -361,7 +361,7 @@ def test_hint_calibration_edge_cases_go_to_golden(tmp_path):
 
 
 def test_suggested_shape_keeps_the_users_names_and_fills_the_rest():
-    from pipeline.graph import suggested_shape
+    from pipeline.model.graph import suggested_shape
 
     assert suggested_shape([None, 3, "h"], ["batch", 4, "height"]) == ["batch", 3, "height"]
     assert suggested_shape([None, 3, "output_dim_2", None], ["n"]) == ["batch", 3, "output_dim_2", "dim3"]

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from test_compare import _flipped, policy, softmax
 
-from pipeline import gatestats
-from pipeline.compare import (
+from pipeline.results import gatestats
+from pipeline.results.reports import Signature, TensorSig
+from pipeline.verify.compare import (
     input_problems,
     metric_input_problems,
     metric_result,
@@ -18,7 +19,6 @@ from pipeline.compare import (
     output_warnings,
     state_outputs,
 )
-from pipeline.results import Signature, TensorSig
 
 RNG = np.random.default_rng(20)
 

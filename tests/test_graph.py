@@ -13,9 +13,8 @@ import pytest
 import yaml
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline.config import InputSpec
-from pipeline.errors import InputError
-from pipeline.graph import (
+from pipeline.core.errors import InputError
+from pipeline.model.graph import (
     MIN_OPSET,
     PASSES,
     check_ops,
@@ -34,6 +33,7 @@ from pipeline.graph import (
     signature,
     source_sha256,
 )
+from pipeline.project.config import InputSpec
 
 
 @pytest.fixture(scope="module")
@@ -457,7 +457,7 @@ def test_external_data_is_loaded_and_listed(tmp_path):
 
 
 def test_source_sha256_covers_the_external_data(tmp_path, conv_path):
-    from pipeline.io import sha256_file
+    from pipeline.core.io import sha256_file
 
     assert source_sha256(conv_path, conv_path.parent) == sha256_file(conv_path)  # no external data: the file's hash
     path = models.external_data_model(tmp_path / "m" / "model.onnx", location="sub/weights.bin")

@@ -8,8 +8,8 @@ import stat
 import numpy as np
 import pytest
 
-from pipeline import io as pio
-from pipeline.io import (
+from pipeline.core import io as pio
+from pipeline.core.io import (
     atomic_dir,
     atomic_savez,
     atomic_write_bytes,

@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 from numpy.lib import format as npy
 
-from pipeline import limits
-from pipeline.config import DTYPES
-from pipeline.errors import InputError, MalformedFile
-from pipeline.limits import (
+from pipeline.core import limits
+from pipeline.core.errors import InputError, MalformedFile
+from pipeline.core.limits import (
     DTYPE_BYTES,
     check_array_file,
     human_bytes,
     largest_within,
     tensor_limit,
 )
+from pipeline.project.config import DTYPES
 
 
 def header_only(fh, shape: tuple[int, ...], dtype: str = "<f4", data: bytes = b"") -> None:

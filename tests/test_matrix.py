@@ -18,10 +18,10 @@ import models
 import pytest
 from cli_helpers import COMMAND, skuforge
 
-from pipeline.config import parse_registry
-from pipeline.errors import UnsupportedOp
-from pipeline.repro import OUTCOMES, clear_outcomes, matrix, outcome_path, record_outcome, worst_exit
-from pipeline.runner.probe import host_arch
+from pipeline.core.errors import UnsupportedOp
+from pipeline.host.probe import host_arch
+from pipeline.ops.repro import OUTCOMES, clear_outcomes, matrix, outcome_path, record_outcome, worst_exit
+from pipeline.project.config import parse_registry
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -160,7 +160,7 @@ def test_summary_shows_failed_pairs_and_json(repro):
 
 @pytest.mark.slow
 def test_a_record_older_than_the_manifest_does_not_win(repro):
-    from pipeline.config import load_registry
+    from pipeline.project.config import load_registry
 
     root, _ = repro
     registry = load_registry(root / "params.yaml")

@@ -1,4 +1,4 @@
-"""Where stages write: dvc.yaml names the same paths as pipeline.paths.Layout."""
+"""Where stages write: dvc.yaml names the same paths as pipeline.core.paths.Layout."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.dvcmetrics import pair_file
-from pipeline.paths import Layout
+from pipeline.core.paths import Layout
+from pipeline.results.dvcmetrics import pair_file
 
 REPO = Path(__file__).resolve().parents[1]
 ROOT = Path("/project")
@@ -112,7 +112,7 @@ def test_every_stage_depends_on_its_resolved_config_file():
 
 
 def test_stage_families_in_repro_match_dvc_yaml():
-    from pipeline.repro import EXAMPLE_STAGES, GLOBAL_STAGES, MODEL_STAGES, PAIR_STAGES
+    from pipeline.ops.repro import EXAMPLE_STAGES, GLOBAL_STAGES, MODEL_STAGES, PAIR_STAGES
 
     stages = dvc_stages()
     assert set(stages) == {*GLOBAL_STAGES, *EXAMPLE_STAGES, *MODEL_STAGES, *PAIR_STAGES}

@@ -1,5 +1,5 @@
-"""Tensor storage and opset conversion for the backends' importers (pipeline/graph.py,
-pipeline/quantize.py) on tiny real models, and how IREE's importer failures are classified."""
+"""Tensor storage and opset conversion for the backends' importers (pipeline/model/graph.py,
+pipeline/backends/quantize.py) on tiny real models, and how IREE's importer failures are classified."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline import graph
-from pipeline.backends.onnxruntime import newest_qdq_opset, reference_runner
-from pipeline.errors import InputError, UnsupportedOp
-from pipeline.quantize import conversion_warnings, to_fp16
+from pipeline.backends import opset
+from pipeline.backends.quantize import conversion_warnings, to_fp16
+from pipeline.backends.reference import newest_qdq_opset, reference_runner
+from pipeline.core.errors import InputError, UnsupportedOp
+from pipeline.model import graph
 
 HAS_IREE = importlib.util.find_spec("iree") is not None and importlib.util.find_spec("iree.compiler") is not None
 _TYPED = ("float_data", "int32_data", "int64_data", "double_data")
@@ -139,7 +140,7 @@ def test_iree_importer_failure_without_a_node_is_an_input_error():
 def test_convert_opset_converts_checks_and_records(tmp_path, opset):
     model = _pinned(models.conv_pool_slice_model(tmp_path / "m.onnx", opset))
 
-    converted, record = graph.convert_opset(model, 17, X, "a test")
+    converted, record = opset.convert_opset(model, 17, X, "a test")
 
     assert graph.default_opset(converted) == 17 and graph.default_opset(model) == opset
     assert (record.from_opset, record.to_opset) == (opset, 17)
@@ -147,13 +148,13 @@ def test_convert_opset_converts_checks_and_records(tmp_path, opset):
     assert record.warning().startswith(f"opset converted from {opset} to 17 (a test)")
     assert all(not any(len(getattr(t, f)) for f in _TYPED) for t in _tensors(converted))
     np.testing.assert_allclose(_run(converted, X)["y"], _run(model, X)["y"], rtol=1e-5, atol=1e-6)
-    assert graph.convert_opset(converted, 17, X, "a test") == (converted, None)
+    assert opset.convert_opset(converted, 17, X, "a test") == (converted, None)
 
 
 def test_convert_opset_down_for_a_runtime_that_lags_onnx(tmp_path):
     newest = onnx.defs.onnx_opset_version()
     model = _pinned(models.conv_pool_slice_model(tmp_path / "m.onnx", newest))
-    converted, record = graph.convert_opset(model, 21, X, "a test")
+    converted, record = opset.convert_opset(model, 21, X, "a test")
     assert (record.from_opset, record.to_opset) == (newest, 21) and graph.default_opset(converted) == 21
 
 
@@ -174,10 +175,10 @@ def test_convert_opset_refuses_a_conversion_that_changes_outputs(tmp_path, monke
     monkeypatch.setattr(version_converter, "convert_version", drifting)
     model = _pinned(models.conv_pool_slice_model(tmp_path / "m.onnx", 11))
     with pytest.raises(InputError, match=r"from opset 11 to 17 \(a test\) changed its outputs .*max abs error") as info:
-        graph.convert_opset(model, 17, X, "a test")
+        opset.convert_opset(model, 17, X, "a test")
     assert info.value.exit_code == 2 and "at opset 17" in info.value.hint
     reexported = _pinned(models.conv_pool_slice_model(tmp_path / "m17.onnx", 17))
-    assert graph.convert_opset(reexported, 17, X, "a test")[1] is None
+    assert opset.convert_opset(reexported, 17, X, "a test")[1] is None
 
 
 def test_convert_opset_refuses_when_the_converter_fails(tmp_path, monkeypatch):
@@ -189,7 +190,7 @@ def test_convert_opset_refuses_when_the_converter_fails(tmp_path, monkeypatch):
     monkeypatch.setattr(version_converter, "convert_version", failing)
     model = _pinned(models.conv_pool_slice_model(tmp_path / "m.onnx", 11))
     with pytest.raises(InputError, match=r"from opset 11 to 17 \(a test\) failed: adapt_thing") as info:
-        graph.convert_opset(model, 17, X, "a test")
+        opset.convert_opset(model, 17, X, "a test")
     assert info.value.exit_code == 2
 
 
@@ -212,7 +213,7 @@ def test_newest_qdq_opset_runs_quantize_linear():
 
 
 def test_conversion_warnings_from_the_qdq_record():
-    record = graph.OpsetConversion(
+    record = opset.OpsetConversion(
         from_opset=11, to_opset=17, reason="INT8 QDQ needs opset 13 or newer", max_abs_error=0.0, relative_error=0.0
     )
     assert conversion_warnings({"format": "QDQ", "opset_conversion": record.to_json()}) == [record.warning()]

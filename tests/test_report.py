@@ -16,8 +16,8 @@ import models
 import pytest
 from cli_helpers import assert_user_error, skuforge
 
-from pipeline.config import load_registry
-from pipeline.errors import InputError
+from pipeline.core.errors import InputError
+from pipeline.project.config import load_registry
 from pipeline.report import pages, write_pair_report, write_site
 
 EVIL = "<script>alert('x')</script>"
@@ -175,9 +175,9 @@ def _validate(sku: str, passed: bool) -> dict:
 
 
 def _roofline(root: Path) -> dict:
-    """A RooflineReport of the project's model, made by pipeline.roofline: one layer time is
+    """A RooflineReport of the project's model, made by pipeline.perf.roofline: one layer time is
     joined to no node (its name lands in ``unmatched_ms``)."""
-    from pipeline.roofline import graph_cost, roofline
+    from pipeline.perf.roofline import graph_cost, roofline
 
     peaks = {
         "key": "test",

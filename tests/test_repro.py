@@ -7,10 +7,10 @@ import os
 import models
 import pytest
 
-from pipeline.config import parse_registry
-from pipeline.errors import ConfigError, InputError
-from pipeline.repro import DvcFailed, run_dvc_repro, sku_statuses, targets
-from pipeline.runner.probe import host_arch
+from pipeline.core.errors import ConfigError, InputError
+from pipeline.host.probe import host_arch
+from pipeline.ops.repro import DvcFailed, run_dvc_repro, sku_statuses, targets
+from pipeline.project.config import parse_registry
 
 OTHER_ARCH = "aarch64" if host_arch() == "x86_64" else "x86_64"
 
@@ -50,7 +50,7 @@ def test_targets_are_the_buildable_pairs(registry):
 
 
 def test_upstream_of_a_publish_target_is_the_whole_chain(registry):
-    from pipeline.repro import upstream_stages
+    from pipeline.ops.repro import upstream_stages
 
     names = upstream_stages(registry, ["publish@a-here"])
     assert {f"{s}@a-here" for s in ("build", "validate", "bench", "manifest", "publish")} <= names
@@ -71,7 +71,7 @@ def test_repro_outside_a_dvc_repository(tmp_path):
 
 
 def test_dvc_failure_without_an_error_line_quotes_dvc(tmp_path):
-    from pipeline.repro import dvc_failure
+    from pipeline.ops.repro import dvc_failure
 
     err = dvc_failure(
         tmp_path,
@@ -126,7 +126,7 @@ stages:
 def test_a_conflicted_dvc_lock_is_refused_before_dvc_runs(tmp_path):
     """dvc would fail on the markers with a YAML error and a hint about dvc.yaml; this names the
     file, the line and both ways out."""
-    from pipeline.errors import MalformedFile
+    from pipeline.core.errors import MalformedFile
 
     (tmp_path / ".dvc").mkdir()
     (tmp_path / "dvc.lock").write_text(CONFLICTED_LOCK)
@@ -143,7 +143,7 @@ def test_a_conflicted_dvc_lock_is_refused_before_dvc_runs(tmp_path):
 
 @pytest.mark.parametrize("name, line", [("dvc.yaml", 3), ("params.yaml", 2)])
 def test_conflict_markers_in_dvc_yaml_or_params_are_refused(tmp_path, name, line):
-    from pipeline.errors import MalformedFile
+    from pipeline.core.errors import MalformedFile
 
     (tmp_path / ".dvc").mkdir()
     (tmp_path / name).write_text(
@@ -179,7 +179,7 @@ def test_skuforge_repro_names_the_conflicted_file(tmp_path):
 
 
 def test_dvc_refusing_its_lock_file_says_how_to_rebuild_it(tmp_path):
-    from pipeline.repro import dvc_failure
+    from pipeline.ops.repro import dvc_failure
 
     # dvc 3's own words for a damaged dvc.lock (no ERROR prefix)
     err = dvc_failure(tmp_path, 255, "'./dvc.lock' is invalid.\n\nWhile parsing a flow node, in line 4, column 1\n")

@@ -1,4 +1,4 @@
-"""Reproducibility check: the engine built twice and compared (pipeline/reproducible.py).
+"""Reproducibility check: the engine built twice and compared (pipeline/verify/reproducible.py).
 
 Real builds of the conv_bn model on every CPU backend here. The second build runs in a new
 process; the bitwise cases go through `skuforge build --check-reproducible`, so the first build is
@@ -23,23 +23,24 @@ import pytest
 from cli_helpers import skuforge
 from onnx import numpy_helper
 
-from pipeline import reproducible
 from pipeline.backends.onnxruntime import OnnxRuntimeBackend
-from pipeline.config import load_registry, parse_registry
-from pipeline.errors import ConfigError, EnvironmentProblem, GateFailed
-from pipeline.io import read_json
-from pipeline.manifest import validate_document
-from pipeline.paths import Layout
-from pipeline.reproducible import layer_changes
-from pipeline.results import BuildReport, LayerInfo
+from pipeline.core.errors import ConfigError, EnvironmentProblem, GateFailed
+from pipeline.core.io import read_json
+from pipeline.core.paths import Layout
+from pipeline.engine.build import build_engine
+from pipeline.project.config import load_registry, parse_registry
+from pipeline.results.manifest import validate_document
+from pipeline.results.reports import BuildReport, LayerInfo
 from pipeline.stages.bench import bench
-from pipeline.stages.build import build, build_engine
+from pipeline.stages.build import build
 from pipeline.stages.calibrate import calibrate
 from pipeline.stages.data import make_data
 from pipeline.stages.manifest import write_manifest
 from pipeline.stages.prepare import prepare
 from pipeline.stages.reference import reference
 from pipeline.stages.validate import validate
+from pipeline.verify import reproducible
+from pipeline.verify.reproducible import layer_changes
 
 IREE_CPU = "x86-64-v3" if models.ort_sku()["target"]["arch"] == "x86_64" else "host"
 SKUS = {
@@ -198,7 +199,7 @@ def _plant_in_every_process(tmp_path: Path, wrapper: str) -> str:
         "import multiprocessing, os, time\n"
         "import onnx\n"
         "from pipeline.backends.onnxruntime import OnnxRuntimeBackend\n"
-        "from pipeline.errors import UnsupportedOp\n"
+        "from pipeline.core.errors import UnsupportedOp\n"
         "original = OnnxRuntimeBackend.build\n"
         "def build(self, ctx):\n"
         + textwrap.indent(textwrap.dedent(wrapper), "    ")

@@ -9,8 +9,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline.results import LayerInfo
-from pipeline.roofline import GraphCost, RooflineReport, graph_cost, join_layer_times, roofline
+from pipeline.perf.roofline import GraphCost, RooflineReport, graph_cost, join_layer_times, roofline
+from pipeline.results.reports import LayerInfo
 
 F = TensorProto.FLOAT
 
@@ -258,7 +258,7 @@ def test_roofline_of_an_engine():
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    from pipeline.config import load_registry
+    from pipeline.project.config import load_registry
     from pipeline.stages.build import build
     from pipeline.stages.data import make_data
     from pipeline.stages.prepare import prepare
@@ -284,7 +284,7 @@ def engines(tmp_path_factory):
 
 def _profile(reg, sku: str):
     from pipeline.backends import get_backend
-    from pipeline.paths import Layout
+    from pipeline.core.paths import Layout
 
     out = Layout(reg.root)
     spec = reg.sku(sku)
@@ -313,7 +313,7 @@ def test_profile_layers_joins_every_costly_node(engines, sku):
 
 
 def test_reference_runner_profiles_onnx_node_names(tmp_path):
-    from pipeline.backends.onnxruntime import reference_runner
+    from pipeline.backends.reference import reference_runner
 
     model = chain_model()
     with reference_runner(model.SerializeToString()) as runner:

@@ -16,9 +16,9 @@ import models
 import pytest
 from cli_helpers import assert_user_error, skuforge
 
-from pipeline.config import SigningSpec, load_registry, parse_registry
-from pipeline.errors import ConfigError, EnvironmentProblem
-from pipeline.signing import (
+from pipeline.core.errors import ConfigError, EnvironmentProblem
+from pipeline.project.config import SigningSpec, load_registry, parse_registry
+from pipeline.results.signing import (
     ENV_KEY_DIR,
     ENV_SIGNING_KEY,
     SigningKey,
@@ -211,7 +211,7 @@ def test_env_key_of_another_algorithm(tmp_path):
 def test_developer_key_made_once_0600_and_reused(tmp_path, monkeypatch, caplog):
     monkeypatch.delenv(ENV_SIGNING_KEY, raising=False)
     monkeypatch.setenv(ENV_KEY_DIR, str(tmp_path / "keys"))
-    with caplog.at_level(logging.INFO, logger="pipeline.signing"):
+    with caplog.at_level(logging.INFO, logger="pipeline.results.signing"):
         first = signing_key()
         second = signing_key()
     path = tmp_path / "keys" / "signing_key.pem"

@@ -1,4 +1,4 @@
-"""Every vendor's version string read one way (pipeline.versions), and the verdicts of the checks
+"""Every vendor's version string read one way (pipeline.core.versions), and the verdicts of the checks
 that use it: the promotion gate, the runner's toolchain check, the rollout agent, TensorRT's
 version-compatible engines."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.errors import ConfigError, InputError
-from pipeline.versions import (
+from pipeline.core.errors import ConfigError, InputError
+from pipeline.core.versions import (
     UnreadableVersion,
     normalize,
     same_version,

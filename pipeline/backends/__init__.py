@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from pipeline.backends.base import Backend

@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline.errors import ConfigError, EnvironmentProblem, InputError
-from pipeline.io import atomic_write_json, read_json, sha256_file
-from pipeline.results import FileRecord, LayerInfo, TensorSig, engine_digest
+from pipeline.core.errors import ConfigError, EnvironmentProblem, InputError
+from pipeline.core.io import atomic_write_json, read_json, sha256_file
+from pipeline.results.reports import FileRecord, LayerInfo, TensorSig, engine_digest
 
 if TYPE_CHECKING:
     import numpy as np
     import onnx
 
-    from pipeline.caches import CacheSession
-    from pipeline.config import ModelSpec, Profile, SkuSpec
+    from pipeline.backends.caches import CacheSession
+    from pipeline.project.config import ModelSpec, Profile, SkuSpec
 
 ENGINE_META = "engine.json"
 
@@ -73,7 +73,7 @@ class EngineMeta(BaseModel):
     # standard ops only: any runtime of the backend runs it, so loading does not insist on the version
     portable: bool = False
     host_cpu: dict[str, Any] | None = None  # the CPU the engine was built on (a record for people)
-    cache: dict[str, Any] | None = None  # the cache the build used (pipeline.caches.CacheSession.record)
+    cache: dict[str, Any] | None = None  # the cache the build used (pipeline.backends.caches.CacheSession.record)
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class BuildContext:
     # ONNX node names (of the prepared model) kept in higher precision than the SKU's: excluded from
     # INT8 quantization, kept FP32 in an FP16 engine (a bisection remedy, or params.yaml's override)
     keep_precise: tuple[str, ...] = ()
-    # the cache policy (pipeline.caches): None: the SKU's cache.require or SKUFORGE_REQUIRE_CACHE decides
+    # the cache policy (pipeline.backends.caches): None: the SKU's cache.require or SKUFORGE_REQUIRE_CACHE decides
     cache_required: bool | None = None
     cache_refresh: bool = False  # ignore the cache and rebuild it (skuforge cache refresh)
     tuning_trials: int | None = None  # a tuning backend's trial budget instead of the SKU's
@@ -197,7 +197,7 @@ class Runner(abc.ABC):
 
     def profile_layers(self, feeds: dict[str, np.ndarray], iterations: int = 20) -> dict[str, float] | None:
         """Milliseconds per engine layer, the median of ``iterations`` runs on ``feeds`` after a warm-up,
-        keyed by the names of build.json ``layers`` (pipeline.roofline joins them to ONNX nodes);
+        keyed by the names of build.json ``layers`` (pipeline.perf.roofline joins them to ONNX nodes);
         None where the backend cannot time its layers. The default cannot."""
         return None
 
@@ -228,7 +228,7 @@ class Backend(abc.ABC):
         try:
             return cls.Options.model_validate(sku.options)
         except ValidationError as exc:
-            from pipeline.config import validation_problems
+            from pipeline.project.config import validation_problems
 
             raise ConfigError(
                 "; ".join(validation_problems(exc, cls.Options, ("options",))),
@@ -278,7 +278,7 @@ class Backend(abc.ABC):
         """Build the engine into ``ctx.engine_dir``: the shared preamble, then ``_build_impl``."""
         import onnx
 
-        from pipeline.graph import pin_axes
+        from pipeline.model.graph import pin_axes
 
         options = self.options(ctx.sku_spec)
         problems = self.environment_problems(ctx.sku_spec, "build")
@@ -291,7 +291,7 @@ class Backend(abc.ABC):
             onnx.save(staged.model, str(staged.source))
             self._convert_precision(ctx, staged)
             if self.capabilities.cache is not None and self.uses_cache(staged.options):
-                from pipeline.caches import open_session
+                from pipeline.backends.caches import open_session
 
                 staged.cache = open_session(self, ctx)
             outcome = self._build_impl(ctx, staged)
@@ -310,7 +310,7 @@ class Backend(abc.ABC):
         """INT8: the calibrated QDQ graph (for backends whose options take QDQ settings); FP16:
         FP16 weights and compute with the nodes to keep precise left in FP32. A backend that
         converts otherwise (a compiler precision hint) overrides this."""
-        from pipeline.quantize import QdqOptions, quantize_qdq, to_fp16
+        from pipeline.backends.quantize import QdqOptions, quantize_qdq, to_fp16
 
         precision = ctx.sku_spec.precision
         if precision == "int8" and isinstance(staged.options, QdqOptions):

@@ -4,7 +4,7 @@ CPU (``llvm-cpu``), a Vulkan (SPIR-V) or a CUDA device, run through ``iree.runti
 IREE cross-compiles: the compiler builds any target on any host, and only running the engine
 needs the device. The one exception is ``target_cpu: host``, which compiles for the build host's
 CPU: such a SKU is built on its target hardware. "host" is resolved here, not by LLVM: the
-architecture's generic CPU plus the features the host reports (``pipeline.runner.probe``). LLVM's
+architecture's generic CPU plus the features the host reports (``pipeline.host.probe``). LLVM's
 own host detection goes by the CPU's name, and a name implies features a virtual machine may hide
 (an Emerald Rapids guest without AMX is still "emeraldrapids", which implies AMX).
 
@@ -27,15 +27,15 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.backends.base import Backend, BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
-from pipeline.errors import ConfigError, EnvironmentProblem, InputError, UnsupportedOp
-from pipeline.results import LayerInfo, TensorSig
-from pipeline.runner import probe
+from pipeline.core.errors import ConfigError, EnvironmentProblem, InputError, UnsupportedOp
+from pipeline.host import probe
+from pipeline.results.reports import LayerInfo, TensorSig
 
 if TYPE_CHECKING:
     import numpy as np
     import onnx
 
-    from pipeline.config import SkuSpec
+    from pipeline.project.config import SkuSpec
 
 VMFB = "module.vmfb"
 IMPORTER_MIN_OPSET = 17
@@ -164,7 +164,8 @@ class IreeBackend(Backend):
     # --- build ----------------------------------------------------------------------------------
 
     def _adapt(self, model: onnx.ModelProto, ctx: BuildContext, staged: Staged) -> onnx.ModelProto:
-        from pipeline.graph import convert_opset, default_opset, signature, tensors_to_raw
+        from pipeline.backends.opset import convert_opset
+        from pipeline.model.graph import default_opset, signature, tensors_to_raw
 
         # the importer lowers ops as defined from opset 17 on (older MaxPool, Slice, ... have no lowering)
         model, conversion = convert_opset(
@@ -355,7 +356,7 @@ def import_error(message: str, model: onnx.ModelProto, node_types: dict[str, str
     """The importer's failure as the error the user can act on: UnsupportedOp naming the node the
     message names (directly, or through a tensor the node reads), else InputError (never an
     environment problem: the importer ran)."""
-    from pipeline.graph import _all_nodes
+    from pipeline.model.graph import _all_nodes
 
     detail = message.strip().splitlines()[0] if message.strip() else "unknown error"
     quoted = [n for n in node_types if f"'{n}'" in message or f'"{n}"' in message]

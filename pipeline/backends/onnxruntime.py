@@ -1,4 +1,4 @@
-"""ONNX Runtime: the reference runtime (CPU, FP32, no optimisation) and a backend.
+"""ONNX Runtime as a backend (the reference runtime it shares its session code with: reference.py).
 
 The engine is the model as ONNX Runtime optimised it for the SKU's providers (saved with
 ``optimized_model_filepath``) plus the session options to load it with. INT8 is static QDQ
@@ -7,12 +7,9 @@ quantization with the calibration table of the calibrate stage.
 
 from __future__ import annotations
 
-import functools
 import json
-import re
 import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -26,21 +23,28 @@ from pipeline.backends.base import (
     EngineMeta,
     Runner,
     Staged,
-    median_per_run,
 )
-from pipeline.errors import EnvironmentProblem, InputError, UnsupportedOp
-from pipeline.io import atomic_write_bytes
-from pipeline.quantize import QdqOptions, conversion_warnings
-from pipeline.results import LayerInfo, TensorSig
-from pipeline.runner import probe
+from pipeline.backends.quantize import QdqOptions, conversion_warnings
+from pipeline.backends.reference import (
+    CPU,
+    SessionRunner,
+    create_session,
+    newest_qdq_opset,
+    node_events,
+    ort_module,
+    runtime_version,
+    session_options,
+)
+from pipeline.core.errors import EnvironmentProblem
+from pipeline.host import probe
+from pipeline.results.reports import LayerInfo
 
 if TYPE_CHECKING:
     import numpy as np
     import onnxruntime as ort
 
-    from pipeline.config import SkuSpec
+    from pipeline.project.config import SkuSpec
 
-CPU = "CPUExecutionProvider"
 
 # Precisions each execution provider runs natively. ONNX Runtime's CPU provider has FP16
 # kernels for a few ops only and otherwise inserts casts, so FP16 there is refused as config.
@@ -59,12 +63,6 @@ PROVIDER_PRECISIONS: dict[str, frozenset[str]] = {
     "AzureExecutionProvider": frozenset({"fp32", "fp16", "int8"}),
 }
 
-_LEVELS = {
-    "disable": "ORT_DISABLE_ALL",
-    "basic": "ORT_ENABLE_BASIC",
-    "extended": "ORT_ENABLE_EXTENDED",
-    "all": "ORT_ENABLE_ALL",
-}
 # Profiler type names (both spellings occur) to precisions; uint8 and int8 are both "int8" kernels.
 _ORT_TYPES = {
     "float": "fp32",
@@ -121,178 +119,14 @@ class OnnxRuntimeOptions(QdqOptions):
     inter_op_num_threads: int = Field(0, ge=0)
 
 
-def _ort() -> Any:
-    try:
-        import onnxruntime
-    except ImportError as exc:
-        raise EnvironmentProblem(
-            "onnxruntime is not installed", hint="pip install onnxruntime (or onnxruntime-gpu)"
-        ) from exc
-    return onnxruntime
-
-
-def session_options(opts: OnnxRuntimeOptions, level: str, profile_dir: Path | None = None) -> ort.SessionOptions:
-    ort = _ort()
-    so = ort.SessionOptions()
-    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[level])
-    so.intra_op_num_threads = opts.intra_op_num_threads
-    so.inter_op_num_threads = opts.inter_op_num_threads
-    so.log_severity_level = 3
-    if CPU not in opts.providers:
-        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-    if profile_dir is not None:
-        so.enable_profiling = True
-        so.profile_file_prefix = str(profile_dir / "ort_profile")
-    return so
-
-
-def create_session(
-    model: Path | bytes,
-    so: ort.SessionOptions,
-    providers: list[str],
-    provider_options: dict[str, dict[str, Any]] | None = None,
-) -> ort.InferenceSession:
-    ort = _ort()
-    provider_options = provider_options or {}
-    try:
-        return ort.InferenceSession(
-            model if isinstance(model, bytes) else str(model),
-            so,
-            providers=providers,
-            provider_options=[provider_options.get(p, {}) for p in providers],
-        )
-    except Exception as exc:  # ORT raises its own Fail/InvalidGraph/NotImplemented classes
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        missing = re.search(r"Could not find an implementation for (\w+)\(\d+\) node with name '([^']*)'", msg)
-        if missing or "NOT_IMPLEMENTED" in msg:
-            raise UnsupportedOp(
-                "onnxruntime",
-                missing.group(1) if missing else None,
-                missing.group(2) if missing else None,
-                f"no kernel on {', '.join(providers)} ({msg})",
-                hint="list a provider that implements it, or replace the op before export",
-            ) from exc
-        raise InputError(
-            f"ONNX Runtime could not load the model: {msg}",
-            hint="the model is valid ONNX but this ONNX Runtime refuses it for the reason above: "
-            "re-export it without what is named (for an opset: onnx.version_converter), "
-            "or use another onnxruntime version",
-        ) from exc
-
-
-class SessionRunner(Runner):
-    def __init__(self, session: ort.InferenceSession, reopen: Callable[[Path], ort.InferenceSession] | None = None):
-        """``reopen(folder)``: the same engine in a new session that profiles into ``folder``."""
-        inputs = [TensorSig(name=i.name, dtype=_np_dtype(i.type), shape=list(i.shape)) for i in session.get_inputs()]
-        super().__init__(inputs, [o.name for o in session.get_outputs()])
-        self.session = session
-        self._reopen = reopen
-
-    def profile_layers(self, feeds: dict[str, np.ndarray], iterations: int = 20) -> dict[str, float] | None:
-        """Median ms per node of the engine graph (build.json layer names) over ``iterations`` runs,
-        from ONNX Runtime's profiler in a second session; the first run is left out (allocation,
-        first touch)."""
-        if self._reopen is None:
-            return None
-        with tempfile.TemporaryDirectory(prefix="skuforge-prof-") as tmp:
-            session = self._reopen(Path(tmp))
-            named = {i.name: feeds[i.name] for i in self.inputs}
-            for _ in range(iterations + 1):
-                session.run(self.output_names, named)
-            trace = json.loads(Path(session.end_profiling()).read_text())
-        durations: dict[str, list[float]] = {}
-        for name, event in _node_events(trace):
-            durations.setdefault(name, []).append(event["dur"] / 1e3)
-        return {name: median_per_run(d, iterations + 1, skip=1) for name, d in durations.items()}
-
-    def _infer_impl(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        # infer() checked every input is there: feeds of the same size hold nothing else (ONNX
-        # Runtime refuses unknown names), so they go as they are. run() returns new arrays.
-        if len(feeds) != len(self.inputs) or type(feeds) is not dict:
-            feeds = {i.name: feeds[i.name] for i in self.inputs}
-        return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
-
-
-def _np_dtype(ort_type: str) -> str:
-    import numpy as np
-
-    inner = ort_type.removeprefix("tensor(").removesuffix(")")
-    return np.dtype({"float": "float32", "double": "float64", "float16": "float16"}.get(inner, inner)).name
-
-
-def reference_runner(model: Path | bytes) -> SessionRunner:
-    """The reference: ONNX Runtime, CPU provider, FP32, graph optimisations off."""
-    opts = OnnxRuntimeOptions()
-
-    def open_session(profile_dir: Path | None = None) -> ort.InferenceSession:
-        return create_session(model, session_options(opts, "disable", profile_dir=profile_dir), [CPU])
-
-    return SessionRunner(open_session(), reopen=open_session)
-
-
-def runtime_version() -> str:
-    return _ort().__version__
-
-
-def calibrate(model: Path, batches: list[dict[str, np.ndarray]], method: str, table: Path) -> int:
-    """Collect activation ranges over the calibration batches; write ONNX Runtime's table JSON."""
-    _ort()
-    from onnxruntime.quantization.calibrate import (
-        CalibrationDataReader,
-        CalibrationMethod,
-        create_calibrator,
-        save_tensors_data,
+def _session_options(opts: OnnxRuntimeOptions, level: str, profile_dir: Path | None = None) -> ort.SessionOptions:
+    return session_options(
+        level,
+        intra_op_num_threads=opts.intra_op_num_threads,
+        inter_op_num_threads=opts.inter_op_num_threads,
+        cpu_fallback=CPU in opts.providers,
+        profile_dir=profile_dir,
     )
-
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            self._it = iter(batches)
-
-        def get_next(self) -> dict | None:
-            return next(self._it, None)
-
-    methods = {
-        "minmax": CalibrationMethod.MinMax,
-        "entropy": CalibrationMethod.Entropy,
-        "percentile": CalibrationMethod.Percentile,
-    }
-    with tempfile.TemporaryDirectory(prefix="skuforge-calib-") as tmp:
-        calibrator = create_calibrator(
-            model, None, augmented_model_path=str(Path(tmp) / "augmented.onnx"), calibrate_method=methods[method]
-        )
-        calibrator.collect_data(Reader())
-        ranges = calibrator.compute_data()
-        staged = Path(tmp) / "table.json"
-        save_tensors_data(ranges, staged)
-        atomic_write_bytes(table, staged.read_bytes())
-    return len(ranges.data)
-
-
-@functools.lru_cache(maxsize=1)
-def newest_qdq_opset() -> int | None:
-    """The newest ai.onnx opset whose QuantizeLinear this onnxruntime runs (it can lag the onnx
-    package: 1.32 has no QuantizeLinear-28); None when none from 13 on."""
-    import onnx
-    from onnx import TensorProto, helper
-
-    ort = _ort()
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    graph = helper.make_graph(
-        [helper.make_node("QuantizeLinear", ["x", "s"], ["y"])],
-        "q",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-        [helper.make_tensor_value_info("y", TensorProto.UINT8, [2])],
-        [helper.make_tensor("s", TensorProto.FLOAT, [], [0.1])],
-    )
-    for opset in range(onnx.defs.onnx_opset_version(), 12, -1):
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-        try:
-            ort.InferenceSession(model.SerializeToString(), so, providers=[CPU])
-            return opset
-        except Exception:  # NOT_IMPLEMENTED (no kernel) or an IR/opset this build refuses
-            continue
-    return None
 
 
 class OnnxRuntimeMeta(EngineMeta):
@@ -336,7 +170,7 @@ class OnnxRuntimeBackend(Backend):
 
     def environment_problems(self, sku: SkuSpec, purpose: str = "run") -> list[str]:
         try:
-            ort = _ort()
+            ort = ort_module()
         except EnvironmentProblem as exc:
             return [f"{exc.message} ({self.install_hint})"]
         available = set(ort.get_available_providers())
@@ -361,13 +195,13 @@ class OnnxRuntimeBackend(Backend):
         import onnx
 
         requested: list[str] = staged.options.providers
-        available = set(_ort().get_available_providers())
+        available = set(ort_module().get_available_providers())
         skipped = [p for p in requested if p not in available]
         opts: OnnxRuntimeOptions = staged.options.model_copy(
             update={"providers": [p for p in requested if p in available]}
         )
         engine = ctx.engine_dir / "model.onnx"
-        so = session_options(opts, opts.graph_optimization_level)
+        so = _session_options(opts, opts.graph_optimization_level)
         so.optimized_model_filepath = str(engine)
         create_session(staged.source, so, opts.providers, opts.provider_options)
         if not engine.is_file():  # ORT writes nothing at level "disable" on some versions
@@ -410,11 +244,11 @@ class OnnxRuntimeBackend(Backend):
     ) -> tuple[list[LayerInfo], int]:
         """Run the engine once with profiling on: which provider ran each node, on which types."""
         with tempfile.TemporaryDirectory(prefix="skuforge-prof-") as tmp:
-            so = session_options(opts, "disable", profile_dir=Path(tmp))
+            so = _session_options(opts, "disable", profile_dir=Path(tmp))
             runner = SessionRunner(create_session(engine, so, opts.providers, opts.provider_options))
             runner.infer(feeds)
             trace = json.loads(Path(runner.session.end_profiling()).read_text())
-        seen = {name: ev.get("args", {}) for name, ev in _node_events(trace)}
+        seen = {name: ev.get("args", {}) for name, ev in node_events(trace)}
         layers, device_of = [], {}
         for node in graph.graph.node:
             args = seen.get(node.name, {})
@@ -454,19 +288,10 @@ class OnnxRuntimeBackend(Backend):
         )
 
         def open_session(profile_dir: Path | None = None) -> ort.InferenceSession:
-            so = session_options(opts, meta.load_optimization_level, profile_dir=profile_dir)
+            so = _session_options(opts, meta.load_optimization_level, profile_dir=profile_dir)
             return create_session(engine_dir / "model.onnx", so, meta.providers, meta.provider_options)
 
         return SessionRunner(open_session(), reopen=open_session)
-
-
-def _node_events(trace: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
-    """(node name, event) of each kernel run in an ONNX Runtime profile, in run order."""
-    return [
-        (ev["name"].removesuffix("_kernel_time"), ev)
-        for ev in trace
-        if ev.get("cat") == "Node" and ev.get("name", "").endswith("_kernel_time")
-    ]
 
 
 def nchwc_block(flags: Any = None, arch: str | None = None) -> int | None:

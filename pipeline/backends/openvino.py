@@ -2,7 +2,7 @@
 
 The engine is the compiled model exported by the plugin (``compiled.export_model()``), re-imported
 for validation and benchmarking. FP32 and FP16 are the plugin's ``INFERENCE_PRECISION_HINT``;
-INT8 is the calibrated QDQ graph of ``pipeline.quantize.quantize_qdq``, which the plugin reads as
+INT8 is the calibrated QDQ graph of ``pipeline.backends.quantize.quantize_qdq``, which the plugin reads as
 FakeQuantize ops and runs in int8 through its low-precision transformations. What each layer ran
 as (type, precision, kernel, the ONNX nodes fused into it) comes from the runtime model.
 """
@@ -30,17 +30,17 @@ from pipeline.backends.base import (
     Staged,
     median_per_run,
 )
-from pipeline.errors import EnvironmentProblem, InputError, UnsupportedOp
-from pipeline.io import atomic_write_bytes
-from pipeline.quantize import QdqOptions, conversion_warnings
-from pipeline.results import LayerInfo, TensorSig
-from pipeline.runner import probe
+from pipeline.backends.quantize import QdqOptions, conversion_warnings
+from pipeline.core.errors import EnvironmentProblem, InputError, UnsupportedOp
+from pipeline.core.io import atomic_write_bytes
+from pipeline.host import probe
+from pipeline.results.reports import LayerInfo, TensorSig
 
 if TYPE_CHECKING:
     import numpy as np
     import openvino as ov
 
-    from pipeline.config import SkuSpec
+    from pipeline.project.config import SkuSpec
 
 log = logging.getLogger(__name__)
 

@@ -28,19 +28,19 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.backends.base import Backend, BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
-from pipeline.errors import ConfigError, EnvironmentProblem, InputError, SkuforgeError, UnsupportedOp
-from pipeline.io import atomic_write_bytes
-from pipeline.quantize import QdqSettings, quantize_qdq, to_fp16
-from pipeline.results import LayerInfo, Signature, TensorSig
-from pipeline.runner.probe import NO_GPU, GpuInfo, cuda_runtime_api, gpu_info, jetson_gpu, parse_nvidia_smi  # noqa: F401 (re-exported)
-from pipeline.versions import UnreadableVersion, normalize
+from pipeline.backends.quantize import QdqSettings, quantize_qdq, to_fp16
+from pipeline.core.errors import ConfigError, EnvironmentProblem, InputError, SkuforgeError, UnsupportedOp
+from pipeline.core.io import atomic_write_bytes
+from pipeline.core.versions import UnreadableVersion, normalize
+from pipeline.host.probe import NO_GPU, GpuInfo, cuda_runtime_api, gpu_info, jetson_gpu, parse_nvidia_smi  # noqa: F401 (re-exported)
+from pipeline.results.reports import LayerInfo, Signature, TensorSig
 
 if TYPE_CHECKING:
     import numpy as np
     import onnx
 
-    from pipeline.caches import CacheSession
-    from pipeline.config import SkuSpec
+    from pipeline.backends.caches import CacheSession
+    from pipeline.project.config import SkuSpec
 
 log = logging.getLogger(__name__)
 
@@ -747,7 +747,7 @@ class TensorRtBackend(Backend):
             staged.replace(to_fp16(staged.source, staged.work / "fp16.onnx", ctx.keep_precise))
 
     def _build_impl(self, ctx: BuildContext, staged: Staged) -> BuildOutcome:
-        from pipeline.graph import signature
+        from pipeline.model.graph import signature
 
         opts: TensorRtOptions = staged.options
         trt = _trt()

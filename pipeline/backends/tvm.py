@@ -36,15 +36,15 @@ from pipeline.backends.base import (
     Staged,
     median_per_run,
 )
-from pipeline.errors import EnvironmentProblem, InputError, UnsupportedOp
-from pipeline.results import LayerInfo, TensorSig
-from pipeline.runner import probe
+from pipeline.core.errors import EnvironmentProblem, InputError, UnsupportedOp
+from pipeline.host import probe
+from pipeline.results.reports import LayerInfo, TensorSig
 
 if TYPE_CHECKING:
     import numpy as np
     import onnx
 
-    from pipeline.config import SkuSpec
+    from pipeline.project.config import SkuSpec
 
 LIBRARY = "model.so"
 WORKLOADS = "database_workload.json"
@@ -330,7 +330,7 @@ class TvmBackend(Backend):
     # --- build --------------------------------------------------------------------------------
 
     def _build_impl(self, ctx: BuildContext, staged: Staged) -> BuildOutcome:
-        from pipeline.graph import signature
+        from pipeline.model.graph import signature
 
         opts: TvmOptions = staged.options
         tvm = _tvm()

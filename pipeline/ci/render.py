@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import NAME_PATTERN, Registry, SkuSpec
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
+from pipeline.project.config import NAME_PATTERN, Registry, SkuSpec
 
 WORKFLOW_DIR = Path(".github") / "workflows"
 TEMPLATES = {"build.yml": "build.yml.j2", "promote.yml": "promote.yml.j2", "rollout.yml": "rollout.yml.j2"}
@@ -110,7 +110,7 @@ def render(registry: Registry, output: Path | None = None, check: bool = False) 
 
     With ``check`` nothing is written; ``differ`` lists the files that are stale or missing.
     """
-    from pipeline.io import atomic_write_bytes
+    from pipeline.core.io import atomic_write_bytes
 
     directory = Path(output) if output is not None else registry.root / WORKFLOW_DIR
     files, differ = [], []

@@ -3,7 +3,7 @@
 Argument parsing imports nothing heavy: each command imports the library when it runs.
 Exit codes: 0 ok, 1 gate failed, 2 bad config or input, 3 environment, 4 external service,
 70 internal error, 130 interrupted (Ctrl-C). Everything the command prints (its output, log
-records, warnings, errors and the traceback of a bug) passes through :func:`pipeline.redact.redact`:
+records, warnings, errors and the traceback of a bug) passes through :func:`pipeline.core.redact.redact`:
 no credential leaves it. A stage command also records its failure for ``skuforge repro``'s matrix.
 """
 
@@ -15,9 +15,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from pipeline import redact
 from pipeline.cli import bisect, cache, ci, commands, compare, keys, rollout
-from pipeline.errors import EXIT_INTERNAL, EnvironmentProblem, InputError, SkuforgeError
+from pipeline.core import redact
+from pipeline.core.errors import EXIT_INTERNAL, EnvironmentProblem, InputError, SkuforgeError
 
 # Loggers that log a traceback for an error skuforge reports itself in one line (-v shows them).
 _NOISY = ("mlflow.store.db.utils",)
@@ -61,7 +61,7 @@ def _setup_logging(verbose: bool) -> None:
 
 def _os_error(exc: OSError) -> SkuforgeError | None:
     """A file-system error no library code turned into a message: still one the user can act on."""
-    from pipeline.io import storage_error
+    from pipeline.core.io import storage_error
 
     if exc.filename is None:
         return None
@@ -141,7 +141,7 @@ def _record(args: argparse.Namespace, code: int, exc: BaseException | None) -> i
         return code
     from pathlib import Path
 
-    from pipeline.repro import clear_outcome, record_outcome
+    from pipeline.ops.repro import clear_outcome, record_outcome
 
     root = Path(args.params).resolve().parent
     try:

@@ -46,10 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pipeline.cli.progress import ProgressLine
-    from pipeline.errors import ConfigError
-    from pipeline.io import atomic_write_json
-    from pipeline.stages.build import require_host
-    from pipeline.stages.common import layout
+    from pipeline.core.errors import ConfigError
+    from pipeline.core.io import atomic_write_json
+    from pipeline.engine.build import require_host
+    from pipeline.project.artifacts import layout
 
     if args.scan and args.fix:
         raise ConfigError("--scan measures, --fix repairs: give one", hint="skuforge bisect --model M --sku S --scan")
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     progress = ProgressLine()
     try:
         if args.fix:
-            from pipeline.remedy import apply_overrides, fix
+            from pipeline.verify.remedy import apply_overrides, fix
 
             result = fix(
                 registry, args.model, args.sku, max_rounds=args.rounds, max_builds=args.max_builds, progress=progress
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             if args.apply and result.passed:
                 apply_overrides(Path(args.params), args.model, args.sku, result.keep_precise)
         else:
-            from pipeline.bisect import bisect
+            from pipeline.verify.bisect import bisect
 
             result = bisect(
                 registry,

@@ -49,8 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def status(args: argparse.Namespace) -> int:
-    from pipeline.caches import status as cache_status
-    from pipeline.config import load_registry
+    from pipeline.ops.caches import status as cache_status
+    from pipeline.project.config import load_registry
 
     registry = load_registry(args.params)
     for name in args.sku or []:
@@ -125,9 +125,9 @@ def _size(n: int) -> str:
 
 
 def refresh(args: argparse.Namespace) -> int:
-    from pipeline.caches import refresh as cache_refresh
     from pipeline.cli.progress import ProgressLine
-    from pipeline.config import load_registry
+    from pipeline.ops.caches import refresh as cache_refresh
+    from pipeline.project.config import load_registry
 
     registry = load_registry(args.params)
     for name in args.model or []:

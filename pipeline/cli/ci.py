@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _registry(args: argparse.Namespace):
-    from pipeline.config import load_registry
+    from pipeline.project.config import load_registry
 
     return load_registry(args.params)
 

@@ -20,7 +20,7 @@ def positive_int(value: str) -> str:
 
 
 def _registry(args: argparse.Namespace):
-    from pipeline.config import load_registry
+    from pipeline.project.config import load_registry
 
     return load_registry(args.params)
 
@@ -271,7 +271,7 @@ def config_resolve(args: argparse.Namespace) -> int:
 
 
 def list_skus(args: argparse.Namespace) -> int:
-    from pipeline.repro import sku_statuses
+    from pipeline.ops.repro import sku_statuses
 
     rows = [s for s in sku_statuses(_registry(args)) if s.buildable or not args.buildable_here]
 
@@ -305,7 +305,7 @@ def export_example(args: argparse.Namespace) -> int:
 
 
 def repro(args: argparse.Namespace) -> int:
-    from pipeline.repro import (
+    from pipeline.ops.repro import (
         DvcFailed,
         ProjectStatus,
         clear_outcomes,
@@ -328,7 +328,7 @@ def repro(args: argparse.Namespace) -> int:
         )
     if not dvc_targets:
         if args.sku:  # asked for by name (a CI job for one SKU): building nothing is not success
-            from pipeline.errors import EnvironmentProblem
+            from pipeline.core.errors import EnvironmentProblem
 
             raise EnvironmentProblem(
                 f"this host can build none of the SKUs asked for: {', '.join(args.sku)}",
@@ -375,8 +375,8 @@ def _consistency_reports(reg, models: list[str] | None) -> tuple[dict[str, Any],
     """Refresh the checked-in consistency matrix of each model (reports/consistency/) after a run:
     model -> the files written or why not, and an exit code for a failure to write them."""
     from pipeline.cli.compare import refresh_lines
-    from pipeline.consistency import refresh_reports
-    from pipeline.errors import SkuforgeError
+    from pipeline.core.errors import SkuforgeError
+    from pipeline.verify.consistency import refresh_reports
 
     try:
         done = refresh_reports(reg, models)
@@ -398,10 +398,10 @@ def _quiet_mlflow() -> None:
 
 def publish(args: argparse.Namespace) -> int:
     from pipeline.cli.progress import ProgressLine
-    from pipeline.errors import ConfigError
-    from pipeline.paths import Layout
-    from pipeline.registry.tracking import require_mlflow
+    from pipeline.core.errors import ConfigError
+    from pipeline.core.paths import Layout
     from pipeline.stages.publish import publish as publish_pair
+    from pipeline.tracking.client import require_mlflow
 
     _quiet_mlflow()
     reg = _registry(args)
@@ -455,8 +455,8 @@ def _promotion_text(report) -> str:
 
 
 def promote(args: argparse.Namespace) -> int:
-    from pipeline.registry.promotion import PromotionBlocked, rollback
-    from pipeline.registry.promotion import promote as promote_alias
+    from pipeline.tracking.promotion import PromotionBlocked, rollback
+    from pipeline.tracking.promotion import promote as promote_alias
 
     _quiet_mlflow()
     reg = _registry(args)
@@ -464,7 +464,7 @@ def promote(args: argparse.Namespace) -> int:
     try:
         if args.rollback:
             if args.version:
-                from pipeline.errors import ConfigError
+                from pipeline.core.errors import ConfigError
 
                 raise ConfigError("--rollback moves the alias to its previous holder", hint="leave out --version")
             report = rollback(reg, args.model, args.to, skus=skus, reason=args.reason)
@@ -479,7 +479,7 @@ def promote(args: argparse.Namespace) -> int:
 
 
 def releases(args: argparse.Namespace) -> int:
-    from pipeline.registry.releases import list_releases
+    from pipeline.tracking.releases import list_releases
 
     _quiet_mlflow()
     listing = list_releases(_registry(args), args.model, with_history=args.history)
@@ -521,7 +521,7 @@ def releases(args: argparse.Namespace) -> int:
 
 
 def summary(args: argparse.Namespace) -> int:
-    from pipeline.repro import matrix
+    from pipeline.ops.repro import matrix
 
     rows = matrix(_registry(args))
     _emit(args, [r.to_json() for r in rows], lambda: _matrix_text(rows))
@@ -539,7 +539,7 @@ def report(args: argparse.Namespace) -> int:
 
 
 def runner_probe(args: argparse.Namespace) -> int:
-    from pipeline.runner.report import probe_report
+    from pipeline.ops.hostreport import probe_report
 
     report = probe_report(_registry(args), peaks=args.peaks or args.refresh, refresh=args.refresh)
     # the probe is a JSON document either way (pin-device-state.sh and the benchmark record it)
@@ -548,8 +548,8 @@ def runner_probe(args: argparse.Namespace) -> int:
 
 
 def runner_check(args: argparse.Namespace) -> int:
-    from pipeline.errors import EnvironmentProblem
-    from pipeline.runner.report import check_report
+    from pipeline.core.errors import EnvironmentProblem
+    from pipeline.ops.hostreport import check_report
 
     report = check_report(_registry(args), args.sku)
     if report["matches"]:
@@ -565,7 +565,7 @@ def runner_check(args: argparse.Namespace) -> int:
 
 
 def runner_labels(args: argparse.Namespace) -> int:
-    from pipeline.runner.report import class_labels, load_classes
+    from pipeline.ops.hostreport import class_labels, load_classes
 
     labels = class_labels(load_classes(args.classes), args.runner_class)
     _emit(args, labels, lambda: ",".join(labels))

@@ -46,15 +46,15 @@ def _trust(args: argparse.Namespace, public_key: str) -> list[str] | None:
     """Aliases this key's versions may reach, when params.yaml is at hand."""
     if not Path(args.params).is_file():
         return None
-    from pipeline.config import load_registry
-    from pipeline.signing import aliases_accepting
+    from pipeline.project.config import load_registry
+    from pipeline.results.signing import aliases_accepting
 
     release = load_registry(args.params).release
     return aliases_accepting(release.signing, release.aliases, public_key)
 
 
 def show(args: argparse.Namespace) -> int:
-    from pipeline.signing import ENV_SIGNING_KEY, signing_key
+    from pipeline.results.signing import ENV_SIGNING_KEY, signing_key
 
     key = signing_key()
     data = _describe(key, args.name or ("ci" if key.source.endswith(ENV_SIGNING_KEY) else "dev"))
@@ -73,7 +73,7 @@ def show(args: argparse.Namespace) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from pipeline.signing import ENV_SIGNING_KEY, generate_key_file
+    from pipeline.results.signing import ENV_SIGNING_KEY, generate_key_file
 
     key = generate_key_file(args.out)
     data = _describe(key, args.name)

@@ -103,10 +103,10 @@ def _which(p: argparse.ArgumentParser) -> None:
 
 
 def _context(args: argparse.Namespace, keys: bool = True):
-    from pipeline.config import load_registry
+    from pipeline.project.config import load_registry
+    from pipeline.results.signing import signing_key
     from pipeline.rollout.store import open_store, store_url
     from pipeline.rollout.trust import Keys
-    from pipeline.signing import signing_key
 
     reg = load_registry(args.params)
     store = open_store(args.store or store_url(reg.rollout.store), reg.root)
@@ -116,7 +116,7 @@ def _context(args: argparse.Namespace, keys: bool = True):
 
 
 def _actor() -> str:
-    from pipeline.registry.tracking import actor
+    from pipeline.tracking.client import actor
 
     return actor()
 
@@ -126,13 +126,13 @@ def _print(args: argparse.Namespace, data, text: str) -> None:
 
 
 def release_init(args: argparse.Namespace) -> int:
+    from pipeline.results.signing import read_key_file
     from pipeline.rollout.trust import Keys, initialise
-    from pipeline.signing import read_key_file
 
     reg, store, keys = _context(args)
     if args.root_key:
         keys = Keys(root=[read_key_file(p) for p in args.root_key], online=keys.online, root_threshold=args.threshold)
-    from pipeline.io import atomic_write_bytes
+    from pipeline.core.io import atomic_write_bytes
     from pipeline.rollout.trust import root_bytes
 
     made = initialise(store, keys, reg.rollout.expiry)
@@ -165,7 +165,7 @@ def release_publish(args: argparse.Namespace) -> int:
 
 
 def release_root(args: argparse.Namespace) -> int:
-    from pipeline.io import atomic_write_bytes
+    from pipeline.core.io import atomic_write_bytes
     from pipeline.rollout.trust import root_bytes
 
     _, store, keys = _context(args)
@@ -303,7 +303,7 @@ def rollout_move(args: argparse.Namespace) -> int:
 def run_agent(args: argparse.Namespace) -> int:
     import time
 
-    from pipeline.errors import ConfigError
+    from pipeline.core.errors import ConfigError
     from pipeline.rollout.agent import Agent, Device, load_device
     from pipeline.rollout.store import open_store, store_url
 

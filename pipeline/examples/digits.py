@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import ConfigError, EnvironmentProblem
-from pipeline.io import atomic_savez, atomic_write_bytes, atomic_write_json, sha256_bytes
+from pipeline.core.errors import ConfigError, EnvironmentProblem
+from pipeline.core.io import atomic_savez, atomic_write_bytes, atomic_write_json, sha256_bytes
 
 EXAMPLES: tuple[str, ...] = ("digits_cnn", "digits_transformer")
 INPUT_NAME = "image"

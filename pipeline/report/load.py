@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import InputError
-from pipeline.io import read_json
-from pipeline.paths import Layout
+from pipeline.core.errors import InputError
+from pipeline.core.io import read_json
+from pipeline.core.paths import Layout
 
 ROOFLINE = "roofline.json"
 

@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import Registry
-from pipeline.errors import InputError, SkuforgeError
-from pipeline.io import atomic_dir, atomic_write_bytes
-from pipeline.paths import Layout, inside
+from pipeline.core.errors import InputError, SkuforgeError
+from pipeline.core.io import atomic_dir, atomic_write_bytes
+from pipeline.core.paths import Layout, inside
+from pipeline.project.config import Registry
 from pipeline.report import plots
 from pipeline.report.load import ROOFLINE, PairData, load_pair, read_optional
 
@@ -120,7 +120,7 @@ def _outcomes(
 ) -> dict[tuple[str, str], tuple[str, str]]:
     """(model, SKU) -> (outcome, detail), from the manifests and the failures stage commands
     recorded (what `skuforge summary` shows), else from validate.json (said in ``notes``)."""
-    from pipeline.repro import matrix
+    from pipeline.ops.repro import matrix
 
     try:
         # what is on disk, not what this host could build (statuses=[]: no probing)
@@ -288,7 +288,7 @@ def _correctness_view(validate: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def _roofline_layers(roofline: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     """Layer name -> its measured time, achieved GFLOP/s and intensity, from roofline.json
-    (pipeline.roofline.RooflineReport: the layer's name is the engine layer's where it was timed)."""
+    (pipeline.perf.roofline.RooflineReport: the layer's name is the engine layer's where it was timed)."""
     out = {}
     for layer in _list(_d(roofline).get("layers")):
         if isinstance(layer, dict) and isinstance(layer.get("name"), str):
@@ -324,7 +324,7 @@ def _layers_view(build: dict[str, Any] | None, roofline: dict[str, Any] | None) 
 def _roofline_view(
     roofline: dict[str, Any] | None, images: Images, notes: list[str], what: str
 ) -> dict[str, Any] | None:
-    """The RooflineReport's figures, its heaviest layers and the chart (pipeline/roofline.py)."""
+    """The RooflineReport's figures, its heaviest layers and the chart (pipeline/perf/roofline.py)."""
     if roofline is None:
         return None
     peak_gflops, peak_gbs = _num(roofline.get("peak_gflops")), _num(roofline.get("peak_gbs"))

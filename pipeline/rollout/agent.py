@@ -33,14 +33,14 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from pipeline.config import SkuSpec, Strict
-from pipeline.errors import ServiceError, SkuforgeError
-from pipeline.io import atomic_write_json, read_json, sha256_bytes
-from pipeline.results import Result
+from pipeline.core.errors import ServiceError, SkuforgeError
+from pipeline.core.io import atomic_write_json, read_json, sha256_bytes
+from pipeline.core.versions import same_version, satisfies
+from pipeline.project.config import SkuSpec, Strict
+from pipeline.results.reports import Result
 from pipeline.rollout import controller, trust
 from pipeline.rollout import release as rel
 from pipeline.rollout.store import Store
-from pipeline.versions import same_version, satisfies
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class Device:
 
     @classmethod
     def from_config(cls, cfg: DeviceConfig) -> Device:
-        from pipeline.runner.probe import cpu_features, host_arch
+        from pipeline.host.probe import cpu_features, host_arch
 
         return cls(
             id=cfg.id,
@@ -126,7 +126,7 @@ class AgentResult(Result):
 
 def compatibility(requires: dict[str, Any], device: Device) -> list[str]:
     """Why ``device`` cannot run an engine with these requirements (empty: it can). Versions are
-    compared as pipeline.versions reads them: the OpenVINO build an engine records
+    compared as pipeline.core.versions reads them: the OpenVINO build an engine records
     ('2026.4.1-22982-e213a14...-releases/2026/4') is the '2026.4.1' its package reports."""
     bad = []
     if requires.get("arch") and requires["arch"] != device.arch:
@@ -168,7 +168,7 @@ def _load(entry: dict[str, Any], engine_dir: Path):
 
 def _timed(runner, golden: dict[str, Any], entry: dict[str, Any], repeats: int = 3) -> tuple[dict[str, Any], float]:
     """Outputs on the golden inputs and the median time of one inference call (ms)."""
-    from pipeline.data import iter_batches, run_dataset
+    from pipeline.project.data import iter_batches, run_dataset
 
     run = entry["run"]
     outputs = run_dataset(runner.infer, golden, run["inputs"], run["outputs"], run["batch"])
@@ -254,7 +254,7 @@ class Agent:
 
     def _stage(self, model: str, slot: str, rid: str, sku: str, entry: dict[str, Any], kind: str) -> Path:
         """Download and verify every file of the engine into ``slot`` (replaced whole, or not at all)."""
-        from pipeline.io import atomic_dir
+        from pipeline.core.io import atomic_dir
 
         files = entry["files"]
         wanted = {"golden.npz": files["golden"], "expected.npz": files["expected"], "manifest.json": files["manifest"]}
@@ -514,8 +514,8 @@ class Agent:
 def load_device(path: str | os.PathLike) -> DeviceConfig:
     import yaml
 
-    from pipeline.config import validation_problems
-    from pipeline.errors import InputError
+    from pipeline.core.errors import InputError
+    from pipeline.project.config import validation_problems
 
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))

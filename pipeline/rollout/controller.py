@@ -23,9 +23,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from pipeline.config import HealthGates, Registry, Wave
-from pipeline.errors import ConfigError, InputError
-from pipeline.results import Result
+from pipeline.core.errors import ConfigError, InputError
+from pipeline.project.config import HealthGates, Registry, Wave
+from pipeline.results.reports import Result
 from pipeline.rollout import trust
 from pipeline.rollout.plan import included
 from pipeline.rollout.release import RELEASE_DOC, release_path, releases_of

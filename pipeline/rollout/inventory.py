@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any, get_args
 
 import yaml
 
-from pipeline.config import Target, _did_you_mean
-from pipeline.errors import InputError
-from pipeline.io import atomic_write_bytes
+from pipeline.core.errors import InputError
+from pipeline.core.io import atomic_write_bytes
+from pipeline.project.config import Target, _did_you_mean
 
 if TYPE_CHECKING:
-    from pipeline.config import Registry
+    from pipeline.project.config import Registry
 
 ARCHES: tuple[str, ...] = get_args(Target.model_fields["arch"].annotation)
 ARCH_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64", "armv8": "aarch64"}

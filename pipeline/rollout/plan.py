@@ -15,9 +15,9 @@ from collections.abc import Collection, Iterable, Sequence
 
 from pydantic import Field
 
-from pipeline.config import Wave
-from pipeline.errors import ConfigError
-from pipeline.results import Result
+from pipeline.core.errors import ConfigError
+from pipeline.project.config import Wave
+from pipeline.results.reports import Result
 from pipeline.rollout.inventory import Device, Inventory
 
 MAX_EXAMPLES = 20

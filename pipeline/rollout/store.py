@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.errors import ConfigError, ServiceError, StorageError
-from pipeline.redact import redact
+from pipeline.core.errors import ConfigError, ServiceError, StorageError
+from pipeline.core.redact import redact
 
 log = logging.getLogger(__name__)
 

@@ -30,14 +30,14 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.errors import ConfigError, GateFailed, InputError, ServiceError
+from pipeline.core.errors import ConfigError, GateFailed, InputError, ServiceError
 from pipeline.rollout.store import PreconditionFailed, Store
 
 if TYPE_CHECKING:
     from tuf.api.metadata import Metadata, Targets
 
-    from pipeline.config import Expiry
-    from pipeline.signing import SigningKey
+    from pipeline.project.config import Expiry
+    from pipeline.results.signing import SigningKey
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def blob_key(sha256: str) -> str:
 @dataclass
 class Keys:
     """Signing keys per role. The default: one publishing key (``SKUFORGE_SIGNING_KEY`` or the
-    developer key, pipeline/signing.py) signs every role with threshold 1; ``root`` may instead be a
+    developer key, pipeline/results/signing.py) signs every role with threshold 1; ``root`` may instead be a
     set of offline keys with a threshold."""
 
     root: list[SigningKey]

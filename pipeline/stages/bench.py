@@ -13,19 +13,27 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pipeline.backends import get_backend
-from pipeline.benchstats import drift, latency_stats, settled
-from pipeline.config import BenchSpec, Registry
-from pipeline.data import LABELS, iter_batches, postprocess, preprocess
-from pipeline.errors import ConfigError
-from pipeline.io import atomic_write_bytes, atomic_write_json, sha256_bytes
-from pipeline.results import BenchReport, BuildReport, Execution, HostInfo, PrepareReport, SteadyState, SweepPoint
+from pipeline.core.errors import ConfigError
+from pipeline.core.io import atomic_write_bytes, atomic_write_json, sha256_bytes
+from pipeline.project.config import BenchSpec, Registry
+from pipeline.project.data import LABELS, iter_batches, postprocess, preprocess
+from pipeline.results.benchstats import drift, latency_stats, settled
+from pipeline.results.reports import (
+    BenchReport,
+    BuildReport,
+    Execution,
+    HostInfo,
+    PrepareReport,
+    SteadyState,
+    SweepPoint,
+)
 
 if TYPE_CHECKING:
-    from pipeline.roofline import RooflineReport
-from pipeline.runner.probe import device_state, host, rss_mb, usable_cores
-from pipeline.stages import Progress
-from pipeline.stages.build import require_host
-from pipeline.stages.common import batch_indices, check_engine, layout, load_arrays, log, read_report
+    from pipeline.perf.roofline import RooflineReport
+from pipeline.core.progress import Progress
+from pipeline.engine.build import require_host
+from pipeline.host.probe import device_state, host, rss_mb, usable_cores
+from pipeline.project.artifacts import batch_indices, check_engine, layout, load_arrays, log, read_report
 
 
 def time_calls(
@@ -255,8 +263,8 @@ def engine_roofline(
     """The engine against this host's peaks (measured once per host and cached: ``skuforge runner
     probe --peaks``), with per-layer times where the backend profiles them. None, with a warning,
     where the graph's costs cannot be counted; the benchmark itself never fails on it."""
-    from pipeline.roofline import graph_cost, roofline
-    from pipeline.runner.peaks import host_peaks
+    from pipeline.host.peaks import host_peaks
+    from pipeline.perf.roofline import graph_cost, roofline
 
     out = layout(registry)
     try:

@@ -5,25 +5,19 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from pipeline.config import Registry
-from pipeline.data import LABELS, check_finite, iter_batches
-from pipeline.io import atomic_write_json, sha256_file
-from pipeline.results import CalibrationReport, DataReport, PrepareReport
-from pipeline.stages import Progress
-from pipeline.stages.common import batch_indices, layout, load_arrays, log, read_report
-
-TABLE = "table.json"
-
-
-def calibration_table(registry: Registry, model: str) -> Path:
-    return layout(registry).calibration_dir(model) / TABLE
+from pipeline.core.io import atomic_write_json, sha256_file
+from pipeline.core.progress import Progress
+from pipeline.project.artifacts import batch_indices, calibration_table, layout, load_arrays, log, read_report
+from pipeline.project.config import Registry
+from pipeline.project.data import LABELS, check_finite, iter_batches
+from pipeline.results.reports import CalibrationReport, DataReport, PrepareReport
 
 
 def calibrate(registry: Registry, model: str, progress: Progress | None = None) -> CalibrationReport:
     import onnx
 
-    from pipeline.backends.onnxruntime import calibrate as ort_calibrate
-    from pipeline.graph import pin_axes
+    from pipeline.backends.reference import calibrate as ort_calibrate
+    from pipeline.model.graph import pin_axes
 
     spec = registry.model(model)
     out = layout(registry)

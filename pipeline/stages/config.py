@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.config import Registry
-from pipeline.io import atomic_write_bytes, to_json
-from pipeline.stages import Progress
-from pipeline.stages.common import layout
+from pipeline.core.io import atomic_write_bytes, to_json
+from pipeline.core.progress import Progress
+from pipeline.project.artifacts import layout
+from pipeline.project.config import Registry
 
 
 def resolved(registry: Registry) -> dict[str, dict[str, Any]]:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from pipeline.config import Registry
-from pipeline.data import LABELS, check_dataset, check_finite, check_range, generate, load_file, preprocess
-from pipeline.errors import InputError
-from pipeline.io import atomic_savez, atomic_write_json, sha256_arrays
-from pipeline.paths import SPLITS
-from pipeline.results import DataReport, DatasetRecord
-from pipeline.stages import Progress
-from pipeline.stages.common import layout, log
+from pipeline.core.errors import InputError
+from pipeline.core.io import atomic_savez, atomic_write_json, sha256_arrays
+from pipeline.core.paths import SPLITS
+from pipeline.core.progress import Progress
+from pipeline.project.artifacts import layout, log
+from pipeline.project.config import Registry
+from pipeline.project.data import LABELS, check_dataset, check_finite, check_range, generate, load_file, preprocess
+from pipeline.results.reports import DataReport, DatasetRecord
 
 
 def make_data(registry: Registry, model: str, progress: Progress | None = None) -> DataReport:

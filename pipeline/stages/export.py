@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.config import Registry
-from pipeline.errors import ConfigError
-from pipeline.io import atomic_dir
-from pipeline.stages import Progress
-from pipeline.stages.common import log
+from pipeline.core.errors import ConfigError
+from pipeline.core.io import atomic_dir
+from pipeline.core.progress import Progress
+from pipeline.project.artifacts import log
+from pipeline.project.config import Registry
 
 
 def export(registry: Registry, example: str, progress: Progress | None = None) -> dict[str, Any]:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from pipeline.benchstats import latency_stats
-from pipeline.config import Registry
-from pipeline.dvcmetrics import write_metrics
-from pipeline.errors import InputError
-from pipeline.io import atomic_write_json, read_json, sha256_file
-from pipeline.manifest import benchmark_summary, digest, evidence_digest, provenance, settle, validate_document
-from pipeline.registry.stats import read_latency_csv
-from pipeline.results import (
+from pipeline.core.errors import InputError
+from pipeline.core.io import atomic_write_json, read_json, sha256_file
+from pipeline.core.progress import Progress
+from pipeline.project.artifacts import layout, log, read_report
+from pipeline.project.config import Registry
+from pipeline.results.benchstats import latency_stats
+from pipeline.results.dvcmetrics import write_metrics
+from pipeline.results.latency import read_latency_csv
+from pipeline.results.manifest import benchmark_summary, digest, evidence_digest, provenance, settle, validate_document
+from pipeline.results.reports import (
     BenchReport,
     BuildInfo,
     BuildReport,
@@ -28,8 +30,6 @@ from pipeline.results import (
     TargetInfo,
     ValidationReport,
 )
-from pipeline.stages import Progress
-from pipeline.stages.common import layout, log, read_report
 
 
 def _bound(build: BuildReport, reports: dict[str, EngineBound], model: str, sku: str) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.config import DatasetSource, GenerateSpec, ModelSpec, Registry
-from pipeline.errors import GateFailed, InputError
-from pipeline.graph import (
+from pipeline.core.errors import GateFailed, InputError
+from pipeline.core.io import atomic_write_bytes, atomic_write_json, sha256_bytes
+from pipeline.core.progress import Progress
+from pipeline.model.graph import (
     infer_shapes,
     load_model,
     mark_batch_axes,
@@ -17,10 +18,9 @@ from pipeline.graph import (
     signature,
     source_sha256,
 )
-from pipeline.io import atomic_write_bytes, atomic_write_json, sha256_bytes
-from pipeline.results import PrepareReport
-from pipeline.stages import Progress
-from pipeline.stages.common import layout, log
+from pipeline.project.artifacts import layout, log
+from pipeline.project.config import DatasetSource, GenerateSpec, ModelSpec, Registry
+from pipeline.results.reports import PrepareReport
 
 if TYPE_CHECKING:
     import onnx
@@ -58,8 +58,8 @@ def probe_batch_axes(
     batch 1 works, which needs no batch axis)."""
     import numpy as np
 
-    from pipeline.backends.onnxruntime import reference_runner
-    from pipeline.data import generate, iter_batches
+    from pipeline.backends.reference import reference_runner
+    from pipeline.project.data import generate, iter_batches
 
     feeds = generate(spec, pins, DatasetSource(generate=GenerateSpec(count=1, seed=4321)))
     bidx = {i.name: (i.shape.index(spec.batch_axis) if spec.batch_axis in i.shape else None) for i in spec.inputs}
@@ -99,8 +99,8 @@ def prepare(registry: Registry, model: str, progress: Progress | None = None) ->
 
     import numpy as np
 
-    from pipeline.backends.onnxruntime import reference_runner
-    from pipeline.data import generate, iter_batches
+    from pipeline.backends.reference import reference_runner
+    from pipeline.project.data import generate, iter_batches
 
     spec = registry.model(model)
     path = registry.model_file(model)

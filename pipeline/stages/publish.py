@@ -1,4 +1,4 @@
-"""publish: record one (model, SKU) in MLflow and register its engine (pipeline/registry/publish.py).
+"""publish: record one (model, SKU) in MLflow and register its engine (pipeline/tracking/publish.py).
 
 The stage reads what the earlier stages wrote (manifest, reports, engine, latency samples), checks
 that they belong together, and writes ``publish.json``: the store, run and registered version.
@@ -9,19 +9,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pipeline.config import Registry
-from pipeline.errors import InputError
-from pipeline.io import atomic_write_json, sha256_file
-from pipeline.manifest import evidence_digest, host_problems, load_manifest, settle
-from pipeline.registry.publish import PublishInputs, publish_engine
-from pipeline.registry.reports import PublishResult
-from pipeline.registry.tracking import Tracking, connect
+from pipeline.core.errors import InputError
+from pipeline.core.io import atomic_write_json, sha256_file
+from pipeline.core.progress import Progress
+from pipeline.project.artifacts import layout, log, read_report
+from pipeline.project.config import Registry
 from pipeline.report import write_pair_report
-from pipeline.results import BenchReport, BuildReport
-from pipeline.stages import Progress
-from pipeline.stages.common import layout, log, read_report
+from pipeline.results.manifest import evidence_digest, host_problems, load_manifest, settle
+from pipeline.results.reports import BenchReport, BuildReport
 from pipeline.stages.config import resolved
 from pipeline.stages.manifest import assemble
+from pipeline.tracking.client import Tracking, connect
+from pipeline.tracking.publish import PublishInputs, publish_engine
+from pipeline.tracking.reports import PublishResult
 
 
 def collect(registry: Registry, model: str, sku: str) -> PublishInputs:

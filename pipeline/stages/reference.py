@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-from pipeline.compare import metric_score
-from pipeline.config import Registry
-from pipeline.data import LABELS, run_dataset
-from pipeline.errors import InputError
-from pipeline.io import atomic_savez, atomic_write_json, sha256_arrays
-from pipeline.paths import REFERENCE_SPLITS
-from pipeline.results import DataReport, PrepareReport, ReferenceReport
-from pipeline.stages import Progress
-from pipeline.stages.common import layout, load_arrays, log, read_report, run_plan
+from pipeline.core.errors import InputError
+from pipeline.core.io import atomic_savez, atomic_write_json, sha256_arrays
+from pipeline.core.paths import REFERENCE_SPLITS
+from pipeline.core.progress import Progress
+from pipeline.project.artifacts import layout, load_arrays, log, read_report, run_plan
+from pipeline.project.config import Registry
+from pipeline.project.data import LABELS, run_dataset
+from pipeline.results.reports import DataReport, PrepareReport, ReferenceReport
 from pipeline.stages.prepare import load_source
+from pipeline.verify.compare import metric_score
 
 
 def reference(registry: Registry, model: str, progress: Progress | None = None) -> ReferenceReport:
     import numpy as np
 
-    from pipeline.backends.onnxruntime import reference_runner, runtime_version
+    from pipeline.backends.reference import reference_runner, runtime_version
 
     spec = registry.model(model)
     out = layout(registry)

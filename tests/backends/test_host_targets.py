@@ -7,7 +7,7 @@ engine-compatibility checks that use the same probe, for faked hosts:
 (c) a full AMX host,
 (d) an aarch64 host (the resolution function only).
 
-A host is faked with ``SKUFORGE_FAKE_CPU_FLAGS`` / ``SKUFORGE_FAKE_CPU_MODEL`` (pipeline.runner.probe).
+A host is faked with ``SKUFORGE_FAKE_CPU_FLAGS`` / ``SKUFORGE_FAKE_CPU_MODEL`` (pipeline.host.probe).
 Engines are built and run only for a faked host whose flags this CPU really has; for the others
 the compile flags and the verdicts are checked without running."""
 
@@ -25,11 +25,11 @@ import pytest
 from pipeline.backends import get_backend
 from pipeline.backends.base import ENGINE_META
 from pipeline.backends.onnxruntime import nchwc_block, nchwc_problem
-from pipeline.config import load_registry
-from pipeline.errors import EnvironmentProblem
-from pipeline.paths import Layout
-from pipeline.runner import probe
-from pipeline.runner.probe import ENV_FAKE_CPU_FLAGS, ENV_FAKE_CPU_MODEL
+from pipeline.core.errors import EnvironmentProblem
+from pipeline.core.paths import Layout
+from pipeline.host import probe
+from pipeline.host.probe import ENV_FAKE_CPU_FLAGS, ENV_FAKE_CPU_MODEL
+from pipeline.project.config import load_registry
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["fpu", "vme", "de", "pse", "tsc", "msr", "pae", "mce", "cx8", "apic", "sep", "mtrr", "pge", "mca", "cmov", "pat", "pse36", "clflush", "mmx", "fxsr", "sse", "sse2", "ht", "syscall", "nx", "pdpe1gb", "rdtscp", "lm", "constant_tsc", "rep_good", "nopl", "xtopology", "cpuid", "pni", "pclmulqdq", "ssse3", "cx16", "sse4_1", "sse4_2", "x2apic", "popcnt", "aes", "hypervisor", "lahf_lm"]

@@ -28,10 +28,10 @@ from pipeline.backends.iree import (
     dispatch_precision,  # noqa: E402
     missing_cpu_features,
 )
-from pipeline.config import SkuSpec, load_registry  # noqa: E402
-from pipeline.errors import ConfigError, EnvironmentProblem, InputError, UnsupportedOp  # noqa: E402
-from pipeline.paths import Layout  # noqa: E402
-from pipeline.runner.probe import ENV_FAKE_CPU_FLAGS, cpu_features, host_arch, llvm_cpu_target  # noqa: E402
+from pipeline.core.errors import ConfigError, EnvironmentProblem, InputError, UnsupportedOp  # noqa: E402
+from pipeline.core.paths import Layout  # noqa: E402
+from pipeline.host.probe import ENV_FAKE_CPU_FLAGS, cpu_features, host_arch, llvm_cpu_target  # noqa: E402
+from pipeline.project.config import SkuSpec, load_registry  # noqa: E402
 from pipeline.stages.bench import bench  # noqa: E402
 from pipeline.stages.build import build  # noqa: E402
 from pipeline.stages.data import make_data  # noqa: E402
@@ -378,7 +378,7 @@ def test_a_truncated_vmfb_is_refused(proj, engine_copy):
     with pytest.raises(InputError, match="missing, truncated or altered"):
         get_backend("iree").load(engine_copy, sku)
     # even with engine.json rewritten to match, the runtime's refusal becomes an InputError
-    from pipeline.io import sha256_file
+    from pipeline.core.io import sha256_file
 
     rewrite_meta(
         engine_copy, files=[{"path": "module.vmfb", "sha256": sha256_file(vmfb), "bytes": vmfb.stat().st_size}]

@@ -8,10 +8,10 @@ import models
 import onnxruntime as ort
 import pytest
 
-from pipeline.config import load_registry
-from pipeline.errors import ConfigError, EnvironmentProblem, GateFailed
-from pipeline.io import read_json
-from pipeline.paths import Layout
+from pipeline.core.errors import ConfigError, EnvironmentProblem, GateFailed
+from pipeline.core.io import read_json
+from pipeline.core.paths import Layout
+from pipeline.project.config import load_registry
 from pipeline.stages.build import build
 from pipeline.stages.data import make_data
 from pipeline.stages.prepare import prepare
@@ -84,7 +84,7 @@ def test_an_op_without_a_kernel_names_the_op_the_node_and_the_backend(tmp_path):
     import onnx
     from onnx import TensorProto, helper
 
-    from pipeline.errors import UnsupportedOp
+    from pipeline.core.errors import UnsupportedOp
 
     # Relu is valid ONNX for int16, but ONNX Runtime's CPU provider has no int16 Relu kernel.
     graph = helper.make_graph(

@@ -20,11 +20,11 @@ import models  # noqa: E402
 from pipeline.backends import get_backend  # noqa: E402
 from pipeline.backends.base import ENGINE_META, verify_engine  # noqa: E402
 from pipeline.backends.openvino import OpenVinoBackend  # noqa: E402
-from pipeline.config import load_registry  # noqa: E402
-from pipeline.errors import ConfigError, EnvironmentProblem, GateFailed, InputError, UnsupportedOp  # noqa: E402
-from pipeline.io import read_json, sha256_file  # noqa: E402
-from pipeline.manifest import validate_document  # noqa: E402
-from pipeline.paths import Layout  # noqa: E402
+from pipeline.core.errors import ConfigError, EnvironmentProblem, GateFailed, InputError, UnsupportedOp  # noqa: E402
+from pipeline.core.io import read_json, sha256_file  # noqa: E402
+from pipeline.core.paths import Layout  # noqa: E402
+from pipeline.project.config import load_registry  # noqa: E402
+from pipeline.results.manifest import validate_document  # noqa: E402
 from pipeline.stages.bench import bench  # noqa: E402
 from pipeline.stages.build import build  # noqa: E402
 from pipeline.stages.calibrate import calibrate  # noqa: E402
@@ -421,7 +421,7 @@ def test_missing_openvino_says_how_to_install_it(proj, monkeypatch):
 
 
 def _sku(**options):
-    from pipeline.config import SkuSpec
+    from pipeline.project.config import SkuSpec
 
     return SkuSpec.model_validate(ov_sku("fp32", options=options))
 

@@ -46,18 +46,20 @@ from pipeline.backends.tensorrt import (
     requested_devices,
     version_compatible_runtime,
 )
-from pipeline.config import Profile, load_registry, parse_registry
-from pipeline.errors import ConfigError, EnvironmentProblem, InputError, UnsupportedOp
-from pipeline.paths import Layout
-from pipeline.results import TensorSig
-from pipeline.runner.probe import host_arch
+from pipeline.core.errors import ConfigError, EnvironmentProblem, InputError, UnsupportedOp
+from pipeline.core.paths import Layout
+from pipeline.host.probe import host_arch
+from pipeline.project.artifacts import calibration_table
+from pipeline.project.config import Profile, load_registry, parse_registry
+from pipeline.results.reports import TensorSig
 from pipeline.stages.bench import bench
 from pipeline.stages.build import build
-from pipeline.stages.calibrate import calibrate, calibration_table
+from pipeline.stages.calibrate import calibrate
 from pipeline.stages.data import make_data
 from pipeline.stages.prepare import prepare
 from pipeline.stages.reference import reference
-from pipeline.stages.validate import placement_gate, precision_gate, validate
+from pipeline.stages.validate import validate
+from pipeline.verify.check import placement_gate, precision_gate
 
 MODULE = Path(trt_backend.__file__)
 

@@ -21,12 +21,13 @@ from cli_helpers import assert_user_error, skuforge  # noqa: E402
 
 from pipeline.backends import get_backend  # noqa: E402
 from pipeline.backends.base import ENGINE_META  # noqa: E402
+from pipeline.backends.caches import INDEX, files_digest  # noqa: E402
 from pipeline.backends.tvm import DEFAULTS, RECORDS, WORKLOADS, TvmBackend, op_type_of, target_of  # noqa: E402
-from pipeline.caches import INDEX, files_digest, status  # noqa: E402
-from pipeline.config import load_registry  # noqa: E402
-from pipeline.errors import ConfigError, GateFailed, UnsupportedOp  # noqa: E402
-from pipeline.paths import Layout  # noqa: E402
-from pipeline.runner.probe import cpu_features, host_arch  # noqa: E402
+from pipeline.core.errors import ConfigError, GateFailed, UnsupportedOp  # noqa: E402
+from pipeline.core.paths import Layout  # noqa: E402
+from pipeline.host.probe import cpu_features, host_arch  # noqa: E402
+from pipeline.ops.caches import status  # noqa: E402
+from pipeline.project.config import load_registry  # noqa: E402
 from pipeline.stages.bench import bench  # noqa: E402
 from pipeline.stages.build import build  # noqa: E402
 from pipeline.stages.data import make_data  # noqa: E402
@@ -197,7 +198,7 @@ def test_a_corrupted_database_is_named_never_read_and_fails_a_required_build(pro
     # garbage whose sha256 the index agrees with: only reading the records can tell
     (folder / RECORDS).write_text("{not json\n")
     index = json.loads((folder / INDEX).read_text())
-    from pipeline.io import sha256_file
+    from pipeline.core.io import sha256_file
 
     for rec in index["files"]:
         if rec["path"] == RECORDS:
@@ -280,7 +281,7 @@ def test_target_resolution_and_cache_key():
 
 
 def load_sku(data: dict):
-    from pipeline.config import SkuSpec
+    from pipeline.project.config import SkuSpec
 
     return SkuSpec.model_validate(data)
 

@@ -20,8 +20,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from pipeline.ci.render import matrix, runs_on  # noqa: E402
-from pipeline.config import load_registry  # noqa: E402
-from pipeline.manifest import validate_document  # noqa: E402
+from pipeline.project.config import load_registry  # noqa: E402
+from pipeline.results.manifest import validate_document  # noqa: E402
 from tests.models import conv_bn_model, conv_bn_spec, ort_sku, write_project  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -345,7 +345,7 @@ def test_assemble_takes_each_skus_stages_from_its_own_job(tmp_path):
         path.write_text(yaml.safe_dump({"schema": "2.0", "stages": stages}))
 
     from pipeline.ci.assemble import assemble
-    from pipeline.errors import InputError
+    from pipeline.core.errors import InputError
 
     with pytest.raises(InputError, match="no <sku>/dvc.lock"):
         assemble(reg, tmp_path / "locks")

@@ -17,7 +17,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from pipeline.ci.render import HOSTED, render, workflows  # noqa: E402
-from pipeline.config import load_registry  # noqa: E402
+from pipeline.project.config import load_registry  # noqa: E402
 
 PASTED = re.compile(r"\$\{\{(.*?)\}\}", re.S)  # what GitHub evaluates, `format('{0}', inputs.x)` included
 HOSTILE = '$(touch pwned); "x" `touch pwned`'  # a reason is text, never a script

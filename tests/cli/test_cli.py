@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from cli_helpers import assert_user_error, project, skuforge
 
-from pipeline.config import load_registry
-from pipeline.runner.probe import host_arch
+from pipeline.host.probe import host_arch
+from pipeline.project.config import load_registry
 from pipeline.stages.build import build
 from pipeline.stages.calibrate import calibrate
 from pipeline.stages.data import make_data

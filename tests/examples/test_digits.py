@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.errors import ConfigError, InputError
+from pipeline.core.errors import ConfigError, InputError
+from pipeline.core.io import read_json, sha256_file
 from pipeline.examples import digits
-from pipeline.io import read_json, sha256_file
 
 REPO = Path(__file__).resolve().parents[2]
 DATASETS = ("evaluation.npz", "hard_tail.npz", "calibration.npz", "golden.npz")
@@ -128,7 +128,7 @@ import json, sys, tempfile
 from pathlib import Path
 import torch
 from pipeline.examples import digits
-from pipeline.io import sha256_file
+from pipeline.core.io import sha256_file
 hashes = {{"capability": torch.backends.cpu.get_cpu_capability()}}
 for name in digits.EXAMPLES:
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,7 +2,7 @@
 of the matrix was never built: nothing fails to load, and a diff against the previous commit reads
 both revisions from git (no DVC cache: build/ is never created here).
 
-Two commits of the pairs' files written by pipeline.dvcmetrics (as the manifest stage does): the
+Two commits of the pairs' files written by pipeline.results.dvcmetrics (as the manifest stage does): the
 second makes one engine slower. The DVC commands run once per module (module-scoped fixture).
 """
 

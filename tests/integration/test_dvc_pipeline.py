@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # `tests.models` without relying on how pytest was started
     sys.path.insert(0, str(REPO))
 
-from pipeline.manifest import validate_document  # noqa: E402
+from pipeline.results.manifest import validate_document  # noqa: E402
 from tests.models import conv_bn_model, conv_bn_spec, multi_io_model, multi_io_spec, ort_sku, write_project  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -85,8 +85,8 @@ def must(result: Run) -> Run:
 
 def store_state(root: Path) -> dict[str, dict[str, Any]]:
     """Per pair, what the project's embedded MLflow store holds: runs, versions, metrics, artifacts."""
-    from pipeline.config import load_registry
-    from pipeline.registry.tracking import connect, embedded_uri
+    from pipeline.project.config import load_registry
+    from pipeline.tracking.client import connect, embedded_uri
 
     client = connect(load_registry(root / "params.yaml"), uri=embedded_uri(root)).client
     state = {}

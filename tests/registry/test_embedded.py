@@ -13,14 +13,14 @@ import pytest
 from cli_helpers import assert_user_error, service_env
 from registry_helpers import make_project, sku
 
-from pipeline.errors import InputError
-from pipeline.io import read_json
-from pipeline.manifest import load_manifest
-from pipeline.paths import Layout
-from pipeline.registry.promotion import promote, rollback
-from pipeline.registry.publish import ci_tags, flatten, manifest_metrics
-from pipeline.registry.tracking import EMBEDDED_ARTIFACTS, EMBEDDED_DB, TAG_DIGEST, connect
+from pipeline.core.errors import InputError
+from pipeline.core.io import read_json
+from pipeline.core.paths import Layout
+from pipeline.results.manifest import load_manifest
 from pipeline.stages.publish import publish
+from pipeline.tracking.client import EMBEDDED_ARTIFACTS, EMBEDDED_DB, TAG_DIGEST, connect
+from pipeline.tracking.promotion import promote, rollback
+from pipeline.tracking.publish import ci_tags, flatten, manifest_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 SKUFORGE = Path(sys.executable).with_name("skuforge")

@@ -8,10 +8,8 @@ import models
 import numpy as np
 import pytest
 
-from pipeline.compare import output_error
-from pipeline.config import parse_registry
-from pipeline.registry.gates import correctness_gate, correctness_problems, sku_mismatches
-from pipeline.results import (
+from pipeline.project.config import parse_registry
+from pipeline.results.reports import (
     Correctness,
     Evidence,
     HostInfo,
@@ -24,6 +22,8 @@ from pipeline.results import (
     TensorSig,
     engine_digest,
 )
+from pipeline.tracking.gates import correctness_gate, correctness_problems, sku_mismatches
+from pipeline.verify.compare import output_error
 
 RNG = np.random.default_rng(0)
 LOGITS = RNG.normal(scale=3.0, size=(600, 4))
@@ -192,7 +192,7 @@ def ov_manifest(toolchain: dict[str, str]) -> tuple[Manifest, object]:
 
 def test_an_openvino_build_version_satisfies_the_skus_pin():
     """OpenVINO records get_version()'s '2026.4.1-22982-<commit>-releases/2026/4': read as 2026.4.1
-    (pipeline.versions), it meets '>=2026.0,<2027' (a strict PEP 440 parse refused every OpenVINO engine)."""
+    (pipeline.core.versions), it meets '>=2026.0,<2027' (a strict PEP 440 parse refused every OpenVINO engine)."""
     m, reg = ov_manifest({"openvino": "2026.4.1-22982-e213a147257-releases/2026/4", "onnx": "1.20.0"})
     assert sku_mismatches(m, reg) == []
     older, _ = ov_manifest({"openvino": "2025.3.0-19807-44526285f24-releases/2025/3"})

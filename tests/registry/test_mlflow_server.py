@@ -18,16 +18,16 @@ import numpy as np
 import pytest
 from registry_helpers import FAST_RETRIES, fake_bench, make_project, sku
 
-from pipeline.config import load_registry
-from pipeline.errors import ConfigError, ServiceError, SkuforgeError
-from pipeline.io import read_json, sha256_file
-from pipeline.manifest import load_manifest
-from pipeline.paths import Layout
-from pipeline.registry.promotion import PromotionBlocked, promote, rollback
-from pipeline.registry.publish import expected_artifacts
-from pipeline.registry.releases import list_releases
-from pipeline.registry.tracking import TAG_COMPLETE, TAG_DIGEST, TAG_HISTORY, connect
+from pipeline.core.errors import ConfigError, ServiceError, SkuforgeError
+from pipeline.core.io import read_json, sha256_file
+from pipeline.core.paths import Layout
+from pipeline.project.config import load_registry
+from pipeline.results.manifest import load_manifest
 from pipeline.stages.publish import collect, publish
+from pipeline.tracking.client import TAG_COMPLETE, TAG_DIGEST, TAG_HISTORY, connect
+from pipeline.tracking.promotion import PromotionBlocked, promote, rollback
+from pipeline.tracking.publish import expected_artifacts
+from pipeline.tracking.releases import list_releases
 
 pytestmark = pytest.mark.slow
 

@@ -8,11 +8,9 @@ import models
 import pytest
 from registry_helpers import FAST_RETRIES
 
-from pipeline.config import load_registry
-from pipeline.manifest import benchmark_changes, load_manifest
-from pipeline.paths import Layout
-from pipeline.registry.promotion import PromotionBlocked, promote
-from pipeline.registry.tracking import connect
+from pipeline.core.paths import Layout
+from pipeline.project.config import load_registry
+from pipeline.results.manifest import benchmark_changes, load_manifest
 from pipeline.stages.bench import bench
 from pipeline.stages.build import build
 from pipeline.stages.calibrate import calibrate
@@ -22,6 +20,8 @@ from pipeline.stages.prepare import prepare
 from pipeline.stages.publish import publish
 from pipeline.stages.reference import reference
 from pipeline.stages.validate import validate
+from pipeline.tracking.client import connect
+from pipeline.tracking.promotion import PromotionBlocked, promote
 
 pytestmark = pytest.mark.slow
 

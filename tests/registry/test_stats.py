@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from pipeline.registry.stats import (
+from pipeline.results.latency import (
     bootstrap_median_ratio,
     compare_latency,
     mann_whitney_greater,

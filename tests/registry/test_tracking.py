@@ -10,9 +10,9 @@ import pytest
 from cli_helpers import assert_user_error, project, service_env, skuforge
 from registry_helpers import SilentServer, free_port
 
-from pipeline.config import Release, TrackingSpec, parse_registry
-from pipeline.errors import ConfigError, EnvironmentProblem, ServiceError, StorageError
-from pipeline.registry.tracking import (
+from pipeline.core.errors import ConfigError, EnvironmentProblem, ServiceError, StorageError
+from pipeline.project.config import Release, TrackingSpec, parse_registry
+from pipeline.tracking.client import (
     EMBEDDED_ARTIFACTS,
     EMBEDDED_DB,
     Tracking,

@@ -79,8 +79,8 @@ MODEL = "conv"
 
 @pytest.fixture
 def keys():
+    from pipeline.results.signing import signing_key
     from pipeline.rollout import trust
-    from pipeline.signing import signing_key
 
     return trust.Keys.single(signing_key())
 
@@ -88,9 +88,9 @@ def keys():
 @pytest.fixture(scope="module")
 def published(project, tmp_path_factory):
     """A store holding release r1 of the module's project, copied by each test (publishing is the slow part)."""
+    from pipeline.results.signing import signing_key
     from pipeline.rollout import release, trust
     from pipeline.rollout.store import LocalStore
-    from pipeline.signing import signing_key
 
     store = LocalStore(tmp_path_factory.mktemp("published") / "store")
     keys = trust.Keys.single(signing_key())

@@ -11,12 +11,12 @@ from datetime import datetime, timedelta, timezone
 import pytest
 import yaml
 
-from pipeline.config import load_registry
-from pipeline.errors import ConfigError
-from pipeline.io import sha256_bytes
+from pipeline.core.errors import ConfigError
+from pipeline.core.io import sha256_bytes
+from pipeline.host.probe import host_arch
+from pipeline.project.config import load_registry
 from pipeline.rollout import agent, controller, release, trust
 from pipeline.rollout.store import LocalStore, S3Store
-from pipeline.runner.probe import host_arch
 from pipeline.stages.bench import bench
 from pipeline.stages.build import build
 from pipeline.stages.manifest import write_manifest

@@ -11,8 +11,8 @@ import pytest
 import yaml
 from cli_helpers import assert_user_error, skuforge
 
+from pipeline.host.probe import host_arch
 from pipeline.rollout.inventory import Device, write_inventory
-from pipeline.runner.probe import host_arch
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_ship_to_a_device(shipped, tmp_path):
     doc = json.loads(proc.stdout)
     assert doc["status"] == "active" and doc["release"] == "r1" and doc["planned"][-1] == 200
 
-    from pipeline.config import Wave
+    from pipeline.project.config import Wave
     from pipeline.rollout.plan import included
 
     waves = [Wave(**w) for w in doc["waves"]]

@@ -10,10 +10,10 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from pipeline.errors import ConfigError, InputError
+from pipeline.core.errors import ConfigError, InputError
+from pipeline.host.probe import host_arch
 from pipeline.rollout import agent, controller, inventory, release, trust
 from pipeline.rollout.store import LocalStore
-from pipeline.runner.probe import host_arch
 from rollout.conftest import MODEL, first_in
 
 T0 = datetime(2026, 1, 5, 12, 0, tzinfo=timezone.utc)

@@ -8,8 +8,8 @@ import pickle
 import models
 import pytest
 
-from pipeline.config import parse_registry
-from pipeline.errors import InputError
+from pipeline.core.errors import InputError
+from pipeline.project.config import parse_registry
 from pipeline.rollout.inventory import Device, Inventory, Versions, load_inventory, write_inventory
 
 HEADER = "id,sku,arch,runtime,ring,labels\n"

@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from pipeline.config import RolloutSpec, Wave
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
+from pipeline.project.config import RolloutSpec, Wave
 from pipeline.rollout.inventory import Device, Inventory
 from pipeline.rollout.plan import RolloutPlan, bucket, first_wave, included, plan
 

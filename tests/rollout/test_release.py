@@ -8,12 +8,12 @@ import shutil
 import numpy as np
 import pytest
 
-from pipeline.config import load_registry
-from pipeline.errors import GateFailed, ServiceError, SkuforgeError
-from pipeline.io import sha256_bytes
+from pipeline.core.errors import GateFailed, ServiceError, SkuforgeError
+from pipeline.core.io import sha256_bytes
+from pipeline.host.probe import host_arch
+from pipeline.project.config import load_registry
+from pipeline.results.signing import signing_key
 from pipeline.rollout import agent, release, trust
-from pipeline.runner.probe import host_arch
-from pipeline.signing import signing_key
 
 MODEL = "conv"
 

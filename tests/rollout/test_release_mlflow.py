@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import GateFailed
-from pipeline.registry.promotion import promote
-from pipeline.registry.tracking import connect
+from pipeline.core.errors import GateFailed
+from pipeline.results.signing import signing_key
 from pipeline.rollout import release, trust
-from pipeline.signing import signing_key
 from pipeline.stages.publish import publish
+from pipeline.tracking.client import connect
+from pipeline.tracking.promotion import promote
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 from cli_helpers import assert_user_error, project, service_env, skuforge
 from registry_helpers import SilentServer, free_port
 
-from pipeline.errors import ServiceError
+from pipeline.core.errors import ServiceError
 from pipeline.rollout.store import (
     S3_ATTEMPTS,
     S3_CONNECT_TIMEOUT,

@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from pipeline.config import Expiry
-from pipeline.errors import ConfigError, ServiceError
+from pipeline.core.errors import ConfigError, ServiceError
+from pipeline.project.config import Expiry
+from pipeline.results.signing import SigningKey
 from pipeline.rollout import trust
 from pipeline.rollout.trust import Client, VerificationFailed
-from pipeline.signing import SigningKey
 
 ENGINE = "releases/m/r1/cpu/engine/model.onnx"
 

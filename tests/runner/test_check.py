@@ -5,9 +5,9 @@ from __future__ import annotations
 import models
 import onnxruntime
 
-from pipeline.config import parse_registry
-from pipeline.runner import probe
-from pipeline.runner.check import host_problems, toolchain_problems
+from pipeline.engine.hostcheck import host_problems, toolchain_problems
+from pipeline.host import probe
+from pipeline.project.config import parse_registry
 
 
 def registry(**sku):

@@ -7,9 +7,9 @@ import json
 import pytest
 from test_runner_cli import skuforge
 
-from pipeline.io import atomic_write_json
-from pipeline.runner import peaks
-from pipeline.runner.peaks import BandwidthPeaks, ComputePeaks, Peaks
+from pipeline.core.io import atomic_write_json
+from pipeline.host import peaks
+from pipeline.host.peaks import BandwidthPeaks, ComputePeaks, Peaks
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The one GPU probe (pipeline.runner.probe) that `skuforge runner check` and the TensorRT backend
+"""The one GPU probe (pipeline.host.probe) that `skuforge runner check` and the TensorRT backend
 both read, with a faked ``nvidia-smi`` on PATH; the host's real NVML, CUDA runtime and Jetson
 device tree are switched off so the fake decides on any host, with or without a GPU."""
 
@@ -16,10 +16,10 @@ import models
 import pytest
 
 from pipeline.backends import get_backend
-from pipeline.config import parse_registry
-from pipeline.runner import probe
-from pipeline.runner.check import hardware_problems
-from pipeline.runner.probe import NO_GPU, GpuInfo
+from pipeline.engine.hostcheck import hardware_problems
+from pipeline.host import probe
+from pipeline.host.probe import NO_GPU, GpuInfo
+from pipeline.project.config import parse_registry
 
 ROOT = Path(__file__).resolve().parents[2]
 H100 = "NVIDIA H100 80GB HBM3, 9.0, 550.54.15, 81559"

@@ -13,9 +13,9 @@ import onnxruntime
 import pytest
 import yaml
 
-from pipeline.config import load_registry
-from pipeline.runner import probe
-from pipeline.runner.report import class_labels, classes_problems, load_classes
+from pipeline.host import probe
+from pipeline.ops.hostreport import class_labels, classes_problems, load_classes
+from pipeline.project.config import load_registry
 
 ROOT = Path(__file__).resolve().parents[2]
 SKUFORGE = [sys.executable, "-c", "import sys; from pipeline.cli import main; sys.exit(main(sys.argv[1:]))"]

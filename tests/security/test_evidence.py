@@ -16,20 +16,20 @@ import pytest
 from cli_helpers import assert_user_error, service_env, skuforge
 from registry_helpers import FAST_RETRIES, make_project, sku
 
-from pipeline.config import load_registry
-from pipeline.errors import GateFailed, InputError
-from pipeline.io import atomic_write_json, read_json, sha256_file
-from pipeline.manifest import digest, load_manifest
-from pipeline.paths import Layout
-from pipeline.registry.promotion import PromotionBlocked, promote
-from pipeline.registry.publish import publish_engine
-from pipeline.registry.tracking import TAG_CORRECTNESS, TAG_DIGEST, TAG_SIGNATURE, connect
-from pipeline.results import BenchReport, ValidationReport
-from pipeline.signing import SigningKey
+from pipeline.core.errors import GateFailed, InputError
+from pipeline.core.io import atomic_write_json, read_json, sha256_file
+from pipeline.core.paths import Layout
+from pipeline.project.config import load_registry
+from pipeline.results.manifest import digest, load_manifest
+from pipeline.results.reports import BenchReport, ValidationReport
+from pipeline.results.signing import SigningKey
 from pipeline.stages.bench import bench
 from pipeline.stages.manifest import write_manifest
 from pipeline.stages.publish import collect, publish
 from pipeline.stages.validate import validate
+from pipeline.tracking.client import TAG_CORRECTNESS, TAG_DIGEST, TAG_SIGNATURE, connect
+from pipeline.tracking.promotion import PromotionBlocked, promote
+from pipeline.tracking.publish import publish_engine
 
 pytestmark = pytest.mark.slow
 
@@ -122,7 +122,7 @@ def test_a_redigested_failing_manifest_published_anyway_is_refused_by_promotion(
     saved = path.read_bytes()
     try:
         _redigest(path, _claim_passed)
-        from pipeline.manifest import load_manifest
+        from pipeline.results.manifest import load_manifest
 
         inputs = type(inputs)(**{**inputs.__dict__, "manifest": load_manifest(path)})
         result = publish_engine(connect(proj), proj, inputs)
@@ -275,7 +275,7 @@ def test_a_falsified_toolchain_and_host_are_refused(proj):
     doc["toolchain"]["onnxruntime"] = "0.1.0"
     doc["host"]["arch"] = "riscv64"
     doc["digest"] = digest(doc)
-    from pipeline.registry.gates import manifest_gate
+    from pipeline.tracking.gates import manifest_gate
 
     gate = manifest_gate(doc, doc["digest"], reg)
     assert not gate.passed

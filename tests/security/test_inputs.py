@@ -380,7 +380,7 @@ ENOSPC_DUMP = "LLVM ERROR: IO failure on output stream: No space left on device\
 @pytest.mark.parametrize("stderr", [ENOSPC_OUTPUT, ENOSPC_DUMP])
 def test_iree_disk_full_is_a_storage_problem(tmp_path, stderr):
     from pipeline.backends.iree import compile_error
-    from pipeline.errors import EnvironmentProblem, UnsupportedOp
+    from pipeline.core.errors import EnvironmentProblem, UnsupportedOp
 
     engine = tmp_path / "build/m/sku/engine"
     cmd = ["iree-compile", "input.mlir", "--iree-hal-target-device=local", "-o", str(engine / "model.vmfb")]
@@ -401,7 +401,7 @@ def test_iree_disk_full_is_a_storage_problem(tmp_path, stderr):
 def test_iree_real_compiler_disk_full_text(tmp_path):
     """The real compiler writing to a full device (/dev/full): its stderr classifies as a storage problem."""
     from pipeline.backends.iree import compile_error
-    from pipeline.errors import EnvironmentProblem
+    from pipeline.core.errors import EnvironmentProblem
 
     if not Path("/dev/full").exists():
         pytest.skip("no /dev/full on this host")

@@ -14,9 +14,9 @@ import pytest
 import yaml
 from cli_helpers import REPO, assert_user_error, skuforge
 
-from pipeline.config import Registry, load_registry, name_problem, parse_registry, suggest_name
-from pipeline.errors import ConfigError, InputError
-from pipeline.paths import inside, path_problem
+from pipeline.core.errors import ConfigError, InputError
+from pipeline.core.paths import inside, path_problem
+from pipeline.project.config import Registry, load_registry, name_problem, parse_registry, suggest_name
 
 INJECTION = "m$(cd ..;touch pwned)"
 EXPR = re.compile(r"\$\{\{.*?\}\}", re.S)
@@ -276,7 +276,7 @@ def test_duplicate_nested_key(sandbox):
 
 def test_merge_keys_may_override():
     """'<<' merges are how YAML shares a block; overriding a merged key is not a duplicate."""
-    from pipeline.config import _unique_key_loader
+    from pipeline.project.config import _unique_key_loader
 
     doc = yaml.load("base: &b {x: 1, y: 2}\nother:\n  <<: *b\n  x: 3\n", Loader=_unique_key_loader())
     assert doc["other"] == {"x": 3, "y": 2}

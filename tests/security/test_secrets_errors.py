@@ -27,12 +27,12 @@ import pytest
 from cli_helpers import REPO, assert_user_error, skuforge
 from registry_helpers import free_port, make_project, sku
 
-from pipeline import io as pio
-from pipeline import redact as rd
 from pipeline.cli import main
-from pipeline.io import atomic_dir, atomic_write_bytes
-from pipeline.paths import Layout
-from pipeline.repro import dvc_failure
+from pipeline.core import io as pio
+from pipeline.core import redact as rd
+from pipeline.core.io import atomic_dir, atomic_write_bytes
+from pipeline.core.paths import Layout
+from pipeline.ops.repro import dvc_failure
 
 PASSWORD = "S3cr3t-pa55word"
 TOKEN = "tok-9f8e7d6c5b4a"
@@ -427,7 +427,7 @@ def test_dvc_failures_are_told_apart(tmp_path):
 
 HOLD_STAGING = """
 import sys, time
-from pipeline.io import atomic_dir
+from pipeline.core.io import atomic_dir
 with atomic_dir(sys.argv[1]) as staging:
     (staging / "model.bin").write_bytes(b"half an engine")
     print(staging, flush=True)
@@ -488,8 +488,8 @@ def test_a_swap_killed_half_way_is_undone(tmp_path):
 
 
 def test_read_json_names_a_malformed_file(tmp_path):
-    from pipeline.errors import MalformedFile
-    from pipeline.io import read_json
+    from pipeline.core.errors import MalformedFile
+    from pipeline.core.io import read_json
 
     bad = tmp_path / "r.json"
     bad.write_bytes(b'{"a": 1,')

@@ -9,12 +9,20 @@ import models
 import numpy as np
 import pytest
 
-from pipeline.benchstats import block_bootstrap, drift, latency_stats, round_ci, round_to_ci, same_figure, settled
-from pipeline.config import BenchSpec, load_registry
-from pipeline.io import read_json
-from pipeline.manifest import benchmark_changes, settle
-from pipeline.paths import Layout
-from pipeline.results import Benchmark, LatencySummary
+from pipeline.core.io import read_json
+from pipeline.core.paths import Layout
+from pipeline.project.config import BenchSpec, load_registry
+from pipeline.results.benchstats import (
+    block_bootstrap,
+    drift,
+    latency_stats,
+    round_ci,
+    round_to_ci,
+    same_figure,
+    settled,
+)
+from pipeline.results.manifest import benchmark_changes, settle
+from pipeline.results.reports import Benchmark, LatencySummary
 from pipeline.stages.bench import bench, time_calls, warm_up
 from pipeline.stages.build import build
 from pipeline.stages.calibrate import calibrate
@@ -155,7 +163,7 @@ def test_benchmark_changes_name_what_moved():
 
 
 def test_settle_keeps_the_previous_figures_only_when_nothing_else_changed():
-    from pipeline.manifest import digest
+    from pipeline.results.manifest import digest
 
     def doc(bm: Benchmark, precision: str = "fp32") -> dict:
         d = {"schema_version": 5, "precision": precision, "benchmark": bm.to_json()}
@@ -244,7 +252,7 @@ def test_sweep_gives_a_point_per_batch_and_concurrency(proj):
 
 
 def test_a_sweep_outside_the_engine_shapes_is_refused_before_timing(proj):
-    from pipeline.errors import ConfigError
+    from pipeline.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="built for batch 1, not 8") as err:
         bench(proj, "conv", "badsweep")

@@ -13,17 +13,18 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from pipeline import graph
 from pipeline.backends.base import ENGINE_META, verify_engine
-from pipeline.config import load_registry
-from pipeline.errors import EnvironmentProblem, GateFailed, InputError
-from pipeline.io import read_json, sha256_arrays, sha256_file
-from pipeline.manifest import digest, load_manifest, schema, validate_document
-from pipeline.paths import Layout
-from pipeline.runner.probe import host_arch
+from pipeline.core.errors import EnvironmentProblem, GateFailed, InputError
+from pipeline.core.io import read_json, sha256_arrays, sha256_file
+from pipeline.core.paths import Layout
+from pipeline.host.probe import host_arch
+from pipeline.model import graph
+from pipeline.project.artifacts import calibration_table
+from pipeline.project.config import load_registry
+from pipeline.results.manifest import digest, load_manifest, schema, validate_document
 from pipeline.stages.bench import bench
 from pipeline.stages.build import build
-from pipeline.stages.calibrate import calibrate, calibration_table
+from pipeline.stages.calibrate import calibrate
 from pipeline.stages.data import make_data
 from pipeline.stages.manifest import write_manifest
 from pipeline.stages.prepare import prepare

@@ -1,0 +1,395 @@
+"""Checked-in compiler caches: what a build replays instead of searching again.
+
+An auto-tuning compiler (TVM's MetaSchedule) searches schedules on the target; TensorRT times
+tactics at build time. Their decisions are kept in git under ``caches/<sku>/<model>/`` so a
+build on any runner of the SKU replays them, and ``cache.json`` beside them is the index:
+
+    {"backend": "tvm", "kind": "tuning-database",
+     "key": {"tvm": "0.22.0", "target": "llvm -mcpu=haswell ..."},   # what the cache is valid for
+     "files": [{"path": ..., "sha256": ..., "bytes": ...}],
+     "tuned_at": "2026-12-01T10:00:00Z", "trials": 64}
+
+A build opens a ``CacheSession``. The cache is trusted only when the index's key equals the
+backend's key for the SKU (compiler version and target), every file matches its record, and the
+backend can read it; otherwise it is *stale*, *corrupt* or *missing*: reported, never read, and
+rebuilt by the build. The folder holds plain files the index lists and nothing else: a symlink
+(the folder itself, a file, a subfolder), a file the index does not list, or an index path that
+leaves the folder (``../``, absolute) makes it corrupt, and its rebuild removes what the new index
+does not list. The backend counts hits and misses (tuning tasks found or not in the
+database, a timing cache accepted or not). With ``skus.<s>.cache.require`` (or
+``SKUFORGE_REQUIRE_CACHE=1``, the CI flag) any miss fails the build (exit 1), so a release build
+is known to replay the checked-in decisions. Nothing is written unless the build succeeds (the
+cache is committed after the engine is in place); files and index are written atomically, the
+index last.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import posixpath
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pipeline.core.errors import GateFailed
+from pipeline.core.io import atomic_write_bytes, atomic_write_json, read_json, sha256_bytes, sha256_file, sha256_json
+from pipeline.core.paths import path_problem
+
+if TYPE_CHECKING:
+    from pipeline.backends.base import Backend, BuildContext
+
+INDEX = "cache.json"
+REQUIRE_ENV = "SKUFORGE_REQUIRE_CACHE"  # "1" or "true": every build fails on a cache miss (CI's release flag)
+State = Literal["fresh", "stale", "corrupt", "missing", "unchecked", "none"]
+
+
+def required_by_env() -> bool:
+    return os.environ.get(REQUIRE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def files_digest(records: list[dict[str, Any]]) -> str | None:
+    """One sha256 for a cache's files (path, content): the manifest's cache hash."""
+    return sha256_json(sorted((r["path"], r["sha256"]) for r in records)) if records else None
+
+
+def _read_index(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
+    path = folder / INDEX
+    if not path.is_file():
+        return None, None
+    try:
+        doc = read_json(path)
+    except ValueError as exc:
+        return None, f"{INDEX} is not JSON ({exc})"
+    if not isinstance(doc, dict) or not isinstance(doc.get("files", []), list):
+        return None, f"{INDEX} is not a cache index (an object with a 'files' list)"
+    return doc, None
+
+
+def _entries(folder: Path) -> tuple[list[str], list[str]]:
+    """What ``folder`` holds besides its index, never following a link: (files, symlinks), as
+    paths relative to it. A symlink to a folder is listed, not entered."""
+    files, links = [], []
+    for top, dirs, names in os.walk(folder):
+        for name in sorted(dirs + names):
+            path = Path(top, name)
+            rel = path.relative_to(folder).as_posix()
+            if path.is_symlink():
+                links.append(rel)
+            elif name in names and rel != INDEX:
+                files.append(rel)
+    return sorted(files), sorted(links)
+
+
+def _link_problem(folder: Path, rel: str) -> str:
+    path = folder / rel
+    target = os.readlink(path)
+    try:
+        resolved, base = path.resolve(), folder.resolve()
+        where = "" if resolved == base or base in resolved.parents else ", outside the cache folder"
+    except (OSError, RuntimeError):  # a symlink loop
+        where = ", a loop"
+    return f"{rel} is a symlink (to {target}{where})"
+
+
+def _escape_problem(rel: Any) -> str | None:
+    """Why a path the index lists does not name a file inside the cache folder, or None."""
+    if not isinstance(rel, str):
+        return f"{INDEX} lists {rel!r}, which is not a file name"
+    problem = path_problem(rel)
+    if problem is None:
+        return None
+    why = {"is absolute": "an absolute path", "leaves the project root ('..')": "'..' leads out of it"}.get(
+        problem, problem
+    )
+    return f"{INDEX} lists {rel!r}, which escapes the cache folder ({why})"
+
+
+def _plain(folder: Path, name: str) -> bool:
+    """``folder/name`` is a regular file reached without a symlink (the folder's or its own)."""
+    path = folder / name
+    return not folder.is_symlink() and not path.is_symlink() and path.is_file()
+
+
+@dataclass
+class CacheStatus:
+    """What ``caches/<sku>/<model>/`` holds and whether a build would trust it."""
+
+    sku: str
+    model: str
+    backend: str
+    kind: str | None
+    folder: Path
+    state: State
+    reason: str
+    key: dict[str, str] = field(default_factory=dict)  # what the cache was made for
+    want: dict[str, str] = field(default_factory=dict)  # what this host's compiler and the SKU's target make
+    files: list[dict[str, Any]] = field(default_factory=list)
+    tuned_at: str | None = None
+    trials: int | None = None
+    last_build: dict[str, Any] | None = None  # the cache record of the last build report
+
+    @property
+    def bytes(self) -> int:
+        return sum(int(f.get("bytes", 0)) for f in self.files)
+
+    @property
+    def sha256(self) -> str | None:
+        return files_digest(self.files)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sku": self.sku,
+            "model": self.model,
+            "backend": self.backend,
+            "kind": self.kind,
+            "folder": str(self.folder),
+            "state": self.state,
+            "reason": self.reason,
+            "key": self.key,
+            "want": self.want,
+            "files": self.files,
+            "bytes": self.bytes,
+            "sha256": self.sha256,
+            "tuned_at": self.tuned_at,
+            "trials": self.trials,
+            "last_build": self.last_build,
+        }
+
+
+def inspect(backend: Backend, sku: str, model: str, folder: Path, want: dict[str, str] | None) -> CacheStatus:
+    """The state of one cache folder against ``want`` (the backend's key; None: not checkable here)."""
+    kind = backend.capabilities.cache
+    status = CacheStatus(
+        sku=sku,
+        model=model,
+        backend=backend.name,
+        kind=kind,
+        folder=folder,
+        state="missing",
+        reason="",
+        want=want or {},
+    )
+    if kind is None:
+        status.state, status.reason = "none", f"the {backend.name} backend keeps no cache"
+        return status
+    fix = (
+        f"not trusted; delete it, or rebuild the cache (skuforge cache refresh --sku {sku} --model {model} "
+        f"removes what {INDEX} does not list)"
+    )
+    if folder.is_symlink():
+        status.state = "corrupt"
+        status.reason = (
+            f"the cache folder is a symlink (to {os.readlink(folder)}): not trusted; delete the link, or "
+            f"rebuild the cache (skuforge cache refresh --sku {sku} --model {model} makes it a folder)"
+        )
+        return status
+    present, links = _entries(folder) if folder.is_dir() else ([], [])
+    if links:  # checked before the index is read: cache.json itself may be the link
+        status.state = "corrupt"
+        status.reason = f"{'; '.join(_link_problem(folder, x) for x in links)}; a cache holds plain files only: {fix}"
+        return status
+    index, problem = _read_index(folder)
+    if problem:
+        status.state, status.reason = "corrupt", problem
+        return status
+    if index is None or not index.get("files"):
+        status.state = "missing" if not present else "corrupt"
+        status.reason = (
+            "no cache yet"
+            if not present
+            else f"{', '.join(present)} present but not in {INDEX} (not written by skuforge): {fix}"
+        )
+        return status
+    status.key = {str(k): str(v) for k, v in (index.get("key") or {}).items()}
+    status.files = [f for f in index["files"] if isinstance(f, dict)]
+    escapes = [p for p in (_escape_problem(f.get("path")) for f in status.files) if p]
+    if escapes:
+        status.state = "corrupt"
+        status.reason = (
+            f"{'; '.join(escapes)}: not trusted, nothing outside the folder is read; rebuild the cache "
+            f"(skuforge cache refresh --sku {sku} --model {model}) to rewrite the index"
+        )
+        return status
+    listed = {posixpath.normpath(str(f.get("path"))) for f in status.files}
+    unlisted = [p for p in present if p not in listed]
+    if unlisted:  # a file planted beside an index that does not vouch for it
+        status.state = "corrupt"
+        status.reason = f"{', '.join(unlisted)} present but not in {INDEX} (not written by skuforge): {fix}"
+        return status
+    status.tuned_at, status.trials = index.get("tuned_at"), index.get("trials")
+    if index.get("backend") != backend.name:
+        status.state, status.reason = (
+            "stale",
+            f"made by the {index.get('backend')} backend, the SKU uses {backend.name}",
+        )
+        return status
+    for rec in status.files:
+        path = folder / str(rec.get("path", ""))
+        if not path.is_file():
+            status.state, status.reason = "corrupt", f"{rec.get('path')} is listed in {INDEX} but missing"
+            return status
+        if path.stat().st_size != rec.get("bytes") or sha256_file(path) != rec.get("sha256"):
+            status.state, status.reason = (
+                "corrupt",
+                f"{rec['path']} differs from its sha256 in {INDEX} (edited or truncated)",
+            )
+            return status
+    if want is None:
+        status.state, status.reason = "unchecked", f"{backend.name} is not installed here: the key cannot be computed"
+        return status
+    differs = sorted(k for k in set(status.key) | set(want) if status.key.get(k) != want.get(k))
+    if differs:
+        status.state = "stale"
+        status.reason = "; ".join(f"{k}: cache {status.key.get(k)!r}, now {want.get(k)!r}" for k in differs)
+        return status
+    problem = backend.check_cache(folder)
+    if problem:
+        status.state, status.reason = "corrupt", problem
+        return status
+    status.state, status.reason = "fresh", "key and files match"
+    return status
+
+
+class CacheSession:
+    """One build's use of its cache: what it may read, what it hit and missed, what it writes."""
+
+    def __init__(self, backend: Backend, ctx: BuildContext, required: bool):
+        self.backend, self.folder, self.required = backend, ctx.cache_dir, required
+        self.where = f"caches/{ctx.sku}/{ctx.model}"
+        self.refresh_hint = f"skuforge cache refresh --sku {ctx.sku} --model {ctx.model}, then commit {self.where}"
+        self.key = backend.cache_key(ctx.sku_spec)
+        self.status = inspect(backend, ctx.sku, ctx.model, self.folder, self.key)
+        if ctx.cache_refresh:  # skuforge cache refresh: search afresh, whatever is there
+            self.status.state, self.status.reason = "missing", "a refresh was asked for"
+        self.hits, self.misses, self.missed = 0, 0, []  # missed: what was not found (tasks, the cache)
+        self.warnings: list[str] = []
+        self._staged: dict[str, bytes] = {}
+        self._tuned: dict[str, Any] | None = None
+        if self.status.state != "fresh" and (self.status.state != "missing" or required):
+            self.warnings.append(
+                f"{backend.capabilities.cache} {self.where} is {self.status.state} "
+                f"({self.status.reason}): not used; this build rebuilds it"
+            )
+        if self.status.state != "fresh":
+            self.miss(f"the {backend.capabilities.cache} ({self.status.state}: {self.status.reason})")
+
+    @property
+    def trusted(self) -> bool:
+        return self.status.state == "fresh"
+
+    def file(self, name: str) -> Path | None:
+        """The cache file to read, or None when the cache is not trusted or its index does not list it."""
+        listed = {str(f.get("path")) for f in self.status.files}
+        path = self.folder / name
+        return path if self.trusted and name in listed and path.is_file() else None
+
+    def hit(self, count: int = 1) -> None:
+        self.hits += count
+
+    def miss(self, what: str) -> None:
+        """Something the build needed was not in the cache; under ``required`` that fails the build."""
+        self.misses += 1
+        self.missed.append(what)
+        if self.required:
+            raise GateFailed(
+                f"cache miss in {self.where}: {what}; the build requires its cache "
+                f"(skus.<sku>.cache.require or {REQUIRE_ENV}=1) so it replays the checked-in decisions",
+                hint=f"refresh the cache on the SKU's runner: {self.refresh_hint}",
+            )
+
+    def reject(self, reason: str) -> None:
+        """The backend could not use a cache the index vouched for (another GPU's timing cache)."""
+        self.status.state, self.status.reason = "corrupt", reason
+        self.warnings.append(
+            f"{self.backend.capabilities.cache} {self.where} was not usable ({reason}): this build rebuilds it"
+        )
+        self.miss(f"the {self.backend.capabilities.cache} ({reason})")
+
+    def write(self, name: str, data: bytes, trials: int | None = None) -> None:
+        """Stage a cache file, written by ``commit`` after the engine is in place. ``trials``:
+        tuning trials spent on it by this build (recorded as the last tuning)."""
+        self._staged[name] = data
+        if trials is not None:
+            self._tuned = {"trials": (self._tuned or {}).get("trials", 0) + trials}
+
+    def close(self) -> dict[str, Any]:
+        """Decide what the cache becomes (nothing is written yet) and return the build's cache
+        record; ``commit`` writes it once the engine is in place."""
+        index = _read_index(self.folder)[0] if _plain(self.folder, INDEX) else None  # never read through a link
+        trusted = {str(f.get("path")) for f in self.status.files} if self.trusted else set()
+        # what the folder will hold: this build's files, and the trusted ones it did not replace
+        contents = {name: data for name, data in self._staged.items()}
+        for name in self.backend.cache_files:
+            if name not in contents and name in trusted:
+                contents[name] = (self.folder / name).read_bytes()
+        # a symlinked folder is replaced by a real one (the link removed, never what it points to);
+        # in a real folder, whatever the new index will not list goes: planted files, symlinks
+        self._unlink_folder = self.folder.is_symlink()
+        files, links = _entries(self.folder) if self.folder.is_dir() and not self._unlink_folder else ([], [])
+        self._drop = [p for p in files + links if p not in contents and p != INDEX]
+        self._files = {
+            name: data
+            for name, data in contents.items()
+            if not (_plain(self.folder, name) and (self.folder / name).read_bytes() == data)
+        }
+        records = [
+            {"path": name, "sha256": sha256_bytes(contents[name]), "bytes": len(contents[name])}
+            for name in self.backend.cache_files
+            if name in contents
+        ]
+        doc = {
+            "backend": self.backend.name,
+            "kind": self.backend.capabilities.cache,
+            "key": self.key,
+            "files": records,
+            "tuned_at": (index or {}).get("tuned_at"),
+            "trials": (index or {}).get("trials"),
+        }
+        if self._tuned is not None and (self._files or not self.trusted):  # this build's search made the cache
+            doc["tuned_at"] = (
+                _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+            )
+            before = (doc["trials"] or 0) if self.trusted else 0  # trials that made the records kept
+            doc["trials"] = before + self._tuned["trials"]
+        self._index = doc if doc != index else None
+        total = self.hits + self.misses
+        return {
+            "kind": self.backend.capabilities.cache,
+            "state": self.status.state,
+            "reason": self.status.reason,
+            "key": self.key,
+            "sha256": files_digest(records),
+            "files": records,
+            "hits": self.hits,
+            "misses": self.misses,
+            "missed": self.missed[:20],
+            "hit_rate": round(self.hits / total, 4) if total else None,
+            "updated": bool(self._files or self._drop or self._unlink_folder or self._index is not None),
+            "required": self.required,
+        }
+
+    def commit(self) -> None:
+        """Write what ``close`` decided: what no index vouches for removed (a symlinked folder: the
+        link), changed files, the index last."""
+        if self._unlink_folder:
+            self.folder.unlink()
+        for name in self._drop:
+            (self.folder / name).unlink(missing_ok=True)
+        for name, data in self._files.items():
+            atomic_write_bytes(self.folder / name, data)
+        if self._index is not None:
+            atomic_write_json(self.folder / INDEX, self._index)
+
+
+def open_session(backend: Backend, ctx: BuildContext) -> CacheSession:
+    required = (ctx.sku_spec.cache.require or required_by_env()) if ctx.cache_required is None else ctx.cache_required
+    return CacheSession(backend, ctx, required=required and not ctx.cache_refresh)
+
+
+def write_plain_index(folder: Path, backend: Backend) -> None:
+    """The index of a backend without a cache: the folder exists (DVC declares it as an output)."""
+    doc = {"backend": backend.name, "files": []}
+    index, _ = _read_index(folder)
+    if index != doc:
+        atomic_write_json(folder / INDEX, doc)

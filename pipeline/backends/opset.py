@@ -1,0 +1,89 @@
+"""Opset conversion checked with the reference runtime: ``onnx.version_converter`` to a target opset,
+accepted only when the converted graph gives the same outputs on the probe inputs. Backends whose
+importer or quantizer needs a newer opset call it; the conversion is recorded for the report."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from pipeline.backends.reference import reference_runner
+from pipeline.core.errors import InputError
+from pipeline.model.graph import default_opset, tensors_to_raw
+
+if TYPE_CHECKING:
+    import onnx
+
+OPSET_CONVERSION_RTOL = 1e-5
+
+
+@dataclass(frozen=True)
+class OpsetConversion:
+    """An opset conversion done for a backend, checked on the probe inputs; lands in the manifest."""
+
+    from_opset: int
+    to_opset: int
+    reason: str
+    max_abs_error: float
+    relative_error: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def warning(self) -> str:
+        return (
+            f"opset converted from {self.from_opset} to {self.to_opset} ({self.reason}) with onnx.version_converter; "
+            f"outputs on the probe batch unchanged (max abs error {self.max_abs_error:.3g})"
+        )
+
+
+def convert_opset(
+    model: onnx.ModelProto, target: int, probe_inputs: dict, reason: str
+) -> tuple[onnx.ModelProto, OpsetConversion | None]:
+    """``model`` at ai.onnx opset ``target``: converted with ONNX's version converter (up or down,
+    tensors stored as raw_data) when at another opset, else returned as is (record None). The
+    conversion is refused (InputError) when the converter fails or ONNX Runtime's outputs on
+    ``probe_inputs`` differ between the two models by more than OPSET_CONVERSION_RTOL."""
+    import numpy as np
+    import onnx
+    from onnx import version_converter
+
+    have = default_opset(model)
+    if have == target:
+        return model, None
+    redo = f"re-export the model from its framework at opset {target}"
+    try:
+        converted = version_converter.convert_version(model, target)
+        onnx.checker.check_model(converted)
+    except Exception as exc:  # the converter raises plain RuntimeError/ValidationError from C++
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputError(
+            f"converting the model from opset {have} to {target} ({reason}) failed: {detail}", hint=redo
+        ) from exc
+    tensors_to_raw(converted)
+    try:
+        with reference_runner(model.SerializeToString()) as old, reference_runner(converted.SerializeToString()) as new:
+            want, got = old.infer(probe_inputs), new.infer(probe_inputs)
+    except InputError as exc:
+        raise InputError(
+            f"the model converted from opset {have} to {target} ({reason}) does not run: {exc.message}", hint=redo
+        ) from exc
+    worst_abs, worst_rel = 0.0, 0.0
+    for name, a in want.items():
+        b = got[name]
+        if a.shape != b.shape or (not np.issubdtype(a.dtype, np.floating) and not np.array_equal(a, b)):
+            worst_abs = worst_rel = float("inf")
+            continue
+        if np.issubdtype(a.dtype, np.floating):
+            diff = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)), initial=0.0))
+            worst_abs = max(worst_abs, diff)
+            worst_rel = max(worst_rel, diff / max(1.0, float(np.max(np.abs(a), initial=0.0))))
+    if not worst_rel <= OPSET_CONVERSION_RTOL:
+        raise InputError(
+            f"converting the model from opset {have} to {target} ({reason}) changed its outputs on the "
+            f"probe batch (max abs error {worst_abs:.3g}, relative {worst_rel:.3g} > {OPSET_CONVERSION_RTOL})",
+            hint=redo,
+        )
+    return converted, OpsetConversion(
+        from_opset=have, to_opset=target, reason=reason, max_abs_error=worst_abs, relative_error=worst_rel
+    )

@@ -1,0 +1,208 @@
+"""The manifest: one JSON document per (model, SKU), validated against a published schema.
+
+Everything but the ``provenance`` block is a function of the stage reports, so the same inputs
+give the same document; ``digest`` is the sha256 of the document without digest and provenance.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from datetime import datetime, timezone
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from pipeline import __version__
+from pipeline.core.errors import InputError
+from pipeline.core.io import read_json, sha256_json
+from pipeline.results.benchstats import round_ci, round_to_ci, same_figure
+from pipeline.results.reports import (
+    Benchmark,
+    BenchReport,
+    HostInfo,
+    LatencyStats,
+    LatencySummary,
+    Manifest,
+    Provenance,
+)
+
+SCHEMA_FILE = "manifest.schema.json"
+_UNHASHED = ("digest", "provenance")
+
+
+def schema() -> dict[str, Any]:
+    """The JSON Schema of the manifest, generated from the typed model."""
+    doc = Manifest.model_json_schema()
+    doc["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    doc["$id"] = "https://skuforge.dev/schemas/manifest-6.json"
+    return doc
+
+
+@lru_cache(maxsize=1)
+def published_schema() -> dict[str, Any]:
+    return __import__("json").loads(resources.files("pipeline.schemas").joinpath(SCHEMA_FILE).read_text())
+
+
+def digest(body: dict[str, Any]) -> str:
+    return sha256_json({k: v for k, v in body.items() if k not in _UNHASHED})
+
+
+# Fields of a report that change on every run of an unchanged build: left out of its evidence digest.
+VOLATILE = {"build.json": (("build_seconds",), ("reproducibility", "second_build_seconds"))}
+MEMORY_TOLERANCE_MB = 2.0
+
+
+def evidence_digest(name: str, path: Path) -> str | None:
+    """sha256 of a report's canonical JSON without its volatile fields; None when unreadable."""
+    try:
+        doc = read_json(path)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    for keys in VOLATILE.get(name, ()):
+        parent = doc
+        for key in keys[:-1]:
+            parent = parent.get(key) if isinstance(parent, dict) else None
+        if isinstance(parent, dict):
+            parent.pop(keys[-1], None)
+    return sha256_json(doc)
+
+
+def host_problems(host: HostInfo, bench: BenchReport | None, where: str = "bench.json") -> list[str]:
+    """Each field of the manifest's ``host`` that is not the host its bench report was timed on, by
+    name; a bench report missing, or without a host (an older one), vouches for none (fail closed)."""
+    if bench is None or bench.host is None:
+        state = "is missing or unreadable" if bench is None else "records no host (written by an older skuforge)"
+        return [f"{where} {state}: nothing vouches for the manifest's host"]
+    mine, timed = host.to_json(), bench.host.to_json()
+    return [
+        f"host.{key} {_short(mine.get(key))} is not the host {where} was timed on ({_short(timed.get(key))})"
+        for key in sorted(mine.keys() | timed.keys())
+        if mine.get(key) != timed.get(key)
+    ]
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _floored(value: float, ci: tuple[float, float] | None, floor: float) -> tuple[float, float] | None:
+    """``ci`` widened to at least ``value`` ± ``floor`` (a fraction)."""
+    if ci is None:
+        return None
+    return (min(ci[0], value * (1 - floor)), max(ci[1], value * (1 + floor)))
+
+
+def _figure(value: float, ci: tuple[float, float] | None, floor: float, digits: int = 4) -> tuple[float, tuple | None]:
+    wide = _floored(value, ci, floor)
+    return round_to_ci(value, wide, digits), round_ci(wide)
+
+
+def _summary(stats: LatencyStats, floor: float) -> LatencySummary:
+    p50, p50_ci = _figure(stats.p50_ms, stats.p50_ci_ms, floor)
+    p99, p99_ci = _figure(stats.p99_ms, stats.p99_ci_ms, floor)
+    return LatencySummary(p50_ms=p50, p50_ci_ms=p50_ci, p99_ms=p99, p99_ci_ms=p99_ci)
+
+
+def benchmark_summary(bench: BenchReport, noise_floor: float = 0.0) -> Benchmark:
+    """The reviewed benchmark figures of one run: intervals at least ``noise_floor`` of each figure
+    either side (bench.noise_floor), figures rounded to what those intervals resolve."""
+    mem = bench.memory_mb
+    throughput, throughput_ci = _figure(bench.throughput_per_s, bench.throughput_ci_per_s, noise_floor, digits=3)
+    return Benchmark(
+        batch=bench.batch,
+        concurrency=bench.concurrency,
+        engine_only=_summary(bench.engine_only, noise_floor),
+        end_to_end=_summary(bench.end_to_end, noise_floor),
+        throughput_per_s=throughput,
+        throughput_ci_per_s=throughput_ci,
+        peak_rss_mb=float(round(mem.get("peak_rss", 0.0))),
+        engine_load_mb=float(round(mem.get("engine_load_delta", 0.0))),
+    )
+
+
+def benchmark_changes(old: Benchmark, new: Benchmark) -> list[str]:
+    """The figures of ``new`` that moved beyond their intervals from ``old`` (empty: the same
+    measurement, within what the runs can tell apart)."""
+    moved = []
+    if (old.batch, old.concurrency) != (new.batch, new.concurrency):
+        moved.append("batch/concurrency")
+    for kind in ("engine_only", "end_to_end"):
+        a, b = getattr(old, kind), getattr(new, kind)
+        for q in ("p50", "p99"):
+            if not same_figure(
+                getattr(a, f"{q}_ms"), getattr(a, f"{q}_ci_ms"), getattr(b, f"{q}_ms"), getattr(b, f"{q}_ci_ms")
+            ):
+                moved.append(f"{kind}.{q}_ms {getattr(a, f'{q}_ms')} -> {getattr(b, f'{q}_ms')}")
+    if not same_figure(old.throughput_per_s, old.throughput_ci_per_s, new.throughput_per_s, new.throughput_ci_per_s):
+        moved.append(f"throughput_per_s {old.throughput_per_s} -> {new.throughput_per_s}")
+    for key in ("peak_rss_mb", "engine_load_mb"):
+        a, b = getattr(old, key), getattr(new, key)
+        if abs(a - b) > max(MEMORY_TOLERANCE_MB, 0.05 * max(abs(a), abs(b))):
+            moved.append(f"{key} {a} -> {b}")
+    return moved
+
+
+def settle(doc: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:
+    """``doc`` (a freshly assembled manifest) with ``previous``'s benchmark figures where nothing
+    else differs and no figure moved beyond its interval: a rerun of an unchanged engine then
+    leaves the reviewed document as it was. ``doc`` itself otherwise."""
+    if not previous or previous.get("schema_version") != doc.get("schema_version"):
+        return doc
+    try:
+        old = Benchmark.model_validate(previous.get("benchmark"))
+    except ValueError:
+        return doc
+    kept = {**doc, "benchmark": old.to_json()}
+    kept["digest"] = digest(kept)
+    if kept["digest"] != previous.get("digest") or benchmark_changes(old, Benchmark.model_validate(doc["benchmark"])):
+        return doc
+    return kept
+
+
+def validate_document(doc: Any, where: str = "manifest") -> None:
+    """Check a manifest against the published schema and its own digest."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(doc, published_schema())
+    except jsonschema.ValidationError as exc:
+        path = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+        raise InputError(
+            f"{where} does not match the manifest schema at {path}: {exc.message}",
+            hint="regenerate it with skuforge manifest",
+        ) from None
+    if doc["digest"] != digest(doc):
+        raise InputError(
+            f"{where}: digest does not match its content (edited by hand?)", hint="regenerate it with skuforge manifest"
+        )
+
+
+def load_manifest(path: Path) -> Manifest:
+    if not path.is_file():
+        raise InputError(f"{path} does not exist", hint="run the manifest stage (dvc repro)")
+    doc = read_json(path)
+    validate_document(doc, str(path))
+    return Manifest.model_validate(doc)
+
+
+def provenance(root: Path) -> Provenance:
+    try:
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or None
+        )
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return Provenance(
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        host=socket.gethostname(),
+        git_commit=commit,
+        skuforge_version=__version__,
+    )

@@ -1,0 +1,701 @@
+"""Typed results of each stage. Each has a JSON form; the manifest is assembled from them."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline.core.io import sha256_json
+
+
+class Result(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class TensorSig(Result):
+    name: str
+    dtype: str
+    shape: list[int | str | None]
+
+    def batch_index(self, axis: str | None) -> int | None:
+        return self.shape.index(axis) if axis is not None and axis in self.shape else None
+
+
+class Signature(Result):
+    inputs: list[TensorSig]
+    outputs: list[TensorSig]
+
+    def output(self, name: str) -> TensorSig:
+        return next(o for o in self.outputs if o.name == name)
+
+
+class PassRecord(Result):
+    name: str
+    changed: bool
+    nodes_before: int
+    nodes_after: int
+    details: list[str] = Field(default_factory=list)
+
+
+class PrepareReport(Result):
+    model: str
+    source_sha256: str
+    prepared_sha256: str
+    opset: dict[str, int]
+    producer: str
+    signature: Signature
+    passes: list[PassRecord]
+    op_counts_before: dict[str, int]
+    op_counts_after: dict[str, int]
+    self_check_max_abs_error: float
+
+
+class DatasetRecord(Result):
+    split: str
+    samples: int
+    sha256: str
+    source: str
+    has_labels: bool
+    synthetic: bool = Field(
+        False,
+        description="generated from the input spec, not real data: it may not exercise the model as real inputs do",
+    )
+
+
+class DataReport(Result):
+    model: str
+    splits: dict[str, DatasetRecord]
+
+
+class ReferenceReport(Result):
+    model: str
+    runtime: str
+    runtime_version: str
+    outputs: list[str]
+    samples: dict[str, int]
+    metric: dict[str, float] = Field(default_factory=dict, description="task metric per split")
+    output_sha256: dict[str, str]
+
+
+class CalibrationReport(Result):
+    model: str
+    method: str
+    samples: int
+    calibration_set_sha256: str
+    tensors: int
+    table_sha256: str
+
+
+class LayerInfo(Result):
+    name: str
+    op_type: str
+    precision: str | None = Field(None, description="precision the layer ran in, as observed")
+    device: str | None = Field(None, description="execution provider or device that ran it")
+    kernel: str | None = None
+    fused_from: list[str] = Field(default_factory=list)
+
+
+class FileRecord(Result):
+    path: str
+    sha256: str
+    bytes: int
+
+
+def engine_digest(files: list[FileRecord] | list[dict[str, Any]]) -> str:
+    """One hash naming an engine: its files' paths, sizes and sha256, in path order. Every report
+    about an engine carries it, so evidence of one build cannot be passed off as another's."""
+    records = [f.to_json() if isinstance(f, FileRecord) else dict(f) for f in files]
+    return sha256_json(sorted(records, key=lambda r: r["path"]))
+
+
+class EngineBound(Result):
+    """A report about one built engine: which engine (files) and which build settings."""
+
+    engine_sha256: str = Field(description="engine_digest of the engine files the report is about")
+    build_config_sha256: str = Field(description="hash of everything that decided the engine's bytes")
+
+
+# A reproducibility verdict, worst to best, and the least one a SKU may require ("none": any)
+ReproducibilityVerdict = Literal["differs", "unverified", "equivalent", "bitwise"]
+ReproducibilityLevel = Literal["none", "equivalent", "bitwise"]
+
+
+class OutputDiff(Result):
+    output: str
+    max_abs_diff: float = Field(
+        description="largest |first - second| (the largest float64 where one side is NaN or inf)"
+    )
+    differing: float = Field(description="fraction of elements whose bits differ")
+
+
+class Reproducibility(Result):
+    """The engine built a second time and compared with the first (pipeline/verify/reproducible.py)."""
+
+    verdict: ReproducibilityVerdict = Field(
+        description="bitwise: identical engine files; equivalent: files differ but layers and golden outputs are "
+        "identical bit for bit; unverified: files differ, layers are identical, but this host cannot "
+        "run the engines to compare outputs; differs: layers or outputs differ"
+    )
+    required: ReproducibilityLevel = Field(description="the SKU's reproducibility.require")
+    passed: bool
+    differing_files: list[str] = Field(description="engine files whose bytes differ (or that only one build wrote)")
+    layers_added: list[str] = Field(default_factory=list, description="layers only the second build has")
+    layers_removed: list[str] = Field(default_factory=list, description="layers only the first build has")
+    layers_changed: list[str] = Field(default_factory=list, description="'<layer>: <field> <first> -> <second>'")
+    outputs: list[OutputDiff] = Field(default_factory=list, description="golden outputs whose bits differ")
+    samples: int = Field(description="golden samples run through both engines (0 when the files are identical)")
+    not_run: list[str] = Field(default_factory=list, description="why the outputs were not compared (unverified)")
+    second_build_seconds: float
+
+
+class CacheRecord(Result):
+    """How a build used the SKU's checked-in cache (pipeline.backends.caches)."""
+
+    kind: str = Field(description="tuning-database or timing-cache")
+    state: str = Field(description="what the build found: fresh (trusted), stale, corrupt or missing")
+    reason: str
+    key: dict[str, str] = Field(description="what the cache is valid for: compiler version and target")
+    sha256: str | None = Field(description="sha256 over the cache files after the build (path and content)")
+    files: list[FileRecord] = Field(default_factory=list)
+    hits: int
+    misses: int
+    missed: list[str] = Field(default_factory=list, description="what was not in the cache (first 20)")
+    hit_rate: float | None
+    updated: bool = Field(description="the build wrote the cache (it was rebuilt or extended)")
+    required: bool = Field(description="a miss would have failed the build")
+
+
+class BuildReport(EngineBound):
+    model: str
+    sku: str
+    backend: str
+    precision: str
+    versions: dict[str, str]
+    options: dict[str, Any]
+    shapes: dict[str, int]
+    profiles: dict[str, dict[str, int]] = Field(default_factory=dict)
+    prepared_sha256: str
+    calibration: dict[str, Any] | None = None
+    cache: CacheRecord | None = None
+    engine_files: list[FileRecord]
+    layers: list[LayerInfo]
+    placement: dict[str, int] = Field(description="node count per device/provider")
+    requested_devices: list[str] = Field(description="devices/providers the SKU asked for, in priority order")
+    partition_boundaries: int
+    precision_counts: dict[str, int]
+    hardware_specific: bool = False
+    keep_precise: list[str] = Field(
+        default_factory=list, description="ONNX nodes kept in higher precision than the SKU's"
+    )
+    remedy: Remedy | None = Field(
+        None, description="the bisection remedy run during the build (bisect.fix_during_build)"
+    )
+    warnings: list[str] = Field(default_factory=list)
+    build_seconds: float
+    # left out when unchecked, so reports and manifests of unchecked builds read as before
+    reproducibility: Reproducibility | None = Field(
+        None,
+        exclude_if=lambda v: v is None,
+        description="set when the build was checked (build --check-reproducible, skus.<s>.reproducibility)",
+    )
+
+
+OutputKind = Literal["probabilities", "logits", "regression", "state"]
+
+
+class OutputError(Result):
+    """One output of the engine against the reference. Error statistics are taken over the elements
+    finite in both; a statistic over no elements is null (JSON has no infinity). docs/correctness.md"""
+
+    output: str
+    kind: OutputKind
+    kind_inferred: bool = Field(description="the kind was inferred from the reference values, not declared")
+    elements: int = Field(description="elements compared (0 when the shapes differ)")
+    shape_mismatch: str | None = Field(None, description="engine shape vs reference shape, when they differ")
+    nan_count: int = Field(description="NaN in the engine output where the reference is finite")
+    inf_count: int = Field(description="+-Inf in the engine output where the reference is finite")
+    first_non_finite: list[int] | None = Field(description="index of the first of them")
+    reference_non_finite: int = Field(description="NaN/Inf in the reference (must be matched in kind and sign)")
+    max_abs_error: float | None
+    mean_abs_error: float | None
+    median_abs_error: float | None
+    p99_abs_error: float | None
+    max_rel_error: float | None = Field(description="|e - r| / |r| over elements where r != 0")
+    median_rel_error: float | None
+    p99_rel_error: float | None
+    cosine_similarity: float | None = Field(
+        description="of the flattened outputs (float64); null when one is all zeros"
+    )
+    top1_agreement: float | None = Field(
+        description="samples (rows of the last axis) whose top-1 class is one of the "
+        "reference's; probabilities and logits only"
+    )
+    top5_agreement: float | None = Field(
+        description="samples whose reference top-1 class is in the engine's top 5; with more than 5 classes"
+    )
+    top1_rows: int | None = Field(None, description="decisive rows the agreement was judged on (ties left out)")
+    top1_agree: int | None = Field(None, description="of them, rows whose engine top-1 class is the reference's")
+    top1_ties: int | None = Field(None, description="rows left out: reference top-two margin within the tolerance")
+    top1_interval: tuple[float, float] | None = Field(
+        None, description="exact one-sided bounds of the agreement rate, each at `confidence`"
+    )
+    top1_splits: list[str] = Field(
+        default_factory=list,
+        description="splits whose rows were judged (golden first; more when golden alone cannot resolve the gate)",
+    )
+    mismatch_fraction: float = Field(description="elements beyond atol + rtol * |reference|, non-finite ones included")
+    mismatch_count: int = Field(0, description="elements beyond, non-finite ones included")
+    mismatch_interval: tuple[float, float] | None = Field(
+        None, description="exact one-sided bounds of the mismatch rate, each at `confidence`"
+    )
+    snr_db: float | None = Field(
+        None,
+        description="10 log10 of the reference's squared variation about its mean over "
+        "the squared error; null when either is zero",
+    )
+    reference_range: float | None = Field(None, description="max - min of the finite reference values")
+    exercised: bool = Field(True, description="the reference varies beyond what a constant output would pass")
+    degenerate: bool = Field(False, description="the engine's output is constant where the reference varies")
+    engine_constant: float | None = Field(None, description="the engine's value when its output is constant")
+    min_passing_atol: float | None = Field(
+        description="smallest atol that passes the element-wise check at this rtol "
+        "and max_mismatch; null: none does (non-finite values)"
+    )
+    min_passing_rtol: float | None = Field(
+        description="smallest rtol that passes it at this atol and max_mismatch; null: none does"
+    )
+    atol: float
+    rtol: float
+    max_mismatch: float
+    min_top1_agreement: float | None = Field(description="the agreement gate applied; null for regression and state")
+    min_snr_db: float = Field(0.0, description="the signal-to-noise floor applied")
+    confidence: float = Field(0.95, description="one-sided level of the exact tests")
+    passed: bool
+
+
+class MetricResult(Result):
+    """The task metric of engine and reference on the same labelled samples, paired: an exact
+    one-sided McNemar test on the samples where exactly one of them is right."""
+
+    split: str
+    reference: float
+    engine: float
+    delta: float
+    max_drop: float
+    samples: int = Field(0, description="labelled samples")
+    worse: int = Field(0, description="samples the reference gets right and the engine wrong")
+    better: int = Field(0, description="samples the engine gets right and the reference wrong")
+    p_value: float | None = Field(None, description="one-sided exact McNemar p-value: the engine is worse")
+    drop_interval: tuple[float, float] | None = Field(
+        None, description="bounds of the drop, each one-sided at `confidence` (given the discordant count)"
+    )
+    confidence: float = 0.95
+    passed: bool
+
+
+class PlacementResult(Result):
+    allowed: list[str] | None
+    offending: list[LayerInfo]
+    max_fallback_nodes: int
+    partition_boundaries: int
+    passed: bool
+
+
+class PrecisionResult(Result):
+    requested: str
+    mismatched: list[LayerInfo] = Field(description="compute layers observed in another precision")
+    policy: str
+    max_mismatched_layers: int
+    passed: bool
+
+
+# --- bisection and its remedy (pipeline/verify/bisect.py, pipeline/verify/remedy.py) ---------------------------
+
+Cause = Literal["overflow", "range", "accumulation", "compiler"]
+
+
+class TensorError(Result):
+    tensor: str
+    node: str
+    op_type: str
+    relative_error: float | None = Field(
+        None,
+        description="||engine - reference|| / ||reference|| over finite elements, "
+        "per engine run (batch); the median run",
+    )
+    channel_relative_error: float | None = Field(None, description="the median channel's relative error (median run)")
+    worst_run_relative_error: float | None = Field(
+        None, description="the worst run's relative error (hard-tail inputs)"
+    )
+    max_abs_error: float | None = None
+    nan: int = 0
+    inf: int = 0
+    first_nonfinite: list[int] | None = Field(
+        None, description="index of the first NaN/Inf (batch run, then tensor index)"
+    )
+    reference_min: float | None = None
+    reference_max: float | None = None
+    reference_abs_max: float | None = None
+    channel_axis: int | None = None
+    channel_abs_max: dict[str, float] = Field(
+        default_factory=dict, description="largest channels' reference abs-max, and 'median' over all channels"
+    )
+    divergent: bool
+
+
+class EngineLayer(Result):
+    name: str
+    op_type: str
+    fused_from: list[str]
+
+
+class Suspect(Result):
+    node: str
+    op_type: str
+    tensor: str
+    error: TensorError
+    inputs: list[TensorError]
+    cause: Cause
+    explanation: str
+    engine_layers: list[EngineLayer] = Field(description="layers of the SKU's engine holding the node (fusion)")
+    keep: list[str] = Field(description="nodes the remedy keeps in higher precision for this suspect")
+
+
+class Probe(Result):
+    marked: list[str]
+    divergent: list[str]
+
+
+class Bisection(Result):
+    model: str
+    sku: str
+    backend: str
+    precision: str
+    verdict: Literal["diverges", "clean", "inconclusive"]
+    summary: str
+    failing_outputs: list[str]
+    candidates: int
+    builds: int
+    marks_per_build: int
+    samples: int
+    keep_precise: list[str] = Field(default_factory=list, description="nodes already kept precise in these builds")
+    suspects: list[Suspect] = Field(default_factory=list)
+    first_nonfinite: str | None = Field(None, description="node whose output first holds NaN/Inf")
+    outputs: list[TensorError] = Field(default_factory=list)
+    probes: list[Probe] = Field(default_factory=list)
+    search_range: list[str] = Field(default_factory=list, description="inconclusive: the candidates still in question")
+    tensors: list[TensorError] = Field(default_factory=list, description="scan: every candidate tensor's error")
+
+
+class Outcome(Result):
+    """One engine configuration, judged and timed."""
+
+    keep_precise: list[str]
+    passed: bool
+    failures: list[str]
+    outputs: list[OutputError]
+    metrics: list[MetricResult]
+    p50_ms: float | None = Field(
+        None,
+        description="engine-only median latency of one golden batch, timed interleaved with the other configuration",
+    )
+
+
+class Remedy(Result):
+    model: str
+    sku: str
+    backend: str
+    precision: str
+    passed: bool
+    summary: str
+    keep_precise: list[str] = Field(description="nodes kept in higher precision after the remedy")
+    rounds: list[Bisection]
+    builds: int = Field(description="engine builds, bisection and re-validation together")
+    before: Outcome
+    after: Outcome
+    latency_ratio: float | None = Field(None, description="after p50 / before p50: what the fix costs")
+    overrides: str = Field(description="params.yaml fragment that applies the remedy")
+
+
+class ValidationReport(EngineBound):
+    model: str
+    sku: str
+    precision: str
+    passed: bool
+    failures: list[str]
+    outputs: list[OutputError]
+    metrics: list[MetricResult]
+    placement: PlacementResult
+    precision_gate: PrecisionResult
+    warnings: list[str] = Field(default_factory=list)
+    samples: dict[str, int]
+    outputs_sha256: str | None = Field(
+        None, description="sha256_arrays of the engine's golden outputs (outputs.npz) written with this report"
+    )
+    bisection: Bisection | None = Field(None, description="first divergent node, when a correctness gate failed")
+
+
+class LatencyStats(Result):
+    iterations: int
+    mean_ms: float
+    std_ms: float
+    min_ms: float
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+    max_ms: float
+    # moving-block bootstrap intervals (pipeline.results.benchstats); absent where too few samples
+    p50_ci_ms: tuple[float, float] | None = Field(None, exclude_if=lambda v: v is None)
+    p95_ci_ms: tuple[float, float] | None = Field(None, exclude_if=lambda v: v is None)
+    p99_ci_ms: tuple[float, float] | None = Field(None, exclude_if=lambda v: v is None)
+    mean_ci_ms: tuple[float, float] | None = Field(None, exclude_if=lambda v: v is None)
+
+
+class SteadyState(Result):
+    """How warm-up ended: the medians of the last three windows settled, or the time cap."""
+
+    reached: bool
+    warmup_iterations: int
+    warmup_seconds: float
+    window: int
+    tolerance: float
+    reason: str
+
+
+class Drift(Result):
+    """First against last steady window (thermal throttling, a neighbour starting up)."""
+
+    first_p50_ms: float
+    last_p50_ms: float
+    ratio: float = Field(description="last / first window median")
+    threshold: float
+    flagged: bool
+    window: int
+
+
+class Execution(Result):
+    """The thread and affinity settings the engine ran under."""
+
+    affinity: list[int] | None = Field(description="CPUs this process may run on (None: not reported by the OS)")
+    usable_cores: int
+    engine_threads: dict[str, Any] = Field(description="the backend's thread settings as applied")
+    env: dict[str, str] = Field(description="threading environment variables that were set (OMP_NUM_THREADS, ...)")
+    concurrency: int
+    timer: str
+
+
+class SweepPoint(Result):
+    batch: int
+    concurrency: int
+    iterations: int
+    p50_ms: float
+    p99_ms: float
+    throughput_per_s: float
+
+
+class BenchReport(EngineBound):
+    model: str
+    sku: str
+    batch: int
+    concurrency: int
+    load_seconds: float
+    first_inference_ms: float
+    warmup: LatencyStats | None
+    steady_state: SteadyState
+    engine_only: LatencyStats
+    end_to_end: LatencyStats
+    stopped: Literal["iterations", "max_seconds"] = Field(description="what ended the engine-only phase")
+    drift: Drift | None = Field(description="None: too few samples for two windows")
+    throughput_per_s: float = Field(description="samples per second at the SKU's batch and concurrency")
+    throughput_ci_per_s: tuple[float, float] | None = None
+    execution: Execution
+    sweep: list[SweepPoint] = Field(default_factory=list)
+    memory_mb: dict[str, float]
+    device_state: dict[str, Any]
+    latency_sha256: str = Field(description="sha256 of the latency samples file (latency.csv) written with this report")
+    timeline_sha256: str = Field(description="sha256 of timeline.csv (warm-up and steady calls in order)")
+    roofline_sha256: str | None = Field(None, description="sha256 of roofline.json, where the bench wrote one")
+    roofline_fraction: float | None = Field(None, description="achieved FLOP/s at p50 over the host's measured peak")
+    host: HostInfo | None = Field(
+        None,
+        description="the host the engine was timed on: the manifest's host must be it "
+        "(None: an older report, which cannot vouch for one)",
+    )
+
+
+class Provenance(Result):
+    created: str
+    host: str
+    git_commit: str | None
+    skuforge_version: str
+
+
+class SourceInfo(Result):
+    path: str
+    sha256: str = Field(description="the ONNX file and every external-data file it references")
+    prepared_sha256: str
+    opset: dict[str, int]
+    producer: str
+    passes: list[PassRecord]
+
+
+class TargetInfo(Result):
+    arch: str
+    device: str
+    os: str
+    cpu_features: list[str]
+    runner_labels: list[str]
+
+
+class BuildInfo(Result):
+    warnings: list[str]
+    options: dict[str, Any] = Field(description="the backend options as applied (backend-specific keys)")
+    reproducibility: Reproducibility | None = Field(
+        None, exclude_if=lambda v: v is None, description="the build's reproducibility check (absent: not checked)"
+    )
+    keep_precise: list[str] = Field(
+        default_factory=list,
+        exclude_if=lambda v: not v,
+        description="ONNX nodes kept in higher precision (params.yaml higher_precision)",
+    )
+    remedy: Remedy | None = Field(
+        None,
+        exclude_if=lambda v: v is None,
+        description="the bisection remedy the build ran (skus.<s>.bisect.fix_during_build)",
+    )
+
+
+class CacheInfo(Result):
+    kind: str
+    sha256: str | None = Field(description="sha256 over the cache files (pipeline.backends.caches.files_digest)")
+    key: dict[str, str] = Field(description="compiler version and target the cache is valid for")
+    state: str = Field(
+        description="fresh: the build replayed a trusted cache; stale, corrupt or missing: it rebuilt it"
+    )
+    hits: int
+    misses: int
+    required: bool
+
+
+class CalibrationInfo(Result):
+    method: str
+    calibration_set_sha256: str
+    samples: int
+    table_sha256: str | None
+    settings: dict[str, Any] = Field(description="the backend's quantization settings as applied")
+
+
+class PlacementSummary(Result):
+    passed: bool
+    allowed: list[str] | None
+    offending: int
+    partition_boundaries: int
+
+
+class PrecisionSummary(Result):
+    passed: bool
+    requested: str
+    policy: str
+    mismatched_layers: int
+
+
+class Correctness(Result):
+    passed: bool
+    failures: list[str]
+    outputs: list[OutputError]
+    metrics: list[MetricResult]
+    placement: PlacementSummary
+    precision: PrecisionSummary
+    warnings: list[str]
+    bisection: Bisection | None = Field(
+        None, exclude_if=lambda v: v is None, description="first divergent node, when a correctness gate failed"
+    )
+
+
+class LatencySummary(Result):
+    """Percentiles rounded to the decade their interval resolves, intervals widened outward to it."""
+
+    p50_ms: float
+    p50_ci_ms: tuple[float, float] | None
+    p99_ms: float
+    p99_ci_ms: tuple[float, float] | None
+
+
+class Benchmark(Result):
+    """What judges the engine's speed, rounded so that a rerun of the same engine reads the same.
+    Raw samples, device state, load time and the run's other volatile detail are in bench.json and MLflow."""
+
+    batch: int
+    concurrency: int
+    engine_only: LatencySummary
+    end_to_end: LatencySummary
+    throughput_per_s: float
+    throughput_ci_per_s: tuple[float, float] | None
+    peak_rss_mb: float = Field(description="whole MB")
+    engine_load_mb: float = Field(description="RSS the engine's load added, whole MB")
+
+
+class HostInfo(Result):
+    arch: str
+    os: str
+    cpu_model: str | None
+    cpu_cores: int | None
+    cpu_features: list[str]
+    python: str
+
+
+class Evidence(Result):
+    """What the manifest summarises, by hash: the engine and the build and validation reports. The
+    benchmark is bound to it by bench.json's engine hash and by its figures' intervals
+    (pipeline.results.manifest.benchmark_matches), not by a hash of samples that change on every run."""
+
+    engine_sha256: str
+    files: dict[str, str] = Field(
+        description="report file name (build.json, validate.json) -> sha256 of its canonical "
+        "JSON without the fields that change on every run "
+        "(pipeline.results.manifest.evidence_digest)"
+    )
+
+
+class Manifest(Result):
+    """One engine, described. Everything but ``provenance`` is a function of the inputs."""
+
+    schema_version: Literal[6] = 6
+    model: str
+    sku: str
+    digest: str = Field(description="sha256 of this document without 'digest' and 'provenance'")
+    source: SourceInfo
+    target: TargetInfo
+    backend: str
+    precision: str
+    toolchain: dict[str, str]
+    build_config_sha256: str
+    shapes: dict[str, int]
+    profiles: dict[str, dict[str, int]]
+    signature: Signature
+    engine: list[FileRecord]
+    evidence: Evidence
+    build: BuildInfo
+    hardware_specific: bool
+    calibration: CalibrationInfo | None
+    cache: CacheInfo | None = Field(
+        description="the checked-in compiler cache the build replayed; null where the backend keeps none"
+    )
+    datasets: dict[str, str]
+    synthetic_datasets: list[str] = Field(
+        default_factory=list, description="splits generated from the input spec rather than real data"
+    )
+    layers: list[LayerInfo]
+    placement: dict[str, int]
+    precision_counts: dict[str, int]
+    correctness: Correctness
+    benchmark: Benchmark
+    host: HostInfo
+    provenance: Provenance
+
+
+BuildReport.model_rebuild()  # it names Remedy, defined further down

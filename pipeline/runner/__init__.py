@@ -1,1 +1,0 @@
-"""Host state and host-versus-SKU checks."""

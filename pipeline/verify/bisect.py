@@ -1,0 +1,722 @@
+"""Bisection: the first node whose output leaves tolerance against the reference, and why.
+
+The search works on every backend the same way, through the backend's own build: the prepared
+model gets a few intermediate tensors marked as extra graph outputs, the SKU's backend builds it
+exactly as the build stage does (precision, calibration table, options, nodes kept precise) into
+a scratch folder, the engine runs the golden inputs, and the marked tensors are compared with
+ONNX Runtime CPU FP32 (optimisations off) running the same prepared model with every candidate
+tensor marked. Marking every tensor at once changes what the compiler fuses and can hide the
+fault (OpenVINO's CPU plugin computes one QDQ Gather path wrong only when its result is not an
+output), so each build marks only ``marks_per_build`` tensors and the search narrows by parts:
+about log_(k+1)(n) builds for n candidates.
+
+Candidates are the float outputs of the top-level nodes that lead to a failing output, in graph
+(topological) order. A tensor diverges when it holds NaN/Inf where the reference is finite, or
+when its error relative to its own magnitude is beyond what the precision explains
+(``RELATIVE_LIMIT``): per engine run, over the tensor and per channel (an INT8 scale stretched by
+one outlier channel wipes out the others while the tensor-wide error stays small), then the median
+run (hard-tail samples saturate any INT8 engine; a defect in a node shows on every sample).
+docs/bisect.md has the figures behind the limits.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline.core.errors import EnvironmentProblem, SkuforgeError
+from pipeline.results.reports import Bisection, EngineLayer, Probe, Suspect, TensorError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import onnx
+
+    from pipeline.project.config import Registry
+
+LOG = logging.getLogger("skuforge.bisect")
+
+# Relative error (L2 over the tensor, or the median channel's) a precision explains on its own.
+# FP32 engines differ from the reference by reassociation (~1e-6 relative); FP16 rounds to 2^-11
+# and accumulates; INT8 rounds to 1/255 of a tensor's range per step and compounds over layers.
+RELATIVE_LIMIT = {"fp32": 1e-3, "fp16": 3e-2, "bf16": 6e-2, "int8": 0.25}
+# Largest finite value per precision: a reference value beyond it cannot be represented.
+FINITE_MAX = {"fp16": 65504.0}
+# Ops whose output sums many products: error can grow along the reduction on its own.
+REDUCTIONS = frozenset(
+    {
+        "MatMul",
+        "Gemm",
+        "Conv",
+        "ConvTranspose",
+        "ReduceSum",
+        "ReduceMean",
+        "ReduceL2",
+        "ReduceProd",
+        "ReduceLogSumExp",
+        "Softmax",
+        "LogSoftmax",
+        "LayerNormalization",
+        "BatchNormalization",
+        "InstanceNormalization",
+        "GroupNormalization",
+        "GlobalAveragePool",
+        "AveragePool",
+        "Einsum",
+        "MatMulInteger",
+        "Attention",
+        "CumSum",
+        "LpNormalization",
+    }
+)
+FOLDED_ACTIVATIONS = frozenset({"Relu", "Clip"})
+OUTLIER_RATIO = 10.0  # channel abs-max over the median channel's: beyond it, one channel sets an INT8 scale
+MAX_SAMPLES = 256
+SCAN_MARKS = 8  # tensors marked per build when scanning every candidate
+MAX_INTERMEDIATE_BYTES = 1 << 30
+
+
+# --- graph ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Graph:
+    """The prepared model's top-level dataflow: producers, consumers, float tensors in order."""
+
+    model: onnx.ModelProto
+    producer: dict[str, Any] = field(default_factory=dict)  # tensor -> node
+    consumers: dict[str, list[Any]] = field(default_factory=dict)
+    float_values: dict[str, Any] = field(default_factory=dict)  # tensor -> ValueInfoProto (float tensors)
+    order: list[str] = field(default_factory=list)  # float node outputs in node order
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto) -> Graph:
+        import onnx
+
+        inferred = onnx.shape_inference.infer_shapes(model)
+        g = cls(model=model)
+        floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
+        for vi in [*inferred.graph.value_info, *inferred.graph.output]:
+            if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type in floats:
+                g.float_values[vi.name] = vi
+        constant = {i.name for i in model.graph.initializer}
+        for node in model.graph.node:
+            for name in node.input:
+                g.consumers.setdefault(name, []).append(node)
+            is_constant = node.op_type == "Constant" or (node.input and all(not i or i in constant for i in node.input))
+            for name in node.output:
+                if not name:
+                    continue
+                g.producer[name] = node
+                if is_constant:
+                    constant.add(name)
+                elif name in g.float_values:
+                    g.order.append(name)
+        return g
+
+    def folded_activation(self, tensor: str) -> bool:
+        """True for a tensor read only by a Relu or Clip: INT8 quantizers fold the activation into
+        the producer's output range (a Conv's output is quantized to [0, max]), so the engine's value
+        of the tensor is the activated one. The activation's output stands for it."""
+        readers = self.consumers.get(tensor, [])
+        return bool(readers) and all(n.op_type in FOLDED_ACTIVATIONS for n in readers)
+
+    def node_name(self, tensor: str) -> str:
+        node = self.producer[tensor]
+        return node.name or tensor
+
+    def ancestors(self, outputs: list[str]) -> set[str]:
+        seen, stack = set(), list(outputs)
+        while stack:
+            t = stack.pop()
+            if t in seen or t not in self.producer:
+                continue
+            seen.add(t)
+            stack.extend(i for i in self.producer[t].input if i)
+        return seen
+
+    def with_outputs(self, tensors: list[str]) -> onnx.ModelProto:
+        import onnx
+
+        model = onnx.ModelProto()
+        model.CopyFrom(self.model)
+        have = {o.name for o in model.graph.output}
+        for t in tensors:
+            if t not in have:
+                vi = onnx.ValueInfoProto()
+                vi.CopyFrom(self.float_values[t])
+                model.graph.output.append(vi)
+        return model
+
+
+def _numel(value: Any) -> int:
+    dims = [d.dim_value if d.HasField("dim_value") else 1 for d in value.type.tensor_type.shape.dim]
+    total = 1
+    for d in dims:
+        total *= max(d, 1)
+    return total
+
+
+def float_node_inputs(graph: Graph, tensor: str) -> list[str]:
+    """The suspect node's inputs that are computed float tensors (not weights, not graph inputs)."""
+    node = graph.producer[tensor]
+    return [i for i in node.input if i in graph.float_values and i in graph.producer and i in graph.order]
+
+
+# --- statistics -----------------------------------------------------------------------------------
+
+
+def channel_axis(rank: int) -> int | None:
+    """The channel axis of a tensor of ``rank`` (sample axis included): NCHW/NCDHW -> 1, [N, C]
+    and [N, T, C] -> last."""
+    if rank >= 4:
+        return 1
+    if rank >= 2:
+        return rank - 1
+    return None
+
+
+def tensor_error(
+    graph: Graph, tensor: str, got: np.ndarray, ref: np.ndarray, precision: str, channels: int = 8
+) -> TensorError:
+    """``got`` and ``ref`` are stacked per batch run: axis 0 is the run, then the tensor's own axes."""
+    import numpy as np
+
+    node = graph.producer.get(tensor)
+    base = dict(
+        tensor=tensor,
+        node=graph.node_name(tensor) if node is not None else tensor,
+        op_type=node.op_type if node is not None else "output",
+    )
+    r = ref.astype(np.float64)
+    finite_ref = np.isfinite(r)
+    axis = channel_axis(r.ndim - 1)
+    axis = None if axis is None else axis + 1  # the stacked runs come first
+    ranges: dict[str, Any] = {}
+    if finite_ref.any():
+        ranges = dict(
+            reference_min=float(r[finite_ref].min()),
+            reference_max=float(r[finite_ref].max()),
+            reference_abs_max=float(np.abs(r[finite_ref]).max()),
+        )
+    per_channel: dict[str, float] = {}
+    if axis is not None and r.shape[axis] > 1:
+        absmax = np.nanmax(
+            np.abs(np.moveaxis(np.where(finite_ref, r, 0.0), axis, 0)).reshape(r.shape[axis], -1), axis=1
+        )
+        top = np.argsort(absmax)[::-1][:channels]
+        per_channel = {str(int(c)): float(absmax[c]) for c in top}
+        per_channel["median"] = float(np.median(absmax))
+    if got.shape != ref.shape:
+        return TensorError(
+            **base, **ranges, channel_axis=axis, channel_abs_max=per_channel, divergent=True, relative_error=None
+        )
+    g = got.astype(np.float64)
+    bad = ~np.isfinite(g) & finite_ref
+    nan, inf = int(np.isnan(g[finite_ref]).sum()), int(np.isinf(g[finite_ref]).sum())
+    first = [int(i) for i in np.argwhere(bad)[0]] if bad.any() else None
+    ok = finite_ref & np.isfinite(g)
+    diff = np.where(ok, g - r, 0.0)
+    ref0 = np.where(ok, r, 0.0)
+    # per run of the engine (one batch), then the median run: a few golden samples far outside the
+    # calibrated range (the hard tail) saturate any INT8 engine and must not make every tensor look
+    # divergent; a defect in the node shows on every sample
+    runs = diff.shape[0]
+    d2 = (diff.reshape(runs, -1) ** 2).sum(axis=1)
+    r2 = (ref0.reshape(runs, -1) ** 2).sum(axis=1)
+    per_run = np.sqrt(np.divide(d2, r2, out=np.where(d2 > 0, np.inf, 0.0), where=r2 > 0))
+    rel = float(np.median(per_run))
+    channel_rel = None
+    if axis is not None and r.shape[axis] > 1:
+        d = np.moveaxis(diff, axis, 1).reshape(runs, r.shape[axis], -1)
+        e = np.moveaxis(ref0, axis, 1).reshape(runs, r.shape[axis], -1)
+        energy = (e**2).sum(axis=2)
+        err = (d**2).sum(axis=2)
+        medians = []
+        for run in range(runs):
+            live = energy[run] > 1e-6 * max(float(np.median(energy[run])), 1e-30)  # channels that carry signal
+            if live.any():
+                medians.append(float(np.median(np.sqrt(err[run][live] / energy[run][live]))))
+        channel_rel = float(np.median(medians)) if medians else None
+    limit = RELATIVE_LIMIT.get(precision, RELATIVE_LIMIT["fp32"])
+    worst = max(x for x in (rel, channel_rel or 0.0) if x == x)
+    return TensorError(
+        **base,
+        **ranges,
+        relative_error=_finite(rel),
+        channel_relative_error=_finite(channel_rel),
+        worst_run_relative_error=_finite(float(per_run.max())) if runs else None,
+        max_abs_error=_finite(float(np.abs(diff).max())) if diff.size else 0.0,
+        nan=nan,
+        inf=inf,
+        first_nonfinite=first,
+        channel_axis=axis,
+        channel_abs_max=per_channel,
+        divergent=bool(bad.any()) or worst > limit,
+    )
+
+
+def _finite(x: float | None) -> float | None:
+    return None if x is None or x != x or x in (float("inf"), float("-inf")) else x
+
+
+def classify(error: TensorError, inputs: list[TensorError], op_type: str, precision: str) -> tuple[str, str]:
+    """The likely cause of a suspect's divergence, and the evidence in words."""
+    if error.nan or error.inf:
+        return "overflow", (
+            f"{error.nan} NaN and {error.inf} Inf where the reference is finite "
+            f"(reference abs-max {error.reference_abs_max:.4g})"
+        )
+    top = FINITE_MAX.get(precision)
+    if top is not None and error.reference_abs_max is not None and error.reference_abs_max > top:
+        return "overflow", f"reference values reach {error.reference_abs_max:.4g}, beyond {precision}'s largest {top:g}"
+    if precision == "int8" and error.channel_abs_max.get("median"):
+        median = error.channel_abs_max["median"]
+        biggest = max(v for k, v in error.channel_abs_max.items() if k != "median")
+        if biggest > OUTLIER_RATIO * median:
+            channel = next(k for k, v in error.channel_abs_max.items() if k != "median" and v == biggest)
+            return "range", (
+                f"channel {channel} reaches {biggest:.4g} against a median channel abs-max of {median:.4g} "
+                f"({biggest / median:.0f}x): one INT8 scale for the tensor leaves the other channels a few "
+                "levels, or none"
+            )
+    worst_in = max((x.relative_error or 0.0 for x in inputs), default=0.0)
+    mine = max(error.relative_error or 0.0, error.channel_relative_error or 0.0)
+    # low-precision accumulation blurs a result (error ~ sqrt(n) rounding steps); it does not replace it
+    if op_type in REDUCTIONS and worst_in < mine / 4 and mine < 1.0:
+        return "accumulation", (
+            f"{op_type} takes inputs within {worst_in:.2g} relative error and gives {mine:.2g}: "
+            "the error grows along the reduction"
+        )
+    return "compiler", (
+        f"relative error {mine:.2g} from inputs within {worst_in:.2g}, without overflow, outlier range "
+        "or a reduction to explain it: compare with another backend (skuforge compare) and report it"
+    )
+
+
+def remedy_nodes(
+    graph: Graph, suspect_tensor: str, cause: str, precision: str, reference_abs_max: Callable[[str], float | None]
+) -> list[str]:
+    """Nodes to keep in higher precision so the suspect stops diverging. Overflow and range keep the
+    tensor itself out of the low precision: its producer and every consumer (an FP16 value beyond
+    65504 is also out of range for the node that reads it; an INT8-quantized tensor is quantized
+    at its consumers' inputs too), following the overflow downstream while the reference values
+    stay beyond the precision's range. Accumulation and compiler keep the node alone."""
+    names: list[str] = []
+
+    def add(node: Any) -> None:
+        name = node.name
+        if name and name not in names:
+            names.append(name)
+
+    add(graph.producer[suspect_tensor])
+    if cause in ("accumulation", "compiler"):
+        return names
+    top = FINITE_MAX.get(precision)
+    todo, seen = [suspect_tensor], set()
+    while todo:
+        tensor = todo.pop(0)
+        if tensor in seen:
+            continue
+        seen.add(tensor)
+        add(graph.producer[tensor])
+        for consumer in graph.consumers.get(tensor, []):
+            add(consumer)
+            if cause == "overflow" and top is not None:
+                for out in consumer.output:
+                    big = reference_abs_max(out)
+                    if big is not None and big > top / 2:
+                        todo.append(out)
+    return names
+
+
+# --- running ----------------------------------------------------------------------------------------
+
+
+def scratch_build(
+    registry: Registry,
+    model: str,
+    sku: str,
+    folder: Path,
+    keep: tuple[str, ...] | list[str],
+    prepared: Path | None = None,
+) -> Path:
+    """The build stage's engine, built into ``folder/engine`` with a copy of the SKU's cache (the
+    real engine and cache are never touched); returns the engine folder."""
+    from pipeline.engine.build import build_engine
+    from pipeline.project.artifacts import layout
+
+    real = layout(registry).cache_dir(model, sku)
+    if real.is_dir() and not real.is_symlink():
+        shutil.copytree(real, folder / "cache", symlinks=True)  # a link stays a link: the copy is as untrusted
+    # the marked outputs make new tuning tasks: a scratch build may miss the cache without failing, and
+    # takes the compiler's default schedules for them rather than searching (numerics, not speed, matter here)
+    build_engine(
+        registry,
+        model,
+        sku,
+        folder / "engine",
+        prepared=prepared,
+        cache_dir=folder / "cache",
+        cache_required=False,
+        search=False,
+        keep_precise=tuple(keep),
+    )
+    return folder / "engine"
+
+
+@dataclass
+class Session:
+    """One bisection's fixed inputs: the graph, the golden samples, the reference of every candidate."""
+
+    registry: Registry
+    model: str
+    sku: str
+    graph: Graph
+    feeds: dict[str, np.ndarray]
+    in_idx: dict[str, int | None]
+    batch: int
+    reference: dict[str, np.ndarray]
+    keep: tuple[str, ...]
+    work: Path
+    builds: int = 0
+    probes: list[Probe] = field(default_factory=list)
+
+    @property
+    def precision(self) -> str:
+        return self.registry.sku(self.sku).precision
+
+    def run_engine(self, marked: list[str]) -> dict[str, np.ndarray]:
+        """Build the SKU's engine of the model with ``marked`` as extra outputs, run the samples."""
+        import onnx
+
+        from pipeline.backends import get_backend
+        from pipeline.project.data import run_dataset
+
+        self.builds += 1
+        folder = Path(tempfile.mkdtemp(prefix="build-", dir=self.work))
+        try:
+            prepared = folder / "marked.onnx"
+            onnx.save(self.graph.with_outputs(marked), str(prepared))
+            scratch_build(self.registry, self.model, self.sku, folder, self.keep, prepared)
+            sku_spec = self.registry.sku(self.sku)
+            with get_backend(sku_spec.backend).load(folder / "engine", sku_spec) as runner:
+                missing = [t for t in marked if t not in runner.output_names]
+                if missing:
+                    raise EnvironmentProblem(
+                        f"the {sku_spec.backend} engine does not expose {missing} as outputs",
+                        hint="this backend renames or drops marked outputs: bisection cannot read them",
+                    )
+                return run_dataset(
+                    runner.infer, self.feeds, self.in_idx, {t: None for t in runner.output_names}, self.batch
+                )
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def probe(self, marked: list[str]) -> dict[str, TensorError]:
+        got = self.run_engine(marked)
+        errors = {t: tensor_error(self.graph, t, got[t], self.reference[t], self.precision) for t in marked}
+        self.probes.append(Probe(marked=marked, divergent=[t for t in marked if errors[t].divergent]))
+        LOG.info(
+            "bisect %s/%s build %d: %s",
+            self.model,
+            self.sku,
+            self.builds,
+            ", ".join(f"{t} {'DIVERGES' if e.divergent else 'ok'}" for t, e in errors.items()),
+        )
+        return errors
+
+
+def _samples(registry: Registry, model: str, sku: str, work: Path) -> tuple[dict, dict, int, Any]:
+    """Golden inputs (capped), their batch axes and the SKU's batch."""
+    from pipeline.project.artifacts import layout, load_arrays, read_report, run_plan
+    from pipeline.project.data import LABELS
+    from pipeline.results.reports import PrepareReport
+
+    out = layout(registry)
+    prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
+    arrays = load_arrays(out.split(model, "golden"), "data")
+    arrays.pop(LABELS, None)
+    in_idx, _, batch = run_plan(registry, model, prep.signature, sku)
+    return arrays, in_idx, batch, prep
+
+
+def bisect(
+    registry: Registry,
+    model: str,
+    sku: str,
+    *,
+    keep: tuple[str, ...] | None = None,
+    max_builds: int | None = None,
+    marks_per_build: int | None = None,
+    scan: bool = False,
+    progress: Callable[[str, float], None] | None = None,
+) -> Bisection:
+    """Search the first divergent node of ``model``'s engine for ``sku`` (see the module doc).
+    ``scan``: measure every candidate instead (a few marked per build), failing or not: the
+    per-layer error profile, and a check that a passing engine has no divergent tensor."""
+    import onnx
+
+    from pipeline.backends import backend_class
+    from pipeline.backends.reference import reference_runner
+    from pipeline.core.errors import ConfigError
+    from pipeline.model.graph import pin_axes
+    from pipeline.project.artifacts import layout
+    from pipeline.project.data import run_dataset
+    from pipeline.verify.compare import output_error, output_problems
+
+    spec = registry.sku(sku)
+    if not backend_class(spec.backend).capabilities.intermediate_outputs:
+        raise ConfigError(
+            f"the {spec.backend} backend of SKU {sku} cannot build a model with intermediate tensors "
+            "marked as outputs: bisection needs that",
+            hint="skuforge backends lists what each supports",
+        )
+    settings = spec.bisect
+    max_builds = max_builds or settings.max_builds
+    k = marks_per_build or settings.marks_per_build
+    keep = tuple(registry.higher_precision(model, sku)) if keep is None else tuple(keep)
+    out = layout(registry)
+    with tempfile.TemporaryDirectory(prefix="skuforge-bisect-") as tmp:
+        work = Path(tmp)
+        arrays, in_idx, batch, prep = _samples(registry, model, sku, work)
+        prepared = out.prepared_model(model)
+        graph = Graph.of(
+            pin_axes(
+                onnx.load(str(prepared)),
+                {k_: v for k_, v in registry.pins(model, sku).items() if k_ not in spec.profiles},
+                prepared,
+            )
+        )
+        # every candidate in one reference run (no optimisation, so marking changes nothing there),
+        # on as many golden samples as fit the memory cap
+        per_run = sum(_numel(graph.float_values[t]) * 8 for t in graph.order) or 1
+        n = min(len(next(iter(arrays.values()))), MAX_SAMPLES, batch * max(1, MAX_INTERMEDIATE_BYTES // per_run))
+        feeds = {name: a[:n] for name, a in arrays.items()}
+        outputs = [o.name for o in graph.model.graph.output]
+        with reference_runner(graph.with_outputs(graph.order).SerializeToString()) as ref_runner:
+            reference = run_dataset(ref_runner.infer, feeds, in_idx, {t: None for t in ref_runner.output_names}, batch)
+        session = Session(
+            registry=registry,
+            model=model,
+            sku=sku,
+            graph=graph,
+            feeds=feeds,
+            in_idx=in_idx,
+            batch=batch,
+            reference=reference,
+            keep=keep,
+            work=work,
+        )
+        # the anchor: the engine's own outputs (nothing marked), judged by the SKU's tolerance
+        got = session.run_engine([])
+        tol = registry.tolerance(model, sku)
+        out_errors = [tensor_error(graph, o, got[o], reference[o], spec.precision) for o in outputs]
+        # the gate's own criteria, not what the (smaller) bisection sample cannot judge: never a tie
+        failing = [o for o in outputs if output_problems(output_error(o, got[o], reference[o], tol))]
+        failing += [e.tensor for e in out_errors if e.divergent and e.tensor not in failing]
+        base = dict(
+            model=model,
+            sku=sku,
+            backend=spec.backend,
+            precision=spec.precision,
+            marks_per_build=k,
+            samples=n,
+            keep_precise=list(keep),
+            outputs=out_errors,
+        )
+        if not failing and not scan:
+            return Bisection(
+                **base,
+                verdict="clean",
+                failing_outputs=[],
+                candidates=0,
+                builds=session.builds,
+                summary=f"outputs within tolerance on {n} golden samples: nothing to bisect",
+                probes=session.probes,
+            )
+        if scan:
+            return _scan(session, base, failing, outputs, max(k, SCAN_MARKS))
+        wanted = graph.ancestors(failing)
+        candidates = [
+            t
+            for t in graph.order
+            if t in wanted and t not in outputs and not (spec.precision == "int8" and graph.folded_activation(t))
+        ]
+        lo, hi = _search(session, candidates, k, max_builds, lambda e: e.divergent, progress)
+        base.update(failing_outputs=failing, candidates=len(candidates))
+        if lo < hi:
+            return Bisection(
+                **base,
+                verdict="inconclusive",
+                builds=session.builds,
+                probes=session.probes,
+                search_range=candidates[lo:hi],
+                summary=f"build budget ({max_builds}) spent with {hi - lo} candidates left: "
+                f"{candidates[lo]} .. {candidates[hi - 1]}; raise skus.{sku}.bisect.max_builds",
+            )
+        # the first divergent tensor: a candidate, or (none diverged) the failing output itself
+        tensor = candidates[lo] if lo < len(candidates) else failing[0]
+        errors = {e.tensor: e for e in out_errors}
+        # confirm with the node's own inputs marked beside it; an input that diverges too moves
+        # the search back to it (fusion differs between builds, so a neighbour can hide a fault)
+        while True:
+            ins = [i for i in float_node_inputs(graph, tensor) if i not in errors or i in outputs]
+            marked = ([] if tensor in errors else [tensor]) + ins
+            if marked and session.builds < max_builds:
+                errors.update(session.probe(marked))
+            back = next((i for i in float_node_inputs(graph, tensor) if i in errors and errors[i].divergent), None)
+            if back is None or session.builds >= max_builds:
+                break
+            tensor = back
+        ins = [i for i in float_node_inputs(graph, tensor) if i in errors]
+        suspect = _suspect(registry, model, sku, graph, tensor, errors[tensor], [errors[i] for i in ins], reference)
+        first_nonfinite = suspect.node if (errors[tensor].nan or errors[tensor].inf) else None
+        if first_nonfinite is None and any(e.nan or e.inf for e in out_errors) and session.builds < max_builds:
+            later = candidates[lo + 1 :] if lo < len(candidates) else []
+            a, b = _search(session, later, k, max_builds, lambda e: bool(e.nan or e.inf), None)
+            if a == b:
+                first_nonfinite = graph.node_name(later[a]) if a < len(later) else graph.node_name(failing[0])
+        summary = (
+            f"first divergent node {suspect.node} ({suspect.op_type}), likely cause {suspect.cause}: "
+            f"{suspect.explanation}; keep {suspect.keep} in higher precision"
+        )
+        return Bisection(
+            **base,
+            verdict="diverges",
+            builds=session.builds,
+            probes=session.probes,
+            suspects=[suspect],
+            first_nonfinite=first_nonfinite,
+            summary=summary,
+        )
+
+
+def _scan(session: Session, base: dict[str, Any], failing: list[str], outputs: list[str], per_build: int) -> Bisection:
+    """Every candidate tensor's error, ``per_build`` marked per build (all builds, no budget)."""
+    graph = session.graph
+    candidates = [
+        t for t in graph.order if t not in outputs and not (session.precision == "int8" and graph.folded_activation(t))
+    ]
+    errors: dict[str, TensorError] = {}
+    for start in range(0, len(candidates), per_build):
+        errors.update(session.probe(candidates[start : start + per_build]))
+    divergent = [t for t in candidates if errors[t].divergent]
+    first = divergent[0] if divergent else None
+    nonfinite = next((t for t in candidates if errors[t].nan or errors[t].inf), None)
+    suspects = []
+    if first is not None:
+        ins = [i for i in float_node_inputs(graph, first) if i in errors]
+        suspects.append(
+            _suspect(
+                session.registry,
+                session.model,
+                session.sku,
+                graph,
+                first,
+                errors[first],
+                [errors[i] for i in ins],
+                session.reference,
+            )
+        )
+    summary = f"scanned {len(candidates)} tensors in {session.builds} builds: " + (
+        f"{len(divergent)} diverge, the first at {graph.node_name(first)}" if first else "none diverges"
+    )
+    return Bisection(
+        **base,
+        verdict="diverges" if first else "clean",
+        failing_outputs=failing,
+        candidates=len(candidates),
+        builds=session.builds,
+        probes=session.probes,
+        suspects=suspects,
+        first_nonfinite=graph.node_name(nonfinite) if nonfinite else None,
+        summary=summary,
+        tensors=[errors[t] for t in candidates],
+    )
+
+
+def _search(
+    session: Session,
+    candidates: list[str],
+    k: int,
+    max_builds: int,
+    diverges: Callable[[TensorError], bool],
+    progress: Callable[[str, float], None] | None,
+) -> tuple[int, int]:
+    """Narrow [lo, hi) to the first candidate that diverges (hi == len: none before the anchor).
+    Each build marks k evenly spaced candidates; returns (lo, hi) with lo == hi when found."""
+    lo, hi = 0, len(candidates)
+    while lo < hi and session.builds < max_builds:
+        width = hi - lo
+        marks = list(range(lo, hi)) if width <= k else sorted({lo + (width * (j + 1)) // (k + 1) for j in range(k)})
+        errors = session.probe([candidates[m] for m in marks])
+        first = next((m for m in marks if diverges(errors[candidates[m]])), None)
+        if first is None:
+            lo = marks[-1] + 1
+        else:
+            lo, hi = max([m + 1 for m in marks if m < first], default=lo), first
+        if progress is not None:
+            progress("bisect", 1 - (hi - lo) / max(len(candidates), 1))
+    return lo, hi
+
+
+def _suspect(
+    registry: Registry,
+    model: str,
+    sku: str,
+    graph: Graph,
+    tensor: str,
+    error: TensorError,
+    inputs: list[TensorError],
+    reference: dict[str, np.ndarray],
+) -> Suspect:
+    import numpy as np
+
+    precision = registry.sku(sku).precision
+    node = graph.producer.get(tensor)
+    op_type = node.op_type if node is not None else "output"
+    cause, why = classify(error, inputs, op_type, precision)
+
+    def absmax(t: str) -> float | None:
+        arr = reference.get(t)
+        return float(np.abs(arr[np.isfinite(arr)]).max()) if arr is not None and np.isfinite(arr).any() else None
+
+    keep = remedy_nodes(graph, tensor, cause, precision, absmax) if node is not None else []
+    return Suspect(
+        node=error.node,
+        op_type=op_type,
+        tensor=tensor,
+        error=error,
+        inputs=inputs,
+        cause=cause,
+        explanation=why,
+        engine_layers=engine_layers(registry, model, sku, error.node, tensor),
+        keep=keep,
+    )
+
+
+def engine_layers(registry: Registry, model: str, sku: str, node: str, tensor: str) -> list[EngineLayer]:
+    """The layers of the SKU's built engine (build.json) that hold ``node``: a fused layer lists
+    the ONNX nodes it came from; a layer named after the node (or its output) is the node itself."""
+    from pipeline.project.artifacts import layout, read_report
+    from pipeline.results.reports import BuildReport
+
+    try:
+        build = read_report(layout(registry).report(model, sku, "build"), BuildReport, "build")
+    except SkuforgeError:
+        return []
+    # the node, its output tensor, or the QDQ pair the quantizer put on that tensor (<tensor>_QuantizeLinear):
+    # a plugin that folds the node into a neighbour (OpenVINO folds a Mul into the Conv before it)
+    # keeps only the names of what it folded
+    names = {node, tensor, f"{tensor}_QuantizeLinear", f"{tensor}_DequantizeLinear"}
+    hits = [
+        layer
+        for layer in build.layers
+        if names & set(layer.fused_from) or layer.name in names or layer.name.startswith(f"{node}_")
+    ]
+    return [EngineLayer(name=layer.name, op_type=layer.op_type, fused_from=layer.fused_from) for layer in hits]
