@@ -19,8 +19,9 @@ import pytest
 from cli_helpers import COMMAND, skuforge
 
 from pipeline.core.errors import UnsupportedOp
+from pipeline.engine.matrix import OUTCOMES, matrix, outcome_path, record_outcome, worst_exit
 from pipeline.host.probe import host_arch
-from pipeline.ops.repro import OUTCOMES, clear_outcomes, matrix, outcome_path, record_outcome, worst_exit
+from pipeline.ops.repro import clear_outcomes
 from pipeline.project.config import parse_registry
 
 REPO = Path(__file__).resolve().parents[1]

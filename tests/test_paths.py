@@ -112,7 +112,7 @@ def test_every_stage_depends_on_its_resolved_config_file():
 
 
 def test_stage_families_in_repro_match_dvc_yaml():
-    from pipeline.ops.repro import EXAMPLE_STAGES, GLOBAL_STAGES, MODEL_STAGES, PAIR_STAGES
+    from pipeline.engine.matrix import EXAMPLE_STAGES, GLOBAL_STAGES, MODEL_STAGES, PAIR_STAGES
 
     stages = dvc_stages()
     assert set(stages) == {*GLOBAL_STAGES, *EXAMPLE_STAGES, *MODEL_STAGES, *PAIR_STAGES}

@@ -8,8 +8,9 @@ import models
 import pytest
 
 from pipeline.core.errors import ConfigError, InputError
+from pipeline.engine.matrix import sku_statuses
 from pipeline.host.probe import host_arch
-from pipeline.ops.repro import DvcFailed, run_dvc_repro, sku_statuses, targets
+from pipeline.ops.repro import DvcFailed, run_dvc_repro, targets
 from pipeline.project.config import parse_registry
 
 OTHER_ARCH = "aarch64" if host_arch() == "x86_64" else "x86_64"

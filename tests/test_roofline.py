@@ -322,7 +322,7 @@ def test_reference_runner_profiles_onnx_node_names(tmp_path):
 
 
 def test_backends_without_layer_timing_say_none():
-    from pipeline.backends.base import Runner
+    from pipeline.backends.contract import Runner
 
     class Plain(Runner):
         def _infer_impl(self, feeds):

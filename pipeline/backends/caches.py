@@ -37,7 +37,8 @@ from pipeline.core.io import atomic_write_bytes, atomic_write_json, read_json, s
 from pipeline.core.paths import path_problem
 
 if TYPE_CHECKING:
-    from pipeline.backends.base import Backend, BuildContext
+    from pipeline.backends.base import Backend
+    from pipeline.backends.contract import BuildContext
 
 INDEX = "cache.json"
 REQUIRE_ENV = "SKUFORGE_REQUIRE_CACHE"  # "1" or "true": every build fails on a cache miss (CI's release flag)

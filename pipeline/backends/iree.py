@@ -26,9 +26,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.backends.base import Backend, BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
+from pipeline.backends.base import Backend
+from pipeline.backends.contract import BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
+from pipeline.backends.opset import convert_opset
 from pipeline.core.errors import ConfigError, EnvironmentProblem, InputError, UnsupportedOp
 from pipeline.host import probe
+from pipeline.model.graph import _all_nodes, default_opset, signature, tensors_to_raw
 from pipeline.results.reports import LayerInfo, TensorSig
 
 if TYPE_CHECKING:
@@ -164,8 +167,6 @@ class IreeBackend(Backend):
     # --- build ----------------------------------------------------------------------------------
 
     def _adapt(self, model: onnx.ModelProto, ctx: BuildContext, staged: Staged) -> onnx.ModelProto:
-        from pipeline.backends.opset import convert_opset
-        from pipeline.model.graph import default_opset, signature, tensors_to_raw
 
         # the importer lowers ops as defined from opset 17 on (older MaxPool, Slice, ... have no lowering)
         model, conversion = convert_opset(
@@ -356,7 +357,6 @@ def import_error(message: str, model: onnx.ModelProto, node_types: dict[str, str
     """The importer's failure as the error the user can act on: UnsupportedOp naming the node the
     message names (directly, or through a tensor the node reads), else InputError (never an
     environment problem: the importer ran)."""
-    from pipeline.model.graph import _all_nodes
 
     detail = message.strip().splitlines()[0] if message.strip() else "unknown error"
     quoted = [n for n in node_types if f"'{n}'" in message or f'"{n}"' in message]

@@ -15,15 +15,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
-from pipeline.backends.base import (
-    Backend,
-    BuildContext,
-    BuildOutcome,
-    Capabilities,
-    EngineMeta,
-    Runner,
-    Staged,
-)
+from pipeline.backends.base import Backend
+from pipeline.backends.contract import BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
 from pipeline.backends.quantize import QdqOptions, conversion_warnings
 from pipeline.backends.reference import (
     CPU,

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
-from pipeline.backends.base import (
-    Backend,
+from pipeline.backends.base import Backend
+from pipeline.backends.contract import (
     BuildContext,
     BuildOutcome,
     Capabilities,

@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipeline.backends.opset import OpsetConversion, convert_opset
 from pipeline.core.errors import InputError
+from pipeline.model.graph import SUGGESTED_OPSET, default_opset, tensors_to_raw
 
 if TYPE_CHECKING:
-    from pipeline.backends.base import BuildContext
+    from pipeline.backends.contract import BuildContext
 
 # QuantizeLinear/DequantizeLinear take a per-channel ``axis`` from opset 13
 QDQ_MIN_OPSET = 13
@@ -111,8 +113,6 @@ def quantize_qdq(
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.calibrate import load_tensors_data
 
-    from pipeline.backends.opset import convert_opset
-    from pipeline.model.graph import SUGGESTED_OPSET, default_opset, tensors_to_raw
 
     if ctx.calibration_table is None or not ctx.calibration_table.is_file():
         raise InputError(
@@ -184,7 +184,6 @@ def quantize_qdq(
 
 def conversion_warnings(calibration: dict[str, Any] | None) -> list[str]:
     """The build warning for the opset conversion recorded by ``quantize_qdq`` (if any)."""
-    from pipeline.backends.opset import OpsetConversion
 
     record = (calibration or {}).get("opset_conversion")
     return [OpsetConversion(**record).warning()] if record else []
@@ -210,7 +209,6 @@ def to_fp16(source: Path, out: Path, keep: tuple[str, ...] = ()) -> Path:
     from onnxruntime.transformers.float16 import convert_float_to_float16
     from onnxruntime.transformers.onnx_model import OnnxModel
 
-    from pipeline.model.graph import tensors_to_raw
 
     model = onnx.load(str(source))
     check_nodes(model, keep, "nodes to keep in FP32")

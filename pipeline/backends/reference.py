@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.backends.base import Runner, median_per_run
+from pipeline.backends.contract import Runner, median_per_run
 from pipeline.core.errors import EnvironmentProblem, InputError, UnsupportedOp
 from pipeline.core.io import atomic_write_bytes
 from pipeline.results.reports import TensorSig

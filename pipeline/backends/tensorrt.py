@@ -27,12 +27,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.backends.base import Backend, BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
+from pipeline.backends.base import Backend
+from pipeline.backends.contract import BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
 from pipeline.backends.quantize import QdqSettings, quantize_qdq, to_fp16
 from pipeline.core.errors import ConfigError, EnvironmentProblem, InputError, SkuforgeError, UnsupportedOp
 from pipeline.core.io import atomic_write_bytes
 from pipeline.core.versions import UnreadableVersion, normalize
 from pipeline.host.probe import NO_GPU, GpuInfo, cuda_runtime_api, gpu_info, jetson_gpu, parse_nvidia_smi  # noqa: F401 (re-exported)
+from pipeline.model.graph import signature
 from pipeline.results.reports import LayerInfo, Signature, TensorSig
 
 if TYPE_CHECKING:
@@ -747,7 +749,6 @@ class TensorRtBackend(Backend):
             staged.replace(to_fp16(staged.source, staged.work / "fp16.onnx", ctx.keep_precise))
 
     def _build_impl(self, ctx: BuildContext, staged: Staged) -> BuildOutcome:
-        from pipeline.model.graph import signature
 
         opts: TensorRtOptions = staged.options
         trt = _trt()

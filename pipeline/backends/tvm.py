@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.backends.base import (
-    Backend,
+from pipeline.backends.base import Backend
+from pipeline.backends.contract import (
     BuildContext,
     BuildOutcome,
     Capabilities,
@@ -38,6 +38,7 @@ from pipeline.backends.base import (
 )
 from pipeline.core.errors import EnvironmentProblem, InputError, UnsupportedOp
 from pipeline.host import probe
+from pipeline.model.graph import signature
 from pipeline.results.reports import LayerInfo, TensorSig
 
 if TYPE_CHECKING:
@@ -330,7 +331,6 @@ class TvmBackend(Backend):
     # --- build --------------------------------------------------------------------------------
 
     def _build_impl(self, ctx: BuildContext, staged: Staged) -> BuildOutcome:
-        from pipeline.model.graph import signature
 
         opts: TvmOptions = staged.options
         tvm = _tvm()

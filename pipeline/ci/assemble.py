@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.errors import InputError
+from pipeline.core.io import atomic_write_bytes
 from pipeline.project.config import Registry
+from pipeline.results.dvcmetrics import write_comparison
+from pipeline.verify.consistency import refresh_reports
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -41,7 +44,6 @@ def assemble(registry: Registry, locks_dir: Path, lock: Path | None = None) -> d
     the files written, or why not)."""
     import yaml
 
-    from pipeline.core.io import atomic_write_bytes
 
     lock = Path(lock) if lock is not None else registry.root / "dvc.lock"
     merged = _load(lock) if lock.is_file() else {"schema": "2.0", "stages": {}}
@@ -71,8 +73,6 @@ def assemble(registry: Registry, locks_dir: Path, lock: Path | None = None) -> d
     changed = not lock.is_file() or lock.read_text() != text
     if changed:
         atomic_write_bytes(lock, text.encode())
-    from pipeline.results.dvcmetrics import write_comparison
-    from pipeline.verify.consistency import refresh_reports
 
     # each SKU job wrote its own metrics/bench files; the per-model comparison spans them all
     compared = [str(path) for model in registry.models if (path := write_comparison(registry.root, model))]

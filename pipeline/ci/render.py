@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.errors import ConfigError
+from pipeline.core.io import atomic_write_bytes
 from pipeline.project.config import NAME_PATTERN, Registry, SkuSpec
 
 WORKFLOW_DIR = Path(".github") / "workflows"
@@ -110,7 +111,6 @@ def render(registry: Registry, output: Path | None = None, check: bool = False) 
 
     With ``check`` nothing is written; ``differ`` lists the files that are stale or missing.
     """
-    from pipeline.core.io import atomic_write_bytes
 
     directory = Path(output) if output is not None else registry.root / WORKFLOW_DIR
     files, differ = [], []

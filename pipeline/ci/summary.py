@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pipeline.core.redact import redact
+from pipeline.engine.matrix import matrix
 from pipeline.project.config import Registry
 
 COLUMNS = [
@@ -33,7 +34,6 @@ def markdown(registry: Registry, sku: str, report_url: str | None = None) -> str
     written; otherwise the outcome (gate failed, build failed, unsupported, not run) and why.
     ``report_url``: where the job's HTML report (``skuforge report``) can be downloaded; a job
     summary cannot show its charts itself (GitHub drops ``data:`` images), so it links to them."""
-    from pipeline.ops.repro import matrix
 
     registry.sku(sku)  # an unknown SKU is a config error naming the known ones
     pairs = [p for p in matrix(registry, skus=[sku]) if p.manifest is not None or p.outcome != "not run" or p.exit_code]

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from pipeline.cli import bisect, cache, ci, commands, compare, keys, rollout
 from pipeline.core import redact
 from pipeline.core.errors import EXIT_INTERNAL, EnvironmentProblem, InputError, SkuforgeError
+from pipeline.core.io import storage_error
+from pipeline.engine.matrix import clear_outcome, record_outcome
 
 # Loggers that log a traceback for an error skuforge reports itself in one line (-v shows them).
 _NOISY = ("mlflow.store.db.utils",)
@@ -61,7 +63,6 @@ def _setup_logging(verbose: bool) -> None:
 
 def _os_error(exc: OSError) -> SkuforgeError | None:
     """A file-system error no library code turned into a message: still one the user can act on."""
-    from pipeline.core.io import storage_error
 
     if exc.filename is None:
         return None
@@ -141,7 +142,6 @@ def _record(args: argparse.Namespace, code: int, exc: BaseException | None) -> i
         return code
     from pathlib import Path
 
-    from pipeline.ops.repro import clear_outcome, record_outcome
 
     root = Path(args.params).resolve().parent
     try:

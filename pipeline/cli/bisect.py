@@ -6,6 +6,13 @@ import argparse
 from pathlib import Path
 
 from pipeline.cli.commands import _emit, _registry
+from pipeline.cli.progress import ProgressLine
+from pipeline.core.errors import ConfigError
+from pipeline.core.io import atomic_write_json
+from pipeline.engine.build import require_host
+from pipeline.project.artifacts import layout
+from pipeline.verify.bisect import bisect
+from pipeline.verify.remedy import apply_overrides, fix
 
 
 def count(value: str) -> int:
@@ -45,11 +52,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.cli.progress import ProgressLine
-    from pipeline.core.errors import ConfigError
-    from pipeline.core.io import atomic_write_json
-    from pipeline.engine.build import require_host
-    from pipeline.project.artifacts import layout
 
     if args.scan and args.fix:
         raise ConfigError("--scan measures, --fix repairs: give one", hint="skuforge bisect --model M --sku S --scan")
@@ -64,7 +66,6 @@ def run(args: argparse.Namespace) -> int:
     progress = ProgressLine()
     try:
         if args.fix:
-            from pipeline.verify.remedy import apply_overrides, fix
 
             result = fix(
                 registry, args.model, args.sku, max_rounds=args.rounds, max_builds=args.max_builds, progress=progress
@@ -72,7 +73,6 @@ def run(args: argparse.Namespace) -> int:
             if args.apply and result.passed:
                 apply_overrides(Path(args.params), args.model, args.sku, result.keep_precise)
         else:
-            from pipeline.verify.bisect import bisect
 
             result = bisect(
                 registry,

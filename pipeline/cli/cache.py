@@ -7,6 +7,12 @@ import argparse
 import json
 import sys
 
+from pipeline.backends import capability_table
+from pipeline.cli.progress import ProgressLine
+from pipeline.ops.caches import refresh as cache_refresh
+from pipeline.ops.caches import status as cache_status
+from pipeline.project.config import load_registry
+
 
 def _trials(value: str) -> int:
     if not value.strip().isdigit() or int(value) < 1:
@@ -49,8 +55,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def status(args: argparse.Namespace) -> int:
-    from pipeline.ops.caches import status as cache_status
-    from pipeline.project.config import load_registry
 
     registry = load_registry(args.params)
     for name in args.sku or []:
@@ -125,9 +129,6 @@ def _size(n: int) -> str:
 
 
 def refresh(args: argparse.Namespace) -> int:
-    from pipeline.cli.progress import ProgressLine
-    from pipeline.ops.caches import refresh as cache_refresh
-    from pipeline.project.config import load_registry
 
     registry = load_registry(args.params)
     for name in args.model or []:
@@ -150,7 +151,6 @@ def refresh(args: argparse.Namespace) -> int:
 
 
 def backends(args: argparse.Namespace) -> int:
-    from pipeline.backends import capability_table
 
     rows = capability_table()
     if args.json:

@@ -6,6 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from pipeline.ci.assemble import assemble as do_assemble
+from pipeline.ci.render import render as do_render
+from pipeline.ci.summary import markdown
+from pipeline.cli.compare import refresh_lines
+from pipeline.project.config import load_registry
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     ci = sub.add_parser("ci", help="GitHub Actions workflows rendered from the registry")
@@ -31,13 +37,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _registry(args: argparse.Namespace):
-    from pipeline.project.config import load_registry
 
     return load_registry(args.params)
 
 
 def render(args: argparse.Namespace) -> int:
-    from pipeline.ci.render import render as do_render
 
     result = do_render(_registry(args), args.output, check=args.check)
     if args.check:
@@ -55,15 +59,12 @@ def render(args: argparse.Namespace) -> int:
 
 
 def summary(args: argparse.Namespace) -> int:
-    from pipeline.ci.summary import markdown
 
     print(markdown(_registry(args), args.sku, args.report_url))
     return 0
 
 
 def assemble(args: argparse.Namespace) -> int:
-    from pipeline.ci.assemble import assemble as do_assemble
-    from pipeline.cli.compare import refresh_lines
 
     result = do_assemble(_registry(args), args.locks_dir)
     print(f"dvc.lock {'updated' if result['changed'] else 'unchanged'} from the SKUs {', '.join(result['skus'])}")

@@ -8,6 +8,24 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from pipeline.cli.compare import refresh_lines
+from pipeline.cli.progress import ProgressLine
+from pipeline.core.errors import ConfigError, EnvironmentProblem, SkuforgeError
+from pipeline.core.paths import Layout
+from pipeline.engine.matrix import matrix, sku_statuses, worst_exit
+from pipeline.ops.hostreport import check_report, class_labels, load_classes, probe_report
+from pipeline.ops.repro import DvcFailed, ProjectStatus, clear_outcomes, run_dvc_repro, targets, upstream_stages
+from pipeline.project.config import load_registry
+from pipeline.report import write_site
+from pipeline.stages.config import write_config
+from pipeline.stages.export import export
+from pipeline.stages.publish import publish as publish_pair
+from pipeline.tracking.client import require_mlflow
+from pipeline.tracking.promotion import PromotionBlocked, rollback
+from pipeline.tracking.promotion import promote as promote_alias
+from pipeline.tracking.releases import list_releases
+from pipeline.verify.consistency import refresh_reports
+
 
 def positive_int(value: str) -> str:
     """A registered version number (MLflow counts from 1), checked before any store is opened."""
@@ -20,7 +38,6 @@ def positive_int(value: str) -> str:
 
 
 def _registry(args: argparse.Namespace):
-    from pipeline.project.config import load_registry
 
     return load_registry(args.params)
 
@@ -38,7 +55,6 @@ def _stage(
     def run(args: argparse.Namespace) -> int:
         import importlib
 
-        from pipeline.cli.progress import ProgressLine
 
         module, _, name = fn_path.partition(":")
         fn = getattr(importlib.import_module(module), name)
@@ -256,7 +272,6 @@ def config_validate(args: argparse.Namespace) -> int:
 
 
 def config_resolve(args: argparse.Namespace) -> int:
-    from pipeline.stages.config import write_config
 
     result = write_config(_registry(args))
     _emit(
@@ -271,7 +286,6 @@ def config_resolve(args: argparse.Namespace) -> int:
 
 
 def list_skus(args: argparse.Namespace) -> int:
-    from pipeline.ops.repro import sku_statuses
 
     rows = [s for s in sku_statuses(_registry(args)) if s.buildable or not args.buildable_here]
 
@@ -292,8 +306,6 @@ def list_skus(args: argparse.Namespace) -> int:
 
 
 def export_example(args: argparse.Namespace) -> int:
-    from pipeline.cli.progress import ProgressLine
-    from pipeline.stages.export import export
 
     progress = ProgressLine()
     try:
@@ -305,17 +317,6 @@ def export_example(args: argparse.Namespace) -> int:
 
 
 def repro(args: argparse.Namespace) -> int:
-    from pipeline.ops.repro import (
-        DvcFailed,
-        ProjectStatus,
-        clear_outcomes,
-        matrix,
-        run_dvc_repro,
-        sku_statuses,
-        targets,
-        upstream_stages,
-        worst_exit,
-    )
 
     reg = _registry(args)
     status = None if args.force else ProjectStatus(reg.root)
@@ -328,7 +329,6 @@ def repro(args: argparse.Namespace) -> int:
         )
     if not dvc_targets:
         if args.sku:  # asked for by name (a CI job for one SKU): building nothing is not success
-            from pipeline.core.errors import EnvironmentProblem
 
             raise EnvironmentProblem(
                 f"this host can build none of the SKUs asked for: {', '.join(args.sku)}",
@@ -374,9 +374,6 @@ def repro(args: argparse.Namespace) -> int:
 def _consistency_reports(reg, models: list[str] | None) -> tuple[dict[str, Any], int]:
     """Refresh the checked-in consistency matrix of each model (reports/consistency/) after a run:
     model -> the files written or why not, and an exit code for a failure to write them."""
-    from pipeline.cli.compare import refresh_lines
-    from pipeline.core.errors import SkuforgeError
-    from pipeline.verify.consistency import refresh_reports
 
     try:
         done = refresh_reports(reg, models)
@@ -397,11 +394,6 @@ def _quiet_mlflow() -> None:
 
 
 def publish(args: argparse.Namespace) -> int:
-    from pipeline.cli.progress import ProgressLine
-    from pipeline.core.errors import ConfigError
-    from pipeline.core.paths import Layout
-    from pipeline.stages.publish import publish as publish_pair
-    from pipeline.tracking.client import require_mlflow
 
     _quiet_mlflow()
     reg = _registry(args)
@@ -455,8 +447,6 @@ def _promotion_text(report) -> str:
 
 
 def promote(args: argparse.Namespace) -> int:
-    from pipeline.tracking.promotion import PromotionBlocked, rollback
-    from pipeline.tracking.promotion import promote as promote_alias
 
     _quiet_mlflow()
     reg = _registry(args)
@@ -464,7 +454,6 @@ def promote(args: argparse.Namespace) -> int:
     try:
         if args.rollback:
             if args.version:
-                from pipeline.core.errors import ConfigError
 
                 raise ConfigError("--rollback moves the alias to its previous holder", hint="leave out --version")
             report = rollback(reg, args.model, args.to, skus=skus, reason=args.reason)
@@ -479,7 +468,6 @@ def promote(args: argparse.Namespace) -> int:
 
 
 def releases(args: argparse.Namespace) -> int:
-    from pipeline.tracking.releases import list_releases
 
     _quiet_mlflow()
     listing = list_releases(_registry(args), args.model, with_history=args.history)
@@ -521,7 +509,6 @@ def releases(args: argparse.Namespace) -> int:
 
 
 def summary(args: argparse.Namespace) -> int:
-    from pipeline.ops.repro import matrix
 
     rows = matrix(_registry(args))
     _emit(args, [r.to_json() for r in rows], lambda: _matrix_text(rows))
@@ -531,7 +518,6 @@ def summary(args: argparse.Namespace) -> int:
 def report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pipeline.report import write_site
 
     index = write_site(_registry(args), args.model, Path(args.out).absolute() if args.out else None, args.sku)
     print(index)
@@ -539,7 +525,6 @@ def report(args: argparse.Namespace) -> int:
 
 
 def runner_probe(args: argparse.Namespace) -> int:
-    from pipeline.ops.hostreport import probe_report
 
     report = probe_report(_registry(args), peaks=args.peaks or args.refresh, refresh=args.refresh)
     # the probe is a JSON document either way (pin-device-state.sh and the benchmark record it)
@@ -548,8 +533,6 @@ def runner_probe(args: argparse.Namespace) -> int:
 
 
 def runner_check(args: argparse.Namespace) -> int:
-    from pipeline.core.errors import EnvironmentProblem
-    from pipeline.ops.hostreport import check_report
 
     report = check_report(_registry(args), args.sku)
     if report["matches"]:
@@ -565,7 +548,6 @@ def runner_check(args: argparse.Namespace) -> int:
 
 
 def runner_labels(args: argparse.Namespace) -> int:
-    from pipeline.ops.hostreport import class_labels, load_classes
 
     labels = class_labels(load_classes(args.classes), args.runner_class)
     _emit(args, labels, lambda: ",".join(labels))

@@ -6,6 +6,9 @@ import argparse
 import json
 import sys
 
+from pipeline.project.config import load_registry
+from pipeline.verify.consistency import consistency, describe, nonfinite_line, table, write_report
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -21,8 +24,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def compare(args: argparse.Namespace) -> int:
-    from pipeline.project.config import load_registry
-    from pipeline.verify.consistency import consistency, write_report
 
     registry = load_registry(args.params)
     report = consistency(registry, args.model)
@@ -43,7 +44,6 @@ def _aligned(rows: list[list[str]], indent: str = "  ") -> list[str]:
 
 def text(report) -> str:
     """Per output, the max abs error matrix (top-1 agreement in brackets for classification scores)."""
-    from pipeline.verify.consistency import describe, nonfinite_line, table
 
     skus = ", ".join(
         f"{s.sku} ({s.backend} {s.precision}{'' if s.validate_passed else ', validate FAILED'})" for s in report.skus

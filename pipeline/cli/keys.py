@@ -6,6 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
+from pipeline.project.config import load_registry
+from pipeline.results.signing import ENV_SIGNING_KEY, aliases_accepting, generate_key_file, signing_key
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     keys = sub.add_parser("keys", help="the ed25519 key publish signs manifests with")
@@ -46,15 +49,12 @@ def _trust(args: argparse.Namespace, public_key: str) -> list[str] | None:
     """Aliases this key's versions may reach, when params.yaml is at hand."""
     if not Path(args.params).is_file():
         return None
-    from pipeline.project.config import load_registry
-    from pipeline.results.signing import aliases_accepting
 
     release = load_registry(args.params).release
     return aliases_accepting(release.signing, release.aliases, public_key)
 
 
 def show(args: argparse.Namespace) -> int:
-    from pipeline.results.signing import ENV_SIGNING_KEY, signing_key
 
     key = signing_key()
     data = _describe(key, args.name or ("ci" if key.source.endswith(ENV_SIGNING_KEY) else "dev"))
@@ -73,7 +73,6 @@ def show(args: argparse.Namespace) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from pipeline.results.signing import ENV_SIGNING_KEY, generate_key_file
 
     key = generate_key_file(args.out)
     data = _describe(key, args.name)

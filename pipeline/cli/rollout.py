@@ -6,6 +6,20 @@ import argparse
 import json
 from pathlib import Path
 
+from pipeline.core.errors import ConfigError
+from pipeline.core.io import atomic_write_bytes
+from pipeline.project.config import load_registry
+from pipeline.results.signing import read_key_file, signing_key
+from pipeline.rollout import controller, trust
+from pipeline.rollout.agent import Agent, Device, load_device
+from pipeline.rollout.controller import advance, live_models, move, status
+from pipeline.rollout.inventory import load_inventory
+from pipeline.rollout.plan import plan
+from pipeline.rollout.release import publish_release, release_doc, releases_of
+from pipeline.rollout.store import open_store, store_url
+from pipeline.rollout.trust import Keys, initialise, root_bytes
+from pipeline.tracking.client import actor
+
 ACTIONS = ("pause", "resume", "abort", "rollback")
 PINNED_ROOT = "release-root.json"  # the store's root as this project created it: commit it
 
@@ -103,10 +117,6 @@ def _which(p: argparse.ArgumentParser) -> None:
 
 
 def _context(args: argparse.Namespace, keys: bool = True):
-    from pipeline.project.config import load_registry
-    from pipeline.results.signing import signing_key
-    from pipeline.rollout.store import open_store, store_url
-    from pipeline.rollout.trust import Keys
 
     reg = load_registry(args.params)
     store = open_store(args.store or store_url(reg.rollout.store), reg.root)
@@ -116,7 +126,6 @@ def _context(args: argparse.Namespace, keys: bool = True):
 
 
 def _actor() -> str:
-    from pipeline.tracking.client import actor
 
     return actor()
 
@@ -126,14 +135,10 @@ def _print(args: argparse.Namespace, data, text: str) -> None:
 
 
 def release_init(args: argparse.Namespace) -> int:
-    from pipeline.results.signing import read_key_file
-    from pipeline.rollout.trust import Keys, initialise
 
     reg, store, keys = _context(args)
     if args.root_key:
         keys = Keys(root=[read_key_file(p) for p in args.root_key], online=keys.online, root_threshold=args.threshold)
-    from pipeline.core.io import atomic_write_bytes
-    from pipeline.rollout.trust import root_bytes
 
     made = initialise(store, keys, reg.rollout.expiry)
     pinned = reg.root / PINNED_ROOT
@@ -147,7 +152,6 @@ def release_init(args: argparse.Namespace) -> int:
 
 
 def release_publish(args: argparse.Namespace) -> int:
-    from pipeline.rollout.release import publish_release
 
     reg, store, keys = _context(args)
     r = publish_release(reg, store, keys, args.model, alias=args.alias, skus=args.sku, actor=_actor())
@@ -165,8 +169,6 @@ def release_publish(args: argparse.Namespace) -> int:
 
 
 def release_root(args: argparse.Namespace) -> int:
-    from pipeline.core.io import atomic_write_bytes
-    from pipeline.rollout.trust import root_bytes
 
     _, store, keys = _context(args)
     atomic_write_bytes(args.out, root_bytes(store, keys))
@@ -175,10 +177,6 @@ def release_root(args: argparse.Namespace) -> int:
 
 
 def rollout_plan(args: argparse.Namespace) -> int:
-    from pipeline.rollout import trust
-    from pipeline.rollout.inventory import load_inventory
-    from pipeline.rollout.plan import plan
-    from pipeline.rollout.release import release_doc, releases_of
 
     reg, store, _ = _context(args, keys=False)
     inventory = load_inventory(args.inventory)
@@ -198,12 +196,10 @@ def rollout_plan(args: argparse.Namespace) -> int:
 
 
 def rollout_start(args: argparse.Namespace) -> int:
-    from pipeline.rollout import controller
 
     reg, store, keys = _context(args)
     inventory = None
     if args.inventory is not None:
-        from pipeline.rollout.inventory import load_inventory
 
         inventory = load_inventory(args.inventory)
     doc = controller.start(
@@ -218,7 +214,6 @@ def rollout_start(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace, store, registry) -> list[str]:
-    from pipeline.rollout.controller import live_models
 
     if args.all:
         return live_models(store)
@@ -259,7 +254,6 @@ def _markdown(rows) -> str:
 
 
 def rollout_status(args: argparse.Namespace) -> int:
-    from pipeline.rollout.controller import status
 
     reg, store, _ = _context(args, keys=False)
     rows = [(m, status(reg, store, m)) for m in _models(args, store, reg)]
@@ -273,7 +267,6 @@ def rollout_status(args: argparse.Namespace) -> int:
 
 
 def rollout_advance(args: argparse.Namespace) -> int:
-    from pipeline.rollout.controller import advance
 
     reg, store, keys = _context(args)
     rows = [(m, advance(reg, store, keys, m, actor=_actor())) for m in _models(args, store, reg)]
@@ -286,7 +279,6 @@ def rollout_advance(args: argparse.Namespace) -> int:
 
 
 def rollout_move(args: argparse.Namespace) -> int:
-    from pipeline.rollout.controller import move
 
     reg, store, keys = _context(args)
     docs = [
@@ -303,9 +295,6 @@ def rollout_move(args: argparse.Namespace) -> int:
 def run_agent(args: argparse.Namespace) -> int:
     import time
 
-    from pipeline.core.errors import ConfigError
-    from pipeline.rollout.agent import Agent, Device, load_device
-    from pipeline.rollout.store import open_store, store_url
 
     url = args.store or store_url("")
     if not url:

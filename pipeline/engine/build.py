@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.backends import get_backend
-from pipeline.backends.base import BuildContext, BuildOutcome
+from pipeline.backends.contract import BuildContext, BuildOutcome
 from pipeline.core.errors import EnvironmentProblem
 from pipeline.core.io import atomic_dir, sha256_json
 from pipeline.core.progress import Progress

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.core.errors import InputError
+from pipeline.core.io import sha256_bytes, sha256_file
 from pipeline.results.reports import PassRecord, Signature, TensorSig
 
 if TYPE_CHECKING:
@@ -126,7 +127,6 @@ def source_sha256(path: Path, root: Path) -> str:
     file and then each external-data file in location order, so a change to any one shows."""
     import onnx
 
-    from pipeline.core.io import sha256_bytes, sha256_file
 
     externals = external_data_files(onnx.load(str(path), load_external_data=False), path, root)
     if not externals:

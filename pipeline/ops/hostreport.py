@@ -7,10 +7,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pipeline.core.errors import ConfigError, InputError
+from pipeline.backends import get_backend
+from pipeline.core.errors import ConfigError, InputError, SkuforgeError
 from pipeline.core.versions import satisfies
 from pipeline.engine.hostcheck import host_problems
+from pipeline.engine.matrix import sku_statuses
 from pipeline.host import probe
+from pipeline.host.peaks import host_peaks
 from pipeline.project.config import Registry
 
 
@@ -27,8 +30,6 @@ def toolchain_versions(registry: Registry) -> dict[str, str | None]:
 
 def backend_versions(registry: Registry) -> dict[str, dict[str, str] | str]:
     """Each used backend's SDK versions, or why they cannot be read here."""
-    from pipeline.backends import get_backend
-    from pipeline.core.errors import SkuforgeError
 
     out: dict[str, dict[str, str] | str] = {}
     for name in sorted({s.backend for s in registry.skus.values()}):
@@ -42,7 +43,6 @@ def backend_versions(registry: Registry) -> dict[str, dict[str, str] | str]:
 def probe_report(registry: Registry, peaks: bool = False, refresh: bool = False) -> dict[str, Any]:
     """The host as a runner; with ``peaks``, its peak compute and bandwidth (pipeline.host.peaks:
     cached per host, ``refresh`` measures again)."""
-    from pipeline.ops.repro import sku_statuses
 
     statuses = sku_statuses(registry)
     report = {
@@ -57,7 +57,6 @@ def probe_report(registry: Registry, peaks: bool = False, refresh: bool = False)
         },
     }
     if peaks:
-        from pipeline.host.peaks import host_peaks
 
         report["peaks"] = host_peaks(refresh=refresh).to_json()
     return report

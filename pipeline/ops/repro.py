@@ -9,51 +9,22 @@ import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal, get_args
 
 from pipeline.core.errors import EnvironmentProblem, InputError, MalformedFile, SkuforgeError
 from pipeline.core.io import MERGE_CONFLICT_FIX, merge_conflict
 from pipeline.core.redact import redact
-from pipeline.engine.hostcheck import host_problems
+from pipeline.engine.matrix import (
+    EXAMPLE_STAGES,
+    GLOBAL_STAGES,
+    MODEL_STAGES,
+    PAIR_STAGES,
+    SkuStatus,
+    clear_outcome,
+    sku_statuses,
+    split_pair,
+)
 from pipeline.project.config import Registry
-
-
-@dataclass
-class SkuStatus:
-    sku: str
-    backend: str
-    precision: str
-    target: str
-    runner_labels: list[str]
-    buildable: bool
-    runnable: bool = False
-    problems: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return self.__dict__.copy()
-
-
-def sku_statuses(registry: Registry) -> list[SkuStatus]:
-    out = []
-    for name, spec in registry.skus.items():
-        build = host_problems(registry, name, "build")
-        run = host_problems(registry, name, "run")
-        out.append(
-            SkuStatus(
-                sku=name,
-                backend=spec.backend,
-                precision=spec.precision,
-                target=f"{spec.target.arch}/{spec.target.device}/{spec.target.os}",
-                runner_labels=spec.runner_labels,
-                buildable=not build,
-                runnable=not run,
-                problems=list(dict.fromkeys(build + run)),
-            )
-        )
-    return out
 
 
 def targets(
@@ -77,18 +48,12 @@ def targets(
 
 
 # Stage families of dvc.yaml (tests/test_paths.py keeps them in step with it).
-GLOBAL_STAGES = ("config",)
-EXAMPLE_STAGES = ("export",)
-MODEL_STAGES = ("prepare", "data", "reference", "calibrate")
-PAIR_STAGES = ("build", "validate", "bench", "manifest", "publish")
-
-
 def upstream_stages(registry: Registry, dvc_targets: list[str]) -> set[str]:
     """The dvc.yaml stages the targets depend on, targets included."""
     names: set[str] = set(GLOBAL_STAGES) | {f"{s}@{e}" for s in EXAMPLE_STAGES for e in registry.examples}
     for target in dvc_targets:
         stage, _, pair = target.partition("@")
-        model, sku = _split_pair(registry, pair)
+        model, sku = split_pair(registry, pair)
         names |= {f"{s}@{model}" for s in MODEL_STAGES}
         names |= {f"{s}@{model}-{sku}" for s in PAIR_STAGES[: PAIR_STAGES.index(stage) + 1]}
     return names
@@ -341,52 +306,6 @@ def _first_error(text: str, default: str | None = "") -> str | None:
 
 # --- outcome records: what a stage command's failure was, where DVC does not look -------------
 
-OUTCOMES_DIR = Path("build") / ".outcomes"  # not inside any stage's outs: dvc neither removes nor tracks it
-
-
-def outcome_path(root: Path, stage: str, model: str | None = None, sku: str | None = None) -> Path:
-    """``build/.outcomes/config.json``, ``<model>/<stage>.json`` or ``<model>/<stage>@<sku>.json``."""
-    base = Path(root) / OUTCOMES_DIR
-    if model is None:
-        return base / f"{stage}.json"
-    return base / model / (f"{stage}@{sku}.json" if sku else f"{stage}.json")
-
-
-def record_outcome(
-    root: Path,
-    stage: str,
-    model: str | None,
-    sku: str | None,
-    exit_code: int,
-    message: str,
-    error: BaseException | None = None,
-) -> Path:
-    """Write the failure of one stage command (atomically): stage, exit code, one-line message and,
-    for an UnsupportedOp, the backend, op and node."""
-    from pipeline.core.errors import UnsupportedOp
-    from pipeline.core.io import atomic_write_bytes, atomic_write_json
-
-    base = Path(root) / OUTCOMES_DIR
-    if not (base / ".gitignore").exists():  # local state of this checkout, like build/
-        atomic_write_bytes(base / ".gitignore", b"*\n")
-    lines = [line.strip() for line in redact(message).splitlines() if line.strip()]
-    record = {
-        "stage": stage,
-        "model": model,
-        "sku": sku,
-        "exit_code": exit_code,
-        "message": " / ".join(lines[:4]) or "failed without a message",
-        "time": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
-        "unsupported": None,
-    }
-    if isinstance(error, UnsupportedOp):
-        record["unsupported"] = {"backend": error.backend, "op_type": error.op_type, "node": error.node}
-    return atomic_write_json(outcome_path(root, stage, model, sku), record)
-
-
-def clear_outcome(root: Path, stage: str, model: str | None = None, sku: str | None = None) -> None:
-    outcome_path(root, stage, model, sku).unlink(missing_ok=True)
-
 
 def clear_outcomes(registry: Registry, dvc_targets: list[str]) -> None:
     """Forget the recorded failures of every stage the targets depend on: the run about to start
@@ -398,275 +317,5 @@ def clear_outcomes(registry: Registry, dvc_targets: list[str]) -> None:
         elif stage in MODEL_STAGES:
             clear_outcome(registry.root, stage, item)
         elif stage in PAIR_STAGES:
-            model, sku = _split_pair(registry, item)
+            model, sku = split_pair(registry, item)
             clear_outcome(registry.root, stage, model, sku)
-
-
-def _split_pair(registry: Registry, item: str) -> tuple[str, str]:
-    return next(
-        (m, item[len(m) + 1 :])
-        for m in registry.models
-        if item.startswith(f"{m}-") and item[len(m) + 1 :] in registry.skus
-    )
-
-
-def _read_outcome(path: Path) -> dict[str, Any] | None:
-    try:
-        record = json.loads(path.read_text())
-        record["_mtime"] = path.stat().st_mtime
-        return record if isinstance(record, dict) and "stage" in record else None
-    except (OSError, ValueError):
-        return None  # half-written or foreign: a record is a hint, never a reason to fail
-
-
-# --- the matrix ---------------------------------------------------------------------------------
-
-Outcome = Literal[
-    "passed",
-    "gate failed",
-    "build failed",
-    "unsupported",
-    "publish failed",
-    "built only",
-    "not buildable here",
-    "not run",
-]
-OUTCOMES: tuple[str, ...] = get_args(Outcome)
-
-
-@dataclass
-class PairOutcome:
-    """What became of one (model, SKU): ``outcome`` (one of OUTCOMES), the exit code it stands for,
-    a one-line ``detail``, the stage it concerns, and the manifest's figures where there is one."""
-
-    model: str
-    sku: str
-    outcome: Outcome
-    exit_code: int = 0
-    detail: str = ""
-    stage: str | None = None
-    p50_ms: float | None = None
-    unsupported: dict[str, Any] | None = None
-    runner_labels: list[str] = field(default_factory=list)
-    manifest: dict[str, Any] | None = None  # the summary row of its manifest
-    fix: str = ""  # a failed correctness gate: the bisected node and the command that fixes it (also in detail)
-
-    def to_json(self) -> dict[str, Any]:
-        return self.__dict__.copy()
-
-
-def matrix(
-    registry: Registry,
-    models: list[str] | None = None,
-    skus: list[str] | None = None,
-    statuses: list[SkuStatus] | None = None,
-) -> list[PairOutcome]:
-    """One outcome per (model, SKU), in registry order, from the manifests, the outcome records the
-    stage commands left and what this host can do (``statuses``: sku_statuses, computed when None).
-
-    A record counts only when it is newer than the pair's manifest; of several, the newest (a
-    stage that succeeds removes its own record, and `skuforge repro` clears those of its targets).
-    """
-    statuses = statuses if statuses is not None else sku_statuses(registry)
-    by_sku = {s.sku: s for s in statuses}
-    base = registry.root / OUTCOMES_DIR
-    config = _read_outcome(base / "config.json")
-    rows = []
-    for model in models or list(registry.models):
-        upstream = [r for r in (config, *(_read_outcome(base / model / f"{st}.json") for st in MODEL_STAGES)) if r]
-        for sku in skus or list(registry.skus):
-            row = _pair_outcome(registry, model, sku, by_sku.get(sku), upstream)
-            if row.manifest is not None:
-                row.manifest.pop("failures")  # said in ``detail``
-            rows.append(row)
-    return rows
-
-
-def _pair_outcome(
-    registry: Registry, model: str, sku: str, status: SkuStatus | None, upstream: list[dict[str, Any]]
-) -> PairOutcome:
-    from pipeline.core.paths import Layout
-
-    out = Layout(registry.root)
-    manifest_path = out.manifest(model, sku)
-    row = _manifest_row(registry, model, sku) if manifest_path.is_file() else None
-    if row is None and status is not None and not status.buildable:
-        # whatever an attempt here recorded, this host was never going to build it
-        return PairOutcome(
-            model, sku, "not buildable here", 0, "; ".join(status.problems), runner_labels=status.runner_labels
-        )
-    made = manifest_path.stat().st_mtime if row else None
-    base = registry.root / OUTCOMES_DIR / model
-    records = [(r, False) for r in (_read_outcome(base / f"{st}@{sku}.json") for st in PAIR_STAGES) if r]
-    records += [(r, True) for r in upstream]
-    fresh = [(r, up) for r, up in records if made is None or r["_mtime"] > made]
-    if fresh:
-        record, from_upstream = max(fresh, key=lambda x: x[0]["_mtime"])
-        if not from_upstream:
-            return _failed_pair(registry, model, sku, record, row)
-        where = f"{record['stage']}@{model}" if record.get("model") else record["stage"]
-        return PairOutcome(
-            model,
-            sku,
-            "not run",
-            int(record["exit_code"]),
-            f"{where} failed: {record['message']}",
-            record["stage"],
-            manifest=row,
-        )
-    if row is not None:
-        if row["passed"]:
-            return PairOutcome(model, sku, "passed", 0, "", None, row["p50_ms"], manifest=row)
-        fix = row.pop("fix", "")
-        return PairOutcome(
-            model,
-            sku,
-            "gate failed",
-            1,
-            _with_fix("; ".join(row["failures"]) or "correctness gate failed", fix),
-            "validate",
-            row["p50_ms"],
-            manifest=row,
-            fix=fix,
-        )
-    if status is not None and not status.runnable and out.report(model, sku, "build").is_file():
-        return PairOutcome(
-            model,
-            sku,
-            "built only",
-            0,
-            "; ".join(status.problems) + ": its runner validates, benches and publishes it",
-            "build",
-            runner_labels=status.runner_labels,
-        )
-    return PairOutcome(model, sku, "not run", 0, "no manifest and no recorded failure yet")
-
-
-def _failed_pair(
-    registry: Registry, model: str, sku: str, record: dict[str, Any], row: dict[str, Any] | None
-) -> PairOutcome:
-    from pipeline.core.paths import Layout
-
-    stage, code, message = record["stage"], int(record["exit_code"]), str(record["message"])
-    if stage == "validate" and code == 1:
-        failures, fix = _validate_failures(registry, model, sku, Layout(registry.root).report(model, sku, "validate"))
-        return PairOutcome(
-            model, sku, "gate failed", 1, _with_fix("; ".join(failures) or message, fix), stage, manifest=row, fix=fix
-        )
-    if stage == "build" and code == 1:  # the build's own gate: the reproducibility check's required verdict
-        return PairOutcome(model, sku, "gate failed", 1, f"build: {message}", stage, manifest=row)
-    if record.get("unsupported"):
-        return PairOutcome(
-            model, sku, "unsupported", code, message, stage, unsupported=record["unsupported"], manifest=row
-        )
-    kind = "publish failed" if stage == "publish" else "build failed"
-    return PairOutcome(
-        model,
-        sku,
-        kind,
-        code,
-        f"{stage}: {message}",
-        stage,
-        row["p50_ms"] if row and kind == "publish failed" else None,
-        manifest=row,
-    )
-
-
-def _validate_failures(registry: Registry, model: str, sku: str, path: Path) -> tuple[list[str], str]:
-    """The failure lines of validate.json and the fix its bisection points to."""
-    try:
-        report = json.loads(path.read_text())
-        failures = report.get("failures") or []
-    except (OSError, ValueError, AttributeError):
-        return [], ""
-    fix = (
-        fix_hint(model, sku, registry.sku(sku).precision, report.get("bisection"))
-        if _correctness_failed(failures)
-        else ""
-    )
-    return [str(f) for f in failures], fix
-
-
-def _correctness_failed(failures: list) -> bool:
-    """A failure line of the correctness gates (placement and precision have their own fixes)."""
-    return any(not str(f).startswith(("placement:", "precision:")) for f in failures)
-
-
-def fix_hint(model: str, sku: str, precision: str, bisection: Any) -> str:
-    """One line for a failed correctness gate: the node bisection found and the command that keeps
-    it in higher precision, or the command that bisects when none ran."""
-    command = f"skuforge bisect --model {model} --sku {sku}"
-    if not isinstance(bisection, dict):
-        return f"find the first divergent node: {command}"
-    suspects = [s for s in bisection.get("suspects") or [] if isinstance(s, dict)]
-    if suspects:
-        s = suspects[0]
-        where = f"first divergent node {s.get('node')} ({s.get('op_type')}, {s.get('cause')})"
-        if precision != "fp32":
-            return f"{where}: keep it in higher precision with `{command} --fix --apply`"
-        return f"{where}: {bisection.get('summary')}"
-    return f"bisection {bisection.get('verdict')}: {bisection.get('summary')}; rerun with `{command}`"
-
-
-def _with_fix(detail: str, fix: str) -> str:
-    return f"{detail}; {fix}" if fix else detail
-
-
-EXIT_ORDER = (0, 1, 2, 3, 4, 70)
-
-
-def worst_exit(rows: list[PairOutcome]) -> int:
-    """The exit code of the worst outcome: the highest of 0 ok, 1 gate failed, 2 bad input,
-    3 environment or unsupported, 4 service, 70 a bug (a signal's code counts as 3)."""
-    codes = [r.exit_code if r.exit_code in EXIT_ORDER else 3 for r in rows]
-    return max(codes, default=0)
-
-
-def _manifest_row(registry: Registry, model: str, sku: str) -> dict[str, Any]:
-    """The summary row of one manifest: gate results, metric deltas, latency, MLflow version."""
-    from pipeline.core.paths import Layout
-    from pipeline.results.manifest import load_manifest
-
-    out = Layout(registry.root)
-    m = load_manifest(out.manifest(model, sku))
-    receipt = out.report(model, sku, "publish")  # the MLflow version this checkout published
-    try:
-        published = json.loads(receipt.read_text()) if receipt.is_file() else {}
-    except ValueError:
-        published = {}
-    metrics = {x.split: x for x in m.correctness.metrics}
-    try:  # the build's duration is the run's, not the manifest's: read from its report
-        build_s = json.loads(out.report(model, sku, "build").read_text()).get("build_seconds")
-    except (OSError, ValueError, AttributeError):
-        build_s = None
-    return {
-        "model": model,
-        "sku": sku,
-        "backend": m.backend,
-        "precision": m.precision,
-        "passed": m.correctness.passed,
-        "failures": list(m.correctness.failures),
-        "build_s": build_s,
-        "layers": len(m.layers),
-        "fused_layers": sum(1 for layer in m.layers if len(layer.fused_from) > 1),
-        "max_abs_error": max(
-            (o.max_abs_error for o in m.correctness.outputs if o.max_abs_error is not None), default=None
-        ),
-        **{f"{k}_reference": v.reference for k, v in metrics.items()},
-        **{f"{k}_delta": v.delta for k, v in metrics.items()},
-        "p50_ms": m.benchmark.engine_only.p50_ms,
-        "p99_ms": m.benchmark.engine_only.p99_ms,
-        "e2e_p50_ms": m.benchmark.end_to_end.p50_ms,
-        "throughput_per_s": m.benchmark.throughput_per_s,
-        "digest": m.digest[:12],
-        "mlflow": f"v{published['version']}" if published.get("digest") == m.digest else None,
-        **(
-            {
-                "fix": fix_hint(
-                    model, sku, m.precision, m.correctness.bisection.to_json() if m.correctness.bisection else None
-                )
-            }
-            if not m.correctness.passed and _correctness_failed(m.correctness.failures)
-            else {}
-        ),
-    }

@@ -54,6 +54,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
+from pipeline.host.peaks import Peaks
+from pipeline.model.graph import _dims, infer_shapes, pin_axes
 from pipeline.results.reports import LayerInfo, Result
 
 if TYPE_CHECKING:
@@ -453,7 +455,6 @@ def node_cost(
 
 
 def _tensors(model: onnx.ModelProto) -> dict[str, _Tensor]:
-    from pipeline.model.graph import _dims
 
     out: dict[str, _Tensor] = {}
     for vi in [*model.graph.input, *model.graph.value_info, *model.graph.output]:
@@ -506,7 +507,6 @@ def graph_cost(model: onnx.ModelProto | str | Path, pins: dict[str, int] | None 
     unchanged), with the named dims of ``pins`` fixed first (the SKU's shapes)."""
     import onnx
 
-    from pipeline.model.graph import infer_shapes, pin_axes
 
     path = Path(model) if isinstance(model, (str, Path)) else Path("<model>")
     if isinstance(model, (str, Path)):
@@ -715,7 +715,6 @@ def roofline(
     ``peaks`` is ``pipeline.host.peaks.Peaks`` or its JSON form; ``layer_times_ms`` is what a
     runner's ``profile_layers`` returns, joined to ONNX nodes with build.json ``layers`` where given
     (see the module docstring)."""
-    from pipeline.host.peaks import Peaks
 
     peaks = peaks if isinstance(peaks, Peaks) else Peaks.model_validate(peaks)
     # all cores can do what one does: a lower all-core figure was measured beside a busy neighbour

@@ -6,15 +6,15 @@ reads params.yaml as a raw dict.
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from pipeline.backends import backend_class, known_backends
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.io import MERGE_CONFLICT_FIX, merge_conflict
 from pipeline.core.limits import (
@@ -27,9 +27,11 @@ from pipeline.core.limits import (
     tensor_limit,
 )
 from pipeline.core.paths import PATH_RULE, Layout, inside, path_problem
+from pipeline.core.validation import did_you_mean, validation_problems
 from pipeline.core.versions import specifier_problem
 from pipeline.results import gatestats
 from pipeline.results.reports import OutputKind, ReproducibilityLevel
+from pipeline.results.signing import parse_public_key
 
 Precision = Literal["fp32", "fp16", "int8"]
 DType = Literal["float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"]
@@ -593,7 +595,6 @@ class SigningSpec(Strict):
     @field_validator("keys")
     @classmethod
     def _keys(cls, keys: dict[str, str]) -> dict[str, str]:
-        from pipeline.results.signing import parse_public_key
 
         for name, text in keys.items():
             if not ALIAS_PATTERN.match(name):
@@ -612,7 +613,7 @@ class SigningSpec(Strict):
             for name in names:
                 if name != "*" and name not in self.keys:
                     raise ValueError(
-                        f"trust.{alias}: unknown key {name!r}{_did_you_mean(name, self.keys)}; "
+                        f"trust.{alias}: unknown key {name!r}{did_you_mean(name, self.keys)}; "
                         f"known keys: {', '.join(sorted(self.keys)) or '(none: add release.signing.keys)'}"
                     )
         return self
@@ -837,68 +838,9 @@ def _lookup(table: dict[str, Any], name: str, what: str) -> Any:
         return table[name]
     except KeyError:
         raise ConfigError(
-            f"unknown {what} {name!r}{_did_you_mean(name, table)}",
+            f"unknown {what} {name!r}{did_you_mean(name, table)}",
             hint=f"known {what}s: {', '.join(sorted(table)) or '(none)'}",
         ) from None
-
-
-def _did_you_mean(word: str, choices: Any) -> str:
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
-    """Valid keys of the pydantic model found by walking ``loc`` from ``model``."""
-    current: Any = model
-    for part in loc:
-        if isinstance(current, type) and issubclass(current, BaseModel):
-            field = current.model_fields.get(str(part))
-            if field is None:
-                return []
-            current = field.annotation
-        else:
-            current = _container_value(current)
-        current = _unwrap(current)
-    return list(current.model_fields) if isinstance(current, type) and issubclass(current, BaseModel) else []
-
-
-def _unwrap(tp: Any) -> Any:
-    args = [a for a in get_args(tp) if a is not type(None)]
-    if getattr(tp, "__origin__", None) is Union or type(tp).__name__ == "UnionType":
-        return _unwrap(args[0]) if len(args) == 1 else tp
-    if getattr(tp, "__origin__", None) is Annotated:
-        return _unwrap(args[0])
-    return tp
-
-
-def _container_value(tp: Any) -> Any:
-    args = get_args(tp)
-    return args[-1] if args else Any
-
-
-def validation_problems(exc: ValidationError, model: type[BaseModel], prefix: tuple[Any, ...] = ()) -> list[str]:
-    """One line per pydantic error: the full key path, what is wrong, the nearest valid key."""
-    lines = []
-    for err in exc.errors():
-        loc = tuple(err["loc"])
-        key = ".".join(str(p) for p in (*prefix, *loc)) or "(top level)"
-        if err["type"] == "extra_forbidden":
-            valid = _fields_at(model, loc[:-1])
-            known = f"; valid keys here: {', '.join(valid)}" if valid else ""
-            lines.append(f"{key}: unknown key{_did_you_mean(loc[-1], valid)}{known}")
-        elif err["type"] == "literal_error":
-            expected = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
-            lines.append(f"{key}: {err['msg']} (got {err['input']!r}){_did_you_mean(err['input'], expected)}")
-        elif (
-            err["type"] == "missing"
-            and len(loc) == 1
-            and model.model_fields.get(str(loc[0])) is not None
-            and model.model_fields[str(loc[0])].description
-        ):
-            lines.append(f"{key}: missing; {model.model_fields[str(loc[0])].description}")
-        else:
-            lines.append(f"{key}: {err['msg'].removeprefix('Value error, ')}")
-    return lines
 
 
 def _invalid(source: str, problems: list[str]) -> ConfigError:
@@ -966,13 +908,12 @@ def _path_problems(registry: Registry, resolve: bool) -> list[str]:
 
 
 def _check_cross_references(registry: Registry, source: str) -> None:
-    from pipeline.backends import backend_class, known_backends
 
     problems = []
     for name, sku in registry.skus.items():
         if sku.backend not in known_backends():
             problems.append(
-                f"skus.{name}.backend: unknown backend {sku.backend!r}{_did_you_mean(sku.backend, known_backends())}; "
+                f"skus.{name}.backend: unknown backend {sku.backend!r}{did_you_mean(sku.backend, known_backends())}; "
                 f"known backends: {', '.join(known_backends())}"
             )
             continue
@@ -990,7 +931,7 @@ def _check_cross_references(registry: Registry, source: str) -> None:
         for sname, nodes in model.higher_precision.items():
             if sname not in registry.skus:
                 problems.append(
-                    f"models.{name}.higher_precision: unknown SKU {sname!r}{_did_you_mean(sname, registry.skus)}; "
+                    f"models.{name}.higher_precision: unknown SKU {sname!r}{did_you_mean(sname, registry.skus)}; "
                     f"known SKUs: {', '.join(sorted(registry.skus))}"
                 )
             elif registry.skus[sname].precision == "fp32" and nodes:
@@ -1012,7 +953,7 @@ def _check_cross_references(registry: Registry, source: str) -> None:
         for output in model.output_kinds:
             if model.outputs is not None and output not in model.outputs:
                 problems.append(
-                    f"models.{name}.output_kinds.{output}: not in outputs {model.outputs}{_did_you_mean(output, model.outputs)}"
+                    f"models.{name}.output_kinds.{output}: not in outputs {model.outputs}{did_you_mean(output, model.outputs)}"
                 )
         for axis in model.pins:
             if model.batch_axis == axis:
@@ -1026,7 +967,7 @@ def _check_cross_references(registry: Registry, source: str) -> None:
     for sku in registry.release.skus or []:
         if sku not in registry.skus:
             problems.append(
-                f"release.skus: unknown SKU {sku!r}{_did_you_mean(sku, registry.skus)}; "
+                f"release.skus: unknown SKU {sku!r}{did_you_mean(sku, registry.skus)}; "
                 f"known SKUs: {', '.join(sorted(registry.skus))}"
             )
     problems += _fallback_problems(registry)
@@ -1048,7 +989,7 @@ def _fallback_problems(registry: Registry) -> list[str]:
         return []
     if name not in registry.skus:
         return [
-            f"rollout.fallback_sku: unknown SKU {name!r}{_did_you_mean(name, registry.skus)}; "
+            f"rollout.fallback_sku: unknown SKU {name!r}{did_you_mean(name, registry.skus)}; "
             f"known SKUs: {', '.join(sorted(registry.skus))}"
         ]
     sku = registry.skus[name]

@@ -20,6 +20,7 @@ from typing import Any
 from pipeline.core.errors import InputError, SkuforgeError
 from pipeline.core.io import atomic_dir, atomic_write_bytes
 from pipeline.core.paths import Layout, inside
+from pipeline.engine.matrix import matrix
 from pipeline.project.config import Registry
 from pipeline.report import plots
 from pipeline.report.load import ROOFLINE, PairData, load_pair, read_optional
@@ -120,7 +121,6 @@ def _outcomes(
 ) -> dict[tuple[str, str], tuple[str, str]]:
     """(model, SKU) -> (outcome, detail), from the manifests and the failures stage commands
     recorded (what `skuforge summary` shows), else from validate.json (said in ``notes``)."""
-    from pipeline.ops.repro import matrix
 
     try:
         # what is on disk, not what this host could build (statuses=[]: no probing)

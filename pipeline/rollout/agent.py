@@ -33,13 +33,18 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from pipeline.core.errors import ServiceError, SkuforgeError
-from pipeline.core.io import atomic_write_json, read_json, sha256_bytes
+from pipeline.backends import get_backend, runtime_packages
+from pipeline.core.errors import InputError, ServiceError, SkuforgeError
+from pipeline.core.io import atomic_dir, atomic_write_json, read_json, sha256_bytes
+from pipeline.core.validation import validation_problems
 from pipeline.core.versions import same_version, satisfies
+from pipeline.host.probe import cpu_features, host_arch
 from pipeline.project.config import SkuSpec, Strict
+from pipeline.project.data import iter_batches, run_dataset
 from pipeline.results.reports import Result
 from pipeline.rollout import controller, trust
 from pipeline.rollout import release as rel
+from pipeline.rollout.inventory import ID_PATTERN
 from pipeline.rollout.store import Store
 
 log = logging.getLogger(__name__)
@@ -63,7 +68,6 @@ class DeviceConfig(Strict):
     @field_validator("id")
     @classmethod
     def _id(cls, value: str) -> str:
-        from pipeline.rollout.inventory import ID_PATTERN
 
         if not ID_PATTERN.fullmatch(value) or ".." in value:
             raise ValueError(
@@ -86,7 +90,6 @@ class Device:
 
     @classmethod
     def from_config(cls, cfg: DeviceConfig) -> Device:
-        from pipeline.host.probe import cpu_features, host_arch
 
         return cls(
             id=cfg.id,
@@ -99,7 +102,6 @@ class Device:
 
 
 def installed_runtimes() -> dict[str, str]:
-    from pipeline.backends import runtime_packages
 
     out = {}
     for pkg in runtime_packages():
@@ -161,14 +163,12 @@ def _arrays(data: bytes) -> dict[str, Any]:
 
 
 def _load(entry: dict[str, Any], engine_dir: Path):
-    from pipeline.backends import get_backend
 
     return get_backend(entry["backend"]).load(engine_dir, SkuSpec.model_validate(entry["sku_spec"]))
 
 
 def _timed(runner, golden: dict[str, Any], entry: dict[str, Any], repeats: int = 3) -> tuple[dict[str, Any], float]:
     """Outputs on the golden inputs and the median time of one inference call (ms)."""
-    from pipeline.project.data import iter_batches, run_dataset
 
     run = entry["run"]
     outputs = run_dataset(runner.infer, golden, run["inputs"], run["outputs"], run["batch"])
@@ -254,7 +254,6 @@ class Agent:
 
     def _stage(self, model: str, slot: str, rid: str, sku: str, entry: dict[str, Any], kind: str) -> Path:
         """Download and verify every file of the engine into ``slot`` (replaced whole, or not at all)."""
-        from pipeline.core.io import atomic_dir
 
         files = entry["files"]
         wanted = {"golden.npz": files["golden"], "expected.npz": files["expected"], "manifest.json": files["manifest"]}
@@ -514,8 +513,6 @@ class Agent:
 def load_device(path: str | os.PathLike) -> DeviceConfig:
     import yaml
 
-    from pipeline.core.errors import InputError
-    from pipeline.project.config import validation_problems
 
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))

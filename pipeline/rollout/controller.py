@@ -27,7 +27,7 @@ from pipeline.core.errors import ConfigError, InputError
 from pipeline.project.config import HealthGates, Registry, Wave
 from pipeline.results.reports import Result
 from pipeline.rollout import trust
-from pipeline.rollout.plan import included
+from pipeline.rollout.plan import included, plan
 from pipeline.rollout.release import RELEASE_DOC, release_path, releases_of
 from pipeline.rollout.store import Store
 
@@ -279,7 +279,6 @@ def start(
     """Begin rolling ``release`` (default: the newest) out; refused while another rollout of the
     model is live. With ``inventory``, the plan (salted by the rollout id, as devices compute it)
     sizes each wave's minimum report count."""
-    from pipeline.rollout.plan import plan
 
     registry.model(model)
     now = now or _now()

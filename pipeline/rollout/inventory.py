@@ -22,7 +22,8 @@ import yaml
 
 from pipeline.core.errors import InputError
 from pipeline.core.io import atomic_write_bytes
-from pipeline.project.config import Target, _did_you_mean
+from pipeline.core.validation import did_you_mean
+from pipeline.project.config import Target
 
 if TYPE_CHECKING:
     from pipeline.project.config import Registry
@@ -124,7 +125,7 @@ class Inventory:
                 unknown.setdefault(device.sku, []).append(device.id)
         return [
             f"{where}{len(ids)} device(s) have SKU {sku!r}, which params.yaml does not define"
-            f"{_did_you_mean(sku, registry.skus)} (e.g. {_first(ids)})"
+            f"{did_you_mean(sku, registry.skus)} (e.g. {_first(ids)})"
             for sku, ids in sorted(unknown.items())
         ]
 
@@ -303,7 +304,7 @@ def _parse_runtime(text: str) -> Versions | str:
 
 def _columns(names: list[str], what: str) -> list[str]:
     problems = [
-        f"{what} {n!r} is unknown{_did_you_mean(n, COLUMNS)}; known: {', '.join(COLUMNS)}"
+        f"{what} {n!r} is unknown{did_you_mean(n, COLUMNS)}; known: {', '.join(COLUMNS)}"
         for n in names
         if n not in COLUMNS
     ]

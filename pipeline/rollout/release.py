@@ -22,14 +22,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.backends import backend_class
 from pipeline.core.errors import ConfigError, GateFailed, InputError
 from pipeline.core.io import read_json, sha256_arrays
+from pipeline.core.paths import Layout
+from pipeline.project.artifacts import layout, run_plan
 from pipeline.project.config import Registry
 from pipeline.results.manifest import Manifest, evidence_digest
 from pipeline.results.reports import Result
+from pipeline.results.signing import signing_key
 from pipeline.rollout import trust
 from pipeline.rollout.store import Store
+from pipeline.stages.publish import collect
+from pipeline.tracking.client import TAG_DIGEST, TAG_SIGNATURE, connect, registered_model_name
 from pipeline.tracking.gates import correctness_problems, engine_gate, manifest_gate, placement_gate, signature_gate
+from pipeline.tracking.promotion import _bench, _download, _engine_files
+from pipeline.tracking.publish import MANIFEST_ARTIFACT, REPORT_ARTIFACTS
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +109,6 @@ def releases_of(targets, model: str) -> list[str]:
 
 def local_candidate(registry: Registry, model: str, sku: str) -> Candidate:
     """The pair as this project's build folder holds it, signed now with the publishing key."""
-    from pipeline.project.artifacts import layout
-    from pipeline.results.signing import signing_key
-    from pipeline.stages.publish import collect
 
     inputs = collect(registry, model, sku)  # refuses a manifest that does not match its reports and engine
     out = layout(registry)
@@ -124,9 +129,6 @@ def local_candidate(registry: Registry, model: str, sku: str) -> Candidate:
 def mlflow_candidate(tracking, registry: Registry, model: str, sku: str, alias: str, into: Path) -> Candidate | None:
     """The version of ``<model>.<sku>`` holding ``alias``, downloaded under ``into``; None when no
     version holds it."""
-    from pipeline.tracking.client import TAG_DIGEST, TAG_SIGNATURE, registered_model_name
-    from pipeline.tracking.promotion import _bench, _download, _engine_files
-    from pipeline.tracking.publish import MANIFEST_ARTIFACT, REPORT_ARTIFACTS
 
     name = registered_model_name(registry.release, model, sku)
     try:
@@ -229,7 +231,6 @@ def check(registry: Registry, model: str, c: Candidate, alias: str | None) -> li
 
 def _requires(registry: Registry, m: Manifest, engine_meta: dict) -> dict[str, Any]:
     """What a device needs to run the engine: architecture, CPU features, runtime versions."""
-    from pipeline.backends import backend_class
 
     sku = registry.sku(m.sku)
     backend = backend_class(m.backend)
@@ -245,7 +246,6 @@ def _requires(registry: Registry, m: Manifest, engine_meta: dict) -> dict[str, A
 
 
 def _sku_entry(registry: Registry, model: str, rid: str, c: Candidate, shas: dict[str, str]) -> dict[str, Any]:
-    from pipeline.project.artifacts import run_plan
 
     m = c.manifest
     base = release_path(model, rid, c.sku)
@@ -312,7 +312,6 @@ def publish_release(
     """Gather, check, upload and commit one release of ``model``. With ``alias``, the engines are the
     MLflow versions holding it (and their signatures must be trusted for it); without, this
     project's build folder. Idempotent: the same engines as the newest release publish nothing new."""
-    from pipeline.tracking.client import connect
 
     t0 = time.perf_counter()
     registry.model(model)
@@ -329,7 +328,6 @@ def publish_release(
             absent = [s for s, c in found.items() if c is None]
             candidates = [c for c in found.values() if c is not None]
         else:
-            from pipeline.core.paths import Layout
 
             candidates, absent, refused = [], [], []
             for s in wanted:

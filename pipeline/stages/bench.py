@@ -32,7 +32,9 @@ if TYPE_CHECKING:
     from pipeline.perf.roofline import RooflineReport
 from pipeline.core.progress import Progress
 from pipeline.engine.build import require_host
+from pipeline.host.peaks import host_peaks
 from pipeline.host.probe import device_state, host, rss_mb, usable_cores
+from pipeline.perf.roofline import graph_cost, roofline
 from pipeline.project.artifacts import batch_indices, check_engine, layout, load_arrays, log, read_report
 
 
@@ -263,8 +265,6 @@ def engine_roofline(
     """The engine against this host's peaks (measured once per host and cached: ``skuforge runner
     probe --peaks``), with per-layer times where the backend profiles them. None, with a warning,
     where the graph's costs cannot be counted; the benchmark itself never fails on it."""
-    from pipeline.host.peaks import host_peaks
-    from pipeline.perf.roofline import graph_cost, roofline
 
     out = layout(registry)
     try:

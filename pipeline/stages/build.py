@@ -14,6 +14,7 @@ from pipeline.project.artifacts import calibration_table, layout, log, read_repo
 from pipeline.project.config import Registry
 from pipeline.results.reports import BuildReport, LayerInfo, PrepareReport, engine_digest
 from pipeline.verify import reproducible
+from pipeline.verify.remedy import fix, judged
 
 
 def build(
@@ -43,7 +44,6 @@ def build(
     built = build_engine(registry, model, sku, out.engine_dir(model, sku), progress=progress, **policy)
     remedy = None
     if sku_spec.bisect.fix_during_build and sku_spec.precision != "fp32":
-        from pipeline.verify.remedy import fix, judged
 
         if not judged(registry, model, sku, out.engine_dir(model, sku))[2]:
             remedy = fix(registry, model, sku, progress=progress)

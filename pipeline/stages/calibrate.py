@@ -5,8 +5,10 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from pipeline.backends.reference import calibrate as ort_calibrate
 from pipeline.core.io import atomic_write_json, sha256_file
 from pipeline.core.progress import Progress
+from pipeline.model.graph import pin_axes
 from pipeline.project.artifacts import batch_indices, calibration_table, layout, load_arrays, log, read_report
 from pipeline.project.config import Registry
 from pipeline.project.data import LABELS, check_finite, iter_batches
@@ -16,8 +18,6 @@ from pipeline.results.reports import CalibrationReport, DataReport, PrepareRepor
 def calibrate(registry: Registry, model: str, progress: Progress | None = None) -> CalibrationReport:
     import onnx
 
-    from pipeline.backends.reference import calibrate as ort_calibrate
-    from pipeline.model.graph import pin_axes
 
     spec = registry.model(model)
     out = layout(registry)

@@ -7,12 +7,12 @@ from typing import Any
 from pipeline.core.errors import ConfigError
 from pipeline.core.io import atomic_dir
 from pipeline.core.progress import Progress
+from pipeline.examples.digits import export_example
 from pipeline.project.artifacts import log
 from pipeline.project.config import Registry
 
 
 def export(registry: Registry, example: str, progress: Progress | None = None) -> dict[str, Any]:
-    from pipeline.examples.digits import export_example
 
     if example not in registry.examples:
         raise ConfigError(

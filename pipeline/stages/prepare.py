@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pipeline.backends.reference import reference_runner
 from pipeline.core.errors import GateFailed, InputError
 from pipeline.core.io import atomic_write_bytes, atomic_write_json, sha256_bytes
 from pipeline.core.progress import Progress
@@ -20,6 +21,7 @@ from pipeline.model.graph import (
 )
 from pipeline.project.artifacts import layout, log
 from pipeline.project.config import DatasetSource, GenerateSpec, ModelSpec, Registry
+from pipeline.project.data import generate, iter_batches
 from pipeline.results.reports import PrepareReport
 
 if TYPE_CHECKING:
@@ -58,8 +60,6 @@ def probe_batch_axes(
     batch 1 works, which needs no batch axis)."""
     import numpy as np
 
-    from pipeline.backends.reference import reference_runner
-    from pipeline.project.data import generate, iter_batches
 
     feeds = generate(spec, pins, DatasetSource(generate=GenerateSpec(count=1, seed=4321)))
     bidx = {i.name: (i.shape.index(spec.batch_axis) if spec.batch_axis in i.shape else None) for i in spec.inputs}
@@ -99,8 +99,6 @@ def prepare(registry: Registry, model: str, progress: Progress | None = None) ->
 
     import numpy as np
 
-    from pipeline.backends.reference import reference_runner
-    from pipeline.project.data import generate, iter_batches
 
     spec = registry.model(model)
     path = registry.model_file(model)

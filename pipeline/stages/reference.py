@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pipeline.backends.reference import reference_runner, runtime_version
 from pipeline.core.errors import InputError
 from pipeline.core.io import atomic_savez, atomic_write_json, sha256_arrays
 from pipeline.core.paths import REFERENCE_SPLITS
@@ -17,7 +18,6 @@ from pipeline.verify.compare import metric_score
 def reference(registry: Registry, model: str, progress: Progress | None = None) -> ReferenceReport:
     import numpy as np
 
-    from pipeline.backends.reference import reference_runner, runtime_version
 
     spec = registry.model(model)
     out = layout(registry)

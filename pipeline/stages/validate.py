@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 from pipeline.backends import get_backend
-from pipeline.core.errors import GateFailed, InputError
+from pipeline.core.errors import GateFailed, InputError, SkuforgeError
 from pipeline.core.io import atomic_savez, atomic_write_json, sha256_arrays
 from pipeline.core.progress import Progress
 from pipeline.engine.build import require_host
@@ -17,6 +17,7 @@ from pipeline.results.reports import (
     BuildReport,
     ValidationReport,
 )
+from pipeline.verify.bisect import Bisection, bisect
 from pipeline.verify.check import correctness, correctness_failures, input_failures, placement_gate, precision_gate
 from pipeline.verify.compare import (
     metric_warnings,
@@ -27,8 +28,6 @@ from pipeline.verify.compare import (
 def _bisect(registry: Registry, model: str, sku: str):
     """The first divergent node of a failing engine (skus.<sku>.bisect.on_failure); a bisection that
     cannot run is recorded as inconclusive with the reason, never raised over the gate's own failure."""
-    from pipeline.core.errors import SkuforgeError
-    from pipeline.verify.bisect import Bisection, bisect
 
     try:
         return bisect(registry, model, sku)

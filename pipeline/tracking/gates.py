@@ -17,7 +17,9 @@ from pipeline.core.versions import unmet
 from pipeline.project.config import PerformanceGate, Registry
 from pipeline.results.gatestats import max_mismatches
 from pipeline.results.latency import compare_latency
+from pipeline.results.manifest import host_problems, validate_document
 from pipeline.results.reports import BenchReport, Manifest, OutputError, engine_digest
+from pipeline.results.signing import verify
 from pipeline.tracking.reports import GateResult
 from pipeline.verify.compare import input_problems, metric_input_problems, metric_problems, output_problems
 
@@ -191,7 +193,6 @@ def manifest_gate(
     """The uploaded manifest matches its schema, its own digest, the version's digest tag and,
     with ``registry``, the SKU it claims to be for (backend, precision, toolchain, architecture) and
     the host its run's ``bench`` report was timed on (every host field; no report: fails)."""
-    from pipeline.results.manifest import host_problems, validate_document
 
     try:
         validate_document(document, "the manifest artifact")
@@ -233,7 +234,6 @@ def sku_mismatches(m: Manifest, registry: Registry) -> list[str]:
 
 def signature_gate(signature: Any, m: Manifest, alias: str, registry: Registry) -> GateResult:
     """The manifest digest signed by a key params.yaml trusts for ``alias``."""
-    from pipeline.results.signing import verify
 
     verdict = verify(signature, m.digest, m.model, m.sku, alias, registry.release.signing)
     return GateResult(

@@ -20,7 +20,8 @@ from typing import Any
 
 from pipeline.core.errors import ConfigError, GateFailed, InputError, ServiceError
 from pipeline.core.io import sha256_bytes
-from pipeline.project.config import Registry, _did_you_mean
+from pipeline.core.validation import did_you_mean
+from pipeline.project.config import Registry
 from pipeline.results.benchstats import latency_stats, same_figure
 from pipeline.results.latency import read_latency_csv
 from pipeline.results.reports import BenchReport, Manifest
@@ -81,7 +82,7 @@ def _chain_index(registry: Registry, alias: str) -> int:
     chain = registry.release.aliases
     if alias not in chain:
         raise ConfigError(
-            f"unknown alias {alias!r}{_did_you_mean(alias, chain)}",
+            f"unknown alias {alias!r}{did_you_mean(alias, chain)}",
             hint=f"the chain (release.aliases in params.yaml): {' -> '.join(chain)}",
         )
     return chain.index(alias)

@@ -36,6 +36,7 @@ from pipeline.core.errors import ServiceError
 from pipeline.core.progress import Progress
 from pipeline.project.config import Registry
 from pipeline.results.reports import BenchReport, Manifest
+from pipeline.results.signing import signing_key
 from pipeline.tracking.client import (
     TAG_COMPLETE,
     TAG_CORRECTNESS,
@@ -350,7 +351,6 @@ def publish_engine(
     The version is tagged with the correctness verdict recomputed from the manifest's figures
     against params.yaml (not the manifest's own flag) and with the publisher's signature of the
     manifest digest, which promotion verifies against the keys params.yaml trusts."""
-    from pipeline.results.signing import signing_key
 
     release = registry.release
     started = time.perf_counter()

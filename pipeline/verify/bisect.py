@@ -29,8 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.core.errors import EnvironmentProblem, SkuforgeError
-from pipeline.results.reports import Bisection, EngineLayer, Probe, Suspect, TensorError
+from pipeline.backends import backend_class, get_backend
+from pipeline.backends.reference import reference_runner
+from pipeline.core.errors import ConfigError, EnvironmentProblem, SkuforgeError
+from pipeline.engine.build import build_engine
+from pipeline.model.graph import pin_axes
+from pipeline.project.artifacts import layout, load_arrays, read_report, run_plan
+from pipeline.project.data import LABELS, run_dataset
+from pipeline.results.reports import Bisection, BuildReport, EngineLayer, PrepareReport, Probe, Suspect, TensorError
+from pipeline.verify.compare import output_error, output_problems
 
 if TYPE_CHECKING:
     import numpy as np
@@ -347,8 +354,6 @@ def scratch_build(
 ) -> Path:
     """The build stage's engine, built into ``folder/engine`` with a copy of the SKU's cache (the
     real engine and cache are never touched); returns the engine folder."""
-    from pipeline.engine.build import build_engine
-    from pipeline.project.artifacts import layout
 
     real = layout(registry).cache_dir(model, sku)
     if real.is_dir() and not real.is_symlink():
@@ -394,8 +399,6 @@ class Session:
         """Build the SKU's engine of the model with ``marked`` as extra outputs, run the samples."""
         import onnx
 
-        from pipeline.backends import get_backend
-        from pipeline.project.data import run_dataset
 
         self.builds += 1
         folder = Path(tempfile.mkdtemp(prefix="build-", dir=self.work))
@@ -433,9 +436,6 @@ class Session:
 
 def _samples(registry: Registry, model: str, sku: str, work: Path) -> tuple[dict, dict, int, Any]:
     """Golden inputs (capped), their batch axes and the SKU's batch."""
-    from pipeline.project.artifacts import layout, load_arrays, read_report, run_plan
-    from pipeline.project.data import LABELS
-    from pipeline.results.reports import PrepareReport
 
     out = layout(registry)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
@@ -461,13 +461,6 @@ def bisect(
     per-layer error profile, and a check that a passing engine has no divergent tensor."""
     import onnx
 
-    from pipeline.backends import backend_class
-    from pipeline.backends.reference import reference_runner
-    from pipeline.core.errors import ConfigError
-    from pipeline.model.graph import pin_axes
-    from pipeline.project.artifacts import layout
-    from pipeline.project.data import run_dataset
-    from pipeline.verify.compare import output_error, output_problems
 
     spec = registry.sku(sku)
     if not backend_class(spec.backend).capabilities.intermediate_outputs:
@@ -703,8 +696,6 @@ def _suspect(
 def engine_layers(registry: Registry, model: str, sku: str, node: str, tensor: str) -> list[EngineLayer]:
     """The layers of the SKU's built engine (build.json) that hold ``node``: a fused layer lists
     the ONNX nodes it came from; a layer named after the node (or its output) is the node itself."""
-    from pipeline.project.artifacts import layout, read_report
-    from pipeline.results.reports import BuildReport
 
     try:
         build = read_report(layout(registry).report(model, sku, "build"), BuildReport, "build")

@@ -17,10 +17,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.backends import get_backend
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.io import atomic_write_bytes
-from pipeline.results.reports import Bisection, MetricResult, Outcome, OutputError, Remedy
+from pipeline.project.artifacts import layout, load_arrays, read_report, run_plan
+from pipeline.project.config import parse_registry
+from pipeline.project.data import LABELS, iter_batches
+from pipeline.results.reports import Bisection, MetricResult, Outcome, OutputError, PrepareReport, Remedy
 from pipeline.verify.bisect import bisect, scratch_build
+from pipeline.verify.check import correctness, correctness_failures
 
 if TYPE_CHECKING:
     from pipeline.project.config import Registry
@@ -33,7 +38,6 @@ def upstream(registry: Registry, model: str, node: str) -> list[str]:
     """The nodes of the prepared model whose outputs ``node`` reads (computed tensors only)."""
     import onnx
 
-    from pipeline.project.artifacts import layout
 
     graph = onnx.load(str(layout(registry).prepared_model(model)), load_external_data=False).graph
     producer = {o: n.name for n in graph.node for o in n.output if n.name}
@@ -51,7 +55,6 @@ def judge(
     registry: Registry, model: str, sku: str, runner: Any
 ) -> tuple[list[OutputError], list[MetricResult], list[str]]:
     """The validate stage's correctness figures for a loaded engine (golden outputs, task metric)."""
-    from pipeline.verify.check import correctness, correctness_failures
 
     errors, metrics, _, _ = correctness(registry, model, sku, runner)
     return errors, metrics, correctness_failures(registry, model, errors, metrics)
@@ -130,7 +133,6 @@ def fix(
 
 
 def judged(registry: Registry, model: str, sku: str, engine: Path) -> tuple[list, list, bool, list[str]]:
-    from pipeline.backends import get_backend
 
     sku_spec = registry.sku(sku)
     with get_backend(sku_spec.backend).load(engine, sku_spec) as runner:
@@ -144,10 +146,6 @@ def _compare(
     """Both engines judged, and timed interleaved on one golden batch (same process, same moment)."""
     import numpy as np
 
-    from pipeline.backends import get_backend
-    from pipeline.project.artifacts import layout, load_arrays, read_report, run_plan
-    from pipeline.project.data import LABELS, iter_batches
-    from pipeline.results.reports import PrepareReport
 
     out = layout(registry)
     sku_spec = registry.sku(sku)
@@ -182,7 +180,6 @@ def apply_overrides(params: Path, model: str, sku: str, nodes: list[str]) -> Non
     layout (ruamel round trip); the file is replaced atomically and re-validated first."""
     from ruamel.yaml import YAML
 
-    from pipeline.project.config import parse_registry
 
     yaml = YAML()
     yaml.preserve_quotes = True

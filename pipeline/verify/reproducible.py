@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, get_args
 
 from pipeline.backends import get_backend
 from pipeline.core.errors import EnvironmentProblem, GateFailed, InputError, ServiceError, SkuforgeError
+from pipeline.engine.build import build_engine
 from pipeline.engine.hostcheck import host_problems
 from pipeline.project.artifacts import layout, load_arrays, log, read_report, run_plan
 from pipeline.project.config import Registry, SkuSpec
@@ -157,7 +158,6 @@ def _build(
     registry: Registry, model: str, sku: str, engine_dir: Path, cache_dir: Path, keep_precise: tuple[str, ...] | None
 ) -> tuple[Built | None, tuple[int, str, str | None] | None]:
     """In the new process. SkuforgeError subclasses do not all unpickle, so failures travel as data."""
-    from pipeline.engine.build import build_engine
 
     try:
         return build_engine(registry, model, sku, engine_dir, cache_dir=cache_dir, keep_precise=keep_precise), None

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from pipeline.backends import get_backend
-from pipeline.backends.base import ENGINE_META
+from pipeline.backends.contract import ENGINE_META
 from pipeline.backends.onnxruntime import nchwc_block, nchwc_problem
 from pipeline.core.errors import EnvironmentProblem
 from pipeline.core.paths import Layout

@@ -20,7 +20,7 @@ pytest.importorskip("iree.runtime", reason="iree-base-runtime is not installed (
 import models  # noqa: E402
 
 from pipeline.backends import get_backend  # noqa: E402
-from pipeline.backends.base import ENGINE_META  # noqa: E402
+from pipeline.backends.contract import ENGINE_META  # noqa: E402
 from pipeline.backends.iree import (
     IreeBackend,
     compile_flags,

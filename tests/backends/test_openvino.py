@@ -18,7 +18,7 @@ ov = pytest.importorskip("openvino", reason="openvino is not installed (pip inst
 import models  # noqa: E402
 
 from pipeline.backends import get_backend  # noqa: E402
-from pipeline.backends.base import ENGINE_META, verify_engine  # noqa: E402
+from pipeline.backends.contract import ENGINE_META, verify_engine  # noqa: E402
 from pipeline.backends.openvino import OpenVinoBackend  # noqa: E402
 from pipeline.core.errors import ConfigError, EnvironmentProblem, GateFailed, InputError, UnsupportedOp  # noqa: E402
 from pipeline.core.io import read_json, sha256_file  # noqa: E402

@@ -27,7 +27,7 @@ from onnx import numpy_helper
 
 from pipeline.backends import get_backend
 from pipeline.backends import tensorrt as trt_backend
-from pipeline.backends.base import ENGINE_META, BuildContext
+from pipeline.backends.contract import ENGINE_META, BuildContext
 from pipeline.backends.tensorrt import (
     NOT_INSTALLED,
     ParserError,

@@ -20,8 +20,8 @@ import models  # noqa: E402
 from cli_helpers import assert_user_error, skuforge  # noqa: E402
 
 from pipeline.backends import get_backend  # noqa: E402
-from pipeline.backends.base import ENGINE_META  # noqa: E402
 from pipeline.backends.caches import INDEX, files_digest  # noqa: E402
+from pipeline.backends.contract import ENGINE_META  # noqa: E402
 from pipeline.backends.tvm import DEFAULTS, RECORDS, WORKLOADS, TvmBackend, op_type_of, target_of  # noqa: E402
 from pipeline.core.errors import ConfigError, GateFailed, UnsupportedOp  # noqa: E402
 from pipeline.core.paths import Layout  # noqa: E402

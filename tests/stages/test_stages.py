@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from pipeline.backends.base import ENGINE_META, verify_engine
+from pipeline.backends.contract import ENGINE_META, verify_engine
 from pipeline.core.errors import EnvironmentProblem, GateFailed, InputError
 from pipeline.core.io import read_json, sha256_arrays, sha256_file
 from pipeline.core.paths import Layout
