@@ -19,10 +19,11 @@ import pytest
 from cli_helpers import COMMAND, skuforge
 
 from pipeline.core.errors import UnsupportedOp
-from pipeline.engine.matrix import OUTCOMES, matrix, outcome_path, record_outcome, worst_exit
+from pipeline.engine.matrix import OUTCOMES, matrix, worst_exit
 from pipeline.host.probe import host_arch
 from pipeline.ops.repro import clear_outcomes
 from pipeline.project.config import parse_registry
+from pipeline.results.outcomes import outcome_path, record_outcome
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

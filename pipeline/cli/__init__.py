@@ -19,7 +19,7 @@ from pipeline.cli import bisect, cache, ci, commands, compare, keys, rollout
 from pipeline.core import redact
 from pipeline.core.errors import EXIT_INTERNAL, EnvironmentProblem, InputError, SkuforgeError
 from pipeline.core.io import storage_error
-from pipeline.engine.matrix import clear_outcome, record_outcome
+from pipeline.results.outcomes import clear_outcome, record_outcome
 
 # Loggers that log a traceback for an error skuforge reports itself in one line (-v shows them).
 _NOISY = ("mlflow.store.db.utils",)

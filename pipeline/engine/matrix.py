@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from pipeline.core.errors import UnsupportedOp
-from pipeline.core.io import atomic_write_bytes, atomic_write_json
 from pipeline.core.paths import Layout
-from pipeline.core.redact import redact
 from pipeline.engine.hostcheck import host_problems
 from pipeline.project.config import Registry
 from pipeline.results.manifest import load_manifest
+from pipeline.results.outcomes import OUTCOMES_DIR, read_outcome
 
 
 @dataclass
@@ -60,66 +57,12 @@ EXAMPLE_STAGES = ("export",)
 MODEL_STAGES = ("prepare", "data", "reference", "calibrate")
 PAIR_STAGES = ("build", "validate", "bench", "manifest", "publish")
 
-OUTCOMES_DIR = Path("build") / ".outcomes"  # not inside any stage's outs: dvc neither removes nor tracks it
-
-
-def outcome_path(root: Path, stage: str, model: str | None = None, sku: str | None = None) -> Path:
-    """``build/.outcomes/config.json``, ``<model>/<stage>.json`` or ``<model>/<stage>@<sku>.json``."""
-    base = Path(root) / OUTCOMES_DIR
-    if model is None:
-        return base / f"{stage}.json"
-    return base / model / (f"{stage}@{sku}.json" if sku else f"{stage}.json")
-
-
-def record_outcome(
-    root: Path,
-    stage: str,
-    model: str | None,
-    sku: str | None,
-    exit_code: int,
-    message: str,
-    error: BaseException | None = None,
-) -> Path:
-    """Write the failure of one stage command (atomically): stage, exit code, one-line message and,
-    for an UnsupportedOp, the backend, op and node."""
-
-    base = Path(root) / OUTCOMES_DIR
-    if not (base / ".gitignore").exists():  # local state of this checkout, like build/
-        atomic_write_bytes(base / ".gitignore", b"*\n")
-    lines = [line.strip() for line in redact(message).splitlines() if line.strip()]
-    record = {
-        "stage": stage,
-        "model": model,
-        "sku": sku,
-        "exit_code": exit_code,
-        "message": " / ".join(lines[:4]) or "failed without a message",
-        "time": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
-        "unsupported": None,
-    }
-    if isinstance(error, UnsupportedOp):
-        record["unsupported"] = {"backend": error.backend, "op_type": error.op_type, "node": error.node}
-    return atomic_write_json(outcome_path(root, stage, model, sku), record)
-
-
-def clear_outcome(root: Path, stage: str, model: str | None = None, sku: str | None = None) -> None:
-    outcome_path(root, stage, model, sku).unlink(missing_ok=True)
-
-
 def split_pair(registry: Registry, item: str) -> tuple[str, str]:
     return next(
         (m, item[len(m) + 1 :])
         for m in registry.models
         if item.startswith(f"{m}-") and item[len(m) + 1 :] in registry.skus
     )
-
-
-def _read_outcome(path: Path) -> dict[str, Any] | None:
-    try:
-        record = json.loads(path.read_text())
-        record["_mtime"] = path.stat().st_mtime
-        return record if isinstance(record, dict) and "stage" in record else None
-    except (OSError, ValueError):
-        return None  # half-written or foreign: a record is a hint, never a reason to fail
 
 
 # --- the matrix ---------------------------------------------------------------------------------
@@ -173,10 +116,10 @@ def matrix(
     statuses = statuses if statuses is not None else sku_statuses(registry)
     by_sku = {s.sku: s for s in statuses}
     base = registry.root / OUTCOMES_DIR
-    config = _read_outcome(base / "config.json")
+    config = read_outcome(base / "config.json")
     rows = []
     for model in models or list(registry.models):
-        upstream = [r for r in (config, *(_read_outcome(base / model / f"{st}.json") for st in MODEL_STAGES)) if r]
+        upstream = [r for r in (config, *(read_outcome(base / model / f"{st}.json") for st in MODEL_STAGES)) if r]
         for sku in skus or list(registry.skus):
             row = _pair_outcome(registry, model, sku, by_sku.get(sku), upstream)
             if row.manifest is not None:
@@ -199,7 +142,7 @@ def _pair_outcome(
         )
     made = manifest_path.stat().st_mtime if row else None
     base = registry.root / OUTCOMES_DIR / model
-    records = [(r, False) for r in (_read_outcome(base / f"{st}@{sku}.json") for st in PAIR_STAGES) if r]
+    records = [(r, False) for r in (read_outcome(base / f"{st}@{sku}.json") for st in PAIR_STAGES) if r]
     records += [(r, True) for r in upstream]
     fresh = [(r, up) for r, up in records if made is None or r["_mtime"] > made]
     if fresh:

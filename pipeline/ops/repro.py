@@ -20,11 +20,11 @@ from pipeline.engine.matrix import (
     MODEL_STAGES,
     PAIR_STAGES,
     SkuStatus,
-    clear_outcome,
     sku_statuses,
     split_pair,
 )
 from pipeline.project.config import Registry
+from pipeline.results.outcomes import clear_outcome
 
 
 def targets(

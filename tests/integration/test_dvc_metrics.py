@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pipeline import dvcmetrics  # noqa: E402
+from pipeline.results import dvcmetrics  # noqa: E402
 
 BIN = Path(sys.executable).parent
 MODEL = "tiny"
