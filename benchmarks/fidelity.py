@@ -401,7 +401,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def render(rows: list[Row]) -> str:
-    head = f"{'model':<19} {'sku':<18} {'reference':<36} {'skuforge_us':>11} {'ref_us':>9} {'ratio':>6} {'over_us':>8}  verdict"
+    head = (
+        f"{'model':<19} {'sku':<18} {'reference':<36} {'skuforge_us':>11} {'ref_us':>9} {'ratio':>6} "
+        f"{'over_us':>8}  verdict"
+    )
     lines = [head]
     for r in rows:
         if r.skuforge_p50_us is None:

@@ -344,7 +344,7 @@ def main() -> int:
                             after = collections.Counter()
                             chunks = [list(by_id[i] for i in active)[k : k + 400] for k in range(0, len(active), 400)]
                             for res, _, _ in pool.imap_unordered(_run, [(99, "conv", c) for c in chunks]):
-                                for dev_id, outcome, rel_, kind, _ in res:
+                                for _dev_id, _outcome, rel_, kind, _ in res:
                                     after[(rel_, kind)] += 1
                             print(
                                 f"   after rollback ({time.perf_counter() - t:.1f} s): devices on "

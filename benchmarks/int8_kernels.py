@@ -397,8 +397,9 @@ def main() -> None:
                 )
             if hidden_fp32:
                 print(
-                    f"  gate blind spot: {len(hidden_fp32)} fp32 layers of the fresh compile are not fp32 in the engine's report "
-                    f"(fused names lost on export/import): {', '.join(hidden_fp32[:3])}{' ...' if len(hidden_fp32) > 3 else ''}"
+                    f"  gate blind spot: {len(hidden_fp32)} fp32 layers of the fresh compile are not fp32 "
+                    f"in the engine's report (fused names lost on export/import): "
+                    f"{', '.join(hidden_fp32[:3])}{' ...' if len(hidden_fp32) > 3 else ''}"
                 )
             engine_model = out.engine_dir(model, SKUS["ort"][1]) / "model.onnx"
             for name, want in expected.items():
@@ -420,7 +421,8 @@ def main() -> None:
                 same_spot = np.argmax(err_a) == np.argmax(err_b)
                 print(
                     f"    max abs error vs fp32 reference: ort {float(err_a.max())!r}  ov {float(err_b.max())!r}"
-                    f"  (same element: {bool(same_spot)}; fp32 engines: ort {float(np.abs(results[SKUS['ort'][0]][name] - want).max()):.3g}"
+                    f"  (same element: {bool(same_spot)}; fp32 engines: "
+                    f"ort {float(np.abs(results[SKUS['ort'][0]][name] - want).max()):.3g}"
                     f", ov {float(np.abs(results[SKUS['ov'][0]][name] - want).max()):.3g})"
                 )
     finally:

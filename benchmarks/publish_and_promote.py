@@ -143,7 +143,7 @@ def main() -> None:
                 lambda t: promote(reg, model, reg.release.aliases[0], release, tracking=t),
             ),
             (
-                f"promote {model} --sku {one} --to {reg.release.aliases[1] if len(reg.release.aliases) > 1 else reg.release.aliases[0]}",
+                f"promote {model} --sku {one} --to {reg.release.aliases[min(1, len(reg.release.aliases) - 1)]}",
                 lambda t: promote(
                     reg, model, reg.release.aliases[min(1, len(reg.release.aliases) - 1)], [one], tracking=t
                 ),

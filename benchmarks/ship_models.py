@@ -111,10 +111,10 @@ def _torch_modules() -> dict[str, Callable[[], Any]]:
             for stage in self.stages:
                 x = stage(x)
                 feats.append(x)
-            lat = [conv(f) for conv, f in zip(self.lateral, feats)]
+            lat = [conv(f) for conv, f in zip(self.lateral, feats, strict=True)]
             for i in range(len(lat) - 2, -1, -1):
                 lat[i] = lat[i] + nn.functional.interpolate(lat[i + 1], scale_factor=2.0, mode="nearest")
-            outs = [smooth(p) for smooth, p in zip(self.smooth, lat)]
+            outs = [smooth(p) for smooth, p in zip(self.smooth, lat, strict=True)]
             outs = [outs[0]] + [
                 nn.functional.interpolate(o, scale_factor=float(2**i), mode="nearest")
                 for i, o in enumerate(outs[1:], 1)

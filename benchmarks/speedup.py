@@ -229,7 +229,7 @@ def main() -> None:
             so = ort.SessionOptions()
             so.intra_op_num_threads = args.threads or 0
             default = ort.InferenceSession(str(source), so)  # defaults (but the thread count under --threads)
-            calls[ORT_DEFAULTS] = lambda s=default: s.run(None, feeds)
+            calls[ORT_DEFAULTS] = lambda s=default, f=feeds: s.run(None, f)
             want = default.run(None, feeds)[0]
             errors, build_s, runners = {}, {}, []
             for sku in engines:
@@ -245,7 +245,7 @@ def main() -> None:
                 runners.append(runner)
                 got = next(iter(runner.infer(feeds).values()))
                 errors[sku] = f"max|d| vs ORT {float(np.abs(got.astype(np.float32) - want).max()):.3g}"
-                calls[sku] = lambda r=runner: r.infer(feeds)
+                calls[sku] = lambda r=runner, f=feeds: r.infer(f)
             samples, cpu_ms = measure(calls, args.seconds)
             for runner in runners:
                 runner.close()
@@ -253,7 +253,8 @@ def main() -> None:
             base = p50[ORT_DEFAULTS]
             print(f"\n== {model} {MODELS[model]['shape']}  (ORT defaults p50 {base:.3f} ms)")
             print(
-                f"  {'engine':28} {'p50 ms':>9} {'p90 ms':>9} {'speed-up':>9} {'cpu ms':>9} {'roofline':>9}  build s  note"
+                f"  {'engine':28} {'p50 ms':>9} {'p90 ms':>9} {'speed-up':>9} {'cpu ms':>9} {'roofline':>9}"
+                "  build s  note"
             )
             rows = {}
             for name in [ORT_DEFAULTS, *engines]:

@@ -139,9 +139,9 @@ def main() -> int:
             session = ort_session(registry, model)
             names = [i.name for i in session.get_inputs()]
             runners = {
-                "tvm tuned": lambda: tuned_runner.infer(feeds),
-                "tvm default": lambda: default_runner.infer(feeds),
-                "onnxruntime": lambda: session.run(None, {n: feeds[n] for n in names}),
+                "tvm tuned": lambda r=tuned_runner, f=feeds: r.infer(f),
+                "tvm default": lambda r=default_runner, f=feeds: r.infer(f),
+                "onnxruntime": lambda s=session, f=feeds, ns=names: s.run(None, {n: f[n] for n in ns}),
             }
             p50 = latency(runners, feeds, args.rounds, args.seconds)
             tuned_runner.close()

@@ -806,3 +806,63 @@ def vector_model_spec(dir_: str, width: int = 256) -> dict:
         "source": "model.onnx",
         "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", width]}],
     }
+
+
+# --- ops a backend lacks (tests/backends/test_contract.py's UnsupportedOp cases) ------------------
+
+
+def det_model(path: Path) -> Path:
+    """y[batch] = det(2 * x[batch,3,3]): ONNX Runtime runs Det; OpenVINO's ONNX frontend and TensorRT's
+    parser have none."""
+    nodes = [
+        helper.make_node("Mul", ["x", "two"], ["x2"], name="double"),
+        helper.make_node("Det", ["x2"], ["y"], name="determinant"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "det",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch"])],
+        [numpy_helper.from_array(np.array(2.0, np.float32), "two")],
+    )
+    return _save(graph, path)
+
+
+def det_spec(dir_: str = "models/det") -> dict:
+    return {"dir": dir_, "source": "model.onnx", "inputs": [{"name": "x", "shape": ["batch", 3, 3]}]}
+
+
+def dft_model(path: Path) -> Path:
+    """x[batch,8] -> Relu -> Unsqueeze -> DFT: IREE's ONNX lowering has no DFT."""
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="act"),
+        helper.make_node("Unsqueeze", ["r", "axes"], ["u"], name="unsqueeze"),
+        helper.make_node("DFT", ["u"], ["y"], name="spectrum", onesided=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "dft",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8, 2])],
+        [numpy_helper.from_array(np.array([2], np.int64), "axes")],
+    )
+    return _save(graph, path)
+
+
+def dft_spec(dir_: str = "models/dft") -> dict:
+    return {"dir": dir_, "source": "model.onnx", "inputs": [{"name": "x", "shape": ["batch", 8]}]}
+
+
+def int16_relu_model(path: Path) -> Path:
+    """Relu on int16: valid ONNX, but ONNX Runtime's CPU provider has no int16 Relu kernel."""
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"], name="relu_int16")],
+        "int16_relu",
+        [helper.make_tensor_value_info("x", TensorProto.INT16, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.INT16, ["batch", 4])],
+    )
+    return _save(graph, path)
+
+
+def int16_relu_spec(dir_: str = "models/int16") -> dict:
+    return {"dir": dir_, "source": "model.onnx", "inputs": [{"name": "x", "dtype": "int16", "shape": ["batch", 4]}]}

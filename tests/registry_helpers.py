@@ -3,6 +3,7 @@ in a temporary folder) and a tiny project whose engines the stage functions buil
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -156,10 +157,8 @@ class Server:
         """Kill the server and its workers at once, as a crash or a pulled cable would."""
         if self.proc is None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc.wait(timeout=15)
         self.proc = None
         deadline = time.monotonic() + 10

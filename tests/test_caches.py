@@ -77,8 +77,10 @@ SKUS = {
 @pytest.fixture(scope="module", autouse=True)
 def fake_backend():
     """Register the fake backend before any registry is loaded (config checks SKUs against it)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(backends_pkg._BACKENDS, "fakecache", f"{__name__}:FakeCacheBackend")
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        backends_pkg.registered_backend("fakecache", f"{__name__}:FakeCacheBackend"),
+    ):
         mp.delenv(caches.REQUIRE_ENV, raising=False)
         yield
 
@@ -673,7 +675,7 @@ def test_backends_command_lists_every_backend(capsys):
     code, out, err = cli(capsys, "backends", "--json")
     assert code == 0, err
     rows = json.loads(out)
-    assert [r["backend"] for r in rows] == sorted(backends_pkg._BACKENDS)
+    assert [r["backend"] for r in rows] == list(backends_pkg.known_backends())
     for row in rows:
         assert set(row) == CAPABILITY_KEYS, row
         assert row == {"backend": row["backend"], **backends_pkg.backend_class(row["backend"]).capabilities.to_json()}
@@ -681,13 +683,14 @@ def test_backends_command_lists_every_backend(capsys):
     assert by_name["fakecache"]["cache"] == "timing-cache" and by_name["onnxruntime"]["cache"] is None
 
 
-def test_backends_markdown_is_the_table_of_the_docs(capsys, monkeypatch):
-    monkeypatch.delitem(backends_pkg._BACKENDS, "fakecache")  # the docs list the real backends
-    code, out, err = cli(capsys, "backends", "--markdown")
+def test_backends_markdown_is_the_table_of_the_docs(capsys):
+    with backends_pkg.registered_backend("fakecache", None):  # the docs list the real backends
+        code, out, err = cli(capsys, "backends", "--markdown")
+        real = backends_pkg.known_backends()
     assert code == 0, err
     lines = out.strip().splitlines()
-    assert lines[0].startswith("| backend |") and len(lines) == 2 + len(backends_pkg._BACKENDS)
-    assert all(f"| `{name}` |" in out for name in backends_pkg._BACKENDS)
+    assert lines[0].startswith("| backend |") and len(lines) == 2 + len(real)
+    assert all(f"| `{name}` |" in out for name in real)
     doc = REPO / "docs" / "backends.md"
     if not doc.is_file():
         pytest.skip("docs/backends.md does not exist yet: the table cannot be compared")

@@ -99,7 +99,7 @@ def test_exporter_model_runs_every_stage(exporters, name):
     r = runs[name]
     assert all(v.passed for v in r.validate.values())
     # the signature carries the params' names: no -1, 0 or exporter names on the inputs
-    for inp, spec in zip(r.prepare.signature.inputs, reg.model(name).inputs):
+    for inp, spec in zip(r.prepare.signature.inputs, reg.model(name).inputs, strict=True):
         assert inp.shape == list(spec.shape)
 
 

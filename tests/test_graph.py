@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from itertools import pairwise
 from pathlib import Path
 
 import models
@@ -79,7 +80,7 @@ def test_passes_run_in_order_and_record_node_counts(prepared):
     )
     assert all(r.changed for r in records)
     assert [(r.nodes_before, r.nodes_after) for r in records] == [(10, 9), (9, 8), (8, 7), (7, 6)]
-    for before, after in zip(records, records[1:]):
+    for before, after in pairwise(records):
         assert before.nodes_after == after.nodes_before
 
 

@@ -247,7 +247,7 @@ def _consistency() -> dict:
                 "mean_abs_error": zero,
                 "nonfinite_mismatch": [[0] * 3] * 3,
                 "top1_agreement": None,
-                "nonfinite": {l: {"nan": 0, "inf": 0} for l in labels},
+                "nonfinite": {label: {"nan": 0, "inf": 0} for label in labels},
             }
         ],
     }

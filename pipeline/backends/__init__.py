@@ -1,11 +1,15 @@
-"""The backend registry: name -> module, imported only when used.
+"""The backend registry: name -> "module:Class", imported only when used.
 
-Importing this package imports no compiler SDK; each backend imports its SDK lazily.
+Importing this package imports no compiler SDK; each backend imports its SDK lazily. A backend
+is one module and one line in ``_BACKENDS`` (docs/backends.md, "Adding a backend"); a plugin or a
+test's fake backend is added with ``register_backend`` (``registered_backend`` for a test).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from pipeline.core.errors import ConfigError
@@ -20,6 +24,41 @@ _BACKENDS: dict[str, str] = {
     "tensorrt": "pipeline.backends.tensorrt:TensorRtBackend",
     "tvm": "pipeline.backends.tvm:TvmBackend",
 }
+
+
+def register_backend(name: str, target: str) -> None:
+    """Add backend ``name``, the class ``target`` ("package.module:Class"), imported when first used.
+    Registering a name again is allowed only with the same target."""
+    module, _, cls = target.partition(":")
+    if not name or not module or not cls.isidentifier():
+        raise ValueError(f"backend {name!r}: target {target!r} is not 'package.module:Class'")
+    if _BACKENDS.get(name, target) != target:
+        raise ValueError(f"backend {name!r} is already registered as {_BACKENDS[name]!r}")
+    _BACKENDS[name] = target
+
+
+def unregister_backend(name: str) -> str:
+    """Remove backend ``name`` from the table; returns its target."""
+    try:
+        return _BACKENDS.pop(name)
+    except KeyError:
+        raise ConfigError(f"unknown backend {name!r}", hint=f"known backends: {', '.join(known_backends())}") from None
+
+
+@contextlib.contextmanager
+def registered_backend(name: str, target: str | None) -> Iterator[None]:
+    """For tests: inside the block, backend ``name`` is ``target`` (None: not registered); after it,
+    the table is as it was."""
+    before = _BACKENDS.get(name)
+    _BACKENDS.pop(name, None)
+    if target is not None:
+        register_backend(name, target)
+    try:
+        yield
+    finally:
+        _BACKENDS.pop(name, None)
+        if before is not None:
+            _BACKENDS[name] = before
 
 
 def known_backends() -> tuple[str, ...]:

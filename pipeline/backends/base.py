@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
     from pipeline.project.config import SkuSpec
 
+
 class Backend(abc.ABC):
     name: ClassVar[str]
     Options: ClassVar[type[BaseModel]]
@@ -54,7 +55,6 @@ class Backend(abc.ABC):
         try:
             return cls.Options.model_validate(sku.options)
         except ValidationError as exc:
-
             raise ConfigError(
                 "; ".join(validation_problems(exc, cls.Options, ("options",))),
                 hint=f"valid {cls.name} options: {', '.join(cls.Options.model_fields)}",
@@ -103,7 +103,6 @@ class Backend(abc.ABC):
         """Build the engine into ``ctx.engine_dir``: the shared preamble, then ``_build_impl``."""
         import onnx
 
-
         options = self.options(ctx.sku_spec)
         problems = self.environment_problems(ctx.sku_spec, "build")
         if problems:
@@ -115,7 +114,6 @@ class Backend(abc.ABC):
             onnx.save(staged.model, str(staged.source))
             self._convert_precision(ctx, staged)
             if self.capabilities.cache is not None and self.uses_cache(staged.options):
-
                 staged.cache = open_session(self, ctx)
             outcome = self._build_impl(ctx, staged)
             if staged.cache is not None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from pipeline.core.env import SKUFORGE_REQUIRE_CACHE
 from pipeline.core.errors import GateFailed
 from pipeline.core.io import atomic_write_bytes, atomic_write_json, read_json, sha256_bytes, sha256_file, sha256_json
 from pipeline.core.paths import path_problem
@@ -41,12 +42,12 @@ if TYPE_CHECKING:
     from pipeline.backends.contract import BuildContext
 
 INDEX = "cache.json"
-REQUIRE_ENV = "SKUFORGE_REQUIRE_CACHE"  # "1" or "true": every build fails on a cache miss (CI's release flag)
+REQUIRE_ENV = SKUFORGE_REQUIRE_CACHE.name  # "1" or "true": every build fails on a cache miss (CI's release flag)
 State = Literal["fresh", "stale", "corrupt", "missing", "unchecked", "none"]
 
 
 def required_by_env() -> bool:
-    return os.environ.get(REQUIRE_ENV, "").strip().lower() in ("1", "true", "yes")
+    return SKUFORGE_REQUIRE_CACHE.get()
 
 
 def files_digest(records: list[dict[str, Any]]) -> str | None:
@@ -263,7 +264,8 @@ class CacheSession:
         self.status = inspect(backend, ctx.sku, ctx.model, self.folder, self.key)
         if ctx.cache_refresh:  # skuforge cache refresh: search afresh, whatever is there
             self.status.state, self.status.reason = "missing", "a refresh was asked for"
-        self.hits, self.misses, self.missed = 0, 0, []  # missed: what was not found (tasks, the cache)
+        self.hits, self.misses = 0, 0
+        self.missed: list[str] = []  # what was not found (tasks, the cache)
         self.warnings: list[str] = []
         self._staged: dict[str, bytes] = {}
         self._tuned: dict[str, Any] | None = None

@@ -166,7 +166,8 @@ class Runner(abc.ABC):
                 dtype = None
             if dtype is not None and dtype.name != sig.dtype:  # an alias ("float"): the full check decides
                 dtype = None
-            static = tuple(sig.shape) if all(isinstance(d, int) for d in sig.shape) else None
+            fixed = [d for d in sig.shape if isinstance(d, int)]
+            static = tuple(fixed) if len(fixed) == len(sig.shape) else None
             self._expected.append((sig, dtype, static))
 
     def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -186,7 +187,7 @@ class Runner(abc.ABC):
         if np.dtype(arr.dtype).name != sig.dtype:
             raise InputError(f"engine input {sig.name!r} must be {sig.dtype}, got {arr.dtype}")
         want = [d if isinstance(d, int) else None for d in sig.shape]
-        if len(arr.shape) != len(want) or any(w is not None and w != g for w, g in zip(want, arr.shape)):
+        if len(arr.shape) != len(want) or any(w is not None and w != g for w, g in zip(want, arr.shape, strict=True)):
             raise InputError(f"engine input {sig.name!r} must have shape {sig.shape}, got {list(arr.shape)}")
 
     @abc.abstractmethod
@@ -198,7 +199,7 @@ class Runner(abc.ABC):
         None where the backend cannot time its layers. The default cannot."""
         return None
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (an optional hook, not abstract: most runners hold nothing to release)
         """Release the engine; the default has nothing to release."""
 
     def __enter__(self) -> Runner:

@@ -15,6 +15,7 @@ nodes fused into it are in the MLIR locations the importer attaches to every op.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import re
@@ -92,10 +93,9 @@ class IreeOptions(BaseModel):
 def _versions() -> dict[str, str]:
     out = {}
     for package in ("iree-base-runtime", "iree-base-compiler", "onnx"):
-        try:
+        # a device running engines need not carry the compiler
+        with contextlib.suppress(metadata.PackageNotFoundError):
             out[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            pass  # a device running engines need not carry the compiler
     return out
 
 
@@ -291,7 +291,8 @@ def _runtime_problems(driver: str) -> tuple[str, ...]:
     available = rt.query_available_drivers()
     if driver not in available:
         return (
-            f"IREE runtime driver {driver} is not in this iree-base-runtime (available: {', '.join(sorted(available))})",
+            f"IREE runtime driver {driver} is not in this iree-base-runtime "
+            f"(available: {', '.join(sorted(available))})",
         )
     try:
         rt.get_driver(driver).create_default_device()
@@ -443,7 +444,8 @@ def compile_error(
         line = next((ln for ln in reversed(lines) if "No space left on device" in ln or "ENOSPC" in ln), first)
         return EnvironmentProblem(
             f"iree-compile ran out of disk space writing {folders or 'its output'}: {line.strip()}",
-            hint="free space on the disk(s) holding those folders (the scratch folder is under TMPDIR: point it at a larger disk) and rebuild",
+            hint="free space on the disk(s) holding those folders (the scratch folder is under TMPDIR: "
+            "point it at a larger disk) and rebuild",
         )
     if "Unknown command line argument" in stderr or "Unknown Vulkan target" in stderr or "missing GPU target" in stderr:
         return ConfigError(
@@ -579,7 +581,9 @@ def _body_ops_and_locs(
 ) -> tuple[list[str], list[str], list[str]]:
     """The compute ops of a dispatch, the ONNX nodes their locations name (in order) and the
     nodes the function itself is located at (the fallback for a pure copy)."""
-    ops, fused, own = [], [], []
+    ops: list[str] = []
+    fused: list[str] = []
+    own: list[str] = []
     for raw in body:
         line = raw.strip()
         if line.startswith("^") or not line:
@@ -746,7 +750,7 @@ class IreeRunner(Runner):
                 ) from exc
             return {
                 name: self._read(results.get_as_object(i, rt.HalBufferView), dtype)
-                for i, (name, dtype) in enumerate(zip(self.output_names, self._out_dtypes))
+                for i, (name, dtype) in enumerate(zip(self.output_names, self._out_dtypes, strict=True))
             }
 
     def _read(self, view: Any, dtype: np.dtype) -> np.ndarray:

@@ -157,7 +157,8 @@ class OnnxRuntimeBackend(Backend):
             others = [p for p, precs in PROVIDER_PRECISIONS.items() if sku.precision in precs]
             return [
                 f"precision: {sku.precision} is not supported by onnxruntime on {primary} "
-                f"(it runs {', '.join(sorted(supported))}); list a provider that runs {sku.precision} first: {', '.join(others)}"
+                f"(it runs {', '.join(sorted(supported))}); "
+                f"list a provider that runs {sku.precision} first: {', '.join(others)}"
             ]
         return []
 
@@ -259,7 +260,7 @@ class OnnxRuntimeBackend(Backend):
         # a tensor made on one device and read on another is a copy between partitions
         boundaries = sum(
             1
-            for node, layer in zip(graph.graph.node, layers)
+            for node, layer in zip(graph.graph.node, layers, strict=True)
             for name in node.input
             if layer.device and device_of.get(name) and device_of[name] != layer.device
         )

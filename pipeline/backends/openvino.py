@@ -232,7 +232,9 @@ class OpenVinoRunner(Runner):
         """``reopen(config)``: the same engine loaded again with ``config`` added (profiling)."""
         inputs = []
         self._bounds: dict[str, list[tuple[int, int, int]]] = {}  # input -> (axis, min, max) of bounded dims
-        for name, port in zip(input_names, compiled.inputs):
+        # not strict: input_names are the ONNX graph's inputs, and an initializer listed among them (after
+        # the data inputs, as exporters that keep weights as inputs write them) is a constant, not a port
+        for name, port in zip(input_names, compiled.inputs, strict=False):
             pshape = port.get_partial_shape()
             shape = [d.get_length() if d.is_static else None for d in pshape]
             self._bounds[name] = [
@@ -397,6 +399,7 @@ class OpenVinoBackend(Backend):
         """FP32 and FP16 are the plugin's inference precision hint; INT8 the QDQ graph (the base's)."""
         if ctx.sku_spec.precision == "int8":
             super()._convert_precision(ctx, staged)
+            assert staged.calibration is not None, "the base's INT8 conversion records its calibration"
             staged.calibration["runtime"] = (
                 "OpenVINO reads the QDQ pairs as FakeQuantize; its low-precision transformations run them in int8"
             )
@@ -573,7 +576,10 @@ def _set_profiles(model: ov.Model, onnx_model: Any, profiles: dict[str, Any]) ->
         return
     ov = _ov()
     shapes = {}
-    for port, value in zip(model.inputs, onnx_model.graph.input):
+    # initializers listed as graph inputs become constants, not parameters
+    initializers = {i.name for i in onnx_model.graph.initializer}
+    data_inputs = [v for v in onnx_model.graph.input if v.name not in initializers]
+    for port, value in zip(model.inputs, data_inputs, strict=True):
         dims = [
             ov.Dimension(profiles[d.dim_param].min, profiles[d.dim_param].max)
             if d.dim_param in profiles

@@ -113,7 +113,6 @@ def quantize_qdq(
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.calibrate import load_tensors_data
 
-
     if ctx.calibration_table is None or not ctx.calibration_table.is_file():
         raise InputError(
             f"INT8 build of {ctx.model} for {ctx.sku} needs the calibration table",
@@ -169,7 +168,8 @@ def quantize_qdq(
         except (ValueError, KeyError) as exc:
             raise InputError(
                 f"INT8 quantization failed: {exc}",
-                hint=f"the calibration table does not match the prepared model: rerun skuforge calibrate --model {ctx.model}",
+                hint="the calibration table does not match the prepared model: "
+                f"rerun skuforge calibrate --model {ctx.model}",
             ) from exc
     quantized = onnx.load(str(out))
     if tensors_to_raw(quantized):
@@ -208,7 +208,6 @@ def to_fp16(source: Path, out: Path, keep: tuple[str, ...] = ()) -> Path:
     import onnx
     from onnxruntime.transformers.float16 import convert_float_to_float16
     from onnxruntime.transformers.onnx_model import OnnxModel
-
 
     model = onnx.load(str(source))
     check_nodes(model, keep, "nodes to keep in FP32")

@@ -31,6 +31,8 @@ LEVELS = {
     "extended": "ORT_ENABLE_EXTENDED",
     "all": "ORT_ENABLE_ALL",
 }
+
+
 def ort_module() -> Any:
     try:
         import onnxruntime
@@ -129,7 +131,7 @@ class SessionRunner(Runner):
         # Runtime refuses unknown names), so they go as they are. run() returns new arrays.
         if len(feeds) != len(self.inputs) or type(feeds) is not dict:
             feeds = {i.name: feeds[i.name] for i in self.inputs}
-        return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
+        return dict(zip(self.output_names, self.session.run(self.output_names, feeds), strict=True))
 
 
 def _np_dtype(ort_type: str) -> str:

@@ -21,6 +21,7 @@ import json
 import logging
 import re
 import threading
+from collections.abc import Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -160,7 +161,9 @@ def optimization_profile(
     a profile axis spans its {min, opt, max}. A dynamic dim with neither is a config error."""
     table, problems = {}, []
     for sig in inputs:
-        lo, mid, hi = [], [], []
+        lo: list[int] = []
+        mid: list[int] = []
+        hi: list[int] = []
         for i, dim in enumerate(sig.shape):
             if isinstance(dim, int) and dim > 0:
                 dims = (dim, dim, dim)
@@ -174,7 +177,7 @@ def optimization_profile(
                     f"input {sig.name!r} dim {i} ({dim or 'unnamed'}) is dynamic and has neither a pin nor a profile"
                 )
                 continue
-            for acc, value in zip((lo, mid, hi), dims):
+            for acc, value in zip((lo, mid, hi), dims, strict=True):
                 acc.append(value)
         table[sig.name] = (tuple(lo), tuple(mid), tuple(hi))
     if problems:
@@ -330,7 +333,7 @@ def onnx_nodes_of(layer: dict[str, Any], known: set[str]) -> list[str]:
 
 
 def parse_engine_information(
-    text: str, onnx_nodes: set[str] = frozenset(), dla_core: int | None = None
+    text: str, onnx_nodes: Set[str] = frozenset(), dla_core: int | None = None
 ) -> EngineLayers:
     """Per-layer facts from ``IEngineInspector.get_engine_information(LayerInformationFormat.JSON)``
     of an engine built with DETAILED profiling verbosity: {"Layers": [...], "Bindings": [...]}.
@@ -342,7 +345,9 @@ def parse_engine_information(
         raise InputError(f"the engine inspector's output is not JSON: {exc}", hint="rebuild the engine") from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("Layers"), list):
         raise InputError("the engine inspector's output has no 'Layers' list", hint="rebuild the engine")
-    layers, device_of, boundaries = [], {}, 0
+    layers: list[LayerInfo] = []
+    device_of: dict[Any, str] = {}  # tensor name -> the device that writes it
+    boundaries = 0
     for raw in doc["Layers"]:
         if isinstance(raw, str):  # built without DETAILED verbosity: names only
             raw = {"Name": raw}
@@ -622,7 +627,7 @@ class _TimingCache:
         self.session, self.config = session, config
         source = session.file(TIMING_CACHE) if session is not None else None
         cache = self._load(source.read_bytes()) if source is not None else None
-        if source is not None:
+        if session is not None and source is not None:
             if cache is None:
                 session.reject("TensorRT refused it: made on another GPU or TensorRT version, or damaged")
             else:
@@ -853,7 +858,7 @@ class TensorRtBackend(Backend):
         cudart = _cudart()
         built_cc, gpu = meta.compute_capability, gpu_info()
         have_cc = gpu.compute_capability if gpu else None
-        if built_cc and have_cc and meta.hardware_compatibility != "ampere_plus" and built_cc != have_cc:
+        if built_cc and gpu and have_cc and meta.hardware_compatibility != "ampere_plus" and built_cc != have_cc:
             raise InputError(
                 f"{engine_dir} was built for compute capability {built_cc} ({meta.gpu}); "
                 f"this host's {gpu.name} has {have_cc}",
@@ -888,7 +893,8 @@ def _deserialize(trt: Any, blob: bytes, host_code: bool, dla_core: int | None, p
         why = "; ".join(logger.errors_since(mark)[-3:]) or "no reason logged"
         raise InputError(
             f"TensorRT {trt.__version__} could not load {path}: {why}",
-            hint="the plan is damaged, or was built by another TensorRT version or for another GPU: rebuild it on the SKU's runner",
+            hint="the plan is damaged, or was built by another TensorRT version or for another GPU: "
+            "rebuild it on the SKU's runner",
         )
     return runtime, engine
 

@@ -36,6 +36,7 @@ from pipeline.backends.contract import (
     Staged,
     median_per_run,
 )
+from pipeline.core.env import TVM_NUM_THREADS
 from pipeline.core.errors import EnvironmentProblem, InputError, UnsupportedOp
 from pipeline.host import probe
 from pipeline.model.graph import signature
@@ -170,7 +171,7 @@ class TvmRunner(Runner):
                     self._tvm.runtime.empty(feeds[s.name].shape, feeds[s.name].dtype, self._dev) for s in self.inputs
                 ]
                 self._views = [_host_view(b) for b in self._buffers]
-            for buffer, view, sig in zip(self._buffers, self._views, self.inputs):
+            for buffer, view, sig in zip(self._buffers, self._views, self.inputs, strict=True):
                 arr = feeds[sig.name]
                 if view is not None and view.shape == arr.shape:  # ~1 us; Tensor.copyfrom costs ~12
                     np.copyto(view, arr)
@@ -180,7 +181,7 @@ class TvmRunner(Runner):
             outs = [out] if hasattr(out, "shape") else list(out)
             # copied out under the lock: the VM may reuse an output's storage on the next call
             # (np.from_dlpack + copy: 1-2 us here, Tensor.numpy(): about 15)
-            return {name: _to_numpy(o) for name, o in zip(self.output_names, outs)}
+            return {name: _to_numpy(o) for name, o in zip(self.output_names, outs, strict=True)}
 
     def profile_layers(self, feeds: dict[str, np.ndarray], iterations: int = 20) -> dict[str, float] | None:
         """Median ms per primitive function (build.json layer names) on a second VM over the same
@@ -342,7 +343,8 @@ class TvmBackend(Backend):
         mod, origins = lower(mod, target, node_of)
         functions = primitive_functions(mod)
         warnings: list[str] = []
-        database, tuned = None, set()
+        database: Any = None
+        tuned: set[str] = set()
         if self.uses_cache(opts):
             database, tuned, spent = self._schedule(ctx, staged, mod, target, opts)
             if spent:
@@ -408,6 +410,7 @@ class TvmBackend(Backend):
         it lacks (a miss: under cache.require the build fails here). Returns the database, the
         primitive functions it schedules and the trials spent."""
         session = staged.cache
+        assert session is not None, "called only when the options use the cache: Backend.build opened a session"
         work = staged.work / "tuning"
         work.mkdir()
         for name in self.cache_files:
@@ -466,11 +469,13 @@ def import_onnx(model: onnx.ModelProto) -> tuple[Any, dict[Any, str]]:
     names = [n.name or f"{n.op_type}_{i}" for i, n in enumerate(model.graph.node)]
     unsupported = [
         (n.op_type, name)
-        for n, name in zip(model.graph.node, names)
+        for n, name in zip(model.graph.node, names, strict=True)
         if n.op_type not in convert and n.domain in ("", "ai.onnx")
     ]
     foreign = [
-        (f"{n.domain}.{n.op_type}", name) for n, name in zip(model.graph.node, names) if n.domain not in ("", "ai.onnx")
+        (f"{n.domain}.{n.op_type}", name)
+        for n, name in zip(model.graph.node, names, strict=True)
+        if n.domain not in ("", "ai.onnx")
     ]
     if unsupported or foreign:
         (op, node), *_ = unsupported or foreign
@@ -498,7 +503,7 @@ def import_onnx(model: onnx.ModelProto) -> tuple[Any, dict[Any, str]]:
             hint="the model is valid ONNX but this TVM refuses it for the reason above: re-export at "
             "another opset, upgrade apache-tvm, or use another backend",
         ) from exc
-    producer = {out: name for node, name in zip(model.graph.node, names) for out in node.output if out}
+    producer = {out: name for node, name in zip(model.graph.node, names, strict=True) for out in node.output if out}
     outputs = [(importer._nodes[o], n) for o, n in producer.items() if o in getattr(importer, "_nodes", {})]
     node_of: dict[Any, str] = {}
     pending: list[Any] = []
@@ -557,7 +562,7 @@ def _fused_origins(mod: Any, node_of: dict[Any, str], before: list[tuple[Any, st
     from tvm import relax
 
     def same(a: list[Any], b: list[Any]) -> bool:
-        return len(a) == len(b) and all(x.same_as(y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(x.same_as(y) for x, y in zip(a, b, strict=True))
 
     def traced(var: Any, prim: str, args: list[Any]) -> str | None:
         if var in node_of:
@@ -576,7 +581,7 @@ def _fused_origins(mod: Any, node_of: dict[Any, str], before: list[tuple[Any, st
             callee = value.op
             if isinstance(callee, relax.GlobalVar) and isinstance(mod[callee], relax.Function):
                 group = mod[callee]
-                outer = dict(zip(group.params, value.args))  # the group's parameters are main's arguments
+                outer = dict(zip(group.params, value.args, strict=True))  # the group's parameters are main's arguments
                 names = []
                 for var, prim, args in _calls(group):
                     names.append(traced(var, prim, [outer.get(a, a) for a in args]))
@@ -770,11 +775,9 @@ def runtime_threads(count: int) -> str | None:
     the transformer example, called from Python: 465 us per call with the default pool (its workers
     sleep between calls and are woken for every parallel kernel), 63 us with one thread. Returns
     the value in effect."""
-    import os
-
-    if count and "TVM_NUM_THREADS" not in os.environ:
-        os.environ["TVM_NUM_THREADS"] = str(count)
-    return os.environ.get("TVM_NUM_THREADS")
+    if count and not TVM_NUM_THREADS.is_set():
+        TVM_NUM_THREADS.set(str(count))
+    return TVM_NUM_THREADS.raw()
 
 
 class _threads:
@@ -784,20 +787,16 @@ class _threads:
         self.count = count
 
     def __enter__(self) -> None:
-        import os
-
-        self._before = os.environ.get("TVM_NUM_THREADS")
+        self._before = TVM_NUM_THREADS.raw()
         if self.count:
-            os.environ["TVM_NUM_THREADS"] = str(self.count)
+            TVM_NUM_THREADS.set(str(self.count))
 
     def __exit__(self, *exc: object) -> None:
-        import os
-
         if self.count:
             if self._before is None:
-                os.environ.pop("TVM_NUM_THREADS", None)
+                TVM_NUM_THREADS.unset()
             else:
-                os.environ["TVM_NUM_THREADS"] = self._before
+                TVM_NUM_THREADS.set(self._before)
 
 
 def _progress(ctx: BuildContext, label: str, fraction: float) -> None:

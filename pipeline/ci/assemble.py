@@ -44,7 +44,6 @@ def assemble(registry: Registry, locks_dir: Path, lock: Path | None = None) -> d
     the files written, or why not)."""
     import yaml
 
-
     lock = Path(lock) if lock is not None else registry.root / "dvc.lock"
     merged = _load(lock) if lock.is_file() else {"schema": "2.0", "stages": {}}
     stages: dict[str, Any] = dict(merged["stages"])

@@ -1,6 +1,7 @@
 """The ``skuforge`` command: parse arguments, call one library function, render, exit.
 
-Argument parsing imports nothing heavy: each command imports the library when it runs.
+Argument parsing imports nothing heavy (pipeline/cli/parser/): a command's module, which imports
+the library, is loaded when the command runs (``handler``).
 Exit codes: 0 ok, 1 gate failed, 2 bad config or input, 3 environment, 4 external service,
 70 internal error, 130 interrupted (Ctrl-C). Everything the command prints (its output, log
 records, warnings, errors and the traceback of a bug) passes through :func:`pipeline.core.redact.redact`:
@@ -10,13 +11,17 @@ no credential leaves it. A stage command also records its failure for ``skuforge
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
-from pipeline.cli import bisect, cache, ci, commands, compare, keys, rollout
+from pipeline.cli.parser import build_parser
+from pipeline.cli.parser.commands import STAGE_COMMANDS
 from pipeline.core import redact
+from pipeline.core.env import DVC_STAGE
 from pipeline.core.errors import EXIT_INTERNAL, EnvironmentProblem, InputError, SkuforgeError
 from pipeline.core.io import storage_error
 from pipeline.results.outcomes import clear_outcome, record_outcome
@@ -25,24 +30,14 @@ from pipeline.results.outcomes import clear_outcome, record_outcome
 _NOISY = ("mlflow.store.db.utils",)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="skuforge",
-        description="Build, gate, benchmark and describe ML inference engines per device SKU.",
-        epilog="exit codes: 0 ok, 1 gate failed, 2 bad config or input, 3 environment (backend, hardware, "
-        "toolchain), 4 external service, 70 internal error, 130 interrupted",
-    )
-    parser.add_argument("--params", default="params.yaml", help="the registry (default: params.yaml)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    commands.register(sub)
-    ci.register(sub)
-    keys.register(sub)
-    bisect.register(sub)
-    compare.register(sub)
-    cache.register(sub)
-    rollout.register(sub)
-    return parser
+def handler(ref: str) -> Callable[[argparse.Namespace], int | None]:
+    """The function a parsed command names ("pipeline.cli.<group>:<function>"), loaded when the
+    command runs: parsing arguments and `--help` import no library code (cli/ is the top layer, so
+    loading a command module late hides no import cycle; tests/cli checks every name resolves)."""
+    module, _, name = ref.partition(":")
+    if not module.startswith("pipeline.cli."):
+        raise ValueError(f"not a command handler: {ref!r}")
+    return getattr(importlib.import_module(module), name)
 
 
 def _drop_tracebacks(record: logging.LogRecord) -> bool:
@@ -99,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        code = int(args.func(args) or 0)
+        code = int(handler(args.handler)(args) or 0)
     except SkuforgeError as exc:
         return _record(args, _error(exc), exc)
     except KeyboardInterrupt:
@@ -126,7 +121,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _stage_of(args: argparse.Namespace) -> tuple[str, str | None, str | None] | None:
     """(stage, model, SKU) when the command is a dvc.yaml stage's command, else None."""
-    if args.command in commands.STAGES or (args.command == "publish" and not args.all and args.model and args.sku):
+    if args.command in STAGE_COMMANDS or (args.command == "publish" and not args.all and args.model and args.sku):
         return args.command, args.model, getattr(args, "sku", None)
     if args.command == "config" and args.config_command == "resolve":
         return "config", None, None
@@ -138,11 +133,8 @@ def _record(args: argparse.Namespace, code: int, exc: BaseException | None) -> i
     (dvc's own output says only "exited with N"); any run of it removes that record when it succeeds.
     Run by hand, a failure writes nothing: its message is on the user's screen."""
     stage = _stage_of(args)
-    if stage is None or (code != 0 and "DVC_STAGE" not in os.environ):  # dvc sets DVC_STAGE for its stages
+    if stage is None or (code != 0 and not DVC_STAGE.is_set()):  # dvc sets DVC_STAGE for its stages
         return code
-    from pathlib import Path
-
-
     root = Path(args.params).resolve().parent
     try:
         if code == 0:

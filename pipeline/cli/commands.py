@@ -9,7 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeline.cli.compare import refresh_lines
+from pipeline.cli.parser.commands import STAGE_COMMANDS, STAGE_FLAGS
 from pipeline.cli.progress import ProgressLine
+from pipeline.core.env import MLFLOW_LOGGING_LEVEL
 from pipeline.core.errors import ConfigError, EnvironmentProblem, SkuforgeError
 from pipeline.core.paths import Layout
 from pipeline.engine.matrix import matrix, sku_statuses, worst_exit
@@ -17,6 +19,14 @@ from pipeline.ops.hostreport import check_report, class_labels, load_classes, pr
 from pipeline.ops.repro import DvcFailed, ProjectStatus, clear_outcomes, run_dvc_repro, targets, upstream_stages
 from pipeline.project.config import load_registry
 from pipeline.report import write_site
+from pipeline.stages import bench as bench_stage
+from pipeline.stages import build as build_stage
+from pipeline.stages import calibrate as calibrate_stage
+from pipeline.stages import data as data_stage
+from pipeline.stages import manifest as manifest_stage
+from pipeline.stages import prepare as prepare_stage
+from pipeline.stages import reference as reference_stage
+from pipeline.stages import validate as validate_stage
 from pipeline.stages.config import write_config
 from pipeline.stages.export import export
 from pipeline.stages.publish import publish as publish_pair
@@ -25,16 +35,6 @@ from pipeline.tracking.promotion import PromotionBlocked, rollback
 from pipeline.tracking.promotion import promote as promote_alias
 from pipeline.tracking.releases import list_releases
 from pipeline.verify.consistency import refresh_reports
-
-
-def positive_int(value: str) -> str:
-    """A registered version number (MLflow counts from 1), checked before any store is opened."""
-    if not value.strip().isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(
-            f"{value!r} is not a version number: give a positive integer such as 3 "
-            "(`skuforge releases MODEL` lists the versions)"
-        )
-    return str(int(value))
 
 
 def _registry(args: argparse.Namespace):
@@ -49,219 +49,65 @@ def _emit(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None:
         print(text())
 
 
-def _stage(
-    fn_path: str, needs_sku: bool, summarize: Callable[[Any], str], flags: tuple[str, ...] = ()
-) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        import importlib
-
-
-        module, _, name = fn_path.partition(":")
-        fn = getattr(importlib.import_module(module), name)
-        registry = _registry(args)
-        progress = ProgressLine()
-        try:
-            target = (args.model, args.sku) if needs_sku else (args.model,)
-            result = fn(registry, *target, progress=progress, **{kw: getattr(args, kw) for kw in flags})
-        finally:
-            progress.close()
-        data = result.to_json() if hasattr(result, "to_json") else result
-        _emit(args, data, lambda: summarize(result))
-        return 0
-
-    return run
-
-
-STAGES: dict[str, tuple[str, bool, str, Callable[[Any], str]]] = {
+# Each stage command: its library function and the one-line summary of its report.
+STAGES: dict[str, tuple[Callable[..., Any], Callable[[Any], str]]] = {
     "prepare": (
-        "pipeline.stages.prepare:prepare",
-        False,
-        "check the model, infer shapes, run graph passes",
+        prepare_stage.prepare,
         lambda r: (
             f"prepared {r.model}: " + ", ".join(f"{p.name} {'changed' if p.changed else 'no change'}" for p in r.passes)
         ),
     ),
     "data": (
-        "pipeline.stages.data:make_data",
-        False,
-        "golden, calibration, evaluation and hard-tail sets",
+        data_stage.make_data,
         lambda r: f"data {r.model}: " + ", ".join(f"{k} {v.samples}" for k, v in r.splits.items()),
     ),
     "reference": (
-        "pipeline.stages.reference:reference",
-        False,
-        "ONNX Runtime CPU FP32 reference outputs",
+        reference_stage.reference,
         lambda r: f"reference {r.model}: " + (", ".join(f"{k} {v:.4f}" for k, v in r.metric.items()) or "done"),
     ),
     "calibrate": (
-        "pipeline.stages.calibrate:calibrate",
-        False,
-        "INT8 calibration table",
+        calibrate_stage.calibrate,
         lambda r: f"calibrated {r.model}: {r.method}, {r.samples} samples, {r.tensors} tensors",
     ),
     "build": (
-        "pipeline.stages.build:build",
-        True,
-        "build the engine with the SKU's backend",
+        build_stage.build,
         lambda r: (
             f"built {r.model}/{r.sku} in {r.build_seconds:.1f}s: placement {r.placement}, precision {r.precision_counts}"
             + (f", reproducible: {r.reproducibility.verdict}" if r.reproducibility else "")
         ),
     ),
     "validate": (
-        "pipeline.stages.validate:validate",
-        True,
-        "correctness and placement gates",
+        validate_stage.validate,
         lambda r: f"validated {r.model}/{r.sku}: passed",
     ),
     "bench": (
-        "pipeline.stages.bench:bench",
-        True,
-        "latency, throughput and memory",
+        bench_stage.bench,
         lambda r: (
             f"bench {r.model}/{r.sku}: p50 {r.engine_only.p50_ms:.3f} ms, p99 {r.engine_only.p99_ms:.3f} ms, "
             f"{r.throughput_per_s:.0f} samples/s"
         ),
     ),
     "manifest": (
-        "pipeline.stages.manifest:write_manifest",
-        True,
-        "write the manifest",
+        manifest_stage.write_manifest,
         lambda r: f"manifest {r.model}/{r.sku}: digest {r.digest[:12]}",
     ),
 }
 
-# Extra switches of a stage command: flag -> (keyword argument of the stage function, help)
-STAGE_FLAGS: dict[str, dict[str, tuple[str, str]]] = {
-    "build": {
-        "--check-reproducible": (
-            "check_reproducible",
-            "build the engine a second time (new process, temporary "
-            "folder and cache copy) and record the verdict (bitwise, equivalent, "
-            "unverified, differs) in build.json; exit 1 below the SKU's "
-            "reproducibility.require",
-        ),
-        "--require-cache": (
-            "cache_required",
-            "fail on any miss of the SKU's checked-in compiler cache (a "
-            "stale, corrupt or missing cache, a tuning task not in the database), as "
-            "skus.<s>.cache.require or SKUFORGE_REQUIRE_CACHE=1 do",
-        ),
-    },
-}
 
-
-def register(sub: argparse._SubParsersAction) -> None:
-    config = sub.add_parser("config", help="check the registry")
-    csub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
-    v = csub.add_parser("validate", help="validate params.yaml")
-    v.add_argument("--json", action="store_true")
-    v.set_defaults(func=config_validate)
-    r = csub.add_parser("resolve", help="write the resolved settings per model and (model, SKU) that DVC tracks")
-    r.add_argument("--json", action="store_true")
-    r.set_defaults(func=config_resolve)
-
-    skus = sub.add_parser("skus", help="list SKUs and whether this host can build them")
-    skus.add_argument("--buildable-here", action="store_true", help="only the SKUs this host can build")
-    skus.add_argument("--json", action="store_true")
-    skus.set_defaults(func=list_skus)
-
-    ex = sub.add_parser("export", help="train an example model and export it to ONNX")
-    ex.add_argument("--example", required=True)
-    ex.add_argument("--json", action="store_true")
-    ex.set_defaults(func=export_example)
-
-    for name, (fn, needs_sku, help_text, summarize) in STAGES.items():
-        p = sub.add_parser(name, help=help_text)
-        p.add_argument("--model", required=True)
-        if needs_sku:
-            p.add_argument("--sku", required=True)
-        p.add_argument("--json", action="store_true", help="print the report as JSON")
-        flags = STAGE_FLAGS.get(name, {})
-        for flag, (kw, flag_help) in flags.items():
-            # unset: None, so the library's default (the SKU's setting) decides
-            p.add_argument(flag, dest=kw, action="store_const", const=True, default=None, help=flag_help)
-        p.set_defaults(func=_stage(fn, needs_sku, summarize, tuple(kw for kw, _ in flags.values())))
-
-    p = sub.add_parser("publish", help="record engines in MLflow (a run each) and register them (idempotent)")
-    p.add_argument("--model", help="the model of the pair to publish")
-    p.add_argument("--sku", help="the SKU of the pair to publish")
-    p.add_argument("--all", action="store_true", help="every (model, SKU) with a manifest")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(func=publish)
-
-    p = sub.add_parser("promote", help="move a registry alias along the chain when the gates pass, or roll it back")
-    p.add_argument("model")
-    which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--sku", action="append", help="the SKU (repeatable)")
-    which.add_argument("--all-skus", action="store_true", help="every SKU the release requires (release.skus)")
-    p.add_argument("--to", required=True, metavar="ALIAS", help="the alias to move (release.aliases)")
-    p.add_argument(
-        "--version",
-        type=positive_int,
-        metavar="N",
-        help="the version to move (default: newest for the first alias, else the holder of the alias before)",
-    )
-    p.add_argument("--reason", help="why (required for the aliases in release.reason_required)")
-    p.add_argument("--rollback", action="store_true", help="move the alias back to its previous holder")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=promote)
-
-    p = sub.add_parser("releases", help="registered versions and aliases per SKU of a model")
-    p.add_argument("model")
-    p.add_argument("--history", action="store_true", help="also the alias moves (who, when, why)")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=releases)
-
-    r = sub.add_parser(
-        "repro", help="dvc repro (keep going) for the SKUs this host can build; the outcome of every pair"
-    )
-    r.add_argument("--model", action="append", help="only this model (repeatable)")
-    r.add_argument("--sku", action="append", help="only this SKU (repeatable)")
-    r.add_argument("--force", action="store_true", help="rerun stages even if unchanged")
-    r.add_argument("--dry", action="store_true", help="show what would run (dvc status), run nothing")
-    r.add_argument("--no-publish", action="store_true", help="stop at the manifests: record nothing in MLflow")
-    r.add_argument("--json", action="store_true")
-    r.set_defaults(func=repro)
-
-    s = sub.add_parser(
-        "summary", help="the outcome of every (model, SKU) with its manifest's gates, metric deltas, latency"
-    )
-    s.add_argument("--json", action="store_true")
-    s.set_defaults(func=summary)
-
-    p = sub.add_parser(
-        "report",
-        help="a static HTML report (no network needed): latency, correctness, layers, "
-        "roofline per pair; SKUs side by side per model",
-    )
-    p.add_argument("--model", help="only this model (default: every model)")
-    p.add_argument("--sku", action="append", help="only this SKU (repeatable; default: every SKU)")
-    p.add_argument("--out", metavar="DIR", help="the folder to (re)write, inside the project (default: build/report)")
-    p.set_defaults(func=report)
-
-    rn = sub.add_parser("runner", help="this host as a CI runner: its state, whether it matches a SKU, runner labels")
-    rsub = rn.add_subparsers(dest="runner_command", metavar="ACTION", required=True)
-    p = rsub.add_parser("probe", help="the host's hardware, device state, GPU, toolchain and the SKUs it can build/run")
-    p.add_argument("--json", action="store_true")
-    p.add_argument(
-        "--peaks",
-        action="store_true",
-        help="add the host's peak FP32 GFLOP/s and memory GB/s (measured once, about 10 s, then cached)",
-    )
-    p.add_argument("--refresh", action="store_true", help="measure the peaks again (implies --peaks)")
-    p.set_defaults(func=runner_probe)
-    p = rsub.add_parser("check", help="exit 3 with every difference when this host does not match the SKU")
-    p.add_argument("--sku", required=True)
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=runner_check)
-    p = rsub.add_parser("labels", help="the labels of a runner class (for setup-runner.sh)")
-    p.add_argument("--class", dest="runner_class", required=True, metavar="NAME")
-    p.add_argument(
-        "--classes", default="runners/classes.yaml", help="the runner classes (default: runners/classes.yaml)"
-    )
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=runner_labels)
+def run_stage(args: argparse.Namespace) -> int:
+    """A stage command: the stage's function on (model[, SKU]) with its extra switches, then its summary."""
+    fn, summarize = STAGES[args.command]
+    flags = [kw for kw, _ in STAGE_FLAGS.get(args.command, {}).values()]
+    registry = _registry(args)
+    progress = ProgressLine()
+    try:
+        target = (args.model, args.sku) if STAGE_COMMANDS[args.command][0] else (args.model,)
+        result = fn(registry, *target, progress=progress, **{kw: getattr(args, kw) for kw in flags})
+    finally:
+        progress.close()
+    data = result.to_json() if hasattr(result, "to_json") else result
+    _emit(args, data, lambda: summarize(result))
+    return 0
 
 
 def config_validate(args: argparse.Namespace) -> int:
@@ -329,7 +175,6 @@ def repro(args: argparse.Namespace) -> int:
         )
     if not dvc_targets:
         if args.sku:  # asked for by name (a CI job for one SKU): building nothing is not success
-
             raise EnvironmentProblem(
                 f"this host can build none of the SKUs asked for: {', '.join(args.sku)}",
                 hint="run it on a runner with the labels printed above "
@@ -388,9 +233,7 @@ def _consistency_reports(reg, models: list[str] | None) -> tuple[dict[str, Any],
 def _quiet_mlflow() -> None:
     # MLflow logs every store migration and registry wait at INFO on its own handler; keep the
     # user's stderr to skuforge's lines (MLFLOW_LOGGING_LEVEL set by the user wins).
-    import os
-
-    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    MLFLOW_LOGGING_LEVEL.setdefault("WARNING")
 
 
 def publish(args: argparse.Namespace) -> int:
@@ -454,7 +297,6 @@ def promote(args: argparse.Namespace) -> int:
     try:
         if args.rollback:
             if args.version:
-
                 raise ConfigError("--rollback moves the alias to its previous holder", hint="leave out --version")
             report = rollback(reg, args.model, args.to, skus=skus, reason=args.reason)
         else:
@@ -517,7 +359,6 @@ def summary(args: argparse.Namespace) -> int:
 
 def report(args: argparse.Namespace) -> int:
     from pathlib import Path
-
 
     index = write_site(_registry(args), args.model, Path(args.out).absolute() if args.out else None, args.sku)
     print(index)

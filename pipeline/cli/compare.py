@@ -10,19 +10,6 @@ from pipeline.project.config import load_registry
 from pipeline.verify.consistency import consistency, describe, nonfinite_line, table, write_report
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "compare",
-        help="every SKU's golden outputs against the reference and each other (max/mean abs error, top-1 agreement)",
-    )
-    p.add_argument("--model", required=True)
-    p.add_argument(
-        "--write", action="store_true", help="also write reports/consistency/<model>.json and .md (checked in)"
-    )
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.set_defaults(func=compare)
-
-
 def compare(args: argparse.Namespace) -> int:
 
     registry = load_registry(args.params)

@@ -103,7 +103,7 @@ def remove_stale(path: Path) -> list[Path]:
     """Remove what killed writers of ``path`` left: ``.<name>.<pid>.*.tmp`` of dead processes,
     pid-less ones older than STALE_SECONDS, and a ``.<name>.old`` next to the target."""
     prefix = f".{path.name}."
-    removed = []
+    removed: list[Path] = []
     try:
         siblings = [p for p in path.parent.iterdir() if p.name.startswith(prefix) and p.name.endswith(".tmp")]
     except OSError:

@@ -12,7 +12,6 @@ the MLflow error text it wraps. It removes
 from __future__ import annotations
 
 import logging
-import os
 import re
 import sys
 import warnings
@@ -20,16 +19,26 @@ from collections.abc import Iterable, Mapping
 from typing import Any, TextIO
 from urllib.parse import quote, unquote, urlsplit
 
+from pipeline.core.env import (
+    DATABASE_URL,
+    MLFLOW_REGISTRY_URI,
+    MLFLOW_TRACKING_PASSWORD,
+    MLFLOW_TRACKING_URI,
+    MLFLOW_TRACKING_USERNAME,
+    SKUFORGE_SIGNING_KEY,
+    process_environment,
+)
+
 MASK = "***"
 
 # Always secret, whatever their name says.
 SECRET_ENV = (
     "MLFLOW_TRACKING_TOKEN",
-    "MLFLOW_TRACKING_PASSWORD",
+    MLFLOW_TRACKING_PASSWORD.name,
     "AWS_SECRET_ACCESS_KEY",
     "AWS_SESSION_TOKEN",
     "GITHUB_TOKEN",
-    "SKUFORGE_SIGNING_KEY",
+    SKUFORGE_SIGNING_KEY.name,
     "DATABRICKS_TOKEN",
 )
 SECRET_SUFFIXES = ("_TOKEN", "_SECRET", "_PASSWORD", "_PASSWD", "_KEY", "_API_KEY", "_ACCESS_KEY")
@@ -37,7 +46,7 @@ SECRET_SUFFIXES = ("_TOKEN", "_SECRET", "_PASSWORD", "_PASSWD", "_KEY", "_API_KE
 NOT_SECRET = frozenset({"GPG_KEY", "PYTHON_GPG_KEY", "CACHE_KEY", "SORT_KEY", "PRIMARY_KEY", "SSH_AUTH_KEY"})
 NOT_SECRET_SUFFIXES = ("_PUBLIC_KEY", "_PUB_KEY", "_KEY_ID", "_KEY_PATH", "_KEY_FILE")
 # URIs whose password is a secret even when the variable's name does not say so.
-URI_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "DATABASE_URL")
+URI_ENV = (MLFLOW_TRACKING_URI.name, MLFLOW_REGISTRY_URI.name, DATABASE_URL.name)
 MIN_SECRET = 6  # shorter values ("true", "1", "cpu") would mask ordinary words
 
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)[^\s/?#'\"<>]*@(?=[^\s@/])")
@@ -61,16 +70,16 @@ def is_secret_name(name: str) -> bool:
 
 def secret_values(env: Mapping[str, str] | None = None) -> list[str]:
     """The values to mask, longest first (so a secret containing another is masked whole)."""
-    env = os.environ if env is None else env
+    env = process_environment() if env is None else env
     values: set[str] = set()
     for name, value in env.items():
         if value and is_secret_name(name):
             values.add(value)
-    if env.get("MLFLOW_TRACKING_PASSWORD"):  # the user name is only worth hiding next to its password
-        values.add(env.get("MLFLOW_TRACKING_USERNAME", ""))
-    for name in URI_ENV:
+    if MLFLOW_TRACKING_PASSWORD.get(env):  # the user name is only worth hiding next to its password
+        values.add(MLFLOW_TRACKING_USERNAME.get(env) or "")
+    for var in (MLFLOW_TRACKING_URI, MLFLOW_REGISTRY_URI, DATABASE_URL):
         try:
-            parts = urlsplit(env.get(name) or "")
+            parts = urlsplit(var.get(env) or "")
             values.update(v for v in (parts.password,) if v)
         except ValueError:
             continue

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Union, get_args
 from pydantic import BaseModel, ValidationError
 
 
-def did_you_mean(word: str, choices: Any) -> str:
+def did_you_mean(word: object, choices: Any) -> str:
     """' (did you mean X?)' with the closest of ``choices``, or nothing."""
     close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else ""

@@ -26,7 +26,8 @@ def require_host(registry: Registry, sku: str, purpose: Purpose = "run") -> None
         labels = ", ".join(registry.sku(sku).runner_labels)
         raise EnvironmentProblem(
             f"this host cannot {purpose} SKU {sku}: " + "; ".join(problems),
-            hint=f"build it on a runner with labels [{labels}] (skuforge skus --buildable-here lists what this host can build)",
+            hint=f"build it on a runner with labels [{labels}] "
+            "(skuforge skus --buildable-here lists what this host can build)",
         )
 
 
@@ -86,7 +87,8 @@ def build_engine(
     The build stage, bisection (``prepared``: the model with intermediate tensors marked as
     outputs) and the reproducibility check share it, so they build exactly as the stage does.
     ``keep_precise``: ONNX node names kept in higher precision (default: the registry's).
-    ``cache_required``, ``cache_refresh``, ``tuning_trials``, ``search``: the cache policy (pipeline.backends.caches)."""
+    ``cache_required``, ``cache_refresh``, ``tuning_trials``, ``search``: the cache policy
+    (pipeline.backends.caches)."""
     spec, sku_spec = registry.model(model), registry.sku(sku)
     backend = get_backend(sku_spec.backend)
     out = layout(registry)

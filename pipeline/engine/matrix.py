@@ -57,6 +57,7 @@ EXAMPLE_STAGES = ("export",)
 MODEL_STAGES = ("prepare", "data", "reference", "calibrate")
 PAIR_STAGES = ("build", "validate", "bench", "manifest", "publish")
 
+
 def split_pair(registry: Registry, item: str) -> tuple[str, str]:
     return next(
         (m, item[len(m) + 1 :])
@@ -203,7 +204,7 @@ def _failed_pair(
         return PairOutcome(
             model, sku, "unsupported", code, message, stage, unsupported=record["unsupported"], manifest=row
         )
-    kind = "publish failed" if stage == "publish" else "build failed"
+    kind: Outcome = "publish failed" if stage == "publish" else "build failed"
     return PairOutcome(
         model,
         sku,

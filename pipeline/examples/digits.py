@@ -30,7 +30,6 @@ import io
 import json
 import logging
 import math
-import os
 import platform
 import signal
 import subprocess
@@ -42,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.core.env import process_environment
 from pipeline.core.errors import ConfigError, EnvironmentProblem
 from pipeline.core.io import atomic_savez, atomic_write_bytes, atomic_write_json, sha256_bytes
 
@@ -158,7 +158,7 @@ def _train_pinned(
             "torch is not installed: it trains the example models",
             hint="install the examples extra: pip install -e '.[examples]'",
         )
-    env = dict(os.environ)
+    env = dict(process_environment())
     if platform.machine().lower() in ("x86_64", "amd64"):
         env.update(_PINNED_ENV)
     root = str(Path(__file__).resolve().parents[2])

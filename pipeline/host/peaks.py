@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import subprocess
 import sys
 import time
@@ -26,13 +25,14 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from pipeline.core.env import SKUFORGE_CACHE_DIR, XDG_CACHE_HOME, process_environment
 from pipeline.core.io import atomic_write_json, read_json, sha256_json
 from pipeline.host import probe
 from pipeline.results.reports import Result
 
 log = logging.getLogger(__name__)
 
-ENV_CACHE_DIR = "SKUFORGE_CACHE_DIR"
+ENV_CACHE_DIR = SKUFORGE_CACHE_DIR.name
 """Folder of skuforge's per-host caches (the peaks); default ``$XDG_CACHE_HOME/skuforge`` or ``~/.cache/skuforge``."""
 
 ARRAY_MB = 128  # per bandwidth array, at least; 4x the last-level cache where that is larger
@@ -75,9 +75,7 @@ class Peaks(Result):
 
 
 def cache_dir() -> Path:
-    if os.environ.get(ENV_CACHE_DIR):
-        return Path(os.environ[ENV_CACHE_DIR]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "skuforge"
+    return SKUFORGE_CACHE_DIR.get() or (XDG_CACHE_HOME.get() or Path.home() / ".cache").expanduser() / "skuforge"
 
 
 def _blas() -> str:
@@ -163,7 +161,7 @@ def _one_core_gflops(n: int, repeats: int, deadline: float) -> tuple[float, Lite
         with threadpool_limits(limits=1, user_api="blas"):
             return _gemm_gflops(n, repeats, deadline), "threadpoolctl"
     # BLAS reads its thread count once, at load: a fresh interpreter with the variables at 1
-    env = os.environ | dict.fromkeys(_BLAS_THREAD_VARS, "1")
+    env = dict(process_environment()) | dict.fromkeys(_BLAS_THREAD_VARS, "1")
     root = str(Path(__file__).resolve().parents[2])
     code = (
         f"import sys; sys.path.insert(0, {root!r}); from pipeline.host.peaks import _gemm_gflops; "

@@ -23,9 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.core.env import PATH, SKUFORGE_FAKE_CPU_FLAGS, SKUFORGE_FAKE_CPU_MODEL
+
 ARCH_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64", "armv8": "aarch64"}
-ENV_FAKE_CPU_FLAGS = "SKUFORGE_FAKE_CPU_FLAGS"  # testing hook: the CPU flags this host reports
-ENV_FAKE_CPU_MODEL = "SKUFORGE_FAKE_CPU_MODEL"  # testing hook: the CPU model name this host reports
+ENV_FAKE_CPU_FLAGS = SKUFORGE_FAKE_CPU_FLAGS.name  # testing hook: the CPU flags this host reports
+ENV_FAKE_CPU_MODEL = SKUFORGE_FAKE_CPU_MODEL.name  # testing hook: the CPU model name this host reports
 
 
 def host_arch() -> str:
@@ -47,7 +49,8 @@ def _read(path: str) -> str | None:
 def cpu_info() -> dict[str, Any]:
     """The CPU's model name, core count and flags (``/proc/cpuinfo`` names), as this host reports
     them or as the testing hooks fake them (``faked``)."""
-    model, flags = None, []
+    model: str | None = None
+    flags: list[str] = []
     text = _read("/proc/cpuinfo") or ""
     for line in text.splitlines():
         key, _, value = line.partition(":")
@@ -56,7 +59,7 @@ def cpu_info() -> dict[str, Any]:
             model = value.strip()
         elif key in ("flags", "Features") and not flags:
             flags = value.split()
-    fake_flags, fake_model = os.environ.get(ENV_FAKE_CPU_FLAGS), os.environ.get(ENV_FAKE_CPU_MODEL)
+    fake_flags, fake_model = SKUFORGE_FAKE_CPU_FLAGS.get(), SKUFORGE_FAKE_CPU_MODEL.get()
     if fake_flags is not None:
         flags = fake_flags.replace(",", " ").split()
     if fake_model is not None:
@@ -457,7 +460,7 @@ def nvidia_gpus() -> list[GpuInfo]:
     device tree (Jetson has no NVML and a partial nvidia-smi). A missing compute capability is
     filled in from the CUDA runtime or the Jetson table. Cached per ``PATH`` (a faked
     ``nvidia-smi`` earlier on ``PATH`` is a new probe)."""
-    return list(_nvidia_gpus(os.environ.get("PATH", "")))
+    return list(_nvidia_gpus(PATH.get() or ""))
 
 
 @functools.lru_cache(maxsize=8)

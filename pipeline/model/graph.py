@@ -127,7 +127,6 @@ def source_sha256(path: Path, root: Path) -> str:
     file and then each external-data file in location order, so a change to any one shows."""
     import onnx
 
-
     externals = external_data_files(onnx.load(str(path), load_external_data=False), path, root)
     if not externals:
         return sha256_file(path)
@@ -146,8 +145,8 @@ def check_ops(model: onnx.ModelProto, path: Path) -> None:
     if version is not None and version < MIN_OPSET:
         raise InputError(
             f"{path}: the model imports ai.onnx opset {version}; supported opsets are {MIN_OPSET} to {newest}",
-            hint=f"convert it: onnx.save(onnx.version_converter.convert_version(onnx.load('{path.name}'), {SUGGESTED_OPSET}), "
-            f"'{path.name}'), or re-export at opset {SUGGESTED_OPSET}",
+            hint="convert it: onnx.save(onnx.version_converter.convert_version("
+            f"onnx.load('{path.name}'), {SUGGESTED_OPSET}), '{path.name}'), or re-export at opset {SUGGESTED_OPSET}",
         )
     if version is not None and version > newest:  # the converter knows no opset newer than its onnx either
         raise InputError(
@@ -281,7 +280,7 @@ def rename_axes(model: onnx.ModelProto, spec_inputs: list, path: Path, batch_axi
                 f"but params.yaml gives {list(spec.shape)}",
                 hint=f"set shape: {_flow(want)} (one entry per model dimension; {pin_rest})",
             )
-        for i, (mdim, sdim) in enumerate(zip(have.shape, spec.shape)):
+        for i, (mdim, sdim) in enumerate(zip(have.shape, spec.shape, strict=True)):
             if isinstance(mdim, int) and mdim != sdim:
                 raise InputError(
                     f"{path}: input {spec.name!r} dim {i} is fixed to {mdim} in the model "
@@ -379,7 +378,8 @@ def fold_constants(model: onnx.ModelProto) -> list[str]:
     values = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
     graph_inputs = {i.name for i in model.graph.input}
     opset = [o for o in model.opset_import]
-    kept, folded = [], Counter()
+    kept: list[onnx.NodeProto] = []
+    folded: Counter[str] = Counter()
     for node in model.graph.node:
         foldable = (
             node.domain in ("", "ai.onnx")
@@ -400,7 +400,7 @@ def fold_constants(model: onnx.ModelProto) -> list[str]:
             except Exception:  # leave anything the reference evaluator cannot run to the backend
                 kept.append(node)
                 continue
-            for name, arr in zip(node.output, outs):
+            for name, arr in zip(node.output, outs, strict=True):
                 values[name] = arr
                 model.graph.initializer.append(numpy_helper.from_array(arr, name))
             folded[node.op_type] += 1

@@ -57,7 +57,6 @@ def probe_report(registry: Registry, peaks: bool = False, refresh: bool = False)
         },
     }
     if peaks:
-
         report["peaks"] = host_peaks(refresh=refresh).to_json()
     return report
 

@@ -359,11 +359,11 @@ def _einsum(ins, outs, attrs) -> int:
     lhs, arrow, rhs = eq.replace(" ", "").partition("->")
     terms = lhs.split(",")
     sizes: dict[str, int] = {}
-    for term, t in zip(terms, ins):
+    for term, t in zip(terms, ins, strict=True):
         dims = _shape(t)
         head, _, tail = term.partition("...")
-        sizes.update(zip(head, dims[: len(head)]))
-        sizes.update(zip(tail, dims[len(dims) - len(tail) :]))
+        sizes.update(zip(head, dims[: len(head)], strict=True))
+        sizes.update(zip(tail, dims[len(dims) - len(tail) :], strict=True))
     if not arrow:  # implicit output: the letters that occur once
         rhs = "".join(c for c in sizes if lhs.count(c) == 1)
     contracted = math.prod(sizes[c] for c in sizes if c not in rhs)
@@ -389,13 +389,13 @@ def _multi_head_attention(ins, outs, attrs) -> int:
     q = _shape(ins[0])
     if len(q) == 5:
         b, s, n, _, h = q
-        l, d, dv = s, n * h, n * h
+        kv, d, dv = s, n * h, n * h
     else:
         b, s, d = q
         k = _shape(ins[1])
-        l = k[1] if len(k) == 3 else k[2]  # [B, L, D] or [B, N, L, H] (past key)
+        kv = k[1] if len(k) == 3 else k[2]  # L: [B, L, D] or [B, N, L, H] (past key)
         dv = _shape(ins[2])[-1] * (1 if len(k) == 3 else k[1])
-    return 2 * b * s * l * d + PER_ELEMENT["Softmax"] * b * heads * s * l + 2 * b * s * l * dv
+    return 2 * b * s * kv * d + PER_ELEMENT["Softmax"] * b * heads * s * kv + 2 * b * s * kv * dv
 
 
 def _pool(ins, outs, attrs) -> int:
@@ -408,7 +408,7 @@ def _resize(ins, outs, attrs) -> int:
     if mode == "nearest":
         return 0
     x, y = _shape(ins[0]), _shape(outs[0])
-    resized = sum(1 for a, b in zip(x, y) if a != b)
+    resized = sum(1 for a, b in zip(x, y, strict=True) if a != b)
     taps = (4 if mode == "cubic" else 2) ** resized
     return 2 * taps * _size(outs[0])
 
@@ -460,8 +460,9 @@ def _tensors(model: onnx.ModelProto) -> dict[str, _Tensor]:
     for vi in [*model.graph.input, *model.graph.value_info, *model.graph.output]:
         tt = vi.type.tensor_type
         dims = _dims(vi) if tt.HasField("shape") else None
-        static = dims is not None and all(isinstance(d, int) for d in dims)
-        out[vi.name] = _Tensor(tuple(dims) if static else None, tt.elem_type)
+        fixed = [d for d in dims or () if isinstance(d, int)]
+        static = dims is not None and len(fixed) == len(dims)
+        out[vi.name] = _Tensor(tuple(fixed) if static else None, tt.elem_type)
     for init in model.graph.initializer:
         out[init.name] = _Tensor(tuple(init.dims), init.data_type)
     return out
@@ -506,7 +507,6 @@ def graph_cost(model: onnx.ModelProto | str | Path, pins: dict[str, int] | None 
     """FLOPs and bytes of each node of a prepared ONNX model (a path or a ModelProto, left
     unchanged), with the named dims of ``pins`` fixed first (the SKU's shapes)."""
     import onnx
-
 
     path = Path(model) if isinstance(model, (str, Path)) else Path("<model>")
     if isinstance(model, (str, Path)):
@@ -606,12 +606,12 @@ def join_layer_times(
         stripped = key
         for pattern in _ORT_REWRITES:
             stripped = pattern.sub("", stripped)
-        found = lookup(stripped)
-        return [found] if found else []
+        one = lookup(stripped)
+        return [one] if one else []
 
     groups = {key: exact(key) for key in times}
     claimed = {n for nodes in groups.values() for n in nodes}
-    for key, nodes in groups.items():
+    for nodes in groups.values():
         grew = bool(nodes)
         while grew:
             grew = False
@@ -689,7 +689,8 @@ class RooflineReport(Result):
 
 
 def _heaviest(values: dict[str, float], coverage: float, limit: int) -> list[str]:
-    total, picked, acc = sum(values.values()), [], 0.0
+    total, acc = sum(values.values()), 0.0
+    picked: list[str] = []
     for key in sorted(values, key=lambda k: -values[k]):
         if acc >= coverage * total or len(picked) >= limit or values[key] <= 0:
             break

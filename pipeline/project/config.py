@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -746,7 +747,7 @@ class RolloutSpec(Strict):
         if len(set(names)) != len(names):
             raise ValueError(f"waves: names repeat: {names}")
         shares = [w.percent for w in self.waves if w.percent is not None]
-        if any(b < a for a, b in zip(shares, shares[1:])):
+        if any(b < a for a, b in pairwise(shares)):
             raise ValueError(f"waves: percentages are cumulative and may not shrink: {shares}")
         return self
 
@@ -884,7 +885,9 @@ def _name_problems(data: dict) -> list[str]:
 
 def _path_problems(registry: Registry, resolve: bool) -> list[str]:
     """Every registry path that would lead outside the project; ``resolve`` also follows symlinks."""
-    paths = [(f"examples.{n}.dir", e.dir, (e.dir,)) for n, e in registry.examples.items()]
+    paths: list[tuple[str, str, tuple[str, ...]]] = [
+        (f"examples.{n}.dir", e.dir, (e.dir,)) for n, e in registry.examples.items()
+    ]
     for name, m in registry.models.items():
         paths += [(f"models.{name}.dir", m.dir, (m.dir,)), (f"models.{name}.source", m.source, (m.dir, m.source))]
         for split in Datasets.model_fields:
@@ -953,7 +956,8 @@ def _check_cross_references(registry: Registry, source: str) -> None:
         for output in model.output_kinds:
             if model.outputs is not None and output not in model.outputs:
                 problems.append(
-                    f"models.{name}.output_kinds.{output}: not in outputs {model.outputs}{did_you_mean(output, model.outputs)}"
+                    f"models.{name}.output_kinds.{output}: not in outputs {model.outputs}"
+                    + did_you_mean(output, model.outputs)
                 )
         for axis in model.pins:
             if model.batch_axis == axis:
@@ -964,10 +968,10 @@ def _check_cross_references(registry: Registry, source: str) -> None:
                         f"skus.{sname}.shapes.{axis}: only the batch axis may be re-pinned per SKU "
                         f"(datasets are generated at models.{name}.pins.{axis}={model.pins[axis]})"
                     )
-    for sku in registry.release.skus or []:
-        if sku not in registry.skus:
+    for listed in registry.release.skus or []:
+        if listed not in registry.skus:
             problems.append(
-                f"release.skus: unknown SKU {sku!r}{did_you_mean(sku, registry.skus)}; "
+                f"release.skus: unknown SKU {listed!r}{did_you_mean(listed, registry.skus)}; "
                 f"known SKUs: {', '.join(sorted(registry.skus))}"
             )
     problems += _fallback_problems(registry)
@@ -1014,7 +1018,8 @@ def _fallback_problems(registry: Registry) -> list[str]:
 
 def _collisions(registry: Registry) -> list[str]:
     """Two entries whose resolved-config files coincide (e.g. pair keys '<model>-<sku>'): one would be lost."""
-    layout, owners, problems = Layout(Path(".")), {}, []
+    layout, problems = Layout(Path(".")), []
+    owners: dict[Path, str] = {}
     entries = [(f"examples.{e}", layout.config_file(e, example=True)) for e in registry.examples]
     entries += [(f"models.{m}", layout.config_file(m)) for m in registry.models]
     entries += [(f"models.{m} x skus.{s}", layout.config_file(m, s)) for m, s in registry.pairs()]
@@ -1040,7 +1045,7 @@ def _resolution_problems(registry: Registry) -> list[str]:
             continue
         for sname in registry.skus:
             for kind in classes:
-                tol = registry.tolerance(name, sname).for_kind(kind)  # type: ignore[arg-type]
+                tol = registry.tolerance(name, sname).for_kind(kind)
                 if tol.min_top1_agreement <= 0:
                     continue
                 need = gatestats.min_rows_for_agreement(tol.min_top1_agreement, tol.confidence)
@@ -1099,7 +1104,7 @@ def _tensor_problem(model_name: str, model: ModelSpec, index: int, axes: _AxisVa
         f"{human_bytes(elements * itemsize)} of {inp.dtype}, above the limit of {MAX_TENSOR_ELEMENTS} elements "
         f"and {human_bytes(MAX_TENSOR_BYTES)} per input tensor (docs/registry.md#limits)"
     )
-    keys = {axes[a][1]: a for a in inp.axes if axes[a][1] is not None}
+    keys = {key: a for a in inp.axes if (key := axes[a][1]) is not None}
     keys = {k: a for k, a in keys.items() if k.startswith(blame)} or keys
     if not keys:
         return f"models.{model_name}.inputs.{index}.shape: {what}; lower its fixed dimensions"

@@ -77,6 +77,7 @@ def load_file(spec: ModelSpec, root: Path, source: DatasetSource, split: str) ->
         loaded = np.load(path, allow_pickle=False)
     except Exception as exc:  # zip, pickle and format errors all mean the same to the user
         raise _unreadable(split, path, None, exc) from exc
+    files: dict[str, np.ndarray | None]  # None: read from the .npz on access
     if isinstance(loaded, np.ndarray):
         if len(spec.inputs) != 1:
             raise InputError(
@@ -95,7 +96,8 @@ def load_file(spec: ModelSpec, root: Path, source: DatasetSource, split: str) ->
 
     def read(key: str) -> np.ndarray:
         try:  # an .npz reads each array on access: an object array fails here, by key
-            return files[key] if files[key] is not None else loaded[key]
+            held = files[key]
+            return held if held is not None else loaded[key]
         except Exception as exc:
             raise _unreadable(split, path, key, exc) from exc
 
@@ -278,9 +280,7 @@ def postprocess(spec: ModelSpec, outputs: Arrays) -> Arrays:
     return outputs
 
 
-def iter_batches(
-    arrays: Arrays, input_batch_index: dict[str, int | None], batch: int
-) -> Iterator[tuple[int, Arrays]]:
+def iter_batches(arrays: Arrays, input_batch_index: dict[str, int | None], batch: int) -> Iterator[tuple[int, Arrays]]:
     """Yield (real sample count, feeds) in batches of ``batch``; the last is padded by repetition.
 
     Inputs without the batch axis force one sample per call (the batch axis, if any, is filled

@@ -80,8 +80,8 @@ def timeline(iterations: Sequence[int], phases: Sequence[str], latency_ms: Seque
     step = max(1, math.ceil(len(latency_ms) / MAX_POINTS))
     iterations, phases, latency_ms = iterations[::step], phases[::step], latency_ms[::step]
     for phase in dict.fromkeys(phases):
-        xs = [i for i, p in zip(iterations, phases) if p == phase]
-        ys = [v for v, p in zip(latency_ms, phases) if p == phase]
+        xs = [i for i, p in zip(iterations, phases, strict=True) if p == phase]
+        ys = [v for v, p in zip(latency_ms, phases, strict=True) if p == phase]
         ax.scatter(xs, ys, s=2, color=COLOURS.get(phase, "grey"), label=f"{_text(phase)} ({len(xs)})", rasterized=True)
     title = "latency per call, warm-up to steady state" + (f" (every {step}th call)" if step > 1 else "")
     ax.set(title=title, xlabel="call", ylabel="ms", yscale="log")
@@ -190,7 +190,7 @@ def latency_bars(
     ax = axes[0][0]
     xs = range(len(skus))
     for offset, name, values, cis in ((-0.2, "p50", p50, p50_ci), (0.2, "p99", p99, p99_ci)):
-        for x, v, ci in zip(xs, values, cis):
+        for x, v, ci in zip(xs, values, cis, strict=True):
             if v is None:
                 continue
             err = [[v - ci[0]], [ci[1] - v]] if ci else None
@@ -218,7 +218,7 @@ def bars(
 ):
     fig, axes = _figure(height=3.4)
     ax = axes[0][0]
-    for x, (v, ci) in enumerate(zip(values, cis or [None] * len(values))):
+    for x, (v, ci) in enumerate(zip(values, cis or [None] * len(values), strict=True)):
         if v is not None:
             ax.bar(x, v, width=0.6, color="#4c72b0", yerr=[[v - ci[0]], [ci[1] - v]] if ci else None, capsize=3)
     _sku_axis(ax, skus)

@@ -308,15 +308,15 @@ def _layers_view(build: dict[str, Any] | None, roofline: dict[str, Any] | None) 
     empty = {"time_ms": None, "gflops": None, "intensity": None}
     rows = [
         {
-            "name": l.get("name"),
-            "op_type": l.get("op_type"),
-            "precision": l.get("precision"),
-            "device": l.get("device"),
-            "kernel": l.get("kernel"),
-            "fused_from": [str(f) for f in _list(l.get("fused_from"))],
-            **timed.get(str(l.get("name")), empty),
+            "name": layer.get("name"),
+            "op_type": layer.get("op_type"),
+            "precision": layer.get("precision"),
+            "device": layer.get("device"),
+            "kernel": layer.get("kernel"),
+            "fused_from": [str(f) for f in _list(layer.get("fused_from"))],
+            **timed.get(str(layer.get("name")), empty),
         }
-        for l in layers
+        for layer in layers
     ]
     return {"rows": rows, "timed": bool(timed)}
 
@@ -478,7 +478,7 @@ def _consistency_view(path: Path) -> dict[str, Any] | None:
         o = _d(o)
         labels = [str(x) for x in _list(o.get("labels"))]
         tables = [
-            (metric.replace("_", " "), list(zip(labels, _list(o.get(metric)))))
+            (metric.replace("_", " "), list(zip(labels, _list(o.get(metric)), strict=True)))
             for metric in ("max_abs_error", "mean_abs_error", "top1_agreement", "nonfinite_mismatch")
             if isinstance(o.get(metric), list)
         ]

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pipeline.results.reports import Drift, LatencyStats
+
+if TYPE_CHECKING:
+    import numpy as np
 
 RESAMPLES = 400
 QUANTILES = (0.50, 0.95, 0.99)
@@ -24,7 +28,7 @@ def _block_length(n: int) -> int:
 
 
 def block_bootstrap(
-    samples: Sequence[float], confidence: float, resamples: int = RESAMPLES, seed: int = 0
+    samples: Sequence[float] | np.ndarray, confidence: float, resamples: int = RESAMPLES, seed: int = 0
 ) -> dict[str, tuple[float, float]]:
     """Intervals of p50, p95, p99 and the mean: {"p50": (low, high), ..., "mean": (...)}."""
     import numpy as np
@@ -49,7 +53,7 @@ def block_bootstrap(
     tail = (1.0 - confidence) / 2.0
     low, high = np.quantile(stats, [tail, 1.0 - tail], axis=0)
     names = [f"p{round(q * 100)}" for q in QUANTILES] + ["mean"]
-    return {name: (float(lo), float(hi)) for name, lo, hi in zip(names, low, high)}
+    return {name: (float(lo), float(hi)) for name, lo, hi in zip(names, low, high, strict=True)}
 
 
 def latency_stats(samples_ms: Sequence[float], confidence: float = 0.95) -> LatencyStats:

@@ -97,9 +97,12 @@ def latency_cdf(samples_ms: Sequence[float], points: int = QUANTILES) -> str:
     (linear interpolation, as the report's percentiles); empty samples give the header only."""
     import numpy as np
 
-    qs = np.linspace(0.0, 1.0, points)
-    values = np.quantile(np.asarray(samples_ms, dtype=np.float64), qs) if len(samples_ms) else []
-    return _csv(("quantile", "latency_ms"), ((f"{q:.2f}", _sig(float(v))) for q, v in zip(qs, values)))
+    rows: list[tuple[str, float]] = []
+    if len(samples_ms):
+        qs = np.linspace(0.0, 1.0, points)
+        values = np.quantile(np.asarray(samples_ms, dtype=np.float64), qs)
+        rows = [(f"{q:.2f}", _sig(float(v))) for q, v in zip(qs, values, strict=True)]
+    return _csv(("quantile", "latency_ms"), rows)
 
 
 def timeline(rows: Sequence[Mapping[str, str]], points: int = TIMELINE_POINTS) -> str:

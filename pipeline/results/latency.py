@@ -60,18 +60,18 @@ def rankdata(a: np.ndarray) -> np.ndarray:
     return ranks
 
 
-def mann_whitney_greater(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+def mann_whitney_greater(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> tuple[float, float]:
     """U statistic of ``x`` and the one-sided p-value of H1: x tends to be larger than y."""
     import numpy as np
 
-    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    n1, n2 = len(x), len(y)
+    xa, ya = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    n1, n2 = len(xa), len(ya)
     if n1 == 0 or n2 == 0:
         raise ValueError("both samples need at least one value")
-    ranks = rankdata(np.concatenate([x, y]))
+    ranks = rankdata(np.concatenate([xa, ya]))
     u1 = float(ranks[:n1].sum() - n1 * (n1 + 1) / 2.0)
     n = n1 + n2
-    _, counts = np.unique(np.concatenate([x, y]), return_counts=True)
+    _, counts = np.unique(np.concatenate([xa, ya]), return_counts=True)
     tie_term = float((counts**3 - counts).sum()) / (n * (n - 1)) if n > 1 else 0.0
     var = n1 * n2 / 12.0 * ((n + 1) - tie_term)
     if var <= 0:  # every value equal: no evidence either way
@@ -81,19 +81,19 @@ def mann_whitney_greater(x: Sequence[float], y: Sequence[float]) -> tuple[float,
 
 
 def bootstrap_median_ratio(
-    x: Sequence[float], y: Sequence[float], resamples: int, confidence: float, seed: int = 0
+    x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray, resamples: int, confidence: float, seed: int = 0
 ) -> tuple[float, float]:
     """Percentile bootstrap interval of median(x) / median(y), resampling each side on its own."""
     import numpy as np
 
-    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    xa, ya = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     rng = np.random.default_rng(seed)
     ratios = np.empty(resamples, dtype=np.float64)
-    block = max(1, 2_000_000 // max(len(x), len(y)))  # bounded memory for long sample lists
+    block = max(1, 2_000_000 // max(len(xa), len(ya)))  # bounded memory for long sample lists
     for start in range(0, resamples, block):
         k = min(block, resamples - start)
-        mx = np.median(x[rng.integers(0, len(x), (k, len(x)))], axis=1)
-        my = np.median(y[rng.integers(0, len(y), (k, len(y)))], axis=1)
+        mx = np.median(xa[rng.integers(0, len(xa), (k, len(xa)))], axis=1)
+        my = np.median(ya[rng.integers(0, len(ya), (k, len(ya)))], axis=1)
         ratios[start : start + k] = mx / my
     tail = (1.0 - confidence) / 2.0
     low, high = np.quantile(ratios, [tail, 1.0 - tail])

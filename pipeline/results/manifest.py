@@ -63,7 +63,7 @@ def evidence_digest(name: str, path: Path) -> str | None:
     if not isinstance(doc, dict):
         return None
     for keys in VOLATILE.get(name, ()):
-        parent = doc
+        parent: Any = doc
         for key in keys[:-1]:
             parent = parent.get(key) if isinstance(parent, dict) else None
         if isinstance(parent, dict):

@@ -40,7 +40,7 @@ def record_outcome(
     if not (base / ".gitignore").exists():  # local state of this checkout, like build/
         atomic_write_bytes(base / ".gitignore", b"*\n")
     lines = [line.strip() for line in redact(message).splitlines() if line.strip()]
-    record = {
+    record: dict[str, Any] = {
         "stage": stage,
         "model": model,
         "sku": sku,

@@ -27,10 +27,11 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from pipeline.core.env import SKUFORGE_KEY_DIR, SKUFORGE_SIGNING_KEY, XDG_CONFIG_HOME
 from pipeline.core.errors import ConfigError, EnvironmentProblem
 
 if TYPE_CHECKING:
@@ -40,17 +41,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ENV_SIGNING_KEY = "SKUFORGE_SIGNING_KEY"
+ENV_SIGNING_KEY = SKUFORGE_SIGNING_KEY.name
 """The publishing key (a CI secret): ed25519 private key as PEM PKCS8 text, or base64 of its 32 raw bytes."""
-ENV_KEY_DIR = "SKUFORGE_KEY_DIR"
+ENV_KEY_DIR = SKUFORGE_KEY_DIR.name
 """Folder of the developer key ``signing_key.pem``, made on first use (default ``~/.config/skuforge``)."""
 
-ALGORITHM = "ed25519"
+ALGORITHM: Final = "ed25519"
 PUBLIC_PREFIX = "ed25519:"
 ANY_SIGNER = "*"
 DEV_KEY_FILE = "signing_key.pem"
-PAYLOAD_TYPE = "skuforge-manifest"
-PAYLOAD_VERSION = 1
+PAYLOAD_TYPE: Final = "skuforge-manifest"
+PAYLOAD_VERSION: Final = 1
 
 
 # --- public keys as text --------------------------------------------------------------------------
@@ -221,15 +222,18 @@ def _load_private(data: bytes, where: str, hint: str) -> Ed25519PrivateKey:
     return ed25519.Ed25519PrivateKey.from_private_bytes(raw)
 
 
-def key_dir(env: Mapping[str, str] = os.environ) -> Path:
-    if env.get(ENV_KEY_DIR):
-        return Path(env[ENV_KEY_DIR]).expanduser()
-    return Path(env.get("XDG_CONFIG_HOME") or Path.home() / ".config").expanduser() / "skuforge"
+def key_dir(env: Mapping[str, str] | None = None) -> Path:
+    """``SKUFORGE_KEY_DIR``, else ``$XDG_CONFIG_HOME/skuforge``, else ``~/.config/skuforge``; ``env``:
+    the environment to read (default: this process's)."""
+    configured = SKUFORGE_KEY_DIR.get(env)
+    if configured:
+        return configured
+    return (XDG_CONFIG_HOME.get(env) or Path.home() / ".config").expanduser() / "skuforge"
 
 
-def signing_key(env: Mapping[str, str] = os.environ) -> SigningKey:
+def signing_key(env: Mapping[str, str] | None = None) -> SigningKey:
     """The publishing key: ``SKUFORGE_SIGNING_KEY`` if set, else the developer key (made on first use)."""
-    value = env.get(ENV_SIGNING_KEY)
+    value = SKUFORGE_SIGNING_KEY.get(env)
     if value:
         where = f"environment variable {ENV_SIGNING_KEY}"
         private = _load_private(

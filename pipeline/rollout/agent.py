@@ -19,6 +19,7 @@ being loaded is imported, so a device needs only its own runtime.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import io
 import json
@@ -105,10 +106,8 @@ def installed_runtimes() -> dict[str, str]:
 
     out = {}
     for pkg in runtime_packages():
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            pass
     return out
 
 
@@ -512,7 +511,6 @@ class Agent:
 
 def load_device(path: str | os.PathLike) -> DeviceConfig:
     import yaml
-
 
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))

@@ -123,7 +123,7 @@ def plan(
             first_fallback[index] += 1
 
     wave_plans, cumulative, on_fallback = [], Counter(), 0
-    for wave, added, added_fallback in zip(waves, first, first_fallback):
+    for wave, added, added_fallback in zip(waves, first, first_fallback, strict=True):
         cumulative.update(added)
         on_fallback += added_fallback
         wave_plans.append(

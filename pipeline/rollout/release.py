@@ -328,7 +328,6 @@ def publish_release(
             absent = [s for s, c in found.items() if c is None]
             candidates = [c for c in found.values() if c is not None]
         else:
-
             candidates, absent, refused = [], [], []
             for s in wanted:
                 if not Layout(registry.root).manifest(model, s).is_file() and skus is None:

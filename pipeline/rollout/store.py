@@ -23,17 +23,18 @@ import re
 import tempfile
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from pipeline.core.env import AWS_ENDPOINT_URL, AWS_MAX_ATTEMPTS, AWS_RETRY_MODE, SKUFORGE_STORE
 from pipeline.core.errors import ConfigError, ServiceError, StorageError
 from pipeline.core.redact import redact
 
 log = logging.getLogger(__name__)
 
-ENV_STORE = "SKUFORGE_STORE"
+ENV_STORE = SKUFORGE_STORE.name
 """Overrides ``rollout.store`` of params.yaml (a folder or ``s3://bucket/prefix``)."""
 
 S3_CONNECT_TIMEOUT = 3.0
@@ -190,13 +191,13 @@ def s3_config(core):
     except ProfileNotFound:  # creating the client reports it
         profile = {}
 
-    def user_set(name: str) -> bool:
-        return bool(os.environ.get(f"AWS_{name.upper()}")) or name in profile
-
+    user_set = any(var.raw() for var in (AWS_MAX_ATTEMPTS, AWS_RETRY_MODE)) or any(
+        name in profile for name in ("max_attempts", "retry_mode")
+    )
     settings: dict = {"connect_timeout": S3_CONNECT_TIMEOUT, "read_timeout": S3_READ_TIMEOUT}
-    if not (user_set("max_attempts") or user_set("retry_mode")):
+    if not user_set:
         settings["retries"] = {"mode": "standard", "total_max_attempts": S3_ATTEMPTS}
-    if os.environ.get("AWS_ENDPOINT_URL"):
+    if AWS_ENDPOINT_URL.get():
         settings["s3"] = {"addressing_style": "path"}
     return Config(**settings)
 
@@ -356,5 +357,6 @@ def open_store(url: str, root: str | os.PathLike | None = None) -> Store:
     return LocalStore(path)
 
 
-def store_url(configured: str, env: dict[str, str] | os._Environ = os.environ) -> str:
-    return env.get(ENV_STORE) or configured
+def store_url(configured: str, env: Mapping[str, str] | None = None) -> str:
+    """``SKUFORGE_STORE`` when set, else ``configured`` (``rollout.store``)."""
+    return SKUFORGE_STORE.get(env) or configured

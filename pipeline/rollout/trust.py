@@ -292,6 +292,16 @@ def _write_versioned(store: Store, role: str, start: int, make: Callable[[int], 
     )
 
 
+def _signed_at(md: Metadata, key: SigningKey) -> Callable[[int], bytes]:
+    """``make`` for _write_versioned: ``md`` at version ``v``, signed with ``key``."""
+
+    def make(v: int) -> bytes:
+        md.signed.version = v
+        return _sign(md, [key])
+
+    return make
+
+
 def commit(
     store: Store, keys: Keys, expiry: Expiry, change: Callable[[Targets, State], bool], what: str = "update"
 ) -> State | None:
@@ -308,21 +318,11 @@ def commit(
             return None
         old_tv = targets.version
         targets.expires = _expires(expiry.targets_days)
-
-        def targets_bytes(v: int) -> bytes:
-            targets.version = v
-            return _sign(state.targets, [keys.online])
-
-        tv = _write_versioned(store, "targets", old_tv + 1, targets_bytes)
+        tv = _write_versioned(store, "targets", old_tv + 1, _signed_at(state.targets, keys.online))
         snap = state.snapshot.signed
         snap.meta["targets.json"] = MetaFile(version=tv)
         snap.expires = _expires(expiry.snapshot_days)
-
-        def snapshot_bytes(v: int) -> bytes:
-            snap.version = v
-            return _sign(state.snapshot, [keys.online])
-
-        sv = _write_versioned(store, "snapshot", snap.version + 1, snapshot_bytes)
+        sv = _write_versioned(store, "snapshot", snap.version + 1, _signed_at(state.snapshot, keys.online))
         ts = state.timestamp.signed
         ts.version += 1
         ts.snapshot_meta = MetaFile(version=sv)
@@ -467,8 +467,8 @@ class Client:
             self.updater.refresh()
         except tex.DownloadError as exc:
             cause = exc.__cause__
-            if isinstance(cause, ServiceError):
-                raise cause
+            if isinstance(cause, ServiceError):  # the store's own error, as it raised it
+                raise cause from cause.__cause__
             raise ServiceError(
                 f"could not fetch release metadata: {exc}", hint="check the store and the network"
             ) from exc
@@ -495,8 +495,8 @@ class Client:
             return Path(tmp).read_bytes()
         except tex.DownloadError as exc:
             cause = exc.__cause__
-            if isinstance(cause, ServiceError):
-                raise cause
+            if isinstance(cause, ServiceError):  # the store's own error, as it raised it
+                raise cause from cause.__cause__
             raise VerificationFailed(
                 f"{path}: download failed verification or transfer: {exc}",
                 hint="the store holds a damaged or missing file",

@@ -13,6 +13,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pipeline.backends import get_backend
+from pipeline.core.env import (
+    GOMP_CPU_AFFINITY,
+    KMP_AFFINITY,
+    MKL_NUM_THREADS,
+    OMP_NUM_THREADS,
+    OMP_PLACES,
+    OMP_PROC_BIND,
+    OPENBLAS_NUM_THREADS,
+    TVM_NUM_THREADS,
+)
 from pipeline.core.errors import ConfigError
 from pipeline.core.io import atomic_write_bytes, atomic_write_json, sha256_bytes
 from pipeline.project.config import BenchSpec, Registry
@@ -74,8 +84,8 @@ def warm_up(
     fn: Callable[[], object], cfg: BenchSpec, progress: Progress | None = None
 ) -> tuple[list[float], SteadyState]:
     """Call ``fn`` in windows until the medians of the last three settle (after at least
-    ``cfg.warmup`` calls), or until ``cfg.max_warmup_seconds``; ``warmup: 0`` skips it. A window is shrunk for slow engines
-    so that three fit in the time cap."""
+    ``cfg.warmup`` calls), or until ``cfg.max_warmup_seconds``; ``warmup: 0`` skips it. A window is shrunk
+    for slow engines so that three fit in the time cap."""
     import numpy as np
 
     if cfg.warmup == 0:
@@ -175,14 +185,14 @@ def _timed(
 
 
 THREAD_ENV = (
-    "OMP_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS",
-    "TVM_NUM_THREADS",
-    "OMP_PROC_BIND",
-    "OMP_PLACES",
-    "GOMP_CPU_AFFINITY",
-    "KMP_AFFINITY",
+    OMP_NUM_THREADS,
+    MKL_NUM_THREADS,
+    OPENBLAS_NUM_THREADS,
+    TVM_NUM_THREADS,
+    OMP_PROC_BIND,
+    OMP_PLACES,
+    GOMP_CPU_AFFINITY,
+    KMP_AFFINITY,
 )
 
 
@@ -199,7 +209,7 @@ def execution(build: BuildReport, concurrency: int) -> Execution:
         affinity=affinity,
         usable_cores=usable_cores(),
         engine_threads=threads,
-        env={k: os.environ[k] for k in THREAD_ENV if k in os.environ},
+        env={var.name: value for var in THREAD_ENV if (value := var.raw()) is not None},
         concurrency=concurrency,
         timer="time.perf_counter around runner.infer",
     )

@@ -43,22 +43,24 @@ def build(
     policy = dict(cache_required=cache_required, cache_refresh=cache_refresh, tuning_trials=tuning_trials)
     built = build_engine(registry, model, sku, out.engine_dir(model, sku), progress=progress, **policy)
     remedy = None
-    if sku_spec.bisect.fix_during_build and sku_spec.precision != "fp32":
-
-        if not judged(registry, model, sku, out.engine_dir(model, sku))[2]:
-            remedy = fix(registry, model, sku, progress=progress)
-            if remedy.passed and remedy.keep_precise != keep:
-                keep = remedy.keep_precise
-                built = build_engine(
-                    registry,
-                    model,
-                    sku,
-                    out.engine_dir(model, sku),
-                    keep_precise=tuple(keep),
-                    progress=progress,
-                    cache_required=cache_required,
-                )
-            log(model, sku).info("remedy during the build: %s", remedy.summary)
+    if (
+        sku_spec.bisect.fix_during_build
+        and sku_spec.precision != "fp32"
+        and not judged(registry, model, sku, out.engine_dir(model, sku))[2]
+    ):
+        remedy = fix(registry, model, sku, progress=progress)
+        if remedy.passed and remedy.keep_precise != keep:
+            keep = remedy.keep_precise
+            built = build_engine(
+                registry,
+                model,
+                sku,
+                out.engine_dir(model, sku),
+                keep_precise=tuple(keep),
+                progress=progress,
+                cache_required=cache_required,
+            )
+        log(model, sku).info("remedy during the build: %s", remedy.summary)
     outcome, files, seconds = built.outcome, built.files, built.seconds
     if backend.capabilities.cache is None:
         write_plain_index(out.cache_dir(model, sku), backend)

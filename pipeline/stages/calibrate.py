@@ -18,7 +18,6 @@ from pipeline.results.reports import CalibrationReport, DataReport, PrepareRepor
 def calibrate(registry: Registry, model: str, progress: Progress | None = None) -> CalibrationReport:
     import onnx
 
-
     spec = registry.model(model)
     out = layout(registry)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")

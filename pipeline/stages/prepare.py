@@ -60,7 +60,6 @@ def probe_batch_axes(
     batch 1 works, which needs no batch axis)."""
     import numpy as np
 
-
     feeds = generate(spec, pins, DatasetSource(generate=GenerateSpec(count=1, seed=4321)))
     bidx = {i.name: (i.shape.index(spec.batch_axis) if spec.batch_axis in i.shape else None) for i in spec.inputs}
     shapes = []
@@ -88,7 +87,7 @@ def probe_batch_axes(
             if len(one) == len(two)
             and one[i] == 1
             and two[i] == 2
-            and all(a == b for j, (a, b) in enumerate(zip(one, two)) if j != i)
+            and all(a == b for j, (a, b) in enumerate(zip(one, two, strict=True)) if j != i)
         ]
         found[name] = follows[0] if len(follows) == 1 else None
     return found
@@ -98,7 +97,6 @@ def prepare(registry: Registry, model: str, progress: Progress | None = None) ->
     import copy
 
     import numpy as np
-
 
     spec = registry.model(model)
     path = registry.model_file(model)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from pipeline.core.env import process_environment
 from pipeline.core.errors import InputError
 from pipeline.core.io import atomic_write_json, sha256_file
 from pipeline.core.progress import Progress
@@ -105,7 +106,7 @@ def collect(registry: Registry, model: str, sku: str) -> PublishInputs:
         reports=reports,
         config=settings,
         datasets=datasets,
-        env=dict(os.environ),
+        env=dict(process_environment()),
         bench=bench,
         build_seconds=build.build_seconds,
     )

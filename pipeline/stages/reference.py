@@ -18,7 +18,6 @@ from pipeline.verify.compare import metric_score
 def reference(registry: Registry, model: str, progress: Progress | None = None) -> ReferenceReport:
     import numpy as np
 
-
     spec = registry.model(model)
     out = layout(registry)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
@@ -39,7 +38,8 @@ def reference(registry: Registry, model: str, progress: Progress | None = None) 
                     bad = int((~np.isfinite(value)).sum())
                     raise InputError(
                         f"reference run of {model} gives {bad} NaN/Inf values in output {name!r} on the {split} set",
-                        hint="the model or its inputs are broken: check the model, models.<name>.inputs[].range and preprocess",
+                        hint="the model or its inputs are broken: "
+                        "check the model, models.<name>.inputs[].range and preprocess",
                     )
             atomic_savez(out.reference_dir(model) / f"{split}.npz", **result)
             hashes[split] = sha256_arrays(result)

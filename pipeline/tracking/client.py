@@ -19,16 +19,25 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import random
 import re
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
+from pipeline.core.env import (
+    GITHUB_ACTOR,
+    MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR,
+    MLFLOW_HTTP_REQUEST_MAX_RETRIES,
+    MLFLOW_HTTP_REQUEST_TIMEOUT,
+    MLFLOW_REGISTRY_URI,
+    MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT,
+    MLFLOW_TRACKING_URI,
+    declared,
+)
 from pipeline.core.errors import ConfigError, EnvironmentProblem, ServiceError, SkuforgeError, StorageError
 from pipeline.core.io import storage_error
 from pipeline.core.redact import redact  # also imported from here by older callers
@@ -37,8 +46,8 @@ from pipeline.project.config import NAME_FORBIDDEN, Registry, Release, TrackingS
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-ENV_TRACKING_URI = "MLFLOW_TRACKING_URI"
-ENV_REGISTRY_URI = "MLFLOW_REGISTRY_URI"
+ENV_TRACKING_URI = MLFLOW_TRACKING_URI.name
+ENV_REGISTRY_URI = MLFLOW_REGISTRY_URI.name
 EMBEDDED_DB = "mlflow.db"
 EMBEDDED_ARTIFACTS = "mlartifacts"
 
@@ -138,7 +147,7 @@ def transient(exc: BaseException) -> bool:
     texts = [str(e).lower() for e in chain]
     if any(t in text for text in texts for t in _READ_ONLY_TEXT + _FULL_TEXT + _PERMANENT_TEXT):
         return False
-    for current, text in zip(chain, texts):
+    for current, text in zip(chain, texts, strict=True):
         if isinstance(current, (ConnectionError, TimeoutError)):
             return True
         if getattr(current, "error_code", None) in _TRANSIENT_CODES:
@@ -458,13 +467,13 @@ def mlflow_environment(policy: TrackingSpec) -> dict[str, str]:
     return {
         # MLflow's own HTTP retries (7 by default, minutes of backoff) would hide a dead server behind
         # the policy's retries and deadline
-        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
-        "MLFLOW_HTTP_REQUEST_TIMEOUT": str(
+        MLFLOW_HTTP_REQUEST_MAX_RETRIES.name: "0",
+        MLFLOW_HTTP_REQUEST_TIMEOUT.name: str(
             max(1, math.ceil(policy.timeout_seconds))
         ),  # connect and read; whole seconds
         # ending a run prints "View run ... at" to stdout for servers: it would corrupt --json output
-        "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
-        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",  # tqdm bars in CI logs
+        MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT.name: "true",
+        MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR.name: "false",  # tqdm bars in CI logs
     }
 
 
@@ -474,9 +483,11 @@ _SET_BY_US: dict[str, str] = {}  # what _configure_mlflow put in os.environ; any
 def _configure_mlflow(policy: TrackingSpec) -> None:
     """Set :func:`mlflow_environment`, except a variable the user set: theirs wins."""
     for name, value in mlflow_environment(policy).items():
-        if name in os.environ and os.environ[name] != _SET_BY_US.get(name):
+        var = declared(name)
+        if var.is_set() and var.raw() != _SET_BY_US.get(name):
             continue
-        os.environ[name] = _SET_BY_US[name] = value
+        var.set(value)
+        _SET_BY_US[name] = value
 
 
 def embedded_uri(root: Path) -> str:
@@ -485,12 +496,12 @@ def embedded_uri(root: Path) -> str:
 
 def connect(registry: Registry, uri: str | None = None) -> Tracking:
     """The store for this project: ``uri``, else MLFLOW_TRACKING_URI, else the embedded one."""
-    uri = uri or os.environ.get(ENV_TRACKING_URI) or None
+    uri = uri or MLFLOW_TRACKING_URI.get() or None
     policy = registry.release.tracking
     if uri:
         return Tracking(
             uri=uri,
-            registry_uri=os.environ.get(ENV_REGISTRY_URI) or uri,
+            registry_uri=MLFLOW_REGISTRY_URI.get() or uri,
             embedded=False,
             artifact_location=None,
             policy=policy,
@@ -506,11 +517,11 @@ def connect(registry: Registry, uri: str | None = None) -> Tracking:
     )
 
 
-def actor(env: dict[str, str] | None = None) -> str:
+def actor(env: Mapping[str, str] | None = None) -> str:
     """Who acts: the CI user (GITHUB_ACTOR) when there is one, else the local user."""
-    env = os.environ if env is None else env
-    if env.get("GITHUB_ACTOR"):
-        return env["GITHUB_ACTOR"]
+    ci_user = GITHUB_ACTOR.get(env)
+    if ci_user:
+        return ci_user
     import getpass
 
     try:

@@ -32,6 +32,15 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from pipeline import __version__
+from pipeline.core.env import (
+    BUILD_URL,
+    CI_JOB_URL,
+    GITHUB_REPOSITORY,
+    GITHUB_RUN_ATTEMPT,
+    GITHUB_RUN_ID,
+    GITHUB_SERVER_URL,
+    RUNNER_NAME,
+)
 from pipeline.core.errors import ServiceError
 from pipeline.core.progress import Progress
 from pipeline.project.config import Registry
@@ -181,17 +190,18 @@ def manifest_metrics(
 
 def ci_tags(m: Manifest, env: Mapping[str, str]) -> dict[str, str]:
     """Git commit, runner and CI run URL where the environment says."""
-    tags = {"skuforge.runner": env.get("RUNNER_NAME") or m.provenance.host}
+    tags = {"skuforge.runner": RUNNER_NAME.get(env) or m.provenance.host}
     if m.provenance.git_commit:
         tags["mlflow.source.git.commit"] = m.provenance.git_commit
         tags["skuforge.git_commit"] = m.provenance.git_commit
-    if env.get("GITHUB_RUN_ID") and env.get("GITHUB_REPOSITORY"):
-        url = f"{env.get('GITHUB_SERVER_URL', 'https://github.com')}/{env['GITHUB_REPOSITORY']}/actions/runs/{env['GITHUB_RUN_ID']}"
-        if env.get("GITHUB_RUN_ATTEMPT"):
-            url += f"/attempts/{env['GITHUB_RUN_ATTEMPT']}"
+    run_id, repository, attempt = GITHUB_RUN_ID.get(env), GITHUB_REPOSITORY.get(env), GITHUB_RUN_ATTEMPT.get(env)
+    if run_id and repository:
+        url = f"{GITHUB_SERVER_URL.get(env)}/{repository}/actions/runs/{run_id}"
+        if attempt:
+            url += f"/attempts/{attempt}"
         tags["skuforge.ci_run_url"] = url
-    elif env.get("CI_JOB_URL") or env.get("BUILD_URL"):  # GitLab, Jenkins
-        tags["skuforge.ci_run_url"] = env.get("CI_JOB_URL") or env["BUILD_URL"]
+    elif CI_JOB_URL.get(env) or BUILD_URL.get(env):  # GitLab, Jenkins
+        tags["skuforge.ci_run_url"] = CI_JOB_URL.get(env) or BUILD_URL.get(env) or ""
     return tags
 
 

@@ -399,7 +399,6 @@ class Session:
         """Build the SKU's engine of the model with ``marked`` as extra outputs, run the samples."""
         import onnx
 
-
         self.builds += 1
         folder = Path(tempfile.mkdtemp(prefix="build-", dir=self.work))
         try:
@@ -460,7 +459,6 @@ def bisect(
     ``scan``: measure every candidate instead (a few marked per build), failing or not: the
     per-layer error profile, and a check that a passing engine has no divergent tensor."""
     import onnx
-
 
     spec = registry.sku(sku)
     if not backend_class(spec.backend).capabilities.intermediate_outputs:

@@ -308,7 +308,7 @@ def _matrix(
             if top1 is not None:
                 top1[i][j] = top1[j][i] = agree
     nonfinite = {}
-    for label, v in zip(labels, values):
+    for label, v in zip(labels, values, strict=True):
         floating = np.issubdtype(v.dtype, np.floating)
         nonfinite[label] = NonFinite(
             nan=int(np.isnan(v).sum()) if floating else 0, inf=int(np.isinf(v).sum()) if floating else 0

@@ -38,7 +38,6 @@ def upstream(registry: Registry, model: str, node: str) -> list[str]:
     """The nodes of the prepared model whose outputs ``node`` reads (computed tensors only)."""
     import onnx
 
-
     graph = onnx.load(str(layout(registry).prepared_model(model)), load_external_data=False).graph
     producer = {o: n.name for n in graph.node for o in n.output if n.name}
     target = next((n for n in graph.node if n.name == node), None)
@@ -146,7 +145,6 @@ def _compare(
     """Both engines judged, and timed interleaved on one golden batch (same process, same moment)."""
     import numpy as np
 
-
     out = layout(registry)
     sku_spec = registry.sku(sku)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
@@ -155,10 +153,11 @@ def _compare(
     golden.pop(LABELS, None)
     _, feeds = next(iter_batches(golden, in_idx, batch))
     backend = get_backend(sku_spec.backend)
-    outcomes, times = [], ([], [])
+    outcomes: list[dict[str, Any]] = []
+    times: tuple[list[float], list[float]] = ([], [])  # seconds per call: before, after
     with backend.load(before, sku_spec) as a, backend.load(after, sku_spec) as b:
         runners = (a, b)
-        for keep, runner in zip((keep_before, keep_after), runners):
+        for keep, runner in zip((keep_before, keep_after), runners, strict=True):
             errors, metrics, failures = judge(registry, model, sku, runner)
             outcomes.append(
                 dict(keep_precise=keep, passed=not failures, failures=failures, outputs=errors, metrics=metrics)
@@ -172,14 +171,16 @@ def _compare(
                     start = time.perf_counter()
                     runner.infer(feeds)
                     times[i].append(time.perf_counter() - start)
-    return tuple(Outcome(**o, p50_ms=round(float(np.median(t)) * 1e3, 6)) for o, t in zip(outcomes, times))
+    first, second = (
+        Outcome(**o, p50_ms=round(float(np.median(t)) * 1e3, 6)) for o, t in zip(outcomes, times, strict=True)
+    )
+    return first, second
 
 
 def apply_overrides(params: Path, model: str, sku: str, nodes: list[str]) -> None:
     """Write ``models.<model>.higher_precision.<sku>`` into params.yaml, keeping its comments and
     layout (ruamel round trip); the file is replaced atomically and re-validated first."""
     from ruamel.yaml import YAML
-
 
     yaml = YAML()
     yaml.preserve_quotes = True

@@ -149,6 +149,7 @@ def in_new_process(registry: Registry, model: str, sku: str, keep_precise: tuple
                 f"{model}/{sku}: the reproducibility check's second build failed where the first passed: {message}",
                 hint,
             )
+        assert built is not None, "_build returns either the build or its failure"
         return built
 
     return rebuild

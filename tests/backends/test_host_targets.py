@@ -32,15 +32,27 @@ from pipeline.host.probe import ENV_FAKE_CPU_FLAGS, ENV_FAKE_CPU_MODEL
 from pipeline.project.config import load_registry
 
 ROOT = Path(__file__).resolve().parents[2]
-BASE = ["fpu", "vme", "de", "pse", "tsc", "msr", "pae", "mce", "cx8", "apic", "sep", "mtrr", "pge", "mca", "cmov", "pat", "pse36", "clflush", "mmx", "fxsr", "sse", "sse2", "ht", "syscall", "nx", "pdpe1gb", "rdtscp", "lm", "constant_tsc", "rep_good", "nopl", "xtopology", "cpuid", "pni", "pclmulqdq", "ssse3", "cx16", "sse4_1", "sse4_2", "x2apic", "popcnt", "aes", "hypervisor", "lahf_lm"]
+# /proc/cpuinfo flag tables, wrapped by hand rather than one flag a line
+# fmt: off
+BASE = [
+    "fpu", "vme", "de", "pse", "tsc", "msr", "pae", "mce", "cx8", "apic", "sep", "mtrr", "pge", "mca", "cmov", "pat",
+    "pse36", "clflush", "mmx", "fxsr", "sse", "sse2", "ht", "syscall", "nx", "pdpe1gb", "rdtscp", "lm", "constant_tsc",
+    "rep_good", "nopl", "xtopology", "cpuid", "pni", "pclmulqdq", "ssse3", "cx16", "sse4_1", "sse4_2", "x2apic",
+    "popcnt", "aes", "hypervisor", "lahf_lm",
+]
 V3 = BASE + ["fma", "movbe", "xsave", "avx", "f16c", "abm", "bmi1", "avx2", "bmi2"]
 # family 6 model 207, as /proc/cpuinfo shows it in a KVM guest that masks AMX
-EMR_GUEST = (
-    V3
-    + ["rdrand", "adx", "rdseed", "smap", "clflushopt", "clwb", "sha_ni", "xsaveopt", "xsavec", "xsaves", "avx512f", "avx512dq", "avx512ifma", "avx512cd", "avx512bw", "avx512vl", "avx512vbmi", "avx512_vbmi2", "gfni", "vaes", "vpclmulqdq", "avx512_vnni", "avx512_bitalg", "avx512_vpopcntdq", "avx_vnni", "avx512_bf16", "avx512_fp16"]
-)
+EMR_GUEST = V3 + [
+    "rdrand", "adx", "rdseed", "smap", "clflushopt", "clwb", "sha_ni", "xsaveopt", "xsavec", "xsaves", "avx512f",
+    "avx512dq", "avx512ifma", "avx512cd", "avx512bw", "avx512vl", "avx512vbmi", "avx512_vbmi2", "gfni", "vaes",
+    "vpclmulqdq", "avx512_vnni", "avx512_bitalg", "avx512_vpopcntdq", "avx_vnni", "avx512_bf16", "avx512_fp16",
+]
 AMX_HOST = EMR_GUEST + ["amx_bf16", "amx_tile", "amx_int8"]
-ARM = ["fp", "asimd", "evtstrm", "aes", "pmull", "sha1", "sha2", "crc32", "atomics", "fphp", "asimdhp", "cpuid", "asimdrdm", "lrcpc", "dcpop", "asimddp", "sve", "i8mm", "bf16"]
+ARM = [
+    "fp", "asimd", "evtstrm", "aes", "pmull", "sha1", "sha2", "crc32", "atomics", "fphp", "asimdhp", "cpuid",
+    "asimdrdm", "lrcpc", "dcpop", "asimddp", "sve", "i8mm", "bf16",
+]
+# fmt: on
 HOSTS = {
     "v3": ("x86_64", "AMD EPYC 7B13", V3),
     "emr_guest": ("x86_64", "INTEL(R) XEON(R) PLATINUM 8592+", EMR_GUEST),

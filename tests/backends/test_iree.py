@@ -366,9 +366,11 @@ def test_a_copied_engine_loads_and_runs(proj, engine_copy):
     with get_backend("iree").load(engine_copy, proj.registry.sku("v3_fp32")) as runner:
         probs = runner.infer(feeds)["probs"]
     assert probs.shape == (1, 4) and probs.dtype == np.float32 and abs(float(probs.sum()) - 1) < 1e-5
-    with pytest.raises(InputError, match="must have shape"):
-        with get_backend("iree").load(engine_copy, proj.registry.sku("v3_fp32")) as runner:
-            runner.infer({"x": np.zeros((2, 3, 8, 8), np.float32)})
+    with (
+        pytest.raises(InputError, match="must have shape"),
+        get_backend("iree").load(engine_copy, proj.registry.sku("v3_fp32")) as runner,
+    ):
+        runner.infer({"x": np.zeros((2, 3, 8, 8), np.float32)})
 
 
 def test_a_truncated_vmfb_is_refused(proj, engine_copy):
@@ -427,7 +429,10 @@ def test_compiler_diagnostics_become_errors_the_user_can_act_on():
     err = compile_error(1, legalize, nodes, cmd)
     assert isinstance(err, UnsupportedOp) and (err.op_type, err.node) == ("DFT", "spectrum")
     assert "no lowering for onnx.DFT" in err.message
-    crash = "Please report issues to https://github.com/iree-org/iree/issues\nStack dump:\n0.\tProgram arguments: iree-compile"
+    crash = (
+        "Please report issues to https://github.com/iree-org/iree/issues\n"
+        "Stack dump:\n0.\tProgram arguments: iree-compile"
+    )
     err = compile_error(-11, crash, nodes, cmd)
     assert isinstance(err, UnsupportedOp) and err.exit_code == 3 and "crashed (exit -11)" in err.message
     assert isinstance(compile_error(1, "<unknown>:0: error: Unknown Vulkan target 'cpu'", nodes, cmd), ConfigError)

@@ -263,7 +263,7 @@ def test_int8_qdq_for_tensorrt_on_the_test_models(calibrated, model, tmp_path):
     worst = 0.0
     for i in range(8):
         feeds = {k: (np.asarray(v[i]) if k == "scale" else v[i : i + 1]) for k, v in golden.items()}
-        for want, got in zip(reference_session.run(None, feeds), qdq_session.run(None, feeds)):
+        for want, got in zip(reference_session.run(None, feeds), qdq_session.run(None, feeds), strict=True):
             worst = max(worst, float(np.abs(want.astype(np.float64) - got).max()))
     assert worst < 0.1  # the int8 tolerance the registry defaults to
 
@@ -361,7 +361,7 @@ FP16_ENGINE = r"""{"Layers": [{
   "Metadata": "[ONNX Layer: conv]\u001e[ONNX Layer: relu]"
 }],
 "Bindings": ["x", "probs", "x [profile 1]", "probs [profile 1]"]}
-"""
+"""  # noqa: E501  (the inspector's JSON as TensorRT writes it: long names and tactics)
 
 # conv_bn as the QDQ graph, INT8 build: a standalone Q, a convolution fused with its Q/DQ
 # neighbours, the FP32 tail. Hand-written like the one above.
@@ -392,7 +392,7 @@ INT8_ENGINE = r"""{"Layers": [{
   "ParameterType": "SoftMax", "TacticValue": "0x00000000000003ea", "Metadata": "[ONNX Layer: softmax]"
 }],
 "Bindings": ["x", "probs"]}
-"""
+"""  # noqa: E501  (the inspector's JSON as TensorRT writes it: long names and tactics)
 
 # conv_bn, FP16 on DLA core 0 with GPU fallback: the DLA subgraph, its transfers, and a layer
 # that silently fell back to the GPU. Hand-written like the ones above.
@@ -419,7 +419,7 @@ DLA_ENGINE = r"""{"Layers": [{
   "TacticValue": "0x00000000000003ea", "Metadata": "[ONNX Layer: softmax]"
 }],
 "Bindings": ["x", "probs"]}
-"""
+"""  # noqa: E501  (the inspector's JSON as TensorRT writes it: long names and tactics)
 
 CONV_NODES = {"conv", "relu", "gap", "flatten", "fc", "softmax"}
 
@@ -573,7 +573,10 @@ def test_parser_errors_name_the_op_and_node():
 
 def test_builder_errors():
     ops = {"conv": "Conv", "relu": "Relu"}
-    msg = "[optimizer.cpp::computeCosts::4040] Error Code 10: Internal Error (Could not find any implementation for node conv + relu.)"
+    msg = (
+        "[optimizer.cpp::computeCosts::4040] Error Code 10: Internal Error "
+        "(Could not find any implementation for node conv + relu.)"
+    )
     err = builder_failure(["some warning-level noise", msg], ops)
     assert (
         isinstance(err, UnsupportedOp) and err.op_type == "Conv" and err.node == "conv" and "workspace_mb" in err.hint

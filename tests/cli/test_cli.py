@@ -3,6 +3,7 @@ parser that starts without importing any heavy library."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import subprocess
@@ -217,7 +218,7 @@ def test_building_the_parser_imports_nothing_heavy():
 def test_help_imports_nothing_heavy(argv):
     code = f"""
 import contextlib, io
-from pipeline.cli import main
+from pipeline.cli import build_parser, handler, main
 with contextlib.redirect_stdout(io.StringIO()):
     try:
         main({argv!r})
@@ -245,3 +246,23 @@ def test_cli_modules_import_no_heavy_library_at_module_level():
             else:
                 continue
             assert not set(names) & set(HEAVY), f"{path.name}: module-level import of {names}"
+
+
+def test_every_command_names_a_handler_that_loads():
+    """The parser (pipeline/cli/parser/) names each command's handler by string: each must resolve."""
+    found = []
+
+    def walk(parser: argparse.ArgumentParser, path: tuple[str, ...]) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, (*path, name))
+        ref = parser._defaults.get("handler")
+        if ref is not None:
+            assert callable(handler(ref)), (path, ref)
+            found.append(path)
+        else:
+            assert any(isinstance(a, argparse._SubParsersAction) for a in parser._actions), f"{path}: no handler"
+
+    walk(build_parser(), ())
+    assert ("build",) in found and ("rollout", "advance") in found and len(found) > 30

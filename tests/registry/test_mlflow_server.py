@@ -165,7 +165,7 @@ def gate(report_or_move, name):
 
 
 def test_two_publishes_of_different_skus_at_the_same_time_both_succeed(proj, published):
-    for rc, out, err in published[0]:
+    for rc, _out, err in published[0]:
         assert rc == 0, err
         assert "Traceback" not in err
     results = [json.loads(out) for _, out, _ in published[0]]

@@ -87,7 +87,7 @@ def test_unreachable_server_is_retried_with_backoff_then_exit_4():
     assert info.value.message.startswith(f"MLflow at {uri}: read experiment 'x' failed after 4 attempts")
     assert uri in info.value.hint and "again" in info.value.hint
     assert len(waits) == 3
-    for wait, nominal in zip(waits, (0.5, 1.0, 1.0)):  # doubling, capped, with +-20% jitter
+    for wait, nominal in zip(waits, (0.5, 1.0, 1.0), strict=True):  # doubling, capped, with +-20% jitter
         assert 0.8 * nominal <= wait <= 1.2 * nominal
     assert isinstance(t.client, MlflowClient)
 
@@ -112,7 +112,7 @@ def test_retry_warnings_and_the_final_error_never_show_the_password(caplog):
 def test_store_problems_are_not_retried(tmp_path):
     bad = Tracking(uri="foo://x", registry_uri="foo://x", embedded=False, artifact_location=None)
     with pytest.raises(ConfigError, match="'foo://' is not one MLflow supports"):
-        bad.client
+        _ = bad.client  # the property connects, and refuses the scheme
     t = connect(registry(tmp_path), uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     for text, cls in (
         ("(sqlite3.OperationalError) attempt to write a readonly database", StorageError),

@@ -17,6 +17,7 @@ once); ``total_max_attempts`` counts every attempt.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import http.client
 import logging
 import re
@@ -86,7 +87,7 @@ class MotoS3:
     """moto's S3 server in a child process on 127.0.0.1, on a port the OS chose."""
 
     def __init__(self, start_timeout: float = 15.0) -> None:
-        self._stderr = tempfile.TemporaryFile()
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115  (the child's stderr for the server's life; close() closes it)
         self._proc = subprocess.Popen(
             [sys.executable, "-c", _CHILD, _HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr
         )
@@ -344,10 +345,8 @@ class FaultProxy:
         with self._lock:
             connections = list(self._connections)
         for conn in connections:
-            try:
+            with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         self._thread.join(timeout=5)
 
     def __enter__(self) -> FaultProxy:
@@ -410,10 +409,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.proxy._connections.discard(self.connection)
         if self._upstream is not None:
             self._upstream.close()
-        try:
+        with contextlib.suppress(ConnectionError):
             super().finish()
-        except ConnectionError:
-            pass
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("FaultProxy: " + format, *args)

@@ -373,7 +373,10 @@ def test_no_hint_sends_the_user_back_to_prepare():
 
 # iree-compile's stderr, verbatim, with its output on a full device (-o /dev/full), and with a
 # statistics dump there
-ENOSPC_OUTPUT = "error opening input file: No space left on device\nLLVM ERROR: IO failure on output stream: No space left on device\n"
+ENOSPC_OUTPUT = (
+    "error opening input file: No space left on device\n"
+    "LLVM ERROR: IO failure on output stream: No space left on device\n"
+)
 ENOSPC_DUMP = "LLVM ERROR: IO failure on output stream: No space left on device\n"
 
 

@@ -363,7 +363,7 @@ def test_hostile_names_render_as_literal_values():
     placeholders = [f"name_{rank[h]:02d}" for h in HOSTILE]  # sorted alike: promote.yml sorts the models
     clean = workflows(_registry_with(placeholders, placeholders, ["self-hosted", *placeholders]))
     hostile = workflows(_registry_with(HOSTILE, HOSTILE, ["self-hosted", *HOSTILE]))
-    back = {h: p for h, p in zip(HOSTILE, placeholders)}
+    back = {h: p for h, p in zip(HOSTILE, placeholders, strict=True)}
     for name, text in hostile.items():
         doc = yaml.safe_load(text)
         # the same document as with harmless names: no key added, every value a whole literal string

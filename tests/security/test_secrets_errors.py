@@ -133,7 +133,7 @@ def test_everything_the_cli_prints_is_redacted(capsys, monkeypatch):
         logging.getLogger("mlflow.store").error("failed", exc_info=RuntimeError(f"token {TOKEN}"))
         with warnings.catch_warnings():
             warnings.simplefilter("always")  # shown again when the test runs twice
-            warnings.warn(f"header Authorization: Bearer {TOKEN}")
+            warnings.warn(f"header Authorization: Bearer {TOKEN}", stacklevel=1)
         print(f"https://u:{PASSWORD}@h")
     finally:
         installed.undo()

@@ -56,7 +56,7 @@ BUILT = ("cpu_fp32", "cpu_int8", "strict_int8", "elsewhere", "tamper")
 
 def new_project(root: Path, model_specs: dict, skus: dict | None = None):
     """Write the models named in ``model_specs`` (name -> (builder, spec)) and params.yaml."""
-    for name, (builder, spec) in model_specs.items():
+    for builder, spec in model_specs.values():
         builder(root / spec["dir"] / spec["source"])
     params = models.write_project(
         root, {k: spec for k, (_, spec) in model_specs.items()}, skus or {"cpu_fp32": models.ort_sku("fp32")}
