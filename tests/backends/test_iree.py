@@ -1,6 +1,8 @@
 """IREE backend: CPU (llvm-cpu) FP32 and FP16, Vulkan on lavapipe, CUDA cross-compiled here and
-validated only where a GPU is; the dispatch report; refusals (INT8, an unsupported op, a
-damaged or foreign engine). Each (model, SKU) is compiled once, in a module-scoped project."""
+validated only where a GPU is; the dispatch report; IREE's own refusals (inconsistent options, an
+unknown compiler flag, an engine for CPU features this host lacks). What every backend must do
+(INT8 refused, an unsupported op named, a damaged or foreign engine refused) is
+tests/backends/test_contract.py. Each (model, SKU) is compiled once, in a module-scoped project."""
 
 from __future__ import annotations
 
@@ -9,10 +11,8 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 pytest.importorskip("iree.compiler", reason="iree-base-compiler is not installed (pip install iree-base-compiler)")
 pytest.importorskip("iree.runtime", reason="iree-base-runtime is not installed (pip install iree-base-runtime)")
@@ -28,7 +28,7 @@ from pipeline.backends.iree import (
     dispatch_precision,  # noqa: E402
     missing_cpu_features,
 )
-from pipeline.core.errors import ConfigError, EnvironmentProblem, InputError, UnsupportedOp  # noqa: E402
+from pipeline.core.errors import ConfigError, EnvironmentProblem, UnsupportedOp  # noqa: E402
 from pipeline.core.paths import Layout  # noqa: E402
 from pipeline.host.probe import ENV_FAKE_CPU_FLAGS, cpu_features, host_arch, llvm_cpu_target  # noqa: E402
 from pipeline.project.config import SkuSpec, load_registry  # noqa: E402
@@ -73,6 +73,7 @@ SKUS = {
         "fp32", labels=("self-hosted", "linux", "x64", "vulkan"), target_device="vulkan", vulkan_target="llvmpipe"
     ),
     "cuda_fp32": iree_sku("fp32", device="gpu", labels=CUDA_LABELS, target_device="cuda"),
+    "bad_flag": iree_sku("fp32", target_cpu="x86-64-v3", extra_flags=["--iree-no-such-flag"]),
 }
 MODELS = ("conv", "multi")
 CPU_SKUS = ("cpu_fp32", "cpu_fp16")
@@ -267,13 +268,12 @@ def test_cuda_engine_on_a_gpu(proj):
 # --- refusals -----------------------------------------------------------------------------------
 
 
-def test_int8_and_inconsistent_options_are_config_errors(tmp_path):
+def test_inconsistent_options_are_config_errors():
+    """(INT8, which IREE's capabilities leave out, is refused in tests/backends/test_contract.py.)"""
+
     def problems(**sku) -> list[str]:
         return IreeBackend.check_sku(SkuSpec.model_validate(sku))
 
-    assert problems(**iree_sku("int8")) == [
-        "precision: int8 is not supported by the iree backend; supported: fp32, fp16"
-    ]
     assert "vulkan_target: required" in problems(**iree_sku(target_device="vulkan"))[0]
     assert "driver: vulkan cannot run a local engine" in problems(**iree_sku(driver="vulkan"))[0]
     assert "target.device: a cuda engine runs on a GPU" in problems(**iree_sku(target_device="cuda"))[0]
@@ -282,8 +282,6 @@ def test_int8_and_inconsistent_options_are_config_errors(tmp_path):
     )
     assert "is set from the other options" in problems(**iree_sku(extra_flags=["--iree-hal-target-device=cuda"]))[0]
     assert "unknown key" in problems(**iree_sku(target_cpus="host"))[0]
-    with pytest.raises(ConfigError, match="int8 is not supported by the iree backend"):
-        load_registry(models.write_project(tmp_path, {"conv": models.conv_bn_spec()}, {"q": iree_sku("int8")}))
 
 
 def test_compile_flags_follow_the_options():
@@ -307,45 +305,11 @@ def test_compile_flags_follow_the_options():
     ]
 
 
-def dft_model(path: Path) -> Path:
-    """x[batch,8] -> Relu -> Unsqueeze -> DFT: IREE's ONNX lowering has no DFT."""
-    nodes = [
-        helper.make_node("Relu", ["x"], ["r"], name="act"),
-        helper.make_node("Unsqueeze", ["r", "axes"], ["u"], name="unsqueeze"),
-        helper.make_node("DFT", ["u"], ["y"], name="spectrum", onesided=0),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "dft",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8, 2])],
-        [numpy_helper.from_array(np.array([2], np.int64), "axes")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
-
-
-def test_an_unsupported_op_names_the_op_the_node_and_the_backend(tmp_path):
-    dft_model(tmp_path / "models/dft/model.onnx")
-    spec = {"dir": "models/dft", "source": "model.onnx", "inputs": [{"name": "x", "shape": ["batch", 8]}]}
-    skus = {
-        "cpu": iree_sku("fp32", target_cpu="x86-64-v3"),
-        "bad_flag": iree_sku("fp32", target_cpu="x86-64-v3", extra_flags=["--iree-no-such-flag"]),
-    }
-    reg = load_registry(models.write_project(tmp_path, {"dft": spec}, skus))
-    for stage in (prepare, make_data, reference):
-        stage(reg, "dft")
-    with pytest.raises(UnsupportedOp) as info:
-        build(reg, "dft", "cpu")
-    err = info.value
-    assert (err.backend, err.op_type, err.node, err.exit_code) == ("iree", "DFT", "spectrum", 3)
-    assert "iree cannot compile op 'DFT' (node 'spectrum')" in err.message
-    assert not Layout(reg.root).engine_dir("dft", "cpu").exists()  # nothing half-built is left
+def test_a_flag_iree_compile_does_not_know_is_a_config_error(proj):
+    """(An op IREE cannot lower, UnsupportedOp: tests/backends/test_contract.py.)"""
     with pytest.raises(ConfigError, match="--iree-no-such-flag"):
-        build(reg, "dft", "bad_flag")
+        build(proj.registry, "conv", "bad_flag")
+    assert not proj.out.engine_dir("conv", "bad_flag").exists()  # nothing half-built is left
 
 
 @pytest.fixture
@@ -353,47 +317,6 @@ def engine_copy(proj, tmp_path) -> Path:
     dst = tmp_path / "engine"
     shutil.copytree(proj.out.engine_dir("conv", "v3_fp32"), dst)
     return dst
-
-
-def rewrite_meta(engine: Path, **changes) -> None:
-    meta = json.loads((engine / ENGINE_META).read_text())
-    meta.update(changes)
-    (engine / ENGINE_META).write_text(json.dumps(meta))
-
-
-def test_a_copied_engine_loads_and_runs(proj, engine_copy):
-    feeds = {"x": np.full((1, 3, 8, 8), 0.5, np.float32)}
-    with get_backend("iree").load(engine_copy, proj.registry.sku("v3_fp32")) as runner:
-        probs = runner.infer(feeds)["probs"]
-    assert probs.shape == (1, 4) and probs.dtype == np.float32 and abs(float(probs.sum()) - 1) < 1e-5
-    with (
-        pytest.raises(InputError, match="must have shape"),
-        get_backend("iree").load(engine_copy, proj.registry.sku("v3_fp32")) as runner,
-    ):
-        runner.infer({"x": np.zeros((2, 3, 8, 8), np.float32)})
-
-
-def test_a_truncated_vmfb_is_refused(proj, engine_copy):
-    vmfb = engine_copy / "module.vmfb"
-    vmfb.write_bytes(vmfb.read_bytes()[: vmfb.stat().st_size // 2])
-    sku = proj.registry.sku("v3_fp32")
-    with pytest.raises(InputError, match="missing, truncated or altered"):
-        get_backend("iree").load(engine_copy, sku)
-    # even with engine.json rewritten to match, the runtime's refusal becomes an InputError
-    from pipeline.core.io import sha256_file
-
-    rewrite_meta(
-        engine_copy, files=[{"path": "module.vmfb", "sha256": sha256_file(vmfb), "bytes": vmfb.stat().st_size}]
-    )
-    with pytest.raises(InputError, match="cannot be loaded on the IREE local-task driver"):
-        get_backend("iree").load(engine_copy, sku)
-
-
-def test_an_engine_from_another_runtime_version_is_refused(proj, engine_copy):
-    meta = json.loads((engine_copy / ENGINE_META).read_text())
-    rewrite_meta(engine_copy, versions={**meta["versions"], "iree-base-runtime": "3.1.0"})
-    with pytest.raises(InputError, match="built with iree-base-runtime 3.1.0"):
-        get_backend("iree").load(engine_copy, proj.registry.sku("v3_fp32"))
 
 
 def test_an_engine_for_cpu_features_this_host_lacks_is_refused(proj, engine_copy, monkeypatch):

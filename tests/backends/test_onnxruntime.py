@@ -8,7 +8,7 @@ import models
 import onnxruntime as ort
 import pytest
 
-from pipeline.core.errors import ConfigError, EnvironmentProblem, GateFailed
+from pipeline.core.errors import ConfigError, EnvironmentProblem, GateFailed, UnsupportedOp
 from pipeline.core.io import read_json
 from pipeline.core.paths import Layout
 from pipeline.project.config import load_registry
@@ -80,29 +80,13 @@ def test_fp16_on_the_cpu_provider_is_a_config_error(tmp_path):
         project(tmp_path, {"half": models.ort_sku("fp16")})
 
 
-def test_an_op_without_a_kernel_names_the_op_the_node_and_the_backend(tmp_path):
-    import onnx
-    from onnx import TensorProto, helper
-
-    from pipeline.core.errors import UnsupportedOp
-
-    # Relu is valid ONNX for int16, but ONNX Runtime's CPU provider has no int16 Relu kernel.
-    graph = helper.make_graph(
-        [helper.make_node("Relu", ["x"], ["y"], name="relu_int16")],
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.INT16, ["batch", 4])],
-        [helper.make_tensor_value_info("y", TensorProto.INT16, ["batch", 4])],
+def test_an_op_the_reference_runtime_lacks_stops_prepare_naming_the_op_and_the_node(tmp_path):
+    """ONNX Runtime is also the reference runtime: prepare refuses the model before any backend sees it.
+    (The ONNX Runtime backend's own refusal of it: tests/backends/test_contract.py.)"""
+    models.int16_relu_model(tmp_path / "models/int16/model.onnx")
+    reg = load_registry(
+        models.write_project(tmp_path, {"int16": models.int16_relu_spec()}, {"cpu": models.ort_sku("fp32")})
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    (tmp_path / "models/int16").mkdir(parents=True)
-    onnx.save(model, str(tmp_path / "models/int16/model.onnx"))
-    spec = {
-        "dir": "models/int16",
-        "source": "model.onnx",
-        "inputs": [{"name": "x", "dtype": "int16", "shape": ["batch", 4]}],
-    }
-    reg = load_registry(models.write_project(tmp_path, {"int16": spec}, {"cpu": models.ort_sku("fp32")}))
     with pytest.raises(UnsupportedOp) as info:
         prepare(reg, "int16")
     assert info.value.exit_code == 3

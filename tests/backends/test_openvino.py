@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
 from io import BytesIO
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 ov = pytest.importorskip("openvino", reason="openvino is not installed (pip install openvino)")
 
@@ -20,7 +17,7 @@ import models  # noqa: E402
 from pipeline.backends import get_backend  # noqa: E402
 from pipeline.backends.contract import ENGINE_META, verify_engine  # noqa: E402
 from pipeline.backends.openvino import OpenVinoBackend  # noqa: E402
-from pipeline.core.errors import ConfigError, EnvironmentProblem, GateFailed, InputError, UnsupportedOp  # noqa: E402
+from pipeline.core.errors import ConfigError, EnvironmentProblem, GateFailed, InputError  # noqa: E402
 from pipeline.core.io import read_json, sha256_file  # noqa: E402
 from pipeline.core.paths import Layout  # noqa: E402
 from pipeline.project.config import load_registry  # noqa: E402
@@ -68,36 +65,12 @@ SKUS = {
 MODELS = ("conv", "multi")
 
 
-def det_model(path: Path) -> Path:
-    """y[batch] = det(2 * x[batch,3,3]): ONNX Runtime runs Det, OpenVINO's ONNX frontend has no Det."""
-    nodes = [
-        helper.make_node("Mul", ["x", "two"], ["x2"], name="double"),
-        helper.make_node("Det", ["x2"], ["y"], name="determinant"),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "det",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 3])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch"])],
-        [numpy_helper.from_array(np.array(2.0, np.float32), "two")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", models.OPSET)])
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
-
-
 @pytest.fixture(scope="module")
 def proj(tmp_path_factory):
     root = tmp_path_factory.mktemp("ovproject")
     specs = {
         "conv": (models.conv_bn_model, models.conv_bn_spec()),
         "multi": (models.multi_io_model, models.multi_io_spec()),
-        "det": (
-            det_model,
-            {"dir": "models/det", "source": "model.onnx", "inputs": [{"name": "x", "shape": ["batch", 3, 3]}]},
-        ),
     }
     for builder, spec in specs.values():
         builder(root / spec["dir"] / spec["source"])
@@ -106,12 +79,13 @@ def proj(tmp_path_factory):
     for m in MODELS:
         for stage in (prepare, make_data, reference, calibrate):
             stage(reg, m)
-        for s in ("ov_fp32", "ov_int8", "tamper"):
+        for s in ("ov_fp32", "ov_int8"):
             r.build[m, s] = build(reg, m, s)
         r.validate[m, "ov_fp32"] = validate(reg, m, "ov_fp32")
         for s in ("ov_fp32", "ov_int8"):
             r.bench[m, s] = bench(reg, m, s)
     r.validate["conv", "ov_int8"] = validate(reg, "conv", "ov_int8")
+    r.build["multi", "tamper"] = build(reg, "multi", "tamper")
     for s in ("ov_fp32", "ov_int8"):
         r.manifest["conv", s] = write_manifest(reg, "conv", s)
     r.manifest["multi", "ov_fp32"] = write_manifest(reg, "multi", "ov_fp32")
@@ -197,31 +171,6 @@ def test_blob_does_not_keep_the_precision_hint(proj):
     blob = (proj.out.engine_dir("conv", "ov_fp32") / "model.blob").read_bytes()
     bare = ov.Core().import_model(BytesIO(blob), "CPU")
     assert bare.get_property("INFERENCE_PRECISION_HINT").get_type_name() == "bf16"
-
-
-def test_multi_io_runner_keeps_names_dtypes_and_scalar_shape(proj):
-    with get_backend("openvino").load(proj.out.engine_dir("multi", "ov_fp32"), proj.registry.sku("ov_fp32")) as runner:
-        assert [(s.name, s.dtype, s.shape) for s in runner.inputs] == [
-            ("x", "float32", [1, 6]),
-            ("ids", "int64", [1, 3]),
-            ("scale", "float32", []),
-        ]
-        out = runner.infer(
-            {
-                "x": np.ones((1, 6), np.float32),
-                "ids": np.array([[0, 1, 2]], np.int64),
-                "scale": np.array(2.0, np.float32),
-            }
-        )
-        assert list(out) == ["y", "cls"] and out["cls"].dtype == np.int64 and out["y"].shape == (1, 4)
-        with pytest.raises(InputError, match="'ids' must be int64"):
-            runner.infer(
-                {
-                    "x": np.ones((1, 6), np.float32),
-                    "ids": np.zeros((1, 3), np.int32),
-                    "scale": np.array(2.0, np.float32),
-                }
-            )
 
 
 # --- validate, bench, manifest ------------------------------------------------------------------
@@ -349,17 +298,6 @@ def test_fp16_hint_that_runs_another_precision_is_caught_by_the_precision_gate(p
 # --- refusals -----------------------------------------------------------------------------------
 
 
-def test_unsupported_op_names_the_op_the_node_and_the_backend(proj):
-    for stage in (prepare, make_data, reference):
-        stage(proj.registry, "det")
-    with pytest.raises(UnsupportedOp) as info:
-        build(proj.registry, "det", "ov_fp32")
-    err = info.value
-    assert err.exit_code == 3 and err.op_type == "Det" and err.node == "determinant"
-    assert "openvino" in err.message and "'Det'" in err.message and "determinant" in err.message
-    assert not proj.out.engine_dir("det", "ov_fp32").exists()
-
-
 def _rewrite_blob(engine: Path, data: bytes) -> None:
     """Replace the blob and re-record its hash, so only import_model can notice."""
     (engine / "model.blob").write_bytes(data)
@@ -368,35 +306,17 @@ def _rewrite_blob(engine: Path, data: bytes) -> None:
     (engine / ENGINE_META).write_text(json.dumps(meta))
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated"])
-def test_blob_openvino_cannot_import_is_an_input_error(proj, damage):
+def test_truncated_blob_openvino_cannot_import_is_an_input_error(proj):
+    """(Garbage in place of the blob: tests/backends/test_contract.py.)"""
     engine = proj.out.engine_dir("multi", "tamper")
     blob = (engine / "model.blob").read_bytes()
-    _rewrite_blob(engine, bytes(range(256)) * 64 if damage == "garbage" else blob[: len(blob) // 2])
+    _rewrite_blob(engine, blob[: len(blob) // 2])
     verify_engine(engine, FORMAT)  # the hashes match: only OpenVINO can tell
     for stage in (validate, bench):
         with pytest.raises(InputError) as info:
             stage(proj.registry, "multi", "tamper")
         assert "could not import the engine" in info.value.message and "rebuild" in info.value.hint
     _rewrite_blob(engine, blob)
-
-
-def test_altered_blob_is_refused_by_its_hash(proj):
-    engine = proj.out.engine_dir("conv", "tamper")
-    blob = engine / "model.blob"
-    blob.write_bytes(blob.read_bytes()[:-1] + b"\0")
-    with pytest.raises(InputError, match="truncated or altered"):
-        validate(proj.registry, "conv", "tamper")
-
-
-def test_engine_from_another_openvino_build_is_refused(proj):
-    engine = proj.out.engine_dir("multi", "tamper")
-    meta = read_json(engine / ENGINE_META)
-    meta["versions"]["openvino"] = "2025.1.0-00000-000000000-releases/2025/1"
-    (engine / ENGINE_META).write_text(json.dumps(meta))
-    with pytest.raises(InputError) as info:
-        validate(proj.registry, "multi", "tamper")
-    assert "2025.1.0" in info.value.message and ov.get_version() in info.value.message
 
 
 def test_missing_device_names_the_available_ones(proj):
@@ -408,13 +328,6 @@ def test_missing_device_names_the_available_ones(proj):
         build(proj.registry, "conv", "gpu")
     assert info.value.exit_code == 3 and "GPU" in info.value.message
     assert not proj.out.sku_dir("conv", "gpu").exists()
-
-
-def test_missing_openvino_says_how_to_install_it(proj, monkeypatch):
-    monkeypatch.setitem(sys.modules, "openvino", None)  # import openvino now raises ImportError
-    problems = get_backend("openvino").environment_problems(proj.registry.sku("ov_fp32"))
-    assert problems == [f"openvino is not installed ({OpenVinoBackend.install_hint})"]
-    assert "pip install openvino" in problems[0]
 
 
 # --- config -------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from pipeline.backends import get_backend  # noqa: E402
 from pipeline.backends.caches import INDEX, files_digest  # noqa: E402
 from pipeline.backends.contract import ENGINE_META  # noqa: E402
 from pipeline.backends.tvm import DEFAULTS, RECORDS, WORKLOADS, TvmBackend, op_type_of, target_of  # noqa: E402
-from pipeline.core.errors import ConfigError, GateFailed, UnsupportedOp  # noqa: E402
+from pipeline.core.errors import ConfigError, GateFailed  # noqa: E402
 from pipeline.core.paths import Layout  # noqa: E402
 from pipeline.host.probe import cpu_features, host_arch  # noqa: E402
 from pipeline.ops.caches import status  # noqa: E402
@@ -238,10 +238,10 @@ def test_a_missing_database_fails_a_required_build_and_refresh_writes_it(proj):
 
 
 def test_config_refuses_what_the_backend_cannot_do(tmp_path):
+    """(What TVM's capabilities leave out, INT8 say, is refused in tests/backends/test_contract.py.)"""
     root = tmp_path
     models.conv_bn_model(root / "models/conv/model.onnx")
     bad = {
-        "int8": {**tvm_sku(), "precision": "int8"},
         "profiled": {**tvm_sku(), "shapes": {}, "profiles": {"batch": {"min": 1, "opt": 1, "max": 4}}},
         "untuned_required": {**tvm_sku(), "cache": {"require": True}},
         "typo": tvm_sku(trails=3),
@@ -249,25 +249,9 @@ def test_config_refuses_what_the_backend_cannot_do(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_registry(models.write_project(root, {"conv": models.conv_bn_spec()}, bad))
     text = str(err.value)
-    assert "skus.int8.precision: int8 is not supported by the tvm backend; supported: fp32" in text
     assert "skus.profiled.profiles: the tvm backend compiles static shapes" in text
     assert "skus.untuned_required.cache.require: options.trials is 0" in text
     assert "trails" in text
-
-
-def test_an_op_without_a_conversion_is_named(tmp_path):
-    """TVM 0.27's Relax ONNX frontend has no LSTM (nor GRU, RNN, If, Loop): named before converting."""
-    root = tmp_path
-    models.rnn_model(root / "m/model.onnx", cell="LSTM")
-    reg = load_registry(models.write_project(root, {"m": models.rnn_spec("m", cell="LSTM")}, {"plain": tvm_sku()}))
-    prepare(reg, "m")
-    make_data(reg, "m")
-    reference(reg, "m")
-    with pytest.raises(UnsupportedOp) as err:
-        build(reg, "m", "plain")
-    assert err.value.backend == "tvm" and err.value.op_type == "LSTM" and err.value.exit_code == 3
-    assert "has no conversion for LSTM" in err.value.message
-    assert not Layout(reg.root).engine_dir("m", "plain").exists()
 
 
 def test_target_resolution_and_cache_key():

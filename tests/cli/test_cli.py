@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from cli_helpers import assert_user_error, project, skuforge
 
+from pipeline.cli import build_parser, handler
 from pipeline.host.probe import host_arch
 from pipeline.project.config import load_registry
 from pipeline.stages.build import build
@@ -218,7 +219,7 @@ def test_building_the_parser_imports_nothing_heavy():
 def test_help_imports_nothing_heavy(argv):
     code = f"""
 import contextlib, io
-from pipeline.cli import build_parser, handler, main
+from pipeline.cli import main
 with contextlib.redirect_stdout(io.StringIO()):
     try:
         main({argv!r})
