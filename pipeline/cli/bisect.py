@@ -66,7 +66,8 @@ def bisection_text(b) -> str:
             f"max abs {_num(e.max_abs_error)}, NaN {e.nan}, Inf {e.inf}"
         )
         lines.append(
-            f"    reference range [{_num(e.reference_min)}, {_num(e.reference_max)}], abs-max {_num(e.reference_abs_max)}"
+            f"    reference range [{_num(e.reference_min)}, {_num(e.reference_max)}], "
+            f"abs-max {_num(e.reference_abs_max)}"
             + (f"; channel abs-max {e.channel_abs_max}" if e.channel_abs_max else "")
         )
         for i in s.inputs:

@@ -75,7 +75,7 @@ def status_text(rows) -> str:
             ]
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table]
     lines += [f"  {r.sku}/{r.model}: {r.reason}" for r in rows if r.state not in ("fresh", "none")]
     return "\n".join(lines)
 
@@ -139,8 +139,9 @@ def markdown(rows) -> str:
     return "\n".join(
         [head]
         + [
-            f"| `{r['backend']}` | {', '.join(r['precisions'])} | {', '.join(r['devices'])} | {yes[r['per_node_precision']]} "
-            f"| {yes[r['intermediate_outputs']]} | {r['cache'] or '-'} | `{r['runtime_package']}` |"
+            f"| `{r['backend']}` | {', '.join(r['precisions'])} | {', '.join(r['devices'])} "
+            f"| {yes[r['per_node_precision']]} | {yes[r['intermediate_outputs']]} | {r['cache'] or '-'} "
+            f"| `{r['runtime_package']}` |"
             for r in rows
         ]
     )

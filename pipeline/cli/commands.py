@@ -72,7 +72,8 @@ STAGES: dict[str, tuple[Callable[..., Any], Callable[[Any], str]]] = {
     "build": (
         build_stage.build,
         lambda r: (
-            f"built {r.model}/{r.sku} in {r.build_seconds:.1f}s: placement {r.placement}, precision {r.precision_counts}"
+            f"built {r.model}/{r.sku} in {r.build_seconds:.1f}s: "
+            f"placement {r.placement}, precision {r.precision_counts}"
             + (f", reproducible: {r.reproducibility.verdict}" if r.reproducibility else "")
         ),
     ),
@@ -333,8 +334,8 @@ def releases(args: argparse.Namespace) -> int:
         widths = (
             [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)] if rows else [len(c) for c in cols]
         )
-        lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-        lines += ["  ".join(x.ljust(w) for x, w in zip(r, widths)) for r in rows]
+        lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
+        lines += ["  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)) for r in rows]
         for s in listing.skus:
             for alias, entries in s.history.items():
                 for e in entries:
@@ -429,7 +430,7 @@ def _matrix_text(rows) -> str:
     cells = [{**(r.manifest or {}), "model": r.model, "sku": r.sku, "outcome": r.outcome} for r in rows]
     widths = {c: max(len(c), *(len(fmt(x.get(c))) for x in cells)) for c in MATRIX_COLUMNS}
     lines = ["  ".join(c.ljust(widths[c]) for c in MATRIX_COLUMNS).rstrip()]
-    for r, x in zip(rows, cells):
+    for r, x in zip(rows, cells, strict=True):
         lines.append("  ".join(fmt(x.get(c)).ljust(widths[c]) for c in MATRIX_COLUMNS).rstrip())
         if r.detail and r.outcome != "passed":
             labels = f" (runner labels [{', '.join(r.runner_labels)}])" if r.runner_labels else ""

@@ -93,7 +93,8 @@ def rollout_plan(args: argparse.Namespace) -> int:
     skus = list(doc["skus"]) if doc else reg.release_skus()
     p = plan(inventory, reg.rollout.waves, f"{args.model}-{rid or 'next'}", skus, reg.rollout.fallback_sku)
     lines = [
-        f"plan for {args.model} {rid or '(no release yet)'}: {len(inventory)} devices, planned in {p.seconds * 1000:.0f} ms"
+        f"plan for {args.model} {rid or '(no release yet)'}: {len(inventory)} devices, "
+        f"planned in {p.seconds * 1000:.0f} ms"
     ]
     for w in p.waves:
         lines.append(f"  {w.name:10s} {w.devices:8d} devices (+{w.new_devices})  bake {w.bake_minutes:g} min")

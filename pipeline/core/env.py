@@ -95,7 +95,7 @@ class Var(Generic[T]):
         value = f"{self.name} (its value is secret: not shown)" if self.secret else f"{self.name}={text!r}"
         return ConfigError(
             f"environment variable {value} is not {self.expects}{why}",
-            hint=f"set {self.name} to {self.expects} ({self.doc}), or unset it",
+            hint=f"fix or unset {self.name} ({self.doc})",
         )
 
     def set(self, value: str, environ: MutableMapping[str, str] | None = None) -> None:

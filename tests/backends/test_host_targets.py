@@ -90,7 +90,7 @@ def test_faked_flags_and_model_reach_the_probe_and_subprocesses(monkeypatch):
     record = probe.cpu_record()
     assert record["model"] == "INTEL(R) XEON(R) PLATINUM 8592+" and "avx512_bf16" in record["features"]
     assert "hypervisor" not in record["features"]  # only instruction-set flags are recorded
-    code = "from pipeline.runner import probe; import json; print(json.dumps(probe.llvm_cpu_target(arch='x86_64')))"
+    code = "from pipeline.host import probe; import json; print(json.dumps(probe.llvm_cpu_target(arch='x86_64')))"
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
     )

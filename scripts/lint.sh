@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The linters CI runs before the tests (.ci/run; README "Run the linters and the tests"). Needs the
+# test extras in PATH (scripts/setup.sh --test, then PATH="$PWD/.venv/bin:$PATH"). Configuration:
+# [tool.ruff], [tool.importlinter] and [tool.mypy] in pyproject.toml.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+ruff check pipeline tests benchmarks scripts
+ruff format --check pipeline tests benchmarks scripts
+# the layers of pipeline/, the compiler stacks apart, an argument parser that loads no library
+lint-imports
+# the packages that type-check clean: [tool.mypy] files (the layers up to verify)
+mypy pipeline/core pipeline/results pipeline/host pipeline/model pipeline/backends pipeline/project \
+    pipeline/engine pipeline/perf pipeline/verify
