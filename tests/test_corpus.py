@@ -1,7 +1,9 @@
 """The corpus: models as other exporters write them (old opsets, weights in float_data, control
 flow, recurrent state, several outputs, external data), each through the whole pipeline on every
-CPU SKU kind this host can build. Each (fixture, SKU) must pass, or stop with a clean
-UnsupportedOp naming the op, the node and the backend: never a traceback, never another error.
+CPU SKU kind this host can build. Each (fixture, SKU) has a pinned outcome: it passes, or it is
+listed in KNOWN_UNSUPPORTED (a clean UnsupportedOp naming that op, the node and the backend) or in
+KNOWN_GATE_FAILURES (builds, runs, misses its gate). A pair that regresses from passed to
+unsupported fails, and so does a listed pair that starts passing (strict: update the table).
 
 The outcomes are collected into a matrix printed at the end of the module (and written to
 ``corpus-matrix.txt`` in the module's temporary folder).
@@ -59,6 +61,9 @@ FIXTURES = {
     "external_data": (models.external_data_model, models.vector_spec("m")),
 }
 MATRIX: dict[tuple[str, str], str] = {}
+# Pairs a backend refuses with UnsupportedOp, and the op it names. Empty today: every fixture
+# builds on every CPU SKU (onnxruntime 1.32, OpenVINO 2026.4, IREE 3.13).
+KNOWN_UNSUPPORTED: dict[tuple[str, str], str] = {}
 # Pairs that build and run but miss the accuracy gate, and why (strict: a fix turns them red)
 KNOWN_GATE_FAILURES = {
     ("multi_output", "ov_int8"): "OpenVINO 2026.4 CPU computes the QDQ graph's quantized Gather (embedding) path "
@@ -134,10 +139,18 @@ def test_corpus(corpus, fixture, sku):
         MATRIX[fixture, sku] = f"unsupported: {exc.op_type} ({exc.node})" if exc.op_type else "unsupported"
         assert exc.backend == backend
         assert exc.op_type and exc.node, f"the refusal must name the op and the node: {exc}"
+        assert (fixture, sku) in KNOWN_UNSUPPORTED, (
+            f"{fixture} on {sku} was expected to build, and {backend} refused {exc.op_type} ({exc.node}): "
+            "a regression, or list it in KNOWN_UNSUPPORTED with the op"
+        )
+        assert exc.op_type == KNOWN_UNSUPPORTED[fixture, sku], exc
         return
     except BaseException:
         MATRIX[fixture, sku] = "ERROR (build)"
         raise
+    assert (fixture, sku) not in KNOWN_UNSUPPORTED, (
+        f"{fixture} on {sku} now builds: remove it from KNOWN_UNSUPPORTED ({KNOWN_UNSUPPORTED[fixture, sku]})"
+    )
     try:
         validate(reg, fixture, sku)
         bench(reg, fixture, sku)
