@@ -283,7 +283,7 @@ class OnnxRuntimeBackend(Backend):
 
         def open_session(profile_dir: Path | None = None) -> ort.InferenceSession:
             so = _session_options(opts, meta.load_optimization_level, profile_dir=profile_dir)
-            return create_session(engine_dir / "model.onnx", so, meta.providers, meta.provider_options)
+            return create_session(engine_dir / "model.onnx", so, meta.providers, meta.provider_options, engine=True)
 
         return SessionRunner(open_session(), reopen=open_session)
 

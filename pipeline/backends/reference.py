@@ -72,7 +72,10 @@ def create_session(
     so: ort.SessionOptions,
     providers: list[str],
     provider_options: dict[str, dict[str, Any]] | None = None,
+    engine: bool = False,
 ) -> ort.InferenceSession:
+    """An ONNX Runtime session; ``engine``: ``model`` is a built engine (a refusal then means the
+    engine is damaged or from another ONNX Runtime, and the hint says to rebuild it)."""
     ort = ort_module()
     provider_options = provider_options or {}
     try:
@@ -92,6 +95,12 @@ def create_session(
                 missing.group(2) if missing else None,
                 f"no kernel on {', '.join(providers)} ({msg})",
                 hint="list a provider that implements it, or replace the op before export",
+            ) from exc
+        if engine:
+            raise InputError(
+                f"ONNX Runtime could not load the engine {model}: {msg}",
+                hint="the engine is damaged or was built by another ONNX Runtime: rebuild it "
+                "(skuforge build) with the onnxruntime this host runs",
             ) from exc
         raise InputError(
             f"ONNX Runtime could not load the model: {msg}",
