@@ -138,6 +138,46 @@ def target_of(options: TvmOptions, arch: str) -> dict[str, Any]:
     return target
 
 
+def elf_extent_problem(path: Path) -> str | None:
+    """Why a shared library cannot be mapped safely: not ELF, or a program segment or the section
+    table reaching past the end of the file (a truncated library: dlopen maps it and the first
+    touch of the missing pages kills the process with SIGBUS, before TVM can refuse it)."""
+    import struct
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(64)
+        if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in (1, 2) or head[5] not in (1, 2):
+            return "not an ELF shared library"
+        wide, order = head[4] == 2, "<" if head[5] == 1 else ">"
+        if wide and len(head) < 64:
+            return "truncated ELF header"
+        if wide:
+            phoff, shoff = struct.unpack_from(order + "QQ", head, 0x20)
+            phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", head, 0x36)
+        else:
+            phoff, shoff = struct.unpack_from(order + "II", head, 0x1C)
+            phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", head, 0x2A)
+        if shoff + shnum * shentsize > size:
+            return f"its section table ends at byte {shoff + shnum * shentsize}, past the file's {size} bytes"
+        if phoff + phnum * phentsize > size:
+            return f"its program headers end at byte {phoff + phnum * phentsize}, past the file's {size} bytes"
+        f.seek(phoff)
+        table = f.read(phnum * phentsize)
+    for i in range(phnum):
+        entry = table[i * phentsize : (i + 1) * phentsize]
+        if wide:
+            offset, filesz = (
+                struct.unpack_from(order + "Q", entry, 8)[0],
+                struct.unpack_from(order + "Q", entry, 0x20)[0],
+            )
+        else:
+            offset, filesz = struct.unpack_from(order + "I", entry, 4)[0], struct.unpack_from(order + "I", entry, 16)[0]
+        if offset + filesz > size:
+            return f"segment {i} ends at byte {offset + filesz}, past the file's {size} bytes (truncated)"
+    return None
+
+
 class TvmRunner(Runner):
     """A loaded library on the Relax VM; calls are serialised (one VM, not thread-safe)."""
 
@@ -152,6 +192,12 @@ class TvmRunner(Runner):
         self._lock = threading.Lock()
         self._buffers: list[Any] | None = None
         self._views: list[Any] = []  # numpy arrays on the buffers' memory (None: copied by TVM)
+        problem = elf_extent_problem(library)
+        if problem is not None:
+            raise InputError(
+                f"{library} cannot be loaded: {problem}",
+                hint="the library is damaged (truncated or not a library): rebuild the engine",
+            )
         try:
             self._vm = relax.VirtualMachine(tvm.runtime.load_module(str(library)), self._dev)
             self._main = self._vm[meta.entry]

@@ -274,3 +274,24 @@ def test_a_required_build_on_the_cli_names_the_miss(proj):
     shutil.rmtree(proj.out.cache_dir("multi", "required"), ignore_errors=True)
     proc = skuforge("build", "--model", "multi", "--sku", "required", cwd=proj.registry.root)
     assert_user_error(proc, 1, "cache miss in caches/required/multi", "skuforge cache refresh")
+
+
+def test_a_truncated_library_is_refused_before_it_is_mapped(tmp_path):
+    """dlopen of a truncated library maps pages past the end of the file: the first touch is a
+    SIGBUS that kills the process (measured with TVM 0.27). The ELF extents are checked first."""
+    import numpy._core._multiarray_umath as compiled
+
+    from pipeline.backends.tvm import elf_extent_problem
+
+    whole = Path(compiled.__file__).read_bytes()
+    good = tmp_path / "good.so"
+    good.write_bytes(whole)
+    assert elf_extent_problem(good) is None
+    for keep in (len(whole) // 2, len(whole) - 4096, 100):
+        cut = tmp_path / f"cut{keep}.so"
+        cut.write_bytes(whole[:keep])
+        problem = elf_extent_problem(cut)
+        assert problem is not None and "past the file" in problem, (keep, problem)
+    junk = tmp_path / "junk.so"
+    junk.write_bytes(b"not a library" * 10)
+    assert elf_extent_problem(junk) == "not an ELF shared library"
