@@ -1,16 +1,68 @@
-"""Shared test set-up: ``import models`` finds the tiny ONNX model builders in tests/models.py."""
+"""Shared test set-up: ``import models`` finds the tiny ONNX model builders in tests/models.py; this
+host's peaks are seeded (no test measures them but the tests of the measuring); IREE's cached devices
+are released after each module."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
 
 import pytest
 
+from pipeline.core.io import atomic_write_json
+from pipeline.host import peaks
+
 TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
+
+
+# Tests that share an expensive module- or session-scoped fixture, by group: under `-n` (xdist's --dist
+# load) a group runs on one worker, which makes the fixture once instead of once on every worker that
+# gets one of its tests. A group lists node id prefixes: a module, or tests of it. (xdist's own
+# --dist loadgroup does not group under pytest 9: it marks the groups in a node attribute pytest no
+# longer reads.)
+ONE_WORKER = {
+    # every tuning in one process, which pays once for MetaSchedule's import (minutes of CPU)
+    "tvm": ("tests/backends/test_tvm.py",),
+    "iree": ("tests/backends/test_iree.py",),  # compiles two models for five SKUs
+    "openvino": ("tests/backends/test_openvino.py",),  # compiles two models at two precisions
+    "contract": ("tests/backends/test_contract.py",),  # an engine per stack (TVM and IREE compiles)
+    "host_targets": ("tests/backends/test_host_targets.py::test_iree_",),  # three IREE compiles
+    "digits": ("tests/examples/test_digits.py",),  # trains the example model
+    "dvc_pipeline": ("tests/integration/test_dvc_pipeline.py",),  # a chain of module fixtures: repro thrice
+    "dvc_metrics": ("tests/integration/test_dvc_metrics.py",),
+    "matrix": ("tests/test_matrix.py",),  # skuforge repro of four models under DVC
+    "torch_exports": ("tests/test_exporter_shapes.py::test_pytorch_export_runs_every_stage",),
+    # the `server` fixture: a real `mlflow server`, started once per process
+    "mlflow_server": (
+        "tests/registry/test_mlflow_server.py",
+        "tests/registry/test_planted_slowdown.py",
+        "tests/rollout/test_release_mlflow.py",
+        "tests/security/test_secrets_errors.py::test_token_and_password_with_a_live_server",
+        "tests/security/test_secrets_errors.py::test_https_to_a_plain_http_server_is_not_retried",
+    ),
+}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist load (what -n gives): each test is a unit of work handed to the next free worker, but a
+    ONE_WORKER group is one unit (xdist's LoadScopeScheduling: the units with the most tests go first).
+    Another --dist gets xdist's own scheduler."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneWorkerGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            for group, prefixes in ONE_WORKER.items():
+                if nodeid.startswith(prefixes):
+                    return group
+            return nodeid
+
+    return OneWorkerGroups(config, log)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -19,6 +71,43 @@ def _developer_key_in_tmp(tmp_path_factory):
     if "SKUFORGE_KEY_DIR" not in os.environ:
         os.environ["SKUFORGE_KEY_DIR"] = str(tmp_path_factory.mktemp("skuforge-keys"))
     yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _seeded_host_peaks(tmp_path_factory):
+    """The roofline divides by this host's peak compute and bandwidth, which pipeline.host.peaks measures
+    (seconds of all cores) the first time a process asks and caches per host key in
+    ``$SKUFORGE_CACHE_DIR``. Tests get a cache folder of their own holding fixed figures for this host's
+    key, so no test measures (and none writes the developer's cache) but the tests of the measuring,
+    which point the variable elsewhere."""
+    folder = tmp_path_factory.mktemp("skuforge-cache")
+    key, host = peaks.host_key()
+    seeded = peaks.Peaks(
+        key=key,
+        host=host,
+        measured_at="2026-01-01T00:00:00+00:00",
+        seconds=0.0,
+        one_core_method="threadpoolctl",
+        compute_gflops=peaks.ComputePeaks(all_cores=100.0, one_core=50.0, matmul_n=1536),
+        bandwidth_gbs=peaks.BandwidthPeaks(triad=20.0, memcopy=20.0, triad_one_core=10.0, array_mb=128),
+    )
+    atomic_write_json(folder / f"peaks-{key}.json", seeded.to_json())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(peaks.ENV_CACHE_DIR, str(folder))
+        yield folder
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_iree_devices():
+    """IREE keeps every device it opens for the life of the process (iree.runtime.system_setup), and an
+    idle lavapipe Vulkan device keeps two threads spinning: most of a core of this worker, for every
+    test after it. Released after each module (the module's own fixtures are torn down first)."""
+    yield
+    setup = sys.modules.get("iree.runtime.system_setup")
+    devices = getattr(setup, "_GLOBAL_DEVICES_BY_URI", None)
+    if devices:
+        devices.clear()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -136,8 +136,22 @@ def multi_io_spec(dir_: str = "models/multi") -> dict:
     }
 
 
+# A test's benchmark: a few calls, a short warm-up, no roofline (its layer profiling and this host's
+# peaks). The defaults.bench of every project write_project makes; ort_sku's bench, into which a test's
+# own ``bench=`` merges (the keys it names win, the rest stay fast). A test of the defaults writes its own.
+FAST_BENCH = {
+    "warmup": 2,
+    "steady_window": 5,
+    "max_warmup_seconds": 1.0,
+    "roofline": False,
+    "iterations": 10,
+    "min_seconds": 0.0,
+}
+
+
 def ort_sku(precision: str = "fp32", **extra) -> dict:
-    """A SKU this x86-64 Linux host can build with ONNX Runtime CPU."""
+    """A SKU this x86-64 Linux host can build with ONNX Runtime CPU, benchmarked briefly (``bench=``
+    merges into FAST_BENCH)."""
     import platform
 
     arch = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
@@ -147,14 +161,7 @@ def ort_sku(precision: str = "fp32", **extra) -> dict:
         "target": {"arch": arch, "device": "cpu", "os": "linux"},
         "runner_labels": ["self-hosted", "linux"],
         "shapes": {"batch": 1},
-        "bench": {
-            "warmup": 2,
-            "steady_window": 5,
-            "max_warmup_seconds": 1.0,
-            "roofline": False,
-            "iterations": 10,
-            "min_seconds": 0.0,
-        },
+        "bench": {**FAST_BENCH, **extra.pop("bench", {})},
     }
     sku.update(extra)
     return sku
@@ -202,11 +209,11 @@ CPU_SKUS = {
 
 
 def write_project(root: Path, models: dict, skus: dict, **top) -> Path:
-    """Write params.yaml for a project rooted at ``root``."""
+    """Write params.yaml for a project rooted at ``root`` (defaults.bench: FAST_BENCH, unless ``defaults`` is given)."""
     import yaml
 
     root.mkdir(parents=True, exist_ok=True)
-    doc = {"defaults": {}, "examples": {}, "models": models, "skus": skus, **top}
+    doc = {"defaults": {"bench": dict(FAST_BENCH)}, "examples": {}, "models": models, "skus": skus, **top}
     (root / "params.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     return root / "params.yaml"
 

@@ -98,7 +98,7 @@ def create_session(
             ) from exc
         if engine:
             raise InputError(
-                f"ONNX Runtime could not load the engine {model}: {msg}",
+                f"ONNX Runtime could not load the engine {'(in memory)' if isinstance(model, bytes) else model}: {msg}",
                 hint="the engine is damaged or was built by another ONNX Runtime: rebuild it "
                 "(skuforge build) with the onnxruntime this host runs",
             ) from exc

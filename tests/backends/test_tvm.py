@@ -23,6 +23,7 @@ from pipeline.backends import get_backend  # noqa: E402
 from pipeline.backends.caches import INDEX, files_digest  # noqa: E402
 from pipeline.backends.contract import ENGINE_META  # noqa: E402
 from pipeline.backends.tvm import DEFAULTS, RECORDS, WORKLOADS, TvmBackend, op_type_of, target_of  # noqa: E402
+from pipeline.cli import main as cli_main  # noqa: E402
 from pipeline.core.errors import ConfigError, GateFailed  # noqa: E402
 from pipeline.core.paths import Layout  # noqa: E402
 from pipeline.host.probe import cpu_features, host_arch  # noqa: E402
@@ -39,6 +40,11 @@ if host_arch() != "x86_64":
     pytest.skip("the TVM test SKUs target x86-64 hosts", allow_module_level=True)
 if "avx2" not in cpu_features():
     pytest.skip("the TVM test SKUs compile for x86-64-v3: this CPU has no AVX2 to run them", allow_module_level=True)
+
+# One xdist worker runs the module (ONE_WORKER in tests/conftest.py): the project below is built once, and
+# every tuning runs in that one process, which pays once for what MetaSchedule imports to tune
+# (tvm.s_tir.tensor_intrin: minutes of CPU in a process that holds thousands of modules, as a test
+# worker does). The cache refresh runs in-process for that reason.
 
 
 def tvm_sku(**options) -> dict:
@@ -61,8 +67,9 @@ def tvm_sku(**options) -> dict:
     }
 
 
-# a few trials: enough for MetaSchedule to write real records, little enough for the suite
-TUNED = {"trials": 5, "num_cores": 1}
+# two trials: enough for MetaSchedule to write real records (the tasks left without one keep their
+# recorded default), little enough for the suite: each trial is a candidate built in a new process
+TUNED = {"trials": 2, "num_cores": 1}
 SKUS = {"plain": tvm_sku(), "tuned": tvm_sku(**TUNED), "required": {**tvm_sku(**TUNED), "cache": {"require": True}}}
 MODELS = ("conv", "multi")
 
@@ -184,7 +191,7 @@ def test_a_stale_database_is_not_trusted_and_is_rebuilt(proj):
     folder = proj.out.cache_dir("conv", "tuned")
     key = json.loads((folder / INDEX).read_text())["key"]
     _set_index(folder, key={**key, "apache-tvm": "0.26.0"})
-    rep = build(proj.registry, "conv", "tuned", tuning_trials=2)
+    rep = build(proj.registry, "conv", "tuned", tuning_trials=1)
     assert rep.cache.state == "stale" and rep.cache.hits == 0 and rep.cache.updated
     assert any("tuning-database caches/tuned/conv is stale" in w and "not used" in w for w in rep.warnings)
     assert json.loads((folder / INDEX).read_text())["key"] == key  # rewritten under this TVM's key
@@ -218,7 +225,7 @@ def test_a_corrupted_database_is_named_never_read_and_fails_a_required_build(pro
     assert row.state == "corrupt" and f"{WORKLOADS} differs from its sha256" in row.reason
 
 
-def test_a_missing_database_fails_a_required_build_and_refresh_writes_it(proj):
+def test_a_missing_database_fails_a_required_build_and_refresh_writes_it(proj, capsys):
     shutil.rmtree(proj.out.cache_dir("conv", "required"), ignore_errors=True)
     engine = proj.out.engine_dir("conv", "required")
     with pytest.raises(GateFailed, match="missing: no cache yet"):
@@ -228,11 +235,12 @@ def test_a_missing_database_fails_a_required_build_and_refresh_writes_it(proj):
         "cache", "status", "--sku", "required", "--model", "conv", "--fail-on", "not-fresh", cwd=proj.registry.root
     )
     assert proc.returncode == 1 and "missing" in proc.stdout
-    proc = skuforge(
-        "cache", "refresh", "--sku", "required", "--model", "conv", "--trials", "2", cwd=proj.registry.root, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "refreshed caches/required/conv" in proc.stdout
+    capsys.readouterr()  # in this process, which has tuned already (see pytestmark)
+    params = str(proj.registry.root / "params.yaml")
+    code = cli_main(["--params", params, "cache", "refresh", "--sku", "required", "--model", "conv", "--trials", "1"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "refreshed caches/required/conv" in out.out
     rep = build(proj.registry, "conv", "required")  # now it replays, so the required build passes
     assert rep.cache.state == "fresh" and rep.cache.misses == 0 and rep.cache.required
 

@@ -3,8 +3,13 @@ and a tiny built project with an optimized and a portable SKU."""
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+from registry_helpers import make_project, sku
+from shared import copy_shared, shared_once
+
+from pipeline.project.config import load_registry
 from rollout.s3server import FaultProxy, MotoS3, s3_client
 
 FAST = {"connect_timeout": 1, "read_timeout": 2, "retries": {"mode": "standard", "total_max_attempts": 3}}
@@ -52,13 +57,8 @@ def store(request):
     return request.getfixturevalue("local_store" if request.param == "local" else "s3_store")
 
 
-@pytest.fixture(scope="module")
-def project(tmp_path_factory):
-    """conv_bn built for an optimized SKU (``cpu``) and the portable fallback (``portable``)."""
-    from registry_helpers import make_project, sku
-
-    root = tmp_path_factory.mktemp("rollout_project")
-    return make_project(
+def _make_project(root: Path) -> None:
+    make_project(
         root,
         {"cpu": sku(), "portable": sku(options={"graph_optimization_level": "basic"})},
         rollout={
@@ -72,6 +72,14 @@ def project(tmp_path_factory):
             },
         },
     )
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """conv_bn built for an optimized SKU (``cpu``) and the portable fallback (``portable``): built,
+    validated, benched and described once per test session, each module its own copy."""
+    made = shared_once(tmp_path_factory, "rollout-project", _make_project)
+    return load_registry(copy_shared(made, tmp_path_factory.mktemp("rollout_project") / "project") / "params.yaml")
 
 
 MODEL = "conv"

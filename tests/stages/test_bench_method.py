@@ -200,6 +200,7 @@ def proj(tmp_path_factory):
                 "iterations": 400,
                 "min_seconds": 0.3,
                 "noise_floor": 0.5,
+                "roofline": True,  # layer profiling and this host's (seeded) peaks: tests/conftest.py
             },
         ),
         "swept": models.ort_sku(
