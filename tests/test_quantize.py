@@ -136,16 +136,16 @@ def test_iree_importer_failure_without_a_node_is_an_input_error():
     assert isinstance(err, InputError) and "refused the model" in err.message and "another backend" in err.hint
 
 
-@pytest.mark.parametrize("opset", [11, 12])
-def test_convert_opset_converts_checks_and_records(tmp_path, opset):
-    model = _pinned(models.conv_pool_slice_model(tmp_path / "m.onnx", opset))
+@pytest.mark.parametrize("from_opset", [11, 12])
+def test_convert_opset_converts_checks_and_records(tmp_path, from_opset):
+    model = _pinned(models.conv_pool_slice_model(tmp_path / "m.onnx", from_opset))
 
     converted, record = opset.convert_opset(model, 17, X, "a test")
 
-    assert graph.default_opset(converted) == 17 and graph.default_opset(model) == opset
-    assert (record.from_opset, record.to_opset) == (opset, 17)
-    assert record.relative_error <= graph.OPSET_CONVERSION_RTOL
-    assert record.warning().startswith(f"opset converted from {opset} to 17 (a test)")
+    assert graph.default_opset(converted) == 17 and graph.default_opset(model) == from_opset
+    assert (record.from_opset, record.to_opset) == (from_opset, 17)
+    assert record.relative_error <= opset.OPSET_CONVERSION_RTOL
+    assert record.warning().startswith(f"opset converted from {from_opset} to 17 (a test)")
     assert all(not any(len(getattr(t, f)) for f in _TYPED) for t in _tensors(converted))
     np.testing.assert_allclose(_run(converted, X)["y"], _run(model, X)["y"], rtol=1e-5, atol=1e-6)
     assert opset.convert_opset(converted, 17, X, "a test") == (converted, None)
