@@ -45,7 +45,7 @@ def assemble(registry: Registry, locks_dir: Path, lock: Path | None = None) -> d
     import yaml
 
     lock = Path(lock) if lock is not None else registry.root / "dvc.lock"
-    merged = _load(lock) if lock.is_file() else {"schema": "2.0", "stages": {}}
+    merged: dict[str, Any] = _load(lock) if lock.is_file() else {"schema": "2.0", "stages": {}}
     stages: dict[str, Any] = dict(merged["stages"])
     found, shared_from = [], {}
     pairs = {sku: {f"{m}-{sku}" for m in registry.models} for sku in registry.skus}
@@ -74,7 +74,7 @@ def assemble(registry: Registry, locks_dir: Path, lock: Path | None = None) -> d
         atomic_write_bytes(lock, text.encode())
 
     # each SKU job wrote its own metrics/bench files; the per-model comparison spans them all
-    compared = [str(path) for model in registry.models if (path := write_comparison(registry.root, model))]
+    compared = [str(written) for model in registry.models if (written := write_comparison(registry.root, model))]
     return {
         "lock": str(lock),
         "skus": found,

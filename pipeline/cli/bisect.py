@@ -11,6 +11,7 @@ from pipeline.core.errors import ConfigError
 from pipeline.core.io import atomic_write_json
 from pipeline.engine.build import require_host
 from pipeline.project.artifacts import layout
+from pipeline.results.reports import Bisection, Remedy
 from pipeline.verify.bisect import bisect
 from pipeline.verify.remedy import apply_overrides, fix
 
@@ -28,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
     require_host(registry, args.sku, "build")
     out = layout(registry)
     progress = ProgressLine()
+    result: Remedy | Bisection
     try:
         if args.fix:
             result = fix(
@@ -49,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         progress.close()
     atomic_write_json(out.report(args.model, args.sku, "fix" if args.fix else "bisect"), result.to_json())
     _emit(args, result.to_json(), lambda: _fix_text(result, args) if args.fix else bisection_text(result))
-    return 1 if args.fix and not result.passed else 0
+    return 1 if isinstance(result, Remedy) and not result.passed else 0  # --fix: a Remedy
 
 
 def bisection_text(b) -> str:

@@ -80,7 +80,7 @@ def status_text(rows) -> str:
     return "\n".join(lines)
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KB", "MB"):
         if n < 1024 or unit == "MB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -224,7 +224,8 @@ def _pinned_main(work: str) -> None:
 
     # oneDNN and NNPACK pick kernels and blocking from the host's ISA and caches: convolutions
     # run as ATen's im2col plus MKL GEMM instead.
-    torch.backends.mkldnn.enabled = False
+    # torch declares the flag a ContextProp; its module class makes assigning a bool set it
+    torch.backends.mkldnn.enabled = False  # type: ignore[assignment]
     torch.backends.nnpack.set_flags(False)
     # One thread, deterministic kernels: the same seed must give the same weights, bit for bit.
     torch.set_num_threads(1)
@@ -442,7 +443,7 @@ def _export(model, opset: int) -> bytes:
         torch.onnx.export(
             model,
             (example,),
-            buf,
+            buf,  # type: ignore[arg-type]  # typed str | PathLike; the TorchScript exporter writes to a file object
             dynamo=False,
             input_names=[INPUT_NAME],
             output_names=[OUTPUT_NAME],

@@ -9,10 +9,14 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.typing import RcKeyType
 
 Interval = tuple[float, float] | None  # a confidence interval, None where the report has none
 
-_RC = {"font.size": 9, "axes.grid": True, "grid.alpha": 0.3, "svg.hashsalt": "skuforge"}
+_RC: dict[RcKeyType, Any] = {"font.size": 9, "axes.grid": True, "grid.alpha": 0.3, "svg.hashsalt": "skuforge"}
 WIDTH, HEIGHT, DPI = 7.0, 3.2, 100
 MAX_POINTS = 20_000  # per scatter plot
 COLOURS = {"warmup": "#d95f02", "steady": "#1b9e77", "p50": "#1f77b4", "p95": "#ff7f0e", "p99": "#d62728"}

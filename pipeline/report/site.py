@@ -125,7 +125,7 @@ def _outcomes(
     try:
         # what is on disk, not what this host could build (statuses=[]: no probing)
         rows = matrix(registry, models, list(dict.fromkeys(s for _, s in pairs)), statuses=[])
-        found = {(r.model, r.sku): (r.outcome, r.detail) for r in rows}
+        found: dict[tuple[str, str], tuple[str, str]] = {(r.model, r.sku): (r.outcome, r.detail) for r in rows}
     except SkuforgeError as exc:  # a damaged manifest, say: still show what the reports say
         log.warning("outcomes from the reports alone: %s", exc.message)
         if notes is not None:
@@ -166,7 +166,7 @@ def _ci(value: Any) -> tuple[float, float] | None:
 
 def engine_bytes(build: dict[str, Any] | None) -> int | None:
     files = _list(_d(build).get("engine_files"))
-    sizes = [f.get("bytes") for f in files if isinstance(f, dict) and isinstance(f.get("bytes"), int)]
+    sizes = [n for f in files if isinstance(f, dict) and isinstance(n := f.get("bytes"), int)]
     return sum(sizes) if sizes else None
 
 
@@ -194,7 +194,7 @@ def _bench_view(pair: PairData, images: Images, notes: list[str]) -> dict[str, A
         if k in b
     }
     engine = _d(b.get("engine_only"))
-    shown: list[tuple[str, str]] = []
+    shown: list[tuple[str | None, str]] = []  # (image, caption): None where the chart was left out
     if pair.latency_ms:
         marks = {p: v for p in ("p50", "p95", "p99") if (v := _num(engine.get(f"{p}_ms"))) is not None}
         src = _chart(
@@ -333,7 +333,7 @@ def _roofline_view(
     uncounted = _list(roofline.get("uncounted"))
     if uncounted:
         notes.append(f"roofline: {len(uncounted)} node(s) of ops without a FLOP formula count 0 FLOPs")
-    view = {"summary": summary, "layers": layers, "plot": None}
+    view: dict[str, Any] = {"summary": summary, "layers": layers, "plot": None}
     if not peak_gflops or not peak_gbs or peak_gflops <= 0 or peak_gbs <= 0:
         notes.append(f"{ROOFLINE} has no positive compute and bandwidth peaks: no roofline chart")
         return view
@@ -542,7 +542,8 @@ def write_site(
     env = _environment()
     with atomic_dir(target) as tmp:
         (tmp / MARKER).write_text("written by skuforge report: `skuforge report` replaces this folder\n")
-        index_models, counts = [], {}
+        index_models = []
+        counts: dict[str, int] = {}
         for m in models:
             rows, listed = [], []
             for s in skus:

@@ -258,9 +258,11 @@ class Agent:
         wanted = {"golden.npz": files["golden"], "expected.npz": files["expected"], "manifest.json": files["manifest"]}
         wanted.update({f"engine/{n}": p for n, p in files["engine"].items()})
         target = self._model_dir(model) / "slots" / slot
+        client = self.client
+        assert client is not None  # run_once opens it before it installs anything
         with atomic_dir(target) as tmp:
             for name, path in wanted.items():
-                data = self.client.fetch(path)
+                data = client.fetch(path)
                 if data is None:
                     raise trust.VerificationFailed(
                         f"{path} is not in the signed targets",

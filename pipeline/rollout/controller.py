@@ -311,7 +311,9 @@ def start(
         rid = f"{model}-{target}-{now.strftime('%Y%m%d%H%M%S')}-{n}"
         planned = None
         if inventory is not None:
-            doc_skus = json.loads(trust.read_target(store, state, release_path(model, target, RELEASE_DOC)))["skus"]
+            data = trust.read_target(store, state, release_path(model, target, RELEASE_DOC))
+            assert data is not None  # target is one of the releases these targets list
+            doc_skus = json.loads(data)["skus"]
             p = plan(inventory, registry.rollout.waves, rid, list(doc_skus), registry.rollout.fallback_sku)
             planned = [w.devices for w in p.waves]
         doc = RolloutDoc(
@@ -332,6 +334,7 @@ def start(
         return doc, "start", f"started {doc.id}"
 
     doc, _, _ = _write(store, keys, registry, model, decide, f"rollout start {model}")
+    assert doc is not None  # decide starts one or raises
     return doc
 
 
@@ -402,7 +405,7 @@ def advance(
     )
 
 
-_MOVES: dict[str, tuple[tuple[str, ...], str]] = {
+_MOVES: dict[str, tuple[tuple[Status, ...], Status]] = {
     "pause": (("active",), "paused"),
     "resume": (("paused",), "active"),
     "abort": (("active", "paused"), "aborted"),
@@ -450,6 +453,7 @@ def move(
         return doc, action, reason
 
     doc, _, _ = _write(store, keys, registry, model, decide, f"rollout {action} {model}")
+    assert doc is not None  # decide raises without a rollout, else returns it moved or as it is
     return doc
 
 

@@ -207,7 +207,7 @@ def _read_csv(text: str) -> tuple[list[Device], list[str]]:
         if len(row) != width:
             problems.append(f"{where}: {len(row)} field(s), the header has {width} (quote a value holding a comma)")
             continue
-        device = parse(where, *map(str.strip, fields(row + pad)), problems)
+        device = parse(where, *map(str.strip, fields(row + pad)), problems=problems)
         if device is not None:
             devices.append(device)
     return devices, problems
@@ -236,7 +236,7 @@ def _read_yaml(text: str) -> tuple[list[Device], list[str]]:
         if bad:
             problems += bad
             continue
-        device = parse(where, *values[:3], runtime, values[3], labels, problems)
+        device = parse(where, values[0], values[1], values[2], runtime, values[3], labels, problems=problems)
         if device is not None:
             devices.append(device)
     return devices, problems
@@ -252,7 +252,7 @@ class _Parser:
         self._seen: dict[str, str] = {}  # id -> where it first appeared
 
     def __call__(
-        self, where: str, id: str, sku: str, arch: str, runtime: str, ring: str, labels: str, problems: list[str]
+        self, where: str, id: str, sku: str, arch: str, runtime: str, ring: str, labels: str, *, problems: list[str]
     ) -> Device | None:
         before = len(problems)
         if not id:
@@ -280,7 +280,7 @@ class _Parser:
         tags = self._labels.get(labels)
         if tags is None:
             tags = self._labels[labels] = tuple(t for t in (s.strip() for s in labels.split(";")) if t)
-        if len(problems) > before:
+        if len(problems) > before or isinstance(versions, str):  # a str runtime: its problem is listed
             return None
         return Device(id, sku, arch, versions, ring or None, tags)
 

@@ -40,8 +40,10 @@ def first_wave(waves: Sequence[Wave], rollout_id: str, device_id: str, ring: str
                 share = bucket(rollout_id, device_id)
             if share < wave.percent:
                 return index
-        elif ring is not None and ring in wave.rings:
-            return index
+        elif ring is not None:
+            assert wave.rings is not None  # a Wave has exactly one of percent and rings (its validator)
+            if ring in wave.rings:
+                return index
     return None
 
 
@@ -122,7 +124,8 @@ def plan(
         if not served:
             first_fallback[index] += 1
 
-    wave_plans, cumulative, on_fallback = [], Counter(), 0
+    wave_plans, on_fallback = [], 0
+    cumulative: Counter[str] = Counter()  # SKU counts of the devices the waves so far take
     for wave, added, added_fallback in zip(waves, first, first_fallback, strict=True):
         cumulative.update(added)
         on_fallback += added_fallback

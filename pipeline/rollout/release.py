@@ -50,16 +50,18 @@ SCHEMA = 1
 
 @dataclass
 class Candidate:
-    """One SKU's engine and its evidence, as gathered for a release (files on local disk)."""
+    """One SKU's engine and its evidence, as gathered for a release (files on local disk). From
+    MLflow, what could not be had is None, and ``problems`` names each report missing; check()
+    refuses such a candidate, so what follows it reads a complete one."""
 
     sku: str
-    manifest: Manifest
+    manifest: Manifest | None  # None: missing, unreadable or refused
     manifest_doc: dict
     signature: Any
     engine: dict[str, Path]  # relative path -> file, engine.json included
-    golden: Path
-    expected: Path
-    validate: Path
+    golden: Path | None
+    expected: Path | None
+    validate: Path | None
     source: str
     problems: list[str] = field(default_factory=list)
 
@@ -196,6 +198,8 @@ def check(registry: Registry, model: str, c: Candidate, alias: str | None) -> li
 
     if c.problems or c.manifest is None:
         return c.problems or [f"{c.sku}: no usable manifest"]
+    # mlflow_candidate lists a problem for each report it could not download
+    assert c.validate is not None and c.expected is not None and c.golden is not None
     m, bad = c.manifest, []
     if (m.model, m.sku) != (model, c.sku):
         return [f"{c.sku}: the manifest describes {m.model}/{m.sku}"]
@@ -248,6 +252,7 @@ def _requires(registry: Registry, m: Manifest, engine_meta: dict) -> dict[str, A
 def _sku_entry(registry: Registry, model: str, rid: str, c: Candidate, shas: dict[str, str]) -> dict[str, Any]:
 
     m = c.manifest
+    assert m is not None  # a candidate check() passed
     base = release_path(model, rid, c.sku)
     engine_meta = json.loads(c.engine["engine.json"].read_bytes()) if "engine.json" in c.engine else {}
     in_idx, out_idx, batch = run_plan(registry, model, m.signature, c.sku)
@@ -277,6 +282,7 @@ def _sku_entry(registry: Registry, model: str, rid: str, c: Candidate, shas: dic
 
 def _files(c: Candidate) -> dict[str, bytes]:
     """Target-relative name -> bytes of one SKU's release files."""
+    assert c.manifest is not None and c.golden is not None and c.expected is not None  # check() passed it
     out = {
         "manifest.json": json.dumps(c.manifest_doc, indent=2, sort_keys=True).encode(),
         "signature.json": json.dumps(c.signature, sort_keys=True).encode(),
@@ -362,13 +368,19 @@ def publish_release(
             )
         uploads = {c.sku: _files(c) for c in candidates}
         shas = {s: {name: trust.put_blob(store, data) for name, data in files.items()} for s, files in uploads.items()}
-        digests = {c.sku: c.manifest.digest for c in candidates}
+        manifests: dict[str, Manifest] = {}
+        for c in candidates:
+            assert c.manifest is not None  # check() passed it
+            manifests[c.sku] = c.manifest
+        digests = {s: m.digest for s, m in manifests.items()}
         outcome: dict[str, Any] = {}
 
         def change(targets, state) -> bool:
             existing = releases_of(targets, model)
             if existing:
-                doc = json.loads(trust.read_target(store, state, release_path(model, existing[-1], RELEASE_DOC)))
+                raw = trust.read_target(store, state, release_path(model, existing[-1], RELEASE_DOC))
+                assert raw is not None  # releases_of listed it from these targets
+                doc = json.loads(raw)
                 if {s: e["manifest_digest"] for s, e in doc["skus"].items()} == digests:
                     outcome.update(release=existing[-1], created=False)
                     return False
@@ -411,9 +423,9 @@ def publish_release(
     rows = [
         ReleaseSku(
             sku=c.sku,
-            backend=c.manifest.backend,
-            precision=c.manifest.precision,
-            manifest_digest=c.manifest.digest,
+            backend=manifests[c.sku].backend,
+            precision=manifests[c.sku].precision,
+            manifest_digest=manifests[c.sku].digest,
             source=c.source,
             files=shas[c.sku],
             bytes=sum(len(d) for d in uploads[c.sku].values()),

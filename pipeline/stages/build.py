@@ -40,8 +40,16 @@ def build(
     table = calibration_table(registry, model) if sku_spec.precision == "int8" else None
     table_sha = sha256_file(table) if table is not None and table.is_file() else None
     keep = registry.higher_precision(model, sku)
-    policy = dict(cache_required=cache_required, cache_refresh=cache_refresh, tuning_trials=tuning_trials)
-    built = build_engine(registry, model, sku, out.engine_dir(model, sku), progress=progress, **policy)
+    built = build_engine(
+        registry,
+        model,
+        sku,
+        out.engine_dir(model, sku),
+        progress=progress,
+        cache_required=cache_required,
+        cache_refresh=cache_refresh,
+        tuning_trials=tuning_trials,
+    )
     remedy = None
     if (
         sku_spec.bisect.fix_during_build

@@ -96,7 +96,9 @@ def assemble(registry: Registry, model: str, sku: str) -> dict:
             settings=settings,
         )
     spec = registry.model(model)
-    body = Manifest.model_construct(
+    # digest and provenance are left unset (excluded from the dump below, filled in after it): the
+    # pydantic plugin types model_construct like __init__, every required field, though it validates nothing
+    body = Manifest.model_construct(  # type: ignore[call-arg]
         model=model,
         sku=sku,
         source=SourceInfo(

@@ -119,6 +119,7 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
                 e.top1_interval,
             )
     for m in metrics:
+        assert spec.metric is not None  # correctness() measures metrics only for a model that declares one
         lg.info(
             "%s %s: engine %.4f reference %.4f delta %+.4f on %d samples (%d worse, %d better, McNemar p=%.3g)",
             spec.metric.kind,

@@ -197,8 +197,8 @@ def _first_line(exc: BaseException, limit: int = 300) -> str:
 
 def _missing_driver(exc: BaseException) -> str | None:
     for e in _chain(exc):
-        if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] in _DRIVERS:
-            return e.name.split(".")[0]
+        if isinstance(e, ModuleNotFoundError) and (top := (e.name or "").split(".")[0]) in _DRIVERS:
+            return top
     return None
 
 
@@ -245,9 +245,9 @@ class Tracking:
         driver, a read-only or full database. None for anything else."""
         text = " ".join(str(e) for e in _chain(exc)).lower()
         where = f"MLflow at {self.display}"
-        local = self.artifact_problem(exc, what)
-        if local is not None:
-            return local
+        problem = self.artifact_problem(exc, what)
+        if problem is not None:
+            return problem
         if "unsupported uri" in text or any(
             "Unsupported" in type(e).__name__ and "URI" in type(e).__name__ for e in _chain(exc)
         ):

@@ -316,7 +316,10 @@ def _log_data(tracking: Tracking, run_id: str, inputs: PublishInputs) -> None:
 
 def _upload(tracking: Tracking, run_id: str, inputs: PublishInputs, progress: Progress) -> None:
     client = tracking.client
-    files = [(inputs.engine_dir / rel, str(PurePosixPath(ENGINE_ARTIFACTS, rel).parent)) for rel in inputs.engine_files]
+    # (file, artifact folder): None puts it at the run's artifact root
+    files: list[tuple[Path, str | None]] = [
+        (inputs.engine_dir / rel, str(PurePosixPath(ENGINE_ARTIFACTS, rel).parent)) for rel in inputs.engine_files
+    ]
     files += [(p, REPORT_ARTIFACTS) for p in inputs.reports]
     with tempfile.TemporaryDirectory(prefix="skuforge-publish-") as tmp:
         manifest_copy = Path(tmp) / MANIFEST_ARTIFACT  # the manifest travels under a fixed name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import models
 import pytest
 from test_runner_cli import skuforge
 
@@ -81,8 +82,10 @@ def test_nominal_peak_from_flags_and_clock():
     assert peaks.nominal_gflops(2, frozenset({"avx2", "fma"}), 0.0) == (None, None)  # no clock reported
 
 
-def test_probe_peaks_measures_once_then_reads_the_cache(cache, monkeypatch):
-    done = skuforge("runner", "probe", "--peaks")
+def test_probe_peaks_measures_once_then_reads_the_cache(cache, monkeypatch, tmp_path):
+    # a project of one ONNX Runtime SKU: the probe's SKU checks would import every compiler stack
+    models.write_project(tmp_path / "project", {"m": models.conv_bn_spec()}, {"cpu": models.ort_sku()})
+    done = skuforge("runner", "probe", "--peaks", cwd=tmp_path / "project")
     assert done.returncode == 0, done.stderr
     measured = json.loads(done.stdout)["peaks"]
     compute, memory = measured["compute_gflops"], measured["bandwidth_gbs"]
