@@ -21,22 +21,13 @@ if str(TESTS) not in sys.path:
 
 # Tests that share an expensive module- or session-scoped fixture, by group: under `-n` (xdist's --dist
 # load) a group runs on one worker, which makes the fixture once instead of once on every worker that
-# gets one of its tests. A group lists node id prefixes: a module, or tests of it. (xdist's own
-# --dist loadgroup does not group under pytest 9: it marks the groups in a node attribute pytest no
-# longer reads.)
+# gets one of its tests, and runs the tests in their order, as one process does (a module's tests may
+# build on what the ones before left in its project). A group lists node id prefixes: modules, or tests
+# of one. The groups go out first, in this order (the longest first, measured), then each other test
+# to the next free worker. (xdist's own --dist loadgroup does not group under pytest 9: it marks the
+# groups in a node attribute pytest no longer reads.)
 ONE_WORKER = {
-    # every tuning in one process, which pays once for MetaSchedule's import (minutes of CPU)
-    "tvm": ("tests/backends/test_tvm.py",),
-    "iree": ("tests/backends/test_iree.py",),  # compiles two models for five SKUs
-    "openvino": ("tests/backends/test_openvino.py",),  # compiles two models at two precisions
-    "contract": ("tests/backends/test_contract.py",),  # an engine per stack (TVM and IREE compiles)
-    "host_targets": ("tests/backends/test_host_targets.py::test_iree_",),  # three IREE compiles
-    "digits": ("tests/examples/test_digits.py",),  # trains the example model
-    "dvc_pipeline": ("tests/integration/test_dvc_pipeline.py",),  # a chain of module fixtures: repro thrice
-    "dvc_metrics": ("tests/integration/test_dvc_metrics.py",),
-    "matrix": ("tests/test_matrix.py",),  # skuforge repro of four models under DVC
-    "torch_exports": ("tests/test_exporter_shapes.py::test_pytorch_export_runs_every_stage",),
-    # the `server` fixture: a real `mlflow server`, started once per process
+    # the `server` fixture: a real `mlflow server`, started once per process; the module's projects
     "mlflow_server": (
         "tests/registry/test_mlflow_server.py",
         "tests/registry/test_planted_slowdown.py",
@@ -44,23 +35,57 @@ ONE_WORKER = {
         "tests/security/test_secrets_errors.py::test_token_and_password_with_a_live_server",
         "tests/security/test_secrets_errors.py::test_https_to_a_plain_http_server_is_not_retried",
     ),
+    "dvc_pipeline": ("tests/integration/test_dvc_pipeline.py",),  # a chain of module fixtures: repro thrice
+    "matrix": ("tests/test_matrix.py",),  # skuforge repro of four models under DVC
+    "tvm": ("tests/backends/test_tvm.py",),  # every tuning in one process
+    "digits": ("tests/examples/test_digits.py",),  # trains the example model
+    "iree": ("tests/backends/test_iree.py",),  # compiles two models for five SKUs
+    "corpus": ("tests/test_corpus.py",),  # a prepared project per corpus model
+    "contract": ("tests/backends/test_contract.py",),  # an engine per stack (TVM and IREE compiles)
+    "evidence": ("tests/security/test_evidence.py",),
+    "exporter_shapes": ("tests/test_exporter_shapes.py",),  # PyTorch exports, TorchScript and dynamo
+    "consistency": ("tests/test_consistency.py",),
+    "openvino": ("tests/backends/test_openvino.py",),  # compiles two models at two precisions
+    "embedded": ("tests/registry/test_embedded.py",),  # publishes in order into the module's project
+    "report": ("tests/test_report.py",),
+    "stages": ("tests/stages/test_stages.py",),
+    "bench_method": ("tests/stages/test_bench_method.py",),
+    "reproducible": ("tests/test_reproducible.py",),
+    "rollout_cli": ("tests/rollout/test_cli.py",),
+    "rollout_agent": ("tests/rollout/test_agent.py",),
+    "rollout_controller": ("tests/rollout/test_controller.py",),
+    "roofline": ("tests/test_roofline.py",),
+    "host_targets": ("tests/backends/test_host_targets.py",),  # three IREE compiles
+    "dvc_metrics": ("tests/integration/test_dvc_metrics.py",),
 }
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """--dist load (what -n gives): each test is a unit of work handed to the next free worker, but a
-    ONE_WORKER group is one unit (xdist's LoadScopeScheduling: the units with the most tests go first).
+    """--dist load (what -n gives): the ONE_WORKER groups first, each one unit of work for one worker,
+    then each other test to the next free worker (xdist's LoadScopeScheduling, its units reordered).
     Another --dist gets xdist's own scheduler."""
     if config.getoption("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    rank = {group: i for i, group in enumerate(ONE_WORKER)}
+
     class OneWorkerGroups(LoadScopeScheduling):
+        ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             for group, prefixes in ONE_WORKER.items():
                 if nodeid.startswith(prefixes):
                     return group
             return nodeid
+
+        def _assign_work_unit(self, node) -> None:
+            if not self.ordered:  # the groups in ONE_WORKER's order; the rest keep the collection order
+                self.ordered = True
+                units = sorted(self.workqueue.items(), key=lambda unit: rank.get(unit[0], len(rank)))
+                self.workqueue.clear()
+                self.workqueue.update(units)
+            super()._assign_work_unit(node)
 
     return OneWorkerGroups(config, log)
 

@@ -189,7 +189,11 @@ def _unwritable_artifacts(root: Path, how: str):
     """``mlartifacts/`` unwritable even for root while inside (tests run as root, whom chmod does not
     stop): a file in its place, or a read-only bind mount of it. The store's folder is put back after."""
     artifacts, saved = root / EMBEDDED_ARTIFACTS, root / f"{EMBEDDED_ARTIFACTS}.saved"
-    artifacts.rename(saved)
+    artifacts.mkdir(exist_ok=True)  # no publish before this test in its process (run alone, or on its own worker)
+    try:
+        artifacts.rename(saved)
+    except FileNotFoundError:  # seen once under xdist: the empty folder gone before the rename; nothing to keep
+        saved.mkdir()
     try:
         if how == "a file in its place":
             artifacts.write_text("not a folder\n")
