@@ -27,6 +27,10 @@ if str(TESTS) not in sys.path:
 # to the next free worker. (xdist's own --dist loadgroup does not group under pytest 9: it marks the
 # groups in a node attribute pytest no longer reads.)
 ONE_WORKER = {
+    "tvm": ("tests/backends/test_tvm.py",),  # every tuning in one process
+    "dvc_pipeline": ("tests/integration/test_dvc_pipeline.py",),  # a chain of module fixtures: repro thrice
+    "matrix": ("tests/test_matrix.py",),  # skuforge repro of four models under DVC
+    "digits": ("tests/examples/test_digits.py",),  # trains the example model
     # the `server` fixture: a real `mlflow server`, started once per process; the module's projects
     "mlflow_server": (
         "tests/registry/test_mlflow_server.py",
@@ -35,28 +39,24 @@ ONE_WORKER = {
         "tests/security/test_secrets_errors.py::test_token_and_password_with_a_live_server",
         "tests/security/test_secrets_errors.py::test_https_to_a_plain_http_server_is_not_retried",
     ),
-    "dvc_pipeline": ("tests/integration/test_dvc_pipeline.py",),  # a chain of module fixtures: repro thrice
-    "matrix": ("tests/test_matrix.py",),  # skuforge repro of four models under DVC
-    "tvm": ("tests/backends/test_tvm.py",),  # every tuning in one process
-    "digits": ("tests/examples/test_digits.py",),  # trains the example model
-    "iree": ("tests/backends/test_iree.py",),  # compiles two models for five SKUs
     "corpus": ("tests/test_corpus.py",),  # a prepared project per corpus model
-    "contract": ("tests/backends/test_contract.py",),  # an engine per stack (TVM and IREE compiles)
-    "evidence": ("tests/security/test_evidence.py",),
-    "exporter_shapes": ("tests/test_exporter_shapes.py",),  # PyTorch exports, TorchScript and dynamo
-    "consistency": ("tests/test_consistency.py",),
-    "openvino": ("tests/backends/test_openvino.py",),  # compiles two models at two precisions
     "embedded": ("tests/registry/test_embedded.py",),  # publishes in order into the module's project
-    "report": ("tests/test_report.py",),
-    "stages": ("tests/stages/test_stages.py",),
-    "bench_method": ("tests/stages/test_bench_method.py",),
+    "consistency": ("tests/test_consistency.py",),
     "reproducible": ("tests/test_reproducible.py",),
+    "evidence": ("tests/security/test_evidence.py",),
+    "report": ("tests/test_report.py",),
+    "iree": ("tests/backends/test_iree.py",),  # compiles two models for five SKUs
     "rollout_cli": ("tests/rollout/test_cli.py",),
     "rollout_agent": ("tests/rollout/test_agent.py",),
-    "rollout_controller": ("tests/rollout/test_controller.py",),
-    "roofline": ("tests/test_roofline.py",),
+    "exporter_shapes": ("tests/test_exporter_shapes.py",),  # PyTorch exports, TorchScript and dynamo
+    "bench_method": ("tests/stages/test_bench_method.py",),
     "host_targets": ("tests/backends/test_host_targets.py",),  # three IREE compiles
+    "stages": ("tests/stages/test_stages.py",),
+    "contract": ("tests/backends/test_contract.py",),  # an engine per stack (TVM and IREE compiles)
+    "openvino": ("tests/backends/test_openvino.py",),  # compiles two models at two precisions
+    "rollout_controller": ("tests/rollout/test_controller.py",),
     "dvc_metrics": ("tests/integration/test_dvc_metrics.py",),
+    "roofline": ("tests/test_roofline.py",),
 }
 
 
