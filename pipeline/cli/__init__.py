@@ -165,4 +165,12 @@ def run() -> None:
     except KeyboardInterrupt:  # Ctrl-C outside a command (while parsing, importing, flushing)
         print("skuforge: interrupted", file=sys.stderr)
         code = 130
+    if code == 130:
+        # Interrupted: a compiler runtime may still own native threads (a bench worker inside an
+        # inference call, a thread pool mid-task), and tearing the interpreter down under them aborts
+        # ("terminate called without an active exception", exit -6, seen under load). Everything
+        # that writes has unwound (atomic writes, temporary folders); leave without native teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     sys.exit(code)
