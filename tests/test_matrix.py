@@ -215,6 +215,13 @@ def test_broken_dvc_yaml_shows_dvcs_message(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def _ctrl_c_reaches_it() -> None:
+    """In the child, SIGINT as a terminal's foreground process gets it: a test run started in the
+    background by a non-interactive shell (a CI job) inherits SIGINT ignored, and Python keeps it
+    ignored (measured: both Ctrl-C tests timed out that way)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_ctrl_c_during_bench_exits_130_without_traceback(tmp_path):
     from cli_helpers import project
@@ -237,6 +244,7 @@ def test_ctrl_c_during_bench_exits_130_without_traceback(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_ctrl_c_reaches_it,
     )
     try:
         time.sleep(1.5 * whole + 1)
@@ -265,6 +273,7 @@ def test_ctrl_c_during_repro_stops_dvc_and_exits_130(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=_ctrl_c_reaches_it,
     )
     try:
         deadline = time.monotonic() + 300
