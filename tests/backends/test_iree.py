@@ -53,14 +53,7 @@ def iree_sku(
         "runner_labels": list(labels),
         "shapes": {"batch": 1},
         "options": options,
-        "bench": {
-            "warmup": 2,
-            "steady_window": 5,
-            "max_warmup_seconds": 1.0,
-            "roofline": False,
-            "iterations": 10,
-            "min_seconds": 0.0,
-        },
+        "bench": dict(models.FAST_BENCH),
     }
 
 

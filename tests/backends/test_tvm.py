@@ -57,14 +57,7 @@ def tvm_sku(**options) -> dict:
         "shapes": {"batch": 1},
         "options": {"target_cpu": "x86-64-v3", "num_cores": 2, **options},
         "placement": {"allowed": ["cpu"]},
-        "bench": {
-            "warmup": 2,
-            "steady_window": 5,
-            "max_warmup_seconds": 1.0,
-            "roofline": False,
-            "iterations": 10,
-            "min_seconds": 0.0,
-        },
+        "bench": dict(models.FAST_BENCH),
     }
 
 
