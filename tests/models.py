@@ -337,6 +337,39 @@ def conv_pool_slice_model(path: Path, opset: int = OPSET, seed: int = 0) -> Path
     return _save_at(graph, path, opset)
 
 
+def paddle_softmax_model(path: Path, seed: int = 0) -> Path:
+    """A PaddlePaddle-style classifier head at opset 11: tensors named as paddle2onnx names them
+    (``conv2d_0.tmp_0``, ``softmax_9.tmp_0``), x[batch,3,8,8] -> Conv -> Relu -> GlobalAveragePool
+    -> Reshape [0,2,3] -> Softmax over axis 1 (opset-11 Softmax: the trailing axes flattened)
+    -> y[batch,2,3].
+    Converting it to opset 13+ for QDQ rewrites the Softmax as Flatten -> Softmax -> Reshape and
+    names the new Softmax output ``softmax_9.tmp_0_intermediate``, a tensor the calibration table
+    (taken on the opset-11 model) does not have."""
+    rng = np.random.default_rng(seed)
+    init = [
+        _float_data("conv2d_0.w_0", rng.normal(0, 1.5, (6, 3, 3, 3))),
+        _float_data("conv2d_0.b_0", rng.normal(0, 1.0, (6,))),
+        helper.make_tensor("reshape2_0.shape", TensorProto.INT64, [3], vals=[0, 2, 3]),
+    ]
+    nodes = [
+        helper.make_node(
+            "Conv", ["x", "conv2d_0.w_0", "conv2d_0.b_0"], ["conv2d_0.tmp_0"], pads=[1, 1, 1, 1], name="conv2d_0"
+        ),
+        helper.make_node("Relu", ["conv2d_0.tmp_0"], ["relu_0.tmp_0"], name="relu_0"),
+        helper.make_node("GlobalAveragePool", ["relu_0.tmp_0"], ["pool2d_0.tmp_0"], name="pool2d_0"),
+        helper.make_node("Reshape", ["pool2d_0.tmp_0", "reshape2_0.shape"], ["reshape2_0.tmp_0"], name="reshape2_0"),
+        helper.make_node("Softmax", ["reshape2_0.tmp_0"], ["softmax_9.tmp_0"], axis=1, name="softmax_9"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "paddle_softmax",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 8])],
+        [helper.make_tensor_value_info("softmax_9.tmp_0", TensorProto.FLOAT, ["batch", 2, 3])],
+        init,
+    )
+    return _save_at(graph, path, 11)
+
+
 def if_model(path: Path) -> Path:
     """y[batch,4] = x * 2 if flag > 0 else x - 1, flag a scalar input (If with Constant nodes in
     float_data in both branches)."""
@@ -873,3 +906,65 @@ def int16_relu_model(path: Path) -> Path:
 
 def int16_relu_spec(dir_: str = "models/int16") -> dict:
     return {"dir": dir_, "source": "model.onnx", "inputs": [{"name": "x", "dtype": "int16", "shape": ["batch", 4]}]}
+
+
+def if_outer_scope_model(path: Path, seed: int = 0, factor: float = 500.0) -> Path:
+    """An INT8 defect feeding an ``If`` through outer scope. x[batch,4,8,8] -> conv1 -> relu1 ->
+    ``outlier_scale`` (Mul: channel 7 times ``factor``) -> conv2 -> c2; ``branch`` (If on
+    mean(x) > 0.5) reads c2 from the outer scope (then: Relu, else: Abs) -> GAP -> fc -> probs[batch,10].
+
+    The If's only explicit input is its condition: a search that follows node inputs alone never
+    reaches conv2 or ``outlier_scale`` and blames the If. The defect is ``outlier_scale``'s range,
+    as in ``outlier_channel_model``."""
+    rng = np.random.default_rng(seed)
+    scale = np.ones((1, 8, 1, 1), np.float32)
+    scale[0, 7] = factor
+    w2 = rng.normal(0, 0.4, (8, 8, 1, 1)).astype(np.float32)
+    w2[:, 7] /= factor
+    init = [
+        numpy_helper.from_array(rng.normal(0, 0.4, (8, 4, 3, 3)).astype(np.float32), "w1"),
+        numpy_helper.from_array(rng.normal(0.1, 0.05, (8,)).astype(np.float32), "b1"),
+        numpy_helper.from_array(scale, "channel_scale"),
+        numpy_helper.from_array(w2, "w2"),
+        numpy_helper.from_array(rng.normal(0, 0.05, (8,)).astype(np.float32), "b2"),
+        numpy_helper.from_array(np.array(0.5, np.float32), "half"),
+        numpy_helper.from_array(rng.normal(0, 2.0, (10, 8)).astype(np.float32), "fc_w"),
+        numpy_helper.from_array(np.zeros((10,), np.float32), "fc_b"),
+    ]
+
+    def branch(name: str, op: str) -> onnx.GraphProto:
+        return helper.make_graph(
+            [helper.make_node(op, ["c2"], [f"{name}_out"], name=f"{name}_{op.lower()}")],
+            name,
+            [],
+            [helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, ["batch", 8, 8, 8])],
+        )
+
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Mul", ["r1", "channel_scale"], ["scaled"], name="outlier_scale"),
+        helper.make_node("Conv", ["scaled", "w2", "b2"], ["c2"], name="conv2"),
+        helper.make_node("ReduceMean", ["x"], ["x_mean"], keepdims=0, name="x_mean"),
+        helper.make_node("Greater", ["x_mean", "half"], ["bright"], name="bright"),
+        helper.make_node(
+            "If", ["bright"], ["r2"], then_branch=branch("then", "Relu"), else_branch=branch("else", "Abs"), name="branch"
+        ),
+        helper.make_node("GlobalAveragePool", ["r2"], ["gap"], name="gap"),
+        helper.make_node("Flatten", ["gap"], ["flat"], name="flatten"),
+        helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"], transB=1, name="fc"),
+        helper.make_node("Softmax", ["logits"], ["probs"], axis=-1, name="softmax"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "if_outer_scope",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 8, 8])],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 10])],
+        init,
+    )
+    return _save(graph, path)
+
+
+def if_outer_scope_spec(dir_: str = "m") -> dict:
+    """if_outer_scope_model at batch 1 (the If's condition is one sample's mean)."""
+    return outlier_channel_spec(dir_) | {"pins": {"batch": 1}}

@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.backends import opset
-from pipeline.backends.quantize import conversion_warnings, to_fp16
+from pipeline.backends.quantize import conversion_warnings, derive_missing_ranges, to_fp16
 from pipeline.backends.reference import newest_qdq_opset, reference_runner
 from pipeline.core.errors import InputError, UnsupportedOp
 from pipeline.model import graph
@@ -252,3 +252,42 @@ def test_openvino_frontend_failure_names_op_node_and_reason(tmp_path):
     err = info.value
     assert err.backend == "openvino" and err.op_type and err.node
     assert "could not convert" in err.message and "OpConversionFailure" not in err.message
+
+
+def test_ranges_a_conversion_adds_are_derived_so_the_quantizer_takes_paddle_names(tmp_path):
+    """paddle2onnx's opset-11 Softmax over a non-last axis becomes Flatten -> Softmax -> Reshape at
+    opset 13+, its output ``softmax_9.tmp_0_intermediate`` missing from the calibration table taken
+    on the opset-11 model: ONNX Runtime's quantizer raised RuntimeError ("Only an existing tensor can
+    be modified") on it. The missing ranges are derived from the graph, and the QDQ graph runs."""
+    from onnxruntime.quantization import QuantFormat, quantize_static
+    from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData, save_tensors_data
+
+    source = _pinned(models.paddle_softmax_model(tmp_path / "m.onnx"))
+    names = [o for n in source.graph.node for o in n.output] + ["x"]
+    table = TensorsData(
+        CalibrationMethod.MinMax,
+        {n: TensorData(lowest=np.float32(-2.0), highest=np.float32(2.0)) for n in names},
+    )
+    converted, _ = opset.convert_opset(source, 17, X, "test")
+    assert "softmax_9.tmp_0_intermediate" in {o for n in converted.graph.node for o in n.output}
+    onnx.save(converted, str(tmp_path / "c.onnx"))
+    save_tensors_data(table, tmp_path / "plain.json")
+    with pytest.raises(RuntimeError, match="softmax_9.tmp_0_intermediate"):
+        quantize_static(
+            str(tmp_path / "c.onnx"), str(tmp_path / "q0.onnx"), None,
+            quant_format=QuantFormat.QDQ, calibration_cache_path=str(tmp_path / "plain.json"),
+        )  # fmt: skip
+    derived = derive_missing_ranges(converted, table)
+    assert derived["softmax_9.tmp_0_intermediate"].startswith("Softmax")
+    added = {o for n in converted.graph.node for o in n.output if o not in names and n.op_type != "Shape"}
+    assert set(derived) == added
+    assert (table["softmax_9.tmp_0_intermediate"].lowest, table["softmax_9.tmp_0_intermediate"].highest) == (0.0, 1.0)
+    save_tensors_data(table, tmp_path / "derived.json")
+    quantize_static(
+        str(tmp_path / "c.onnx"), str(tmp_path / "q.onnx"), None,
+        quant_format=QuantFormat.QDQ, calibration_cache_path=str(tmp_path / "derived.json"),
+    )  # fmt: skip
+    quantized = onnx.load(str(tmp_path / "q.onnx"))
+    assert any(n.op_type == "QuantizeLinear" for n in quantized.graph.node)
+    out = _run(quantized, X)["softmax_9.tmp_0"]
+    np.testing.assert_allclose(out.reshape(1, -1).sum(axis=1), 1.0, atol=0.05)

@@ -30,14 +30,17 @@ from pipeline.backends.contract import (
     Staged,
     median_per_run,
 )
+from pipeline.backends.opset import convert_opset
 from pipeline.backends.quantize import QdqOptions, conversion_warnings
 from pipeline.core.errors import EnvironmentProblem, InputError, UnsupportedOp
 from pipeline.core.io import atomic_write_bytes
 from pipeline.host import probe
+from pipeline.model.graph import coerced_axis_nodes
 from pipeline.results.reports import LayerInfo, TensorSig
 
 if TYPE_CHECKING:
     import numpy as np
+    import onnx
     import openvino as ov
 
     from pipeline.project.config import SkuSpec
@@ -394,6 +397,25 @@ class OpenVinoBackend(Backend):
         import onnx
 
         return {"openvino": _ov().get_version(), "onnx": onnx.__version__}
+
+    def _adapt(self, model: onnx.ModelProto, ctx: BuildContext, staged: Staged) -> onnx.ModelProto:
+        """A model before opset 13 with a Softmax/LogSoftmax/Hardmax over a non-last axis, converted
+        to opset 13 (checked on the probe batch): OpenVINO 2026.4's ONNX frontend reads the old
+        ``axis`` with opset 13's meaning (one axis, not the trailing axes flattened), so such a
+        Softmax computes other numbers (measured: sums of 3.0 instead of 1.0 over a [2,3] slice)."""
+        coerced = coerced_axis_nodes(model)
+        if not coerced:
+            return model
+        model, conversion = convert_opset(
+            model,
+            13,
+            ctx.probe_inputs,
+            f"OpenVINO reads the pre-13 axis of {', '.join(coerced[:3])}{', ...' if len(coerced) > 3 else ''} wrongly",
+        )
+        if conversion is not None:
+            staged.warnings.append(conversion.warning())
+            staged.notes["opset_conversion"] = conversion.to_json()
+        return model
 
     def _convert_precision(self, ctx: BuildContext, staged: Staged) -> None:
         """FP32 and FP16 are the plugin's inference precision hint; INT8 the QDQ graph (the base's)."""

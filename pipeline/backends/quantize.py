@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.backends.opset import OpsetConversion, convert_opset
-from pipeline.core.errors import InputError
+from pipeline.core.errors import InputError, UnsupportedOp
 from pipeline.model.graph import SUGGESTED_OPSET, default_opset, tensors_to_raw
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ def quantize_qdq(
     conversion is in the returned record."""
     import onnx
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
-    from onnxruntime.quantization.calibrate import load_tensors_data
+    from onnxruntime.quantization.calibrate import load_tensors_data, save_tensors_data
 
     if ctx.calibration_table is None or not ctx.calibration_table.is_file():
         raise InputError(
@@ -139,12 +139,16 @@ def quantize_qdq(
         table = Path(tmp) / "calibration.json"  # a copy: quantize_static may rewrite its cache
         shutil.copyfile(ctx.calibration_table, table)
         try:
-            method = load_tensors_data(table).calibration_method
+            ranges = load_tensors_data(table)
         except (ValueError, KeyError, TypeError) as exc:
             raise InputError(
                 f"calibration table {ctx.calibration_table} is unreadable: {exc}",
                 hint=f"rerun: skuforge calibrate --model {ctx.model}",
             ) from exc
+        method = ranges.calibration_method
+        derived = derive_missing_ranges(model, ranges)
+        if derived:
+            save_tensors_data(ranges, table)
         types = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}
         try:
             quantize_static(
@@ -171,22 +175,79 @@ def quantize_qdq(
                 hint="the calibration table does not match the prepared model: "
                 f"rerun skuforge calibrate --model {ctx.model}",
             ) from exc
+        except RuntimeError as exc:  # the quantizer's own assertions on a graph ONNX Runtime runs
+            raise UnsupportedOp(
+                "ONNX Runtime's INT8 quantizer",
+                None,
+                None,
+                f"{exc} (the FP32 model is valid and runs)",
+                hint="keep the node it names in float (the SKU's options.nodes_to_exclude or the model's "
+                "higher_precision), use an FP16/FP32 SKU for this model, or report it with the model",
+            ) from exc
     quantized = onnx.load(str(out))
     if tensors_to_raw(quantized):
         onnx.save(quantized, str(out))
     record = asdict(settings)
     record["op_types_to_quantize"] = list(settings.op_types_to_quantize) if settings.op_types_to_quantize else None
     record["nodes_to_exclude"] = list(excluded)
+    if derived:
+        record["derived_ranges"] = derived
     if conversion is not None:
         record["opset_conversion"] = conversion.to_json()
     return {"format": "QDQ", **record}
 
 
+# ops whose output holds exactly the values of their data input (input 0), rearranged
+RANGE_PRESERVING = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Identity"})
+
+
+def derive_missing_ranges(model: Any, ranges: Any) -> dict[str, str]:
+    """Fill in ``ranges`` (a calibration TensorsData) for float tensors of ``model`` the table lacks
+    but whose range is known without running the model: a Softmax output is [0, 1], and a tensor
+    on either side of a range-preserving op (Reshape, Flatten, ...) has the other side's range.
+
+    The calibration table holds the tensors of the prepared model; an opset conversion before
+    quantizing can add tensors (``onnx.version_converter`` rewrites a Softmax-11 over a non-last
+    axis as Flatten -> Softmax -> Reshape, the Softmax writing ``<name>_intermediate``), and ONNX
+    Runtime's quantizer then fails on the Softmax output it must set to [0, 1] (RuntimeError:
+    "Only an existing tensor can be modified"). Returns {tensor: how its range was derived}."""
+    import numpy as np
+    from onnxruntime.quantization.calibrate import TensorData
+
+    derived: dict[str, str] = {}
+    nodes = list(model.graph.node)
+    changed = True
+    while changed:
+        changed = False
+        for node in nodes:
+            if node.op_type == "Softmax" and node.output and node.output[0] not in ranges.data:
+                ranges.data[node.output[0]] = TensorData(lowest=np.float32(0.0), highest=np.float32(1.0))
+                derived[node.output[0]] = f"Softmax {node.name or '(unnamed)'}: [0, 1]"
+                changed = True
+            elif node.op_type in RANGE_PRESERVING and node.input and node.output:
+                source, target = node.input[0], node.output[0]
+                for have, want in ((source, target), (target, source)):
+                    if have in ranges.data and want not in ranges.data:
+                        ranges.data[want] = ranges.data[have]
+                        derived[want] = f"{node.op_type} {node.name or '(unnamed)'}: the range of {have!r}"
+                        changed = True
+    return derived
+
+
 def conversion_warnings(calibration: dict[str, Any] | None) -> list[str]:
-    """The build warning for the opset conversion recorded by ``quantize_qdq`` (if any)."""
+    """The build warnings for the opset conversion recorded by ``quantize_qdq`` (if any) and the
+    tensor ranges it derived instead of calibrating."""
 
     record = (calibration or {}).get("opset_conversion")
-    return [OpsetConversion(**record).warning()] if record else []
+    warnings = [OpsetConversion(**record).warning()] if record else []
+    derived = (calibration or {}).get("derived_ranges") or {}
+    if derived:
+        names = ", ".join(sorted(derived)[:3]) + (", ..." if len(derived) > 3 else "")
+        warnings.append(
+            f"INT8: {len(derived)} tensor range(s) not in the calibration table were derived from the graph "
+            f"({names}; Softmax outputs [0, 1], reshapes their input's range): see the build report's calibration"
+        )
+    return warnings
 
 
 def check_nodes(model: Any, names: tuple[str, ...] | list[str], what: str) -> None:

@@ -540,6 +540,41 @@ def default_opset(model: onnx.ModelProto) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
+# ops whose ``axis`` meant "flatten from here to the end" before opset 13, and "this one axis" from 13
+COERCED_AXIS_OPS = frozenset({"Softmax", "LogSoftmax", "Hardmax"})
+
+
+def coerced_axis_nodes(model: onnx.ModelProto) -> list[str]:
+    """Softmax/LogSoftmax/Hardmax nodes of a model older than opset 13 whose result depends on the
+    pre-13 meaning of ``axis`` (the input coerced to 2-D at ``axis``): the axis is not the input's
+    last one, or the input's rank is unknown. An importer that reads them with opset 13's meaning
+    computes something else. Node names (or ``op_type#index`` for unnamed nodes)."""
+    import onnx
+
+    if default_opset(model) >= 13:
+        return []
+    if not any(n.op_type in COERCED_AXIS_OPS for n in _all_nodes(model.graph)):
+        return []
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001  (no shapes: every such node counts)
+        inferred = model
+    ranks = {
+        v.name: len(v.type.tensor_type.shape.dim)
+        for v in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]
+        if v.type.tensor_type.HasField("shape")
+    }
+    found = []
+    for index, node in enumerate(_all_nodes(inferred.graph)):
+        if node.op_type not in COERCED_AXIS_OPS or not node.input:
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+        rank = ranks.get(node.input[0])
+        if rank is None or (axis % rank if rank else axis) != rank - 1:
+            found.append(node.name or f"{node.op_type}#{index}")
+    return found
+
+
 def pin_subgraph_axes(model: onnx.ModelProto, pins: dict[str, int]) -> int:
     """Fix the pinned named dims inside subgraphs (If branches, Loop and Scan bodies), for
     ``pin_axes``: a body that keeps ``batch`` dynamic while its inputs are pinned has mismatched
