@@ -19,6 +19,7 @@ import pytest
 from cli_helpers import COMMAND, skuforge
 
 from pipeline.core.errors import UnsupportedOp
+from pipeline.core.processes import descendants
 from pipeline.engine.matrix import OUTCOMES, matrix, worst_exit
 from pipeline.host.probe import host_arch
 from pipeline.ops.repro import clear_outcomes
@@ -262,9 +263,11 @@ def test_ctrl_c_during_bench_exits_130_without_traceback(tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_during_repro_stops_dvc_and_exits_130(tmp_path):
+    """SIGINT to skuforge's pid alone (not its group, as `kill -INT` does): dvc runs in a process
+    group of its own, which skuforge stops, so no stage command is left running as an orphan and no
+    staging folder is left behind."""
     long_bench = {"warmup": 0, "iterations": 10**9, "min_seconds": 600.0, "max_seconds": 600.0}
     root = dvc_project(tmp_path, good_model(tmp_path), {"cpu": models.ort_sku("fp32", bench=long_bench)})
-    # its own session: the SIGINT of a terminal's Ctrl-C goes to the whole group (skuforge, dvc, the stage)
     proc = subprocess.Popen(
         [*COMMAND, "repro", "--no-publish"],
         cwd=root,
@@ -281,16 +284,74 @@ def test_ctrl_c_during_repro_stops_dvc_and_exits_130(tmp_path):
             assert proc.poll() is None
             time.sleep(0.2)
         time.sleep(3)  # into the bench
-        os.killpg(proc.pid, signal.SIGINT)
+        tree = descendants(proc.pid)
+        assert any("bench" in _cmdline(p) for p in tree), [_cmdline(p) for p in tree]
+        proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     assert proc.returncode == 130, err
-    assert err.rstrip().endswith("skuforge: interrupted") and "Traceback" not in err, err
-    left = subprocess.run(["pgrep", "-g", str(proc.pid)], check=False, capture_output=True, text=True).stdout.split()
-    assert left == [], left  # dvc and its stage command are gone too
+    assert "skuforge: interrupted" in err and "Traceback" not in err, err
+    left = [p for p in tree if _cmdline(p)]
+    assert left == [], [_cmdline(p) for p in left]  # dvc and its stage command are gone too
+    assert not list((root / "build").rglob("*.tmp")), list((root / "build").rglob("*.tmp"))
+
+
+def _cmdline(pid: int) -> str:
+    """The command line of a live process ('' when gone or a zombie)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+        return "" if state == "Z" else Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except (OSError, IndexError):
+        return ""
+
+
+STUBBORN_DVC = """#!/bin/sh
+# a stage command with a worker of its own that ignores SIGINT (as compiler worker pools do)
+sh -c 'trap "" INT; sleep 300' &
+sh -c 'trap "" INT TERM; sleep 300' &
+echo started
+wait
+"""
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process tree from /proc")
+def test_sigterm_during_repro_ends_the_whole_tree_and_exits_143(tmp_path):
+    """SIGTERM (a CI job cancelled) to skuforge alone: dvc's group gets SIGINT, then SIGTERM, then
+    SIGKILL; a worker that ignores them all still goes, and skuforge exits 143."""
+    (tmp_path / ".dvc").mkdir()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "dvc").write_text(STUBBORN_DVC)
+    (bin_dir / "dvc").chmod(0o755)
+    script = (
+        "import sys; from pathlib import Path; from pipeline.ops import repro; from pipeline.core import processes\n"
+        "repro.INTERRUPT_GRACE_S = 1.0\n"
+        "try:\n"
+        "    with processes.sigterm_as_interrupt():\n"
+        "        repro.run_dvc_repro(Path(sys.argv[1]), ['x'])\n"
+        "except processes.Terminated:\n"
+        "    sys.exit(143)\n"
+    )
+    env = _env() | {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        tree: list[int] = []
+        while len(tree) < 5 and time.monotonic() < deadline:  # dvc, two sh, two sleep
+            time.sleep(0.1)
+            tree = descendants(proc.pid)
+        assert len(tree) >= 5, [_cmdline(p) for p in tree]
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 143, err
+    assert [p for p in tree if _cmdline(p)] == [], [_cmdline(p) for p in tree]
 
 
 # --- the matrix from records, without DVC ---------------------------------------------------------

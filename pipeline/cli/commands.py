@@ -193,14 +193,21 @@ def repro(args: argparse.Namespace) -> int:
         try:
             run_dvc_repro(reg.root, dvc_targets, force=args.force, dry=args.dry, keep_going=True)
         except DvcFailed as exc:
-            if not exc.stage_failed or args.dry:
+            if args.dry:
                 raise
             failed = exc  # the matrix below says which pairs and why
     if args.dry:
         _emit(args, {"targets": dvc_targets, "skipped": [s.to_json() for s in skipped]}, lambda: "")
         return 0
     statuses = [s for s in sku_statuses(reg) if not args.sku or s.sku in args.sku]
-    rows = matrix(reg, args.model, [s.sku for s in statuses], statuses)
+    try:
+        rows = matrix(reg, args.model, [s.sku for s in statuses], statuses)
+    except SkuforgeError:
+        if failed is not None:  # no matrix to show (the registry broke meanwhile): dvc's failure says why
+            raise failed from None
+        raise
+    if failed is not None and not failed.stage_failed:  # dvc itself, or something from outside
+        print(f"skuforge: error: {failed}", file=sys.stderr)
     consistency, consistency_exit = _consistency_reports(reg, args.model)
     code = max(worst_exit(rows), failed.exit_code if failed else 0, consistency_exit)
     _emit(
@@ -427,12 +434,12 @@ def _matrix_text(rows) -> str:
             return f"{v:.4g}"
         return "-" if v is None else str(v)
 
-    cells = [{**(r.manifest or {}), "model": r.model, "sku": r.sku, "outcome": r.outcome} for r in rows]
+    cells = [{**(r.manifest or {}), "model": r.model, "sku": r.sku, "outcome": r.label} for r in rows]
     widths = {c: max(len(c), *(len(fmt(x.get(c))) for x in cells)) for c in MATRIX_COLUMNS}
     lines = ["  ".join(c.ljust(widths[c]) for c in MATRIX_COLUMNS).rstrip()]
     for r, x in zip(rows, cells, strict=True):
         lines.append("  ".join(fmt(x.get(c)).ljust(widths[c]) for c in MATRIX_COLUMNS).rstrip())
-        if r.detail and r.outcome != "passed":
+        if r.detail:  # why it did not pass, or what a passed pair warns of
             labels = f" (runner labels [{', '.join(r.runner_labels)}])" if r.runner_labels else ""
             lines.append(f"    {r.detail}{labels}")
     counts: dict[str, int] = {}

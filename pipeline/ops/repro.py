@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pipeline.core.errors import EnvironmentProblem, InputError, MalformedFile, SkuforgeError
 from pipeline.core.io import MERGE_CONFLICT_FIX, merge_conflict
+from pipeline.core.processes import stop_group
 from pipeline.core.redact import redact
 from pipeline.engine.matrix import (
     EXAMPLE_STAGES,
@@ -134,8 +135,10 @@ def run_dvc_repro(
 ) -> None:
     """Run ``dvc repro`` (``dvc status`` when ``dry``), its output passed on to stderr; DvcFailed when it fails.
 
-    With ``keep_going`` dvc runs every stage whose upstream did not fail. On Ctrl-C (it reaches dvc
-    too: same process group) this waits for dvc to stop its stage, then raises KeyboardInterrupt.
+    With ``keep_going`` dvc runs every stage whose upstream did not fail. dvc runs in its own process
+    group: on Ctrl-C or SIGTERM this passes SIGINT to the group (dvc and the stage command unwind,
+    removing their temporaries), escalates to SIGTERM and SIGKILL after INTERRUPT_GRACE_S each, ends
+    any process left under it, then raises the KeyboardInterrupt on.
     """
     dvc = _dvc(root)
     # `dvc repro --dry` hashes dependencies that no stage has made yet and fails in a new
@@ -145,8 +148,17 @@ def run_dvc_repro(
         if dry
         else [dvc, "repro", *(["--force"] if force else []), *(["--keep-going"] if keep_going else []), *dvc_targets]
     )
+    # its own process group: on Ctrl-C or SIGTERM (to this process alone or to the terminal's group)
+    # the whole tree under dvc is stopped on purpose, stage commands and their workers included
     proc = subprocess.Popen(
-        cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+        cmd,
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+        preexec_fn=_sigint_default,
     )
     tail: list[str] = []
     exits: list[str] = []  # dvc's "failed to run: ..., exited with N" lines, however early they came
@@ -159,28 +171,18 @@ def run_dvc_repro(
             if "exited with" in line:
                 exits.append(line)
         returncode = proc.wait()
-    except KeyboardInterrupt:
-        _stop(proc)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (processes.Terminated)
+        sys.stderr.write(redact(stop_group(proc, INTERRUPT_GRACE_S)))
         raise
     if returncode != 0:
         # a stage that failed early in a long run is far above the tail: its exit line is kept apart
         raise dvc_failure(root, returncode, "".join([line for line in exits if line not in tail] + tail))
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Let dvc finish handling the SIGINT it got with us (its last words still shown); terminate it
-    when it does not, kill it last."""
-    for action in (None, proc.terminate, proc.kill):
-        try:
-            if action is not None:
-                action()
-            rest, _ = proc.communicate(timeout=INTERRUPT_GRACE_S)
-            sys.stderr.write(redact(rest or ""))
-            return
-        except subprocess.TimeoutExpired:
-            continue
-        except KeyboardInterrupt:  # a second Ctrl-C: stop waiting politely
-            continue
+def _sigint_default() -> None:
+    """In dvc's process: SIGINT's default action, so the SIGINT this process forwards stops it even
+    when a shell started skuforge in the background with SIGINT ignored (children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def dvc_failure(root: Path, returncode: int, text: str) -> DvcFailed:
@@ -206,13 +208,25 @@ def dvc_failure(root: Path, returncode: int, text: str) -> DvcFailed:
     if code:  # a stage command failed: pass its exit code on
         statuses = [int(c) for c in code]
         killed = next((k for k in map(_signal, statuses) if k), None)
+        if killed in CRASH_SIGNALS:  # the stage's own process broke (a native library), nothing outside
+            err = _failed(
+                f"dvc failed: {_first_error(text)}: the stage crashed ({killed}, in native code)",
+                70,
+                "a compiler or runtime library crashed inside the stage: run the stage command alone "
+                "(dvc.yaml) with -v to see where, and report it with the model; the other pairs' "
+                "outcomes are in the matrix",
+            )
+            err.stage_failed = True
+            return err
         if killed:
-            return _failed(
+            err = _failed(
                 f"dvc failed: {_first_error(text)}: the stage was killed by {killed}",
                 3,
                 "something stopped it from outside (out of memory? a CI timeout?): run `skuforge repro` "
                 "again; the stages that finished are kept",
             )
+            err.stage_failed = True
+            return err
         worst = max(s if s in (1, 2, 3, 4) else 70 for s in statuses)
         err = _failed(f"dvc failed: {_first_error(text)}", worst, "the failing stage's own message is above")
         err.stage_failed = True
@@ -243,6 +257,10 @@ def _failed(message: str, exit_code: int, hint: str) -> DvcFailed:
     err = DvcFailed(message, hint=hint)
     err.exit_code = exit_code
     return err
+
+
+# signals a process sends itself when it breaks (abort(), a bad memory access), not sent from outside
+CRASH_SIGNALS = frozenset({"SIGABRT", "SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE"})
 
 
 def _signal(status: int) -> str | None:

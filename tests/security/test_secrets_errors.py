@@ -402,6 +402,8 @@ def test_dvc_killed_by_a_signal(tmp_path):
     proc = skuforge("repro", "--no-publish", cwd=root, env=e)
     assert_user_error(proc, 3, "killed by SIGKILL", "run `skuforge repro` again")
     assert "dvc.yaml" not in proc.stderr
+    # whatever dvc did, the matrix of what the records say still follows
+    assert proc.stdout.splitlines()[0].split()[:3] == ["model", "sku", "outcome"], proc.stdout
 
 
 def test_dvc_failures_are_told_apart(tmp_path):
@@ -411,7 +413,10 @@ def test_dvc_failures_are_told_apart(tmp_path):
         "ERROR: failed to reproduce 'build@m-cpu': failed to run: "
         "skuforge build --model m --sku cpu, exited with 137\n",
     )
-    assert killed_stage.exit_code == 3 and "SIGKILL" in killed_stage.message
+    assert killed_stage.exit_code == 3 and "SIGKILL" in killed_stage.message and killed_stage.stage_failed
+    crashed = dvc_failure(tmp_path, 255, "ERROR: failed to run: skuforge bench --model m --sku cpu, exited with -6\n")
+    assert crashed.exit_code == 70 and "crashed (SIGABRT" in crashed.message and "from outside" not in crashed.hint
+    assert crashed.stage_failed  # its outcome is the matrix's, not 'run again'
     stage = dvc_failure(tmp_path, 255, "ERROR: failed to reproduce 'build@m-cpu': failed to run: x, exited with 3\n")
     assert stage.exit_code == 3 and "SIGKILL" not in stage.message
     refused = dvc_failure(tmp_path, 255, "ERROR: unknown stage 'x'\n")
