@@ -948,7 +948,12 @@ def if_outer_scope_model(path: Path, seed: int = 0, factor: float = 500.0) -> Pa
         helper.make_node("ReduceMean", ["x"], ["x_mean"], keepdims=0, name="x_mean"),
         helper.make_node("Greater", ["x_mean", "half"], ["bright"], name="bright"),
         helper.make_node(
-            "If", ["bright"], ["r2"], then_branch=branch("then", "Relu"), else_branch=branch("else", "Abs"), name="branch"
+            "If",
+            ["bright"],
+            ["r2"],
+            then_branch=branch("then", "Relu"),
+            else_branch=branch("else", "Abs"),
+            name="branch",
         ),
         helper.make_node("GlobalAveragePool", ["r2"], ["gap"], name="gap"),
         helper.make_node("Flatten", ["gap"], ["flat"], name="flatten"),
@@ -968,3 +973,37 @@ def if_outer_scope_model(path: Path, seed: int = 0, factor: float = 500.0) -> Pa
 def if_outer_scope_spec(dir_: str = "m") -> dict:
     """if_outer_scope_model at batch 1 (the If's condition is one sample's mean)."""
     return outlier_channel_spec(dir_) | {"pins": {"batch": 1}}
+
+
+def shape_chain_model(path: Path, opset: int = 11, upsample: bool = False, seed: int = 0) -> Path:
+    """x[batch,3,8,8] -> Conv -> Relu [-> Resize x2 with opset 10's two inputs (X, scales)] -> y =
+    Reshape(r, Concat(Gather(Shape(r), [0, 1]), [-1])) [batch,4,HW]: the new shape computed from the
+    tensor's own shape, as Paddle and PyTorch export ``x.reshape(n, c, -1)``."""
+    rng = np.random.default_rng(seed)
+    init = [
+        numpy_helper.from_array(rng.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32), "W"),
+        numpy_helper.from_array(np.array([0, 1], np.int64), "nc_index"),
+        numpy_helper.from_array(np.array([-1], np.int64), "rest"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "W"], ["conv"], pads=[1, 1, 1, 1], name="conv"),
+        helper.make_node("Relu", ["conv"], ["r"], name="relu"),
+    ]
+    if upsample:
+        init.append(numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales"))
+        nodes.append(helper.make_node("Resize", ["r", "scales"], ["up"], mode="nearest", name="upsample"))
+    src = "up" if upsample else "r"
+    nodes += [
+        helper.make_node("Shape", [src], ["shape"], name="shape"),
+        helper.make_node("Gather", ["shape", "nc_index"], ["nc"], axis=0, name="gather_nc"),
+        helper.make_node("Concat", ["nc", "rest"], ["new_shape"], axis=0, name="concat_shape"),
+        helper.make_node("Reshape", [src, "new_shape"], ["y"], name="reshape_seq"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "shape_chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 256 if upsample else 64])],
+        init,
+    )
+    return _save_at(graph, path, opset)

@@ -235,3 +235,115 @@ def test_openvino_qdq_gather_fault_found_through_fusion(tmp_path):
 
     remedy = fix(reg, "m", "ov_int8")
     assert remedy.passed and "embed" in remedy.keep_precise, remedy.summary
+
+
+# --- control flow, overflow sources, the remedy's stopping rule -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def if_project(tmp_path_factory):
+    """models.if_outer_scope_model on ort_int8, built (bisect and fix only write scratch folders)."""
+    root = tmp_path_factory.mktemp("if_outer")
+    models.if_outer_scope_model(root / "m" / "model.onnx")
+    models.write_project(root, {"m": models.if_outer_scope_spec()}, {"ort_int8": SKUS["ort_int8"]})
+    reg = _stages(load_registry(root / "params.yaml"), "ort_int8")
+    build(reg, "m", "ort_int8")
+    return reg
+
+
+def test_graph_follows_outer_scope_reads(tmp_path):
+    import onnx
+
+    from pipeline.verify.bisect import float_node_inputs, outer_reads
+
+    graph = Graph.of(onnx.load(str(models.if_outer_scope_model(tmp_path / "if.onnx"))))
+    branch = graph.producer["r2"]
+    assert graph.inputs(branch) == ["bright", "c2"]
+    assert float_node_inputs(graph, "r2") == ["c2"]  # the condition is bool, not a candidate
+    assert {"c2", "scaled", "r1"} <= graph.ancestors(["probs"])
+    assert branch in graph.consumers["c2"]
+    loop = onnx.load(str(models.loop_model(tmp_path / "loop.onnx"))).graph.node[0]
+    assert outer_reads(loop) == ["W"]  # the body's weight, from the outer scope
+
+
+def test_if_reading_outer_scope_is_searched_through(if_project):
+    """The defect is upstream of the If, reached only through the branches' outer-scope read: the
+    search names it (not the If), and the remedy passes in one round."""
+    from pipeline.verify.bisect import bisect
+    from pipeline.verify.remedy import fix
+
+    found = bisect(if_project, "m", "ort_int8")
+    suspect = found.suspects[0]
+    assert (suspect.node, suspect.cause) == ("outlier_scale", "range"), found.summary
+    assert found.max_builds == 12 and found.builds <= found.max_builds
+    remedy = fix(if_project, "m", "ort_int8")
+    assert remedy.passed and remedy.keep_precise == ["outlier_scale", "conv2"], remedy.summary
+    assert len(remedy.rounds) == 1 and [s.passed for s in remedy.steps] == [False, True]
+    assert remedy.steps[1].max_abs_error < remedy.steps[0].max_abs_error
+
+
+def test_build_cap_is_stated_with_the_best_found_so_far(if_project):
+    from pipeline.verify.bisect import bisect
+    from pipeline.verify.remedy import fix
+
+    found = bisect(if_project, "m", "ort_int8", max_builds=2)
+    assert found.verdict == "inconclusive" and found.builds == 2 and found.max_builds == 2
+    assert "2 of 2 builds" in found.summary and "earliest divergent tensor measured so far" in found.summary
+    remedy = fix(if_project, "m", "ort_int8", max_builds=2)
+    assert not remedy.passed and remedy.builds == 3 and remedy.max_builds == 2
+    assert "cap 2 builds per bisection" in remedy.summary and "best found" in remedy.summary
+    assert remedy.lessons == [found.summary]
+
+
+def test_a_remedy_that_does_not_move_the_error_stops(if_project, monkeypatch):
+    """A suspect whose keeping leaves the error where it was (here: the real bisection's suspect
+    swapped for the classifier head) is undone after one round, with what it showed, instead of
+    bisecting again to the same place."""
+    import pipeline.verify.remedy as remedy_module
+
+    real = remedy_module.bisect
+
+    def misled(*args, **kwargs):
+        found = real(*args, **kwargs)
+        found.suspects[0].keep = ["fc"]
+        return found
+
+    monkeypatch.setattr(remedy_module, "bisect", misled)
+    remedy = remedy_module.fix(if_project, "m", "ort_int8")
+    assert not remedy.passed and len(remedy.rounds) == 1 and remedy.keep_precise == []
+    # fc, then fc with what feeds it (flatten): neither moves the error, both undone
+    assert [(s.keep_precise, s.kept) for s in remedy.steps[1:]] == [(["fc"], False), (["fc", "flatten"], False)]
+    (lesson,) = remedy.lessons
+    assert "keeping fc precise left max abs error at" in lesson and "not the cause" in lesson, lesson
+    assert f"{remedy.steps[1].max_abs_error:.4g}" in lesson and lesson in remedy.summary
+
+
+def test_control_flow_nodes_are_kept_only_where_the_tools_can(tmp_path):
+    import onnx
+
+    from pipeline.verify.bisect import unkeepable
+
+    graph = Graph.of(onnx.load(str(models.if_outer_scope_model(tmp_path / "if.onnx"))))
+    branch = graph.producer["r2"]
+    assert "top-level graph only" in unkeepable(graph, branch, "int8")
+    assert "c2" in unkeepable(graph, branch, "fp16")  # its branches read the FP16 outer-scope c2
+    assert unkeepable(graph, graph.producer["c2"], "fp16") is None  # not control flow
+    plain = Graph.of(onnx.load(str(models.if_model(tmp_path / "plain.onnx"))))
+    assert unkeepable(plain, plain.producer["y"], "fp16") is None  # reads a graph input only: FP32 stays
+    big = {"c2": 1e6, "r2": 1e6, "gap": 10.0}
+    assert remedy_nodes(graph, "c2", "overflow", "fp16", big.get) == ["conv2", "gap"]
+
+
+def test_overflow_is_blamed_on_the_node_that_makes_it(tmp_path):
+    """A node whose inputs are already beyond FP16's range in the reference is not the culprit:
+    walk up to the node that made the value (or the graph input holding it)."""
+    import onnx
+
+    from pipeline.verify.bisect import overflow_source
+
+    graph = Graph.of(onnx.load(str(models.fp16_overflow_model(tmp_path / "m.onnx"))))
+    big = {"h": 50.0, "big": 2e5, "big_relu": 2e5, "small": 50.0, "y": 10.0}
+    assert overflow_source(graph, "small", "fp16", big.get) == "big"  # rescale reads relu's, relu reads big
+    assert overflow_source(graph, "y", "fp16", big.get) == "y"  # fc2's input is in range
+    assert overflow_source(graph, "small", "int8", big.get) == "small"  # no finite limit to leave
+    assert overflow_source(graph, "h", "fp16", {"x": 1e5}.get) == "x"  # a graph input beyond it

@@ -18,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import logging
 import re
+import shutil
 import subprocess
 import threading
 from importlib import metadata
@@ -41,7 +43,11 @@ if TYPE_CHECKING:
 
     from pipeline.project.config import SkuSpec
 
+logger = logging.getLogger(__name__)
+
 VMFB = "module.vmfb"
+# what the base class's precision conversion is called in an error that blames it
+_PRECISION_STEP = {"fp16": "FP16 conversion", "int8": "INT8 QDQ quantization"}
 IMPORTER_MIN_OPSET = 17
 COMPILE_TIMEOUT_S = 1800  # a hung compiler must not hang CI; tiny models compile in seconds
 _DRIVERS = {"local": ("local-task", "local-sync"), "vulkan": ("vulkan",), "cuda": ("cuda",)}
@@ -63,6 +69,24 @@ _OWNED_FLAGS = (
     "-o",
 )
 _PIP = "pip install 'iree-base-compiler==3.13.*' 'iree-base-runtime==3.13.*'"
+# flags that change how fast an engine runs, not what it computes or for which target: in
+# extra_flags they are dropped where the model does not build with them (IREE 3.13's im2col
+# broke the 1x1 convolutions of a squeeze-excite block at batch 1), unless strict_flags
+PERFORMANCE_FLAGS = frozenset(
+    {
+        "--iree-global-opt-use-im2col-for-convs",
+        "--iree-opt-data-tiling",
+        "--iree-dispatch-creation-data-tiling",
+        "--iree-dispatch-creation-experimental-set-data-tiling-ops",
+        "--iree-dispatch-creation-enable-aggressive-fusion",
+        "--iree-dispatch-creation-enable-fuse-padding-into-linalg-consumer-ops",
+        "--iree-llvmcpu-enable-ukernels",
+        "--iree-opt-level",
+        "--iree-opt-aggressively-propagate-transposes",
+        "--iree-opt-outer-dim-concat",
+        "--iree-opt-const-expr-hoisting",
+    }
+)
 
 
 class IreeOptions(BaseModel):
@@ -80,7 +104,17 @@ class IreeOptions(BaseModel):
         None, description="e.g. llvmpipe (lavapipe), valhall, rdna3, ampere; required for vulkan"
     )
     cuda_target: str = "sm_80"
-    extra_flags: list[str] = Field(default_factory=list, description="passed verbatim to iree-compile, recorded")
+    extra_flags: list[str] = Field(
+        default_factory=list,
+        description="passed verbatim to iree-compile, recorded; known performance flags among them "
+        "(PERFORMANCE_FLAGS) are dropped where the model does not build with them, unless strict_flags",
+    )
+    optional_flags: list[str] = Field(
+        default_factory=list,
+        description="performance flags kept only where the model builds with them: one that makes "
+        "iree-compile fail is dropped, with the compiler's error in the build report and a warning",
+    )
+    strict_flags: bool = Field(False, description="drop no flag: a build that fails with the SKU's flags fails")
     driver: Literal["local-task", "local-sync", "vulkan", "cuda"] | None = Field(
         None, description="runtime HAL driver (default: local-task, vulkan or cuda after target_device)"
     )
@@ -88,6 +122,15 @@ class IreeOptions(BaseModel):
     @property
     def runtime_driver(self) -> str:
         return self.driver or _DRIVERS[self.target_device][0]
+
+    @property
+    def droppable_flags(self) -> list[str]:
+        """The flags a build may go without (in the order given): optional_flags, and the extra_flags
+        that only tune speed. Target-defining flags are options of their own and never dropped."""
+        if self.strict_flags:
+            return []
+        known = [f for f in self.extra_flags if f.split("=", 1)[0] in PERFORMANCE_FLAGS]
+        return list(dict.fromkeys(known + list(self.optional_flags)))
 
 
 def _versions() -> dict[str, str]:
@@ -106,6 +149,7 @@ class IreeMeta(EngineMeta):
     inputs: list[TensorSig]
     outputs: list[TensorSig]
     compile_flags: list[str]
+    dropped_flags: list[dict[str, str]] = Field(default_factory=list)
     requested_target: dict[str, Any]
     resolved_target: dict[str, Any]
 
@@ -143,13 +187,15 @@ class IreeBackend(Backend):
                 problems.append(f"options.{set_here[0]}: only applies to target_device local")
         if options.target_device == "cuda" and sku.target.device != "gpu":
             problems.append("target.device: a cuda engine runs on a GPU: set target.device: gpu")
-        for flag in options.extra_flags:
-            if not flag.startswith("-"):
-                problems.append(f"options.extra_flags: {flag!r} is not a flag (write --name=value)")
-            elif flag.split("=", 1)[0] in _OWNED_FLAGS:
-                problems.append(
-                    f"options.extra_flags: {flag.split('=', 1)[0]} is set from the other options; use those"
-                )
+        for key in ("extra_flags", "optional_flags"):
+            for flag in getattr(options, key):
+                if not flag.startswith("-"):
+                    problems.append(f"options.{key}: {flag!r} is not a flag (write --name=value)")
+                elif flag.split("=", 1)[0] in _OWNED_FLAGS:
+                    problems.append(f"options.{key}: {flag.split('=', 1)[0]} is set from the other options; use those")
+        both = sorted(set(options.extra_flags) & set(options.optional_flags))
+        if both:
+            problems.append(f"options.optional_flags: {both[0]} is in extra_flags too; keep it in one list")
         return problems
 
     def cross_compiles(self, sku: SkuSpec) -> bool:
@@ -167,7 +213,9 @@ class IreeBackend(Backend):
     # --- build ----------------------------------------------------------------------------------
 
     def _adapt(self, model: onnx.ModelProto, ctx: BuildContext, staged: Staged) -> onnx.ModelProto:
+        import onnx
 
+        original = model
         # the importer lowers ops as defined from opset 17 on (older MaxPool, Slice, ... have no lowering)
         model, conversion = convert_opset(
             model,
@@ -175,8 +223,17 @@ class IreeBackend(Backend):
             ctx.probe_inputs,
             f"IREE's ONNX importer lowers ops from opset {IMPORTER_MIN_OPSET} on",
         )
+        # each conversion's input, newest first: an import failure is checked against them (_import_failure)
+        earlier = [(_PRECISION_STEP[ctx.sku_spec.precision], staged.source)] if ctx.sku_spec.precision != "fp32" else []
+        if conversion is not None:
+            tensors_to_raw(original)
+            onnx.save(original, str(staged.work / "unconverted.onnx"))
+            step = f"opset conversion from {conversion.from_opset} to {conversion.to_opset}"
+            earlier.append((step, staged.work / "unconverted.onnx"))
         tensors_to_raw(model)  # the importer reads raw_data, not every typed field (FP16 in int32_data)
-        staged.notes.update(conversion=conversion, entry=_entry_name(model), signature=signature(model))
+        staged.notes.update(
+            conversion=conversion, entry=_entry_name(model), signature=signature(model), earlier=earlier
+        )
         return model
 
     def _build_impl(self, ctx: BuildContext, staged: Staged) -> BuildOutcome:
@@ -186,10 +243,14 @@ class IreeBackend(Backend):
         # the graph as imported (with the FP16 converter's casts), in graph order
         node_types = {n.name: n.op_type for n in staged.model.graph.node if n.name}
         _progress(ctx, "iree import", 0.1)
-        _import_onnx(staged.source, work / "input.mlir", node_types)
-        flags = compile_flags(opts, ctx.sku_spec.target.arch)
+        try:
+            _to_mlir(staged.source, work / "input.mlir")
+        except _ImportRefused as exc:
+            raise _import_failure(exc, node_types, staged.notes["earlier"], work) from exc
         _progress(ctx, "iree compile", 0.3)
-        _compile(work, flags, ctx.engine_dir / VMFB, node_types)
+        flags, dropped = _compile(
+            work, compile_flags(opts, ctx.sku_spec.target.arch), opts.droppable_flags, ctx.engine_dir / VMFB, node_types
+        )
         dispatches = parse_dispatches(work / "sources", list(node_types), opts.runtime_driver)
         target = _resolved_target(work / "sources")
         sites = _dispatch_sites(work / "statistics.json")
@@ -199,6 +260,11 @@ class IreeBackend(Backend):
                 hint="check the extra_flags; this IREE version may name its dumps differently",
             )
         warnings = [conversion.warning()] if conversion else []
+        warnings += [
+            f"iree-compile failed with {d['flag']} on this model ({d['error']}): built without it, so the "
+            "engine may be slower than the SKU's flags intend (options.strict_flags: true makes this a failure)"
+            for d in dropped
+        ]
         hardware_specific = opts.target_device == "local" and opts.target_cpu == "host"
         requested = (
             {"cpu": opts.target_cpu, "cpu_features": opts.target_cpu_features} if opts.target_device == "local" else {}
@@ -219,6 +285,7 @@ class IreeBackend(Backend):
             inputs=sig.inputs,
             outputs=sig.outputs,
             compile_flags=flags,
+            dropped_flags=dropped,
             requested_target=requested,
             resolved_target=target,
             # the reported flags the target was resolved from
@@ -227,6 +294,7 @@ class IreeBackend(Backend):
         options = {
             **opts.model_dump(mode="json"),
             "compile_flags": flags,
+            "dropped_flags": dropped,
             "requested_target": requested,
             "resolved_target": target,
             "dispatches": len(dispatches),
@@ -332,9 +400,26 @@ def _entry_name(model: onnx.ModelProto) -> str:
     return model.graph.name
 
 
+class _ImportRefused(Exception):
+    """IREE's ONNX importer refused a model: its message and the model as it was read."""
+
+    def __init__(self, message: str, model: onnx.ModelProto):
+        super().__init__(message)
+        self.message, self.model = message, model
+
+
 def _import_onnx(source: Path, out: Path, node_types: dict[str, str]) -> None:
     """ONNX -> MLIR (torch-onnx dialect) with each op located at its ONNX node name, so the
-    compiler's dumped dispatches say which nodes were fused into them."""
+    compiler's dumped dispatches say which nodes were fused into them; a refusal is the error
+    ``import_error`` makes of it (``node_types``: the graph's node names and ops)."""
+    try:
+        _to_mlir(source, out)
+    except _ImportRefused as exc:
+        raise import_error(exc.message, exc.model, node_types) from exc
+
+
+def _to_mlir(source: Path, out: Path) -> None:
+    """The import itself; _ImportRefused when the importer refuses the model."""
     import onnx
     from iree.compiler.extras import onnx_importer
     from iree.compiler.ir import Context
@@ -346,39 +431,80 @@ def _import_onnx(source: Path, out: Path, node_types: dict[str, str]) -> None:
         onnx_importer.NodeImporter.define_function(info.main_graph, module).import_all()
         module.verify()
     except Exception as exc:  # OnnxImportError or an MLIR error: both name the node or tensor in the message
-        raise import_error(str(exc) or type(exc).__name__, model, node_types) from exc
+        raise _ImportRefused(str(exc) or type(exc).__name__, model) from exc
     with open(out, "w") as fh:
         module.print(file=fh, enable_debug_info=True)
 
 
+def _import_failure(
+    refused: _ImportRefused, node_types: dict[str, str], earlier: list[tuple[str, Path]], work: Path
+) -> Exception:
+    """The error for a graph the importer refused. When it was converted (FP16, opset) and the graph
+    it was converted from imports, the conversion broke it, not the op: say so (never UnsupportedOp,
+    whose hint is to replace the op). ``earlier``: each conversion's input, newest first."""
+    import onnx
+
+    for step, before in earlier:
+        try:
+            _to_mlir(before, work / "unconverted.mlir")
+        except _ImportRefused:
+            continue  # refused before this step too: an earlier step, or the model, is the cause
+        node, op_type, tensor = _refused_at(refused.message, refused.model, node_types)
+        where = f" at node {node!r} ({op_type}{f', its input {tensor!r}' if tensor else ''})" if node else ""
+        if step in _PRECISION_STEP.values():
+            names = {n.name for n in onnx.load(str(before), load_external_data=False).graph.node}
+            keep = f"keep {node!r} precise (models.<model>.higher_precision), or " if node in names else ""
+            hint = (
+                f"{keep}build this model at fp32; report it to skuforge with the model (the {step} "
+                "should keep it valid)"
+            )
+        else:
+            hint = "re-export the model from its framework at opset 17 or newer; report it to skuforge with the model"
+        return EnvironmentProblem(
+            f"the {step} broke the model for IREE's ONNX importer (it imports the model before the "
+            f"conversion and refuses it after){where}: {_first_line(refused.message)}",
+            hint=hint,
+        )
+    return import_error(refused.message, refused.model, node_types)
+
+
 _PROTO_NAME = re.compile(r'^name: "((?:[^"\\]|\\.)*)"', re.M)
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else "unknown error"
+
+
+def _refused_at(
+    message: str, model: onnx.ModelProto, node_types: dict[str, str]
+) -> tuple[str | None, str | None, str | None]:
+    """The node (and its op) an importer message names, directly or through a tensor the node reads
+    (then also the tensor)."""
+    quoted = [n for n in node_types if f"'{n}'" in message or f'"{n}"' in message]
+    named = _PROTO_NAME.findall(message)  # the importer prints the offending NodeProto or TensorProto
+    node = next((n for n in named if n in node_types), None) or next(iter(quoted), None)
+    if node is not None:
+        return node, node_types[node], None
+    for name in named + [q for q in re.findall(r"'([^']+)'", message)]:
+        reader = next((n for n in _all_nodes(model.graph) if name in n.input), None)
+        if reader is not None:
+            return reader.name or reader.output[0], reader.op_type, name
+    return None, None, None
 
 
 def import_error(message: str, model: onnx.ModelProto, node_types: dict[str, str]) -> Exception:
     """The importer's failure as the error the user can act on: UnsupportedOp naming the node the
     message names (directly, or through a tensor the node reads), else InputError (never an
     environment problem: the importer ran)."""
-
-    detail = message.strip().splitlines()[0] if message.strip() else "unknown error"
-    quoted = [n for n in node_types if f"'{n}'" in message or f'"{n}"' in message]
-    named = _PROTO_NAME.findall(message)  # the importer prints the offending NodeProto or TensorProto
-    node = next((n for n in named if n in node_types), None) or next(iter(quoted), None)
-    tensor = None
-    if node is None:
-        for name in named + [q for q in re.findall(r"'([^']+)'", message)]:
-            reader = next((n for n in _all_nodes(model.graph) if name in n.input), None)
-            if reader is not None:
-                tensor, node = name, reader.name or reader.output[0]
-                node_types = {**node_types, node: reader.op_type}
-                break
+    node, op_type, tensor = _refused_at(message, model, node_types)
     if node is None:
         return InputError(
-            f"IREE's ONNX importer refused the model: {detail}",
+            f"IREE's ONNX importer refused the model: {_first_line(message)}",
             hint="ONNX Runtime runs this model but iree-import-onnx cannot read it: use another backend "
             "for this model, or report it to iree-org/iree with the model",
         )
     what = f" (its input {tensor!r})" if tensor else ""
-    return UnsupportedOp("iree", node_types[node], node, f"the ONNX importer failed{what}: {detail}")
+    return UnsupportedOp("iree", op_type, node, f"the ONNX importer failed{what}: {_first_line(message)}")
 
 
 def compile_flags(opts: IreeOptions, arch: str) -> list[str]:
@@ -396,10 +522,54 @@ def compile_flags(opts: IreeOptions, arch: str) -> list[str]:
         flags.append(f"--iree-vulkan-target={opts.vulkan_target}")
     else:
         flags.append(f"--iree-cuda-target={opts.cuda_target}")
-    return flags + list(opts.extra_flags)
+    return flags + list(opts.extra_flags) + list(opts.optional_flags)
 
 
-def _compile(work: Path, flags: list[str], out: Path, node_types: dict[str, str]) -> None:
+def _compile(
+    work: Path, flags: list[str], droppable: list[str], out: Path, node_types: dict[str, str]
+) -> tuple[list[str], list[dict[str, str]]]:
+    """Compile with ``flags``; when that fails and some of them are ``droppable``, find the flags the
+    model builds with by building: without all droppable flags (if that fails too, its error is
+    raised: the flags were not the cause), then adding them back one at a time, keeping each that
+    still builds. Returns the flags used and, per dropped flag, the compiler error that dropped it."""
+    first = _run_compile(work, flags, out)
+    if first is None:
+        return flags, []
+    error = compile_error(first.returncode, first.stderr, node_types, first.args, work)
+    droppable = [f for f in droppable if f in flags]
+    if not droppable or isinstance(error, ConfigError) or _out_of_space(first.stderr):
+        raise error
+    logger.info("iree-compile failed with the SKU's flags; retrying without %s", " ".join(droppable))
+    baseline = [f for f in flags if f not in droppable]
+    on_disk: list[str] | None = baseline  # the flags whose outputs are in the work folder, if they built
+    failed = _run_compile(work, baseline, out)
+    if failed is not None:
+        raise compile_error(failed.returncode, failed.stderr, node_types, failed.args, work)
+    kept: list[str] = []
+    dropped: list[dict[str, str]] = []
+    for flag in droppable:
+        trial = [f for f in flags if f not in droppable or f in kept or f == flag]
+        if trial == flags:  # all of them together: the build that failed first, not run again
+            failed = first
+        else:
+            failed = _run_compile(work, trial, out)
+            on_disk = trial if failed is None else None
+        if failed is None:
+            kept.append(flag)
+        else:
+            dropped.append({"flag": flag, "error": _first_error(failed.stderr, failed.returncode)})
+    final = [f for f in flags if f not in droppable or f in kept]
+    if on_disk != final:  # the last build tried failed: its dumps replaced those of the flags kept
+        failed = _run_compile(work, final, out)
+        if failed is not None:  # it built a moment ago: the compiler is not deterministic
+            raise compile_error(failed.returncode, failed.stderr, node_types, failed.args, work)
+    for d in dropped:
+        logger.warning("iree-compile failed with %s (%s): built without it", d["flag"], d["error"])
+    return final, dropped
+
+
+def _run_compile(work: Path, flags: list[str], out: Path) -> subprocess.CompletedProcess[str] | None:
+    """One iree-compile run in ``work``; None when it succeeded, else the failed process."""
     # relative dump path and cwd: the vmfb embeds the dump path, and must not depend on the temp dir
     cmd = [
         _iree_compile() or "iree-compile",
@@ -412,6 +582,9 @@ def _compile(work: Path, flags: list[str], out: Path, node_types: dict[str, str]
         "-o",
         str(out.resolve()),
     ]
+    # a failed run's dumps must not be read as this run's
+    shutil.rmtree(work / "sources", ignore_errors=True)
+    (work / "statistics.json").unlink(missing_ok=True)
     try:
         proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
@@ -420,8 +593,17 @@ def _compile(work: Path, flags: list[str], out: Path, node_types: dict[str, str]
             hint="the model may be too large for this host, or the compiler hangs on an op: "
             "report it to IREE with the model",
         ) from exc
-    if proc.returncode != 0:
-        raise compile_error(proc.returncode, proc.stderr, node_types, cmd, work)
+    return proc if proc.returncode != 0 else None
+
+
+def _out_of_space(stderr: str) -> bool:
+    return "No space left on device" in stderr or "ENOSPC" in stderr
+
+
+def _first_error(stderr: str, returncode: int) -> str:
+    """The compiler's first error line (else its first line, else the exit status)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    return next((line for line in lines if "error:" in line), lines[0] if lines else f"exit status {returncode}")
 
 
 _LEGALIZE = re.compile(r"failed to legalize operation '([^']+)'")
@@ -434,9 +616,9 @@ def compile_error(
     """Turn iree-compile's diagnostics into the error the user can act on (``work``: its scratch folder)."""
     lines = [line for line in stderr.splitlines() if line.strip()]
     errors = [line for line in lines if "error:" in line]
-    first = errors[0] if errors else (lines[0] if lines else f"exit status {returncode}")
+    first = _first_error(stderr, returncode)
     shown = "\n".join(lines[:12])
-    if "No space left on device" in stderr or "ENOSPC" in stderr:  # before the crash check: LLVM may abort on it
+    if _out_of_space(stderr):  # before the crash check: LLVM may abort on it
         out = Path(cmd[cmd.index("-o") + 1]).parent if "-o" in cmd[:-1] else None
         folders = " and ".join(
             f"{name} {folder}" for name, folder in (("the engine folder", out), ("the scratch folder", work)) if folder

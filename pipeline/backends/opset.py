@@ -37,6 +37,27 @@ class OpsetConversion:
         )
 
 
+def probe_difference(model: onnx.ModelProto, changed: onnx.ModelProto, probe_inputs: dict) -> tuple[float, float]:
+    """The largest absolute and relative (to the largest output magnitude, at least 1) difference
+    between the outputs ONNX Runtime computes for two models on ``probe_inputs``; inf where an
+    output's shape, or an integer output's values, differ. InputError when either does not run."""
+    import numpy as np
+
+    with reference_runner(model.SerializeToString()) as old, reference_runner(changed.SerializeToString()) as new:
+        want, got = old.infer(probe_inputs), new.infer(probe_inputs)
+    worst_abs, worst_rel = 0.0, 0.0
+    for name, a in want.items():
+        b = got[name]
+        if a.shape != b.shape or (not np.issubdtype(a.dtype, np.floating) and not np.array_equal(a, b)):
+            worst_abs = worst_rel = float("inf")
+            continue
+        if np.issubdtype(a.dtype, np.floating):
+            diff = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)), initial=0.0))
+            worst_abs = max(worst_abs, diff)
+            worst_rel = max(worst_rel, diff / max(1.0, float(np.max(np.abs(a), initial=0.0))))
+    return worst_abs, worst_rel
+
+
 def convert_opset(
     model: onnx.ModelProto, target: int, probe_inputs: dict, reason: str
 ) -> tuple[onnx.ModelProto, OpsetConversion | None]:
@@ -44,7 +65,6 @@ def convert_opset(
     tensors stored as raw_data) when at another opset, else returned as is (record None). The
     conversion is refused (InputError) when the converter fails or ONNX Runtime's outputs on
     ``probe_inputs`` differ between the two models by more than OPSET_CONVERSION_RTOL."""
-    import numpy as np
     import onnx
     from onnx import version_converter
 
@@ -62,22 +82,11 @@ def convert_opset(
         ) from exc
     tensors_to_raw(converted)
     try:
-        with reference_runner(model.SerializeToString()) as old, reference_runner(converted.SerializeToString()) as new:
-            want, got = old.infer(probe_inputs), new.infer(probe_inputs)
+        worst_abs, worst_rel = probe_difference(model, converted, probe_inputs)
     except InputError as exc:
         raise InputError(
             f"the model converted from opset {have} to {target} ({reason}) does not run: {exc.message}", hint=redo
         ) from exc
-    worst_abs, worst_rel = 0.0, 0.0
-    for name, a in want.items():
-        b = got[name]
-        if a.shape != b.shape or (not np.issubdtype(a.dtype, np.floating) and not np.array_equal(a, b)):
-            worst_abs = worst_rel = float("inf")
-            continue
-        if np.issubdtype(a.dtype, np.floating):
-            diff = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)), initial=0.0))
-            worst_abs = max(worst_abs, diff)
-            worst_rel = max(worst_rel, diff / max(1.0, float(np.max(np.abs(a), initial=0.0))))
     if not worst_rel <= OPSET_CONVERSION_RTOL:
         raise InputError(
             f"converting the model from opset {have} to {target} ({reason}) changed its outputs on the "

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.backends.opset import OpsetConversion, convert_opset
 from pipeline.core.errors import InputError, UnsupportedOp
-from pipeline.model.graph import SUGGESTED_OPSET, default_opset, tensors_to_raw
+from pipeline.model.graph import SUGGESTED_OPSET, _all_tensors, default_opset, tensors_to_raw
 
 if TYPE_CHECKING:
     from pipeline.backends.contract import BuildContext
@@ -277,8 +277,29 @@ def to_fp16(source: Path, out: Path, keep: tuple[str, ...] = ()) -> Path:
         _drop_round_trips(converted.model)
     converted.topological_sort()
     tensors_to_raw(converted.model)  # the converter writes FP16 into int32_data, which IREE's importer refuses
+    _empty_tensors_to_raw(converted.model)
     onnx.save(converted.model, str(out))
     return out
+
+
+def _empty_tensors_to_raw(model: Any) -> int:
+    """Give every tensor with no elements and no data field an empty ``raw_data``; returns how many.
+    Exporters write optional inputs such as Resize's ``roi`` as a float tensor of dims [0] with no
+    data field, which is valid ONNX; the converter turns it into an FP16 tensor with no field, and
+    IREE's importer reads FP16 only from raw_data ("Unhandled ONNX TensorProto data: dims: 0")."""
+    from onnx import TensorProto
+
+    filled = 0
+    for tensor in _all_tensors(model.graph):
+        if (
+            0 in tensor.dims
+            and not tensor.HasField("raw_data")
+            and tensor.data_location != TensorProto.EXTERNAL
+            and tensor.data_type != TensorProto.STRING
+        ):
+            tensor.raw_data = b""
+            filled += 1
+    return filled
 
 
 def _drop_round_trips(model: Any) -> int:

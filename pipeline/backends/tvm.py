@@ -1,11 +1,14 @@
 """Apache TVM: the ONNX model through the Relax frontend, fused and compiled for an LLVM CPU target,
 its kernels scheduled by MetaSchedule from the SKU's checked-in tuning database.
 
-Build: ``relax.frontend.onnx`` -> inference decompositions -> legalize, fold, fuse (each fused
-group of ops one TIR primitive function, the "layers" of the report) -> MetaSchedule: every
-primitive function is a tuning task, looked up in the database of ``caches/<sku>/<model>/``; a
-task not found there is tuned with the SKU's trial budget (``options.trials``) and added, unless
-the SKU requires its cache (then the build fails) -> ``MetaScheduleApplyDatabase`` -> the
+Build: ``relax.frontend.onnx`` (a model it refuses is tried again with its fixed shapes folded
+to constants, then converted to a newer opset; UnsupportedOp when every graph is refused) ->
+inference decompositions -> legalize, fold, fuse (each fused group of ops one TIR primitive
+function, the "layers" of the report) -> MetaSchedule: every primitive function is a tuning task,
+looked up in the database of ``caches/<sku>/<model>/``; a task not found there is a miss (the
+build fails when the SKU requires its cache), tuned with the SKU's trial budget
+(``options.trials``) and added when tuning is asked for (``skuforge cache refresh``, an explicit
+budget, SKUFORGE_TUNE=1), else built with TVM's default schedule and a warning -> ``MetaScheduleApplyDatabase`` -> the
 executable exported as a shared library (``model.so``) that ``tvm.runtime.load_module`` and the
 Relax VM load. ``options.trials: 0`` builds with TVM's default schedules and no database.
 
@@ -16,10 +19,14 @@ schedule came from the database ("tuned") or TVM's default ("default").
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
+import re
 import shutil
 import threading
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -36,10 +43,11 @@ from pipeline.backends.contract import (
     Staged,
     median_per_run,
 )
-from pipeline.core.env import TVM_NUM_THREADS
+from pipeline.backends.opset import OPSET_CONVERSION_RTOL, OpsetConversion, convert_opset, probe_difference
+from pipeline.core.env import SKUFORGE_TUNE, TVM_NUM_THREADS
 from pipeline.core.errors import EnvironmentProblem, InputError, UnsupportedOp
 from pipeline.host import probe
-from pipeline.model.graph import signature
+from pipeline.model.graph import default_opset, fold_static_shapes, signature
 from pipeline.results.reports import LayerInfo, TensorSig
 
 if TYPE_CHECKING:
@@ -384,17 +392,16 @@ class TvmBackend(Backend):
         target_json = target_of(opts, ctx.sku_spec.target.arch)
         target = tvm.target.Target(target_json)
         sig = signature(staged.model)
-        mod, node_of = import_onnx(staged.model)
+        imported = import_onnx(staged.model, ctx.probe_inputs)
+        warnings = [w for w in [imported.warning()] if w]
         _progress(ctx, "tvm lower", 0.1)
-        mod, origins = lower(mod, target, node_of)
+        mod, origins = lower(imported.mod, target, imported.node_of)
         functions = primitive_functions(mod)
-        warnings: list[str] = []
         database: Any = None
         tuned: set[str] = set()
+        untuned = 0
         if self.uses_cache(opts):
-            database, tuned, spent = self._schedule(ctx, staged, mod, target, opts)
-            if spent:
-                warnings.append(f"tuned {spent} trials on this host: the database records this runner's measurements")
+            database, tuned, untuned = self._schedule(ctx, staged, mod, target, opts, warnings)
         _progress(ctx, "tvm compile", 0.7)
         executable = compile_module(mod, target, database, opts.opt_level)
         executable.export_library(str(ctx.engine_dir / LIBRARY))
@@ -437,6 +444,8 @@ class TvmBackend(Backend):
             "target": target_json,
             "functions": len(functions),
             "tuned_functions": meta.tuned,
+            "untuned_tasks": untuned,  # tasks the database lacks, built with default schedules (tuning not asked for)
+            "frontend_import": imported.record(),  # None: the frontend took the model as exported
         }
         return BuildOutcome(
             files=[LIBRARY],
@@ -450,11 +459,12 @@ class TvmBackend(Backend):
         )
 
     def _schedule(
-        self, ctx: BuildContext, staged: Staged, mod: Any, target: Any, opts: TvmOptions
+        self, ctx: BuildContext, staged: Staged, mod: Any, target: Any, opts: TvmOptions, warnings: list[str]
     ) -> tuple[Any, set[str], int]:
-        """The tuning database for ``mod``: the trusted cache's records, plus tuning for each task
-        it lacks (a miss: under cache.require the build fails here). Returns the database, the
-        primitive functions it schedules and the trials spent."""
+        """The tuning database for ``mod``: the trusted cache's records; a task it lacks is a miss
+        (under cache.require the build fails here), tuned when tuning is asked for
+        (``tuning_asked``) and built with TVM's default schedule otherwise. Returns the database,
+        the primitive functions it schedules and how many tasks were left untuned."""
         session = staged.cache
         assert session is not None, "called only when the options use the cache: Backend.build opened a session"
         work = staged.work / "tuning"
@@ -475,8 +485,8 @@ class TvmBackend(Backend):
         if missing and session.trusted:  # a trusted database that lacks a task: the model changed
             for task in missing:
                 session.miss(f"tuning task {task.task_name}")
-        spent = 0
-        if missing and ctx.search:
+        untuned = 0
+        if missing and tuning_asked(ctx):
             budget = ctx.tuning_trials or opts.trials
             _progress(ctx, f"tvm tune {len(missing)} tasks", 0.2)
             with _threads(opts.num_threads):  # candidates are measured with the threads the engine runs with
@@ -488,8 +498,20 @@ class TvmBackend(Backend):
             (work / DEFAULTS).write_text(json.dumps(dict(sorted(defaults.items())), indent=1) + "\n")
             for name in self.cache_files:
                 session.write(name, (work / name).read_bytes(), trials=spent if name == RECORDS else None)
+            if spent:
+                warnings.append(f"tuned {spent} trials on this host: the database records this runner's measurements")
+        elif missing:
+            untuned = len(missing)
+            if ctx.search:  # bisection's scratch builds take the defaults by design
+                why = "lacks them" if session.trusted else f"is {session.status.state}"
+                warnings.append(
+                    f"{untuned} of {len(tasks)} tuning tasks have no schedule ({session.where} {why}): built "
+                    f"with TVM's default schedules for them, untuned (tuning was not asked for); to tune "
+                    f"({opts.trials} trials): {session.refresh_hint}, or tune only those: "
+                    f"{SKUFORGE_TUNE.name}=1 skuforge build --model {ctx.model} --sku {ctx.sku}"
+                )
         tuned = {t.task_name for t in tasks if has_record(database, t, target)}
-        return database, tuned, spent
+        return database, tuned, untuned
 
     def _load_impl(self, engine_dir: Path, meta: TvmMeta, sku: SkuSpec) -> Runner:
         missing = probe.missing_llvm_features(meta.target.get("mattr", []))
@@ -506,31 +528,128 @@ class TvmBackend(Backend):
 # --- import and lowering ----------------------------------------------------------------------------
 
 
-def import_onnx(model: onnx.ModelProto) -> tuple[Any, dict[Any, str]]:
-    """The Relax module of the ONNX model (static shapes, weights bound as constants) and, for
-    each binding of its main function, the ONNX node it was converted from."""
-    from tvm.relax.frontend.onnx import onnx_frontend as frontend
+# The opset a refused model is converted to before the import is given up: the frontend picks each
+# op's newest converter up to the model's opset and falls back to its oldest, so an op older than
+# every converter (Resize at opset 10 with its two inputs) is read with a newer op's inputs.
+RETRY_OPSET = 18
+_FAILED_OP = re.compile(r"Error converting operator (\w+)")
 
-    convert = frontend._get_convert_map()
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why the frontend refused one graph: the op and node it failed at (None where unknown)."""
+
+    op: str | None
+    node: str | None
+    detail: str
+
+    def __str__(self) -> str:
+        where = f"{self.op} node {self.node!r}" if self.node else (self.op or "the graph")
+        return f"{where}: {self.detail}"
+
+
+@dataclass
+class Imported:
+    """The Relax module, the ONNX node each binding of main came from, the graph it was imported
+    from, and, when the model as exported was refused, what was refused and what the graph
+    imported went through."""
+
+    mod: Any
+    node_of: dict[Any, str]
+    model: onnx.ModelProto
+    refused: Refusal | None = None
+    steps: list[str] = field(default_factory=list)
+    conversion: OpsetConversion | None = None
+
+    def record(self) -> dict[str, Any] | None:
+        if self.refused is None:
+            return None
+        return {
+            "refused": {"op": self.refused.op, "node": self.refused.node, "detail": self.refused.detail},
+            "steps": self.steps,
+            "opset_conversion": self.conversion.to_json() if self.conversion else None,
+        }
+
+    def warning(self) -> str | None:
+        if self.refused is None:
+            return None
+        return (
+            f"TVM's Relax ONNX frontend refused the model as exported ({self.refused}); built from the graph "
+            f"{' then '.join(self.steps)}, its outputs on the probe batch checked against the model's"
+        )
+
+
+def import_onnx(model: onnx.ModelProto, probe_inputs: dict[str, np.ndarray]) -> Imported:
+    """The Relax module of the ONNX model (static shapes, weights bound as constants). When the
+    frontend refuses the model as exported, it is tried again on the graph with its fixed shapes
+    folded to constants, then converted to RETRY_OPSET, each checked on ``probe_inputs`` with ONNX
+    Runtime; UnsupportedOp (naming the op and node of the first refusal) when every graph is refused."""
+    import onnx
+
     names = [n.name or f"{n.op_type}_{i}" for i, n in enumerate(model.graph.node)]
-    unsupported = [
-        (n.op_type, name)
-        for n, name in zip(model.graph.node, names, strict=True)
-        if n.op_type not in convert and n.domain in ("", "ai.onnx")
-    ]
     foreign = [
         (f"{n.domain}.{n.op_type}", name)
         for n, name in zip(model.graph.node, names, strict=True)
         if n.domain not in ("", "ai.onnx")
     ]
-    if unsupported or foreign:
-        (op, node), *_ = unsupported or foreign
-        listed = ", ".join(f"{o} (node {n!r})" for o, n in (unsupported + foreign)[:10])
+    if foreign:  # no rewrite of the standard graph reaches them
+        (op, node), *_ = foreign
+        listed = ", ".join(f"{o} (node {n!r})" for o, n in foreign[:10])
         raise UnsupportedOp("tvm", op, node, f"TVM {_version()}'s Relax ONNX frontend has no conversion for {listed}")
+    shapes = _static_input_shapes(model)
+    first = _import_once(model, shapes)
+    if not isinstance(first, Refusal):
+        return Imported(*first, model=model)
+    tried = [f"as exported: {first}"]
+    current, steps, conversion = model, [], None
+    folded = onnx.ModelProto()
+    folded.CopyFrom(model)
+    changes = fold_static_shapes(folded)
+    if changes:
+        step = f"with its fixed shapes folded to constants ({'; '.join(changes)})"
+        try:
+            worst_abs, worst_rel = probe_difference(model, folded, probe_inputs)
+        except InputError as exc:
+            tried.append(f"{step}: does not run ({exc.message})")
+        else:
+            if worst_rel <= OPSET_CONVERSION_RTOL:
+                current, steps = folded, [step]
+                outcome = _import_once(current, shapes)
+                if not isinstance(outcome, Refusal):
+                    return Imported(*outcome, model=current, refused=first, steps=steps)
+                tried.append(f"{step}: {outcome}")
+            else:
+                tried.append(f"{step}: changed the outputs on the probe batch (max abs error {worst_abs:.3g})")
+    if default_opset(current) < RETRY_OPSET:
+        reason = f"TVM's Relax ONNX frontend refused the model at opset {default_opset(current)}"
+        step = f"converted from opset {default_opset(current)} to {RETRY_OPSET}"
+        try:
+            converted, conversion = convert_opset(current, RETRY_OPSET, probe_inputs, reason)
+        except InputError as exc:
+            tried.append(f"{' then '.join([*steps, step])}: {exc.message}")
+        else:
+            steps = [*steps, step]
+            outcome = _import_once(converted, shapes)
+            if not isinstance(outcome, Refusal):
+                return Imported(*outcome, model=converted, refused=first, steps=steps, conversion=conversion)
+            tried.append(f"{' then '.join(steps)}: {outcome}")
+    raise UnsupportedOp(
+        "tvm",
+        first.op,
+        first.node,
+        f"TVM {_version()}'s Relax ONNX frontend cannot convert the model, which ONNX Runtime runs. Tried the graph "
+        + "; the graph ".join(tried),
+        hint="build this model with another backend, or replace the op before export (upgrading apache-tvm "
+        "may add the conversion)",
+    )
+
+
+def _static_input_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
     initializers = {i.name for i in model.graph.initializer}
-    inputs = [i for i in model.graph.input if i.name not in initializers]
     shapes = {}
-    for value in inputs:
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
         dims = value.type.tensor_type.shape.dim
         if any(not d.HasField("dim_value") for d in dims):
             raise InputError(
@@ -538,17 +657,29 @@ def import_onnx(model: onnx.ModelProto) -> tuple[Any, dict[Any, str]]:
                 hint="pin the axis in the SKU's shapes (profiles are not supported by tvm)",
             )
         shapes[value.name] = [d.dim_value for d in dims]
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    return shapes
+
+
+def _import_once(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> tuple[Any, dict[Any, str]] | Refusal:
+    """The module and each binding's ONNX node, or where and why the frontend refused the graph."""
+    from tvm.relax.frontend.onnx import onnx_frontend as frontend
+
+    convert = frontend._get_convert_map()
+    names = [n.name or f"{n.op_type}_{i}" for i, n in enumerate(model.graph.node)]
+    unsupported = [
+        (n.op_type, name) for n, name in zip(model.graph.node, names, strict=True) if n.op_type not in convert
+    ]
+    if unsupported:
+        (op, node), *_ = unsupported
+        listed = ", ".join(f"{o} (node {n!r})" for o, n in unsupported[:10])
+        return Refusal(op, node, f"TVM {_version()}'s Relax ONNX frontend has no conversion for {listed}")
     importer = frontend.ONNXGraphImporter(shapes, "float32", keep_params_in_input=False, sanitize=True)
+    printed = io.StringIO()
     try:
-        mod = importer.from_onnx(model.graph, opset)
+        with contextlib.redirect_stdout(printed):  # the frontend prints the failing op's inputs to stdout
+            mod = importer.from_onnx(model.graph, default_opset(model))
     except Exception as exc:  # the frontend raises whatever its converters raise
-        detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise InputError(
-            f"TVM's Relax ONNX frontend could not convert the model: {detail}",
-            hint="the model is valid ONNX but this TVM refuses it for the reason above: re-export at "
-            "another opset, upgrade apache-tvm, or use another backend",
-        ) from exc
+        return _refusal(model, names, importer, exc, printed.getvalue())
     producer = {out: name for node, name in zip(model.graph.node, names, strict=True) for out in node.output if out}
     outputs = [(importer._nodes[o], n) for o, n in producer.items() if o in getattr(importer, "_nodes", {})]
     node_of: dict[Any, str] = {}
@@ -561,6 +692,20 @@ def import_onnx(model: onnx.ModelProto) -> tuple[Any, dict[Any, str]]:
                 node_of.update({v: made for v in pending})
                 pending = []
     return mod, node_of
+
+
+def _refusal(model: onnx.ModelProto, names: list[str], importer: Any, exc: Exception, printed: str) -> Refusal:
+    """The node the frontend failed at: it converts in graph order and records each node's outputs
+    as it goes, so the first node with an output it never recorded (of the op it printed, when it
+    did) is the one."""
+    detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+    said = _FAILED_OP.search(printed)
+    op = said.group(1) if said else None
+    done = getattr(importer, "_nodes", {})
+    for node, name in zip(model.graph.node, names, strict=True):
+        if any(out and out not in done for out in node.output) and op in (None, node.op_type):
+            return Refusal(node.op_type, name, detail)
+    return Refusal(op, None, detail)
 
 
 def lower(mod: Any, target: Any, node_of: dict[Any, str]) -> tuple[Any, dict[str, list[str]]]:
@@ -848,3 +993,11 @@ class _threads:
 def _progress(ctx: BuildContext, label: str, fraction: float) -> None:
     if ctx.progress:
         ctx.progress(label, fraction)
+
+
+def tuning_asked(ctx: BuildContext) -> bool:
+    """Whether a build searches schedules for the tasks its database lacks: asked for by a cache
+    refresh, an explicit trial budget (``tuning_trials``) or SKUFORGE_TUNE, never in a scratch
+    build (``search`` False). Otherwise a model new to a tuned SKU builds in seconds with default
+    schedules instead of tuning for hours."""
+    return ctx.search and (ctx.cache_refresh or bool(ctx.tuning_trials) or SKUFORGE_TUNE.get())

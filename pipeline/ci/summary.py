@@ -45,7 +45,7 @@ def markdown(registry: Registry, sku: str, report_url: str | None = None) -> str
         lines.append("|" + "---|" * (len(COLUMNS) + 1))
         for p in pairs:
             row = {**(p.manifest or {}), "model": p.model}
-            outcome = p.outcome if p.outcome == "passed" else f"**{p.outcome}**: {_escape(p.detail)}"
+            outcome = p.label if p.outcome == "passed" else f"**{p.outcome}**: {_escape(p.detail)}"
             lines.append("| " + " | ".join(_cell(row.get(key)) for key, _ in COLUMNS) + f" | {outcome} |")
     if report_url:
         lines += [

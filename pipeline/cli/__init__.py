@@ -3,7 +3,8 @@
 Argument parsing imports nothing heavy (pipeline/cli/parser/): a command's module, which imports
 the library, is loaded when the command runs (``handler``).
 Exit codes: 0 ok, 1 gate failed, 2 bad config or input, 3 environment, 4 external service,
-70 internal error, 130 interrupted (Ctrl-C). Everything the command prints (its output, log
+70 internal error, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM); either ends the processes the
+command started. Everything the command prints (its output, log
 records, warnings, errors and the traceback of a bug) passes through :func:`pipeline.core.redact.redact`:
 no credential leaves it. A stage command also records its failure for ``skuforge repro``'s matrix.
 """
@@ -20,10 +21,19 @@ from pathlib import Path
 
 from pipeline.cli.parser import build_parser
 from pipeline.cli.parser.commands import STAGE_COMMANDS
-from pipeline.core import redact
+from pipeline.core import budget, redact
 from pipeline.core.env import DVC_STAGE
-from pipeline.core.errors import EXIT_INTERNAL, EnvironmentProblem, InputError, SkuforgeError
+from pipeline.core.errors import (
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    EnvironmentProblem,
+    InputError,
+    SkuforgeError,
+    TimedOut,
+)
 from pipeline.core.io import storage_error
+from pipeline.core.processes import Terminated, end_descendants, sigterm_as_interrupt
 from pipeline.results.outcomes import clear_outcome, record_outcome
 
 # Loggers that log a traceback for an error skuforge reports itself in one line (-v shows them).
@@ -85,7 +95,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = build_parser()
         args = parser.parse_args(argv)
         _setup_logging(args.verbose)
-        return _run(args)
+        previous = budget.on_hard_stop(lambda exc: _hard_stop(args, exc))
+        try:
+            with sigterm_as_interrupt():
+                return _run(args)
+        finally:
+            budget.on_hard_stop(previous)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -103,8 +118,9 @@ def _run(args: argparse.Namespace) -> int:
         import gc
 
         gc.collect()
-        print("skuforge: interrupted", file=sys.stderr)
-        return 130
+        terminated = isinstance(sys.exc_info()[1], Terminated)
+        print(f"skuforge: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except BrokenPipeError:  # the reader went away (`skuforge ... | head`): nothing left to say
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -151,6 +167,16 @@ def _record(args: argparse.Namespace, code: int, exc: BaseException | None) -> i
     return code
 
 
+def _hard_stop(args: argparse.Namespace, exc: TimedOut) -> None:
+    """A stage's time budget ran out inside an engine call (pipeline/core/budget.py), which Python
+    cannot interrupt: report and record the failed gate as any other, then leave with the call in flight."""
+    code = _record(args, _error(exc), exc)
+    end_descendants()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _bug() -> int:
     import traceback
 
@@ -162,15 +188,18 @@ def _bug() -> int:
 def run() -> None:
     try:
         code = main()
-    except KeyboardInterrupt:  # Ctrl-C outside a command (while parsing, importing, flushing)
-        print("skuforge: interrupted", file=sys.stderr)
-        code = 130
-    if code == 130:
+    except KeyboardInterrupt as exc:  # Ctrl-C outside a command (while parsing, importing, flushing)
+        terminated = isinstance(exc, Terminated)
+        print(f"skuforge: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        code = EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
+    if code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
         # Interrupted: a compiler runtime may still own native threads (a bench worker inside an
         # inference call, a thread pool mid-task), and tearing the interpreter down under them aborts
         # ("terminate called without an active exception", exit -6, seen under load). Everything
-        # that writes has unwound (atomic writes, temporary folders); leave without native teardown.
+        # that writes has unwound (atomic writes, temporary folders); what this command started
+        # (a compiler's tuning workers, say) is ended, and it leaves without native teardown.
+        end_descendants()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(130)
+        os._exit(code)
     sys.exit(code)

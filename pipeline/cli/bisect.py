@@ -56,7 +56,9 @@ def run(args: argparse.Namespace) -> int:
 
 def bisection_text(b) -> str:
     lines = [
-        f"{b.model}/{b.sku} ({b.backend} {b.precision}): {b.verdict}, {b.builds} builds, "
+        f"{b.model}/{b.sku} ({b.backend} {b.precision}): {b.verdict}, {b.builds}"
+        + (f" of {b.max_builds}" if b.max_builds else "")
+        + " builds, "
         f"{b.candidates} candidate tensors, {b.samples} golden samples",
         f"  {b.summary}",
     ]
@@ -80,7 +82,11 @@ def bisection_text(b) -> str:
                 + (f" fused from {', '.join(layer.fused_from)}" if layer.fused_from else "")
             )
         lines.append(f"    {s.explanation}")
-        lines.append(f"    remedy: keep {', '.join(s.keep)} in higher precision (skuforge bisect --fix)")
+        lines.append(
+            f"    remedy: keep {', '.join(s.keep)} in higher precision (skuforge bisect --fix)"
+            if s.keep
+            else "    remedy: no node to keep in higher precision (see above)"
+        )
     for t in b.tensors:
         lines.append(
             f"  {'DIVERGES' if t.divergent else 'ok':8} {t.node} ({t.op_type}): relative {_num(t.relative_error)}, "
@@ -102,6 +108,17 @@ def _fix_text(r, args: argparse.Namespace) -> str:
         )
     if r.latency_ratio:
         lines.append(f"  latency cost: x{r.latency_ratio:.2f}")
+    if r.max_builds:
+        lines.append(
+            f"  builds: {r.builds} in {len(r.rounds)} round(s); cap {r.max_builds} per bisection, {r.max_rounds} rounds"
+        )
+    for step in r.steps:
+        lines.append(
+            f"    keep [{', '.join(step.keep_precise)}]: max abs {_num(step.max_abs_error)}, "
+            f"{'pass' if step.passed else 'fail'} (build {step.builds}){'' if step.kept else ', undone'}"
+        )
+    for lesson in r.lessons:
+        lines.append(f"  learned: {lesson}")
     if r.passed:
         lines.append(
             ("written to params.yaml:" if args.apply else "params.yaml override (add it, or rerun with --apply):")

@@ -215,6 +215,11 @@ SKUFORGE_REQUIRE_CACHE = Flag(
     "every build fails (exit 1) on a miss of its SKU's checked-in compiler cache, as `cache.require` does "
     "(CI's release flag)",
 )
+SKUFORGE_TUNE = Flag(
+    "SKUFORGE_TUNE",
+    "a build of a TVM SKU with `options.trials > 0` tunes the tasks its checked-in tuning database lacks "
+    "(unset: they get TVM's default schedules and a warning; `cache refresh` tunes from scratch)",
+)
 SKUFORGE_CACHE_DIR = Folder(
     "SKUFORGE_CACHE_DIR",
     "folder of this host's caches (the peaks of `runner probe --peaks`)",

@@ -26,6 +26,15 @@ class GateFailed(SkuforgeError):
     exit_code = 1
 
 
+class TimedOut(GateFailed):
+    """A stage ran past its time budget (skus.<sku>.max_seconds): a gate on how long it may take,
+    so exit 1 like any gate; ``stage``, ``seconds`` and where it was name what ran out."""
+
+    def __init__(self, message: str, hint: str | None = None, stage: str = "", seconds: float = 0.0):
+        super().__init__(message, hint)
+        self.stage, self.seconds = stage, seconds
+
+
 class ConfigError(SkuforgeError):
     """params.yaml or a command-line argument is wrong."""
 
@@ -78,3 +87,5 @@ class ServiceError(SkuforgeError):
 
 EXIT_OK = 0
 EXIT_INTERNAL = 70
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT)
+EXIT_TERMINATED = 143  # SIGTERM (128 + 15, as a shell reports it)

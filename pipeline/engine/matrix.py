@@ -5,6 +5,7 @@ HTML report). Running ``dvc repro`` is pipeline/ops/repro.py."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -12,8 +13,10 @@ from typing import Any, Literal, get_args
 from pipeline.core.paths import Layout
 from pipeline.engine.hostcheck import host_problems
 from pipeline.project.config import Registry
+from pipeline.results.benchstats import e2e_below_engine
 from pipeline.results.manifest import load_manifest
 from pipeline.results.outcomes import OUTCOMES_DIR, read_outcome
+from pipeline.results.reports import COMPUTE_PRECISIONS
 
 
 @dataclass
@@ -97,6 +100,12 @@ class PairOutcome:
     runner_labels: list[str] = field(default_factory=list)
     manifest: dict[str, Any] | None = None  # the summary row of its manifest
     fix: str = ""  # a failed correctness gate: the bisected node and the command that fixes it (also in detail)
+    warnings: list[str] = field(default_factory=list)  # short: what makes a passed pair doubtful (also in detail)
+
+    @property
+    def label(self) -> str:
+        """The outcome as a matrix cell: ``passed (warn: 5 fp32 layers)``."""
+        return f"{self.outcome} (warn: {'; '.join(self.warnings)})" if self.warnings else self.outcome
 
     def to_json(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -136,6 +145,7 @@ def _pair_outcome(
     out = Layout(registry.root)
     manifest_path = out.manifest(model, sku)
     row = _manifest_row(registry, model, sku) if manifest_path.is_file() else None
+    notes = row.pop("warnings") if row is not None else []
     if row is None and status is not None and not status.buildable:
         # whatever an attempt here recorded, this host was never going to build it
         return PairOutcome(
@@ -162,7 +172,17 @@ def _pair_outcome(
         )
     if row is not None:
         if row["passed"]:
-            return PairOutcome(model, sku, "passed", 0, "", None, row["p50_ms"], manifest=row)
+            return PairOutcome(
+                model,
+                sku,
+                "passed",
+                0,
+                "; ".join(long for _, long in notes),
+                None,
+                row["p50_ms"],
+                manifest=row,
+                warnings=[short for short, _ in notes],
+            )
         fix = row.pop("fix", "")
         return PairOutcome(
             model,
@@ -193,6 +213,8 @@ def _failed_pair(
 ) -> PairOutcome:
 
     stage, code, message = record["stage"], int(record["exit_code"]), str(record["message"])
+    if record.get("timed_out"):  # before validate's failures: its report, if any, is an older run's
+        return PairOutcome(model, sku, "gate failed", code, f"{stage}: {message}", stage, manifest=row)
     if stage == "validate" and code == 1:
         failures, fix = _validate_failures(registry, model, sku, Layout(registry.root).report(model, sku, "validate"))
         return PairOutcome(
@@ -267,6 +289,40 @@ def worst_exit(rows: list[PairOutcome]) -> int:
     return max(codes, default=0)
 
 
+def _warnings(m: Any, model: str, sku: str) -> list[tuple[str, str]]:
+    """(short, long) for what a manifest passed with but should not go unseen: layers in another
+    precision under a ``warn`` precision gate, an end-to-end p50 below the engine-only one."""
+    out = []
+    precision = m.correctness.precision
+    if precision.passed and precision.mismatched_layers:
+        kinds = Counter(
+            layer.precision
+            for layer in m.layers
+            if layer.precision in COMPUTE_PRECISIONS and layer.precision != m.precision
+        )
+        short = ", ".join(f"{n} {k} layer{'s' if n > 1 else ''}" for k, n in sorted(kinds.items())) or (
+            f"{precision.mismatched_layers} layers not {m.precision}"
+        )
+        out.append(
+            (
+                short,
+                f"precision: {m.precision} asked, {short} (skus.{sku}.precision_gate.policy: {precision.policy}, "
+                f"max_mismatched_layers)",
+            )
+        )
+    bm = m.benchmark
+    if e2e_below_engine(bm.engine_only, bm.end_to_end):
+        out.append(
+            (
+                "e2e p50 below engine p50",
+                f"bench: end-to-end p50 {bm.end_to_end.p50_ms:g} ms below engine-only p50 "
+                f"{bm.engine_only.p50_ms:g} ms: a measurement error; "
+                f"rerun `skuforge bench --model {model} --sku {sku}` on a quiet runner",
+            )
+        )
+    return out
+
+
 def _manifest_row(registry: Registry, model: str, sku: str) -> dict[str, Any]:
     """The summary row of one manifest: gate results, metric deltas, latency, MLflow version."""
 
@@ -301,6 +357,7 @@ def _manifest_row(registry: Registry, model: str, sku: str) -> dict[str, Any]:
         "p99_ms": m.benchmark.engine_only.p99_ms,
         "e2e_p50_ms": m.benchmark.end_to_end.p50_ms,
         "throughput_per_s": m.benchmark.throughput_per_s,
+        "warnings": _warnings(m, model, sku),
         "digest": m.digest[:12],
         "mlflow": f"v{published['version']}" if published.get("digest") == m.digest else None,
         **(

@@ -595,3 +595,47 @@ def pin_subgraph_axes(model: onnx.ModelProto, pins: dict[str, int]) -> int:
 
     visit(model.graph)
     return fixed
+
+
+def fold_static_shapes(model: onnx.ModelProto) -> list[str]:
+    """Shape and Size nodes (top-level graph) of tensors whose shape is fixed (every dim a number,
+    as after pinning the axes) become initializers; what computes only on them and on constants
+    (the Shape -> Gather -> Concat -> Reshape chains exporters write) is folded, and what is left
+    dead is removed. For importers that need a new shape as a constant. Returns what changed."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception:  # noqa: BLE001  (the shapes the model already declares)
+        inferred = model
+    static: dict[str, list[int]] = {i.name: list(i.dims) for i in model.graph.initializer}
+    for value in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+        tensor = value.type.tensor_type
+        if tensor.HasField("shape") and all(d.HasField("dim_value") for d in tensor.shape.dim):
+            static.setdefault(value.name, [d.dim_value for d in tensor.shape.dim])
+    outputs = {o.name for o in model.graph.output}
+    kept: list[onnx.NodeProto] = []
+    replaced: Counter[str] = Counter()
+    for node in model.graph.node:
+        dims = static.get(node.input[0]) if node.input else None
+        if node.op_type not in ("Shape", "Size") or node.domain not in ("", "ai.onnx") or dims is None:
+            kept.append(node)
+            continue
+        if node.output[0] in outputs:  # a graph output stays computed
+            kept.append(node)
+            continue
+        if node.op_type == "Shape":  # start/end (opset 15) clamp as Python's slicing does
+            attrs = {a.name: a.i for a in node.attribute}
+            value = np.array(dims[attrs.get("start", 0) : attrs.get("end", len(dims))], np.int64)
+        else:
+            value = np.array(int(np.prod(dims, dtype=np.int64)), np.int64)
+        model.graph.initializer.append(numpy_helper.from_array(value, node.output[0]))
+        replaced[node.op_type] += 1
+    if not replaced:
+        return []
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    details = [f"{n} {op} of a fixed shape became constants" for op, n in sorted(replaced.items())]
+    return details + fold_constants(model) + eliminate_dead_code(model)

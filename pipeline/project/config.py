@@ -479,6 +479,12 @@ class SkuSpec(Strict):
     tolerance: ToleranceOverride = ToleranceOverride()
     metric: MetricGateOverride = MetricGateOverride()
     bench: BenchOverride = BenchOverride()
+    max_seconds: float | None = Field(
+        3600.0,
+        gt=0,
+        description="wall-clock budget of each of validate and bench for this SKU: past it the stage "
+        "fails its gate as timed out (exit 1), even inside one engine call; null: no budget",
+    )
     bisect: BisectSpec = BisectSpec()
     reproducibility: ReproducibilitySpec = ReproducibilitySpec()
     cache: CacheSpec = CacheSpec()

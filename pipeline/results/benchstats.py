@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pipeline.results.reports import Drift, LatencyStats
+from pipeline.results.reports import Drift, LatencyStats, LatencySummary
 
 if TYPE_CHECKING:
     import numpy as np
@@ -140,3 +140,15 @@ def same_figure(
         return old_ci[0] <= new_ci[1] and new_ci[0] <= old_ci[1]
     scale = max(abs(old), abs(new))
     return scale == 0 or abs(old - new) / scale <= rel
+
+
+E2E_SLACK = 0.05  # without intervals, end to end must be this fraction below engine-only to be flagged
+
+
+def e2e_below_engine(engine: LatencyStats | LatencySummary, e2e: LatencyStats | LatencySummary) -> bool:
+    """End to end includes the engine call, so an end-to-end p50 below the engine-only p50 is a
+    measurement error (the two phases ran under different conditions), never a faster pipeline.
+    Flagged where the two p50 intervals lie apart, or without intervals by more than E2E_SLACK."""
+    if engine.p50_ci_ms is not None and e2e.p50_ci_ms is not None:
+        return e2e.p50_ci_ms[1] < engine.p50_ci_ms[0]
+    return e2e.p50_ms < engine.p50_ms * (1 - E2E_SLACK)

@@ -1,6 +1,6 @@
 """Outcome records: what a failed stage command leaves for ``skuforge repro``'s matrix (exit code,
-one redacted line, the unsupported op). Written by the CLI on failure, cleared when the stage runs
-again, read by pipeline/engine/matrix.py. Never trusted as evidence: a record is a hint."""
+one redacted line, the unsupported op, the time budget that ran out). Written by the CLI on failure,
+cleared when the stage runs again, read by pipeline/engine/matrix.py. Never trusted as evidence: a record is a hint."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from pipeline.core.errors import UnsupportedOp
+from pipeline.core.errors import TimedOut, UnsupportedOp
 from pipeline.core.io import atomic_write_bytes, atomic_write_json
 from pipeline.core.redact import redact
 
@@ -49,6 +49,8 @@ def record_outcome(
         "time": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
         "unsupported": None,
     }
+    if isinstance(error, TimedOut):  # a gate on time: the matrix says so rather than a correctness failure
+        record["timed_out"] = {"stage": error.stage, "seconds": error.seconds}
     if isinstance(error, UnsupportedOp):
         record["unsupported"] = {"backend": error.backend, "op_type": error.op_type, "node": error.node}
     return atomic_write_json(outcome_path(root, stage, model, sku), record)

@@ -90,6 +90,10 @@ class CalibrationReport(Result):
     table_sha256: str
 
 
+# Precisions a layer computes in; "n/a" (data movement) and integer index ops are not judged.
+COMPUTE_PRECISIONS = frozenset({"fp32", "fp16", "bf16", "int8", "fp8", "int4"})
+
+
 class LayerInfo(Result):
     name: str
     op_type: str
@@ -381,6 +385,7 @@ class Bisection(Result):
     candidates: int
     builds: int
     marks_per_build: int
+    max_builds: int | None = Field(None, description="the build cap of this bisection")
     samples: int
     keep_precise: list[str] = Field(default_factory=list, description="nodes already kept precise in these builds")
     suspects: list[Suspect] = Field(default_factory=list)
@@ -405,6 +410,16 @@ class Outcome(Result):
     )
 
 
+class FixStep(Result):
+    """One engine configuration of the remedy: the nodes kept, the error it reached."""
+
+    keep_precise: list[str]
+    passed: bool
+    max_abs_error: float | None = Field(None, description="the largest max abs error over the outputs")
+    builds: int = Field(description="builds spent so far, this one included")
+    kept: bool = Field(True, description="false when the remedy dropped the nodes it added (no effect)")
+
+
 class Remedy(Result):
     model: str
     sku: str
@@ -419,6 +434,14 @@ class Remedy(Result):
     after: Outcome
     latency_ratio: float | None = Field(None, description="after p50 / before p50: what the fix costs")
     overrides: str = Field(description="params.yaml fragment that applies the remedy")
+    max_builds: int | None = Field(None, description="the build cap of each round's bisection")
+    max_rounds: int | None = Field(None, description="the cap on rounds")
+    steps: list[FixStep] = Field(
+        default_factory=list, description="each configuration the remedy built and judged, in order"
+    )
+    lessons: list[str] = Field(
+        default_factory=list, description="what a round that did not move the error showed, in words"
+    )
 
 
 class ValidationReport(EngineBound):
@@ -508,7 +531,9 @@ class BenchReport(EngineBound):
     steady_state: SteadyState
     engine_only: LatencyStats
     end_to_end: LatencyStats
-    stopped: Literal["iterations", "max_seconds"] = Field(description="what ended the engine-only phase")
+    stopped: Literal["iterations", "max_seconds", "budget"] = Field(
+        description="what ended the engine-only phase (budget: what was left of skus.<sku>.max_seconds)"
+    )
     drift: Drift | None = Field(description="None: too few samples for two windows")
     throughput_per_s: float = Field(description="samples per second at the SKU's batch and concurrency")
     throughput_ci_per_s: tuple[float, float] | None = None
@@ -520,6 +545,12 @@ class BenchReport(EngineBound):
     timeline_sha256: str = Field(description="sha256 of timeline.csv (warm-up and steady calls in order)")
     roofline_sha256: str | None = Field(None, description="sha256 of roofline.json, where the bench wrote one")
     roofline_fraction: float | None = Field(None, description="achieved FLOP/s at p50 over the host's measured peak")
+    e2e_below_engine: bool = Field(
+        False,
+        description="end-to-end p50 below engine-only p50: impossible (end to end includes the engine), "
+        "so a measurement error; rerun the bench",
+    )
+    warnings: list[str] = Field(default_factory=list, description="what makes the figures doubtful, one line each")
     host: HostInfo | None = Field(
         None,
         description="the host the engine was timed on: the manifest's host must be it "

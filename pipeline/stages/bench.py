@@ -10,9 +10,10 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pipeline.backends import get_backend
+from pipeline.core.budget import Budget
 from pipeline.core.env import (
     GOMP_CPU_AFFINITY,
     KMP_AFFINITY,
@@ -27,7 +28,7 @@ from pipeline.core.errors import ConfigError
 from pipeline.core.io import atomic_write_bytes, atomic_write_json, sha256_bytes
 from pipeline.project.config import BenchSpec, Registry
 from pipeline.project.data import LABELS, iter_batches, postprocess, preprocess
-from pipeline.results.benchstats import drift, latency_stats, settled
+from pipeline.results.benchstats import drift, e2e_below_engine, latency_stats, settled
 from pipeline.results.reports import (
     BenchReport,
     BuildReport,
@@ -168,6 +169,18 @@ def _concurrent(
             if w.is_alive():
                 w.join(2.0)
     return [x for r in results for x in r], time.perf_counter() - start
+
+
+def _phase_cfg(cfg: BenchSpec, budget: Budget, share: float) -> BenchSpec:
+    """``cfg`` with its time bounds cut to ``share`` of what is left of the stage's budget."""
+    cap = budget.cap(cfg.max_seconds, share)
+    return cfg.model_copy(update={"max_seconds": cap, "min_seconds": min(cfg.min_seconds, cap)})
+
+
+def _stopped(cfg: BenchSpec, phase: BenchSpec, capped: bool) -> Literal["iterations", "max_seconds", "budget"]:
+    if not capped:
+        return "iterations"
+    return "budget" if phase.max_seconds < cfg.max_seconds else "max_seconds"
 
 
 def _timed(
@@ -321,37 +334,74 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
     sweep_feeds = _sweep_feeds(registry, model, sku, golden, in_idx, cfg.sweep.batch or [batch]) if cfg.sweep else {}
     state_before = device_state()
     mem_before = rss_mb()
+    lg = log(model, sku)
+    budget = Budget(sku_spec.max_seconds, "bench", f"skus.{sku}.max_seconds", lg)
+    warnings: list[str] = []
     t0 = time.perf_counter()
-    with get_backend(sku_spec.backend).load(out.engine_dir(model, sku), sku_spec) as runner:
+    with budget.watch(), get_backend(sku_spec.backend).load(out.engine_dir(model, sku), sku_spec) as runner:
         load_seconds = time.perf_counter() - t0
         engine_sha = check_engine(runner, build, out.engine_dir(model, sku), model, sku)
         mem_loaded = rss_mb()
+        budget.check("bench first inference")
         t0 = time.perf_counter()
         runner.infer(feeds)
         first_ms = (time.perf_counter() - t0) * 1000
         call = functools.partial(runner.infer, feeds)  # no per-call closure or lookup beyond the runner's own
-        warm, steady_state = warm_up(call, cfg, progress)
-        steady, wall, capped = _timed(call, cfg, cfg.concurrency, progress, "bench engine")
+        # each phase gets a share of what is left of the stage's budget, so that the later ones still run
+        budget.check("bench warm-up")
+        warm_cfg = cfg.model_copy(update={"max_warmup_seconds": budget.cap(cfg.max_warmup_seconds, 0.25)})
+        warm, steady_state = warm_up(call, warm_cfg, progress)
+        budget.check("bench engine-only")
+        steady_cfg = _phase_cfg(cfg, budget, 0.5)
+        steady, wall, capped = _timed(call, steady_cfg, cfg.concurrency, progress, "bench engine")
+        stopped = _stopped(cfg, steady_cfg, capped)
 
         def end_to_end() -> object:
             inputs = preprocess(spec, raw_batch)
             _, batched = next(iter_batches(inputs, in_idx, batch))
             return postprocess(spec, runner.infer(batched))
 
-        e2e, _, _ = _timed(end_to_end, cfg, 1, progress, "bench end-to-end")
-        points = sweep(runner, cfg, sweep_feeds, progress)
-        roof = (
-            engine_roofline(registry, model, sku, runner, feeds, build, float(np.median(steady)))
-            if cfg.roofline
-            else None
-        )
+        budget.check("bench end-to-end")
+        e2e_cfg = _phase_cfg(cfg, budget, 0.5)
+        # at the engine-only phase's concurrency: e2e latency under fewer callers is not comparable
+        e2e, _, e2e_capped = _timed(end_to_end, e2e_cfg, cfg.concurrency, progress, "bench end-to-end")
+        e2e_stopped = _stopped(cfg, e2e_cfg, e2e_capped)
+        for phase, n, how in (("engine-only", len(steady), stopped), ("end-to-end", len(e2e), e2e_stopped)):
+            if how == "budget":
+                warnings.append(
+                    f"bench: the stage budget ({budget.key}: {budget.seconds:g} s) cut the {phase} phase "
+                    f"to n={n} of {cfg.iterations} iterations: its intervals are wide"
+                )
+        points, roof = [], None
+        p50 = float(np.median(steady))
+        # the sweep and the roofline come last and only where the budget still holds them
+        if cfg.sweep is not None:
+            need = len(sweep_feeds) * len(cfg.sweep.concurrency or [cfg.concurrency]) * max(cfg.sweep.seconds, 1.0) * 2
+            if budget.remaining() > need:
+                points = sweep(runner, cfg, sweep_feeds, progress)
+            else:
+                warnings.append(f"bench: no sweep: it needs up to {need:g} s, more than is left of {budget.key}")
+        if cfg.roofline:
+            if budget.remaining() > 25 * p50 / 1000:  # profile_layers: a warm-up and 20 runs
+                roof = engine_roofline(registry, model, sku, runner, feeds, build, p50)
+            else:
+                warnings.append(
+                    f"bench: no roofline: its 20 profiled runs would not fit in what is left of {budget.key}"
+                )
         run = execution(build, cfg.concurrency)
         mem_after = rss_mb()
     # the statistics of the samples as latency.csv holds them: the manifest stage recomputes them from it
     steady = [float(f"{v:.4f}") for v in steady]
     samples, timeline = samples_csv(steady), timeline_csv(warm, steady)
     roof_bytes = json.dumps(roof.to_json(), indent=2, sort_keys=True).encode() + b"\n" if roof is not None else None
-    engine = latency_stats(steady, cfg.confidence)
+    engine, end_to_end_stats = latency_stats(steady, cfg.confidence), latency_stats(e2e, cfg.confidence)
+    impossible = e2e_below_engine(engine, end_to_end_stats)
+    if impossible:
+        warnings.append(
+            f"bench: end-to-end p50 {end_to_end_stats.p50_ms:.4g} ms is below engine-only p50 {engine.p50_ms:.4g} ms, "
+            "which end to end includes: a measurement error (a neighbour, a frequency step or throttling between "
+            f"the phases); rerun `skuforge bench --model {model} --sku {sku}` on a quiet runner"
+        )
     throughput_ci = None
     if engine.mean_ci_ms is not None and cfg.concurrency == 1:
         throughput_ci = (batch * 1000 / engine.mean_ci_ms[1], batch * 1000 / engine.mean_ci_ms[0])
@@ -364,6 +414,8 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
         timeline_sha256=sha256_bytes(timeline),
         roofline_sha256=sha256_bytes(roof_bytes) if roof_bytes is not None else None,
         roofline_fraction=roof.compute_fraction if roof is not None else None,
+        e2e_below_engine=impossible,
+        warnings=warnings,
         batch=batch,
         concurrency=cfg.concurrency,
         load_seconds=round(load_seconds, 4),
@@ -371,8 +423,8 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
         warmup=latency_stats(warm, cfg.confidence) if warm else None,
         steady_state=steady_state,
         engine_only=engine,
-        end_to_end=latency_stats(e2e, cfg.confidence),
-        stopped="max_seconds" if capped else "iterations",
+        end_to_end=end_to_end_stats,
+        stopped=stopped,
         drift=drift(steady, steady_state.window, cfg.drift_threshold),
         throughput_per_s=len(steady) * batch / wall if wall > 0 else 0.0,
         throughput_ci_per_s=throughput_ci,
@@ -397,7 +449,7 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
         out.roofline(model, sku).unlink(missing_ok=True)  # never a stale analysis beside a new report
     atomic_write_json(out.report(model, sku, "bench"), report.to_json())
     s = report.engine_only
-    log(model, sku).info(
+    lg.info(
         "bench: p50 %.4g ms (%s) p99 %.4g ms, %.0f samples/s; %s",
         s.p50_ms,
         _ci(s.p50_ci_ms),
@@ -406,9 +458,11 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
         steady_state.reason,
     )
     if not steady_state.reached:
-        log(model, sku).warning("bench: %s", steady_state.reason)
+        lg.warning("bench: %s", steady_state.reason)
+    for line in warnings:
+        lg.warning("%s", line)
     if report.drift is not None and report.drift.flagged:
-        log(model, sku).warning(
+        lg.warning(
             "bench: latency drifted %.1f%% between the first and last %d calls (%.4g -> %.4g ms): "
             "throttling or a noisy neighbour; the figures may not hold",
             (report.drift.ratio - 1) * 100,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 from pipeline.backends import get_backend
+from pipeline.core.budget import Budget
 from pipeline.core.errors import GateFailed, InputError, SkuforgeError
 from pipeline.core.io import atomic_savez, atomic_write_json, sha256_arrays
 from pipeline.core.progress import Progress
@@ -54,9 +55,11 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
     out = layout(registry)
     build = read_report(out.report(model, sku, "build"), BuildReport, "build")
     outputs_sha = None
-    with get_backend(sku_spec.backend).load(out.engine_dir(model, sku), sku_spec) as runner:
+    # the budget covers loading and the engine calls; what follows them is bounded by the data's size
+    budget = Budget(sku_spec.max_seconds, "validate", f"skus.{sku}.max_seconds", log(model, sku))
+    with budget.watch(), get_backend(sku_spec.backend).load(out.engine_dir(model, sku), sku_spec) as runner:
         engine_sha = check_engine(runner, build, out.engine_dir(model, sku), model, sku)
-        errors, metrics, samples, golden = correctness(registry, model, sku, runner, progress)
+        errors, metrics, samples, golden = correctness(registry, model, sku, runner, progress, budget)
     if golden:
         atomic_savez(out.engine_outputs(model, sku), **golden)
         outputs_sha = sha256_arrays(golden)
@@ -141,8 +144,13 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
         hint = f"see {out.report(model, sku, 'validate')}; loosen the SKU's tolerance only if the error is understood"
         lines = failures + ([f"bisection ({bisection.builds} builds): {bisection.summary}"] if bisection else [])
         if bisection is not None and bisection.suspects and sku_spec.precision != "fp32":
+            what = (
+                "keep the suspects in higher precision"
+                if any(s.keep for s in bisection.suspects)
+                else "the suspect cannot be kept precise itself: keep what feeds it"
+            )
             hint = (
-                f"keep the suspects in higher precision and re-validate: skuforge bisect --model {model} --sku {sku} "
+                f"{what} and re-validate: skuforge bisect --model {model} --sku {sku} "
                 f"--fix (--apply writes params.yaml); {hint}"
             )
         raise GateFailed(f"{model}/{sku} failed validation:\n" + "\n".join(f"  - {f}" for f in lines), hint=hint)

@@ -11,8 +11,12 @@ output), so each build marks only ``marks_per_build`` tensors and the search nar
 about log_(k+1)(n) builds for n candidates.
 
 Candidates are the float outputs of the top-level nodes that lead to a failing output, in graph
-(topological) order. A tensor diverges when it holds NaN/Inf where the reference is finite, or
-when its error relative to its own magnitude is beyond what the precision explains
+(topological) order. A control-flow node (If, Loop, Scan) reads, besides its explicit inputs, the
+outer-scope tensors its subgraphs name: the search follows those too, so the outer node feeding a
+branch is a candidate and a subgraph's outputs (the node's outputs) are judged against them.
+Tensors inside a subgraph cannot be marked as outputs; a divergence that arises there names the
+control-flow node and the nodes inside it. A tensor diverges when it holds NaN/Inf where the
+reference is finite, or when its error relative to its own magnitude is beyond what the precision explains
 (``RELATIVE_LIMIT``): per engine run, over the tensor and per channel (an INT8 scale stretched by
 one outlier channel wipes out the others while the tensor-wide error stays small), then the median
 run (hard-tail samples saturate any INT8 engine; a defect in a node shows on every sample).
@@ -85,6 +89,32 @@ OUTLIER_RATIO = 10.0  # channel abs-max over the median channel's: beyond it, on
 MAX_SAMPLES = 256
 SCAN_MARKS = 8  # tensors marked per build when scanning every candidate
 MAX_INTERMEDIATE_BYTES = 1 << 30
+CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
+
+
+def subgraphs(node: Any) -> list[Any]:
+    """The GraphProtos a node holds (If's branches, Loop's and Scan's bodies)."""
+    return [g for a in node.attribute for g in ([a.g] if a.HasField("g") else list(a.graphs))]
+
+
+def outer_reads(node: Any) -> list[str]:
+    """The outer-scope tensors ``node``'s subgraphs read (nested subgraphs included), in order:
+    what the node depends on besides its explicit inputs."""
+    found: list[str] = []
+    for g in subgraphs(node):
+        defined = {i.name for i in g.input} | {t.name for t in g.initializer}
+        defined |= {o for n in g.node for o in n.output}
+        for n in g.node:
+            for name in [*n.input, *outer_reads(n)]:
+                if name and name not in defined and name not in found:
+                    found.append(name)
+        found += [o.name for o in g.output if o.name not in defined and o.name not in found]
+    return found
+
+
+def inner_nodes(node: Any) -> list[Any]:
+    """Every node inside ``node``'s subgraphs, nested ones included."""
+    return [m for g in subgraphs(node) for n in g.node for m in (n, *inner_nodes(n))]
 
 
 # --- graph ----------------------------------------------------------------------------------------
@@ -99,6 +129,7 @@ class Graph:
     consumers: dict[str, list[Any]] = field(default_factory=dict)
     float_values: dict[str, Any] = field(default_factory=dict)  # tensor -> ValueInfoProto (float tensors)
     order: list[str] = field(default_factory=list)  # float node outputs in node order
+    implicit: dict[str, list[str]] = field(default_factory=dict)  # control-flow node -> outer-scope reads
 
     @classmethod
     def of(cls, model: onnx.ModelProto) -> Graph:
@@ -107,14 +138,18 @@ class Graph:
         inferred = onnx.shape_inference.infer_shapes(model)
         g = cls(model=model)
         floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
-        for vi in [*inferred.graph.value_info, *inferred.graph.output]:
+        for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
             if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type in floats:
                 g.float_values[vi.name] = vi
         constant = {i.name for i in model.graph.initializer}
         for node in model.graph.node:
-            for name in node.input:
-                g.consumers.setdefault(name, []).append(node)
-            is_constant = node.op_type == "Constant" or (node.input and all(not i or i in constant for i in node.input))
+            if node.op_type in CONTROL_FLOW and node.name:
+                g.implicit[node.name] = outer_reads(node)
+            reads = g.inputs(node)
+            for name in dict.fromkeys(reads):
+                if name:
+                    g.consumers.setdefault(name, []).append(node)
+            is_constant = node.op_type == "Constant" or (reads and all(not i or i in constant for i in reads))
             for name in node.output:
                 if not name:
                     continue
@@ -124,6 +159,16 @@ class Graph:
                 elif name in g.float_values:
                     g.order.append(name)
         return g
+
+    def inputs(self, node: Any) -> list[str]:
+        """A node's explicit inputs, then (control flow) the outer-scope tensors its subgraphs read."""
+        extra = self.implicit.get(node.name) if node.name else None
+        if extra is None and node.op_type in CONTROL_FLOW:
+            extra = outer_reads(node)
+        return [*node.input, *(i for i in extra or [] if i not in node.input)]
+
+    def inputs_of_graph(self) -> list[str]:
+        return [i.name for i in self.model.graph.input]
 
     def folded_activation(self, tensor: str) -> bool:
         """True for a tensor read only by a Relu or Clip: INT8 quantizers fold the activation into
@@ -143,7 +188,7 @@ class Graph:
             if t in seen or t not in self.producer:
                 continue
             seen.add(t)
-            stack.extend(i for i in self.producer[t].input if i)
+            stack.extend(i for i in self.inputs(self.producer[t]) if i)
         return seen
 
     def with_outputs(self, tensors: list[str]) -> onnx.ModelProto:
@@ -171,7 +216,7 @@ def _numel(value: Any) -> int:
 def float_node_inputs(graph: Graph, tensor: str) -> list[str]:
     """The suspect node's inputs that are computed float tensors (not weights, not graph inputs)."""
     node = graph.producer[tensor]
-    return [i for i in node.input if i in graph.float_values and i in graph.producer and i in graph.order]
+    return [i for i in graph.inputs(node) if i in graph.float_values and i in graph.producer and i in graph.order]
 
 
 # --- statistics -----------------------------------------------------------------------------------
@@ -188,16 +233,17 @@ def channel_axis(rank: int) -> int | None:
 
 
 def tensor_error(
-    graph: Graph, tensor: str, got: np.ndarray, ref: np.ndarray, precision: str, channels: int = 8
+    graph: Graph, tensor: str, got: np.ndarray | None, ref: np.ndarray, precision: str, channels: int = 8
 ) -> TensorError:
-    """``got`` and ``ref`` are stacked per batch run: axis 0 is the run, then the tensor's own axes."""
+    """``got`` and ``ref`` are stacked per batch run: axis 0 is the run, then the tensor's own axes.
+    ``got`` None: not measured, the reference alone (values beyond the precision's range)."""
     import numpy as np
 
     node = graph.producer.get(tensor)
     base = dict(
         tensor=tensor,
         node=graph.node_name(tensor) if node is not None else tensor,
-        op_type=node.op_type if node is not None else "output",
+        op_type=node.op_type if node is not None else ("input" if tensor in graph.inputs_of_graph() else "output"),
     )
     r = ref.astype(np.float64)
     finite_ref = np.isfinite(r)
@@ -218,6 +264,10 @@ def tensor_error(
         top = np.argsort(absmax)[::-1][:channels]
         per_channel = {str(int(c)): float(absmax[c]) for c in top}
         per_channel["median"] = float(np.median(absmax))
+    if got is None:
+        largest = FINITE_MAX.get(precision)
+        beyond = largest is not None and ranges.get("reference_abs_max", 0.0) > largest
+        return TensorError(**base, **ranges, channel_axis=axis, channel_abs_max=per_channel, divergent=beyond)
     if got.shape != ref.shape:
         return TensorError(
             **base, **ranges, channel_axis=axis, channel_abs_max=per_channel, divergent=True, relative_error=None
@@ -305,6 +355,31 @@ def classify(error: TensorError, inputs: list[TensorError], op_type: str, precis
     )
 
 
+def unkeepable(graph: Graph, node: Any, precision: str) -> str | None:
+    """Why keeping control-flow ``node`` precise cannot work (None when it can). Backends keep
+    nodes precise through ONNX Runtime's tools, and neither reaches into subgraphs: the QDQ
+    quantizer quantizes the top-level graph only, so a subgraph already runs in float; the FP16
+    converter leaves a kept node's subgraphs in FP32 but casts only its explicit inputs, so those
+    subgraphs would read the FP16 outer-scope tensors (the model no longer type-checks), and a node
+    inside a subgraph gets its casts in the main graph."""
+    if node.op_type not in CONTROL_FLOW:
+        return None
+    inner = [n.name or n.op_type for n in inner_nodes(node) if n.op_type != "Constant"]
+    where = f"{node.name} ({node.op_type}; inside: {', '.join(inner[:6])}{', ...' if len(inner) > 6 else ''})"
+    if precision == "int8":
+        return (
+            f"{where}: the QDQ quantizer quantizes the top-level graph only, so its subgraphs already run in "
+            "float and keeping it precise changes nothing"
+        )
+    computed = [t for t in graph.implicit.get(node.name, []) if t in graph.producer and t in graph.float_values]
+    if computed:
+        return (
+            f"{where}: the FP16 converter would keep its subgraphs FP32 while they read the FP16 outer-scope "
+            f"tensors {', '.join(computed)} (the model no longer type-checks), and cannot keep a node inside a subgraph"
+        )
+    return None
+
+
 def remedy_nodes(
     graph: Graph, suspect_tensor: str, cause: str, precision: str, reference_abs_max: Callable[[str], float | None]
 ) -> list[str]:
@@ -317,7 +392,7 @@ def remedy_nodes(
 
     def add(node: Any) -> None:
         name = node.name
-        if name and name not in names:
+        if name and name not in names and unkeepable(graph, node, precision) is None:
             names.append(name)
 
     add(graph.producer[suspect_tensor])
@@ -390,6 +465,7 @@ class Session:
     work: Path
     builds: int = 0
     probes: list[Probe] = field(default_factory=list)
+    measured: dict[str, TensorError] = field(default_factory=dict)  # every tensor's latest measurement
 
     @property
     def precision(self) -> str:
@@ -423,6 +499,7 @@ class Session:
         got = self.run_engine(marked)
         errors = {t: tensor_error(self.graph, t, got[t], self.reference[t], self.precision) for t in marked}
         self.probes.append(Probe(marked=marked, divergent=[t for t in marked if errors[t].divergent]))
+        self.measured.update(errors)
         LOG.info(
             "bisect %s/%s build %d: %s",
             self.model,
@@ -516,6 +593,7 @@ def bisect(
             backend=spec.backend,
             precision=spec.precision,
             marks_per_build=k,
+            max_builds=max_builds,
             samples=n,
             keep_precise=list(keep),
             outputs=out_errors,
@@ -541,14 +619,24 @@ def bisect(
         lo, hi = _search(session, candidates, k, max_builds, lambda e: e.divergent, progress)
         base.update(failing_outputs=failing, candidates=len(candidates))
         if lo < hi:
+            # the best found so far: the earliest tensor measured divergent (the range ends before it)
+            known = session.measured.get(candidates[hi]) if hi < len(candidates) else None
+            best = (
+                f"; the earliest divergent tensor measured so far: {known.tensor} ({known.node}, {known.op_type}, "
+                f"relative error {f'{known.relative_error:.3g}' if known.relative_error is not None else 'non-finite'}"
+                f"{f', max abs {known.max_abs_error:.4g}' if known.max_abs_error is not None else ''})"
+                if known is not None
+                else ""
+            )
             return Bisection(
                 **base,
                 verdict="inconclusive",
                 builds=session.builds,
                 probes=session.probes,
                 search_range=candidates[lo:hi],
-                summary=f"build budget ({max_builds}) spent with {hi - lo} candidates left: "
-                f"{candidates[lo]} .. {candidates[hi - 1]}; raise skus.{sku}.bisect.max_builds",
+                summary=f"build cap reached ({session.builds} of {max_builds} builds) with {hi - lo} candidates "
+                f"left: {candidates[lo]} .. {candidates[hi - 1]}{best}; raise skus.{sku}.bisect.max_builds "
+                "or --max-builds",
             )
         # the first divergent tensor: a candidate, or (none diverged) the failing output itself
         tensor = candidates[lo] if lo < len(candidates) else failing[0]
@@ -564,17 +652,31 @@ def bisect(
             if back is None or session.builds >= max_builds:
                 break
             tensor = back
+        # a node reading values the precision cannot hold is not where they went wrong: blame their maker
+        values = {**feeds, **reference}
+        source = overflow_source(graph, tensor, spec.precision, reference_abs_max(values))
+        reader = None
+        if source != tensor:
+            reader, tensor = tensor, source
+            todo = [t for t in [tensor, *float_node_inputs(graph, tensor)] if t in graph.producer and t not in errors]
+            if todo and session.builds < max_builds:
+                errors.update(session.probe(todo))
+            if tensor not in errors:  # a graph input, or no build left: what the reference shows
+                errors[tensor] = tensor_error(graph, tensor, None, values[tensor], spec.precision)
         ins = [i for i in float_node_inputs(graph, tensor) if i in errors]
-        suspect = _suspect(registry, model, sku, graph, tensor, errors[tensor], [errors[i] for i in ins], reference)
+        suspect = _suspect(
+            registry, model, sku, graph, tensor, errors[tensor], [errors[i] for i in ins], values, reader
+        )
         first_nonfinite = suspect.node if (errors[tensor].nan or errors[tensor].inf) else None
         if first_nonfinite is None and any(e.nan or e.inf for e in out_errors) and session.builds < max_builds:
             later = candidates[lo + 1 :] if lo < len(candidates) else []
             a, b = _search(session, later, k, max_builds, lambda e: bool(e.nan or e.inf), None)
             if a == b:
                 first_nonfinite = graph.node_name(later[a]) if a < len(later) else graph.node_name(failing[0])
-        summary = (
-            f"first divergent node {suspect.node} ({suspect.op_type}), likely cause {suspect.cause}: "
+        summary = f"first divergent node {suspect.node} ({suspect.op_type}), likely cause {suspect.cause}: " + (
             f"{suspect.explanation}; keep {suspect.keep} in higher precision"
+            if suspect.keep
+            else f"{suspect.explanation}; no node to keep in higher precision"
         )
         return Bisection(
             **base,
@@ -656,6 +758,42 @@ def _search(
     return lo, hi
 
 
+def reference_abs_max(reference: dict[str, np.ndarray]) -> Callable[[str], float | None]:
+    """A tensor's finite reference abs-max (None when unknown or all non-finite)."""
+    import numpy as np
+
+    def absmax(t: str) -> float | None:
+        arr = reference.get(t)
+        if arr is None or not np.issubdtype(arr.dtype, np.floating) or not np.isfinite(arr).any():
+            return None
+        return float(np.abs(arr[np.isfinite(arr)]).max())
+
+    return absmax
+
+
+def overflow_source(graph: Graph, tensor: str, precision: str, absmax: Callable[[str], float | None]) -> str:
+    """Walk up from ``tensor`` while its node reads a float tensor whose reference values are
+    already beyond the precision's largest finite value: the node that made the value (or the
+    graph input that holds it) is the culprit, not the nodes reading it. ``tensor`` itself when
+    its inputs are within range (or the precision has no such limit)."""
+    top = FINITE_MAX.get(precision)
+    seen = {tensor}
+    while top is not None and tensor in graph.producer:
+        big = next(
+            (
+                i
+                for i in graph.inputs(graph.producer[tensor])
+                if i in graph.float_values and i not in seen and (absmax(i) or 0.0) > top
+            ),
+            None,
+        )
+        if big is None:
+            break
+        seen.add(big)
+        tensor = big
+    return tensor
+
+
 def _suspect(
     registry: Registry,
     model: str,
@@ -665,19 +803,33 @@ def _suspect(
     error: TensorError,
     inputs: list[TensorError],
     reference: dict[str, np.ndarray],
+    reader: str | None = None,
 ) -> Suspect:
-    import numpy as np
-
+    """``reader``: the tensor bisection first blamed, whose node reads ``tensor`` (beyond the precision)."""
     precision = registry.sku(sku).precision
     node = graph.producer.get(tensor)
-    op_type = node.op_type if node is not None else "output"
+    op_type = node.op_type if node is not None else error.op_type
     cause, why = classify(error, inputs, op_type, precision)
-
-    def absmax(t: str) -> float | None:
-        arr = reference.get(t)
-        return float(np.abs(arr[np.isfinite(arr)]).max()) if arr is not None and np.isfinite(arr).any() else None
-
+    if reader is not None:
+        why += (
+            f"; {graph.node_name(reader)} ({graph.producer[reader].op_type}), where the search stopped, reads "
+            f"{tensor}: its inputs are already beyond {precision}'s range in the reference, so the value is made here"
+        )
+    absmax = reference_abs_max(reference)
     keep = remedy_nodes(graph, tensor, cause, precision, absmax) if node is not None else []
+    if node is None:
+        why += (
+            f"; {tensor} is a graph input: no node can keep it precise (the converter casts graph inputs first): "
+            "scale the input, or build this model in a wider precision"
+        )
+    elif node.op_type in CONTROL_FLOW:
+        cannot = unkeepable(graph, node, precision)
+        why += (
+            f"; its inputs, outer-scope tensors included, are right: the divergence arises inside {cannot}"
+            if cannot
+            else f"; its inputs, outer-scope tensors included, are right: the divergence arises inside its subgraphs "
+            f"({', '.join(n.name or n.op_type for n in inner_nodes(node))})"
+        )
     return Suspect(
         node=error.node,
         op_type=op_type,

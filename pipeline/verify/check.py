@@ -4,12 +4,20 @@ validate stage and the remedy loop judge engines with it; the gates' statistics 
 
 from __future__ import annotations
 
+from pipeline.core.budget import Budget
 from pipeline.core.paths import REFERENCE_SPLITS
 from pipeline.core.progress import Progress
 from pipeline.project.artifacts import layout, load_arrays, read_report, run_plan
 from pipeline.project.config import Registry
 from pipeline.project.data import LABELS, run_dataset
-from pipeline.results.reports import BuildReport, PlacementResult, PrecisionResult, PrepareReport, ReferenceReport
+from pipeline.results.reports import (
+    COMPUTE_PRECISIONS,
+    BuildReport,
+    PlacementResult,
+    PrecisionResult,
+    PrepareReport,
+    ReferenceReport,
+)
 from pipeline.verify.compare import (
     input_problems,
     metric_input_problems,
@@ -33,10 +41,6 @@ def placement_gate(build: BuildReport, allowed: list[str] | None, max_fallback: 
     )
 
 
-# Precisions a layer computes in; "n/a" (data movement) and integer index ops are not judged.
-COMPUTE_PRECISIONS = frozenset({"fp32", "fp16", "bf16", "int8", "fp8", "int4"})
-
-
 def precision_gate(build: BuildReport, policy: str, max_mismatched: int) -> PrecisionResult:
     mismatched = [
         layer for layer in build.layers if layer.precision in COMPUTE_PRECISIONS and layer.precision != build.precision
@@ -50,11 +54,14 @@ def precision_gate(build: BuildReport, policy: str, max_mismatched: int) -> Prec
     )
 
 
-def correctness(registry: Registry, model: str, sku: str, runner, progress: Progress | None = None):
+def correctness(
+    registry: Registry, model: str, sku: str, runner, progress: Progress | None = None, budget: Budget | None = None
+):
     """A loaded engine against the reference: per-output errors on the golden split (agreement
     joined by the other referenced splits where golden alone cannot resolve it), the task metric
     per labelled split paired with the reference's, samples per split, and the engine's golden
-    outputs. The remedy (pipeline/verify/remedy.py) judges its rebuilt engines with it too."""
+    outputs. The remedy (pipeline/verify/remedy.py) judges its rebuilt engines with it too.
+    ``budget``: checked before each engine call, which it counts and logs when slow."""
     spec = registry.model(model)
     out = layout(registry)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
@@ -68,8 +75,13 @@ def correctness(registry: Registry, model: str, sku: str, runner, progress: Prog
             continue
         arrays = load_arrays(out.split(model, split), "data")
         expected[split] = load_arrays(out.reference_dir(model) / f"{split}.npz", "reference")
-        got[split] = run_dataset(runner.infer, arrays, in_idx, out_idx, batch, progress, f"validate {split}")
         samples[split] = len(arrays[spec.inputs[0].name])
+        infer = runner.infer
+        if budget is not None:
+            step = batch if all(i is not None for i in in_idx.values()) else 1  # as run_dataset batches
+            calls = -(-samples[split] // step)
+            infer = budget.calls(infer, f"validate {split}", calls, "sample" if step == 1 else "batch")
+        got[split] = run_dataset(infer, arrays, in_idx, out_idx, batch, progress, f"validate {split}")
         if spec.metric is not None and LABELS in arrays:
             max_drop = gate.max_drop_hard_tail if split == "hard_tail" else gate.max_drop
             metrics.append(

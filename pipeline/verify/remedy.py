@@ -23,8 +23,16 @@ from pipeline.core.io import atomic_write_bytes
 from pipeline.project.artifacts import layout, load_arrays, read_report, run_plan
 from pipeline.project.config import parse_registry
 from pipeline.project.data import LABELS, iter_batches
-from pipeline.results.reports import Bisection, MetricResult, Outcome, OutputError, PrepareReport, Remedy
-from pipeline.verify.bisect import bisect, scratch_build
+from pipeline.results.reports import (
+    Bisection,
+    FixStep,
+    MetricResult,
+    Outcome,
+    OutputError,
+    PrepareReport,
+    Remedy,
+)
+from pipeline.verify.bisect import bisect, outer_reads, scratch_build
 from pipeline.verify.check import correctness, correctness_failures
 
 if TYPE_CHECKING:
@@ -35,13 +43,15 @@ TIMING_CALLS = 40
 
 
 def upstream(registry: Registry, model: str, node: str) -> list[str]:
-    """The nodes of the prepared model whose outputs ``node`` reads (computed tensors only)."""
+    """The nodes of the prepared model whose outputs ``node`` reads (computed tensors only; for an
+    If, Loop or Scan also those its subgraphs read from the outer scope)."""
     import onnx
 
     graph = onnx.load(str(layout(registry).prepared_model(model)), load_external_data=False).graph
     producer = {o: n.name for n in graph.node for o in n.output if n.name}
     target = next((n for n in graph.node if n.name == node), None)
-    return [producer[i] for i in (target.input if target is not None else []) if i in producer]
+    reads = [*target.input, *outer_reads(target)] if target is not None else []
+    return list(dict.fromkeys(producer[i] for i in reads if i in producer))
 
 
 def override_yaml(model: str, sku: str, nodes: list[str]) -> str:
@@ -68,9 +78,11 @@ def fix(
     max_builds: int | None = None,
     progress: Callable[[str, float], None] | None = None,
 ) -> Remedy:
-    """Bisect, keep the suspects precise, rebuild and re-validate until the gate passes."""
+    """Bisect, keep the suspects precise, rebuild and re-validate until the gate passes. A round
+    whose nodes do not move the error is undone and ends the search, with what it showed."""
     spec = registry.sku(sku)
     max_rounds = max_rounds or spec.bisect.max_fix_rounds
+    max_builds = max_builds or spec.bisect.max_builds
     if spec.precision == "fp32":
         raise ConfigError(
             f"{sku} builds in fp32: there is no higher precision to keep nodes in",
@@ -78,41 +90,83 @@ def fix(
         )
     keep = list(registry.higher_precision(model, sku))
     rounds: list[Bisection] = []
-    builds = 0
+    steps: list[FixStep] = []
+    lessons: list[str] = []
     with tempfile.TemporaryDirectory(prefix="skuforge-fix-") as tmp:
         work = Path(tmp)
-        before_dir = scratch_build(registry, model, sku, work / "before", keep)
-        builds += 1
+
+        def attempt(nodes: list[str]) -> tuple[Path, FixStep]:
+            folder = scratch_build(registry, model, sku, work / f"build{len(steps)}", nodes)
+            errors, _, passed, _ = judged(registry, model, sku, folder)
+            builds = sum(r.builds for r in rounds) + len(steps) + 1
+            step = FixStep(keep_precise=list(nodes), passed=passed, max_abs_error=worst_error(errors), builds=builds)
+            steps.append(step)
+            return folder, step
+
+        before_dir, best = attempt(keep)
         current = before_dir
-        passed, failures = judged(registry, model, sku, current)[2:]
-        while not passed and len(rounds) < max_rounds:
+        while not best.passed and len(rounds) < max_rounds:
             found = bisect(registry, model, sku, keep=tuple(keep), max_builds=max_builds, progress=progress)
             rounds.append(found)
-            builds += found.builds
-            new = [n for s in found.suspects for n in s.keep if n not in keep]
-            if not new and found.suspects:
-                # the suspect is already kept and still diverges: the fault sits in what feeds it
-                # (a compiler fuses the producer into the suspect's layer), so keep that too
-                new = [n for n in upstream(registry, model, found.suspects[0].node) if n not in keep]
-            if found.verdict != "diverges" or not new:
+            if found.verdict != "diverges" or not found.suspects:
+                lessons.append(found.summary)
                 break
+            suspect = found.suspects[0]
+            new = [n for s in found.suspects for n in s.keep if n not in keep]
+            if not new:
+                # the suspect is already kept and still diverges, or cannot be kept (an If whose
+                # subgraphs the precision conversion does not reach): the error comes in through what
+                # feeds it (a compiler fuses the producer into the suspect's layer; a recurrent
+                # subgraph amplifies its inputs' quantization error), so keep that
+                new = [n for n in upstream(registry, model, suspect.node) if n not in keep]
+            if not new:
+                lessons.append(f"{suspect.node} ({suspect.op_type}): {suspect.explanation}; nothing left to keep")
+                break
+            folder, step = attempt(keep + new)
+            lesson = unmoved(best, step, new)
+            if lesson is not None:
+                # one build on what that shows (the node's inputs, which a compiler may fuse into it)
+                # instead of bisecting again to the same node
+                feeding = list(
+                    dict.fromkeys(n for x in new for n in upstream(registry, model, x) if n not in keep + new)
+                )
+                if feeding:
+                    step.kept = False
+                    folder, step = attempt(keep + new + feeding)
+                    if unmoved(best, step, new + feeding) is None:
+                        lesson, new = None, new + feeding
+                if lesson is not None:
+                    step.kept = False
+                    lessons.append(
+                        lesson + (f"; keeping its inputs' producers {feeding} too did not" if feeding else "")
+                    )
+                    break
             keep += new
-            current = scratch_build(registry, model, sku, work / f"round{len(rounds)}", keep)
-            builds += 1
-            passed, failures = judged(registry, model, sku, current)[2:]
+            current, best = folder, step
         before, after = _compare(
             registry, model, sku, before_dir, current, list(registry.higher_precision(model, sku)), keep
         )
+    builds = sum(r.builds for r in rounds) + len(steps)
     ratio = after.p50_ms / before.p50_ms if before.p50_ms and after.p50_ms else None
     added = [n for n in keep if n not in before.keep_precise]
+    caps = f"cap {max_builds} builds per bisection, {max_rounds} rounds"
     if after.passed:
         summary = (
             f"passes with {len(added)} more node(s) kept in higher precision ({', '.join(added) or 'none'}) after "
-            f"{len(rounds)} round(s), {builds} builds" + (f"; latency x{ratio:.2f}" if ratio else "")
+            f"{len(rounds)} round(s), {builds} builds ({caps})" + (f"; latency x{ratio:.2f}" if ratio else "")
         )
     else:
-        summary = f"still fails after {len(rounds)} round(s), {builds} builds: " + (
-            "; ".join(after.failures) or "no further suspect"
+        first = steps[0].max_abs_error
+        summary = (
+            f"still fails after {len(rounds)} round(s), {builds} builds ({caps}); best found: "
+            + (
+                f"keeping {', '.join(added)} reached max abs error {_num(best.max_abs_error)} (from {_num(first)})"
+                if added
+                else f"no node kept helped (max abs error {_num(first)})"
+            )
+            + "".join(f"; {lesson}" for lesson in lessons)
+            + ": "
+            + ("; ".join(after.failures) or "no further suspect")
         )
     return Remedy(
         model=model,
@@ -128,7 +182,39 @@ def fix(
         after=after,
         latency_ratio=round(ratio, 4) if ratio else None,
         overrides=override_yaml(model, sku, keep),
+        max_builds=max_builds,
+        max_rounds=max_rounds,
+        steps=steps,
+        lessons=lessons,
     )
+
+
+# a kept node must cut the worst output error by at least this fraction to count as the cause
+MOVED = 0.05
+
+
+def worst_error(errors: list[OutputError]) -> float | None:
+    """The largest max abs error over the outputs (inf when one is non-finite, None when unknown)."""
+    values = [e.max_abs_error for e in errors if e.max_abs_error is not None]
+    return max(values) if values else None
+
+
+def unmoved(before: FixStep, after: FixStep, added: list[str]) -> str | None:
+    """What keeping ``added`` precise showed when it did not move the error (None when it did:
+    the gate passes now, or the worst output error fell by ``MOVED`` or more)."""
+    if after.passed or before.max_abs_error is None or after.max_abs_error is None:
+        return None
+    if after.max_abs_error <= before.max_abs_error * (1 - MOVED):
+        return None
+    return (
+        f"keeping {', '.join(added)} precise left max abs error at {_num(after.max_abs_error)} "
+        f"(was {_num(before.max_abs_error)}): {'they are' if len(added) > 1 else 'it is'} not the cause; "
+        "the divergence comes from upstream (its inputs) or from a node the remedy cannot keep precise"
+    )
+
+
+def _num(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4g}"
 
 
 def judged(registry: Registry, model: str, sku: str, engine: Path) -> tuple[list, list, bool, list[str]]:

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import onnx
 import pytest
 
@@ -19,13 +20,16 @@ pytest.importorskip("iree.runtime", reason="iree-base-runtime is not installed (
 
 import models  # noqa: E402
 
-from pipeline.backends import get_backend  # noqa: E402
+from pipeline.backends import get_backend, quantize  # noqa: E402
 from pipeline.backends.contract import ENGINE_META  # noqa: E402
-from pipeline.backends.iree import (
+from pipeline.backends.iree import (  # noqa: E402
     IreeBackend,
+    _import_failure,
+    _ImportRefused,
+    _to_mlir,
     compile_flags,
     dispatch_op_type,
-    dispatch_precision,  # noqa: E402
+    dispatch_precision,
     missing_cpu_features,
 )
 from pipeline.core.errors import ConfigError, EnvironmentProblem, UnsupportedOp  # noqa: E402
@@ -354,3 +358,181 @@ def test_compiler_diagnostics_become_errors_the_user_can_act_on():
     assert isinstance(compile_error(1, "<unknown>:0: error: Unknown Vulkan target 'cpu'", nodes, cmd), ConfigError)
     other = compile_error(1, "<unknown>:0: error: something else", nodes, cmd)
     assert type(other) is EnvironmentProblem and "something else" in other.message
+
+
+# --- flags a model does not build with; conversions that break the import --------------------
+
+IM2COL = "--iree-global-opt-use-im2col-for-convs"
+
+
+def se_block_model(path: Path, seed: int = 0) -> Path:
+    """x[batch,3,8,8] -> Conv 3x3 -> squeeze-excite (GlobalAveragePool -> Conv 1x1 -> Relu -> Conv 1x1 ->
+    HardSigmoid -> Mul), as in MobileNetV3 (PaddleOCR's detector backbone). At batch 1, IREE 3.13 with
+    im2col fails on the 1x1 convolutions of the 1x1 map ('linalg.generic' op write affecting
+    operations on global resources are restricted to workgroup distributed contexts)."""
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    init = [
+        numpy_helper.from_array(rng.normal(0, 0.3, shape).astype(np.float32), name)
+        for name, shape in (
+            ("W0", (8, 3, 3, 3)),
+            ("W1", (2, 8, 1, 1)),
+            ("B1", (2,)),
+            ("W2", (8, 2, 1, 1)),
+            ("B2", (8,)),
+        )
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "W0"], ["f"], pads=[1, 1, 1, 1], name="conv"),
+        helper.make_node("GlobalAveragePool", ["f"], ["g"], name="squeeze"),
+        helper.make_node("Conv", ["g", "W1", "B1"], ["r"], name="reduce"),
+        helper.make_node("Relu", ["r"], ["rr"], name="relu"),
+        helper.make_node("Conv", ["rr", "W2", "B2"], ["e"], name="expand"),
+        helper.make_node("HardSigmoid", ["e"], ["s"], alpha=1 / 6, beta=0.5, name="gate"),
+        helper.make_node("Mul", ["f", "s"], ["y"], name="excite"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "se_block",
+        [models.value_info("x", ["batch", 3, 8, 8])],
+        [models.value_info("y", ["batch", 8, 8, 8])],
+        init,
+    )
+    return models._save(graph, path)
+
+
+def resize_roi_model(path: Path, seed: int = 0) -> Path:
+    """x[batch,3,4,4] -> Conv 3x3 -> Resize x2 (nearest) -> y[batch,4,8,8] at opset 11, with ``roi`` an
+    empty float tensor (dims [0]) that has no data field, as Paddle and PyTorch exporters write it."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    init = [
+        numpy_helper.from_array(rng.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32), "W"),
+        helper.make_tensor("roi", TensorProto.FLOAT, [0], []),
+        numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "W"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+        helper.make_node("Resize", ["c", "roi", "scales"], ["y"], mode="nearest", name="resize"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "resize_roi",
+        [models.value_info("x", ["batch", 3, 4, 4])],
+        [models.value_info("y", ["batch", 4, 8, 8])],
+        init,
+    )
+    return models._save(graph, path, opset=11)
+
+
+def spec(dir_: str, shape: list) -> dict:
+    return {"dir": dir_, "source": "model.onnx", "inputs": [{"name": "x", "dtype": "float32", "shape": shape}]}
+
+
+V3 = {"target_cpu": "x86-64-v3"}
+FLAG_SKUS = {
+    # the params.yaml CPU SKUs' options
+    "im2col_fp32": iree_sku("fp32", extra_flags=[IM2COL], **V3),
+    "im2col_fp16": iree_sku("fp16", extra_flags=[IM2COL], **V3),
+    "strict": iree_sku("fp32", extra_flags=[IM2COL], strict_flags=True, **V3),
+    "optional": iree_sku("fp32", optional_flags=[IM2COL, "--iree-llvmcpu-enable-ukernels=all"], **V3),
+}
+
+
+@pytest.fixture(scope="module")
+def flags_proj(tmp_path_factory):
+    root = tmp_path_factory.mktemp("iree_flags")
+    se_block_model(root / "models/se/model.onnx")
+    resize_roi_model(root / "models/resize/model.onnx")
+    specs = {"se": spec("models/se", ["batch", 3, 8, 8]), "resize": spec("models/resize", ["batch", 3, 4, 4])}
+    reg = load_registry(models.write_project(root, specs, FLAG_SKUS))
+    for m in specs:
+        prepare(reg, m)
+        make_data(reg, m)
+        reference(reg, m)
+    return SimpleNamespace(registry=reg, out=Layout(reg.root))
+
+
+def test_im2col_breaks_the_squeeze_excite_block_and_is_dropped_with_the_reason(flags_proj):
+    """The bug report's failure, real: the SKU's default im2col flag does not build this model, so it
+    is dropped, and the build report, engine.json and the warnings say which flag and why."""
+    rep = build(flags_proj.registry, "se", "im2col_fp32")
+    assert IM2COL not in rep.options["compile_flags"] and rep.options["extra_flags"] == [IM2COL]
+    [dropped] = rep.options["dropped_flags"]
+    assert dropped["flag"] == IM2COL
+    assert "write affecting operations on global resources are restricted" in dropped["error"]
+    assert any(f"iree-compile failed with {IM2COL}" in w and "strict_flags" in w for w in rep.warnings)
+    meta = json.loads((flags_proj.out.engine_dir("se", "im2col_fp32") / ENGINE_META).read_text())
+    assert meta["dropped_flags"] == [dropped] and IM2COL not in meta["compile_flags"]
+    assert validate(flags_proj.registry, "se", "im2col_fp32").passed
+
+
+def test_strict_flags_make_a_flag_the_model_does_not_build_with_a_failure(flags_proj):
+    with pytest.raises(EnvironmentProblem, match="write affecting operations on global resources") as info:
+        build(flags_proj.registry, "se", "strict")
+    assert not isinstance(info.value, (UnsupportedOp, ConfigError))
+    assert not flags_proj.out.engine_dir("se", "strict").exists()
+
+
+def test_optional_flags_are_kept_where_the_model_builds_with_them(flags_proj):
+    rep = build(flags_proj.registry, "se", "optional")
+    assert [d["flag"] for d in rep.options["dropped_flags"]] == [IM2COL]
+    assert rep.options["compile_flags"][-1] == "--iree-llvmcpu-enable-ukernels=all"
+    # the resize model builds with im2col: nothing is dropped
+    rep = build(flags_proj.registry, "resize", "optional")
+    assert (
+        rep.options["dropped_flags"] == []
+        and rep.options["compile_flags"][-2:] == FLAG_SKUS["optional"]["options"]["optional_flags"]
+    )
+
+
+def test_flag_lists_are_checked_at_config_time():
+    def problems(**options) -> list[str]:
+        return IreeBackend.check_sku(SkuSpec.model_validate(iree_sku(**options)))
+
+    assert "optional_flags: 'im2col' is not a flag" in problems(optional_flags=["im2col"])[0]
+    assert "is set from the other options" in problems(optional_flags=["--iree-llvmcpu-target-cpu=znver3"])[0]
+    assert "in extra_flags too" in problems(extra_flags=[IM2COL], optional_flags=[IM2COL])[0]
+    opts = IreeBackend.Options(extra_flags=[IM2COL, "--iree-opt-strip-assertions"], optional_flags=["--iree-x=1"])
+    assert opts.droppable_flags == [IM2COL, "--iree-x=1"]  # a flag that is not a known speed flag stays required
+    assert IreeBackend.Options(extra_flags=[IM2COL], strict_flags=True).droppable_flags == []
+
+
+@pytest.mark.parametrize("sku", ["im2col_fp32", "im2col_fp16"])
+def test_resize_with_an_empty_roi_builds_and_passes_in_fp32_and_fp16(flags_proj, sku):
+    """The FP16 converter turned the empty roi into an FP16 tensor with no data field, which IREE's
+    importer refused ("Unhandled ONNX TensorProto data: dims: 0") though FP32 imported it."""
+    rep = build(flags_proj.registry, "resize", sku)
+    assert rep.options["opset_conversion"]["from_opset"] == 11 and rep.options["dropped_flags"] == []
+    assert validate(flags_proj.registry, "resize", sku).passed
+
+
+def test_a_conversion_that_breaks_the_import_is_named_not_the_op(flags_proj, monkeypatch):
+    """The FP16 graph fails to import, the FP32 graph it came from imports: the conversion is the
+    culprit (not UnsupportedOp with "replace the op"). The converter's old output, re-created by
+    skipping the empty-tensor fix, against the real importer."""
+    monkeypatch.setattr(quantize, "_empty_tensors_to_raw", lambda model: 0)
+    with pytest.raises(EnvironmentProblem) as info:
+        build(flags_proj.registry, "resize", "im2col_fp16")
+    err = info.value
+    assert not isinstance(err, UnsupportedOp) and err.exit_code == 3
+    assert err.message.startswith("the FP16 conversion broke the model for IREE's ONNX importer")
+    assert "at node 'resize' (Resize, its input 'roi')" in err.message and "Unhandled ONNX TensorProto" in err.message
+    assert "keep 'resize' precise" in err.hint and "fp32" in err.hint
+
+
+def test_an_import_failure_before_the_conversion_still_blames_the_node(tmp_path):
+    """When the graph before the conversion fails to import too, the conversion is not blamed."""
+    broken = onnx.load(str(resize_roi_model(tmp_path / "m.onnx")))
+    broken.graph.initializer[1].data_type = onnx.TensorProto.FLOAT16  # no data field, no importer handler
+    onnx.save(broken, str(tmp_path / "broken.onnx"))
+    with pytest.raises(_ImportRefused) as refused:
+        _to_mlir(tmp_path / "broken.onnx", tmp_path / "out.mlir")
+    nodes = {"conv": "Conv", "resize": "Resize"}
+    err = _import_failure(refused.value, nodes, [("FP16 conversion", tmp_path / "broken.onnx")], tmp_path)
+    assert isinstance(err, UnsupportedOp) and (err.op_type, err.node) == ("Resize", "resize")
+    assert quantize._empty_tensors_to_raw(broken) == 1  # the fix gives it an (empty) raw_data
+    onnx.save(broken, str(tmp_path / "fixed.onnx"))
+    _to_mlir(tmp_path / "fixed.onnx", tmp_path / "out.mlir")

@@ -25,11 +25,20 @@ from cli_helpers import assert_user_error, skuforge  # noqa: E402
 from pipeline.backends import get_backend  # noqa: E402
 from pipeline.backends.caches import INDEX, files_digest  # noqa: E402
 from pipeline.backends.contract import ENGINE_META  # noqa: E402
-from pipeline.backends.tvm import DEFAULTS, RECORDS, WORKLOADS, TvmBackend, op_type_of, target_of  # noqa: E402
+from pipeline.backends.tvm import (  # noqa: E402
+    DEFAULTS,
+    RECORDS,
+    WORKLOADS,
+    TvmBackend,
+    import_onnx,
+    op_type_of,
+    target_of,
+)
 from pipeline.cli import main as cli_main  # noqa: E402
-from pipeline.core.errors import ConfigError, GateFailed  # noqa: E402
+from pipeline.core.errors import ConfigError, GateFailed, UnsupportedOp  # noqa: E402
 from pipeline.core.paths import Layout  # noqa: E402
 from pipeline.host.probe import cpu_features, host_arch  # noqa: E402
+from pipeline.model.graph import pin_axes  # noqa: E402
 from pipeline.ops.caches import status  # noqa: E402
 from pipeline.project.config import load_registry  # noqa: E402
 from pipeline.stages.bench import bench  # noqa: E402
@@ -122,7 +131,9 @@ def tuned_once(tmp_path_factory, reg, out) -> tuple[dict, Path]:
     with open(shared.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (shared / "first.json").is_file():
-            first = build(reg, "conv", "tuned").cache.model_dump(mode="json")  # tunes: no database yet
+            with pytest.MonkeyPatch.context() as mp:  # tuning asked for: without it the build takes default schedules
+                mp.setenv("SKUFORGE_TUNE", "1")
+                first = build(reg, "conv", "tuned").cache.model_dump(mode="json")  # tunes: no database yet
             shutil.copytree(out.cache_dir("conv", "tuned"), shared / "database", dirs_exist_ok=True)
             (shared / "first.json").write_text(json.dumps(first))
     folder = out.cache_dir("conv", "tuned")
@@ -172,7 +183,7 @@ def test_tuning_writes_the_database_and_a_rebuild_replays_it(proj):
     assert first["sha256"] == files_digest(index["files"])
     # the replay: every task found (a record, or a recorded default), nothing tuned, nothing written
     assert (again.cache.state, again.cache.misses, again.cache.updated) == ("fresh", 0, False)
-    assert again.cache.hits >= 3 and again.cache.hit_rate == 1.0
+    assert again.cache.hits >= 3 and again.cache.hit_rate == 1.0 and again.options["untuned_tasks"] == 0
     assert any(layer.kernel == "tuned" for layer in again.layers)
     assert again.engine_sha256 and validate(proj.registry, "conv", "tuned").passed
 
@@ -320,3 +331,99 @@ def test_a_truncated_library_is_refused_before_it_is_mapped(tmp_path):
     junk = tmp_path / "junk.so"
     junk.write_bytes(b"not a library" * 10)
     assert elf_extent_problem(junk) == "not an ELF shared library"
+
+
+def test_a_model_new_to_a_tuned_sku_builds_with_default_schedules_and_says_so(proj):
+    """Tuning is asked for (cache refresh, a trial budget, SKUFORGE_TUNE): a plain build of a model
+    the database lacks takes TVM's default schedules in seconds instead of tuning for hours."""
+    folder = proj.out.cache_dir("multi", "tuned")
+    shutil.rmtree(folder, ignore_errors=True)
+    rep = build(proj.registry, "multi", "tuned")
+    untuned = rep.options["untuned_tasks"]
+    assert untuned >= 1 and rep.options["tuned_functions"] == 0
+    assert all(layer.kernel == "default" for layer in rep.layers)
+    assert rep.cache.state == "missing" and rep.cache.misses >= 1 and not (folder / RECORDS).exists()
+    (warning,) = [w for w in rep.warnings if "tuning tasks have no schedule" in w]
+    assert warning.startswith(f"{untuned} of {untuned} tuning tasks") and "caches/tuned/multi is missing" in warning
+    assert "skuforge cache refresh --sku tuned --model multi" in warning
+    assert "SKUFORGE_TUNE=1 skuforge build --model multi --sku tuned" in warning
+    assert validate(proj.registry, "multi", "tuned").passed
+
+
+def _pinned(path: Path):
+    import onnx
+
+    return pin_axes(onnx.load(str(path)), {"batch": 1}, path)
+
+
+def _probe(*shapes: tuple) -> dict:
+    import numpy as np
+
+    return {name: np.random.default_rng(0).normal(size=shape).astype(np.float32) for name, shape in shapes}
+
+
+@pytest.fixture(scope="module")
+def chain_project(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tvm-chain")
+    models.shape_chain_model(root / "models/chain/model.onnx", opset=11)
+    reg = load_registry(
+        models.write_project(root, {"chain": models.conv_bn_spec("models/chain")}, {"plain": tvm_sku()})
+    )
+    prepare(reg, "chain")
+    make_data(reg, "chain")
+    reference(reg, "chain")
+    return reg
+
+
+def test_a_reshape_to_a_computed_shape_builds_from_the_graph_with_its_shapes_folded(chain_project):
+    """Reshape(r, Concat(Gather(Shape(r), [0, 1]), [-1])) at opset 11, as Paddle exports it: TVM
+    0.27's frontend refuses the new shape (a tensor, not a Relax shape); with the batch pinned the
+    chain folds to a constant and the graph imports."""
+    rep = build(chain_project, "chain", "plain")
+    record = rep.options["frontend_import"]
+    assert record["refused"]["op"] == "Reshape" and record["refused"]["node"] == "reshape_seq"
+    assert "new shape to be Shape" in record["refused"]["detail"]
+    assert len(record["steps"]) == 1 and record["steps"][0].startswith("with its fixed shapes folded to constants")
+    assert "folded 1 Gather" in record["steps"][0] and record["opset_conversion"] is None
+    assert any("refused the model as exported (Reshape node 'reshape_seq'" in w for w in rep.warnings)
+    assert validate(chain_project, "chain", "plain").passed
+
+
+def test_an_opset_10_resize_imports_after_the_opset_conversion(tmp_path):
+    """Resize at opset 10 takes (X, scales); the frontend reads it with opset 18's inputs and fails.
+    Converted to opset 18 (checked on the probe batch), it imports."""
+    path = models.shape_chain_model(tmp_path / "m.onnx", opset=10, upsample=True)
+    imported = import_onnx(_pinned(path), _probe(("x", (1, 3, 8, 8))))
+    assert (imported.refused.op, imported.refused.node) == ("Resize", "upsample")
+    assert imported.steps[-1] == "converted from opset 10 to 18" and imported.conversion.to_opset == 18
+    assert imported.record()["opset_conversion"]["max_abs_error"] == 0.0
+    assert imported.mod["main"] is not None and imported.node_of
+
+
+def test_a_model_no_retry_imports_is_an_unsupported_op_naming_the_node(tmp_path):
+    """A new shape read from an input is never a constant: every graph is refused, and the error
+    (exit 3) names the op and node of the model as exported and lists what was tried."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "s"], ["y"], name="reshape_to_input")],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8]),
+            helper.make_tensor_value_info("s", TensorProto.INT64, [2]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
+    model.ir_version = 6
+    onnx.checker.check_model(model, full_check=True)
+    probe = {"x": np.ones((1, 4, 8), np.float32), "s": np.array([4, 8], np.int64)}
+    with pytest.raises(UnsupportedOp) as err:
+        import_onnx(model, probe)
+    e = err.value
+    assert (e.exit_code, e.backend, e.op_type, e.node) == (3, "tvm", "Reshape", "reshape_to_input")
+    assert "Tried the graph as exported: Reshape node 'reshape_to_input'" in e.message
+    assert "the graph converted from opset 11 to 18: Reshape node 'reshape_to_input'" in e.message
+    assert "another backend" in e.hint
