@@ -174,7 +174,7 @@ def test_a_record_older_than_the_manifest_does_not_win(repro):
         assert matrix(registry, ["good"], ["int8"])[0].outcome == "passed"
         os.utime(path, (made + 60, made + 60))  # a failure after the manifest was made: it wins
         row = matrix(registry, ["good"], ["int8"])[0]
-        assert (row.outcome, row.exit_code, row.detail) == ("build failed", 3, "bench: an old failure")
+        assert (row.outcome, row.exit_code, row.detail) == ("failed", 3, "bench: an old failure")
         assert row.manifest is not None
     finally:
         path.unlink()
@@ -393,10 +393,20 @@ def test_build_and_publish_failures_and_clearing(registry):
     record_outcome(registry.root, "bench", "a", "here", 70, "internal error (a bug): RuntimeError: x\nmore")
     row = matrix(registry, skus=["here"])[0]
     assert (row.outcome, row.exit_code, row.detail) == (
-        "build failed",
+        "failed",
         70,
         "bench: internal error (a bug): RuntimeError: x / more",
     )
+    record_outcome(registry.root, "build", "a", "here", 3, "iree-compile: out of memory")
+    assert matrix(registry, skus=["here"])[0].outcome == "build failed"
+    # exit 2 from validate (the golden set cannot judge the engine) is the input's fault, not a build's
+    record_outcome(registry.root, "validate", "a", "here", 2, "a/here: the datasets cannot judge the engine")
+    assert (matrix(registry, skus=["here"])[0].outcome, matrix(registry, skus=["here"])[0].exit_code) == (
+        "bad input",
+        2,
+    )
+    outcome_path(registry.root, "validate", "a", "here").unlink()
+    outcome_path(registry.root, "build", "a", "here").unlink()
     clear_outcomes(registry, ["manifest@a-here"])
     assert not outcome_path(registry.root, "bench", "a", "here").exists()
     row = matrix(registry, skus=["here"])[0]

@@ -75,6 +75,8 @@ Outcome = Literal[
     "passed",
     "gate failed",
     "build failed",
+    "failed",
+    "bad input",
     "unsupported",
     "publish failed",
     "built only",
@@ -226,7 +228,16 @@ def _failed_pair(
         return PairOutcome(
             model, sku, "unsupported", code, message, stage, unsupported=record["unsupported"], manifest=row
         )
-    kind: Outcome = "publish failed" if stage == "publish" else "build failed"
+    # exit 2 from a pair's stage: its input (the golden set cannot judge the engine, say), not the engine
+    kind: Outcome = (
+        "publish failed"
+        if stage == "publish"
+        else "bad input"
+        if code == 2
+        else "build failed"
+        if stage == "build"
+        else "failed"
+    )
     return PairOutcome(
         model,
         sku,

@@ -32,7 +32,7 @@ MARKER = ".skuforge-report"  # names a folder this module wrote: the only kind i
 PAIR_REPORT = "report.html"
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _PASSED = {"passed"}
-_FAILED = {"gate failed", "build failed", "publish failed", "failed", "unsupported"}
+_FAILED = {"gate failed", "build failed", "publish failed", "failed", "bad input", "unsupported"}
 PLOT_ERRORS = (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, OverflowError)
 
 
