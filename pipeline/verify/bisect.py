@@ -674,7 +674,9 @@ def bisect(
             if a == b:
                 first_nonfinite = graph.node_name(later[a]) if a < len(later) else graph.node_name(failing[0])
         summary = f"first divergent node {suspect.node} ({suspect.op_type}), likely cause {suspect.cause}: " + (
-            f"{suspect.explanation}; keep {suspect.keep} in higher precision"
+            f"{suspect.explanation}; an FP32 engine has no higher precision to keep it in"
+            if spec.precision == "fp32"
+            else f"{suspect.explanation}; keep {suspect.keep} in higher precision"
             if suspect.keep
             else f"{suspect.explanation}; no node to keep in higher precision"
         )
