@@ -713,40 +713,58 @@ def batch_one_reshape_model(path: Path) -> Path:
 # --- planted defects for bisection (tests/test_bisect.py) ---------------------------------------
 
 
-def outlier_channel_model(path: Path, seed: int = 0, factor: float = 500.0) -> Path:
-    """An INT8 defect in one named node. x[batch,4,8,8] -> conv1 -> relu1 -> ``outlier_scale`` (Mul:
-    channel 7 times ``factor``) -> conv2 (divides channel 7 back) -> relu2 -> GAP -> fc -> probs[batch,10].
-
-    In FP32 nothing is wrong. Quantized with one scale per activation tensor, ``outlier_scale``'s
-    output spends its 255 levels on channel 7: the seven other channels fall to a level or two."""
+def _outlier_weights(seed: int, factor: float) -> list[onnx.TensorProto]:
+    """conv1, ``channel_scale`` (channel 7 times ``factor``), conv2 (dividing it back) and fc weights."""
     rng = np.random.default_rng(seed)
     scale = np.ones((1, 8, 1, 1), np.float32)
     scale[0, 7] = factor
     w2 = rng.normal(0, 0.4, (8, 8, 1, 1)).astype(np.float32)
     w2[:, 7] /= factor
-    init = [
-        numpy_helper.from_array(rng.normal(0, 0.4, (8, 4, 3, 3)).astype(np.float32), "w1"),
-        numpy_helper.from_array(rng.normal(0.1, 0.05, (8,)).astype(np.float32), "b1"),
+    w1 = rng.normal(0, 0.4, (8, 4, 3, 3)).astype(np.float32)
+    b1 = rng.normal(0.1, 0.05, (8,)).astype(np.float32)
+    return [
+        numpy_helper.from_array(w1, "w1"),
+        numpy_helper.from_array(b1, "b1"),
         numpy_helper.from_array(scale, "channel_scale"),
         numpy_helper.from_array(w2, "w2"),
         numpy_helper.from_array(rng.normal(0, 0.05, (8,)).astype(np.float32), "b2"),
         numpy_helper.from_array(rng.normal(0, 2.0, (10, 8)).astype(np.float32), "fc_w"),
         numpy_helper.from_array(np.zeros((10,), np.float32), "fc_b"),
     ]
+
+
+def outlier_channel_model(path: Path, seed: int = 0, factor: float = 500.0) -> Path:
+    """An INT8 defect in one named node. x[batch,4,8,8] -> conv1 -> relu1 -> ``outlier_scale`` (Mul:
+    channel 7 times ``factor``) -> conv2 (divides channel 7 back) -> relu2 -> GAP -> fc -> probs[batch,10].
+
+    In FP32 nothing is wrong. Quantized with one scale per activation tensor, ``outlier_scale``'s
+    output spends its 255 levels on channel 7: the seven other channels fall to a level or two."""
+    init = _outlier_weights(seed, factor)
     nodes = [
         helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
         helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
         helper.make_node("Mul", ["r1", "channel_scale"], ["scaled"], name="outlier_scale"),
         helper.make_node("Conv", ["scaled", "w2", "b2"], ["c2"], name="conv2"),
         helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
-        helper.make_node("GlobalAveragePool", ["r2"], ["gap"], name="gap"),
+    ]
+    return _classifier(nodes + _head("r2"), "outlier_channel", init, path)
+
+
+def _head(features: str) -> list[onnx.NodeProto]:
+    """GlobalAveragePool -> Flatten -> Gemm (fc_w, fc_b) -> Softmax: ``features`` to ``probs``."""
+    return [
+        helper.make_node("GlobalAveragePool", [features], ["gap"], name="gap"),
         helper.make_node("Flatten", ["gap"], ["flat"], name="flatten"),
         helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"], transB=1, name="fc"),
         helper.make_node("Softmax", ["logits"], ["probs"], axis=-1, name="softmax"),
     ]
+
+
+def _classifier(nodes: list[onnx.NodeProto], name: str, init: list, path: Path) -> Path:
+    """x[batch,4,8,8] -> ``nodes`` -> probs[batch,10], saved at ``path``."""
     graph = helper.make_graph(
         nodes,
-        "outlier_channel",
+        name,
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 8, 8])],
         [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 10])],
         init,
@@ -916,21 +934,7 @@ def if_outer_scope_model(path: Path, seed: int = 0, factor: float = 500.0) -> Pa
     The If's only explicit input is its condition: a search that follows node inputs alone never
     reaches conv2 or ``outlier_scale`` and blames the If. The defect is ``outlier_scale``'s range,
     as in ``outlier_channel_model``."""
-    rng = np.random.default_rng(seed)
-    scale = np.ones((1, 8, 1, 1), np.float32)
-    scale[0, 7] = factor
-    w2 = rng.normal(0, 0.4, (8, 8, 1, 1)).astype(np.float32)
-    w2[:, 7] /= factor
-    init = [
-        numpy_helper.from_array(rng.normal(0, 0.4, (8, 4, 3, 3)).astype(np.float32), "w1"),
-        numpy_helper.from_array(rng.normal(0.1, 0.05, (8,)).astype(np.float32), "b1"),
-        numpy_helper.from_array(scale, "channel_scale"),
-        numpy_helper.from_array(w2, "w2"),
-        numpy_helper.from_array(rng.normal(0, 0.05, (8,)).astype(np.float32), "b2"),
-        numpy_helper.from_array(np.array(0.5, np.float32), "half"),
-        numpy_helper.from_array(rng.normal(0, 2.0, (10, 8)).astype(np.float32), "fc_w"),
-        numpy_helper.from_array(np.zeros((10,), np.float32), "fc_b"),
-    ]
+    init = [*_outlier_weights(seed, factor), numpy_helper.from_array(np.array(0.5, np.float32), "half")]
 
     def branch(name: str, op: str) -> onnx.GraphProto:
         return helper.make_graph(
@@ -955,19 +959,8 @@ def if_outer_scope_model(path: Path, seed: int = 0, factor: float = 500.0) -> Pa
             else_branch=branch("else", "Abs"),
             name="branch",
         ),
-        helper.make_node("GlobalAveragePool", ["r2"], ["gap"], name="gap"),
-        helper.make_node("Flatten", ["gap"], ["flat"], name="flatten"),
-        helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"], transB=1, name="fc"),
-        helper.make_node("Softmax", ["logits"], ["probs"], axis=-1, name="softmax"),
     ]
-    graph = helper.make_graph(
-        nodes,
-        "if_outer_scope",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 8, 8])],
-        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 10])],
-        init,
-    )
-    return _save(graph, path)
+    return _classifier(nodes + _head("r2"), "if_outer_scope", init, path)
 
 
 def if_outer_scope_spec(dir_: str = "m") -> dict:
