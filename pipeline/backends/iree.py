@@ -246,7 +246,7 @@ class IreeBackend(Backend):
         try:
             _to_mlir(staged.source, work / "input.mlir")
         except _ImportRefused as exc:
-            raise _import_failure(exc, node_types, staged.notes["earlier"], work) from exc
+            raise _import_failure(exc, node_types, staged.notes["earlier"], work, (ctx.model, ctx.sku)) from exc
         _progress(ctx, "iree compile", 0.3)
         flags, dropped = _compile(
             work, compile_flags(opts, ctx.sku_spec.target.arch), opts.droppable_flags, ctx.engine_dir / VMFB, node_types
@@ -437,7 +437,11 @@ def _to_mlir(source: Path, out: Path) -> None:
 
 
 def _import_failure(
-    refused: _ImportRefused, node_types: dict[str, str], earlier: list[tuple[str, Path]], work: Path
+    refused: _ImportRefused,
+    node_types: dict[str, str],
+    earlier: list[tuple[str, Path]],
+    work: Path,
+    pair: tuple[str, str] = ("<model>", "<sku>"),
 ) -> Exception:
     """The error for a graph the importer refused. When it was converted (FP16, opset) and the graph
     it was converted from imports, the conversion broke it, not the op: say so (never UnsupportedOp,
@@ -453,7 +457,10 @@ def _import_failure(
         where = f" at node {node!r} ({op_type}{f', its input {tensor!r}' if tensor else ''})" if node else ""
         if step in _PRECISION_STEP.values():
             names = {n.name for n in onnx.load(str(before), load_external_data=False).graph.node}
-            keep = f"keep {node!r} precise (models.<model>.higher_precision), or " if node in names else ""
+            model, sku = pair
+            keep = (
+                f"keep {node!r} precise (models.{model}.higher_precision.{sku}: [{node}]), or " if node in names else ""
+            )
             hint = (
                 f"{keep}build this model at fp32; report it to skuforge with the model (the {step} "
                 "should keep it valid)"

@@ -521,6 +521,7 @@ def test_a_conversion_that_breaks_the_import_is_named_not_the_op(flags_proj, mon
     assert err.message.startswith("the FP16 conversion broke the model for IREE's ONNX importer")
     assert "at node 'resize' (Resize, its input 'roi')" in err.message and "Unhandled ONNX TensorProto" in err.message
     assert "keep 'resize' precise" in err.hint and "fp32" in err.hint
+    assert "models.resize.higher_precision.im2col_fp16: [resize]" in err.hint  # the key to set, as written
 
 
 def test_an_import_failure_before_the_conversion_still_blames_the_node(tmp_path):
