@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pipeline.backends.base import Backend
 from pipeline.backends.contract import BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
 from pipeline.backends.opset import convert_opset
-from pipeline.core.errors import ConfigError, EnvironmentProblem, InputError, UnsupportedOp
+from pipeline.core.errors import ConfigError, EnvironmentProblem, InputError, UnsupportedOp, first_line
 from pipeline.host import probe
 from pipeline.model.graph import _all_nodes, default_opset, signature, tensors_to_raw
 from pipeline.results.reports import LayerInfo, TensorSig
@@ -365,7 +365,7 @@ def _runtime_problems(driver: str) -> tuple[str, ...]:
     try:
         rt.get_driver(driver).create_default_device()
     except Exception as exc:  # the runtime raises RuntimeError/ValueError with the driver's status
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        detail = first_line(exc)
         return (f"no {driver} device on this host ({detail})",)
     return ()
 
@@ -469,17 +469,13 @@ def _import_failure(
             hint = "re-export the model from its framework at opset 17 or newer; report it to skuforge with the model"
         return EnvironmentProblem(
             f"the {step} broke the model for IREE's ONNX importer (it imports the model before the "
-            f"conversion and refuses it after){where}: {_first_line(refused.message)}",
+            f"conversion and refuses it after){where}: {first_line(refused.message)}",
             hint=hint,
         )
     return import_error(refused.message, refused.model, node_types)
 
 
 _PROTO_NAME = re.compile(r'^name: "((?:[^"\\]|\\.)*)"', re.M)
-
-
-def _first_line(message: str) -> str:
-    return message.strip().splitlines()[0] if message.strip() else "unknown error"
 
 
 def _refused_at(
@@ -506,12 +502,12 @@ def import_error(message: str, model: onnx.ModelProto, node_types: dict[str, str
     node, op_type, tensor = _refused_at(message, model, node_types)
     if node is None:
         return InputError(
-            f"IREE's ONNX importer refused the model: {_first_line(message)}",
+            f"IREE's ONNX importer refused the model: {first_line(message)}",
             hint="ONNX Runtime runs this model but iree-import-onnx cannot read it: use another backend "
             "for this model, or report it to iree-org/iree with the model",
         )
     what = f" (its input {tensor!r})" if tensor else ""
-    return UnsupportedOp("iree", op_type, node, f"the ONNX importer failed{what}: {_first_line(message)}")
+    return UnsupportedOp("iree", op_type, node, f"the ONNX importer failed{what}: {first_line(message)}")
 
 
 def compile_flags(opts: IreeOptions, arch: str) -> list[str]:
@@ -894,7 +890,7 @@ class IreeRunner(Runner):
             module = rt.VmModule.copy_buffer(self._config.vm_instance, vmfb.read_bytes())
             self._context.add_vm_module(module)
         except (RuntimeError, ValueError) as exc:
-            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            detail = first_line(exc)
             raise InputError(
                 f"{vmfb} cannot be loaded on the IREE {driver} driver: {detail}",
                 hint="the file is damaged, from another IREE version or for another device: rebuild the engine",

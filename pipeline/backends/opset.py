@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from pipeline.backends.reference import reference_runner
-from pipeline.core.errors import InputError
+from pipeline.core.errors import InputError, first_line
 from pipeline.model.graph import default_opset, tensors_to_raw
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def convert_opset(
         converted = version_converter.convert_version(model, target)
         onnx.checker.check_model(converted)
     except Exception as exc:  # the converter raises plain RuntimeError/ValidationError from C++
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        detail = first_line(exc)
         raise InputError(
             f"converting the model from opset {have} to {target} ({reason}) failed: {detail}", hint=redo
         ) from exc

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.backends.contract import Runner, median_per_run
-from pipeline.core.errors import EnvironmentProblem, InputError, UnsupportedOp
+from pipeline.core.errors import EnvironmentProblem, InputError, UnsupportedOp, first_line
 from pipeline.core.io import atomic_write_bytes
 from pipeline.results.reports import TensorSig
 
@@ -86,7 +86,7 @@ def create_session(
             provider_options=[provider_options.get(p, {}) for p in providers],
         )
     except Exception as exc:  # ORT raises its own Fail/InvalidGraph/NotImplemented classes
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        msg = first_line(exc)
         missing = re.search(r"Could not find an implementation for (\w+)\(\d+\) node with name '([^']*)'", msg)
         if missing or "NOT_IMPLEMENTED" in msg:
             raise UnsupportedOp(

@@ -85,6 +85,15 @@ class ServiceError(SkuforgeError):
     exit_code = 4
 
 
+def first_line(what: BaseException | str) -> str:
+    """The first non-empty line of an exception's (or a message's) text: what a one-line error
+    quotes of an SDK's multi-line message; the exception's type when it says nothing."""
+    text = str(what).strip()
+    if text:
+        return text.splitlines()[0].strip()
+    return type(what).__name__ if isinstance(what, BaseException) else "unknown error"
+
+
 EXIT_OK = 0
 EXIT_INTERNAL = 70
 EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT)
