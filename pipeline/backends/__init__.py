@@ -23,6 +23,7 @@ _BACKENDS: dict[str, str] = {
     "iree": "pipeline.backends.iree:IreeBackend",
     "tensorrt": "pipeline.backends.tensorrt:TensorRtBackend",
     "tvm": "pipeline.backends.tvm:TvmBackend",
+    "litert": "pipeline.backends.litert:LiteRtBackend",
 }
 
 

@@ -87,6 +87,13 @@ class Backend(abc.ABC):
     def _check_sku_impl(cls, sku: SkuSpec, options: Any) -> list[str]:
         return []
 
+    @classmethod
+    def config_fingerprint(cls) -> dict[str, str]:
+        """What beyond params.yaml decides this backend's engine bytes and is not a runtime version a
+        SKU's toolchain pins (a converter environment's lock): part of the build's config hash.
+        The default: nothing."""
+        return {}
+
     def cross_compiles(self, sku: SkuSpec) -> bool:
         """True when this backend builds the SKU's engine on any host (the target is only needed
         to run it). The default: engines are built on the target."""

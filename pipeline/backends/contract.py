@@ -42,6 +42,8 @@ class Capabilities:
     per_node_precision: bool = False  # keeps named nodes in higher precision (remedy, higher_precision)
     intermediate_outputs: bool = True  # builds with intermediate tensors marked as outputs (bisection)
     cache: CacheKind | None = None  # what it keeps under caches/<sku>/<model>/
+    # INT8 from the calibrate stage's range table (QDQ), or from the calibration samples themselves
+    calibration: Literal["table", "samples"] = "table"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -50,6 +52,7 @@ class Capabilities:
             "per_node_precision": self.per_node_precision,
             "intermediate_outputs": self.intermediate_outputs,
             "cache": self.cache,
+            "calibration": self.calibration,
             "runtime_package": self.runtime_package,
         }
 
@@ -95,6 +98,9 @@ class BuildContext:
     cache_refresh: bool = False  # ignore the cache and rebuild it (skuforge cache refresh)
     tuning_trials: int | None = None  # a tuning backend's trial budget instead of the SKU's
     search: bool = True  # False: what the cache lacks gets the compiler's default, nothing is searched (scratch builds)
+    # INT8: the calibration set's batches as the engine takes them (preprocessed, axes pinned), for a
+    # backend that calibrates itself (LiteRT) instead of reading the calibrate stage's table
+    calibration_batches: list[dict[str, np.ndarray]] | None = None
 
 
 @dataclass

@@ -7,13 +7,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.backends import get_backend
+from pipeline.backends import backend_class, get_backend
 from pipeline.backends.contract import BuildContext, BuildOutcome
 from pipeline.core.errors import EnvironmentProblem
 from pipeline.core.io import atomic_dir, sha256_json
 from pipeline.core.progress import Progress
 from pipeline.engine.hostcheck import Purpose, host_problems
-from pipeline.project.artifacts import batch_indices, calibration_table, layout, load_arrays, read_report
+from pipeline.project.artifacts import (
+    batch_indices,
+    calibration_batches,
+    calibration_table,
+    layout,
+    load_arrays,
+    read_report,
+)
 from pipeline.project.config import Registry
 from pipeline.project.data import LABELS, iter_batches
 from pipeline.results.reports import FileRecord, PrepareReport
@@ -43,6 +50,7 @@ def config_hash(
     params.yaml's; a remedy run during the build adds to them)."""
     spec = registry.sku(sku)
     keep = registry.higher_precision(model, sku) if keep is None else keep
+    fingerprint = backend_class(spec.backend).config_fingerprint()
     return sha256_json(
         {
             "sku": spec.model_dump(
@@ -53,6 +61,8 @@ def config_hash(
             "calibration_sha256": calibration_sha256 if spec.precision == "int8" else None,
             # nodes kept in higher precision change the engine; an empty list leaves the hash as it was
             **({"keep_precise": list(keep)} if keep else {}),
+            # a converter environment's lock (LiteRT): none for the other backends, so their hashes stay
+            **({"backend": fingerprint} if fingerprint else {}),
         }
     )
 
@@ -100,6 +110,9 @@ def build_engine(
     in_idx, _ = batch_indices(registry, model, prep.signature)
     _, probe = next(iter_batches(golden, in_idx, run_at.get(spec.batch_axis or "", 1)))
     table = calibration_table(registry, model) if sku_spec.precision == "int8" else None
+    samples = None
+    if sku_spec.precision == "int8" and backend.capabilities.calibration == "samples":
+        samples, _ = calibration_batches(registry, model, run_at, prep.signature)
     keep = tuple(registry.higher_precision(model, sku)) if keep_precise is None else tuple(keep_precise)
     started = time.perf_counter()
     with atomic_dir(engine_dir) as staging:
@@ -113,6 +126,7 @@ def build_engine(
             profiles=dict(sku_spec.profiles),
             engine_dir=staging,
             calibration_table=table,
+            calibration_batches=samples,
             probe_inputs=probe,
             cache_dir=cache_dir or out.cache_dir(model, sku),
             progress=progress,

@@ -10,6 +10,7 @@ from pipeline.core.errors import InputError
 from pipeline.core.io import read_json
 from pipeline.core.paths import Layout
 from pipeline.project.config import Registry
+from pipeline.project.data import LABELS, check_finite, iter_batches
 from pipeline.results.reports import Result
 
 if TYPE_CHECKING:
@@ -107,3 +108,22 @@ CALIBRATION_TABLE = "table.json"
 def calibration_table(registry: Registry, model: str) -> Path:
     """The calibrate stage's table for ``model`` (INT8 builds read it)."""
     return layout(registry).calibration_dir(model) / CALIBRATION_TABLE
+
+
+def calibration_batches(
+    registry: Registry, model: str, pins: dict[str, int], signature
+) -> tuple[list[dict[str, np.ndarray]], int]:
+    """The calibration set as the engine takes it: batches at the pinned batch size, the first
+    ``calibration.samples`` samples where params.yaml caps them; and the number of samples. Refuses
+    NaN/Inf (they would give infinite ranges)."""
+    spec = layout(registry)
+    arrays = load_arrays(spec.split(model, "calibration"), "data")
+    arrays.pop(LABELS, None)
+    # the data stage refuses NaN/Inf; this catches data written before it did
+    check_finite(arrays, "calibration", str(spec.split(model, "calibration")))
+    samples = registry.model(model).calibration.samples
+    if samples is not None:
+        arrays = {k: v[:samples] for k, v in arrays.items()}
+    in_idx, _ = batch_indices(registry, model, signature)
+    batch = pins.get(registry.model(model).batch_axis or "", 1)
+    return [feeds for _, feeds in iter_batches(arrays, in_idx, batch)], len(next(iter(arrays.values())))

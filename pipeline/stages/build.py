@@ -77,7 +77,9 @@ def build(
         reproducibility = reproducible.check(registry, model, sku, built, out.engine_dir(model, sku), progress=progress)
     calibration = None
     if outcome.calibration is not None:
-        calibration = {**outcome.calibration, "method": spec.calibration.method, "table_sha256": table_sha}
+        calibration = {**outcome.calibration, "method": spec.calibration.method}
+        # a backend that calibrates on the samples (LiteRT) records the set's hash; the others read the table
+        calibration["table_sha256"] = table_sha if backend.capabilities.calibration == "table" else None
     report = BuildReport(
         model=model,
         sku=sku,

@@ -9,9 +9,8 @@ from pipeline.backends.reference import calibrate as ort_calibrate
 from pipeline.core.io import atomic_write_json, sha256_file
 from pipeline.core.progress import Progress
 from pipeline.model.graph import pin_axes
-from pipeline.project.artifacts import batch_indices, calibration_table, layout, load_arrays, log, read_report
+from pipeline.project.artifacts import calibration_batches, calibration_table, layout, log, read_report
 from pipeline.project.config import Registry
-from pipeline.project.data import LABELS, check_finite, iter_batches
 from pipeline.results.reports import CalibrationReport, DataReport, PrepareReport
 
 
@@ -22,16 +21,8 @@ def calibrate(registry: Registry, model: str, progress: Progress | None = None) 
     out = layout(registry)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
     data = read_report(out.report(model, None, "data"), DataReport, "data")
-    arrays = load_arrays(out.split(model, "calibration"), "data")
-    arrays.pop(LABELS, None)
-    # NaN/Inf would give infinite ranges; the data stage refuses them, this catches data written before it did
-    check_finite(arrays, "calibration", str(out.split(model, "calibration")))
-    if spec.calibration.samples is not None:
-        arrays = {k: v[: spec.calibration.samples] for k, v in arrays.items()}
     pins = registry.pins(model)
-    in_idx, _ = batch_indices(registry, model, prep.signature)
-    batches = [feeds for _, feeds in iter_batches(arrays, in_idx, pins.get(spec.batch_axis or "", 1))]
-    samples = len(next(iter(arrays.values())))
+    batches, samples = calibration_batches(registry, model, pins, prep.signature)
     prepared = out.prepared_model(model)
     with tempfile.TemporaryDirectory(prefix="skuforge-cal-") as tmp:
         pinned = Path(tmp) / "pinned.onnx"

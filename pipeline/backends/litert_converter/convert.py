@@ -1,0 +1,396 @@
+"""ONNX -> .tflite, run by pipeline.backends.litert in the converter's own environment (the pinned
+onnx2tf/TensorFlow venv of requirements.lock, whose versions clash with skuforge's), as
+``python convert.py REQUEST.json``. skuforge never imports this module; it imports nothing of
+skuforge's. Every value arrives in the request file (paths, names, flags), none as command text.
+
+1. onnx2tf turns the (pinned, static) ONNX model into a TensorFlow SavedModel, NCHW inputs kept
+   as they are (``keep_ncw_or_nchw_or_ncdhw_input_names``) so the engine takes the ONNX tensors.
+2. TensorFlow's TFLite converter turns the SavedModel into an FP32 flatbuffer (always: it names
+   the tensors and maps them to the ONNX graph), and FP16 (weights) or INT8 where asked: INT8 is
+   calibrated on the request's calibration samples, then quantized with every op int8 but the
+   ops made from the ONNX nodes to keep in float (``denylisted_nodes``); int8 inputs and
+   outputs where asked (``fully_quantize``).
+3. The FP32 flatbuffer and ONNX Runtime run one probe sample with every intermediate kept: each
+   TFLite op's output is matched by value to an ONNX tensor (up to an NHWC<->NCHW permutation),
+   which maps the op back to the ONNX nodes it computes, and each ONNX output to the TFLite
+   output and the transpose that gives it back in ONNX layout.
+
+The result file holds either {"ok": true, ...} or {"ok": false, "error": {...}}; exit status 0
+in both cases (1: the request itself was unreadable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+ONNX_OP = re.compile(r"onnx_op_type:\s*(\S+)\s+onnx_op_name:\s*(\S+)")
+SELECT_OPS = re.compile(r"TF Select ops:\s*([^\n]+)")
+CUSTOM_OPS = re.compile(r"Custom ops:\s*([^\n]+)")
+
+
+def _first_line(text: str) -> str:
+    lines = [ln.strip() for ln in ANSI.sub("", text).splitlines() if ln.strip()]
+    useful = [ln for ln in lines if not ln.startswith(("Traceback", "File ", "WARNING", "INFO"))]
+    return (useful or lines or ["no message"])[0][:400]
+
+
+def _sanitize(name: str) -> str:
+    return re.sub(r"[^0-9A-Za-z]", "_", name)
+
+
+def _onnx2tf(req: dict[str, Any], saved_model: Path) -> None:
+    import onnx
+    import onnx2tf
+
+    model = onnx.load(req["onnx"], load_external_data=False)
+    init = {i.name for i in model.graph.initializer}
+    keep = [i.name for i in model.graph.input if i.name not in init and len(i.type.tensor_type.shape.dim) in (3, 4, 5)]
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log):
+            onnx2tf.convert(
+                input_onnx_file_path=req["onnx"],
+                output_folder_path=str(saved_model),
+                keep_ncw_or_nchw_or_ncdhw_input_names=keep or None,
+                output_signaturedefs=True,
+                copy_onnx_input_output_names_to_tflite=True,
+                replace_to_pseudo_operators=[op.lower() for op in req.get("pseudo_ops", [])],
+                verbosity="info",
+            )
+    except BaseException as exc:  # onnx2tf raises anything from any op's converter, or sys.exit(1)
+        text = ANSI.sub("", log.getvalue())
+        ops = ONNX_OP.findall(text)
+        raise ConversionError(
+            "onnx2tf",
+            f"onnx2tf could not convert the model: {_first_line(str(exc) or type(exc).__name__)}",
+            op=ops[-1][0] if ops else None,
+            node=ops[-1][1] if ops else None,
+        ) from exc
+    if not (saved_model / "saved_model.pb").is_file():
+        text = ANSI.sub("", log.getvalue())
+        ops = ONNX_OP.findall(text)
+        errors = [ln for ln in text.splitlines() if "ERROR" in ln]
+        raise ConversionError(
+            "onnx2tf",
+            f"onnx2tf wrote no SavedModel: {_first_line(errors[-1] if errors else text[-400:])}",
+            op=ops[-1][0] if ops else None,
+            node=ops[-1][1] if ops else None,
+        )
+
+
+class ConversionError(Exception):
+    def __init__(self, stage: str, message: str, op: str | None = None, node: str | None = None, **extra: Any):
+        super().__init__(message)
+        self.record = {"stage": stage, "message": message, "op": op, "node": node, **extra}
+
+
+def _tflite(convert: Any, what: str) -> bytes:
+    try:
+        return convert()
+    except Exception as exc:
+        text = str(exc)
+        select = SELECT_OPS.search(text)
+        custom = CUSTOM_OPS.search(text)
+        missing = [o.strip() for o in (select.group(1) if select else custom.group(1) if custom else "").split(",")]
+        missing = [o for o in missing if o]
+        raise ConversionError(
+            "tflite",
+            f"the TFLite converter could not make the {what} model: "
+            + (
+                f"TensorFlow ops with no LiteRT built-in kernel: {', '.join(missing)}" if missing else _first_line(text)
+            ),
+            op=missing[0] if missing else None,
+            tf_ops=missing,
+        ) from exc
+
+
+def _signature(model: bytes) -> tuple[dict[str, int], dict[str, int]]:
+    import tensorflow as tf
+
+    sig = tf.lite.Interpreter(model_content=model)._get_full_signature_list()["serving_default"]
+    return sig["inputs"], sig["outputs"]
+
+
+def _input_keys(onnx_inputs: list[str], sig_inputs: dict[str, int]) -> dict[str, str]:
+    keys = {}
+    for name in onnx_inputs:
+        if name in sig_inputs:
+            keys[name] = name
+            continue
+        found = [k for k in sig_inputs if _sanitize(k) == _sanitize(name)]
+        if len(found) != 1:
+            raise ConversionError("io", f"the TFLite model has no input for ONNX input {name!r} ({sorted(sig_inputs)})")
+        keys[name] = found[0]
+    return keys
+
+
+def _onnx_all(req: dict[str, Any], probe: dict[str, np.ndarray]) -> tuple[Any, dict[str, np.ndarray], list[str]]:
+    """ONNX Runtime's value of every float tensor of the model on the probe sample, and the model."""
+    import onnx
+    import onnxruntime as ort
+
+    model = onnx.load(req["onnx"])
+    inferred = onnx.shape_inference.infer_shapes(model)
+    floats = {
+        v.name
+        for v in [*inferred.graph.value_info, *inferred.graph.output]
+        if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    }
+    existing = {o.name for o in model.graph.output}
+    order = []
+    for node in model.graph.node:
+        for out in node.output:
+            if out and out in floats:
+                order.append(out)
+                if out not in existing:
+                    model.graph.output.append(onnx.helper.make_tensor_value_info(out, onnx.TensorProto.FLOAT, None))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    values = dict(zip(names, session.run(names, probe), strict=True))
+    return model, values, order
+
+
+def _perms(rank: int) -> list[tuple[int, ...]]:
+    """The identity, then channels-last -> channels-first (what onnx2tf's layout change does)."""
+    ident = tuple(range(rank))
+    if rank < 3:
+        return [ident]
+    return [ident, (0, rank - 1, *range(1, rank - 1))]
+
+
+def _match(
+    value: np.ndarray, candidates: dict[str, np.ndarray], order: list[str]
+) -> tuple[str, tuple[int, ...]] | None:
+    """The latest ONNX tensor (topological order) equal to ``value`` up to a layout permutation."""
+    best = None
+    for name in order:
+        ref = candidates.get(name)
+        if ref is None or ref.size != value.size or ref.size == 0:
+            continue
+        for perm in _perms(value.ndim):
+            arr = np.transpose(value, perm) if perm != tuple(range(value.ndim)) else value
+            if arr.shape != ref.shape:
+                continue
+            scale = 1.0 + float(np.max(np.abs(ref)))
+            if float(np.max(np.abs(arr.astype(np.float64) - ref))) <= 1e-4 * scale:
+                best = (name, perm)
+                break
+    return best
+
+
+def _ancestors(model: Any) -> dict[str, set[str]]:
+    """tensor -> the names of the nodes it depends on (its producer included)."""
+    producer = {}
+    for i, node in enumerate(model.graph.node):
+        for out in node.output:
+            producer[out] = (node.name or f"{node.op_type}@{i}", node)
+    memo: dict[str, set[str]] = {}
+
+    def of(tensor: str) -> set[str]:
+        if tensor in memo:
+            return memo[tensor]
+        memo[tensor] = set()
+        if tensor not in producer:
+            return memo[tensor]
+        name, node = producer[tensor]
+        found = {name}
+        for inp in node.input:
+            if inp:
+                found |= of(inp)
+        memo[tensor] = found
+        return found
+
+    sys.setrecursionlimit(max(10000, 4 * len(model.graph.node)))
+    return {t: of(t) for t in producer}
+
+
+def _map_ops(req: dict[str, Any], float_model: bytes, probe: dict[str, np.ndarray], keys: dict[str, str]) -> dict:
+    """Each TFLite op of the FP32 model -> the ONNX tensor it computes and the ONNX nodes between
+    its inputs and its output; each ONNX output -> the TFLite output key and the permutation that
+    gives it back in ONNX layout."""
+    import tensorflow as tf
+
+    onnx_model, values, order = _onnx_all(req, probe)
+    interp = tf.lite.Interpreter(
+        model_content=float_model,
+        experimental_op_resolver_type=tf.lite.experimental.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
+        experimental_preserve_all_tensors=True,
+    )
+    interp.allocate_tensors()
+    sig_in, sig_out = _signature(float_model)
+    shapes = _shapes(float_model)
+    for name, key in keys.items():
+        interp.set_tensor(sig_in[key], _feed(probe[name], shapes[key]))
+    interp.invoke()
+    tensors = {d["index"]: d for d in interp.get_tensor_details()}
+    ancestors = _ancestors(onnx_model)
+    matched: dict[int, tuple[str, tuple[int, ...]]] = {}
+    for name, key in keys.items():
+        matched[sig_in[key]] = (name, tuple(range(probe[name].ndim)))
+    ops = []
+    for op in interp._get_ops_details():
+        outs = [int(i) for i in op["outputs"] if i >= 0]
+        found = None
+        for i in outs:
+            if tensors[i]["dtype"] == np.float32:
+                found = _match(interp.get_tensor(i), values, order)
+                if found:
+                    matched[i] = found
+        bound: set[str] = set()
+        for i in op["inputs"]:
+            if int(i) in matched:
+                bound |= ancestors.get(matched[int(i)][0], set())
+        nodes = sorted(ancestors.get(found[0], set()) - bound) if found else []
+        ops.append(
+            {
+                "index": int(op["index"]),
+                "op": op["op_name"],
+                "tensor": tensors[outs[0]]["name"] if outs else None,
+                "onnx_tensor": found[0] if found else None,
+                "nodes": nodes,
+            }
+        )
+    outputs = []
+    onnx_outputs = [o.name for o in onnx_model.graph.output][: len(req["outputs"])]
+    for i, name in enumerate(req["outputs"]):
+        key = f"output_{i}" if f"output_{i}" in sig_out else None
+        perm = None
+        if key is not None:
+            got = interp.get_tensor(sig_out[key])
+            ref = values.get(name)
+            if ref is not None:
+                hit = _match(
+                    got.reshape(ref.shape) if got.size == ref.size and got.ndim != ref.ndim else got,
+                    {name: ref},
+                    [name],
+                )
+                perm = list(hit[1]) if hit else None
+        outputs.append({"name": name, "key": key, "perm": perm, "checked": perm is not None})
+    del onnx_outputs
+    return {"ops": ops, "outputs": outputs}
+
+
+def _shapes(model: bytes) -> dict[str, tuple[int, ...]]:
+    """Signature input key -> the shape the flatbuffer's input has (onnx2tf makes a scalar [1])."""
+    import tensorflow as tf
+
+    interp = tf.lite.Interpreter(model_content=model)
+    sig_in, _ = _signature(model)
+    shape = {d["index"]: tuple(int(x) for x in d["shape"]) for d in interp.get_input_details()}
+    return {key: shape[index] for key, index in sig_in.items()}
+
+
+def _feed(value: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    value = np.asarray(value)
+    return value.reshape(shape) if value.shape != shape and value.size == int(np.prod(shape)) else value
+
+
+def _samples(path: str, keys: dict[str, str], shapes: dict[str, tuple[int, ...]]) -> list[dict[str, np.ndarray]]:
+    """The calibration batches (stacked on a new first axis) as the flatbuffer's inputs take them."""
+    data = np.load(path)
+    n = min(len(data[name]) for name in keys)
+    return [{keys[name]: _feed(data[name][i], shapes[keys[name]]) for name in keys} for i in range(n)]
+
+
+def convert(req: dict[str, Any]) -> dict[str, Any]:
+    import tensorflow as tf
+    from tensorflow.lite.python import convert as tfl_convert
+
+    work = Path(req["work"])
+    saved_model = work / "saved_model"
+    _onnx2tf(req, saved_model)
+
+    def converter() -> Any:
+        return tf.lite.TFLiteConverter.from_saved_model(str(saved_model))
+
+    float_model = _tflite(converter().convert, "FP32")
+    (work / "float32.tflite").write_bytes(float_model)
+    sig_in, sig_out = _signature(float_model)
+    keys = _input_keys(req["inputs"], sig_in)
+    probe = {k: v for k, v in np.load(req["probe"]).items()}
+    mapping = _map_ops(req, float_model, probe, keys)
+    precision = req["precision"]
+    denylisted: list[str] = []
+    unmatched: list[str] = []
+    if precision == "fp32":
+        model = float_model
+    elif precision == "fp16":
+        conv = converter()
+        conv.optimizations = [tf.lite.Optimize.DEFAULT]
+        conv.target_spec.supported_types = [tf.float16]
+        model = _tflite(conv.convert, "FP16")
+    else:
+        keep = set(req.get("keep_nodes", []))
+        for op in mapping["ops"]:
+            if keep & set(op["nodes"]) and op["tensor"]:
+                denylisted.append(op["tensor"])
+        covered = {n for op in mapping["ops"] for n in op["nodes"]}
+        unmatched = sorted(keep - covered)
+        samples = _samples(req["calibration"], keys, _shapes(float_model))
+        conv = converter()
+        conv.optimizations = [tf.lite.Optimize.DEFAULT]
+        conv.representative_dataset = lambda: iter(samples)
+        conv._experimental_calibrate_only = True
+        calibrated = _tflite(conv.convert, "calibrated")
+        int8_io = bool(req.get("int8_io"))
+        try:
+            model = tfl_convert.mlir_quantize(
+                calibrated,
+                disable_per_channel=not req.get("per_channel", True),
+                fully_quantize=int8_io,
+                input_data_type=tf.int8 if int8_io else tf.float32,
+                output_data_type=tf.int8 if int8_io else tf.float32,
+                denylisted_nodes=denylisted or None,
+            )
+        except Exception as exc:
+            raise ConversionError("quantize", f"INT8 quantization failed: {_first_line(str(exc))}") from exc
+    Path(req["out"]).write_bytes(model)
+    return {
+        "ok": True,
+        "inputs": keys,
+        "outputs": mapping["outputs"],
+        "ops": mapping["ops"],
+        "denylisted": denylisted,
+        "keep_not_found": unmatched,
+        "versions": _versions(),
+    }
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {pkg: version(pkg) for pkg in ("onnx2tf", "tensorflow", "onnx", "onnxruntime")}
+
+
+def main(argv: list[str]) -> int:
+    try:
+        req = json.loads(Path(argv[1]).read_text())
+    except (IndexError, OSError, ValueError) as exc:
+        print(f"convert.py: cannot read the request: {exc}", file=sys.stderr)
+        return 1
+    try:
+        result = convert(req)
+    except ConversionError as exc:
+        result = {"ok": False, "error": exc.record}
+    except Exception as exc:  # a converter bug: its traceback goes to the build log
+        traceback.print_exc()
+        result = {
+            "ok": False,
+            "error": {"stage": "internal", "message": f"{type(exc).__name__}: {_first_line(str(exc))}"},
+        }
+    Path(req["result"]).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
