@@ -1,9 +1,10 @@
 """Engines worth shipping: every CPU SKU's engine, timed side by side with ONNX Runtime defaults.
 
 For each model of benchmarks/ship_models.py (a MobileNetV2-style classifier, a DBNet-style text
-detector, a CRNN text recognizer), builds a temporary project (nothing under build/ is read or
-written) whose params.yaml holds the model and the CPU SKUs of ./params.yaml with their options
-as they stand, runs the pipeline's own stages (prepare, data, reference, calibrate,
+detector, a CRNN text recognizer), or of another project's params.yaml (``--project DIR``: its model
+entries as they stand, their folders copied), builds a temporary project (nothing under build/ is
+read or written) whose params.yaml holds the model and the CPU SKUs of ./params.yaml with their
+options as they stand, runs the pipeline's own stages (prepare, data, reference, calibrate,
 build_engine), loads each engine as the validate and bench stages do, and times
 
 - each SKU's engine through its runner's ``infer`` (what a device runs), and
@@ -11,10 +12,16 @@ build_engine), loads each engine as the validate and bench stages do, and times
 
 in interleaved rounds (every engine once per round, so load drifts on a shared host hit all of
 them alike) and prints per model each engine's p50 latency and its speed-up over ORT defaults.
-TVM builds with ``trials`` 0 (TVM's default schedules, no tuning database).
+TVM builds with ``trials`` 0 (TVM's default schedules, no tuning database). The note column is
+each engine's largest absolute difference from the reference stage's outputs (ONNX Runtime FP32,
+optimisations off) over the first golden samples, all outputs. For engines that delegate (LiteRT:
+XNNPACK) a second table gives the share of compute ops the delegate took (data-movement ops, whose
+precision is "n/a", left out), the delegate partitions, the TRANSPOSE ops the NCHW->NHWC layout
+change added, and the op types left on the built-in kernels.
 
     python benchmarks/speedup.py [--models classifier,recognizer] [--skus x86_ort_fp32,x86_ov_int8]
                                  [--seconds 2] [--threads 1] [--variant NAME=SKU:JSON ...] [--json out.json]
+                                 [--project DIR]
 
 ``--threads N`` pins every engine, ORT defaults included, to N threads (on a shared host, one
 thread and the ``cpu ms`` column, the process CPU time per call, compare compute cost with less
@@ -56,12 +63,20 @@ CPU_SKUS = (
     "x86_iree_cpu_fp32",
     "x86_iree_cpu_fp16",
     "x86_tvm_fp32",
+    "x86_litert_fp32",
+    "x86_litert_int8",
 )
 ORT_DEFAULTS = "ort_defaults"
+GOLDEN_SAMPLES = 8  # golden samples each engine is compared on
 
 
 # each backend's option for its runtime's thread count (IREE's is process-wide: see main)
-THREAD_OPTIONS = {"onnxruntime": "intra_op_num_threads", "openvino": "inference_num_threads", "tvm": "num_threads"}
+THREAD_OPTIONS = {
+    "onnxruntime": "intra_op_num_threads",
+    "openvino": "inference_num_threads",
+    "tvm": "num_threads",
+    "litert": "num_threads",
+}
 
 
 def make_project(
@@ -71,14 +86,23 @@ def make_project(
     skus: list[str],
     variants: dict[str, tuple[str, dict[str, Any]]],
     threads: int | None = None,
+    project: Path | None = None,
 ) -> Path:
-    """A project in ``root``: the models written by ship_models, generated data sets, the SKUs of
-    ``source/params.yaml`` (and the variants: a SKU with options updated)."""
+    """A project in ``root``: the models written by ship_models with generated data sets (or, from
+    ``project``, its models' params.yaml entries and folders), the SKUs of ``source/params.yaml``
+    (and the variants: a SKU with options updated)."""
     import yaml
 
     params = yaml.safe_load((source / "params.yaml").read_text())
     out: dict[str, Any] = {"defaults": params["defaults"], "examples": {}, "models": {}, "skus": {}}
+    theirs = yaml.safe_load((project / "params.yaml").read_text())["models"] if project else {}
     for name in models:
+        if project:
+            if name not in theirs:
+                raise SystemExit(f"{project}/params.yaml has no model {name!r} (it has: {', '.join(theirs)})")
+            out["models"][name] = theirs[name]
+            shutil.copytree(project / theirs[name]["dir"], root / theirs[name]["dir"])
+            continue
         spec = MODELS[name]
         build(name, root / "models" / name / "model.onnx")
         out["models"][name] = {
@@ -143,7 +167,7 @@ def measure(
     return samples, {k: total / count for k, (total, count) in cpu.items()}
 
 
-def roofline_fraction(model: Path, p50_ms: float, threads: int | None) -> str:
+def roofline_fraction(model: Path, pins: dict[str, int], p50_ms: float, threads: int | None) -> str:
     """ROOFLINE HOOK: achieved FLOP/s (the FP32 model's FLOPs, ``pipeline.perf.roofline.graph_cost``, over
     the p50) as a fraction of this host's measured FP32 peak (``pipeline.host.peaks.host_peaks``:
     all cores, or one core under ``--threads 1``); "n/a" where those modules are absent. INT8
@@ -156,7 +180,7 @@ def roofline_fraction(model: Path, p50_ms: float, threads: int | None) -> str:
     key = (str(model), threads)
     if key not in _ROOFLINE:
         peaks = host_peaks().compute_gflops
-        _ROOFLINE[key] = (graph_cost(model, {"batch": 1}).flops, peaks.one_core if threads == 1 else peaks.all_cores)
+        _ROOFLINE[key] = (graph_cost(model, pins).flops, peaks.one_core if threads == 1 else peaks.all_cores)
     flops, peak_gflops = _ROOFLINE[key]
     fraction = flops / (p50_ms * 1e6) / peak_gflops
     return f"{fraction:.1%}" + ("!" if fraction > 1 else "")  # "!": the cached peak is below what ran
@@ -165,9 +189,43 @@ def roofline_fraction(model: Path, p50_ms: float, threads: int | None) -> str:
 _ROOFLINE: dict[tuple[str, int | None], tuple[int, float]] = {}
 
 
+def delegation(outcome: Any, delegated_device: str) -> dict[str, Any] | None:
+    """What a delegating engine (one whose metadata counts ``partitions``) put on its delegate:
+    compute ops (data movement, precision "n/a", left out) on ``delegated_device`` and elsewhere,
+    the partitions, and the TRANSPOSE ops the engine has beyond the ONNX model's."""
+    partitions = getattr(outcome.meta, "partitions", None)
+    if partitions is None:
+        return None
+    compute = [layer for layer in outcome.layers if layer.precision != "n/a"]
+    taken = sum(1 for layer in compute if layer.device == delegated_device)
+    layout = getattr(outcome.meta, "layout", {})
+    return {
+        "compute_ops": len(compute),
+        "delegated_ops": taken,
+        "delegated_share": taken / len(compute) if compute else 0.0,
+        "partitions": partitions,
+        "transposes_added": layout.get("engine_transposes", 0) - layout.get("onnx_transposes", 0),
+        "builtin_op_types": sorted({layer.op_type for layer in compute if layer.device != delegated_device}),
+    }
+
+
+def max_abs_diff(got: dict[str, Any], want: dict[str, Any]) -> float:
+    """The largest absolute difference over the outputs both have."""
+    import numpy as np
+
+    return max(
+        float(np.abs(np.asarray(got[k], np.float64) - np.asarray(want[k], np.float64)).max()) for k in want if k in got
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
+    ap.add_argument(
+        "--models", help=f"comma-separated, from {', '.join(MODELS)} (default: all; with --project, its models)"
+    )
+    ap.add_argument(
+        "--project", type=Path, help="take the models from this project's params.yaml (entries and folders copied)"
+    )
     ap.add_argument("--skus", default=",".join(CPU_SKUS), help="comma-separated SKUs of ./params.yaml")
     ap.add_argument(
         "--variant",
@@ -181,7 +239,14 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the p50s and speed-ups here")
     ap.add_argument("--keep", action="store_true", help="keep the temporary project (its path is printed)")
     args = ap.parse_args()
-    models = [m for m in args.models.split(",") if m]
+    if args.models:
+        models = [m for m in args.models.split(",") if m]
+    elif args.project:
+        import yaml
+
+        models = list(yaml.safe_load((args.project / "params.yaml").read_text())["models"])
+    else:
+        models = list(MODELS)
     skus = [s for s in args.skus.split(",") if s]
     variants: dict[str, tuple[str, dict[str, Any]]] = {}
     for text in args.variant:
@@ -201,9 +266,12 @@ def main() -> None:
         iree.runtime.flags.parse_flags(f"--task_topology_group_count={args.threads}")
 
     from pipeline.backends import get_backend
+    from pipeline.backends.litert import DELEGATED
     from pipeline.engine.build import build_engine
-    from pipeline.project.artifacts import layout, load_arrays
+    from pipeline.project.artifacts import layout, load_arrays, read_report, run_plan
     from pipeline.project.config import load_registry
+    from pipeline.project.data import LABELS, iter_batches, run_dataset
+    from pipeline.results.reports import PrepareReport
     from pipeline.stages.calibrate import calibrate
     from pipeline.stages.data import make_data
     from pipeline.stages.prepare import prepare
@@ -212,7 +280,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="skuforge-speedup-"))
     results: dict[str, dict[str, Any]] = {}
     try:
-        registry = load_registry(make_project(tmp, Path.cwd(), models, skus, variants, args.threads))
+        registry = load_registry(make_project(tmp, Path.cwd(), models, skus, variants, args.threads, args.project))
         out = layout(registry)
         engines = skus + list(variants)
         for model in models:
@@ -221,37 +289,61 @@ def main() -> None:
             reference(registry, model)
             if any(registry.sku(s).precision == "int8" for s in engines):
                 calibrate(registry, model)
+            prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
+            in_idx, out_idx, batch = run_plan(registry, model, prep.signature)
             golden = load_arrays(out.split(model, "golden"), "data")
-            golden.pop("labels", None)
-            feeds = {k: v[:1] for k, v in golden.items()}
-            source = tmp / "models" / model / "model.onnx"
+            golden.pop(LABELS, None)
+            count = min(GOLDEN_SAMPLES, len(next(iter(golden.values()))))
+            golden = {k: v[:count] for k, v in golden.items()}
+            want = {k: v[:count] for k, v in load_arrays(out.reference_dir(model) / "golden.npz", "reference").items()}
+            _, feeds = next(iter_batches(golden, in_idx, batch))
+            source = registry.model_file(model)
             calls: dict[str, Callable[[], Any]] = {}
             so = ort.SessionOptions()
             so.intra_op_num_threads = args.threads or 0
             default = ort.InferenceSession(str(source), so)  # defaults (but the thread count under --threads)
+            names = [o.name for o in default.get_outputs()]
             calls[ORT_DEFAULTS] = lambda s=default, f=feeds: s.run(None, f)
-            want = default.run(None, feeds)[0]
-            errors, build_s, runners = {}, {}, []
+            diffs = {
+                ORT_DEFAULTS: max_abs_diff(
+                    run_dataset(
+                        lambda f, s=default, n=names: dict(zip(n, s.run(None, f), strict=True)),
+                        golden,
+                        in_idx,
+                        out_idx,
+                        batch,
+                    ),
+                    want,
+                )
+            }
+            errors, build_s, runners, delegated = {}, {}, [], {}
             for sku in engines:
                 spec = registry.sku(sku)
                 t0 = time.perf_counter()
                 try:
-                    build_engine(registry, model, sku, out.engine_dir(model, sku), tuning_trials=0, search=False)
+                    built = build_engine(
+                        registry, model, sku, out.engine_dir(model, sku), tuning_trials=0, search=False
+                    )
                     runner = get_backend(spec.backend).load(out.engine_dir(model, sku), spec)
                 except Exception as exc:  # a backend that cannot build this model: reported, not fatal
                     errors[sku] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                     continue
                 build_s[sku] = time.perf_counter() - t0
                 runners.append(runner)
-                got = next(iter(runner.infer(feeds).values()))
-                errors[sku] = f"max|d| vs ORT {float(np.abs(got.astype(np.float32) - want).max()):.3g}"
+                found = delegation(built.outcome, DELEGATED)
+                if found is not None:
+                    delegated[sku] = found
+                diffs[sku] = max_abs_diff(run_dataset(runner.infer, golden, in_idx, out_idx, batch), want)
                 calls[sku] = lambda r=runner, f=feeds: r.infer(f)
+            for name, diff in diffs.items():
+                errors[name] = f"max|d| vs ref {diff:.3g} (n={count})"
             samples, cpu_ms = measure(calls, args.seconds)
             for runner in runners:
                 runner.close()
             p50 = {k: statistics.median(v) for k, v in samples.items()}
             base = p50[ORT_DEFAULTS]
-            print(f"\n== {model} {MODELS[model]['shape']}  (ORT defaults p50 {base:.3f} ms)")
+            shapes = " ".join(str(list(v.shape)) for v in feeds.values())
+            print(f"\n== {model} {shapes}  (ORT defaults p50 {base:.3f} ms)")
             print(
                 f"  {'engine':28} {'p50 ms':>9} {'p90 ms':>9} {'speed-up':>9} {'cpu ms':>9} {'roofline':>9}"
                 "  build s  note"
@@ -263,7 +355,7 @@ def main() -> None:
                     rows[name] = {"error": errors.get(name)}
                     continue
                 p90 = float(np.percentile(samples[name], 90))
-                roof = roofline_fraction(source, p50[name], args.threads)
+                roof = roofline_fraction(source, registry.pins(model), p50[name], args.threads)
                 print(
                     f"  {name:28} {p50[name]:9.3f} {p90:9.3f} {base / p50[name]:8.2f}x {cpu_ms[name]:9.3f} {roof:>9}  "
                     f"{build_s.get(name, 0):7.1f}  {errors.get(name, '')}"
@@ -274,7 +366,19 @@ def main() -> None:
                     "speedup": base / p50[name],
                     "cpu_ms": cpu_ms[name],
                     "roofline": roof,
+                    "max_abs_diff": diffs[name],
                 }
+            if delegated:
+                print(
+                    f"  {'delegate':28} {'compute ops':>11} {'delegated':>9} {'partitions':>10} {'+TRANSPOSE':>10}"
+                    "  on built-in kernels"
+                )
+            for name, found in delegated.items():
+                print(
+                    f"  {name:28} {found['compute_ops']:11d} {found['delegated_share']:9.1%} {found['partitions']:10d} "
+                    f"{found['transposes_added']:10d}  {', '.join(found['builtin_op_types']) or '-'}"
+                )
+                rows[name]["delegation"] = found
             results[model] = rows
         if all(r.get("roofline") in (None, "n/a") for rows in results.values() for r in rows.values()):
             print("\nroofline: n/a (pipeline/perf/roofline.py is not in this tree)")

@@ -1000,3 +1000,36 @@ def shape_chain_model(path: Path, opset: int = 11, upsample: bool = False, seed:
         init,
     )
     return _save_at(graph, path, opset)
+
+
+def feature_map_model(path: Path, seed: int = 0) -> Path:
+    """x[batch,3,8,6] -> ``conv1`` 3x3 -> ``relu1`` -> ``conv2`` 1x1 -> y[batch,4,8,6]: a 4-D NCHW
+    output (channels, height and width all differ, so a layout transpose left in shows)."""
+    rng = np.random.default_rng(seed)
+    init = [
+        numpy_helper.from_array(rng.normal(0, 0.3, (8, 3, 3, 3)).astype(np.float32), "W1"),
+        numpy_helper.from_array(rng.normal(0, 0.1, (8,)).astype(np.float32), "B1"),
+        numpy_helper.from_array(rng.normal(0, 0.3, (4, 8, 1, 1)).astype(np.float32), "W2"),
+        numpy_helper.from_array(rng.normal(0, 0.1, (4,)).astype(np.float32), "B2"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "W1", "B1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "W2", "B2"], ["y"], name="conv2"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "feature_map",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 8, 6])],
+        init,
+    )
+    return _save(graph, path)
+
+
+def feature_map_spec(dir_: str = "m") -> dict:
+    return {
+        "dir": dir_,
+        "source": "model.onnx",
+        "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 3, 8, 6], "range": [-1.0, 1.0]}],
+    }

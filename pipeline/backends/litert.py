@@ -26,6 +26,7 @@ import functools
 import json
 import logging
 import os
+import re
 import subprocess
 import threading
 from pathlib import Path
@@ -411,12 +412,14 @@ def _conversion_error(error: dict[str, Any], model: Any, ctx: BuildContext) -> E
     message = str(error.get("message") or "unknown failure")
     op, node = error.get("op"), error.get("node")
     stage = error.get("stage")
-    if stage in ("onnx2tf", "tflite") and op:
-        by_name = {n.name: n for n in model.graph.node}
+    by_name = {n.name: n for n in model.graph.node}
+    if stage in ("onnx2tf", "tflite") and (op or node in by_name):
         if node in by_name:
             op = by_name[node].op_type
-        else:  # a TensorFlow op name (Erf, RFFT): the ONNX node of that type, where there is one
-            same = [n for n in model.graph.node if n.op_type.lower() == str(op).lower()]
+        else:  # a TensorFlow op (MatrixDeterminant, Erf): the node its layer is named after, else one of that type
+            named = {_sanitize(key): n for n in model.graph.node for key in (n.name, *n.output) if key}
+            same = [named[s] for s in map(_sanitize, error.get("scopes") or []) if s in named]
+            same = same or [n for n in model.graph.node if n.op_type.lower() == str(op).lower()]
             if same:
                 op, node = same[0].op_type, same[0].name or same[0].output[0]
         return UnsupportedOp(
@@ -433,6 +436,11 @@ def _conversion_error(error: dict[str, Any], model: Any, ctx: BuildContext) -> E
         f"LiteRT conversion of {ctx.model} for {ctx.sku} failed: {message}",
         hint="the converter's log is in the build output; report the model with it to onnx2tf or skuforge",
     )
+
+
+def _sanitize(name: str) -> str:
+    """A name as TensorFlow's layer names spell it (what onnx2tf's names become)."""
+    return re.sub(r"[^0-9A-Za-z]", "_", name)
 
 
 def engine_layers(interp: Any, mapped: list[dict[str, Any]]) -> tuple[list[LayerInfo], int, int]:

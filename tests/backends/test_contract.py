@@ -102,6 +102,10 @@ STACKS = [
     # builds and runs only on a host with TensorRT and an NVIDIA GPU (not checked where none is: Det is
     # unsupported in onnx-tensorrt's operator table)
     Stack("tensorrt", _gpu(models.cpu_sku("tensorrt", "fp32", {})), ("tensorrt",), DET),
+    # the runtime is the SDK; a build also needs the converter environment (onnx2tf, TensorFlow), which
+    # environment_problems("build") names like a missing SDK. Det becomes TensorFlow's MatrixDeterminant,
+    # which has no LiteRT built-in kernel (only a Flex op)
+    Stack("litert", models.cpu_sku("litert", "fp32", {"delegate": "xnnpack"}), ("ai_edge_litert",), DET),
 ]
 
 

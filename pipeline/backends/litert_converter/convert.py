@@ -34,8 +34,11 @@ import numpy as np
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 ONNX_OP = re.compile(r"onnx_op_type:\s*(\S+)\s+onnx_op_name:\s*(\S+)")
+ONNX_NODE = re.compile(r"onnx_op_name:\s*(\S+)")  # at verbosity info, a failed op's error names its node only
 SELECT_OPS = re.compile(r"TF Select ops:\s*([^\n]+)")
 CUSTOM_OPS = re.compile(r"Custom ops:\s*([^\n]+)")
+# an MLIR location: fused["MatrixDeterminant:", "model_1/<layer>/MatrixDeterminant@__inference_..."]
+LOCATION = re.compile(r'fused\["(\w+):", "([^"@]+)')
 
 
 def _first_line(text: str) -> str:
@@ -70,11 +73,12 @@ def _onnx2tf(req: dict[str, Any], saved_model: Path) -> None:
     except BaseException as exc:  # onnx2tf raises anything from any op's converter, or sys.exit(1)
         text = ANSI.sub("", log.getvalue())
         ops = ONNX_OP.findall(text)
+        nodes = ONNX_NODE.findall(text)
         raise ConversionError(
             "onnx2tf",
             f"onnx2tf could not convert the model: {_first_line(str(exc) or type(exc).__name__)}",
             op=ops[-1][0] if ops else None,
-            node=ops[-1][1] if ops else None,
+            node=nodes[-1] if nodes else None,
         ) from exc
     if not (saved_model / "saved_model.pb").is_file():
         text = ANSI.sub("", log.getvalue())
@@ -103,6 +107,8 @@ def _tflite(convert: Any, what: str) -> bytes:
         custom = CUSTOM_OPS.search(text)
         missing = [o.strip() for o in (select.group(1) if select else custom.group(1) if custom else "").split(",")]
         missing = [o for o in missing if o]
+        # the Keras layers around the first missing op: onnx2tf names them after the ONNX node or its output
+        scopes = next((path.split("/")[1:-1] for op, path in LOCATION.findall(text) if missing and op == missing[0]), [])
         raise ConversionError(
             "tflite",
             f"the TFLite converter could not make the {what} model: "
@@ -111,6 +117,7 @@ def _tflite(convert: Any, what: str) -> bytes:
             ),
             op=missing[0] if missing else None,
             tf_ops=missing,
+            scopes=scopes,
         ) from exc
 
 
