@@ -38,7 +38,7 @@ from pipeline.backends import litert_converter
 from pipeline.backends.base import Backend
 from pipeline.backends.contract import BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
 from pipeline.core.errors import EnvironmentProblem, InputError, UnsupportedOp, first_line
-from pipeline.core.io import atomic_write_bytes, read_json, sha256_arrays
+from pipeline.core.io import atomic_savez, atomic_write_bytes, read_json, sha256_arrays
 from pipeline.core.processes import stop_group
 from pipeline.host import probe
 from pipeline.results.reports import LayerInfo, TensorSig
@@ -291,7 +291,7 @@ class LiteRtBackend(Backend):
             "pseudo_ops": list(opts.pseudo_ops),
             "keep_nodes": list(ctx.keep_precise) if precision == "int8" else [],
         }
-        np.savez(staged.work / "probe.npz", **{k: np.ascontiguousarray(v) for k, v in ctx.probe_inputs.items()})
+        atomic_savez(staged.work / "probe.npz", **{k: np.ascontiguousarray(v) for k, v in ctx.probe_inputs.items()})
         calibration = None
         if precision == "int8":
             if not ctx.calibration_batches:
@@ -301,13 +301,13 @@ class LiteRtBackend(Backend):
                 )
             # the batches stacked on a new first axis: each is one call's input (a scalar input stays one)
             arrays = {name: np.stack([batch[name] for batch in ctx.calibration_batches]) for name in onnx_inputs}
-            np.savez(staged.work / "calibration.npz", **arrays)
+            atomic_savez(staged.work / "calibration.npz", **arrays)
             request["calibration"] = str(staged.work / "calibration.npz")
             calibration = {
                 "format": "TFLite full-integer",
                 "method": "TFLite converter calibration (min/max over the representative dataset)",
                 "samples": len(ctx.calibration_batches),
-                "calibration_set_sha256": sha256_arrays(arrays),
+                "batches_sha256": sha256_arrays(arrays),  # the preprocessed batches calibrated on
                 "per_channel": opts.per_channel,
                 "int8_io": opts.int8_io,
                 "nodes_to_exclude": list(ctx.keep_precise),
