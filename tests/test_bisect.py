@@ -21,9 +21,10 @@ import pytest
 import yaml
 from cli_helpers import skuforge
 
+from pipeline.backends import get_backend
 from pipeline.core.errors import GateFailed
 from pipeline.core.paths import Layout
-from pipeline.project.config import load_registry
+from pipeline.project.config import SkuSpec, load_registry
 from pipeline.stages.bench import bench
 from pipeline.stages.build import build
 from pipeline.stages.calibrate import calibrate
@@ -33,8 +34,15 @@ from pipeline.stages.prepare import prepare
 from pipeline.stages.reference import reference
 from pipeline.stages.validate import validate
 from pipeline.verify.bisect import Graph, channel_axis, remedy_nodes, tensor_error
+from pipeline.verify.remedy import fix
 
 SKUS = models.CPU_SKUS
+# LiteRT INT8 (its own test below: a ~10 s conversion per build); XNNPACK leaves the int8 Softmax to
+# the built-in kernels, which its placement allows; validate does not bisect (fix does, once)
+PLANTED_SKUS = SKUS | {
+    "litert_int8": models.cpu_sku("litert", "int8", {"delegate": "xnnpack", "per_channel": True})
+    | {"placement": {"allowed": ["xnnpack", "cpu"]}, "bisect": {"on_failure": False}},
+}
 # (defect, SKU) -> the planted node, the cause bisection must give, the nodes the remedy keeps
 PLANTED = {
     ("outlier", "ort_int8"): ("outlier_scale", "range", ["outlier_scale", "conv2"]),
@@ -50,7 +58,7 @@ BUILDERS = {
 def _project(root, defect: str, sku: str):
     builder, spec = BUILDERS[defect]
     builder(root / "m" / "model.onnx")
-    models.write_project(root, {"m": spec}, {sku: SKUS[sku]})
+    models.write_project(root, {"m": spec}, {sku: PLANTED_SKUS[sku]})
     return _stages(load_registry(root / "params.yaml"), sku)
 
 
@@ -82,7 +90,8 @@ def test_planted_defect_is_found_and_fixed(tmp_path, defect, sku):
     # searched by parts: fewer builds than candidates + the anchor and the confirmation
     assert 1 < bisection["builds"] <= bisection["candidates"] + 2
     assert all(
-        len(p["marked"]) <= SKUS[sku].get("bisect", {}).get("marks_per_build", 3) + 2 for p in bisection["probes"]
+        len(p["marked"]) <= PLANTED_SKUS[sku].get("bisect", {}).get("marks_per_build", 3) + 2
+        for p in bisection["probes"]
     )
     if cause == "overflow":
         assert bisection["first_nonfinite"] == node and suspect["error"]["inf"] > 0
@@ -113,6 +122,33 @@ def test_planted_defect_is_found_and_fixed(tmp_path, defect, sku):
     bench(reg, "m", sku)
     manifest = write_manifest(reg, "m", sku)
     assert manifest.build.keep_precise == keep
+
+
+@pytest.mark.slow
+def test_planted_outlier_is_found_and_fixed_on_litert_int8(tmp_path):
+    """The outlier on LiteRT: bisection names ``outlier_scale`` (range), and the remedy passes. TFLite's
+    quantizer gives the Mul's input (conv1+relu1's fused CONV_2D output) the Mul output's scale, so
+    keeping outlier_scale and conv2 in float is not enough there: the remedy also keeps relu1 (and with
+    it conv1: one op). (tests/backends/test_litert.py checks that kept nodes' ops compute in fp32.)"""
+    if not _litert_builds():
+        pytest.skip("LiteRT cannot build here (ai-edge-litert, or python -m pipeline.backends.litert_converter)")
+    reg = _project(tmp_path, "outlier", "litert_int8")
+    build(reg, "m", "litert_int8")
+    with pytest.raises(GateFailed):
+        validate(reg, "m", "litert_int8")
+    remedy = fix(reg, "m", "litert_int8")
+    suspect = remedy.rounds[0].suspects[0]
+    assert (suspect.node, suspect.cause) == ("outlier_scale", "range"), remedy.rounds[0].summary
+    assert remedy.passed and remedy.keep_precise == ["outlier_scale", "conv2", "relu1"], remedy.summary
+    assert [(s.keep_precise, s.passed) for s in remedy.steps[1:]] == [
+        (["outlier_scale", "conv2"], False),
+        (["outlier_scale", "conv2", "relu1"], True),
+    ], remedy.summary
+
+
+def _litert_builds() -> bool:
+    sku = SkuSpec.model_validate(PLANTED_SKUS["litert_int8"])
+    return not get_backend("litert").environment_problems(sku, "build")
 
 
 @pytest.mark.slow

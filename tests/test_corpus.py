@@ -1,6 +1,7 @@
 """The corpus: models as other exporters write them (old opsets, weights in float_data, control
 flow, recurrent state, several outputs, external data), each through the whole pipeline on every
-CPU SKU kind this host can build. Each (fixture, SKU) has a pinned outcome: it passes, or it is
+CPU SKU kind this host can build (LiteRT INT8 on a representative subset, LITERT_INT8_FIXTURES: its
+conversions take ~10 s each; LiteRT FP32 on all). Each (fixture, SKU) has a pinned outcome: it passes, or it is
 listed in KNOWN_UNSUPPORTED (a clean UnsupportedOp naming that op, the node and the backend) or in
 KNOWN_GATE_FAILURES (builds, runs, misses its gate). A pair that regresses from passed to
 unsupported fails, and so does a listed pair that starts passing (strict: update the table).
@@ -17,6 +18,7 @@ import models
 import onnx
 import pytest
 
+from pipeline.backends import litert_converter
 from pipeline.core.errors import GateFailed, UnsupportedOp
 from pipeline.core.paths import Layout
 from pipeline.project.config import load_registry
@@ -32,7 +34,13 @@ from pipeline.stages.validate import validate
 pytestmark = pytest.mark.slow
 
 NEWEST = onnx.defs.onnx_opset_version()
-SKUS = models.CPU_SKUS
+# LiteRT's SKUs here only (not models.CPU_SKUS: tests/test_bisect.py would build them for every case);
+# XNNPACK and the built-in kernels both allowed: fallback is reported in the build, not judged here
+ANY_LITERT_KERNEL = {"placement": {"allowed": ["xnnpack", "cpu"]}}
+SKUS = models.CPU_SKUS | {
+    "litert_fp32": models.cpu_sku("litert", "fp32", {"delegate": "xnnpack"}) | ANY_LITERT_KERNEL,
+    "litert_int8": models.cpu_sku("litert", "int8", {"delegate": "xnnpack", "per_channel": True}) | ANY_LITERT_KERNEL,
+}
 
 
 def _conv(opset: int):
@@ -63,9 +71,16 @@ FIXTURES = {
     "external_data": (models.external_data_model, models.vector_spec("m")),
 }
 MATRIX: dict[tuple[str, str], str] = {}
-# Pairs a backend refuses with UnsupportedOp, and the op it names. Empty today: every fixture
-# builds on every CPU SKU (onnxruntime 1.32, OpenVINO 2026.4, IREE 3.13).
-KNOWN_UNSUPPORTED: dict[tuple[str, str], str] = {}
+# LiteRT INT8 (a ~10 s conversion each) on these only: a conv net, an opset-11 Softmax converted to
+# 13, int64 and scalar I/O with an embedding, and a refusal; LiteRT FP32 runs every fixture
+LITERT_INT8_FIXTURES = ("conv_opset13", "paddle_softmax", "multi_output", "lstm")
+# Pairs a backend refuses with UnsupportedOp, and the op it names. Every fixture builds on every
+# other CPU SKU (onnxruntime 1.32, OpenVINO 2026.4, IREE 3.13); onnx2tf 1.29.24 fails on these nodes
+# (the Loop body's While layer, an LSTM Reshape and a GRU Split of the wrong size), keep_ncw or not
+KNOWN_UNSUPPORTED: dict[tuple[str, str], str] = {
+    **{(fixture, "litert_fp32"): op for fixture, op in (("loop", "Loop"), ("lstm", "LSTM"), ("gru", "GRU"))},
+    ("lstm", "litert_int8"): "LSTM",
+}
 # Pairs that build and run but miss the accuracy gate, and why (strict: a fix turns them red)
 KNOWN_GATE_FAILURES = {
     ("multi_output", "ov_int8"): "OpenVINO 2026.4 CPU computes the QDQ graph's quantized Gather (embedding) path "
@@ -79,6 +94,8 @@ KNOWN_GATE_FAILURES = {
 def _available(backend: str) -> bool:
     import importlib.util
 
+    if backend == "litert":  # the runtime, and the converter's own environment to build with
+        return importlib.util.find_spec("ai_edge_litert") is not None and not litert_converter.problems()
     module = {"onnxruntime": "onnxruntime", "openvino": "openvino", "iree": "iree.compiler"}[backend]
     return importlib.util.find_spec(module.split(".")[0]) is not None and importlib.util.find_spec(module) is not None
 
@@ -123,6 +140,8 @@ def corpus(tmp_path_factory, request):
 def _pairs():
     for fixture in FIXTURES:
         for sku in SKUS:
+            if sku == "litert_int8" and fixture not in LITERT_INT8_FIXTURES:
+                continue
             reason = KNOWN_GATE_FAILURES.get((fixture, sku))
             marks = [pytest.mark.xfail(raises=GateFailed, strict=True, reason=reason)] if reason else []
             yield pytest.param(fixture, sku, id=f"{fixture}-{sku}", marks=marks)

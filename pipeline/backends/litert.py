@@ -37,14 +37,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from pipeline.backends import litert_converter
 from pipeline.backends.base import Backend
 from pipeline.backends.contract import BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
+from pipeline.backends.opset import convert_opset
 from pipeline.core.errors import EnvironmentProblem, InputError, UnsupportedOp, first_line
 from pipeline.core.io import atomic_savez, atomic_write_bytes, read_json, sha256_arrays
 from pipeline.core.processes import stop_group
 from pipeline.host import probe
+from pipeline.model.graph import coerced_axis_nodes, default_opset
 from pipeline.results.reports import LayerInfo, TensorSig
 
 if TYPE_CHECKING:
     import numpy as np
+    import onnx
 
     from pipeline.project.config import SkuSpec
 
@@ -54,6 +57,13 @@ RUNTIME = "ai-edge-litert"
 TFLITE = "model.tflite"
 DELEGATED = "xnnpack"  # the device of an op the XNNPACK delegate runs
 BUILTIN = "cpu"  # the device of an op left on LiteRT's built-in CPU kernels
+# the newest opset and IR version the converter's ONNX Runtime (1.23, requirements.lock) loads
+CONVERTER_OPSET, CONVERTER_IR = 23, 11
+# the ONNX ops onnx2tf 1.29 rewrites as built-in math (its replace_to_pseudo_operators)
+PSEUDO_OPS = (
+    *("Abs", "Acos", "Asin", "Atan", "Erf", "GatherND", "Gelu"),
+    *("HardSwish", "LeakyRelu", "MatMulInteger", "Neg", "Pow", "PRelu"),
+)
 # ops that move, reshape or convert data: their precision is not a compute precision ("n/a")
 DATA_MOVEMENT = frozenset(
     {
@@ -238,6 +248,20 @@ class LiteRtBackend(Backend):
     engine_format = "skuforge-litert/1"
     runtime_keys = ("ai-edge-litert",)
 
+    @classmethod
+    def _check_sku_impl(cls, sku: SkuSpec, options: LiteRtOptions) -> list[str]:
+        problems = []
+        if options.int8_io and sku.precision != "int8":
+            problems.append(f"options.int8_io: int8 inputs and outputs need precision int8, not {sku.precision}")
+        known = {op.lower(): op for op in PSEUDO_OPS}
+        unknown = [op for op in options.pseudo_ops if op.lower() not in known]
+        if unknown:
+            problems.append(
+                f"options.pseudo_ops: {', '.join(unknown)} cannot be rewritten by onnx2tf; it rewrites "
+                + ", ".join(PSEUDO_OPS)
+            )
+        return problems
+
     def cross_compiles(self, sku: SkuSpec) -> bool:
         return True  # a .tflite is portable: built on any host, validated where the target runs it
 
@@ -265,6 +289,22 @@ class LiteRtBackend(Backend):
     @classmethod
     def config_fingerprint(cls) -> dict[str, str]:
         return {"litert_converter_lock": litert_converter.lock_sha256()}
+
+    def _adapt(self, model: onnx.ModelProto, ctx: BuildContext, staged: Staged) -> onnx.ModelProto:
+        """Opset 13 where a pre-13 Softmax's axis coerces its input to 2-D (onnx2tf reads the axis as
+        opset 13 does); at most the converter's newest opset and IR version."""
+        coerced = coerced_axis_nodes(model)
+        target, reason = default_opset(model), ""
+        if coerced:
+            target, reason = 13, f"onnx2tf reads the pre-13 axis of {', '.join(coerced[:3])} as opset 13's"
+        elif target > CONVERTER_OPSET:
+            target, reason = CONVERTER_OPSET, f"the converter's ONNX Runtime runs opsets up to {CONVERTER_OPSET}"
+        model, conversion = convert_opset(model, target, ctx.probe_inputs, reason)
+        model.ir_version = min(model.ir_version, CONVERTER_IR)
+        if conversion is not None:
+            staged.warnings.append(conversion.warning())
+            staged.notes["opset_conversion"] = conversion.to_json()
+        return model
 
     def _convert_precision(self, ctx: BuildContext, staged: Staged) -> None:
         """The converter quantizes (INT8) and halves the weights (FP16) itself: the ONNX stays FP32."""
@@ -344,7 +384,11 @@ class LiteRtBackend(Backend):
             layers=layers,
             requested_devices=[DELEGATED if opts.delegate == "xnnpack" else BUILTIN],
             partition_boundaries=boundaries,
-            options={**opts.model_dump(mode="json"), "converter": result.get("versions", {})},
+            options={
+                **opts.model_dump(mode="json"),
+                "converter": result.get("versions", {}),
+                "opset_conversion": staged.notes.get("opset_conversion"),
+            },
             calibration=calibration,
             warnings=warnings,
             meta=meta,
@@ -402,8 +446,8 @@ def _run_converter(work: Path, request: dict[str, Any], timeout_s: int) -> dict[
     result = read_json(result_path)
     if not isinstance(result, dict):
         raise EnvironmentProblem("the LiteRT converter wrote a result that is not a JSON object")
-    if result.get("error", {}).get("stage") == "internal":
-        log.error("LiteRT converter log:\n%s", logfile.read_text(errors="replace")[-4000:])
+    if not result.get("ok"):  # the staging folder goes with the build: its log is printed now
+        log.warning("LiteRT converter log (last lines):\n%s", logfile.read_text(errors="replace")[-4000:])
     return result
 
 
@@ -434,7 +478,7 @@ def _conversion_error(error: dict[str, Any], model: Any, ctx: BuildContext) -> E
         return InputError(message, hint="report the model to skuforge: its inputs did not survive the conversion")
     return EnvironmentProblem(
         f"LiteRT conversion of {ctx.model} for {ctx.sku} failed: {message}",
-        hint="the converter's log is in the build output; report the model with it to onnx2tf or skuforge",
+        hint="the converter's log is printed above; report the model with it to onnx2tf or skuforge",
     )
 
 

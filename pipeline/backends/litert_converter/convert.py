@@ -108,7 +108,9 @@ def _tflite(convert: Any, what: str) -> bytes:
         missing = [o.strip() for o in (select.group(1) if select else custom.group(1) if custom else "").split(",")]
         missing = [o for o in missing if o]
         # the Keras layers around the first missing op: onnx2tf names them after the ONNX node or its output
-        scopes = next((path.split("/")[1:-1] for op, path in LOCATION.findall(text) if missing and op == missing[0]), [])
+        scopes: list[str] = next(
+            (path.split("/")[1:-1] for op, path in LOCATION.findall(text) if missing and op == missing[0]), []
+        )
         raise ConversionError(
             "tflite",
             f"the TFLite converter could not make the {what} model: "
@@ -270,10 +272,10 @@ def _map_ops(req: dict[str, Any], float_model: bytes, probe: dict[str, np.ndarra
     outputs = []
     onnx_outputs = [o.name for o in onnx_model.graph.output][: len(req["outputs"])]
     for i, name in enumerate(req["outputs"]):
-        key = f"output_{i}" if f"output_{i}" in sig_out else None
+        out_key = f"output_{i}" if f"output_{i}" in sig_out else None
         perm = None
-        if key is not None:
-            got = interp.get_tensor(sig_out[key])
+        if out_key is not None:
+            got = interp.get_tensor(sig_out[out_key])
             ref = values.get(name)
             if ref is not None:
                 hit = _match(
@@ -282,7 +284,7 @@ def _map_ops(req: dict[str, Any], float_model: bytes, probe: dict[str, np.ndarra
                     [name],
                 )
                 perm = list(hit[1]) if hit else None
-        outputs.append({"name": name, "key": key, "perm": perm, "checked": perm is not None})
+        outputs.append({"name": name, "key": out_key, "perm": perm, "checked": perm is not None})
     del onnx_outputs
     return {"ops": ops, "outputs": outputs}
 
