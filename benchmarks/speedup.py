@@ -168,10 +168,11 @@ def measure(
 
 
 def roofline_fraction(model: Path, pins: dict[str, int], p50_ms: float, threads: int | None) -> str:
-    """ROOFLINE HOOK: achieved FLOP/s (the FP32 model's FLOPs, ``pipeline.perf.roofline.graph_cost``, over
-    the p50) as a fraction of this host's measured FP32 peak (``pipeline.host.peaks.host_peaks``:
-    all cores, or one core under ``--threads 1``); "n/a" where those modules are absent. INT8
-    engines are credited with the FP32 model's FLOPs (the same work in another precision)."""
+    """ROOFLINE HOOK: achieved FLOP/s (the prepared FP32 model's FLOPs at ``pins``,
+    ``pipeline.perf.roofline.graph_cost``, over the p50) as a fraction of this host's measured FP32
+    peak (``pipeline.host.peaks.host_peaks``: all cores, or one core under ``--threads 1``); "n/a"
+    where those modules are absent. INT8 engines are credited with the FP32 model's FLOPs (the same
+    work in another precision)."""
     try:
         from pipeline.host.peaks import host_peaks
         from pipeline.perf.roofline import graph_cost
@@ -298,6 +299,8 @@ def main() -> None:
             want = {k: v[:count] for k, v in load_arrays(out.reference_dir(model) / "golden.npz", "reference").items()}
             _, feeds = next(iter_batches(golden, in_idx, batch))
             source = registry.model_file(model)
+            # FLOPs from the prepared model: its axes carry params.yaml's names, which the pins fix
+            prepared, pins = out.prepared_model(model), registry.pins(model)
             calls: dict[str, Callable[[], Any]] = {}
             so = ort.SessionOptions()
             so.intra_op_num_threads = args.threads or 0
@@ -355,7 +358,7 @@ def main() -> None:
                     rows[name] = {"error": errors.get(name)}
                     continue
                 p90 = float(np.percentile(samples[name], 90))
-                roof = roofline_fraction(source, registry.pins(model), p50[name], args.threads)
+                roof = roofline_fraction(prepared, pins, p50[name], args.threads)
                 print(
                     f"  {name:28} {p50[name]:9.3f} {p90:9.3f} {base / p50[name]:8.2f}x {cpu_ms[name]:9.3f} {roof:>9}  "
                     f"{build_s.get(name, 0):7.1f}  {errors.get(name, '')}"

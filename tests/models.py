@@ -1033,3 +1033,37 @@ def feature_map_spec(dir_: str = "m") -> dict:
         "source": "model.onnx",
         "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 3, 8, 6], "range": [-1.0, 1.0]}],
     }
+
+
+def foreign_names_model(path: Path, seed: int = 0) -> Path:
+    """Names as other exporters write them: inputs ``input.1`` [batch,3,6,6] and ``x:0`` [batch,4,6,6]
+    (TensorFlow's tensor names), a node ``conv@0`` (PaddlePaddle's) and an output ``out/1``:
+    out = Conv(input.1) + x:0."""
+    rng = np.random.default_rng(seed)
+    init = [numpy_helper.from_array(rng.normal(0, 0.5, (4, 3, 3, 3)).astype(np.float32), "W")]
+    nodes = [
+        helper.make_node("Conv", ["input.1", "W"], ["c"], pads=[1, 1, 1, 1], name="conv@0"),
+        helper.make_node("Add", ["c", "x:0"], ["out/1"], name="add@1"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "foreign_names",
+        [
+            helper.make_tensor_value_info("input.1", TensorProto.FLOAT, ["batch", 3, 6, 6]),
+            helper.make_tensor_value_info("x:0", TensorProto.FLOAT, ["batch", 4, 6, 6]),
+        ],
+        [helper.make_tensor_value_info("out/1", TensorProto.FLOAT, ["batch", 4, 6, 6])],
+        init,
+    )
+    return _save(graph, path)
+
+
+def foreign_names_spec(dir_: str = "m") -> dict:
+    return {
+        "dir": dir_,
+        "source": "model.onnx",
+        "inputs": [
+            {"name": "input.1", "dtype": "float32", "shape": ["batch", 3, 6, 6], "range": [-1.0, 1.0]},
+            {"name": "x:0", "dtype": "float32", "shape": ["batch", 4, 6, 6], "range": [-1.0, 1.0]},
+        ],
+    }

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import threading
 from pathlib import Path
@@ -437,6 +438,19 @@ def _run_converter(work: Path, request: dict[str, Any], timeout_s: int) -> dict[
             stop_group(proc)
             raise
     result_path = Path(request["result"])
+    if code < 0:  # a signal we did not send: the converter crashed on this model
+        text = logfile.read_text(errors="replace")
+        steps = re.findall(r"^skuforge-convert: (.*)$", text, re.M)
+        log.warning("LiteRT converter log (last lines):\n%s", text[-4000:])
+        raise UnsupportedOp(
+            "litert",
+            None,
+            None,
+            f"the converter (TensorFlow {litert_converter.lock_versions().get('tensorflow')}) crashed with "
+            f"{_signal_name(-code)} at step '{steps[-1] if steps else 'start'}' on this model",
+            hint="keep this model off this LiteRT SKU (a crash at the INT8 steps may spare FP32), "
+            "or report the model to TensorFlow with the log above",
+        )
     if code != 0 or not result_path.is_file():
         tail = logfile.read_text(errors="replace").strip().splitlines()[-5:]
         raise EnvironmentProblem(
@@ -449,6 +463,13 @@ def _run_converter(work: Path, request: dict[str, Any], timeout_s: int) -> dict[
     if not result.get("ok"):  # the staging folder goes with the build: its log is printed now
         log.warning("LiteRT converter log (last lines):\n%s", logfile.read_text(errors="replace")[-4000:])
     return result
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _conversion_error(error: dict[str, Any], model: Any, ctx: BuildContext) -> Exception:
@@ -483,8 +504,8 @@ def _conversion_error(error: dict[str, Any], model: Any, ctx: BuildContext) -> E
 
 
 def _sanitize(name: str) -> str:
-    """A name as TensorFlow's layer names spell it (what onnx2tf's names become)."""
-    return re.sub(r"[^0-9A-Za-z]", "_", name)
+    """A name compared as TensorFlow's layer names may spell it: its letters and digits only."""
+    return re.sub(r"[^0-9a-z]", "", name.lower())
 
 
 def engine_layers(interp: Any, mapped: list[dict[str, Any]]) -> tuple[list[LayerInfo], int, int]:
@@ -586,7 +607,8 @@ def _io(
         if onnx is not None:
             want = [x if isinstance(x, int) else None for x in onnx.shape]
             permuted = [shape[i] for i in perm] if perm else shape
-            if None not in want and permuted != want:
+            # a scalar as [1], say; a shape that differs otherwise is left for validate to refuse
+            if None not in want and permuted != want and [d for d in permuted if d != 1] == [d for d in want if d != 1]:
                 onnx_shape = want
             if onnx.dtype != dtype and not quantized:
                 onnx_dtype = onnx.dtype

@@ -224,3 +224,26 @@ def test_the_config_hash_follows_the_converter_lock(proj, tmp_path, monkeypatch)
 def test_the_sku_checks_refuse_options_the_converter_cannot_honour(precision, options, problem):
     problems = LiteRtBackend.check_sku(SkuSpec.model_validate(models.cpu_sku("litert", precision, options)))
     assert (problems == []) if problem is None else any(p.startswith(problem) for p in problems), problems
+
+
+def test_names_other_exporters_write_survive_the_conversion(tmp_path):
+    """``x:0`` (onnx2tf renames it, and then would not keep it NCHW: its data read as NHWC), ``conv@0``
+    (TensorFlow refuses it as a scope): the engine takes both inputs as the ONNX model does, computes
+    what the reference runtime does, and its layers name the ONNX nodes as the model spells them."""
+    _buildable()
+    models.foreign_names_model(tmp_path / "m" / "model.onnx")
+    reg = load_registry(models.write_project(tmp_path, {"m": models.foreign_names_spec()}, {"fp32": SKUS["fp32"]}))
+    for stage in (prepare, make_data, reference):
+        stage(reg, "m")
+    report = build(reg, "m", "fp32")
+    assert {n for layer in report.layers for n in layer.fused_from} == {"conv@0", "add@1"}
+    assert validate(reg, "m", "fp32").passed
+    rng = np.random.default_rng(3)
+    feeds = {
+        "input.1": rng.uniform(-1, 1, (1, 3, 6, 6)).astype(np.float32),
+        "x:0": rng.uniform(-1, 1, (1, 4, 6, 6)).astype(np.float32),
+    }
+    with get_backend("litert").load(Layout(reg.root).engine_dir("m", "fp32"), reg.sku("fp32")) as runner:
+        got = runner.infer(feeds)["out/1"]
+    want = reference_runner(Layout(reg.root).prepared_model("m")).infer(feeds)["out/1"]
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)

@@ -48,21 +48,100 @@ def _first_line(text: str) -> str:
 
 
 def _sanitize(name: str) -> str:
-    return re.sub(r"[^0-9A-Za-z]", "_", name)
+    """A name compared the way onnx2tf and TensorFlow may spell it (``x:0`` becomes ``x__0``, a leading
+    ``/`` gets a prefix): its letters and digits only."""
+    return re.sub(r"[^0-9a-z]", "", name.lower())
 
 
-def _onnx2tf(req: dict[str, Any], saved_model: Path) -> None:
+# what TensorFlow takes in a name scope after the first character (onnx2tf names layers after nodes)
+UNSAFE = re.compile(r"[^A-Za-z0-9_./>-]")
+
+
+def step(name: str) -> None:
+    """Say on stderr which step runs: a converter that dies of a signal leaves it in the log's tail."""
+    print(f"skuforge-convert: {name}", file=sys.stderr, flush=True)
+
+
+# what an input name may hold for onnx2tf to keep it as it is (``x:0`` becomes ``x__0``, and its
+# keep-NCHW list then misses it)
+SAFE_INPUT = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
+
+
+def _fresh(base: str, taken: set[str]) -> str:
+    new, i = base, 1
+    while new in taken:
+        new, i = f"{base}_{i}", i + 1
+    taken.add(new)
+    return new
+
+
+def _rename_uses(graph: Any, old: str, new: str) -> None:
+    """Every read of tensor ``old`` in ``graph`` and its subgraphs (If/Loop bodies read outer names)."""
+    for node in graph.node:
+        node.input[:] = [new if name == old else name for name in node.input]
+        for attr in node.attribute:
+            for sub in [attr.g, *attr.graphs]:
+                if sub is not None and len(sub.node):
+                    _rename_uses(sub, old, new)
+
+
+def _tf_safe(model: Any) -> tuple[dict[str, str], dict[str, str]]:
+    """Rename the nodes whose names TensorFlow refuses as a scope (PaddlePaddle's ``Softmax@0``) and
+    the inputs onnx2tf would rename itself (``x:0``); returns ({new node: ONNX node}, {ONNX input: new})."""
+    graph = model.graph
+    taken = {n.name for n in graph.node}
+    renamed = {}
+    for node in graph.node:
+        if node.name and UNSAFE.search(node.name):
+            new = _fresh(UNSAFE.sub("_", node.name), taken)
+            renamed[new] = node.name
+            node.name = new
+    tensors = {name for n in graph.node for name in (*n.input, *n.output)} | {i.name for i in graph.input}
+    inputs = {}
+    for value in graph.input:
+        if not SAFE_INPUT.match(value.name):
+            new = _fresh("in_" + re.sub(r"[^A-Za-z0-9_]", "_", value.name), tensors)
+            _rename_uses(graph, value.name, new)
+            inputs[value.name] = new
+            value.name = new
+    return renamed, inputs
+
+
+def onnx_node(name: str | None, model: Any, renamed: dict[str, str]) -> str | None:
+    """The ONNX node a converter message names (as renamed here, or as onnx2tf spells it)."""
+    if not name:
+        return None
+    names = {n.name for n in model.graph.node if n.name}
+    name = renamed.get(name, name)
+    if name in names:
+        return name
+    wanted = _sanitize(name)
+    found = [n for n in names if _sanitize(n) == wanted]
+    # onnx2tf prefixes names that start with '/' ("wa/model/If_1" for "/model/If_1")
+    found = found or [n for n in names if n.startswith("/") and wanted.endswith(_sanitize(n))]
+    return found[0] if len(found) == 1 else name
+
+
+def _onnx2tf(req: dict[str, Any], saved_model: Path) -> dict[str, str]:
+    """The SavedModel; returns {ONNX input: the name onnx2tf was given} (inputs renamed to be kept)."""
     import onnx
     import onnx2tf
 
-    model = onnx.load(req["onnx"], load_external_data=False)
+    model = onnx.load(req["onnx"])
     init = {i.name for i in model.graph.initializer}
+    renamed, inputs = _tf_safe(model)
     keep = [i.name for i in model.graph.input if i.name not in init and len(i.type.tensor_type.shape.dim) in (3, 4, 5)]
+    source = req["onnx"]
+    if renamed or inputs:
+        source = str(saved_model.parent / "tf_safe.onnx")
+        onnx.save(model, source)
+    original = onnx.load(req["onnx"], load_external_data=False)
     log = io.StringIO()
+    step("onnx2tf")
     try:
         with contextlib.redirect_stdout(log):
             onnx2tf.convert(
-                input_onnx_file_path=req["onnx"],
+                input_onnx_file_path=source,
                 output_folder_path=str(saved_model),
                 keep_ncw_or_nchw_or_ncdhw_input_names=keep or None,
                 output_signaturedefs=True,
@@ -78,7 +157,7 @@ def _onnx2tf(req: dict[str, Any], saved_model: Path) -> None:
             "onnx2tf",
             f"onnx2tf could not convert the model: {_first_line(str(exc) or type(exc).__name__)}",
             op=ops[-1][0] if ops else None,
-            node=nodes[-1] if nodes else None,
+            node=onnx_node(nodes[-1] if nodes else None, original, renamed),
         ) from exc
     if not (saved_model / "saved_model.pb").is_file():
         text = ANSI.sub("", log.getvalue())
@@ -88,8 +167,9 @@ def _onnx2tf(req: dict[str, Any], saved_model: Path) -> None:
             "onnx2tf",
             f"onnx2tf wrote no SavedModel: {_first_line(errors[-1] if errors else text[-400:])}",
             op=ops[-1][0] if ops else None,
-            node=ops[-1][1] if ops else None,
+            node=onnx_node(ops[-1][1] if ops else None, original, renamed),
         )
+    return inputs
 
 
 class ConversionError(Exception):
@@ -130,15 +210,21 @@ def _signature(model: bytes) -> tuple[dict[str, int], dict[str, int]]:
     return sig["inputs"], sig["outputs"]
 
 
-def _input_keys(onnx_inputs: list[str], sig_inputs: dict[str, int]) -> dict[str, str]:
+def _input_keys(onnx_inputs: list[str], sig_inputs: dict[str, int], given: dict[str, str]) -> dict[str, str]:
+    """ONNX input name -> the flatbuffer signature's key for it (``given``: inputs renamed for onnx2tf)."""
     keys = {}
     for name in onnx_inputs:
-        if name in sig_inputs:
-            keys[name] = name
+        if given.get(name, name) in sig_inputs:
+            keys[name] = given.get(name, name)
             continue
-        found = [k for k in sig_inputs if _sanitize(k) == _sanitize(name)]
+        want = _sanitize(given.get(name, name))
+        found = [k for k in sig_inputs if _sanitize(k) == want and k not in keys.values()]
         if len(found) != 1:
-            raise ConversionError("io", f"the TFLite model has no input for ONNX input {name!r} ({sorted(sig_inputs)})")
+            raise ConversionError(
+                "io",
+                f"the TFLite model's inputs ({', '.join(sorted(sig_inputs))}) have "
+                f"{'several' if found else 'none'} for ONNX input {name!r}",
+            )
         keys[name] = found[0]
     return keys
 
@@ -299,9 +385,26 @@ def _shapes(model: bytes) -> dict[str, tuple[int, ...]]:
     return {key: shape[index] for key, index in sig_in.items()}
 
 
+def _same_but_ones(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """The shapes hold the same data in the same order, up to axes of size 1 (a scalar as [1])."""
+    return [d for d in a if d != 1] == [d for d in b if d != 1]
+
+
 def _feed(value: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     value = np.asarray(value)
-    return value.reshape(shape) if value.shape != shape and value.size == int(np.prod(shape)) else value
+    return value.reshape(shape) if value.shape != shape and _same_but_ones(value.shape, shape) else value
+
+
+def _check_layouts(keys: dict[str, str], shapes: dict[str, tuple[int, ...]], probe: dict[str, np.ndarray]) -> None:
+    """Every input of the flatbuffer takes the ONNX input as it is (onnx2tf was told to keep it)."""
+    for name, key in keys.items():
+        want = tuple(np.asarray(probe[name]).shape)
+        if not _same_but_ones(want, shapes[key]):
+            raise ConversionError(
+                "io",
+                f"the TFLite model takes input {name!r} as {list(shapes[key])}, not in the ONNX model's "
+                f"layout {list(want)}",
+            )
 
 
 def _samples(path: str, keys: dict[str, str], shapes: dict[str, tuple[int, ...]]) -> list[dict[str, np.ndarray]]:
@@ -317,16 +420,19 @@ def convert(req: dict[str, Any]) -> dict[str, Any]:
 
     work = Path(req["work"])
     saved_model = work / "saved_model"
-    _onnx2tf(req, saved_model)
+    inputs = _onnx2tf(req, saved_model)
 
     def converter() -> Any:
         return tf.lite.TFLiteConverter.from_saved_model(str(saved_model))
 
+    step("tflite fp32")
     float_model = _tflite(converter().convert, "FP32")
     (work / "float32.tflite").write_bytes(float_model)
     sig_in, sig_out = _signature(float_model)
-    keys = _input_keys(req["inputs"], sig_in)
     probe = {k: v for k, v in np.load(req["probe"]).items()}
+    keys = _input_keys(req["inputs"], sig_in, inputs)
+    _check_layouts(keys, _shapes(float_model), probe)
+    step("map ops to onnx nodes")
     mapping = _map_ops(req, float_model, probe, keys)
     precision = req["precision"]
     denylisted: list[str] = []
@@ -350,8 +456,10 @@ def convert(req: dict[str, Any]) -> dict[str, Any]:
         conv.optimizations = [tf.lite.Optimize.DEFAULT]
         conv.representative_dataset = lambda: iter(samples)
         conv._experimental_calibrate_only = True
+        step(f"calibrate on {len(samples)} batches")
         calibrated = _tflite(conv.convert, "calibrated")
         int8_io = bool(req.get("int8_io"))
+        step("quantize int8")
         try:
             model = tfl_convert.mlir_quantize(
                 calibrated,
