@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.backends import litert_converter
 from pipeline.core.io import atomic_write_json
 from pipeline.host import peaks
 
@@ -118,6 +119,8 @@ def _seeded_host_peaks(tmp_path_factory):
     )
     atomic_write_json(folder / f"peaks-{key}.json", seeded.to_json())
     with pytest.MonkeyPatch.context() as mp:
+        # the LiteRT converter's environment stays where setup made it (the default follows the cache folder)
+        mp.setenv(litert_converter.ENV_VAR, str(litert_converter.env_dir()))
         mp.setenv(peaks.ENV_CACHE_DIR, str(folder))
         yield folder
 

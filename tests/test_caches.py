@@ -667,6 +667,7 @@ CAPABILITY_KEYS = {
     "per_node_precision",
     "intermediate_outputs",
     "cache",
+    "calibration",
     "runtime_package",
 }
 

@@ -39,6 +39,7 @@ from pipeline.backends import litert_converter
 from pipeline.backends.base import Backend
 from pipeline.backends.contract import BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
 from pipeline.backends.opset import convert_opset
+from pipeline.core.env import process_environment
 from pipeline.core.errors import EnvironmentProblem, InputError, UnsupportedOp, first_line
 from pipeline.core.io import atomic_savez, atomic_write_bytes, read_json, sha256_arrays
 from pipeline.core.processes import stop_group
@@ -252,6 +253,8 @@ class LiteRtBackend(Backend):
     @classmethod
     def _check_sku_impl(cls, sku: SkuSpec, options: LiteRtOptions) -> list[str]:
         problems = []
+        if sku.profiles:
+            problems.append("profiles: a LiteRT engine is built at static shapes here; pin the axes in shapes instead")
         if options.int8_io and sku.precision != "int8":
             problems.append(f"options.int8_io: int8 inputs and outputs need precision int8, not {sku.precision}")
         known = {op.lower(): op for op in PSEUDO_OPS}
@@ -411,7 +414,7 @@ def _run_converter(work: Path, request: dict[str, Any], timeout_s: int) -> dict[
     """convert.py in the converter's environment; its result file (or EnvironmentProblem)."""
     path = work / "request.json"
     path.write_text(json.dumps(request))
-    env = dict(os.environ)
+    env = dict(process_environment())
     bin_dir = str(litert_converter.python().parent)
     # onnx2tf runs onnxsim from PATH; TensorFlow's C++ logs and GPU probing are noise here
     env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
@@ -665,6 +668,11 @@ def _warnings(
         warnings.append(
             "nodes to keep in float with no op of their own in the flatbuffer (folded or fused away): "
             + ", ".join(missing)
+        )
+    if ctx.sku_spec.precision == "int8" and ctx.spec.calibration.method != "minmax":
+        warnings.append(
+            f"INT8: the TFLite converter calibrates by min/max; calibration.method {ctx.spec.calibration.method} "
+            "applies to the QDQ backends only"
         )
     if ctx.keep_precise and ctx.sku_spec.precision == "fp16":
         warnings.append("FP16 on LiteRT is FP16 weights only: nodes to keep precise are ignored (they compute in fp32)")

@@ -123,7 +123,12 @@ def backends(args: argparse.Namespace) -> int:
                 f"{r['backend']}: precisions {', '.join(r['precisions'])}; devices {', '.join(r['devices'])}; "
                 f"cache {r['cache'] or 'none'}; per-node precision {'yes' if r['per_node_precision'] else 'no'}; "
                 f"intermediate outputs {'yes' if r['intermediate_outputs'] else 'no'}; "
-                f"device package {r['runtime_package']}"
+                + (
+                    f"INT8 calibrated from the {'range table' if r['calibration'] == 'table' else 'samples'}; "
+                    if "int8" in r["precisions"]
+                    else ""
+                )
+                + f"device package {r['runtime_package']}"
                 for r in rows
             )
         )
@@ -132,8 +137,8 @@ def backends(args: argparse.Namespace) -> int:
 
 def markdown(rows) -> str:
     head = (
-        "| backend | precisions | devices | per-node precision | intermediate outputs | cache | device package |\n"
-        "|---|---|---|---|---|---|---|"
+        "| backend | precisions | devices | per-node precision | intermediate outputs | cache | INT8 calibration "
+        "| device package |\n|---|---|---|---|---|---|---|---|"
     )
     yes = {True: "yes", False: "no"}
     return "\n".join(
@@ -141,7 +146,7 @@ def markdown(rows) -> str:
         + [
             f"| `{r['backend']}` | {', '.join(r['precisions'])} | {', '.join(r['devices'])} "
             f"| {yes[r['per_node_precision']]} | {yes[r['intermediate_outputs']]} | {r['cache'] or '-'} "
-            f"| `{r['runtime_package']}` |"
+            f"| {r['calibration'] if 'int8' in r['precisions'] else '-'} | `{r['runtime_package']}` |"
             for r in rows
         ]
     )

@@ -225,6 +225,12 @@ SKUFORGE_CACHE_DIR = Folder(
     "folder of this host's caches (the peaks of `runner probe --peaks`)",
     default_doc="`$XDG_CACHE_HOME/skuforge`, else `~/.cache/skuforge`",
 )
+SKUFORGE_LITERT_CONVERTER = Folder(
+    "SKUFORGE_LITERT_CONVERTER",
+    "the LiteRT converter's virtualenv (onnx2tf and TensorFlow from "
+    "pipeline/backends/litert_converter/requirements.lock; `python -m pipeline.backends.litert_converter` makes it)",
+    default_doc="`$SKUFORGE_CACHE_DIR/litert-converter-<the lock's sha256[:12]>`",
+)
 SKUFORGE_FAKE_CPU_FLAGS = Text(
     "SKUFORGE_FAKE_CPU_FLAGS",
     "testing hook: the CPU flags this host reports instead of `/proc/cpuinfo`'s (space- or comma-separated "

@@ -75,6 +75,7 @@ class Peaks(Result):
 
 
 def cache_dir() -> Path:
+    """This host's skuforge cache folder (the peaks, the LiteRT converter's environment)."""
     return SKUFORGE_CACHE_DIR.get() or (XDG_CACHE_HOME.get() or Path.home() / ".cache").expanduser() / "skuforge"
 
 

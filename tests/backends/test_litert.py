@@ -226,6 +226,12 @@ def test_the_sku_checks_refuse_options_the_converter_cannot_honour(precision, op
     assert (problems == []) if problem is None else any(p.startswith(problem) for p in problems), problems
 
 
+def test_the_sku_checks_refuse_dynamic_profiles():
+    sku = models.cpu_sku("litert", "fp32", {}) | {"shapes": {}, "profiles": {"batch": {"min": 1, "opt": 1, "max": 4}}}
+    problems = LiteRtBackend.check_sku(SkuSpec.model_validate(sku))
+    assert any(p.startswith("profiles: a LiteRT engine is built at static shapes") for p in problems), problems
+
+
 def test_names_other_exporters_write_survive_the_conversion(tmp_path):
     """``x:0`` (onnx2tf renames it, and then would not keep it NCHW: its data read as NHWC), ``conv@0``
     (TensorFlow refuses it as a scope): the engine takes both inputs as the ONNX model does, computes

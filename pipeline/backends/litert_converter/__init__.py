@@ -2,8 +2,9 @@
 exact TensorFlow, numpy, onnx and ONNX Runtime it pins, which clash with skuforge's own), in which
 ``convert.py`` runs as a subprocess. skuforge's own environment never imports TensorFlow.
 
-Where it lives: ``$SKUFORGE_LITERT_CONVERTER`` if set, else ``~/.cache/skuforge/litert-converter-
-<lock sha256[:12]>`` (``$XDG_CACHE_HOME`` if set), so a changed lock gets a new environment. It is
+Where it lives: ``$SKUFORGE_LITERT_CONVERTER`` if set, else ``litert-converter-<lock sha256[:12]>`` in
+skuforge's cache folder (``$SKUFORGE_CACHE_DIR``, ``$XDG_CACHE_HOME/skuforge``, ``~/.cache/skuforge``),
+so a changed lock gets a new environment. It is
 whole only when its stamp file holds the lock's sha256, written last; an environment without it (a
 killed install) is removed and made again. ``python -m pipeline.backends.litert_converter`` makes it
 (scripts/setup.sh runs that).
@@ -14,16 +15,18 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from pipeline.core.env import SKUFORGE_LITERT_CONVERTER
+from pipeline.host.peaks import cache_dir
+
 LOCK = Path(__file__).with_name("requirements.lock")
 SCRIPT = Path(__file__).with_name("convert.py")
-ENV_VAR = "SKUFORGE_LITERT_CONVERTER"
+ENV_VAR = SKUFORGE_LITERT_CONVERTER.name
 STAMP = "skuforge-lock.sha256"
 INSTALL_TIMEOUT_S = 1800
 
@@ -43,11 +46,7 @@ def lock_versions() -> dict[str, str]:
 
 
 def env_dir() -> Path:
-    named = os.environ.get(ENV_VAR)
-    if named:
-        return Path(named).expanduser()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "skuforge" / f"litert-converter-{lock_sha256()[:12]}"
+    return SKUFORGE_LITERT_CONVERTER.get() or cache_dir() / f"litert-converter-{lock_sha256()[:12]}"
 
 
 def python() -> Path:

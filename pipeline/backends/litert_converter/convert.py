@@ -409,7 +409,7 @@ def _check_layouts(keys: dict[str, str], shapes: dict[str, tuple[int, ...]], pro
 
 def _samples(path: str, keys: dict[str, str], shapes: dict[str, tuple[int, ...]]) -> list[dict[str, np.ndarray]]:
     """The calibration batches (stacked on a new first axis) as the flatbuffer's inputs take them."""
-    data = np.load(path)
+    data = np.load(path, allow_pickle=False)
     n = min(len(data[name]) for name in keys)
     return [{keys[name]: _feed(data[name][i], shapes[keys[name]]) for name in keys} for i in range(n)]
 
@@ -429,7 +429,7 @@ def convert(req: dict[str, Any]) -> dict[str, Any]:
     float_model = _tflite(converter().convert, "FP32")
     (work / "float32.tflite").write_bytes(float_model)
     sig_in, sig_out = _signature(float_model)
-    probe = {k: v for k, v in np.load(req["probe"]).items()}
+    probe = {k: v for k, v in np.load(req["probe"], allow_pickle=False).items()}
     keys = _input_keys(req["inputs"], sig_in, inputs)
     _check_layouts(keys, _shapes(float_model), probe)
     step("map ops to onnx nodes")
