@@ -165,7 +165,7 @@ def runtime_version() -> str:
         return "not installed"
 
 
-def interpreter(model: Path, delegate: str, num_threads: int, preserve: bool = False) -> Any:
+def interpreter(model: Path, delegate: str, num_threads: int) -> Any:
     """The flatbuffer loaded, tensors allocated: XNNPACK applied (LiteRT's default delegate) or not."""
     lite = _litert()
     resolver = (
@@ -176,7 +176,6 @@ def interpreter(model: Path, delegate: str, num_threads: int, preserve: bool = F
             model_path=str(model),
             num_threads=num_threads,
             experimental_op_resolver_type=resolver,
-            experimental_preserve_all_tensors=preserve,
         )
         interp.allocate_tensors()
     except (RuntimeError, ValueError) as exc:
@@ -224,7 +223,7 @@ class LiteRtRunner(Runner):
             if tensor.quantization is not None:
                 scale, zero = tensor.quantization
                 value = ((value.astype(np.float32) - zero) * scale).astype(np.float32)
-            if tensor.perm is not None and tensor.perm != list(range(value.ndim)):
+            if tensor.perm is not None and len(tensor.perm) == value.ndim and tensor.perm != list(range(value.ndim)):
                 value = np.transpose(value, tensor.perm)
             if tensor.onnx_shape is not None and list(value.shape) != tensor.onnx_shape:
                 value = value.reshape(tensor.onnx_shape)
@@ -257,7 +256,7 @@ class LiteRtBackend(Backend):
             problems.append("profiles: a LiteRT engine is built at static shapes here; pin the axes in shapes instead")
         if options.int8_io and sku.precision != "int8":
             problems.append(f"options.int8_io: int8 inputs and outputs need precision int8, not {sku.precision}")
-        known = {op.lower(): op for op in PSEUDO_OPS}
+        known = {op.lower() for op in PSEUDO_OPS}
         unknown = [op for op in options.pseudo_ops if op.lower() not in known]
         if unknown:
             problems.append(
@@ -484,10 +483,8 @@ def _conversion_error(error: dict[str, Any], model: Any, ctx: BuildContext) -> E
     if stage in ("onnx2tf", "tflite") and (op or node in by_name):
         if node in by_name:
             op = by_name[node].op_type
-        else:  # a TensorFlow op (MatrixDeterminant, Erf): the node its layer is named after, else one of that type
-            named = {_sanitize(key): n for n in model.graph.node for key in (n.name, *n.output) if key}
-            same = [named[s] for s in map(_sanitize, error.get("scopes") or []) if s in named]
-            same = same or [n for n in model.graph.node if n.op_type.lower() == str(op).lower()]
+        else:  # a TensorFlow op the converter found no node for (Erf): a node of that type, if there is one
+            same = [n for n in model.graph.node if n.op_type.lower() == str(op).lower()]
             if same:
                 op, node = same[0].op_type, same[0].name or same[0].output[0]
         return UnsupportedOp(
@@ -504,11 +501,6 @@ def _conversion_error(error: dict[str, Any], model: Any, ctx: BuildContext) -> E
         f"LiteRT conversion of {ctx.model} for {ctx.sku} failed: {message}",
         hint="the converter's log is printed above; report the model with it to onnx2tf or skuforge",
     )
-
-
-def _sanitize(name: str) -> str:
-    """A name compared as TensorFlow's layer names may spell it: its letters and digits only."""
-    return re.sub(r"[^0-9a-z]", "", name.lower())
 
 
 def engine_layers(interp: Any, mapped: list[dict[str, Any]]) -> tuple[list[LayerInfo], int, int]:

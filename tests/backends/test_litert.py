@@ -18,6 +18,7 @@ import models
 import numpy as np
 import pytest
 from cli_helpers import skuforge
+from onnx import TensorProto, helper
 
 from pipeline.backends import backend_class, get_backend, litert_converter
 from pipeline.backends.litert import LiteRtBackend
@@ -253,3 +254,25 @@ def test_names_other_exporters_write_survive_the_conversion(tmp_path):
         got = runner.infer(feeds)["out/1"]
     want = reference_runner(Layout(reg.root).prepared_model("m")).infer(feeds)["out/1"]
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_scalar_output_comes_back_as_the_onnx_scalar(tmp_path):
+    """y = ReduceSum(x) with keepdims 0 is a rank-0 output; the engine may give it as [1]: the runner
+    hands back the ONNX shape."""
+    _buildable()
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["x"], ["y"], keepdims=0, name="total")],
+        "scalar",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
+    )
+    models._save(graph, tmp_path / "m" / "model.onnx")
+    spec = {"dir": "m", "source": "model.onnx", "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}]}
+    reg = load_registry(models.write_project(tmp_path, {"m": spec}, {"fp32": SKUS["fp32"]}))
+    for stage in (prepare, make_data, reference):
+        stage(reg, "m")
+    build(reg, "m", "fp32")
+    feeds = {"x": np.arange(4, dtype=np.float32).reshape(1, 4)}
+    with get_backend("litert").load(Layout(reg.root).engine_dir("m", "fp32"), reg.sku("fp32")) as runner:
+        got = runner.infer(feeds)["y"]
+    assert got.shape == () and got == np.float32(6.0)

@@ -27,6 +27,7 @@ import json
 import re
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,23 +108,28 @@ def _tf_safe(model: Any) -> tuple[dict[str, str], dict[str, str]]:
     return renamed, inputs
 
 
-def onnx_node(name: str | None, model: Any, renamed: dict[str, str]) -> str | None:
-    """The ONNX node a converter message names (as renamed here, or as onnx2tf spells it)."""
-    if not name:
-        return None
-    names = {n.name for n in model.graph.node if n.name}
+def _find_node(name: str, model: Any, renamed: dict[str, str]) -> str | None:
+    """The ONNX node a converter message names by its name or an output's, as renamed here or as
+    onnx2tf spells it; None when no node matches."""
+    nodes = {key: n.name or n.output[0] for n in model.graph.node for key in (n.name, *n.output) if key}
     name = renamed.get(name, name)
-    if name in names:
-        return name
+    if name in nodes:
+        return nodes[name]
     wanted = _sanitize(name)
-    found = [n for n in names if _sanitize(n) == wanted]
+    found = {nodes[k] for k in nodes if _sanitize(k) == wanted}
     # onnx2tf prefixes names that start with '/' ("wa/model/If_1" for "/model/If_1")
-    found = found or [n for n in names if n.startswith("/") and wanted.endswith(_sanitize(n))]
-    return found[0] if len(found) == 1 else name
+    found = found or {nodes[k] for k in nodes if k.startswith("/") and wanted.endswith(_sanitize(k))}
+    return found.pop() if len(found) == 1 else None
 
 
-def _onnx2tf(req: dict[str, Any], saved_model: Path) -> dict[str, str]:
-    """The SavedModel; returns {ONNX input: the name onnx2tf was given} (inputs renamed to be kept)."""
+def onnx_node(name: str | None, model: Any, renamed: dict[str, str]) -> str | None:
+    """The ONNX node an onnx2tf message names (the name as given where none matches)."""
+    return (_find_node(name, model, renamed) or renamed.get(name, name)) if name else None
+
+
+def _onnx2tf(req: dict[str, Any], saved_model: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """The SavedModel; returns {ONNX input: the name onnx2tf was given} (inputs renamed to be kept) and
+    {node name given: ONNX node name} (nodes renamed for TensorFlow)."""
     import onnx
     import onnx2tf
 
@@ -169,7 +175,7 @@ def _onnx2tf(req: dict[str, Any], saved_model: Path) -> dict[str, str]:
             op=ops[-1][0] if ops else None,
             node=onnx_node(ops[-1][1] if ops else None, original, renamed),
         )
-    return inputs
+    return inputs, renamed
 
 
 class ConversionError(Exception):
@@ -178,7 +184,9 @@ class ConversionError(Exception):
         self.record = {"stage": stage, "message": message, "op": op, "node": node, **extra}
 
 
-def _tflite(convert: Any, what: str) -> bytes:
+def _tflite(convert: Any, what: str, locate: Callable[[str], str | None]) -> bytes:
+    """``convert()``'s flatbuffer; an op it cannot lower is named with the ONNX node ``locate`` finds
+    for the layers around it."""
     try:
         return convert()
     except Exception as exc:
@@ -191,6 +199,7 @@ def _tflite(convert: Any, what: str) -> bytes:
         scopes: list[str] = next(
             (path.split("/")[1:-1] for op, path in LOCATION.findall(text) if missing and op == missing[0]), []
         )
+        node = next((found for found in map(locate, scopes) if found), None)
         raise ConversionError(
             "tflite",
             f"the TFLite converter could not make the {what} model: "
@@ -198,8 +207,8 @@ def _tflite(convert: Any, what: str) -> bytes:
                 f"TensorFlow ops with no LiteRT built-in kernel: {', '.join(missing)}" if missing else _first_line(text)
             ),
             op=missing[0] if missing else None,
+            node=node,
             tf_ops=missing,
-            scopes=scopes,
         ) from exc
 
 
@@ -356,22 +365,18 @@ def _map_ops(req: dict[str, Any], float_model: bytes, probe: dict[str, np.ndarra
             }
         )
     outputs = []
-    onnx_outputs = [o.name for o in onnx_model.graph.output][: len(req["outputs"])]
     for i, name in enumerate(req["outputs"]):
         out_key = f"output_{i}" if f"output_{i}" in sig_out else None
-        perm = None
+        perm, checked = None, False
         if out_key is not None:
             got = interp.get_tensor(sig_out[out_key])
             ref = values.get(name)
             if ref is not None:
-                hit = _match(
-                    got.reshape(ref.shape) if got.size == ref.size and got.ndim != ref.ndim else got,
-                    {name: ref},
-                    [name],
-                )
-                perm = list(hit[1]) if hit else None
-        outputs.append({"name": name, "key": out_key, "perm": perm, "checked": perm is not None})
-    del onnx_outputs
+                # another rank (a scalar as [1]): compared reshaped; the runner reshapes, it has nothing to transpose
+                reshaped = got.size == ref.size and got.ndim != ref.ndim
+                hit = _match(got.reshape(ref.shape) if reshaped else got, {name: ref}, [name])
+                perm, checked = (list(hit[1]) if hit and not reshaped else None), hit is not None
+        outputs.append({"name": name, "key": out_key, "perm": perm, "checked": checked})
     return {"ops": ops, "outputs": outputs}
 
 
@@ -415,18 +420,23 @@ def _samples(path: str, keys: dict[str, str], shapes: dict[str, tuple[int, ...]]
 
 
 def convert(req: dict[str, Any]) -> dict[str, Any]:
+    import onnx
     import tensorflow as tf
     from tensorflow.lite.python import convert as tfl_convert
 
     work = Path(req["work"])
     saved_model = work / "saved_model"
-    inputs = _onnx2tf(req, saved_model)
+    inputs, renamed = _onnx2tf(req, saved_model)
+    original = onnx.load(req["onnx"], load_external_data=False)
+
+    def locate(scope: str) -> str | None:
+        return _find_node(scope, original, renamed)
 
     def converter() -> Any:
         return tf.lite.TFLiteConverter.from_saved_model(str(saved_model))
 
     step("tflite fp32")
-    float_model = _tflite(converter().convert, "FP32")
+    float_model = _tflite(converter().convert, "FP32", locate)
     (work / "float32.tflite").write_bytes(float_model)
     sig_in, sig_out = _signature(float_model)
     probe = {k: v for k, v in np.load(req["probe"], allow_pickle=False).items()}
@@ -443,7 +453,7 @@ def convert(req: dict[str, Any]) -> dict[str, Any]:
         conv = converter()
         conv.optimizations = [tf.lite.Optimize.DEFAULT]
         conv.target_spec.supported_types = [tf.float16]
-        model = _tflite(conv.convert, "FP16")
+        model = _tflite(conv.convert, "FP16", locate)
     else:
         keep = set(req.get("keep_nodes", []))
         for op in mapping["ops"]:
@@ -457,7 +467,7 @@ def convert(req: dict[str, Any]) -> dict[str, Any]:
         conv.representative_dataset = lambda: iter(samples)
         conv._experimental_calibrate_only = True
         step(f"calibrate on {len(samples)} batches")
-        calibrated = _tflite(conv.convert, "calibrated")
+        calibrated = _tflite(conv.convert, "calibrated", locate)
         int8_io = bool(req.get("int8_io"))
         step("quantize int8")
         try:
