@@ -686,6 +686,12 @@ class Wave(Strict):
         None, min_length=1, description="devices whose ring is listed (cumulative with earlier waves)"
     )
     bake_minutes: float = Field(60, ge=0, description="how long the wave runs before the next may start")
+    timeout_minutes: float | None = Field(
+        None,
+        gt=0,
+        description="in-progress time-out: a device of the wave with no report this long after the wave "
+        "started counts as timed out (default: rollout.timeout_minutes)",
+    )
 
     @model_validator(mode="after")
     def _one(self) -> Wave:
@@ -713,6 +719,12 @@ class HealthGates(Strict):
     max_smoke_failures: int = Field(0, ge=0, description="devices whose smoke test failed on the new engine")
     max_latency_regression: float = Field(
         0.10, ge=0, description="median of (new / previous engine latency) - 1 over devices that ran both"
+    )
+    max_timeout_rate: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="after a wave's time-out: devices of the wave that never reported / devices of the wave",
     )
 
 
@@ -746,6 +758,26 @@ class RolloutSpec(Strict):
     )
     gates: HealthGates = HealthGates()
     expiry: Expiry = Expiry()
+    inventory: str | None = Field(
+        None,
+        description="the fleet inventory (CSV or YAML, relative to params.yaml) with each device's public key: "
+        "the controller counts only reports signed by a device of the current wave; --inventory overrides it",
+    )
+    timeout_minutes: float | None = Field(
+        1440, gt=0, description="default in-progress time-out of a wave (null: wait for reports forever)"
+    )
+    max_per_minute: float | None = Field(
+        None, gt=0, description="rate limit: devices a wave admits per minute (null: all of it at once)"
+    )
+    max_attempts: int = Field(
+        3, ge=1, description="installs a device tries per rollout before it stops retrying (failed or reverted)"
+    )
+    health_window_minutes: float = Field(
+        30,
+        ge=0,
+        description="after activation the device re-checks the new engine for this long and reverts to the "
+        "previous slot by itself when it fails (0: off)",
+    )
 
     @model_validator(mode="after")
     def _waves(self) -> RolloutSpec:
@@ -900,6 +932,8 @@ def _path_problems(registry: Registry, resolve: bool) -> list[str]:
             ds = getattr(m.datasets, split)
             if ds is not None and ds.path is not None:
                 paths.append((f"models.{name}.datasets.{split}.path", ds.path, (m.dir, ds.path)))
+    if registry.rollout.inventory is not None:
+        paths.append(("rollout.inventory", registry.rollout.inventory, (registry.rollout.inventory,)))
     problems = []
     for key, value, parts in paths:
         problem = path_problem(value) or path_problem("/".join(parts))

@@ -178,6 +178,10 @@ class SigningKey:
             payload=Payload(digest=digest, model=model, sku=sku),
         )
 
+    def sign_bytes(self, data: bytes) -> bytes:
+        """The raw ed25519 signature of ``data`` (device reports, pipeline/rollout/identity.py)."""
+        return self._private.sign(data)
+
     def tuf_signer(self):
         """This key as a securesystemslib signer for TUF metadata (pipeline/rollout/trust.py)."""
         from securesystemslib.signer import CryptoSigner, SSlibKey

@@ -17,62 +17,44 @@ from __future__ import annotations
 
 import json
 import logging
-import random
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field
 
 from pipeline.core.errors import ConfigError, InputError
-from pipeline.project.config import HealthGates, Registry, Wave
+from pipeline.project.config import Registry, Wave
 from pipeline.results.reports import Result
-from pipeline.rollout import trust
+from pipeline.rollout import identity, trust
+from pipeline.rollout.doc import (
+    DEGRADED,
+    FAILURES,
+    LIVE,
+    OUTCOMES,
+    RELEASE_DOC,
+    ROLLOUTS,
+    RolloutDoc,
+    Status,
+    Transition,
+    ramp_minutes,
+    release_path,
+    report_prefix,
+    rollout_path,
+    targeted,
+)
+from pipeline.rollout.doc import desired_release as desired_release  # re-exported: the device's decision
+from pipeline.rollout.doc import report_key as report_key
+from pipeline.rollout.inventory import Device, Inventory
 from pipeline.rollout.plan import included, plan
-from pipeline.rollout.release import RELEASE_DOC, release_path, releases_of
+from pipeline.rollout.release import releases_of
 from pipeline.rollout.store import Store
 
 log = logging.getLogger(__name__)
 
-ROLLOUTS = "rollouts"
-REPORTS = "reports"
-Status = Literal["active", "paused", "completed", "aborted", "rolled_back"]
-Outcome = Literal["ok", "fallback", "smoke_failed", "incompatible", "verify_failed", "error"]
-OUTCOMES: tuple[str, ...] = ("ok", "fallback", "smoke_failed", "incompatible", "verify_failed", "error")
-FAILURES = ("smoke_failed", "verify_failed", "error")  # the release (or the store) is at fault
-DEGRADED = ("fallback", "incompatible")  # the device cannot run its SKU's engine: it runs the portable one, or nothing
-LIVE = ("active", "paused")
-LATENCY_SAMPLE = 400  # ok reports read for the latency gate (a median needs no more)
-
-
-class Transition(Result):
-    at: str
-    actor: str
-    action: str
-    status: str = Field(description="status after the transition")
-    wave: int
-    reason: str
-
-
-class RolloutDoc(Result):
-    """The signed rollout state devices follow."""
-
-    schema_version: Literal[1] = 1
-    id: str
-    model: str
-    release: str
-    previous: str | None = Field(description="the release devices return to on rollback (null: the first release)")
-    status: Status
-    wave: int = Field(
-        description="index of the current wave; devices included by it or an earlier one take the release"
-    )
-    wave_started: str
-    started: str
-    waves: list[Wave]
-    gates: HealthGates
-    planned: list[int] | None = Field(
-        None, description="devices included up to each wave (from the inventory at start)"
-    )
-    log: list[Transition] = Field(default_factory=list)
+READERS = 16  # reports read and verified at once (S3 answers each GET in tens of milliseconds)
+MAX_LISTED = 20  # ignored reports named in a status, with the count of each reason
 
 
 class GateCheck(Result):
@@ -82,11 +64,15 @@ class GateCheck(Result):
 
 
 class Health(Result):
-    reports: int
+    reports: int = Field(description="devices of the current wave with a counted (signed, well-formed) report")
     counts: dict[str, int]
     failure_rate: float | None
     latency_ratio_median: float | None
     latency_samples: int
+    expected: int = Field(description="devices of the inventory the current wave takes (targeted and included)")
+    timed_out: int | None = Field(description="devices of the wave with no report after its time-out (null: before it)")
+    ignored: dict[str, int] = Field(default_factory=dict, description="reports not counted, per reason")
+    ignored_examples: list[str] = Field(default_factory=list, description="'<key>: <reason>' of the first few")
     gates: list[GateCheck]
 
 
@@ -98,38 +84,12 @@ class RolloutStatus(Result):
     reason: str
 
 
-def rollout_path(model: str) -> str:
-    return f"{ROLLOUTS}/{model}.json"
-
-
-def report_prefix(model: str, rollout_id: str) -> str:
-    return f"{REPORTS}/{model}/{rollout_id}"
-
-
-def report_key(model: str, rollout_id: str, outcome: str, device_id: str) -> str:
-    return f"{report_prefix(model, rollout_id)}/{outcome}/{device_id}.json"
-
-
 def _now() -> datetime:
     return datetime.now(timezone.utc).replace(microsecond=0)
 
 
 def _iso(t: datetime) -> str:
     return t.isoformat()
-
-
-def desired_release(doc: dict | RolloutDoc | None, device_id: str, ring: str | None) -> tuple[str | None, str]:
-    """The release a device should run under this rollout, and why (None: leave it as it is)."""
-    if doc is None:
-        return None, "no rollout"
-    d = doc if isinstance(doc, RolloutDoc) else RolloutDoc.model_validate(doc)
-    if d.status == "rolled_back":
-        return d.previous, f"rollout {d.id} rolled back"
-    if included(d.waves, d.wave, d.id, device_id, ring):
-        return d.release, f"in wave {d.waves[d.wave].name} of {d.id}"
-    if d.status == "completed":  # every wave ran: a device a ring wave never named stays where it is
-        return None, f"{d.id} completed without including this device"
-    return d.previous, f"not yet in a wave of {d.id}"
 
 
 # --- reading ----------------------------------------------------------------------------------------
@@ -149,44 +109,137 @@ def models_with_rollouts(state: trust.State) -> list[str]:
     )
 
 
-def health(store: Store, doc: RolloutDoc, now: datetime | None = None) -> Health:
-    """Counts per outcome (listings only), a sample of latency ratios, and each gate's verdict."""
-    counts = {o: 0 for o in OUTCOMES}
-    ok_keys: list[str] = []
-    prefix = report_prefix(doc.model, doc.id)
-    for key in store.list(prefix):
-        parts = key[len(prefix) + 1 :].split("/")
-        if len(parts) != 2 or parts[0] not in counts:
-            continue
-        counts[parts[0]] += 1
-        if parts[0] == "ok":
-            ok_keys.append(key)
-    total = sum(counts.values())
-    ratios = []
-    for key in random.Random(doc.id).sample(ok_keys, min(len(ok_keys), LATENCY_SAMPLE)):
+def _timeout_at(doc: RolloutDoc) -> datetime | None:
+    """When the current wave's in-progress time-out falls (counted from the end of its rate ramp)."""
+    minutes = doc.waves[doc.wave].timeout_minutes
+    if minutes is None:
+        return None
+    return datetime.fromisoformat(doc.wave_started) + timedelta(minutes=ramp_minutes(doc) + minutes)
+
+
+class _Reports:
+    """The reports of one rollout, each counted at most once per device: the newest (by its signed
+    time) that verifies under the inventory key of the device its key and body both name, for this
+    rollout and the outcome its key says, from a device the current wave takes. Every other file
+    under the rollout's prefix is ignored and listed with why."""
+
+    def __init__(self, doc: RolloutDoc, inventory: Inventory):
+        self.doc, self.inventory = doc, inventory
+        self.ignored: Counter[str] = Counter()
+        self.examples: list[str] = []
+        self.counted: dict[str, dict[str, Any]] = {}  # device id -> report body
+
+    def ignore(self, key: str, reason: str) -> None:
+        self.ignored[reason] += 1
+        if len(self.examples) < MAX_LISTED:
+            self.examples.append(f"{key}: {reason}")
+
+    def gather(self, store: Store) -> None:
+        doc, prefix = self.doc, report_prefix(self.doc.model, self.doc.id)
+        wanted: list[tuple[str, str, Device]] = []
+        for key in store.list(prefix):
+            outcome, _, name = key[len(prefix) + 1 :].partition("/")
+            device_id = name.removesuffix(".json")
+            if outcome not in OUTCOMES or not name.endswith(".json") or "/" in name:
+                self.ignore(key, "not a report key (reports/<model>/<rollout>/<outcome>/<device>.json)")
+                continue
+            device = self.inventory.get(device_id)
+            if device is None:
+                self.ignore(key, "device not in the inventory")
+            elif not (targeted(doc, device.labels) and included(doc.waves, doc.wave, doc.id, device_id, device.ring)):
+                self.ignore(key, f"device not in wave {doc.waves[doc.wave].name} or earlier")
+            else:
+                wanted.append((key, outcome, device))
+        if not wanted:
+            return
+        with ThreadPoolExecutor(min(READERS, len(wanted))) as pool:
+            for key, _outcome, device, got in pool.map(lambda w: (*w, self._read(store, *w)), wanted):
+                if isinstance(got, str):
+                    self.ignore(key, got)
+                    continue
+                held = self.counted.get(device.id)
+                if held is None or got["_at"] > held["_at"]:
+                    self.counted[device.id] = got
+
+    def _read(self, store: Store, key: str, outcome: str, device: Device) -> dict[str, Any] | str:
+        """The verified body of one report (with its parsed time), or why it is not counted."""
         blob = store.get(key)
+        if blob is None:
+            return "gone while reading"
         try:
-            ratio = json.loads(blob.data).get("latency_ratio") if blob is not None else None
+            body = identity.open_report(blob.data, device.key)
+        except identity.BadReport as exc:
+            return str(exc)
+        if body.get("device") != device.id:
+            return f"signed for device {str(body.get('device'))[:64]!r}"
+        if body.get("rollout") != self.doc.id or body.get("model", self.doc.model) != self.doc.model:
+            return "signed for another rollout"
+        if body.get("outcome") != outcome:
+            return f"signed as {str(body.get('outcome'))[:32]!r}, stored under {outcome!r}"
+        try:
+            at = datetime.fromisoformat(str(body.get("at")))
         except ValueError:
-            ratio = None
-        if isinstance(ratio, (int, float)) and ratio > 0:
+            return "no readable time"
+        return {**body, "_at": at if at.tzinfo else at.replace(tzinfo=timezone.utc)}
+
+
+def wave_devices(doc: RolloutDoc, inventory: Inventory) -> int:
+    """Devices of the inventory the current wave takes (targeted and included)."""
+    return sum(1 for d in inventory if targeted(doc, d.labels) and included(doc.waves, doc.wave, doc.id, d.id, d.ring))
+
+
+def health(store: Store, doc: RolloutDoc, inventory: Inventory, now: datetime | None = None) -> Health:
+    """Each gate's verdict, from the reports that count (:class:`_Reports`)."""
+    now = now or _now()
+    reports = _Reports(doc, inventory)
+    reports.gather(store)
+    counts = dict.fromkeys(OUTCOMES, 0)
+    ratios = []
+    for body in reports.counted.values():
+        counts[body["outcome"]] += 1
+        ratio = body.get("latency_ratio")
+        if body["outcome"] == "ok" and isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio > 0:
             ratios.append(float(ratio))
+    total = sum(counts.values())
+    expected = wave_devices(doc, inventory)
+    timeout = _timeout_at(doc)
+    timed_out = max(0, expected - total) if timeout is not None and now >= timeout else None
     g = doc.gates
     failed = sum(counts[o] for o in FAILURES)
     degraded = sum(counts[o] for o in DEGRADED)
     rate = failed / total if total else None
-    need = g.min_reports
-    if doc.planned is not None:
-        need = min(need, doc.planned[doc.wave])
-    median = sorted(ratios)[len(ratios) // 2] if ratios else None
+    need = min(g.min_reports, expected)
+    if timed_out is not None:
+        need = min(need, total)  # past the time-out the wave is judged on what reported
+    ratios.sort()
+    median = ratios[len(ratios) // 2] if ratios else None
 
     def share(count: int, limit: float) -> bool | None:
         if total == 0:
-            return True if need == 0 else None  # a wave planned empty has nothing to judge
+            return True if need == 0 else None  # a wave with nobody to report has nothing to judge
         return None if total < need else count / total <= limit
 
+    if timed_out is None:
+        timing = GateCheck(
+            name="timeouts",
+            passed=True,
+            detail=f"{expected - total} of {expected} devices not reported yet"
+            + (f"; time-out at {_iso(timeout)}" if timeout is not None else "; no time-out"),
+        )
+    else:
+        timing = GateCheck(
+            name="timeouts",
+            passed=timed_out <= g.max_timeout_rate * expected,
+            detail=f"{timed_out}/{expected} devices timed out"
+            + (f" ({timed_out / expected:.1%}, max {g.max_timeout_rate:.1%})" if expected else ""),
+        )
     gates = [
-        GateCheck(name="reports", passed=True if total >= need else None, detail=f"{total} reports, {need} needed"),
+        GateCheck(
+            name="reports",
+            passed=True if total >= need else None,
+            detail=f"{total} reports, {need} needed" + (" (past the time-out)" if timed_out is not None else ""),
+        ),
+        timing,
         GateCheck(
             name="failure_rate",
             passed=share(failed, g.max_failure_rate),
@@ -226,13 +279,19 @@ def health(store: Store, doc: RolloutDoc, now: datetime | None = None) -> Health
         failure_rate=rate,
         latency_ratio_median=median,
         latency_samples=len(ratios),
+        expected=expected,
+        timed_out=timed_out,
+        ignored=dict(reports.ignored),
+        ignored_examples=reports.examples,
         gates=gates,
     )
 
 
 def _bake_left(doc: RolloutDoc, now: datetime) -> float:
+    """Minutes until the current wave may move on: its rate ramp, then its bake time."""
     started = datetime.fromisoformat(doc.wave_started)
-    return max(0.0, (started + timedelta(minutes=doc.waves[doc.wave].bake_minutes) - now).total_seconds() / 60)
+    end = started + timedelta(minutes=ramp_minutes(doc) + doc.waves[doc.wave].bake_minutes)
+    return max(0.0, (end - now).total_seconds() / 60)
 
 
 # --- transitions ------------------------------------------------------------------------------------
@@ -265,23 +324,67 @@ def _log(doc: RolloutDoc, actor: str, action: str, reason: str, now: datetime) -
     )
 
 
+def rollout_waves(
+    registry: Registry, percents: list[float] | None = None, bake_minutes: float | None = None
+) -> list[Wave]:
+    """The waves a rollout starts with: params.yaml's, or ``percents`` (cumulative shares, the last
+    100) named after params.yaml's waves where their counts agree; ``bake_minutes`` for every wave but
+    the last. Each wave carries its time-out (its own, else ``rollout.timeout_minutes``)."""
+    spec = registry.rollout
+    waves = list(spec.waves)
+    if percents is not None:
+        if not percents or any(not 0 < p <= 100 for p in percents) or percents != sorted(percents):
+            raise ConfigError(
+                f"--waves {','.join(f'{p:g}' for p in percents)}: give rising percentages in (0, 100]",
+                hint="e.g. --waves 5,50,100",
+            )
+        names = [w.name for w in spec.waves] if len(spec.waves) == len(percents) else []
+        waves = [
+            Wave(
+                name=names[i] if names else f"wave{i + 1}",
+                percent=p,
+                bake_minutes=spec.waves[-1 if i == len(percents) - 1 else min(i, len(spec.waves) - 2)].bake_minutes,
+            )
+            for i, p in enumerate(percents)
+        ]
+    if bake_minutes is not None:
+        if bake_minutes < 0:
+            raise ConfigError(f"--bake {bake_minutes:g}: minutes cannot be negative", hint="e.g. --bake 30")
+        waves = [w.model_copy(update={"bake_minutes": bake_minutes}) for w in waves[:-1]] + waves[-1:]
+    return [
+        w if w.timeout_minutes is not None else w.model_copy(update={"timeout_minutes": spec.timeout_minutes})
+        for w in waves
+    ]
+
+
 def start(
     registry: Registry,
     store: Store,
     keys: trust.Keys,
     model: str,
     release: str | None = None,
-    inventory=None,
+    inventory: Inventory | None = None,
     actor: str = "unknown",
     reason: str = "",
     now: datetime | None = None,
+    waves: list[Wave] | None = None,
+    labels: list[str] | None = None,
 ) -> RolloutDoc:
     """Begin rolling ``release`` (default: the newest) out; refused while another rollout of the
-    model is live. With ``inventory``, the plan (salted by the rollout id, as devices compute it)
-    sizes each wave's minimum report count."""
+    model is live. The plan of ``inventory`` (salted by the rollout id, as devices compute it) sizes
+    each wave's minimum report count and its rate ramp. ``waves`` (rollout_waves) and ``labels``
+    (devices carrying one of them take part) override params.yaml and are recorded in the rollout."""
 
     registry.model(model)
     now = now or _now()
+    spec = registry.rollout
+    chosen = waves or rollout_waves(registry)
+    if inventory is None:
+        raise ConfigError(
+            f"rollout start {model}: no fleet inventory",
+            hint="set rollout.inventory in params.yaml or give --inventory: the plan sizes each wave, and "
+            "the inventory's device keys are what authenticates device reports",
+        )
 
     def decide(current: RolloutDoc | None, state: trust.State):
         released = releases_of(state.targets.signed, model)
@@ -309,13 +412,10 @@ def start(
             raise ConfigError(f"{model} {target} is already what the fleet runs", hint="publish a new release first")
         n = sum(1 for _ in current.log if _.action == "start") if current else 0
         rid = f"{model}-{target}-{now.strftime('%Y%m%d%H%M%S')}-{n}"
-        planned = None
-        if inventory is not None:
-            data = trust.read_target(store, state, release_path(model, target, RELEASE_DOC))
-            assert data is not None  # target is one of the releases these targets list
-            doc_skus = json.loads(data)["skus"]
-            p = plan(inventory, registry.rollout.waves, rid, list(doc_skus), registry.rollout.fallback_sku)
-            planned = [w.devices for w in p.waves]
+        data = trust.read_target(store, state, release_path(model, target, RELEASE_DOC))
+        assert data is not None  # target is one of the releases these targets list
+        doc_skus = json.loads(data)["skus"]
+        p = plan(inventory, chosen, rid, list(doc_skus), spec.fallback_sku, labels=labels or ())
         doc = RolloutDoc(
             id=rid,
             model=model,
@@ -325,12 +425,32 @@ def start(
             wave=0,
             wave_started=_iso(now),
             started=_iso(now),
-            waves=registry.rollout.waves,
-            gates=registry.rollout.gates,
-            planned=planned,
+            waves=chosen,
+            gates=spec.gates,
+            planned=[w.devices for w in p.waves],
+            labels=sorted(set(labels or ())),
+            max_per_minute=spec.max_per_minute,
+            max_attempts=spec.max_attempts,
+            health_window_minutes=spec.health_window_minutes,
             log=list(current.log[-50:]) if current else [],
         )
-        _log(doc, actor, "start", reason or f"roll {target} out over {len(doc.waves)} waves", now)
+        overrides = []
+        if waves is not None:
+            overrides.append(
+                "waves " + ", ".join(f"{w.name} {w.percent or w.rings} bake {w.bake_minutes:g} min" for w in chosen)
+            )
+        if labels:
+            overrides.append(f"labels {', '.join(doc.labels)}")
+        _log(
+            doc,
+            actor,
+            "start",
+            (reason or f"roll {target} out over {len(doc.waves)} waves")
+            + (f" ({'; '.join(overrides)})" if overrides else "")
+            + (f"; {p.fallback.devices} device(s) will run the portable fallback" if p.fallback.devices else "")
+            + (f"; {p.not_served.devices} device(s) cannot be served" if p.not_served.devices else ""),
+            now,
+        )
         return doc, "start", f"started {doc.id}"
 
     doc, _, _ = _write(store, keys, registry, model, decide, f"rollout start {model}")
@@ -338,11 +458,28 @@ def start(
     return doc
 
 
+def _need(inventory: Inventory | None, what: str) -> Inventory:
+    if inventory is None:
+        raise ConfigError(
+            f"{what}: no fleet inventory to authenticate device reports with",
+            hint="set rollout.inventory in params.yaml or give --inventory (its key column holds each device's "
+            "public key)",
+        )
+    return inventory
+
+
 def advance(
-    registry: Registry, store: Store, keys: trust.Keys, model: str, actor: str = "unknown", now: datetime | None = None
+    registry: Registry,
+    store: Store,
+    keys: trust.Keys,
+    model: str,
+    inventory: Inventory | None = None,
+    actor: str = "unknown",
+    now: datetime | None = None,
 ) -> RolloutStatus:
     """Check the gates of the live wave: roll back when one fails, move to the next wave when the
-    bake time is over and every gate passed, else do nothing (and say why)."""
+    bake time is over and every gate passed, else do nothing (and say why). The gates count only
+    reports signed by devices of ``inventory`` the wave takes."""
     now = now or _now()
     observed: dict[str, Any] = {}
 
@@ -353,7 +490,7 @@ def advance(
                 "none",
                 f"no active rollout of {model}" + (f" ({current.id} is {current.status})" if current else ""),
             )
-        h = health(store, current, now)
+        h = health(store, current, _need(inventory, f"rollout advance {model}"), now)
         observed["health"] = h
         failed = [g for g in h.gates if g.passed is False]
         doc = current.model_copy(deep=True)
@@ -457,7 +594,11 @@ def move(
     return doc
 
 
-def status(registry: Registry, store: Store, model: str, now: datetime | None = None) -> RolloutStatus:
+def status(
+    registry: Registry, store: Store, model: str, inventory: Inventory | None = None, now: datetime | None = None
+) -> RolloutStatus:
+    """The rollout of ``model`` and what ``advance`` would do now (nothing is written). Without an
+    inventory the gates are not evaluated (device reports cannot be authenticated)."""
     now = now or _now()
     state = trust.read_state(store)
     doc = read_doc(store, state, model)
@@ -465,11 +606,18 @@ def status(registry: Registry, store: Store, model: str, now: datetime | None = 
         return RolloutStatus(
             rollout=None, health=None, bake_left_minutes=None, action="none", reason=f"{model} has no rollout"
         )
-    h = health(store, doc, now)
+    h = health(store, doc, inventory, now) if inventory is not None else None
     left = _bake_left(doc, now) if doc.status == "active" else None
-    failed = [g for g in h.gates if g.passed is False]
+    failed = [g for g in h.gates if g.passed is False] if h is not None else []
     if doc.status != "active":
-        action, reason = "none", f"{doc.id} is {doc.status}"
+        last = doc.log[-1] if doc.log else None
+        action, reason = (
+            "none",
+            f"{doc.id} is {doc.status}"
+            + (f" ({last.action} by {last.actor} at {last.at}: {last.reason})" if last is not None else ""),
+        )
+    elif h is None:
+        action, reason = "unknown", "no inventory given: device reports cannot be authenticated, gates not evaluated"
     elif failed:
         action, reason = "rollback", "; ".join(f"{g.name}: {g.detail}" for g in failed)
     elif left:
@@ -481,6 +629,14 @@ def status(registry: Registry, store: Store, model: str, now: datetime | None = 
     return RolloutStatus(rollout=doc, health=h, bake_left_minutes=left, action=action, reason=reason)
 
 
-def live_models(store: Store) -> list[str]:
+def rollout_models(store: Store, live_only: bool = False) -> list[str]:
+    """Models with a rollout document in the store (``live_only``: active or paused ones)."""
     state = trust.read_state(store)
-    return [m for m in models_with_rollouts(state) if (d := read_doc(store, state, m)) is not None and d.status in LIVE]
+    models = models_with_rollouts(state)
+    if not live_only:
+        return models
+    return [m for m in models if (d := read_doc(store, state, m)) is not None and d.status in LIVE]
+
+
+def live_models(store: Store) -> list[str]:
+    return rollout_models(store, live_only=True)

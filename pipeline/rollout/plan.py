@@ -85,6 +85,10 @@ class RolloutPlan(Result):
     never_included: DeviceGroup = Field(description="served devices no wave takes (e.g. a ring no wave lists)")
     fallback: DeviceGroup = Field(description="devices whose SKU the release lacks, served the fallback engine")
     not_served: DeviceGroup = Field(description="devices whose SKU the release lacks, with no fallback SKU set")
+    not_targeted: DeviceGroup = Field(
+        default_factory=DeviceGroup, description="devices without any of the rollout's labels (none: all targeted)"
+    )
+    labels: list[str] = Field(default_factory=list, description="the rollout's target labels (empty: every device)")
     seconds: float = Field(description="time taken to plan")
 
 
@@ -94,10 +98,13 @@ def plan(
     rollout_id: str,
     release_skus: Collection[str],
     fallback_sku: str | None = None,
+    labels: Collection[str] = (),
 ) -> RolloutPlan:
-    """Assign every device its first wave and count each wave's devices."""
+    """Assign every device its first wave and count each wave's devices. With ``labels``, only
+    devices carrying one of them take part (the others are counted as not targeted)."""
     start = time.perf_counter()
     release = frozenset(release_skus)
+    wanted = frozenset(labels)
     if fallback_sku is not None and fallback_sku not in release:
         raise ConfigError(
             f"rollout {rollout_id}: the release has no engine for the fallback SKU {fallback_sku!r} "
@@ -106,10 +113,13 @@ def plan(
         )
     first: list[Counter[str]] = [Counter() for _ in waves]  # SKU counts of the devices each wave adds
     first_fallback = [0] * len(waves)
-    never, fallback, unserved = _Group(), _Group(), _Group()
+    never, fallback, unserved, untargeted = _Group(), _Group(), _Group(), _Group()
     total = 0
     for device in inventory:
         total += 1
+        if wanted and wanted.isdisjoint(device.labels):
+            untargeted.add(device)
+            continue
         served = device.sku in release
         if not served:
             if fallback_sku is None:
@@ -150,6 +160,8 @@ def plan(
         never_included=never.result(),
         fallback=fallback.result(),
         not_served=unserved.result(),
+        not_targeted=untargeted.result(),
+        labels=sorted(wanted),
         seconds=time.perf_counter() - start,
     )
 

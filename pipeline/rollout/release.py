@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
 from pipeline.backends import backend_class
 from pipeline.core.errors import ConfigError, GateFailed, InputError
 from pipeline.core.io import read_json, sha256_arrays
@@ -32,6 +34,7 @@ from pipeline.results.manifest import Manifest, evidence_digest
 from pipeline.results.reports import Result
 from pipeline.results.signing import signing_key
 from pipeline.rollout import trust
+from pipeline.rollout.doc import RELEASE_DOC, RELEASES, release_path
 from pipeline.rollout.store import Store
 from pipeline.stages.publish import collect
 from pipeline.tracking.client import TAG_DIGEST, TAG_SIGNATURE, connect, registered_model_name
@@ -41,9 +44,7 @@ from pipeline.tracking.publish import MANIFEST_ARTIFACT, REPORT_ARTIFACTS
 
 log = logging.getLogger(__name__)
 
-RELEASES = "releases"
 CHANNELS = "channels"
-RELEASE_DOC = "release.json"
 RELEASE_ID = re.compile(r"r(\d+)")
 SCHEMA = 1
 
@@ -82,12 +83,9 @@ class ReleaseResult(Result):
     created: bool
     store: str
     fallback_sku: str | None
+    partial: list[str] = Field(default_factory=list, description="release SKUs it lacks (--allow-partial)")
     skus: list[ReleaseSku]
     seconds: float
-
-
-def release_path(model: str, release: str, *parts: str) -> str:
-    return "/".join((RELEASES, model, release, *parts))
 
 
 def channel_path(model: str, sku: str) -> str:
@@ -304,6 +302,17 @@ def _inputs_only(path: Path, m: Manifest) -> bytes:
     return buf.getvalue()
 
 
+def _upload(store: Store, model: str, uploads: dict[str, dict[str, bytes]]) -> dict[str, dict[str, str]]:
+    """Store every file by content, saying how far it got (a release is tens of MB to GB)."""
+    total = sum(len(d) for files in uploads.values() for d in files.values())
+    done, shas = 0, {}
+    for sku, files in uploads.items():
+        shas[sku] = {name: trust.put_blob(store, data) for name, data in files.items()}
+        done += sum(len(d) for d in files.values())
+        log.info("release %s: uploaded %s (%.1f of %.1f MB)", model, sku, done / 1e6, total / 1e6)
+    return shas
+
+
 def publish_release(
     registry: Registry,
     store: Store,
@@ -313,18 +322,30 @@ def publish_release(
     alias: str | None = None,
     tracking=None,
     skus: list[str] | None = None,
+    allow_partial: list[str] | None = None,
     actor: str = "unknown",
 ) -> ReleaseResult:
     """Gather, check, upload and commit one release of ``model``. With ``alias``, the engines are the
     MLflow versions holding it (and their signatures must be trusted for it); without, this
-    project's build folder. Idempotent: the same engines as the newest release publish nothing new."""
+    project's build folder. Idempotent: the same engines as the newest release publish nothing new.
+
+    A release holds every SKU of ``release.skus``: devices of a SKU it lacks run the portable
+    fallback, so a release missing any is refused unless ``allow_partial`` names each missing one
+    (``skus`` narrows what is gathered; the SKUs it leaves out count as missing too)."""
 
     t0 = time.perf_counter()
     registry.model(model)
     fallback = registry.rollout.fallback_sku
-    wanted = list(dict.fromkeys([*(skus or registry.release_skus()), *([fallback] if fallback else [])]))
-    for s in wanted:
+    required = list(dict.fromkeys([*registry.release_skus(), *([fallback] if fallback else [])]))
+    wanted = list(dict.fromkeys([*(skus or required), *([fallback] if fallback else [])]))
+    for s in [*wanted, *(allow_partial or [])]:
         registry.sku(s)
+    log.info(
+        "release %s: gathering %d SKU(s) from %s",
+        model,
+        len(wanted),
+        f"MLflow alias {alias}" if alias else "the build folder",
+    )
     with tempfile.TemporaryDirectory(prefix="skuforge-release-") as tmp:
         if alias is not None:
             if alias not in registry.release.aliases:
@@ -355,6 +376,19 @@ def publish_release(
                 + (f" holding {alias!r}" if alias else ""),
                 hint=f"build, validate and promote {model}/{fallback} with the other SKUs",
             )
+        missing = [s for s in required if s not in {c.sku for c in candidates}]
+        unallowed = [s for s in missing if s not in (allow_partial or [])]
+        if unallowed and fallback not in unallowed:
+            flags = " ".join(f"--allow-partial {s}" for s in unallowed)
+            raise GateFailed(
+                f"the release of {model} would lack {len(unallowed)} of its {len(required)} SKUs: "
+                f"{', '.join(unallowed)} (their devices would run the portable fallback {fallback})"
+                if fallback
+                else f"the release of {model} would lack {', '.join(unallowed)} (their devices would run nothing new)",
+                hint=f"build, validate and promote them first, or ship without them knowingly: {flags}; "
+                "`skuforge rollout plan` counts the devices that would take the fallback",
+            )
+        log.info("release %s: checking %d engine(s) against their evidence", model, len(candidates))
         problems = [p for c in candidates for p in check(registry, model, c, alias)]
         if problems:
             raise GateFailed(
@@ -367,7 +401,7 @@ def publish_release(
                 hint="promote or build the engines first",
             )
         uploads = {c.sku: _files(c) for c in candidates}
-        shas = {s: {name: trust.put_blob(store, data) for name, data in files.items()} for s, files in uploads.items()}
+        shas = _upload(store, model, uploads)
         manifests: dict[str, Manifest] = {}
         for c in candidates:
             assert c.manifest is not None  # check() passed it
@@ -399,6 +433,7 @@ def publish_release(
                 "actor": actor,
                 "source": f"mlflow alias {alias}" if alias else "build folder",
                 "fallback_sku": fallback,
+                "partial": missing,
                 "skus": entries,
             }
             data = json.dumps(doc, indent=2, sort_keys=True).encode()
@@ -419,6 +454,7 @@ def publish_release(
             outcome.update(release=rid, created=True)
             return True
 
+        log.info("release %s: committing the signed metadata", model)
         trust.commit(store, keys, registry.rollout.expiry, change, what=f"release {model}")
     rows = [
         ReleaseSku(
@@ -438,6 +474,7 @@ def publish_release(
         created=outcome["created"],
         store=store.url,
         fallback_sku=fallback,
+        partial=missing,
         skus=rows,
         seconds=round(time.perf_counter() - t0, 3),
     )
