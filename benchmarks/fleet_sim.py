@@ -100,6 +100,17 @@ class EdgeCache:
         return self.origin.delete(key)
 
 
+def _device_key(device_id: str):
+    """The simulated device's ed25519 key, derived from its id (a real device makes its own at
+    provisioning: pipeline/rollout/identity.py); the inventory holds its public half."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from pipeline.results.signing import SigningKey
+
+    seed = hashlib.sha256(f"fleet-sim-device\0{device_id}".encode()).digest()
+    return SigningKey(Ed25519PrivateKey.from_private_bytes(seed), f"simulated {device_id}")
+
+
 def _hash01(salt: str, device_id: str) -> float:
     return int.from_bytes(hashlib.sha256(f"{salt}\0{device_id}".encode()).digest()[:8], "big") / 2**64
 
@@ -151,7 +162,8 @@ def _smoke_for(device_id: str):
 def _run(task):
     from pipeline.rollout import agent
 
-    wave, model, devices = task
+    wave, model, devices, now = task
+    _W["now"] = now
     if _W["wave"] != wave:  # the controller committed: the edge drops mutable metadata
         _W["edge"].purge()
         _W["wave"] = wave
@@ -161,8 +173,10 @@ def _run(task):
         dev = agent.Device(
             id=dev_id, sku=sku, arch="x86_64", runtime={"onnxruntime": runtime}, cpu_features=frozenset()
         )
-        a = agent.Agent(_W["edge"], dev, _W["state"] / dev_id, _W["root"], smoke=_smoke_for(dev_id))
-        r = a.run_once(model)
+        a = agent.Agent(
+            _W["edge"], dev, _W["state"] / dev_id, _W["root"], smoke=_smoke_for(dev_id), key=_device_key(dev_id)
+        )
+        r = a.run_once(model, now=_W["now"])
         out.append((dev_id, r.outcome, (r.active or {}).get("release"), (r.active or {}).get("kind"), r.seconds))
     return out, _W["edge"].requests - before[0], _W["origin"].requests - before[1]
 
@@ -178,34 +192,37 @@ def _rollout(pool, reg, store, keys, model, inventory, devices_by_id, t0, label,
     now = t0
     doc = controller.start(reg, store, keys, model, inventory=inventory, actor="fleet-sim", reason=label, now=now)
     t = time.perf_counter()
-    p = plan(inventory, reg.rollout.waves, doc.id, reg.release_skus(), reg.rollout.fallback_sku)
+    p = plan(inventory, doc.waves, doc.id, reg.release_skus(), reg.rollout.fallback_sku)
     plan_s = time.perf_counter() - t
     first = {d.id: first_wave(doc.waves, doc.id, d.id, d.ring) for d in inventory}
     edge_req, origin_req = collections.Counter(), collections.Counter()
     outcomes, active, rows, done = collections.Counter(), {}, [], set()
+    passes: list[float] = []
     wave = 0
     while True:
         todo = [devices_by_id[i] for i, w in first.items() if w is not None and w <= doc.wave and i not in done]
         t = time.perf_counter()
         chunks = [todo[i : i + 400] for i in range(0, len(todo), 400)]
-        for res, e, o in pool.imap_unordered(_run, [(wave, model, c) for c in chunks]):
+        for res, e, o in pool.imap_unordered(_run, [(wave, model, c, now) for c in chunks]):
             edge_req += e
             origin_req += o
-            for dev_id, outcome, release, kind, _ in res:
+            for dev_id, outcome, release, kind, seconds in res:
+                passes.append(seconds)
                 outcomes[outcome] += 1
                 active[dev_id] = (release, kind)
                 done.add(dev_id)
         pass_s = time.perf_counter() - t
         now += timedelta(minutes=doc.waves[doc.wave].bake_minutes + 1)
         t = time.perf_counter()
-        s = controller.advance(reg, store, keys, model, actor="fleet-sim", now=now)
+        s = controller.advance(reg, store, keys, model, inventory=inventory, actor="fleet-sim", now=now)
         adv_s = time.perf_counter() - t
         rows.append((doc.waves[doc.wave].name, len(todo), pass_s, adv_s, s.action, s.reason))
         wave += 1
         doc = s.rollout
         if s.action != "advanced":
             break
-    return p, plan_s, rows, outcomes, active, edge_req, origin_req, s, doc
+    passes.sort()
+    return p, plan_s, rows, outcomes, active, edge_req, origin_req, s, doc, passes
 
 
 def main() -> int:
@@ -269,15 +286,23 @@ def main() -> int:
             for n in args.devices:
                 bucket = s3.make_bucket()
                 url = f"s3://{bucket}/fleet"
-                store = S3Store(url, client=s3_client(s3.endpoint))
+                store = S3Store(url, client=s3_client(s3.endpoint, max_pool_connections=32))
                 trust.initialise(store, keys, reg.rollout.expiry)
+                t = time.perf_counter()
                 r1 = release.publish_release(reg, store, keys, "conv", actor="fleet-sim")
+                publish_s = time.perf_counter() - t
                 inv_path = tmp / f"fleet-{n}.csv"
                 rt = lambda i: "1.0.0" if _hash01("rt", f"d{i:06d}") < args.incompatible else "1.32.0"  # noqa: E731
                 write_inventory(
                     inv_path,
                     [
-                        Device(id=f"d{i:06d}", sku="cpu", arch="x86_64", runtime={"onnxruntime": rt(i)}, ring=None)
+                        Device(
+                            id=f"d{i:06d}",
+                            sku="cpu",
+                            arch="x86_64",
+                            runtime={"onnxruntime": rt(i)},
+                            key=_device_key(f"d{i:06d}").public_key,
+                        )
                         for i in range(n)
                     ],
                 )
@@ -288,7 +313,8 @@ def main() -> int:
                 state = Path(tempfile.mkdtemp(prefix=f"fleet-devices-{n}-", dir=args.state_dir))
                 root = trust.root_bytes(store)
                 print(
-                    f"\n=== {n} devices (inventory CSV loaded in {load_s:.2f} s; store {url} on {s3.endpoint})",
+                    f"\n=== {n} devices (inventory CSV with keys loaded in {load_s:.2f} s; r1 published in "
+                    f"{publish_s:.1f} s; store {url} on {s3.endpoint})",
                     flush=True,
                 )
                 ctx = mp.get_context("fork")
@@ -311,7 +337,7 @@ def main() -> int:
                     with ctx.Pool(
                         args.workers, initializer=_init, initargs=(s3.endpoint, url, root, str(state), failure, "fail")
                     ) as pool:
-                        p, plan_s, rows, outcomes, active, edge_req, origin_req, final, doc = _rollout(
+                        p, plan_s, rows, outcomes, active, edge_req, origin_req, final, doc, passes = _rollout(
                             pool, reg, store, keys, "conv", inventory, by_id, t0, label, failure
                         )
                     reached = sum(r_[1] for r_ in rows)
@@ -336,14 +362,28 @@ def main() -> int:
                         + f"  (total {sum(origin_req.values())})"
                     )
                     print(f"   outcomes: {dict(outcomes)}; rollout {doc.status}")
+                    if passes:
+                        p50, p95, p99 = (passes[min(len(passes) - 1, int(q * len(passes)))] for q in (0.5, 0.95, 0.99))
+                        print(
+                            f"   agent pass (install): p50 {p50 * 1000:.0f} ms, p95 {p95 * 1000:.0f} ms, "
+                            f"p99 {p99 * 1000:.0f} ms over {len(passes)} passes"
+                        )
+                    sizes = [f.stat().st_size for f in state.rglob("*") if f.is_file()]
+                    devices_with_state = sum(1 for _ in state.iterdir())
+                    if devices_with_state:
+                        print(
+                            f"   device state: {sum(sizes) / devices_with_state / 1024:.0f} KB per device "
+                            f"({devices_with_state} devices: TUF metadata, two slots, key, reports marker)"
+                        )
                     if doc.status == "rolled_back":
                         with ctx.Pool(
                             args.workers, initializer=_init, initargs=(s3.endpoint, url, root, str(state), 0.0, "fail")
                         ) as pool:
                             t = time.perf_counter()
+                            now_ = datetime.fromisoformat(doc.log[-1].at)
                             after = collections.Counter()
                             chunks = [list(by_id[i] for i in active)[k : k + 400] for k in range(0, len(active), 400)]
-                            for res, _, _ in pool.imap_unordered(_run, [(99, "conv", c) for c in chunks]):
+                            for res, _, _ in pool.imap_unordered(_run, [(99, "conv", c, now_) for c in chunks]):
                                 for _dev_id, _outcome, rel_, kind, _ in res:
                                     after[(rel_, kind)] += 1
                             print(

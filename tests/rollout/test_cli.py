@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 
 import pytest
 import yaml
@@ -73,6 +74,22 @@ def test_ship_to_a_device(shipped, tmp_path):
     waves = [Wave(**w) for w in doc["waves"]]
     canary = next(f"dev-{i:03d}" for i in range(200) if included(waves, 0, doc["id"], f"dev-{i:03d}", None))
     _device_file(tmp_path / "device.yaml", canary)
+    # provisioning: the device's public key goes into the inventory the controller reads
+    proc = skuforge("agent", "identity", "--state", "state", "--json", cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    device_key = json.loads(proc.stdout)["key"]
+    fleet = [
+        Device(
+            id=f"dev-{i:03d}",
+            sku="cpu",
+            arch="x86_64",
+            runtime={"onnxruntime": "1.32.0"},
+            key=device_key if f"dev-{i:03d}" == canary else None,
+        )
+        for i in range(200)
+    ]
+    write_inventory(tmp_path / "fleet.csv", fleet)
+    env = {**env, "INVENTORY": str(tmp_path / "fleet.csv")}
     proc = skuforge(
         "agent",
         "--device",
@@ -90,14 +107,19 @@ def test_ship_to_a_device(shipped, tmp_path):
     assert result["outcome"] == "ok" and result["active"]["release"] == "r1"
     assert (tmp_path / "state/models/conv/slots/a/engine/model.onnx").is_file()
 
-    proc = skuforge("rollout", "status", "--all", "--json", cwd=root, env=env)
+    inv = ("--inventory", env["INVENTORY"])
+    proc = skuforge("rollout", "status", "--all", "--json", *inv, cwd=root, env=env)
     status = json.loads(proc.stdout)["conv"]
     assert status["health"]["counts"]["ok"] == 1 and status["action"] == "wait"
-    proc = skuforge("rollout", "status", "--all", "--markdown", cwd=root, env=env)
+    proc = skuforge("rollout", "status", "--all", "--json", cwd=root, env=env)  # no inventory: no gates
+    assert json.loads(proc.stdout)["conv"]["health"] is None
+    proc = skuforge("rollout", "status", "--all", "--markdown", *inv, cwd=root, env=env)
     assert proc.stdout.startswith("| model | rollout |") and "conv" in proc.stdout
 
-    proc = skuforge("rollout", "advance", "--all", cwd=root, env=env)
+    proc = skuforge("rollout", "advance", "--all", *inv, cwd=root, env=env)
     assert proc.returncode == 0 and "wait" in proc.stdout, proc.stdout + proc.stderr
+    proc = skuforge("rollout", "advance", "--all", cwd=root, env=env)  # live, and nothing to verify reports with
+    assert_user_error(proc, 2, "1 live rollout(s) (conv) and no fleet inventory")
 
     proc = skuforge("rollout", "pause", "--model", "conv", cwd=root, env=env)
     assert proc.returncode == 2 and "--reason" in proc.stderr  # argparse: the reason is required
@@ -107,6 +129,14 @@ def test_ship_to_a_device(shipped, tmp_path):
         assert json.loads(proc.stdout)[0]["status"] == status_after
     proc = skuforge("rollout", "rollback", "--model", "conv", "--reason", "no previous", cwd=root, env=env)
     assert_user_error(proc, 2, "no previous release")
+
+    # ended rollouts stay visible in CI's summary, with their last transition
+    proc = skuforge("rollout", "status", "--all", "--markdown", cwd=root, env=env)
+    assert "**aborted**" in proc.stdout and "abort by " in proc.stdout and "test abort" in proc.stdout
+    proc = skuforge("agent", "--device", "device.yaml", "--state", "state", "--json", cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kept = json.loads(proc.stdout)
+    assert (kept["outcome"], kept["active"]["release"]) == ("idle", "r1") and "aborted" in kept["detail"]
 
 
 def test_agent_refuses_bad_device_files(shipped, tmp_path):
@@ -143,3 +173,45 @@ def test_hostile_arguments(shipped, args, code, words):
     proc = skuforge(*args, cwd=root, env=env)
     assert_user_error(proc, code, *words)
     assert not (root / "x").exists()
+
+
+def test_partial_release_and_rollout_overrides(shipped, tmp_path):
+    root, env = shipped
+    proc = skuforge("release", "publish", "--model", "conv", "--sku", "portable", cwd=root, env=env)
+    assert_user_error(proc, 1, "would lack 1 of its 2 SKUs: cpu", "--allow-partial cpu")
+    proc = skuforge(
+        "rollout", "plan", "--model", "conv", "--inventory", "fleet.csv", "--waves", "5,100", "--bake", "3",
+        "--label", "lab", "--json", cwd=root, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert [(w["name"], w["percent"], w["bake_minutes"]) for w in plan["waves"]] == [
+        ("wave1", 5, 3),
+        ("wave2", 100, 0),  # the last wave keeps rollout.waves' last bake time
+    ]
+    assert plan["not_targeted"]["devices"] == 200 and plan["labels"] == ["lab"]
+    proc = skuforge(
+        "rollout", "plan", "--model", "conv", "--waves", "50,5", "--inventory", "fleet.csv", cwd=root, env=env
+    )
+    assert_user_error(proc, 2, "rising percentages")
+    proc = skuforge("rollout", "plan", "--model", "conv", "--waves", "x", cwd=root, env=env)
+    assert proc.returncode == 2 and "comma-separated percentages" in proc.stderr
+
+
+def test_advance_all_keeps_the_timestamp_fresh_with_no_live_rollout(project, tmp_path):
+    root = tmp_path / "project"
+    shutil.copytree(project.root, root)
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["rollout"]["expiry"] = {"timestamp_days": 2 / 86400}  # two seconds
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    env = {**os.environ, "SKUFORGE_STORE": str(root / "store")}
+    assert skuforge("release", "init", cwd=root, env=env).returncode == 0
+    ts = root / "store" / "metadata" / "timestamp.json"
+    before = json.loads(ts.read_text())["signed"]
+    time.sleep(1.5)  # past half the timestamp's life, whatever the host's speed: it must be re-signed
+    proc = skuforge("rollout", "advance", "--all", "--json", cwd=root, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout)
+    assert out == {"rollouts": {}, "timestamp_refreshed": True}
+    after = json.loads(ts.read_text())["signed"]
+    assert after["version"] > before["version"] and after["expires"] > before["expires"]
