@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Set up a fresh machine for skuforge: system packages (a software Vulkan device for the IREE
-# Vulkan SKU), a virtualenv in .venv, the package with its CPU backends and the example extras.
+# Vulkan SKU), a virtualenv in .venv, the package with its build toolchain (the `pipeline` extra),
+# its CPU backends and the example extras. A device needs only `pip install 'skuforge[agent]'`.
 #   scripts/setup.sh           what `skuforge repro` on the example project needs
 #   scripts/setup.sh --test    plus the test tools
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="examples,openvino,iree,tvm,litert"
+extras="pipeline,examples,openvino,iree,tvm,litert"
 [ "${1:-}" = "--test" ] && extras="$extras,test"
 
 # lavapipe (Mesa's software Vulkan driver): without it the Vulkan SKUs are reported as not

@@ -8,6 +8,7 @@ Subclasses fill in the ``*_impl`` hooks and declare what they can do in ``capabi
 from __future__ import annotations
 
 import abc
+import importlib.metadata
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -36,6 +37,15 @@ if TYPE_CHECKING:
     import onnx
 
     from pipeline.project.config import SkuSpec
+
+
+def onnx_version() -> str:
+    """The onnx package's version for ``versions()``, read from its metadata: importing onnx costs
+    time, and a device that only loads engines has no onnx (`pip install skuforge[agent]`)."""
+    try:
+        return importlib.metadata.version("onnx")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 class Backend(abc.ABC):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
-from pipeline.backends.base import Backend
+from pipeline.backends.base import Backend, onnx_version
 from pipeline.backends.contract import BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
 from pipeline.backends.quantize import QdqOptions, conversion_warnings
 from pipeline.backends.reference import (
@@ -178,9 +178,7 @@ class OnnxRuntimeBackend(Backend):
         ]
 
     def versions(self) -> dict[str, str]:
-        import onnx
-
-        return {"onnxruntime": runtime_version(), "onnx": onnx.__version__}
+        return {"onnxruntime": runtime_version(), "onnx": onnx_version()}
 
     def _qdq_arguments(self) -> dict[str, Any]:
         return {"newest_opset": newest_qdq_opset()}

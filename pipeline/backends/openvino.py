@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
-from pipeline.backends.base import Backend
+from pipeline.backends.base import Backend, onnx_version
 from pipeline.backends.contract import (
     BuildContext,
     BuildOutcome,
@@ -394,9 +394,7 @@ class OpenVinoBackend(Backend):
         return problems
 
     def versions(self) -> dict[str, str]:
-        import onnx
-
-        return {"openvino": _ov().get_version(), "onnx": onnx.__version__}
+        return {"openvino": _ov().get_version(), "onnx": onnx_version()}
 
     def _adapt(self, model: onnx.ModelProto, ctx: BuildContext, staged: Staged) -> onnx.ModelProto:
         """A model before opset 13 with a Softmax/LogSoftmax/Hardmax over a non-last axis, converted

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.backends.base import Backend
+from pipeline.backends.base import Backend, onnx_version
 from pipeline.backends.contract import BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
 from pipeline.backends.quantize import QdqSettings, quantize_qdq, to_fp16
 from pipeline.core.errors import ConfigError, EnvironmentProblem, InputError, SkuforgeError, UnsupportedOp
@@ -717,14 +717,12 @@ class TensorRtBackend(Backend):
         return problems
 
     def versions(self) -> dict[str, str]:
-        import onnx
-
         trt = _trt()
         gpu = gpu_info()
         # str values only (the build report's schema): "unknown" where the host does not say
         return {
             "tensorrt": trt.__version__,
-            "onnx": onnx.__version__,
+            "onnx": onnx_version(),
             "cuda_runtime": cuda_runtime_version() or "unknown",
             "nvidia_driver": (gpu.driver if gpu else None) or "unknown",
             "gpu": gpu.name if gpu else "unknown",

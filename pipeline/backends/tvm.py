@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.backends.base import Backend
+from pipeline.backends.base import Backend, onnx_version
 from pipeline.backends.contract import (
     BuildContext,
     BuildOutcome,
@@ -343,9 +343,7 @@ class TvmBackend(Backend):
         return problems
 
     def versions(self) -> dict[str, str]:
-        import onnx
-
-        return {_PACKAGE: _version() or "unknown", "onnx": onnx.__version__}
+        return {_PACKAGE: _version() or "unknown", "onnx": onnx_version()}
 
     def uses_cache(self, options: TvmOptions) -> bool:
         return options.trials > 0

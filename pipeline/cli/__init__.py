@@ -38,6 +38,9 @@ from pipeline.results.outcomes import clear_outcome, record_outcome
 
 # Loggers that log a traceback for an error skuforge reports itself in one line (-v shows them).
 _NOISY = ("mlflow.store.db.utils",)
+# Loggers of the AWS SDK that talk at INFO ("Found credentials in environment variables") on every
+# S3 command: warnings and errors only, even with -v.
+_QUIET = ("botocore", "boto3", "s3transfer", "urllib3")
 
 
 def handler(ref: str) -> Callable[[argparse.Namespace], int | None]:
@@ -64,6 +67,8 @@ def _setup_logging(verbose: bool) -> None:
             logger.removeFilter(_drop_tracebacks)
         elif _drop_tracebacks not in logger.filters:
             logger.addFilter(_drop_tracebacks)
+    for name in _QUIET:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _os_error(exc: OSError) -> SkuforgeError | None:
@@ -79,6 +84,21 @@ def _os_error(exc: OSError) -> SkuforgeError | None:
     return EnvironmentProblem(
         f"cannot access {exc.filename}: {exc.strerror}",
         hint="check the file's permissions and the disk, then run again",
+    )
+
+
+_PIPELINE_EXTRA = frozenset({"scipy", "onnx", "ruamel", "jsonschema", "dvc", "mlflow", "jinja2", "matplotlib"})
+"""Top-level modules of the `pipeline` extra: an agent-only install (`skuforge[agent]`) lacks them."""
+
+
+def _missing_module(exc: ModuleNotFoundError) -> SkuforgeError | None:
+    """A build command run where only the device agent is installed: say which extra to install."""
+    top = (exc.name or "").split(".")[0]
+    if top not in _PIPELINE_EXTRA:
+        return None
+    return EnvironmentProblem(
+        f"this command needs {top}, which the device agent's install (skuforge[agent]) leaves out",
+        hint="install the build toolchain: pip install 'skuforge[pipeline]'",
     )
 
 
@@ -130,6 +150,9 @@ def _run(args: argparse.Namespace) -> int:
         if err is not None:
             return _record(args, _error(err), err)
         return _record(args, _bug(), exc)
+    except ModuleNotFoundError as exc:
+        err = _missing_module(exc)
+        return _record(args, _error(err), err) if err is not None else _record(args, _bug(), exc)
     except Exception as exc:
         return _record(args, _bug(), exc)
     return _record(args, code, None)

@@ -457,7 +457,7 @@ def require_mlflow():
         import mlflow
     except ImportError as exc:
         raise EnvironmentProblem(
-            f"mlflow is not importable here ({exc})", hint="pip install 'mlflow>=3,<4' (a skuforge dependency)"
+            f"mlflow is not importable here ({exc})", hint="install the build toolchain: pip install 'skuforge[pipeline]' (it brings mlflow)"
         ) from exc
     return mlflow
 
