@@ -2,19 +2,23 @@
 
 One pass (``run_once``) per model:
 
+0. within the health window of a new engine, re-check it (application's ``unhealthy`` marker, file
+   hashes, smoke test) and go back to the previous slot by itself when it fails (no store needed);
 1. refresh the signed metadata (TUF: signatures, expiry, versions never going back);
-2. read the rollout document and decide the release this device should run;
+2. read the rollout document and decide the release this device should run (doc.desired_release:
+   waves, rate limit, labels, pause and abort);
 3. pick the engine: the device's SKU if the release has it and the device can run it (architecture,
    CPU features, runtime versions from the release document), else the portable fallback;
 4. download every file through TUF (length and sha256 verified) into the inactive slot (A/B);
 5. smoke-test the staged engine: load it with its backend, run the golden inputs, compare with the
    engine's outputs recorded at validation within the SKU's tolerance, time it and the active engine;
 6. flip the active pointer (one atomic rename) only when the smoke test passed;
-7. report the outcome to the store.
+7. report the outcome to the store, signed with the device key (pipeline/rollout/identity.py).
 
 On any failure the active engine stays (a staged engine never becomes active unverified or
-untested); a device with no working engine takes the portable one. Only the backend of the engine
-being loaded is imported, so a device needs only its own runtime.
+untested); a device with no working engine takes the portable one. Failed installs are counted per
+rollout, and after the rollout's ``max_attempts`` the device stops trying its release. Only the
+backend of the engine being loaded is imported, so a device needs only its own runtime.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +47,9 @@ from pipeline.host.probe import cpu_features, host_arch
 from pipeline.project.config import SkuSpec, Strict
 from pipeline.project.data import iter_batches, run_dataset
 from pipeline.results.reports import Result
-from pipeline.rollout import controller, trust
-from pipeline.rollout import release as rel
+from pipeline.results.signing import SigningKey
+from pipeline.rollout import identity, trust
+from pipeline.rollout.doc import RELEASE_DOC, RolloutDoc, desired_release, release_path, report_key, rollout_path
 from pipeline.rollout.inventory import ID_PATTERN
 from pipeline.rollout.store import Store
 
@@ -52,6 +57,12 @@ log = logging.getLogger(__name__)
 
 ACTIVE = "active.json"
 SLOT_DOC = "slot.json"
+ATTEMPTS = "attempts.json"
+UNHEALTHY = "unhealthy"
+"""``<state>/models/<model>/unhealthy``: the device's application writes it (any text: the reason)
+when inference with the active engine fails; within the health window the agent then reverts."""
+RETRIED = ("smoke_failed", "error", "reverted")  # a failed install: counted against max_attempts
+HEALTHY = ("ok", "current", "idle", "fallback")  # outcomes of a device that runs what it should
 
 
 class DeviceConfig(Strict):
@@ -88,6 +99,7 @@ class Device:
     runtime: dict[str, str]
     cpu_features: frozenset[str]
     ring: str | None = None
+    labels: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, cfg: DeviceConfig) -> Device:
@@ -99,6 +111,7 @@ class Device:
             runtime=cfg.runtime if cfg.runtime is not None else installed_runtimes(),
             cpu_features=frozenset(cfg.cpu_features) if cfg.cpu_features is not None else cpu_features(),
             ring=cfg.ring,
+            labels=tuple(cfg.labels),
         )
 
 
@@ -116,11 +129,14 @@ class AgentResult(Result):
     model: str
     rollout: str | None
     desired: str | None
-    outcome: str = Field(description="idle, current, ok, fallback, smoke_failed, incompatible, verify_failed, error")
+    outcome: str = Field(
+        description="idle, current, ok, fallback, smoke_failed, incompatible, verify_failed, error, reverted"
+    )
     detail: str
     active: dict[str, Any] | None = Field(description="the engine active after this pass")
     latency_ms: float | None = None
     previous_latency_ms: float | None = None
+    attempt: int | None = Field(None, description="this install's attempt in the rollout (1-based)")
     reported: str | None = None
     seconds: float
 
@@ -222,14 +238,17 @@ def smoke_test(entry: dict[str, Any], slot: Path) -> Smoke:
 @dataclass
 class Agent:
     """One device's agent over one store. ``smoke`` is the smoke test (the fleet simulation passes a
-    memoised one: identical simulated devices would compute identical results)."""
+    memoised one: identical simulated devices would compute identical results). ``key`` signs the
+    reports; by default the device key in ``state_dir`` (identity.device_key), made on first use."""
 
     store: Store
     device: Device
     state_dir: Path
     root: bytes | None = None
     smoke: Callable[[dict[str, Any], Path], Smoke] = smoke_test
+    key: SigningKey | None = None
     client: trust.Client | None = field(default=None, init=False)
+    _now: datetime = field(default_factory=lambda: datetime.now(timezone.utc), init=False, repr=False)
 
     def _model_dir(self, model: str) -> Path:
         return self.state_dir / "models" / model
@@ -291,57 +310,216 @@ class Agent:
                 return False
         return True
 
-    def _activate(self, model: str, slot: str, rid: str, sku: str, kind: str, rollout: str | None) -> dict[str, Any]:
-        doc = {
+    def _slot_intact(self, model: str, engine: dict[str, Any]) -> bool:
+        """The slot an active document names still holds what the signed release entry staged there."""
+        doc = self._slot_doc(model, engine["slot"])
+        return doc is not None and self._verified_slot(
+            model, engine["slot"], engine["release"], engine["sku"], doc["entry"]
+        )
+
+    def _activate(
+        self,
+        model: str,
+        slot: str,
+        rid: str,
+        sku: str,
+        kind: str,
+        rollout: str | None,
+        previous: dict[str, Any] | None = None,
+        window_minutes: float = 0,
+    ) -> dict[str, Any]:
+        """Switch to ``slot``. With a previous engine and a health window, remember both, so a pass
+        within the window can go back by itself (``_health_window``)."""
+        doc: dict[str, Any] = {
             "slot": slot,
             "release": rid,
             "sku": sku,
             "kind": kind,
             "rollout": rollout,
-            "activated": datetime.now(timezone.utc).replace(microsecond=0).isoformat(),
+            "activated": _iso(self._now),
         }
+        if previous is not None and window_minutes > 0:
+            doc["previous"] = _committed(previous)
+            doc["health_until"] = _iso(self._now + timedelta(minutes=window_minutes))
+        (self._model_dir(model) / UNHEALTHY).unlink(missing_ok=True)  # the app's verdict was on the old engine
         atomic_write_json(self._model_dir(model) / ACTIVE, doc)  # the one atomic switch
         return doc
 
+    # --- retries ------------------------------------------------------------------------------------
+
+    def _attempts(self, model: str) -> dict[str, Any]:
+        """Failed installs of the current rollout: ``{rollout: {release, failed, outcome, detail, unreported}}``."""
+        try:
+            return read_json(self._model_dir(model) / ATTEMPTS)
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def _failed(self, model: str, rollout: str, release: str, outcome: str, detail: str) -> int:
+        """Count one failed install of ``release`` in ``rollout``; the new count (the attempt that failed).
+        The failure stays ``unreported`` until a report of it reaches the store (``_send_unreported``)."""
+        rec = self._attempts(model).get(rollout)
+        failed = rec["failed"] if rec and rec.get("release") == release else 0
+        failed += 1
+        # only the newest rollout matters: a rollout id is never reused
+        state = {
+            rollout: {
+                "release": release,
+                "failed": failed,
+                "outcome": outcome,
+                "detail": detail,
+                "unreported": True,
+            }
+        }
+        atomic_write_json(self._model_dir(model) / ATTEMPTS, state)
+        return failed
+
+    def _reported_failure(self, model: str, rollout: str) -> None:
+        state = self._attempts(model)
+        if state.get(rollout, {}).get("unreported"):
+            state[rollout]["unreported"] = False
+            atomic_write_json(self._model_dir(model) / ATTEMPTS, state)
+
+    # --- the health window --------------------------------------------------------------------------
+
+    def _health_problem(self, model: str, act: dict[str, Any]) -> str | None:
+        """Why the active engine is unhealthy (None: it is healthy). Cheapest check first."""
+        marker = self._model_dir(model) / UNHEALTHY
+        try:
+            said = marker.read_text(encoding="utf-8", errors="replace").strip()
+        except FileNotFoundError:
+            pass
+        else:
+            return f"the application marked it unhealthy: {said[:200] or '(no reason given)'}"
+        if not self._slot_intact(model, act):
+            return f"slot {act['slot']} no longer holds the files the signed release names"
+        slot = self._slot_doc(model, act["slot"])
+        assert slot is not None  # _slot_intact read it
+        smoke = self.smoke(slot["entry"], self._model_dir(model) / "slots" / act["slot"])
+        return None if smoke.passed else f"smoke test: {smoke.detail}"
+
+    def _health_window(self, model: str, t0: float) -> AgentResult | None:
+        """Within the health window of a new activation, re-check the active engine and go back to
+        the previous slot by itself when it fails (no store needed: a device that cannot reach the
+        store still reverts). After the window the activation is committed. The result of a revert,
+        else None."""
+        act = self.active(model)
+        if act is None or not act.get("health_until"):
+            return None
+        path = self._model_dir(model) / ACTIVE
+        if self._now >= datetime.fromisoformat(act["health_until"]):
+            atomic_write_json(path, _committed(act))
+            log.info("%s %s: %s passed its health window: committed", self.device.id, model, act["release"])
+            return None
+        problem = self._health_problem(model, act)
+        if problem is None:
+            return None
+        (self._model_dir(model) / UNHEALTHY).unlink(missing_ok=True)  # consumed: it named this engine
+        prev = act["previous"]
+        if self._slot_intact(model, prev):
+            atomic_write_json(path, prev)
+            outcome, active = "reverted", prev
+            detail = f"{act['release']} failed in its health window ({problem}); back on {prev['release']}"
+        else:  # nothing verified to go back to: keep it, and let the gates count the failure
+            active = _committed(act)
+            atomic_write_json(path, active)
+            outcome = "error"
+            detail = (
+                f"{act['release']} failed in its health window ({problem}); the previous slot "
+                f"{prev['slot']} no longer verifies, so {act['release']} keeps running"
+            )
+        log.warning("%s %s: %s", self.device.id, model, detail)
+        attempt = self._failed(model, act["rollout"], act["release"], outcome, detail)
+        return self._result(model, act["rollout"], act["release"], outcome, detail, active, t0, attempt=attempt)
+
     # --- one pass -----------------------------------------------------------------------------------
 
-    def run_once(self, model: str) -> AgentResult:
+    def run_once(self, model: str, now: datetime | None = None) -> AgentResult:
+        """One pass for ``model`` (``now``: the clock, for simulations and tests)."""
         t0 = time.perf_counter()
+        self._now = (now or datetime.now(timezone.utc)).astimezone(timezone.utc).replace(microsecond=0)
+        reverted = self._health_window(model, t0)
         act = self.active(model)
-        rollout_id, desired = None, None
+        doc, desired, attempt, counted = None, None, None, False
         try:
             # a fresh client per pass: ngclient refreshes once per Updater; the trusted state is on disk
             self.client = trust.Client(self.store, self.state_dir / "tuf", self.root)
             self.client.refresh()
-            raw = self.client.fetch(controller.rollout_path(model))
-            doc = controller.RolloutDoc.model_validate_json(raw) if raw is not None else None
+            raw = self.client.fetch(rollout_path(model))
+            doc = RolloutDoc.model_validate_json(raw) if raw is not None else None
+            if reverted is not None:
+                return self._report(model, reverted, doc)
+            self._send_unreported(model, doc, act, t0)
+            desired, why = desired_release(doc, self.device.id, self.device.ring, self.device.labels, self._now)
             rollout_id = doc.id if doc is not None else None
-            desired, why = controller.desired_release(doc, self.device.id, self.device.ring)
             if desired is None or (act is not None and act["release"] == desired):
                 outcome = "idle" if desired is None else "current"
                 return self._result(model, rollout_id, desired, outcome, why, act, t0)
-            release_raw = self.client.fetch(rel.release_path(model, desired, rel.RELEASE_DOC))
+            if doc is not None and desired == doc.release and doc.status != "rolled_back":
+                rec = self._attempts(model).get(doc.id)
+                failed = rec["failed"] if rec and rec.get("release") == desired else 0
+                if rec and failed >= doc.max_attempts:  # stop: the last report stands
+                    detail = (
+                        f"gave up on {desired} after {failed} failed install(s) (max_attempts {doc.max_attempts}); "
+                        f"last: {rec['detail']}"
+                    )
+                    return self._result(model, doc.id, desired, rec["outcome"], detail, act, t0, attempt=failed)
+                attempt, counted = failed + 1, True
+            release_raw = self.client.fetch(release_path(model, desired, RELEASE_DOC))
             if release_raw is None:
                 raise trust.VerificationFailed(
                     f"release {desired} of {model} is not in the signed targets",
                     hint="the rollout names a release the store does not hold",
                 )
-            return self._install(model, json.loads(release_raw), doc, t0)
+            result = self._install(model, json.loads(release_raw), doc, act, t0, attempt)
+            if counted and result.outcome in RETRIED:
+                self._failed(model, result.rollout or "", result.desired or "", result.outcome, result.detail)
+            return result if result.outcome == "current" else self._report(model, result, doc)
         except trust.VerificationFailed as exc:
-            result = self._result(model, rollout_id, desired, "verify_failed", exc.message, self.active(model), t0)
+            rollout = doc.id if doc is not None else None
+            result = self._result(
+                model, rollout, desired, "verify_failed", exc.message, self.active(model), t0, attempt=attempt
+            )
+            return self._report(model, result, doc)
         except ServiceError as exc:  # the store is unreachable: keep running what we have, try next pass
-            return self._result(model, rollout_id, desired, "error", exc.message, self.active(model), t0)
-        return self._report(model, result, doc_release=desired)
+            if reverted is not None:
+                return reverted  # reported by the next pass that reaches the store
+            if counted and doc is not None and desired is not None:
+                self._failed(model, doc.id, desired, "error", exc.message)
+            rollout = doc.id if doc is not None else None
+            return self._result(model, rollout, desired, "error", exc.message, self.active(model), t0, attempt=attempt)
 
-    def _install(self, model: str, release: dict[str, Any], doc, t0: float) -> AgentResult:
+    def _send_unreported(self, model: str, doc: RolloutDoc | None, act: dict[str, Any] | None, t0: float) -> None:
+        """Report a failure an earlier pass could not deliver (the store was unreachable then)."""
+        rec = self._attempts(model).get(doc.id) if doc is not None else None
+        if doc is not None and rec and rec.get("unreported") and rec.get("release") == doc.release:
+            result = self._result(
+                model, doc.id, doc.release, rec["outcome"], rec["detail"], act, t0, attempt=rec["failed"]
+            )
+            self._report(model, result, doc)
+
+    def _install(
+        self,
+        model: str,
+        release: dict[str, Any],
+        doc: RolloutDoc | None,
+        act: dict[str, Any] | None,
+        t0: float,
+        attempt: int | None,
+    ) -> AgentResult:
+        """Stage, smoke-test and activate ``release``; the result, not yet reported."""
         rid = release["release"]
         rollout = doc.id if doc else None
-        act = self.active(model)
+        # a new engine of the rollout's own release is watched for its health window
+        window = doc.health_window_minutes if doc and rid == doc.release and doc.status != "rolled_back" else 0
         slot = "b" if act is not None and act["slot"] == "a" else "a"
         entry = release["skus"].get(self.device.sku)
         fallback = release["skus"].get(release.get("fallback_sku") or "")
         outcome, detail = "ok", ""
         choice = None
+
+        def result(outcome: str, detail: str, active: dict[str, Any] | None, latency=None, previous=None):
+            return self._result(model, rollout, rid, outcome, detail, active, t0, latency, previous, attempt)
+
         if entry is None:
             outcome, detail = "incompatible", f"release {rid} has no engine for SKU {self.device.sku}"
         else:
@@ -350,7 +528,6 @@ class Agent:
                 outcome, detail = "incompatible", "; ".join(problems)
             else:
                 choice = (self.device.sku, entry, "optimized")
-        previous_latency = None
         if choice is not None:
             if self._verified_slot(model, slot, rid, choice[0], choice[1]):
                 staged = self._model_dir(model) / "slots" / slot  # A/B: the other slot already holds it
@@ -359,25 +536,11 @@ class Agent:
             smoke = self.smoke(choice[1], staged)
             if smoke.passed:
                 previous_latency = self._previous_latency(model, act, choice[1], staged)
-                active = self._activate(model, slot, rid, choice[0], choice[2], rollout)
-                return self._report(
-                    model,
-                    self._result(
-                        model, rollout, rid, "ok", smoke.detail, active, t0, smoke.latency_ms, previous_latency
-                    ),
-                    doc_release=rid,
-                    rollout_release=doc.release if doc else None,
-                )
+                active = self._activate(model, slot, rid, choice[0], choice[2], rollout, act, window)
+                return result("ok", smoke.detail, active, smoke.latency_ms, previous_latency)
             outcome, detail = "smoke_failed", smoke.detail
             if act is not None:  # keep the engine that works
-                return self._report(
-                    model,
-                    self._result(
-                        model, rollout, rid, outcome, f"{detail}; kept {act['release']}", act, t0, smoke.latency_ms
-                    ),
-                    doc_release=rid,
-                    rollout_release=doc.release if doc else None,
-                )
+                return result(outcome, f"{detail}; kept {act['release']}", act, smoke.latency_ms)
         # incompatible, or failed with nothing to keep: the portable engine of the same release
         if fallback is None or compatibility(fallback["requires"], self.device):
             why = (
@@ -385,46 +548,20 @@ class Agent:
                 if fallback is None
                 else "; ".join(compatibility(fallback["requires"], self.device))
             )
-            return self._report(
-                model,
-                self._result(model, rollout, rid, outcome, f"{detail}; portable fallback unusable: {why}", act, t0),
-                doc_release=rid,
-                rollout_release=doc.release if doc else None,
-            )
+            return result(outcome, f"{detail}; portable fallback unusable: {why}", act)
         fsku = release["fallback_sku"]
         if act is not None and act["release"] == rid and act["sku"] == fsku:
-            return self._result(model, rollout, rid, "current", "on the portable fallback already", act, t0)
+            return result("current", "on the portable fallback already", act)
         if self._verified_slot(model, slot, rid, fsku, fallback):
             staged = self._model_dir(model) / "slots" / slot
         else:
             staged = self._stage(model, slot, rid, fsku, fallback, "fallback")
         smoke = self.smoke(fallback, staged)
         if not smoke.passed:
-            return self._report(
-                model,
-                self._result(
-                    model, rollout, rid, outcome, f"{detail}; the portable fallback failed too: {smoke.detail}", act, t0
-                ),
-                doc_release=rid,
-                rollout_release=doc.release if doc else None,
-            )
-        active = self._activate(model, slot, rid, fsku, "fallback", rollout)
+            return result(outcome, f"{detail}; the portable fallback failed too: {smoke.detail}", act)
+        active = self._activate(model, slot, rid, fsku, "fallback", rollout, act, window)
         outcome = outcome if outcome == "smoke_failed" else "fallback"
-        return self._report(
-            model,
-            self._result(
-                model,
-                rollout,
-                rid,
-                outcome,
-                f"{detail}; running the portable fallback {fsku}",
-                active,
-                t0,
-                smoke.latency_ms,
-            ),
-            doc_release=rid,
-            rollout_release=doc.release if doc else None,
-        )
+        return result(outcome, f"{detail}; running the portable fallback {fsku}", active, smoke.latency_ms)
 
     def _previous_latency(
         self, model: str, act: dict[str, Any] | None, entry: dict[str, Any], staged: Path
@@ -454,6 +591,7 @@ class Agent:
         t0: float,
         latency: float | None = None,
         previous: float | None = None,
+        attempt: int | None = None,
     ) -> AgentResult:
         return AgentResult(
             device=self.device.id,
@@ -465,25 +603,32 @@ class Agent:
             active=active,
             latency_ms=latency,
             previous_latency_ms=previous,
+            attempt=attempt,
             seconds=round(time.perf_counter() - t0, 4),
         )
 
-    def _report(
-        self, model: str, result: AgentResult, doc_release: str | None, rollout_release: str | None = None
-    ) -> AgentResult:
-        """Tell the controller, for installs of the rollout's own release (returning to the previous
-        release on a rollback is not evidence about the new one)."""
-        if result.rollout is None or (rollout_release is not None and doc_release != rollout_release):
+    def _signing_key(self) -> SigningKey:
+        if self.key is None:
+            self.key = identity.device_key(self.state_dir)
+        return self.key
+
+    def _report(self, model: str, result: AgentResult, doc: RolloutDoc | None) -> AgentResult:
+        """Tell the controller, signed with the device key, about installs of the rollout's own
+        release (returning to the previous release on a rollback is not evidence about the new one)."""
+        if doc is None or result.rollout != doc.id or result.desired != doc.release:
             return result
-        key = controller.report_key(model, result.rollout, result.outcome, self.device.id)
+        key = report_key(model, doc.id, result.outcome, self.device.id)
         ratio = (
             result.latency_ms / result.previous_latency_ms if result.latency_ms and result.previous_latency_ms else None
         )
+        client = self.client
         body = {
             "device": self.device.id,
             "sku": self.device.sku,
             "arch": self.device.arch,
             "ring": self.device.ring,
+            "model": model,
+            "rollout": doc.id,
             "release": result.desired,
             "active": result.active,
             "outcome": result.outcome,
@@ -491,24 +636,38 @@ class Agent:
             "latency_ms": result.latency_ms,
             "previous_latency_ms": result.previous_latency_ms,
             "latency_ratio": ratio,
-            "at": datetime.now(timezone.utc).replace(microsecond=0).isoformat(),
+            "at": _iso(self._now),
+            "attempt": result.attempt or 1,
+            "trusted_timestamp": client.trusted_timestamp_version() if client is not None else None,
         }
+        data = identity.sign_report(self._signing_key(), body)
         marker = self._model_dir(model) / "reported.json"
         try:
             before = read_json(marker)
         except (FileNotFoundError, ValueError):
             before = {}
         try:
-            self.store.put(key, json.dumps(body, sort_keys=True).encode())
-            old = before.get(result.rollout)
+            self.store.put(key, data)
+            old = before.get(doc.id)
             if old and old != key:
                 self.store.delete(old)  # one report per device and rollout: its latest outcome
         except ServiceError as exc:
             log.warning("%s: report not delivered (%s); the next pass sends it", self.device.id, exc.message)
             return result
-        before[result.rollout] = key
+        before[doc.id] = key
         atomic_write_json(marker, before)
+        if result.outcome in RETRIED:
+            self._reported_failure(model, doc.id)
         return result.model_copy(update={"reported": key})
+
+
+def _iso(t: datetime) -> str:
+    return t.isoformat()
+
+
+def _committed(act: dict[str, Any]) -> dict[str, Any]:
+    """An active document without its health window (nothing left to go back to)."""
+    return {k: v for k, v in act.items() if k not in ("previous", "health_until")}
 
 
 def load_device(path: str | os.PathLike) -> DeviceConfig:

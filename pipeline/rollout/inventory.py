@@ -1,8 +1,12 @@
-"""The fleet inventory: each device's id, SKU, architecture, runtime versions, ring and labels.
+"""The fleet inventory: each device's id, SKU, architecture, runtime versions, ring, labels and key.
 
 Read from YAML (``devices:`` a list of mappings) or CSV (one device a row); the suffix says which.
 A file is checked whole before it is refused, so one run lists every problem (up to MAX_LISTED).
 Large fleets belong in CSV: 100k devices load in well under a second, as YAML in tens of seconds.
+
+``key`` is the device's public key (``ed25519:<base64>``, printed by ``skuforge agent identity``):
+the controller counts a report only when it verifies under the key of the device it names
+(pipeline/rollout/identity.py), so the inventory is where device identity is reviewed.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pipeline.core.errors import InputError
 from pipeline.core.io import atomic_write_bytes
 from pipeline.core.validation import did_you_mean
 from pipeline.project.config import Target
+from pipeline.results.signing import parse_public_key
 
 if TYPE_CHECKING:
     from pipeline.project.config import Registry
@@ -32,7 +37,7 @@ ARCHES: tuple[str, ...] = get_args(Target.model_fields["arch"].annotation)
 ARCH_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64", "armv8": "aarch64"}
 # ids become storage keys (per-device status, reports): no '/', no spaces, nothing to escape
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-COLUMNS = ("id", "sku", "arch", "runtime", "ring", "labels")
+COLUMNS = ("id", "sku", "arch", "runtime", "ring", "labels", "key")
 REQUIRED = ("id", "sku", "arch")
 SUFFIXES = {".csv": "csv", ".yaml": "yaml", ".yml": "yaml"}
 MAX_LISTED = 20
@@ -76,6 +81,7 @@ class Device:
     runtime: Versions = Versions()
     ring: str | None = None
     labels: tuple[str, ...] = ()
+    key: str | None = None  # public key, ed25519:<base64>: reports are counted only when signed by it
 
     def __post_init__(self) -> None:
         if not isinstance(self.runtime, Versions):
@@ -166,7 +172,9 @@ def write_inventory(path: str | os.PathLike, devices: Iterable[Device]) -> Path:
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
         writer.writerow(COLUMNS)
-        writer.writerows((d.id, d.sku, d.arch, _runtime_text(d), d.ring or "", _labels_text(d)) for d in devices)
+        writer.writerows(
+            (d.id, d.sku, d.arch, _runtime_text(d), d.ring or "", _labels_text(d), d.key or "") for d in devices
+        )
         data = buf.getvalue()
     else:
         rows = [
@@ -177,6 +185,7 @@ def write_inventory(path: str | os.PathLike, devices: Iterable[Device]) -> Path:
                 "runtime": dict(d.runtime),
                 "ring": d.ring,
                 "labels": list(d.labels),
+                "key": d.key,
             }
             for d in devices
         ]
@@ -219,7 +228,7 @@ def _read_yaml(text: str) -> tuple[list[Device], list[str]]:
     except yaml.YAMLError as exc:
         return [], [f"not valid YAML: {exc}"]
     if not isinstance(doc, dict) or not isinstance(doc.get("devices"), list):
-        return [], ["expected a mapping with a `devices:` list of devices (id, sku, arch, runtime, ring, labels)"]
+        return [], [f"expected a mapping with a `devices:` list of devices ({', '.join(COLUMNS)})"]
     devices, problems, parse = [], [], _Parser()
     for i, entry in enumerate(doc["devices"]):
         where = f"devices[{i}]"
@@ -230,13 +239,13 @@ def _read_yaml(text: str) -> tuple[list[Device], list[str]]:
             where += f" (id {entry['id']!r})"
         keys = [str(k) for k in entry]
         bad = _columns(keys, f"{where}: key")
-        values = [_text(entry.get(k), f"{where}: {k}", bad) for k in ("id", "sku", "arch", "ring")]
+        values = [_text(entry.get(k), f"{where}: {k}", bad) for k in ("id", "sku", "arch", "ring", "key")]
         runtime = _yaml_runtime(entry.get("runtime"), where, bad)
         labels = _yaml_labels(entry.get("labels"), where, bad)
         if bad:
             problems += bad
             continue
-        device = parse(where, values[0], values[1], values[2], runtime, values[3], labels, problems=problems)
+        device = parse(where, values[0], values[1], values[2], runtime, values[3], labels, values[4], problems=problems)
         if device is not None:
             devices.append(device)
     return devices, problems
@@ -244,15 +253,27 @@ def _read_yaml(text: str) -> tuple[list[Device], list[str]]:
 
 class _Parser:
     """Checks one device's fields (as CSV text) and builds it; runtimes and labels repeat across a
-    fleet, so each distinct text is parsed once and its value shared."""
+    fleet, so each distinct text is parsed once and its value shared. Keys are each device's own:
+    one seen twice is a problem (two devices could sign each other's reports)."""
 
     def __init__(self) -> None:
         self._runtime: dict[str, Versions | str] = {"": Versions()}
         self._labels: dict[str, tuple[str, ...]] = {"": ()}
         self._seen: dict[str, str] = {}  # id -> where it first appeared
+        self._keys: dict[str, str] = {}  # public key -> where it first appeared
 
     def __call__(
-        self, where: str, id: str, sku: str, arch: str, runtime: str, ring: str, labels: str, *, problems: list[str]
+        self,
+        where: str,
+        id: str,
+        sku: str,
+        arch: str,
+        runtime: str,
+        ring: str,
+        labels: str,
+        key: str,
+        *,
+        problems: list[str],
     ) -> Device | None:
         before = len(problems)
         if not id:
@@ -280,9 +301,22 @@ class _Parser:
         tags = self._labels.get(labels)
         if tags is None:
             tags = self._labels[labels] = tuple(t for t in (s.strip() for s in labels.split(";")) if t)
+        if key:
+            try:
+                parse_public_key(key)
+            except ValueError as exc:
+                problems.append(f"{where}: key {_short(key)} is not a device key: {exc}")
+            else:
+                if key in self._keys:
+                    problems.append(
+                        f"{where}: key {_short(key)} repeats {self._keys[key]} (each device has its own: "
+                        "run `skuforge agent identity --state DIR` on the device)"
+                    )
+                else:
+                    self._keys[key] = where
         if len(problems) > before or isinstance(versions, str):  # a str runtime: its problem is listed
             return None
-        return Device(id, sku, arch, versions, ring or None, tags)
+        return Device(id, sku, arch, versions, ring or None, tags, key or None)
 
 
 def _parse_runtime(text: str) -> Versions | str:
@@ -363,6 +397,10 @@ def _labels_text(device: Device) -> str:
     if any(";" in label for label in device.labels):
         raise ValueError(f"device {device.id!r}: labels {device.labels} hold ';', which CSV splits on")
     return ";".join(device.labels)
+
+
+def _short(key: str) -> str:
+    return repr(key if len(key) <= 24 else key[:20] + "...")
 
 
 def _first(ids: Iterable[str], n: int = 3) -> str:

@@ -10,10 +10,12 @@ import pytest
 
 from pipeline.core.errors import InputError
 from pipeline.project.config import parse_registry
+from pipeline.results.signing import SigningKey
 from pipeline.rollout.inventory import Device, Inventory, Versions, load_inventory, write_inventory
 
 HEADER = "id,sku,arch,runtime,ring,labels\n"
 GOOD = "cam-1,x86_ort_fp32,x86_64,onnxruntime=1.32.0,lab,a\n"
+KEY_A, KEY_B = (SigningKey.generate("test").public_key for _ in range(2))
 
 
 def fleet() -> list[Device]:
@@ -25,9 +27,10 @@ def fleet() -> list[Device]:
             {"onnxruntime": "1.32.0", "openvino": "2026.1.0"},
             "lab",
             ("eu-west", "indoor"),
+            KEY_A,
         ),
         Device("cam-002", "arm_ort_fp32", "aarch64", {"onnxruntime": "1.20"}, None, ()),
-        Device("gw:7.b_c-9", "x86_ort_fp32", "x86_64", {}, "beta", ("edge",)),
+        Device("gw:7.b_c-9", "x86_ort_fp32", "x86_64", {}, "beta", ("edge",), KEY_B),
         Device("0012", "arm_ort_fp32", "aarch64", {"onnxruntime": "1.31.1"}, "prod", ()),  # YAML would read 10
     ]
 
@@ -59,7 +62,36 @@ def test_round_trip(tmp_path, name):
     assert "gw:7.b_c-9" in inventory and inventory.get("nope") is None
     assert inventory.by_sku() == {"arm_ort_fp32": 2, "x86_ort_fp32": 2}
     assert inventory.source == str(path)
+    assert (inventory["cam-001"].key, inventory["cam-002"].key) == (KEY_A, None)
     assert [p.name for p in tmp_path.iterdir()] == [name]  # the atomic write left no temporary file
+
+
+def test_key_is_the_last_csv_column(tmp_path):
+    path = write_inventory(tmp_path / "fleet.csv", fleet()[:2])
+    header, first, second = path.read_text().splitlines()
+    assert header == "id,sku,arch,runtime,ring,labels,key"
+    assert first.endswith(f",eu-west;indoor,{KEY_A}") and second.endswith(",,")
+    written = write(tmp_path, HEADER.replace("\n", ",key\n") + GOOD.replace("\n", f",{KEY_B}\n"), "keyed.csv")
+    assert load_inventory(written)["cam-1"].key == KEY_B
+
+
+def test_keys_are_checked_and_unique(tmp_path):
+    header = HEADER.replace("\n", ",key\n")
+    rows = [
+        f"cam-1,s,x86_64,,,,{KEY_A}",
+        f"cam-2,s,x86_64,,,,{KEY_A}",  # a second device with the first one's key
+        "cam-3,s,x86_64,,,,ed25519:bm90IGEga2V5",
+        "cam-4,s,x86_64,,,,ssh-ed25519 AAAAC3Nz",
+        f"cam-5,s,x86_64,,,,{KEY_B}",
+        "cam-6,s,x86_64,,,,",
+    ]
+    message = problem(write(tmp_path, header + "\n".join(rows) + "\n"))
+    assert "3 problem(s)" in message
+    shown = repr(KEY_A[:20] + "...")  # keys are shortened in messages
+    assert f"line 3: key {shown} repeats line 2 (each device has its own" in message
+    assert "line 4: key 'ed25519:bm90IGEga2V5' is not a device key: an ed25519 public key is 32 bytes" in message
+    assert "line 5: key 'ssh-ed25519 AAAAC3Nz' is not a device key: a public key reads 'ed25519:" in message
+    assert "line 6" not in message and "line 7" not in message
 
 
 def test_csv_as_documented(tmp_path):
@@ -206,6 +238,8 @@ def test_many_problems_are_cut_short(tmp_path):
         ("{id: cam-2, sku: s, arch: x86_64, labels: lab}", "labels must be a list of text"),
         ("{id: cam-2, sku: s, arch: ppc64le}", "arch 'ppc64le' is not one of x86_64, aarch64"),
         ("cam-2", "devices[1]: expected a mapping"),
+        ("{id: cam-2, sku: s, arch: x86_64, key: 12}", "key: YAML reads this value as a number (12)"),
+        ("{id: cam-2, sku: s, arch: x86_64, key: 'ed25519:'}", "key 'ed25519:' is not a device key"),
     ],
 )
 def test_yaml_entry_problem_names_the_index(tmp_path, entry, expected):
