@@ -73,6 +73,9 @@ class Health(Result):
     timed_out: int | None = Field(description="devices of the wave with no report after its time-out (null: before it)")
     ignored: dict[str, int] = Field(default_factory=dict, description="reports not counted, per reason")
     ignored_examples: list[str] = Field(default_factory=list, description="'<key>: <reason>' of the first few")
+    trusted_timestamp: int | None = Field(
+        None, description="the newest TUF timestamp version a counted report says its device trusts"
+    )
     gates: list[GateCheck]
 
 
@@ -283,6 +286,9 @@ def health(store: Store, doc: RolloutDoc, inventory: Inventory, now: datetime | 
         timed_out=timed_out,
         ignored=dict(reports.ignored),
         ignored_examples=reports.examples,
+        trusted_timestamp=max(
+            (v for b in reports.counted.values() if isinstance(v := b.get("trusted_timestamp"), int)), default=None
+        ),
         gates=gates,
     )
 
@@ -468,6 +474,22 @@ def _need(inventory: Inventory | None, what: str) -> Inventory:
     return inventory
 
 
+def _behind_devices(store: Store, state: trust.State, h: Health, model: str) -> None:
+    """Refuse a store older than what devices already trust: their signed reports name the newest
+    timestamp they verified, so a store put back to an older state is caught even if its archived
+    timestamps were deleted too."""
+    seen = h.trusted_timestamp
+    if seen is None or seen <= state.timestamp.signed.version:
+        return
+    fresh = trust.read_state(store).timestamp.signed.version  # a commit since our read is no replay
+    if seen > fresh:
+        raise trust.VerificationFailed(
+            f"rollout advance {model}: devices report trusting timestamp v{seen}, the store serves v{fresh}: "
+            "the store's metadata was put back to an older state",
+            hint="restore the newest metadata (skuforge release repair) before any writer signs on top of it",
+        )
+
+
 def advance(
     registry: Registry,
     store: Store,
@@ -492,6 +514,7 @@ def advance(
             )
         h = health(store, current, _need(inventory, f"rollout advance {model}"), now)
         observed["health"] = h
+        _behind_devices(store, state, h, model)
         failed = [g for g in h.gates if g.passed is False]
         doc = current.model_copy(deep=True)
         if failed:

@@ -461,3 +461,16 @@ def test_health_reads_reports_in_parallel(project, repo, keys, fleet):
     assert h.failure_rate == pytest.approx(1 / 53)  # an error fails; a fallback is degraded, not failed
     assert h.latency_samples == 50 and h.latency_ratio_median == pytest.approx(1.25)
     assert h.expected == 200
+
+
+def test_devices_that_trust_a_newer_timestamp_reveal_a_replayed_store(project, repo, keys, fleet):
+    doc = start(project, repo, keys, fleet)
+    serving = trust.read_state(repo).timestamp.signed.version
+    canary = fleet.first_in(doc, 0, 3)
+    for device_id in canary:
+        fleet.report(repo, doc, device_id, trusted_timestamp=serving)
+    assert advance(project, repo, keys, fleet, 31).action == "advanced"  # what devices saw is what is served
+    doc = controller.status(project, repo, MODEL).rollout
+    fleet.report(repo, doc, canary[0], trusted_timestamp=serving + 50)  # a device saw a later state
+    with pytest.raises(trust.VerificationFailed, match=f"trusting timestamp v{serving + 50}"):
+        advance(project, repo, keys, fleet, 70)
