@@ -63,7 +63,10 @@ def upstream_stages(registry: Registry, dvc_targets: list[str]) -> set[str]:
 def _dvc(root: Path) -> str:
     dvc = shutil.which("dvc") or str(Path(sys.executable).with_name("dvc"))
     if not Path(dvc).exists():
-        raise EnvironmentProblem("dvc is not installed", hint="install the build toolchain: pip install 'skuforge[pipeline]' (an agent-only install lacks dvc)")
+        raise EnvironmentProblem(
+            "dvc is not installed",
+            hint="install the build toolchain: pip install 'skuforge[pipeline]' (an agent-only install lacks dvc)",
+        )
     if not (root / ".dvc").is_dir():
         raise InputError(f"{root} is not a DVC repository", hint="run `git init && dvc init` in the project root")
     refuse_merge_conflicts(root)

@@ -10,7 +10,9 @@ any S3-compatible server. Conditional writes are S3's own ``If-None-Match: *`` /
 request is bounded (``S3_CONNECT_TIMEOUT``, ``S3_READ_TIMEOUT``, ``S3_ATTEMPTS``), so a dead or silent
 endpoint fails a command in seconds (exit 4).
 Local folder: writes go to a temporary file and are renamed into place; conditional writes hold an
-exclusive ``flock`` on the store's lock file, so processes sharing the folder serialise.
+exclusive ``flock`` on the store's lock file, so processes sharing the folder serialise. A writer
+killed mid-write leaves its temporary (``.<name>.<random>.tmp``); the next writer's
+:meth:`LocalStore.clean_stale` removes those older than an hour.
 """
 
 from __future__ import annotations
@@ -22,14 +24,16 @@ import os
 import re
 import tempfile
 import threading
+import time
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from pipeline.core.env import AWS_ENDPOINT_URL, AWS_MAX_ATTEMPTS, AWS_RETRY_MODE, SKUFORGE_STORE
 from pipeline.core.errors import ConfigError, ServiceError, StorageError
+from pipeline.core.io import STALE_SECONDS
 from pipeline.core.redact import redact
 
 log = logging.getLogger(__name__)
@@ -75,9 +79,16 @@ class Store(Protocol):
 
     def exists(self, key: str) -> bool: ...
 
-    def list(self, prefix: str) -> Iterator[str]: ...
+    def list(self, prefix: str) -> Iterator[str]:
+        """Keys under ``prefix``, lazily; the keys of one folder come in ascending order (a caller
+        may stop early: S3 fetches the next page of 1000 only when it is reached)."""
+        ...
 
     def delete(self, key: str) -> None: ...
+
+    def clean_stale(self) -> Sequence[str]:
+        """Remove what writers killed mid-write left behind; what was removed."""
+        ...
 
 
 def _etag(data: bytes) -> str:
@@ -92,6 +103,7 @@ class LocalStore:
         self.url = str(self.root)
         self.requests: Counter = Counter()
         self._lock = threading.Lock()
+        self._cleaned = False
 
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
@@ -163,7 +175,8 @@ class LocalStore:
         base = self.root / check_key(prefix.rstrip("/")) if prefix.strip("/") else self.root
         if not base.is_dir():
             return
-        for dirpath, _, files in os.walk(base):
+        for dirpath, dirs, files in os.walk(base):
+            dirs.sort()
             for name in sorted(files):
                 if name.startswith("."):
                     continue
@@ -173,6 +186,28 @@ class LocalStore:
         self.requests["delete"] += 1
         with contextlib.suppress(FileNotFoundError):
             self._path(key).unlink()
+
+    def clean_stale(self, max_age: float = STALE_SECONDS) -> Sequence[str]:
+        """Remove the temporaries (``.<name>.<random>.tmp``) of writers killed mid-put, once per
+        store object: only those older than ``max_age`` seconds, since a live writer on another
+        host sharing the folder may still be renaming its own (no pid tells them apart here)."""
+        if self._cleaned or not self.root.is_dir():
+            return []
+        self._cleaned = True
+        cutoff = time.time() - max_age
+        removed: list[str] = []
+        for dirpath, _, files in os.walk(self.root):
+            for name in files:
+                if not (name.startswith(".") and name.endswith(".tmp")):
+                    continue
+                path = Path(dirpath, name)
+                with contextlib.suppress(OSError):  # gone already, or not ours to remove: harmless
+                    if path.lstat().st_mtime < cutoff:
+                        path.unlink()
+                        removed.append(path.relative_to(self.root).as_posix())
+        if removed:
+            log.info("removed %d stale temporar%s from %s", len(removed), "y" if len(removed) == 1 else "ies", self.url)
+        return removed
 
 
 # --- S3 ---------------------------------------------------------------------------------------------
@@ -194,7 +229,12 @@ def s3_config(core):
     user_set = any(var.raw() for var in (AWS_MAX_ATTEMPTS, AWS_RETRY_MODE)) or any(
         name in profile for name in ("max_attempts", "retry_mode")
     )
-    settings: dict = {"connect_timeout": S3_CONNECT_TIMEOUT, "read_timeout": S3_READ_TIMEOUT}
+    # the controller reads a wave's reports 16 at a time (pipeline/rollout/controller.py READERS)
+    settings: dict = {
+        "connect_timeout": S3_CONNECT_TIMEOUT,
+        "read_timeout": S3_READ_TIMEOUT,
+        "max_pool_connections": 32,
+    }
     if not user_set:
         settings["retries"] = {"mode": "standard", "total_max_attempts": S3_ATTEMPTS}
     if AWS_ENDPOINT_URL.get():
@@ -343,6 +383,10 @@ class S3Store:
             self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
         except (ClientError, BotoCoreError) as exc:
             raise self._fail("delete", key, exc) from exc
+
+    def clean_stale(self) -> Sequence[str]:
+        """Nothing to do: an S3 put is whole or absent."""
+        return []
 
 
 def open_store(url: str, root: str | os.PathLike | None = None) -> Store:

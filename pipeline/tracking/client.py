@@ -457,7 +457,8 @@ def require_mlflow():
         import mlflow
     except ImportError as exc:
         raise EnvironmentProblem(
-            f"mlflow is not importable here ({exc})", hint="install the build toolchain: pip install 'skuforge[pipeline]' (it brings mlflow)"
+            f"mlflow is not importable here ({exc})",
+            hint="install the build toolchain: pip install 'skuforge[pipeline]' (it brings mlflow)",
         ) from exc
     return mlflow
 

@@ -215,3 +215,103 @@ def test_advance_all_keeps_the_timestamp_fresh_with_no_live_rollout(project, tmp
     assert out == {"rollouts": {}, "timestamp_refreshed": True}
     after = json.loads(ts.read_text())["signed"]
     assert after["version"] > before["version"] and after["expires"] > before["expires"]
+
+
+def test_release_init_pins_each_store_and_checks_before_it_writes(project, tmp_path):
+    """Two stores of one project: each init writes that store's pin, and every writer anchors on the
+    pin of the store it opens (the issue: a second init on another store exited 1 after creating it,
+    then 0 "already initialised" with the first store's pin)."""
+    root = tmp_path / "project"
+    shutil.copytree(project.root, root)
+    env = {k: v for k, v in os.environ.items() if k != "SKUFORGE_STORE"}
+    pins = {}
+    for store in ("stores/a", "stores/b"):
+        proc = skuforge("release", "init", "--store", store, "--json", cwd=root, env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        out = json.loads(proc.stdout)
+        assert out["result"] == "created" and out["pin_written"] and out["pin"].startswith("release-roots/")
+        pins[store] = out["pin"]
+        assert (root / out["pin"]).read_bytes() == (root / store / "metadata/1.root.json").read_bytes()
+    assert pins["stores/a"] != pins["stores/b"]
+    for store in ("stores/a", str(root / "stores/b")):  # an absolute path inside the project: the same pin
+        proc = skuforge("release", "publish", "--model", "conv", "--store", store, cwd=root, env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = skuforge("release", "init", "--store", "stores/a", "--json", cwd=root, env=env)
+    assert json.loads(proc.stdout)["result"] == "existing" and not json.loads(proc.stdout)["pin_written"]
+    proc = skuforge("release", "root", "--store", "stores/b", "--out", "b.json", "--json", cwd=root, env=env)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["root_version"] == 1, proc.stderr
+
+    # a pinned store emptied: init refuses (and creates nothing) instead of starting another root
+    shutil.rmtree(root / "stores/b")
+    proc = skuforge("release", "init", "--store", "stores/b", cwd=root, env=env)
+    assert_user_error(proc, 1, "pins a root", "has no repository")
+    assert not (root / "stores/b/metadata").exists()
+
+    # the single release-root.json of earlier versions still anchors the store it was made for
+    (root / "release-root.json").write_bytes((root / pins["stores/a"]).read_bytes())
+    (root / pins["stores/a"]).unlink()
+    proc = skuforge("release", "root", "--store", "stores/a", "--out", "a.json", cwd=root, env=env)
+    assert proc.returncode == 0, proc.stderr
+    proc = skuforge("release", "init", "--store", "stores/a", "--json", cwd=root, env=env)
+    assert json.loads(proc.stdout)["pin_written"] and (root / pins["stores/a"]).is_file()
+
+
+def test_a_replayed_store_is_refused_by_every_command_until_repaired(project, tmp_path):
+    """Issue 24's replay, from the command line: an older timestamp.json put back after an abort."""
+    root = tmp_path / "project"
+    shutil.copytree(project.root, root)
+    env = {**os.environ, "SKUFORGE_STORE": str(root / "store")}
+    for args in (("release", "init"), ("release", "publish", "--model", "conv")):
+        proc = skuforge(*args, cwd=root, env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    write_inventory(root / "fleet.csv", [Device(id=f"dev-{i}", sku="cpu", arch="x86_64") for i in range(20)])
+    ts = root / "store/metadata/timestamp.json"
+    proc = skuforge(
+        "rollout", "start", "--model", "conv", "--inventory", "fleet.csv", "--reason", "ship", cwd=root, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    live = ts.read_bytes()
+    proc = skuforge("rollout", "abort", "--model", "conv", "--reason", "bad", cwd=root, env=env)
+    assert proc.returncode == 0, proc.stderr
+    aborted = json.loads(ts.read_text())["signed"]["version"]
+    ts.write_bytes(live)
+
+    versions = f"version {aborted - 1}, older than version {aborted}"
+    for args in (
+        ("rollout", "status", "--model", "conv"),
+        ("rollout", "advance", "--all"),
+        ("rollout", "resume", "--model", "conv", "--reason", "replayed"),
+        ("rollout", "start", "--model", "conv", "--inventory", "fleet.csv"),
+        ("release", "publish", "--model", "conv"),
+    ):
+        assert_user_error(skuforge(*args, cwd=root, env=env), 1, versions, "skuforge release repair")
+    assert ts.read_bytes() == live
+
+    proc = skuforge("release", "repair", "--json", cwd=root, env=env)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert (out["replayed"], out["found"], out["newest"], out["timestamp"]) == (True, aborted - 1, aborted, aborted + 1)
+    proc = skuforge("rollout", "status", "--model", "conv", "--json", cwd=root, env=env)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["conv"]["rollout"]["status"] == "aborted", proc.stderr
+    proc = skuforge("release", "repair", cwd=root, env=env)
+    assert proc.returncode == 0 and "nothing to repair" in proc.stdout
+
+
+def test_s3_commands_do_not_print_botocore_chatter(moto_s3, tmp_path):
+    from cli_helpers import project as make_cli_project
+    from cli_helpers import service_env
+
+    make_cli_project(tmp_path)
+    env = service_env(
+        AWS_ENDPOINT_URL=moto_s3.endpoint,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+    )
+    store = f"s3://{moto_s3.make_bucket()}/fleet"
+    proc = skuforge("release", "init", "--store", store, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "credentials" not in proc.stderr.lower(), proc.stderr
+    proc = skuforge("release", "root", "--store", store, "--out", "root.json", cwd=tmp_path, env=env)
+    assert proc.returncode == 0 and "credentials" not in proc.stderr.lower(), proc.stderr

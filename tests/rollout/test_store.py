@@ -12,6 +12,10 @@ from cli_helpers import assert_user_error, project, service_env, skuforge
 from registry_helpers import SilentServer, free_port
 
 from pipeline.core.errors import ServiceError
+from pipeline.core.io import STALE_SECONDS
+from pipeline.project.config import Expiry
+from pipeline.results.signing import SigningKey
+from pipeline.rollout import trust
 from pipeline.rollout.store import (
     S3_ATTEMPTS,
     S3_CONNECT_TIMEOUT,
@@ -295,3 +299,32 @@ def test_local_stores_on_one_folder_share_the_lock(tmp_path):
     for w in workers:
         w.join(timeout=60)
     assert int(a.get("counter").data) == 80
+
+
+def test_stale_temporaries_of_killed_writers_are_cleaned_by_the_next_commit(local_store):
+    """A put killed between its temporary and the rename leaves ``.<name>.<random>.tmp``; the next
+    writer removes those older than an hour, not a live writer's nor anything else."""
+    keys = trust.Keys.single(SigningKey.generate())
+    trust.initialise(local_store, keys, Expiry())
+    root = local_store.root
+    stale = [root / "blobs/sha256/.abc.k2j4h1x9.tmp", root / "metadata/.timestamp.json.q8w7e6r5.tmp"]
+    fresh = root / "metadata/.7.targets.json.zzzzzzzz.tmp"
+    for path in [*stale, fresh]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"half")
+    old = time.time() - STALE_SECONDS - 60
+    for path in stale:
+        os.utime(path, (old, old))
+    os.utime(root / ".lock", (old, old))
+
+    trust.commit(local_store, keys, Expiry(), lambda targets, state: trust.add_target(targets, "a", b"a") or True)
+    assert [p for p in stale if p.exists()] == []
+    assert fresh.exists() and (root / ".lock").exists()
+    assert local_store.clean_stale() == []  # once per store object: later commits do not walk it again
+
+
+def test_cleaning_an_s3_store_is_nothing_to_do(s3_store):
+    s3_store.put("k", b"x")
+    s3_store.requests.clear()
+    assert s3_store.clean_stale() == []
+    assert sum(s3_store.requests.values()) == 0

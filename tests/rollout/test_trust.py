@@ -9,11 +9,14 @@ import time
 
 import pytest
 
-from pipeline.core.errors import ConfigError, ServiceError
+from pipeline.core.errors import ConfigError, ServiceError, StorageError
 from pipeline.project.config import Expiry
 from pipeline.results.signing import SigningKey
-from pipeline.rollout import trust
+from pipeline.rollout import controller, release, trust
+from pipeline.rollout.inventory import Device, Inventory
+from pipeline.rollout.store import LocalStore
 from pipeline.rollout.trust import Client, VerificationFailed
+from rollout.conftest import MODEL
 
 ENGINE = "releases/m/r1/cpu/engine/model.onnx"
 
@@ -61,15 +64,16 @@ def client(store, tmp_path, name: str = "dev") -> Client:
 
 
 def test_initialise_creates_the_four_roles_once(store, keys):
-    assert trust.initialise(store, keys, Expiry())
+    assert trust.initialise(store, keys, Expiry()) == "created"
     for name in ("1.root.json", "root.json", "1.targets.json", "1.snapshot.json", "timestamp.json"):
         assert store.exists(f"metadata/{name}"), name
+    assert store.exists(trust.archive_key(1))
     state = trust.read_state(store)
     assert [md.signed.version for md in (state.root, state.targets, state.snapshot, state.timestamp)] == [1, 1, 1, 1]
     assert state.targets.signed.targets == {}
-    before = store.get(trust.TIMESTAMP_KEY)
-    assert trust.initialise(store, keys, Expiry()) is False
-    assert store.get(trust.TIMESTAMP_KEY) == before
+    before = sorted((k, store.get(k)) for k in store.list("metadata"))
+    assert trust.initialise(store, keys, Expiry()) == "existing"
+    assert sorted((k, store.get(k)) for k in store.list("metadata")) == before
 
 
 def test_commit_then_a_device_fetches_the_target(repo, keys, tmp_path):
@@ -323,3 +327,283 @@ def test_a_forged_root_chain_is_refused_by_writers(repo, keys):
         trust.commit(repo, keys, Expiry(), lambda targets, state: trust.add_target(targets, "evil", b"x") or True)
     pinned = trust.Keys.single(keys.online, anchor=forged.to_bytes())  # pinning it says: trust this one
     assert trust.read_state(repo, pinned).root.signed.version == 1
+
+
+# --- a store put back to an older state (replay / rollback) ------------------------------------------
+
+
+def _metadata(store) -> dict[str, bytes]:
+    return {k: store.get(k).data for k in store.list("metadata")}
+
+
+def test_replayed_timestamp_is_refused_by_writers_and_readers_until_repaired(repo, keys, tmp_path):
+    """A store writer without keys puts back an older timestamp.json: every reader and writer here
+    refuses it naming both versions (devices refuse it by themselves); repair signs above it."""
+    publish(repo, keys, "one", b"1")
+    old = repo.get(trust.TIMESTAMP_KEY).data  # v2
+    publish(repo, keys, "two", b"2")  # v3
+    dev = client(repo, tmp_path)
+    dev.refresh()
+    repo.put(trust.TIMESTAMP_KEY, old)
+    before = _metadata(repo)
+
+    replayed = r"timestamp.json is version 2, older than version 3 .*timestamps/999999999997-3.json"
+    with pytest.raises(VerificationFailed, match=replayed) as err:
+        trust.read_state(repo)
+    assert "release repair" in err.value.hint
+    with pytest.raises(VerificationFailed, match=replayed):
+        publish(repo, keys, "three", b"3")
+    with pytest.raises(VerificationFailed, match=replayed):
+        trust.refresh_timestamp(repo, keys, Expiry(), force=True)
+    assert _metadata(repo) == before  # nothing signed on top of the replayed state
+
+    fixed = trust.repair(repo, keys, Expiry())
+    assert (fixed.replayed, fixed.found, fixed.newest, fixed.timestamp, fixed.snapshot) == (True, 2, 3, 4, 3)
+    state = trust.read_state(repo)
+    assert state.timestamp.signed.version == 4
+    assert set(state.targets.signed.targets) == {"one", "two"}  # nothing lost
+    dev = client(repo, tmp_path)  # the device that trusted v3, restarted
+    dev.refresh()
+    assert dev.fetch("two") == b"2"
+    again = trust.repair(repo, keys, Expiry())
+    assert (again.replayed, again.timestamp) == (False, 4)
+    publish(repo, keys, "three", b"3")
+    assert trust.read_state(repo).timestamp.signed.version == 5
+
+
+def test_the_writers_ledger_catches_a_replay_that_emptied_the_archive(repo, keys, tmp_path):
+    """The archive is in the store, so a store writer can delete it: a writer's own record of what it
+    committed (on its machine) still refuses, and repair goes back to the state it recorded."""
+    mine = trust.Keys.single(keys.online, ledger=tmp_path / "ledger")
+    publish(repo, mine, "one", b"1")
+    old = repo.get(trust.TIMESTAMP_KEY).data
+    publish(repo, mine, "two", b"2")
+    repo.put(trust.TIMESTAMP_KEY, old)
+    for key in list(repo.list(trust.ARCHIVE)):
+        repo.delete(key)
+
+    assert trust.read_state(repo).timestamp.signed.version == 2  # a reader without a record cannot tell
+    with pytest.raises(VerificationFailed, match="version 2, older than version 3 this machine committed"):
+        publish(repo, mine, "three", b"3")
+    fixed = trust.repair(repo, mine, Expiry())
+    assert (fixed.replayed, fixed.newest, fixed.timestamp, fixed.snapshot) == (True, 3, 4, 3)
+    assert set(trust.read_state(repo).targets.signed.targets) == {"one", "two"}
+    publish(repo, mine, "three", b"3")
+
+
+def test_a_store_made_again_at_the_same_url_is_not_a_replay(store, keys, tmp_path):
+    mine = trust.Keys.single(keys.online, ledger=tmp_path / "ledger")
+    assert trust.initialise(store, mine, Expiry()) == "created"
+    publish(store, mine, "one", b"1")
+    publish(store, mine, "two", b"2")
+    for key in list(store.list("")):
+        store.delete(key)
+    # a new 1.root.json: another store (the same bytes would be the same store to devices too)
+    assert trust.initialise(store, mine, Expiry(root_days=300)) == "created"
+    publish(store, mine, "again", b"a")
+    assert trust.read_state(store).timestamp.signed.version == 2
+
+
+def test_archive_entries_that_do_not_verify_are_ignored(repo, keys):
+    """Someone without the key writes 'newer' archive entries: a copy of an older timestamp, a
+    timestamp signed by another key, garbage. None of them makes a sound store look replayed."""
+    publish(repo, keys, "one", b"1")
+    v2 = repo.get(trust.TIMESTAMP_KEY).data
+    repo.put(trust.archive_key(7), v2)  # says version 2 inside
+    repo.put(trust.archive_key(8), _other_signer(v2))
+    repo.put(trust.archive_key(9), b"not json")
+    repo.put(f"{trust.ARCHIVE}/000000000000-999.json", b"{}")  # not an archive name: never read
+    assert trust.read_state(repo).timestamp.signed.version == 2
+    publish(repo, keys, "two", b"2")
+    assert trust.read_state(repo).timestamp.signed.version == 3
+
+
+def test_a_commit_killed_before_its_archive_is_not_a_replay(repo, keys):
+    publish(repo, keys, "one", b"1")
+    repo.delete(trust.archive_key(2))  # the swap landed, the archive write did not
+    assert trust.read_state(repo).timestamp.signed.version == 2
+    assert trust.repair(repo, keys, Expiry()).replayed is False
+    assert repo.exists(trust.archive_key(2))  # repair archived the current one
+
+
+def test_the_archive_lists_newest_first_and_is_read_one_page_deep(s3_repo, keys):
+    """Readers stop at the first archive entry not above timestamp.json: one list request, however
+    long the history."""
+    for i in range(3):
+        publish(s3_repo, keys, f"t{i}", str(i).encode())
+    assert list(s3_repo.list(trust.ARCHIVE)) == [trust.archive_key(v) for v in (4, 3, 2, 1)]
+    s3_repo.requests.clear()
+    trust.read_state(s3_repo)
+    assert s3_repo.requests["list"] == 1
+    # 1.root.json, 2.root.json (absent), timestamp, snapshot, targets: no archived entry read
+    assert s3_repo.requests["get"] == 5
+
+
+def test_an_older_snapshot_copied_over_a_newer_is_refused(repo, keys):
+    publish(repo, keys, "one", b"1")
+    publish(repo, keys, "two", b"2")
+    repo.put("metadata/3.snapshot.json", repo.get("metadata/2.snapshot.json").data)
+    with pytest.raises(VerificationFailed, match="3.snapshot.json holds version 2"):
+        trust.read_state(repo)
+
+
+# --- keeping the metadata fresh ---------------------------------------------------------------------
+
+
+def test_an_expired_timestamp_is_re_signed_without_force(repo, keys, tmp_path):
+    """`rollout advance --all` calls refresh_timestamp with no live rollout too: an already expired
+    timestamp must be re-signed, and a device that trusted it refreshes again."""
+    publish(repo, keys, ENGINE, b"engine", expiry=Expiry(timestamp_days=2 / 86400))
+    dev = client(repo, tmp_path)
+    dev.refresh()
+    time.sleep(3)
+    with pytest.raises(VerificationFailed, match="(?i)expired"):
+        client(repo, tmp_path).refresh()
+    assert trust.refresh_timestamp(repo, keys, Expiry())
+    assert trust.read_state(repo).timestamp.signed.version == 3
+    assert client(repo, tmp_path).fetch(ENGINE) == b"engine"
+    assert trust.refresh_timestamp(repo, keys, Expiry()) is False  # fresh now
+
+
+def test_targets_and_snapshot_past_half_life_are_re_signed(repo, keys, tmp_path):
+    publish(repo, keys, ENGINE, b"engine", expiry=Expiry(targets_days=4 / 86400, snapshot_days=4 / 86400))
+    time.sleep(2.5)
+    assert trust.refresh_timestamp(repo, keys, Expiry())
+    state = trust.read_state(repo)
+    assert (state.targets.signed.version, state.snapshot.signed.version, state.timestamp.signed.version) == (3, 3, 3)
+    assert set(state.targets.signed.targets) == {ENGINE}
+    time.sleep(2)  # past the first expiry: the device gets the re-signed files
+    assert client(repo, tmp_path).fetch(ENGINE) == b"engine"
+
+
+# --- initialising a store ---------------------------------------------------------------------------
+
+
+def test_an_interrupted_init_is_completed_by_the_next(store, keys, tmp_path):
+    """An init killed after its claim (1.root.json) leaves a store the next init completes."""
+    assert trust.initialise(store, keys, Expiry()) == "created"
+    claim = store.get("metadata/1.root.json").data
+    for key in list(store.list("")):
+        if key != "metadata/1.root.json":
+            store.delete(key)
+    assert trust.initialise(store, keys, Expiry()) == "completed"
+    assert store.get("metadata/1.root.json").data == claim
+    assert trust.read_state(store).timestamp.signed.version == 1
+    publish(store, keys, ENGINE, b"engine")
+    assert client(store, tmp_path).fetch(ENGINE) == b"engine"
+
+
+def test_init_checks_the_store_before_it_writes(store, keys, tmp_path):
+    assert trust.initialise(store, keys, Expiry()) == "created"
+    before = _metadata(store)
+    stranger = trust.Keys.single(SigningKey.generate())
+    with pytest.raises(VerificationFailed, match="not one this project created"):
+        trust.initialise(store, stranger, Expiry())
+    other = LocalStore(tmp_path / "other")
+    trust.initialise(other, keys, Expiry(root_days=300))  # another root, whenever it is made
+    other_pin = trust.Keys.single(keys.online, anchor=trust.root_bytes(other))  # the pin of another store
+    with pytest.raises(VerificationFailed, match="does not contain the project's pinned root"):
+        trust.initialise(store, other_pin, Expiry())
+    assert _metadata(store) == before
+
+
+def test_init_refuses_an_emptied_store_it_pinned(local_store, keys):
+    pinned = trust.Keys.single(keys.online, anchor=b"{}")
+    with pytest.raises(VerificationFailed, match="pins a root .* has no repository"):
+        trust.initialise(local_store, pinned, Expiry())
+    assert list(local_store.list("")) == []
+
+
+def test_a_forged_root_naming_the_projects_key_beside_the_forgers_is_refused(repo, keys):
+    """Threshold 1 of {project key, forger key}, signed by the forger only: a writer with nothing
+    pinned must not take it for its own."""
+    from tuf.api.metadata import Metadata
+
+    attacker = SigningKey.generate()
+    forged = Metadata.from_bytes(repo.get("metadata/1.root.json").data)
+    forged.signed.add_key(attacker.tuf_signer().public_key, "root")
+    forged.signatures.clear()
+    forged.sign(attacker.tuf_signer())
+    repo.put("metadata/1.root.json", forged.to_bytes())
+    with pytest.raises(VerificationFailed, match="not one this project created"):
+        trust.refresh_timestamp(repo, keys, Expiry(), force=True)
+
+
+# --- the project's pins -----------------------------------------------------------------------------
+
+
+def test_pins_are_per_store_and_name_the_store_as_configured(tmp_path):
+    project = tmp_path / "project"
+    a = trust.pin_path(project, "build/release-store")
+    assert a.parent == project / trust.PINS and a.name.startswith("build-release-store-")
+    assert trust.pin_path(project, "./build/release-store/") == a
+    assert trust.pin_path(project, str(project / "build/release-store")) == a  # no path of this machine
+    assert trust.pin_path(project, "build/other") != a
+    s3 = trust.pin_path(project, "s3://bucket/fleet")
+    assert s3.name.startswith("s3-bucket-fleet-") and trust.pin_path(project, "s3://bucket/fleet/") == s3
+    assert trust.pin_path(project, "s3://bucket-fleet") != s3
+
+
+def test_the_old_single_pin_is_read_for_its_own_store_only(tmp_path, keys):
+    project = tmp_path / "project"
+    first, second = LocalStore(project / "a"), LocalStore(project / "b")
+    trust.initialise(first, keys, Expiry())
+    trust.initialise(second, keys, Expiry(root_days=300))
+    (project / trust.LEGACY_PIN).write_bytes(trust.root_bytes(first))
+    assert trust.read_pin(project, "a", first) == trust.root_bytes(first)
+    assert trust.read_pin(project, "b", second) is None
+    trust.pin_path(project, "b").parent.mkdir()
+    trust.pin_path(project, "b").write_bytes(trust.root_bytes(second))
+    assert trust.read_pin(project, "b", second) == trust.root_bytes(second)
+
+
+# --- the device's folder ----------------------------------------------------------------------------
+
+
+def test_an_unwritable_agent_folder_is_a_storage_error(repo, keys, tmp_path):
+    publish(repo, keys, ENGINE, b"engine")
+    (tmp_path / "blocked").write_text("a file where the folder should be")
+    with pytest.raises(StorageError, match="blocked") as err:
+        Client(repo, tmp_path / "blocked" / "tuf", trust.root_bytes(repo))
+    assert err.value.exit_code == 3
+    dev = client(repo, tmp_path)
+    dev.refresh()
+    ts = tmp_path / "dev" / "timestamp.json"
+    ts.unlink()
+    ts.mkdir()  # ngclient cannot persist the next timestamp there
+    publish(repo, keys, "more", b"more")
+    with pytest.raises(StorageError, match=str(tmp_path / "dev")):
+        client(repo, tmp_path).refresh()
+
+
+def test_a_replayed_rollout_state_is_refused_by_every_command_and_repaired(store, project, keys, tmp_path):
+    """The attack of issue 24: after an abort, the timestamp of the live rollout is put back. Status
+    must not show it "active", advance / start / a move / publish must not sign on top of it; repair
+    brings the abort back and the devices that saw it go on."""
+    fleet = Inventory([Device(id=f"dev{i}", sku="cpu", arch="x86_64") for i in range(10)])
+    trust.initialise(store, keys, project.rollout.expiry)
+    release.publish_release(project, store, keys, MODEL)
+    controller.start(project, store, keys, MODEL, inventory=fleet, actor="test", reason="ship")
+    live = store.get(trust.TIMESTAMP_KEY).data
+    controller.move(project, store, keys, MODEL, "abort", actor="test", reason="bad")
+    aborted = trust.read_state(store).timestamp.signed.version
+    dev = client(store, tmp_path)
+    dev.refresh()
+    store.put(trust.TIMESTAMP_KEY, live)
+    before = _metadata(store)
+
+    replayed = f"timestamp.json is version {aborted - 1}, older than version {aborted}"
+    for attempt in (
+        lambda: controller.status(project, store, MODEL),
+        lambda: controller.advance(project, store, keys, MODEL, inventory=fleet, actor="test"),
+        lambda: controller.start(project, store, keys, MODEL, inventory=fleet, actor="test", reason="again"),
+        lambda: controller.move(project, store, keys, MODEL, "resume", actor="test", reason="replayed"),
+        lambda: release.publish_release(project, store, keys, MODEL),
+    ):
+        with pytest.raises(VerificationFailed, match=replayed):
+            attempt()
+    assert _metadata(store) == before
+
+    assert trust.repair(store, keys, project.rollout.expiry).timestamp == aborted + 1
+    assert controller.status(project, store, MODEL).rollout.status == "aborted"
+    client(store, tmp_path).refresh()  # the device that saw the abort is not stuck
