@@ -281,6 +281,7 @@ def main() -> int:
         },
     )
     keys = trust.Keys.single(signing_key())
+    states: list[Path] = []
     try:
         with MotoS3() as s3:
             for n in args.devices:
@@ -311,6 +312,7 @@ def main() -> int:
                 load_s = time.perf_counter() - t
                 by_id = {d.id: (d.id, d.sku, d.runtime["onnxruntime"]) for d in inventory}
                 state = Path(tempfile.mkdtemp(prefix=f"fleet-devices-{n}-", dir=args.state_dir))
+                states.append(state)  # removed in `finally`: 100k devices hold ~2M files (a RAM disk's inodes)
                 root = trust.root_bytes(store)
                 print(
                     f"\n=== {n} devices (inventory CSV with keys loaded in {load_s:.2f} s; r1 published in "
@@ -397,6 +399,8 @@ def main() -> int:
                         )
                 shutil.rmtree(state, ignore_errors=True)
     finally:
+        for state in states:
+            shutil.rmtree(state, ignore_errors=True)
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
         else:

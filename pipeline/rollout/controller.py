@@ -392,6 +392,22 @@ def start(
             "the inventory's device keys are what authenticates device reports",
         )
 
+    keyless = [d.id for d in inventory if not d.key and (not labels or not set(labels).isdisjoint(d.labels))]
+    if keyless and len(keyless) == sum(1 for d in inventory if not labels or not set(labels).isdisjoint(d.labels)):
+        raise ConfigError(
+            f"rollout start {model}: no device the rollout targets has a key in the inventory "
+            f"({inventory.source or 'the inventory'}): no report could ever count",
+            hint="provision each device with `skuforge agent identity --state DIR` and put the key it prints "
+            "in the inventory's key column",
+        )
+    if keyless:
+        log.warning(
+            "rollout start %s: %d device(s) have no key in the inventory (e.g. %s): their reports will not count",
+            model,
+            len(keyless),
+            ", ".join(keyless[:3]),
+        )
+
     def decide(current: RolloutDoc | None, state: trust.State):
         released = releases_of(state.targets.signed, model)
         if not released:

@@ -14,6 +14,7 @@ from cli_helpers import assert_user_error, skuforge
 
 from pipeline.host.probe import host_arch
 from pipeline.rollout.inventory import Device, write_inventory
+from rollout.fleet import Fleet
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,10 @@ def shipped(project, tmp_path_factory):
         assert proc.returncode == 0, proc.stdout + proc.stderr
     write_inventory(
         root / "fleet.csv",
-        [Device(id=f"dev-{i:03d}", sku="cpu", arch="x86_64", runtime={"onnxruntime": "1.32.0"}) for i in range(200)],
+        [
+            Device(id=f"dev-{i:03d}", sku="cpu", arch="x86_64", runtime={"onnxruntime": "1.32.0"}, key=k.public_key)
+            for i, k in enumerate(Fleet(200).keys.values())
+        ],
     )
     return root, env
 
@@ -84,9 +88,9 @@ def test_ship_to_a_device(shipped, tmp_path):
             sku="cpu",
             arch="x86_64",
             runtime={"onnxruntime": "1.32.0"},
-            key=device_key if f"dev-{i:03d}" == canary else None,
+            key=device_key if f"dev-{i:03d}" == canary else k.public_key,
         )
-        for i in range(200)
+        for i, k in enumerate(Fleet(200).keys.values())
     ]
     write_inventory(tmp_path / "fleet.csv", fleet)
     env = {**env, "INVENTORY": str(tmp_path / "fleet.csv")}
@@ -264,7 +268,7 @@ def test_a_replayed_store_is_refused_by_every_command_until_repaired(project, tm
     for args in (("release", "init"), ("release", "publish", "--model", "conv")):
         proc = skuforge(*args, cwd=root, env=env)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-    write_inventory(root / "fleet.csv", [Device(id=f"dev-{i}", sku="cpu", arch="x86_64") for i in range(20)])
+    write_inventory(root / "fleet.csv", Fleet(20).inventory)
     ts = root / "store/metadata/timestamp.json"
     proc = skuforge(
         "rollout", "start", "--model", "conv", "--inventory", "fleet.csv", "--reason", "ship", cwd=root, env=env

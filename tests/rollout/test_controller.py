@@ -53,6 +53,10 @@ def test_start_needs_a_release_and_an_inventory(project, keys, fleet, repo, tmp_
     with pytest.raises(ConfigError, match="no fleet inventory") as err:
         controller.start(project, repo, keys, MODEL)
     assert "rollout.inventory" in err.value.hint
+    keyless = inventory.Inventory([inventory.Device(id=f"d{i}", sku="cpu", arch="x86_64") for i in range(5)])
+    with pytest.raises(ConfigError, match="no device the rollout targets has a key") as err:
+        controller.start(project, repo, keys, MODEL, inventory=keyless)
+    assert "skuforge agent identity" in err.value.hint
 
 
 def test_start(project, repo, keys, fleet):

@@ -13,10 +13,10 @@ from pipeline.core.errors import ConfigError, ServiceError, StorageError
 from pipeline.project.config import Expiry
 from pipeline.results.signing import SigningKey
 from pipeline.rollout import controller, release, trust
-from pipeline.rollout.inventory import Device, Inventory
 from pipeline.rollout.store import LocalStore
 from pipeline.rollout.trust import Client, VerificationFailed
 from rollout.conftest import MODEL
+from rollout.fleet import Fleet
 
 ENGINE = "releases/m/r1/cpu/engine/model.onnx"
 
@@ -580,7 +580,7 @@ def test_a_replayed_rollout_state_is_refused_by_every_command_and_repaired(store
     """The attack of issue 24: after an abort, the timestamp of the live rollout is put back. Status
     must not show it "active", advance / start / a move / publish must not sign on top of it; repair
     brings the abort back and the devices that saw it go on."""
-    fleet = Inventory([Device(id=f"dev{i}", sku="cpu", arch="x86_64") for i in range(10)])
+    fleet = Fleet(10).inventory
     trust.initialise(store, keys, project.rollout.expiry)
     release.publish_release(project, store, keys, MODEL)
     controller.start(project, store, keys, MODEL, inventory=fleet, actor="test", reason="ship")
