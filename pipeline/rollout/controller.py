@@ -6,9 +6,12 @@ state CI signed, and an older state replayed to them is refused. Every transitio
 wave; the loser re-reads, finds the wave already moved, and does nothing. The document logs every
 transition with who, when and why.
 
-Devices report to ``reports/<model>/<rollout>/<outcome>/<device>.json``: counting the reports of
-each outcome is a listing, not a read per device. Gates (``rollout.gates``) are recomputed from the
-reports at each ``advance``: failure rate (any outcome but ``ok``) with a minimum number of reports,
+Devices report to ``reports/<model>/<rollout>/<outcome>/<device>.json``, each report signed with
+the device's own key (pipeline/rollout/identity.py). A report counts only when it verifies under the
+key the fleet inventory gives that device, names this rollout and the outcome it is filed under, and
+comes from a device of the current wave: whoever can write to the store can delete reports but not
+forge, move or replay them. Gates (``rollout.gates``) are recomputed from the counted reports at each
+``advance``: reports over a minimum count, in-progress time-outs, failure and fallback rates,
 smoke-test failures, and the median latency ratio new/previous engine measured on the devices. A
 failed gate rolls the rollout back at once (every device returns to the previous release).
 """
