@@ -136,6 +136,7 @@ class _Reports:
         self.counted: dict[str, dict[str, Any]] = {}  # device id -> report body
 
     def ignore(self, key: str, reason: str) -> None:
+        """Count ``reason`` (one of a few fixed texts: an attacker's files cannot grow the tally's keys)."""
         self.ignored[reason] += 1
         if len(self.examples) < MAX_LISTED:
             self.examples.append(f"{key}: {reason}")
@@ -177,11 +178,11 @@ class _Reports:
         except identity.BadReport as exc:
             return str(exc)
         if body.get("device") != device.id:
-            return f"signed for device {str(body.get('device'))[:64]!r}"
+            return "signed for another device"
         if body.get("rollout") != self.doc.id or body.get("model", self.doc.model) != self.doc.model:
             return "signed for another rollout"
         if body.get("outcome") != outcome:
-            return f"signed as {str(body.get('outcome'))[:32]!r}, stored under {outcome!r}"
+            return "signed with another outcome than the one it is filed under"
         try:
             at = datetime.fromisoformat(str(body.get("at")))
         except ValueError:

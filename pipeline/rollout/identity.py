@@ -78,7 +78,7 @@ def open_report(data: bytes, public_key: str | None) -> dict[str, Any]:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
     if len(data) > MAX_REPORT_BYTES:
-        raise BadReport(f"{len(data)} bytes, more than a report holds")
+        raise BadReport(f"larger than {MAX_REPORT_BYTES // 1024} KB: not a report")
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError):
@@ -97,8 +97,8 @@ def open_report(data: bytes, public_key: str | None) -> dict[str, Any]:
     try:
         raw = parse_public_key(public_key)
         signature = base64.b64decode(str(sig.get("signature", "")), validate=True)
-    except (ValueError, binascii.Error) as exc:
-        raise BadReport(f"unreadable signature or key: {exc}") from None
+    except (ValueError, binascii.Error):
+        raise BadReport("unreadable signature, or an unreadable key in the inventory") from None
     if sig.get("key_id") != key_id(raw):
         raise BadReport("signed by another key than the inventory's")
     try:
