@@ -640,8 +640,9 @@ def move(
 def status(
     registry: Registry, store: Store, model: str, inventory: Inventory | None = None, now: datetime | None = None
 ) -> RolloutStatus:
-    """The rollout of ``model`` and what ``advance`` would do now (nothing is written). Without an
-    inventory the gates are not evaluated (device reports cannot be authenticated)."""
+    """The rollout of ``model`` and what ``advance`` would do now (nothing is written). The gates are
+    evaluated for a live rollout with an inventory (without one, device reports cannot be
+    authenticated); an ended rollout shows its last transition."""
     now = now or _now()
     state = trust.read_state(store)
     doc = read_doc(store, state, model)
@@ -649,7 +650,8 @@ def status(
         return RolloutStatus(
             rollout=None, health=None, bake_left_minutes=None, action="none", reason=f"{model} has no rollout"
         )
-    h = health(store, doc, inventory, now) if inventory is not None else None
+    # an ended rollout has no gate left to judge: its reports are not read again (a fleet's worth of GETs)
+    h = health(store, doc, inventory, now) if inventory is not None and doc.status in LIVE else None
     left = _bake_left(doc, now) if doc.status == "active" else None
     failed = [g for g in h.gates if g.passed is False] if h is not None else []
     if doc.status != "active":
