@@ -9,7 +9,7 @@ import logging
 
 from pipeline.core.errors import ConfigError, InputError, SkuforgeError
 from pipeline.core.io import atomic_write_bytes
-from pipeline.host.peaks import cache_dir
+from pipeline.core.paths import cache_dir
 from pipeline.project.config import load_registry
 from pipeline.results.signing import read_key_file, signing_key
 from pipeline.rollout import controller, identity, trust
@@ -153,6 +153,7 @@ def _inventory(args: argparse.Namespace, reg) -> Inventory | None:
 
 
 def _waves(args: argparse.Namespace, reg):
+    """The overridden waves (--waves, --bake), or None: params.yaml's."""
     if args.waves is None and args.bake is None:
         return None
     return controller.rollout_waves(reg, args.waves, args.bake)
@@ -169,7 +170,7 @@ def rollout_plan(args: argparse.Namespace) -> int:
     rid = args.release or (released[-1] if released else None)
     doc = release_doc(store, args.model, rid) if rid in released else None
     skus = list(doc["skus"]) if doc else reg.release_skus()
-    waves = _waves(args, reg) or controller.rollout_waves(reg)
+    waves = controller.rollout_waves(reg, args.waves, args.bake)
     p = plan(
         inventory, waves, f"{args.model}-{rid or 'next'}", skus, reg.rollout.fallback_sku, labels=args.labels or ()
     )

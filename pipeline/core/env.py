@@ -222,7 +222,8 @@ SKUFORGE_TUNE = Flag(
 )
 SKUFORGE_CACHE_DIR = Folder(
     "SKUFORGE_CACHE_DIR",
-    "folder of this host's caches (the peaks of `runner probe --peaks`)",
+    "folder of this host's caches: the peaks of `runner probe --peaks`, the LiteRT converter's environment, "
+    "each release store's record of what this machine committed to it",
     default_doc="`$XDG_CACHE_HOME/skuforge`, else `~/.cache/skuforge`",
 )
 SKUFORGE_LITERT_CONVERTER = Folder(
@@ -249,6 +250,8 @@ XDG_CONFIG_HOME = Folder(
 XDG_CACHE_HOME = Folder(
     "XDG_CACHE_HOME", "base of `SKUFORGE_CACHE_DIR`'s default", default_doc="`~/.cache`", owner="XDG"
 )
+
+
 PATH = Text(
     "PATH",
     "where `nvidia-smi` and the compilers' tools are found; the GPU probe is cached per value",

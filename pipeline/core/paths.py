@@ -7,6 +7,7 @@ import posixpath
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
+from pipeline.core.env import SKUFORGE_CACHE_DIR, XDG_CACHE_HOME
 from pipeline.core.errors import InputError
 
 PATH_RULE = "relative to the folder holding params.yaml, and inside it (no absolute path, no '..' above it)"
@@ -118,3 +119,9 @@ class Layout:
     def cache_dir(self, model: str, sku: str) -> Path:
         """Checked-in timing caches / tuning logs of one (model, SKU): DVC output with persist."""
         return self.root / "caches" / sku / model
+
+
+def cache_dir() -> Path:
+    """This host's skuforge cache folder (SKUFORGE_CACHE_DIR, else $XDG_CACHE_HOME/skuforge): the
+    peaks, the LiteRT converter's environment, the release stores' ledgers."""
+    return SKUFORGE_CACHE_DIR.get() or (XDG_CACHE_HOME.get() or Path.home() / ".cache").expanduser() / "skuforge"

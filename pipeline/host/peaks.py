@@ -25,8 +25,9 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from pipeline.core.env import SKUFORGE_CACHE_DIR, XDG_CACHE_HOME, process_environment
+from pipeline.core.env import SKUFORGE_CACHE_DIR, process_environment
 from pipeline.core.io import atomic_write_json, read_json, sha256_json
+from pipeline.core.paths import cache_dir
 from pipeline.host import probe
 from pipeline.results.reports import Result
 
@@ -72,11 +73,6 @@ class Peaks(Result):
     one_core_method: Literal["threadpoolctl", "subprocess"]
     compute_gflops: ComputePeaks
     bandwidth_gbs: BandwidthPeaks
-
-
-def cache_dir() -> Path:
-    """This host's skuforge cache folder (the peaks, the LiteRT converter's environment)."""
-    return SKUFORGE_CACHE_DIR.get() or (XDG_CACHE_HOME.get() or Path.home() / ".cache").expanduser() / "skuforge"
 
 
 def _blas() -> str:

@@ -681,7 +681,3 @@ def rollout_models(store: Store, live_only: bool = False) -> list[str]:
     if not live_only:
         return models
     return [m for m in models if (d := read_doc(store, state, m)) is not None and d.status in LIVE]
-
-
-def live_models(store: Store) -> list[str]:
-    return rollout_models(store, live_only=True)

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pipeline.core.env import SKUFORGE_LITERT_CONVERTER
-from pipeline.host.peaks import cache_dir
+from pipeline.core.paths import cache_dir
 
 LOCK = Path(__file__).with_name("requirements.lock")
 SCRIPT = Path(__file__).with_name("convert.py")
