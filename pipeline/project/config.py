@@ -488,6 +488,11 @@ class SkuSpec(Strict):
     bisect: BisectSpec = BisectSpec()
     reproducibility: ReproducibilitySpec = ReproducibilitySpec()
     cache: CacheSpec = CacheSpec()
+    ci: bool = Field(
+        True,
+        description="false: the rendered build workflow has no job for this SKU (its runners are not in "
+        "CI yet, or it is built by hand); `skuforge repro` still builds it where the host can (docs/ci.md)",
+    )
     description: str = ""
 
     @model_validator(mode="after")
