@@ -89,7 +89,22 @@ run .venv/bin/pip install --quiet --upgrade pip
 if has "$extras" examples; then
   # the pin is the examples extra's (pyproject.toml)
   torch="$(grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"' | head -n 1)"
-  run .venv/bin/pip install --quiet "${torch:?no torch pin in pyproject.toml}" --index-url https://download.pytorch.org/whl/cpu
+  # PyTorch's CPU index where it answers (a GitHub runner, a developer machine); a host that cannot
+  # reach it (a mirror-only CI machine: pip would retry every package for minutes) takes the pin
+  # from its configured index or wheel folder. SKUFORGE_TORCH_INDEX overrides the index ("" = pip's own).
+  torch_index="${SKUFORGE_TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
+  if [ -n "$torch_index" ] && [ -z "$dry" ] && ! python3 - "$torch_index" <<'PY'
+import sys, urllib.request
+try:
+    urllib.request.urlopen(sys.argv[1] + "/torch/", timeout=5).close()
+except Exception:
+    sys.exit(1)
+PY
+  then
+    echo "setup: $torch_index does not answer: torch from pip's configured index" >&2
+    torch_index=""
+  fi
+  run .venv/bin/pip install --quiet "${torch:?no torch pin in pyproject.toml}" ${torch_index:+--index-url "$torch_index"}
 fi
 run .venv/bin/pip install --quiet -e ".[$extras]"
 

@@ -645,7 +645,7 @@ class Release(Strict):
     reason_required: list[str] = Field(
         default_factory=lambda: ["production"], description="aliases whose moves need --reason"
     )
-    skus: list[str] | None = Field(None, description="SKUs a release (promote --all-skus) requires; default: every SKU")
+    skus: list[str] | None = Field(None, description="SKUs a release (promote --all) requires; default: every SKU")
     history: int = Field(50, ge=1, description="alias moves kept per alias (rollback reads them)")
     performance: PerformanceGate = PerformanceGate()
     tracking: TrackingSpec = TrackingSpec()
