@@ -37,7 +37,7 @@ from pipeline.rollout import trust
 from pipeline.rollout.doc import RELEASE_DOC, RELEASES, release_path
 from pipeline.rollout.store import Store
 from pipeline.stages.publish import collect
-from pipeline.tracking.client import TAG_DIGEST, TAG_SIGNATURE, connect, registered_model_name
+from pipeline.tracking.client import TAG_DIGEST, connect, registered_model_name, version_signature
 from pipeline.tracking.gates import correctness_problems, engine_gate, manifest_gate, placement_gate, signature_gate
 from pipeline.tracking.promotion import _bench, _download, _engine_files
 from pipeline.tracking.publish import MANIFEST_ARTIFACT, REPORT_ARTIFACTS
@@ -171,10 +171,7 @@ def mlflow_candidate(tracking, registry: Registry, model: str, sku: str, alias: 
             "releases needed them: publish the engine again)"
         )
     engine = _engine_files(tracking, run, str(into / "engine-dl")) or {}
-    try:
-        signature = json.loads(version.tags[TAG_SIGNATURE]) if TAG_SIGNATURE in (version.tags or {}) else None
-    except ValueError:
-        signature = "unreadable"
+    signature = version_signature(version.tags)
     manifest = Manifest.model_validate(doc) if doc and not problems else None
     return Candidate(
         sku=sku,

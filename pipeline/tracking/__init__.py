@@ -8,6 +8,7 @@
 - ``gates``: promotion gates, one small function each, returning typed results.
 - ``promotion``: moving aliases along the chain, the move history, rollback.
 - ``releases``: versions and aliases per SKU.
+- ``views``: how the experiments open in the MLflow UI (classic ML kind, a saved key-metrics view).
 
 MLflow is imported inside functions only: importing this package stays cheap.
 """

@@ -17,6 +17,7 @@ is redacted (no credentials of the URI or the environment).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -56,7 +57,10 @@ TAG_MODEL = "skuforge.model"
 TAG_SKU = "skuforge.sku"
 TAG_DIGEST = "skuforge.manifest_digest"
 TAG_CORRECTNESS = "skuforge.correctness"  # on a version: passed or failed, recomputed from the manifest at publish
-TAG_SIGNATURE = "skuforge.signature"  # on a version: the publisher's signature of the manifest digest (JSON)
+# On a version: the publisher's signature of the manifest digest (JSON). Under ``mlflow.`` because
+# the UI hides those tags: a raw JSON blob among the version's tags helps no reader of the page.
+TAG_SIGNATURE = "mlflow.skuforge.signature"
+TAG_SIGNATURE_BEFORE = "skuforge.signature"  # its earlier, visible name: still read; a re-publish moves it
 TAG_LOGGED = "skuforge.logged"  # params, inputs and metrics are in (set in the metrics batch)
 TAG_COMPLETE = "skuforge.artifacts_complete"  # every artifact uploaded and checked
 TAG_HISTORY = "skuforge.history."  # + alias: JSON list of moves, on the registered model
@@ -130,6 +134,19 @@ def registered_model_name(release: Release, model: str, sku: str) -> str:
 def experiment_name(release: Release, model: str) -> str:
     """One experiment per model: its SKUs' runs sit side by side in the MLflow UI."""
     return f"{release.name_prefix}{_check_name(model, 'model')}"
+
+
+def version_signature(tags: Mapping[str, str] | None) -> Any:
+    """The signature a version carries (parsed JSON), ``"unreadable"`` when it is not JSON, None when
+    it has none. Every reader goes through here, so where the tag lives is decided once."""
+    tags = tags or {}
+    raw = tags.get(TAG_SIGNATURE, tags.get(TAG_SIGNATURE_BEFORE))
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return "unreadable"
 
 
 def _chain(exc: BaseException):
@@ -391,8 +408,10 @@ class Tracking:
                 self.sleep(delay)
         raise AssertionError("unreachable")
 
-    def experiment_id(self, name: str) -> str:
-        """The experiment's id, created when missing (a concurrent creator wins harmlessly)."""
+    def experiment_id(self, name: str, tags: Mapping[str, str] | None = None) -> str:
+        """The experiment's id, created with ``tags`` when missing (a concurrent creator wins
+        harmlessly); an existing one gets each of ``tags`` it lacks or holds another value of."""
+        tags = dict(tags or {})
         exp = self.call(f"read experiment {name!r}", self.client.get_experiment_by_name, name)
         if exp is None:
             try:
@@ -401,6 +420,7 @@ class Tracking:
                     self.client.create_experiment,
                     name,
                     artifact_location=self.artifact_location,
+                    tags=tags,
                     expect={"RESOURCE_ALREADY_EXISTS"},
                 )
             except Exception as exc:
@@ -418,6 +438,9 @@ class Tracking:
                 hint=f"restore it (mlflow experiments restore --experiment-id {exp.experiment_id}) "
                 "or set release.name_prefix in params.yaml",
             )
+        for key, value in tags.items():
+            if (exp.tags or {}).get(key) != value:
+                self.call(f"tag experiment {name!r}", self.client.set_experiment_tag, exp.experiment_id, key, value)
         return exp.experiment_id
 
     def registered_model(self, name: str, tags: dict[str, str], description: str | None = None):

@@ -29,11 +29,11 @@ from pipeline.tracking.client import (
     TAG_CORRECTNESS,
     TAG_DIGEST,
     TAG_HISTORY,
-    TAG_SIGNATURE,
     Tracking,
     actor,
     connect,
     registered_model_name,
+    version_signature,
 )
 from pipeline.tracking.gates import (
     chain_gate,
@@ -241,7 +241,9 @@ def _source(tracking: Tracking, registry: Registry, rm: Any, name: str, index: i
     if version is not None:
         found = _version(tracking, name, version)
         if found is None:
-            raise InputError(f"{name} has no version {version}", hint="skuforge releases MODEL lists the versions")
+            raise InputError(
+                f"{name} has no version {version}", hint="skuforge releases --model MODEL lists the versions"
+            )
         return found, ""
     if index == 0:
         versions = tracking.call(
@@ -286,10 +288,7 @@ def _gates(
             if n != "manifest"
         ]
     m = Manifest.model_validate(doc)
-    try:
-        signature = json.loads(tags[TAG_SIGNATURE]) if TAG_SIGNATURE in tags else None
-    except ValueError:
-        signature = "unreadable"
+    signature = version_signature(tags)
     gates += [
         signature_gate(signature, m, alias, registry),
         correctness_gate(m, registry, tags.get(TAG_CORRECTNESS)),
@@ -514,7 +513,7 @@ def rollback(
     if problems:
         raise InputError(
             f"cannot roll back {alias!r} of {model}: " + "; ".join(problems),
-            hint="move the alias explicitly: skuforge promote MODEL --sku SKU --to ALIAS --version N",
+            hint="move the alias explicitly: skuforge promote --model MODEL --sku SKU --to ALIAS --version N",
         )
     report = PromotionReport(
         model=model,

@@ -53,6 +53,7 @@ from pipeline.tracking.client import (
     TAG_LOGGED,
     TAG_MODEL,
     TAG_SIGNATURE,
+    TAG_SIGNATURE_BEFORE,
     TAG_SKU,
     Tracking,
     actor,
@@ -62,6 +63,7 @@ from pipeline.tracking.client import (
 )
 from pipeline.tracking.gates import correctness_problems
 from pipeline.tracking.reports import PublishResult
+from pipeline.tracking.views import experiment_tags
 
 log = logging.getLogger(__name__)
 
@@ -356,6 +358,28 @@ def _verdict_tags(m: Manifest, registry: Registry, key) -> dict[str, str]:
     }
 
 
+def _logged(inputs: PublishInputs) -> list[str]:
+    """The metric names a run of these inputs holds."""
+    return list(manifest_metrics(inputs.manifest, inputs.bench, inputs.build_seconds))
+
+
+def _update_version_tags(tracking: Tracking, name: str, version, verdict: dict[str, str]) -> None:
+    """A version registered before publish signed (or by an interrupted older skuforge) gets the tags
+    promotion needs; tags it already has are left alone. A signature under the tag's earlier, visible
+    name moves as it is (signing it again here could swap a trusted signer for this host's key)."""
+    tags = dict(version.tags or {})
+    where = f"tag version {version.version} of {name}"
+    if TAG_SIGNATURE_BEFORE in tags:
+        if TAG_SIGNATURE not in tags:
+            moved = tags[TAG_SIGNATURE_BEFORE]
+            tracking.call(where, tracking.client.set_model_version_tag, name, version.version, TAG_SIGNATURE, moved)
+            tags[TAG_SIGNATURE] = moved
+        tracking.call(where, tracking.client.delete_model_version_tag, name, version.version, TAG_SIGNATURE_BEFORE)
+    for tag, value in verdict.items():
+        if tag not in tags:
+            tracking.call(where, tracking.client.set_model_version_tag, name, version.version, tag, value)
+
+
 def publish_engine(
     tracking: Tracking, registry: Registry, inputs: PublishInputs, progress: Progress | None = None
 ) -> PublishResult:
@@ -380,20 +404,11 @@ def publish_engine(
     if version is not None and version.run_id:
         run = tracking.call("read run", client.get_run, version.run_id)
         log.debug("[%s] manifest %s already published: %s version %s", where, m.digest[:12], name, version.version)
-        # a version registered before publish signed (or by an interrupted older skuforge) gets the
-        # tags promotion needs; tags it already has are left alone
-        for tag, value in _verdict_tags(m, registry, key).items():
-            if tag not in (version.tags or {}):
-                tracking.call(
-                    f"tag version {version.version} of {name}",
-                    client.set_model_version_tag,
-                    name,
-                    version.version,
-                    tag,
-                    value,
-                )
+        _update_version_tags(tracking, name, version, _verdict_tags(m, registry, key))
+        # an experiment of an older skuforge gets the UI tags (kind, key view) a new one is created with
+        tracking.experiment_id(experiment_name(release, m.model), experiment_tags(_logged(inputs)))
     else:
-        experiment_id = tracking.experiment_id(experiment_name(release, m.model))
+        experiment_id = tracking.experiment_id(experiment_name(release, m.model), experiment_tags(_logged(inputs)))
 
         def find_or_create():
             found = _pick(_find_runs(client, experiment_id, m.digest))

@@ -263,13 +263,16 @@ def run(root: Path, *args: str) -> subprocess.CompletedProcess:
         (("publish",), ["--model M --sku S, or --all"]),
         (("publish", "--all", "--sku", "a"), ["--all"]),
         (
-            ("promote", "conv", "--sku", "a", "--to", "prod"),
+            ("promote", "--model", "conv", "--sku", "a", "--to", "prod"),
             ["unknown alias 'prod'", "did you mean 'production'", "candidate -> staging -> production"],
         ),
-        (("promote", "conv", "--sku", "a", "--to", "production"), ["needs a reason", "--reason"]),
-        (("promote", "conv", "--sku", "zz", "--to", "candidate"), ["unknown SKU 'zz'"]),
-        (("promote", "conv", "--sku", "a", "--to", "candidate", "--rollback", "--version", "1"), ["--rollback"]),
-        (("releases", "nope"), ["unknown model 'nope'"]),
+        (("promote", "--model", "conv", "--sku", "a", "--to", "production"), ["needs a reason", "--reason"]),
+        (("promote", "--model", "conv", "--sku", "zz", "--to", "candidate"), ["unknown SKU 'zz'"]),
+        (
+            ("promote", "--model", "conv", "--sku", "a", "--to", "candidate", "--rollback", "--version", "1"),
+            ["--rollback"],
+        ),
+        (("releases", "--model", "nope"), ["unknown model 'nope'"]),
     ],
 )
 def test_argument_errors_exit_2_before_touching_the_store(proj, args, words):

@@ -393,12 +393,12 @@ def test_releases_lists_versions_and_aliases_per_sku(story, proj, server):
     assert by_sku["strict"].versions[0].correctness == "failed"
     assert by_sku["perf"].history["candidate"][-1].action == "rollback"
     assert listing.missing == []
-    proc = cli(proj.root, "releases", "conv", "--json", uri=server.uri)
+    proc = cli(proj.root, "releases", "--model", "conv", "--json", uri=server.uri)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     data = json.loads(out)
     assert {s["sku"]: s["aliases"] for s in data["skus"]}["cpu_fp32"] == {"candidate": "1", "staging": "1"}
-    proc = cli(proj.root, "promote", "conv", "--sku", "strict", "--to", "candidate", uri=server.uri)
+    proc = cli(proj.root, "promote", "--model", "conv", "--sku", "strict", "--to", "candidate", uri=server.uri)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1, err
     assert "FAIL  correctness" in out and "blocked" in err and "Traceback" not in err

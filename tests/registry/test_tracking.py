@@ -264,7 +264,7 @@ def test_a_dead_tracking_server_fails_the_command_with_exit_4(tmp_path, dead):
     with SilentServer() as silent:
         uri = f"http://127.0.0.1:{free_port()}" if dead == "closed port" else silent.url
         started = time.monotonic()
-        proc = skuforge("releases", "m", cwd=tmp_path, env=service_env(MLFLOW_TRACKING_URI=uri))
+        proc = skuforge("releases", "--model", "m", cwd=tmp_path, env=service_env(MLFLOW_TRACKING_URI=uri))
         print(f"MLflow at a {dead}: exit {proc.returncode} after {time.monotonic() - started:.1f} s")
         assert_user_error(proc, 4, f"MLflow at {uri}: ", "failed after", "is up and reachable")
         if dead == "closed port":
