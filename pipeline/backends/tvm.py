@@ -26,6 +26,8 @@ import logging
 import re
 import shutil
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -46,6 +48,7 @@ from pipeline.backends.contract import (
 from pipeline.backends.opset import OPSET_CONVERSION_RTOL, OpsetConversion, convert_opset, probe_difference
 from pipeline.core.env import SKUFORGE_TUNE, TVM_NUM_THREADS
 from pipeline.core.errors import EnvironmentProblem, InputError, UnsupportedOp
+from pipeline.core.progress import Progress
 from pipeline.host import probe
 from pipeline.model.graph import default_opset, fold_static_shapes, signature
 from pipeline.results.reports import LayerInfo, TensorSig
@@ -67,6 +70,10 @@ _PIP = "pip install 'apache-tvm==0.27.*' psutil cloudpickle (and a C compiler, g
 _TRIPLES = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu"}
 # fused-function name tokens that are not op names
 _NOT_OPS = {"fused", "compute", "cast", "expand", "dims"}
+# What one tuning trial costs on a 2-core runner (a candidate built in a new process, then measured
+# in another): the tuning-budget warning's estimate. Measured here with the test models (docs/backends/tvm.md).
+SECONDS_PER_TRIAL = 12.0
+log = logging.getLogger(__name__)
 
 
 class TvmOptions(BaseModel):
@@ -486,9 +493,12 @@ class TvmBackend(Backend):
         untuned = 0
         if missing and tuning_asked(ctx):
             budget = ctx.tuning_trials or opts.trials
+            log.warning(
+                "[%s/%s] %s", ctx.model, ctx.sku, tuning_budget_warning(ctx, opts, len(missing), len(tasks), budget)
+            )
             _progress(ctx, f"tvm tune {len(missing)} tasks", 0.2)
             with _threads(opts.num_threads):  # candidates are measured with the threads the engine runs with
-                spent = tune(missing, target, work, budget, opts.trials_per_task)
+                spent = tune(missing, target, work, budget, opts.trials_per_task, progress=ctx.progress)
             database = open_database(work)
             # a task the search found no valid schedule for keeps the default schedule: recorded so a
             # replay knows it was decided, not forgotten
@@ -862,11 +872,20 @@ def has_record(database: Any, task: Any, target: Any) -> bool:
     return database.has_workload(mod) and bool(database.query_tuning_record(mod, target, task.task_name))
 
 
-def tune(tasks: list[Any], target: Any, work: Path, trials: int, per_task: int | None, seed: int = 0) -> int:
+def tune(
+    tasks: list[Any],
+    target: Any,
+    work: Path,
+    trials: int,
+    per_task: int | None,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> int:
     """Tune ``tasks`` into the JSON database in ``work`` (records already there are kept); returns
     the trials measured. Candidates are built one at a time (a 2-core runner also measures) and
     measured in a separate process (LocalRunner); the cost model is random, within MetaSchedule's
-    evolutionary search, so small budgets need no xgboost."""
+    evolutionary search, so small budgets need no xgboost. ``progress`` hears the trials and tasks
+    done as they are measured (TuningProgress)."""
     ms = _ms()
     from tvm.s_tir.meta_schedule.relax_integration import extracted_tasks_to_tune_contexts
 
@@ -876,12 +895,147 @@ def tune(tasks: list[Any], target: Any, work: Path, trials: int, per_task: int |
     # the search's own threads: the cores the schedules are for, never more than this process may use
     # (TVM's pool spin-waits: two tuning processes on 2 cores each with 2 threads crawled for minutes)
     threads = max(1, min(int(target.attrs.get("num-cores", 1)), probe.usable_cores()))
-    with _tuning_logs():
+    report = TuningProgress(progress, len(tasks), tuning_budget(trials, per_task, len(tasks)), per_task)
+    with _tuning_logs(), report:
         contexts, weights = extracted_tasks_to_tune_contexts(
             tasks, work_dir=str(work / "logs"), num_threads=threads, seed=seed
         )
-        _tune_contexts(ms, contexts, weights, work, database, trials, per_task)
+        _tune_contexts(ms, contexts, weights, work, database, trials, per_task, _measure_callback(ms, report))
+        report.finished()
     return len(open_database(work).get_all_tuning_records()) - before
+
+
+def tuning_budget(trials: int, per_task: int | None, tasks: int) -> int:
+    """The trials a tuning can measure: the global budget, or less where every task reaches its cap."""
+    return min(trials, (per_task or max(1, -(-trials // tasks))) * tasks)
+
+
+def tuning_budget_warning(ctx: BuildContext, opts: TvmOptions, missing: int, tasks: int, trials: int) -> str:
+    """The one line a build says before it tunes what the database lacks: how much, about how long
+    (SECONDS_PER_TRIAL a trial), and how to not tune here."""
+    budget = tuning_budget(trials, opts.trials_per_task, missing)
+    minutes = budget * SECONDS_PER_TRIAL / 60
+    source = "--trials" if ctx.tuning_trials else f"skus.{ctx.sku}.options.trials"
+    head = (
+        f"tuning {missing} of {tasks} tasks the tuning database caches/{ctx.sku}/{ctx.model} lacks: "
+        f"{budget} trials ({source}), expect about {minutes:.0f} min on a 2-core runner "
+        f"(~{SECONDS_PER_TRIAL:g} s a trial)"
+    )
+    if ctx.cache_refresh:
+        return f"{head}; a smaller {source} tunes faster and worse"
+    return (
+        f"{head}. To skip: build without {SKUFORGE_TUNE.name} (TVM's default schedules, untuned), or tune "
+        f"once on the SKU's runner (skuforge cache refresh --sku {ctx.sku} --model {ctx.model}) and commit "
+        f"the database; a smaller {source} tunes faster and worse"
+    )
+
+
+class TuningProgress:
+    """Tuning's progress inside the build step, as the build's progress label: trials measured of the
+    budget, tasks finished of the total, time spent and time left (``tvm tune trials 24/64, tasks
+    3/12 done, 1m10s, about 2m05s left``), the fraction moving from ``start`` to ``end``. MetaSchedule
+    reports each measured batch (``measured``, from a measure callback); between batches (a batch
+    is up to 16 candidates, each built in a new process: minutes) a thread redraws the line every
+    ``tick`` seconds so its clock never freezes. Calls to ``progress`` are serialised."""
+
+    def __init__(
+        self,
+        progress: Progress | None,
+        tasks: int,
+        budget: int,
+        per_task: int,
+        start: float = 0.2,
+        end: float = 0.7,
+        tick: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.progress, self.tasks, self.budget, self.per_task = progress, tasks, max(1, budget), per_task
+        self.start, self.end, self.tick, self.clock = start, end, tick, clock
+        self.trials = 0
+        self.per_task_trials: dict[int, int] = {}
+        self.terminated = 0
+        self.began = clock()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+
+    @property
+    def tasks_done(self) -> int:
+        capped = sum(1 for n in self.per_task_trials.values() if n >= self.per_task)
+        return min(self.tasks, max(self.terminated, capped))
+
+    def label(self, now: float | None = None) -> str:
+        elapsed = (self.clock() if now is None else now) - self.began
+        text = (
+            f"tvm tune trials {self.trials}/{self.budget}, tasks {self.tasks_done}/{self.tasks} done, "
+            f"{_duration(elapsed)}"
+        )
+        if 0 < self.trials < self.budget and self.tasks_done < self.tasks:
+            text += f", about {_duration(elapsed / self.trials * (self.budget - self.trials))} left"
+        return text
+
+    def fraction(self) -> float:
+        return self.start + (self.end - self.start) * min(1.0, self.trials / self.budget)
+
+    def measured(self, task_id: int, trials: int, terminated: int) -> None:
+        """A batch of ``trials`` candidates of task ``task_id`` was measured; ``terminated`` tasks
+        are finished (MetaSchedule's count)."""
+        with self._lock:
+            self.trials += trials
+            self.per_task_trials[task_id] = self.per_task_trials.get(task_id, 0) + trials
+            self.terminated = max(self.terminated, terminated)
+        self._report()
+
+    def finished(self) -> None:
+        """MetaSchedule returned: every task is done (tuned, its space exhausted, or the budget spent)."""
+        with self._lock:
+            self.terminated = self.tasks
+
+    def _report(self) -> None:
+        if self.progress is None:
+            return
+        with self._lock:
+            self.progress(self.label(), self.fraction())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.tick):
+            self._report()
+
+    def __enter__(self) -> TuningProgress:
+        self.began = self.clock()
+        self._report()
+        if self.progress is not None and self.tick > 0:
+            self._ticker = threading.Thread(target=self._run, name="tvm-tune-progress", daemon=True)
+            self._ticker.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
+        self._report()
+
+
+def _duration(seconds: float) -> str:
+    """``4m05s``; minutes always, so the label keeps its shape (a progress renderer that tells
+    steps apart by the label without its digits sees one step)."""
+    seconds = max(0, round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def _measure_callback(ms: Any, report: TuningProgress) -> Any:
+    """A MetaSchedule measure callback that tells ``report`` of each measured batch."""
+    from tvm.ir.utils import derived_object
+
+    @derived_object
+    class Reported(ms.measure_callback.PyMeasureCallback):
+        def apply(
+            self, task_scheduler: Any, task_id: int, candidates: Any, builder_results: Any, runner_results: Any
+        ) -> None:
+            finished = sum(1 for t in task_scheduler.tasks_ if t.is_terminated)
+            report.measured(int(task_id), len(runner_results), finished)
+
+    return Reported()
 
 
 class _tuning_logs:
@@ -912,8 +1066,16 @@ class _tuning_logs:
 
 
 def _tune_contexts(
-    ms: Any, contexts: list[Any], weights: list[float], work: Path, database: Any, trials: int, per_task: int
+    ms: Any,
+    contexts: list[Any],
+    weights: list[float],
+    work: Path,
+    database: Any,
+    trials: int,
+    per_task: int,
+    callback: Any = None,
 ) -> None:
+    callbacks = [*ms.measure_callback.MeasureCallback.create("default"), *([callback] if callback is not None else [])]
     try:
         ms.tune.tune_tasks(
             tasks=contexts,
@@ -926,6 +1088,7 @@ def _tune_contexts(
             runner=ms.runner.LocalRunner(timeout_sec=60),
             database=database,
             cost_model="random",
+            measure_callbacks=callbacks,
         )
     except Exception as exc:  # TVMError from a search or measurement: name it, keep the cause
         detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__

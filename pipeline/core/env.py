@@ -223,7 +223,8 @@ SKUFORGE_TUNE = Flag(
 SKUFORGE_CACHE_DIR = Folder(
     "SKUFORGE_CACHE_DIR",
     "folder of this host's caches: the peaks of `runner probe --peaks`, the LiteRT converter's environment, "
-    "each release store's record of what this machine committed to it",
+    "each release store's record of what this machine committed to it, "
+    "the host checks' answers (`hostcheck-<key>.json`)",
     default_doc="`$XDG_CACHE_HOME/skuforge`, else `~/.cache/skuforge`",
 )
 SKUFORGE_LITERT_CONVERTER = Folder(

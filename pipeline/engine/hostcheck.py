@@ -3,17 +3,32 @@
 Two questions, because some backends cross-compile: can this host *build* the SKU's engine, and
 can it *run* it (validate, bench)? For a backend that runs on the target only, both need the
 target hardware; a cross-compiling backend (IREE) builds on any host with its compiler.
+
+Asking imports the backends' SDKs and opens their devices (TVM, OpenVINO, the IREE runtime:
+seconds). The read-only views (``skuforge skus``, ``summary``, the matrix) ask
+``cached_host_problems``, which keeps the answers in this host's cache folder under a fingerprint
+of what they depend on (pipeline/host/fingerprint.py: installed packages, tools on PATH, drivers
+and device files, CPU flags, environment, skuforge's backend code): a change to any of them asks
+again. A build, ``runner check`` and the reproducibility check ask ``host_problems``, uncached.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from importlib import metadata
+from pathlib import Path
 from typing import Literal
 
-from pipeline.backends import get_backend
+from pipeline.backends import backend_class, get_backend, litert_converter
+from pipeline.core.io import atomic_write_json, sha256_json
+from pipeline.core.paths import cache_dir
 from pipeline.core.versions import UnreadableVersion, normalize, satisfies, specifier_problem
 from pipeline.host import probe
+from pipeline.host.fingerprint import host_fingerprint
 from pipeline.project.config import Registry
+
+log = logging.getLogger(__name__)
 
 Purpose = Literal["build", "run"]
 
@@ -71,3 +86,75 @@ def host_problems(registry: Registry, sku: str, purpose: Purpose = "run") -> lis
     return toolchain_problems(spec.toolchain, installed_only=purpose == "run") + backend.environment_problems(
         spec, purpose
     )
+
+
+# --- the cached answers of the read-only views -------------------------------------------------------
+
+CACHE_PREFIX = "hostcheck-"
+KEEP_CACHES = 8  # fingerprints kept (a CI image, a developer's venvs): older ones are removed
+
+
+def _state_files() -> list[Path]:
+    """Files a backend's check reads besides packages and drivers: the LiteRT converter's stamp."""
+    return [litert_converter.env_dir() / litert_converter.STAMP]
+
+
+class HostCheckCache:
+    """The answers of ``host_problems`` for one host fingerprint: ``<cache dir>/hostcheck-<key>.json``
+    ({"key", "basis", "answers": {question: problems}}). A question is the backend's class, the
+    SKU's spec and the purpose, so a changed SKU is a new question. An unreadable file is an empty
+    cache; a file that cannot be written is left (the answers are still right, only slower)."""
+
+    def __init__(self, folder: Path | None = None):
+        self.key, self._basis = host_fingerprint(_state_files())
+        self.path = (folder or cache_dir()) / f"{CACHE_PREFIX}{self.key}.json"
+        self._answers: dict[str, list[str]] = {}
+        self._dirty = False
+        try:
+            doc = json.loads(self.path.read_text())
+            if doc.get("key") == self.key and isinstance(doc.get("answers"), dict):
+                self._answers = {str(k): [str(p) for p in v] for k, v in doc["answers"].items()}
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass
+
+    def host_problems(self, registry: Registry, sku: str, purpose: Purpose = "run") -> list[str]:
+        spec = registry.sku(sku)
+        cls = backend_class(spec.backend)
+        question = sha256_json(
+            {"backend": f"{cls.__module__}:{cls.__qualname__}", "sku": spec.model_dump(mode="json"), "purpose": purpose}
+        )
+        if question not in self._answers:
+            self._answers[question] = host_problems(registry, sku, purpose)
+            self._dirty = True
+        return list(self._answers[question])
+
+    def save(self) -> None:
+        if not self._dirty:
+            return
+        try:
+            atomic_write_json(self.path, {"key": self.key, "basis": self._basis, "answers": self._answers})
+            self._dirty = False
+            old = sorted(self.path.parent.glob(f"{CACHE_PREFIX}*.json"), key=_mtime, reverse=True)[KEEP_CACHES:]
+            for stale in old:
+                stale.unlink(missing_ok=True)
+        except OSError as exc:
+            log.debug("host check cache %s not written: %s", self.path, exc)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def cached_host_problems(registry: Registry, skus: list[str] | None = None) -> dict[str, dict[str, list[str]]]:
+    """``{sku: {"build": problems, "run": problems}}`` for ``skus`` (default: all), from this host's
+    cache where the fingerprint matches, asked (and kept) otherwise."""
+    cache = HostCheckCache()
+    out = {
+        sku: {purpose: cache.host_problems(registry, sku, purpose) for purpose in ("build", "run")}
+        for sku in (skus if skus is not None else list(registry.skus))
+    }
+    cache.save()
+    return out

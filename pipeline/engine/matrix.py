@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from pipeline.core.paths import Layout
-from pipeline.engine.hostcheck import host_problems
+from pipeline.engine.hostcheck import cached_host_problems, host_problems
 from pipeline.project.config import Registry
 from pipeline.results.benchstats import e2e_below_engine
 from pipeline.results.manifest import load_manifest
@@ -34,11 +34,16 @@ class SkuStatus:
         return self.__dict__.copy()
 
 
-def sku_statuses(registry: Registry) -> list[SkuStatus]:
+def sku_statuses(registry: Registry, cached: bool = True) -> list[SkuStatus]:
+    """What this host can do with each SKU. ``cached``: the answers kept for this host's fingerprint
+    (hostcheck.cached_host_problems: milliseconds instead of importing every SDK), else asked now."""
+    answers = cached_host_problems(registry) if cached else None
     out = []
     for name, spec in registry.skus.items():
-        build = host_problems(registry, name, "build")
-        run = host_problems(registry, name, "run")
+        if answers is not None:
+            build, run = answers[name]["build"], answers[name]["run"]
+        else:
+            build, run = host_problems(registry, name, "build"), host_problems(registry, name, "run")
         out.append(
             SkuStatus(
                 sku=name,

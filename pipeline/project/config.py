@@ -873,7 +873,7 @@ class Registry(Strict):
         return [(m, s) for m in self.models for s in self.skus]
 
     def release_skus(self) -> list[str]:
-        """The SKUs a release requires (promote --all-skus)."""
+        """The SKUs a release requires (promote --all)."""
         return list(self.release.skus) if self.release.skus is not None else list(self.skus)
 
 
@@ -1213,10 +1213,12 @@ class _DuplicateKey(Exception):
 
 
 def _unique_key_loader() -> type:
-    """A SafeLoader that refuses a key repeated in one mapping (PyYAML would keep the last)."""
+    """A SafeLoader that refuses a key repeated in one mapping (PyYAML would keep the last). On
+    libyaml's C parser where PyYAML has it: the pure-Python one took 0.3 s of every command's
+    start on the example's params.yaml."""
     import yaml
 
-    class UniqueKeyLoader(yaml.SafeLoader):
+    class UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
         def construct_document(self, node: yaml.Node) -> Any:
             _check_unique_keys(node, (), set())
             return super().construct_document(node)

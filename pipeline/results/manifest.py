@@ -164,13 +164,23 @@ def settle(doc: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, An
     return kept
 
 
+@lru_cache(maxsize=1)
+def _schema_validator() -> Any:
+    """One validator of the published schema per process. ``jsonschema.validate`` checks the schema
+    against its metaschema on every call: 0.6 s a manifest, most of ``skuforge summary``'s time
+    (a test checks the schema once instead: tests/runner/test_hostcheck_cache.py)."""
+    import jsonschema
+
+    schema = published_schema()
+    return jsonschema.validators.validator_for(schema)(schema)
+
+
 def validate_document(doc: Any, where: str = "manifest") -> None:
     """Check a manifest against the published schema and its own digest."""
     import jsonschema
 
-    try:
-        jsonschema.validate(doc, published_schema())
-    except jsonschema.ValidationError as exc:
+    exc = jsonschema.exceptions.best_match(_schema_validator().iter_errors(doc))  # the error validate() raises
+    if exc is not None:
         path = "/".join(str(p) for p in exc.absolute_path) or "(root)"
         raise InputError(
             f"{where} does not match the manifest schema at {path}: {exc.message}",
