@@ -43,7 +43,8 @@ def summary(args: argparse.Namespace) -> int:
 def assemble(args: argparse.Namespace) -> int:
 
     result = do_assemble(_registry(args), args.locks_dir)
-    print(f"dvc.lock {'updated' if result['changed'] else 'unchanged'} from the SKUs {', '.join(result['skus'])}")
+    written = ", ".join(result["written"])
+    print(f"locks from the SKUs {', '.join(result['skus'])}: {f'updated {written}' if written else 'unchanged'}")
     for line in refresh_lines(result["consistency"]):
         print(line)
     return 0
