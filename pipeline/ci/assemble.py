@@ -56,7 +56,7 @@ def assemble(registry: Registry, locks_dir: Path, lock: Path | None = None) -> d
     lock = Path(lock) if lock is not None else registry.root / "dvc.lock"
     merged: dict[str, Any] = _load(lock) if lock.is_file() else {"schema": "2.0", "stages": {}}
     stages = {name: entry for name, entry in merged["stages"].items() if _root_stage(name)}
-    found, taken, written = [], set(), []
+    found, taken, locks = [], set(), []
     for sku in registry.skus:  # registry order: deterministic
         job = Path(locks_dir) / sku
         own = [PurePosixPath(pipeline_file(sku, run)).with_name("dvc.lock").as_posix() for run in (False, True)]
@@ -72,7 +72,7 @@ def assemble(registry: Registry, locks_dir: Path, lock: Path | None = None) -> d
             if (job / name).is_file():
                 _load(job / name)  # a lock file at all, before it replaces the project's
                 if _write(registry.root / name, (job / name).read_text()):
-                    written.append(name)
+                    locks.append(name)
     if not found:
         raise InputError(
             f"no <sku>/dvc.lock under {locks_dir}",
@@ -82,15 +82,15 @@ def assemble(registry: Registry, locks_dir: Path, lock: Path | None = None) -> d
     merged["stages"] = dict(sorted(stages.items()))
     changed = _write(lock, yaml.safe_dump(merged, sort_keys=False))
     if changed:
-        written.insert(0, _shown(lock, registry.root))
+        locks.insert(0, _shown(lock, registry.root))
 
     # each SKU job wrote its own metrics/bench files; the per-model comparison spans them all
     compared = [str(written) for model in registry.models if (written := write_comparison(registry.root, model))]
     return {
         "lock": str(lock),
         "skus": found,
-        "changed": bool(written),
-        "written": written,
+        "changed": bool(locks),
+        "written": locks,
         "consistency": refresh_reports(registry),
         "metrics": compared,
     }
