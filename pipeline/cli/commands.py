@@ -184,9 +184,12 @@ def repro(args: argparse.Namespace) -> int:
     reg = _registry(args)
     render_pipelines(reg)  # dvc reads them next: current for this registry (a no-op when they are)
     move_pair_locks(reg)  # a project built before pipelines/ keeps its runs
+    status = None if args.force else ProjectStatus(reg.root)  # runs while the host is checked
     all_statuses = sku_statuses(reg)
-    hide_from_dvc(reg, all_statuses)
-    status = None if args.force else ProjectStatus(reg.root)
+    _, host_filter_changed = hide_from_dvc(reg, all_statuses)
+    if status is not None and host_filter_changed:  # DVC sees other stages now: ask again
+        status.cancel()
+        status = ProjectStatus(reg.root)
     dvc_targets, skipped = targets(reg, args.model, args.sku, publish=not args.no_publish, statuses=all_statuses)
     for s in skipped:
         what = "building only (validate and bench need the target)" if s.buildable else "skipping"

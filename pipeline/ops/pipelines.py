@@ -257,13 +257,14 @@ def _rendered(path: Path) -> bool:
         return False
 
 
-def hide_from_dvc(registry: Registry, statuses: list[SkuStatus]) -> list[str]:
+def hide_from_dvc(registry: Registry, statuses: list[SkuStatus]) -> tuple[list[str], bool]:
     """Write ``pipelines/<sku>/.dvcignore`` for each SKU this host cannot build, and
     ``pipelines/<sku>/run/.dvcignore`` for each it can build but not run; remove them where it can.
     DVC then leaves those stages out of ``dvc status`` and ``dvc repro -P`` here: they are another
-    runner's. ``statuses``: every SKU's (sku_statuses). Returns the .dvcignore files in place."""
+    runner's. ``statuses``: every SKU's (sku_statuses). Returns the .dvcignore files in place, and
+    whether any was written or removed (what DVC sees changed)."""
     root = registry.root
-    hidden = []
+    hidden, changed = [], False
     for status in statuses:
         folder = root / PIPELINES_DIR / status.sku
         why = " ".join("; ".join(status.problems).split()) or "not for this host"  # one comment line
@@ -274,7 +275,9 @@ def hide_from_dvc(registry: Registry, statuses: list[SkuStatus]) -> list[str]:
                 text = f"{IGNORE_HEADER} {why}; its stages run on {needs}\n*\n"
                 if not ignore.is_file() or ignore.read_text(errors="replace") != text:
                     atomic_write_bytes(ignore, text.encode())
+                    changed = True
                 hidden.append(ignore.relative_to(root).as_posix())
             elif ignore.is_file() and ignore.read_text(errors="replace").startswith(IGNORE_HEADER):
                 ignore.unlink()
-    return hidden
+                changed = True
+    return hidden, changed

@@ -125,6 +125,12 @@ class ProjectStatus:
 
         self._status: dict[str, Any] | None = None
 
+    def cancel(self) -> None:
+        """Stop the status run: what it reads changed since it started."""
+        self.proc.kill()
+        self.proc.communicate()
+        self._status = None
+
     def changes(self) -> dict[str, Any] | None:
         """Stage address -> what DVC found changed, for every stage it would run; None when the
         status could not be read."""

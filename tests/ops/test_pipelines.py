@@ -114,14 +114,15 @@ def test_dvc_status_leaves_out_what_this_host_does_not_run(tmp_path):
     assert stale == every_stage
 
     statuses = [_status("here", True, True), _status("only_build", True, False), _status("elsewhere", False, False)]
-    hidden = hide_from_dvc(reg, statuses)
-    assert hidden == ["pipelines/only_build/run/.dvcignore", "pipelines/elsewhere/.dvcignore"]
+    hidden, changed = hide_from_dvc(reg, statuses)
+    assert hidden == ["pipelines/only_build/run/.dvcignore", "pipelines/elsewhere/.dvcignore"] and changed
+    assert hide_from_dvc(reg, statuses) == (hidden, False)  # as they were: nothing for DVC to re-read
     assert "not this host" in (tmp_path / hidden[1]).read_text()
     stale = set(json.loads(_dvc(tmp_path, "status", "--json").stdout))
     assert stale == {"config", *model_stages, *pair_stages("here", everything), *pair_stages("only_build", ("build",))}
 
     # the host gained the target: the files go, the stages are back
-    assert hide_from_dvc(reg, [_status(s, True, True) for s in reg.skus]) == []
+    assert hide_from_dvc(reg, [_status(s, True, True) for s in reg.skus]) == ([], True)
     assert not any((tmp_path / "pipelines").rglob(".dvcignore"))
     assert set(json.loads(_dvc(tmp_path, "status", "--json").stdout)) == every_stage
 
