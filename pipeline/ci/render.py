@@ -8,6 +8,7 @@ never as pasted text. Output is deterministic: the same registry renders the sam
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,20 @@ WORKFLOW_DIR = Path(".github") / "workflows"
 TEMPLATES = {"build.yml": "build.yml.j2", "promote.yml": "promote.yml.j2", "rollout.yml": "rollout.yml.j2"}
 # GitHub-hosted runners for CPU SKUs that do not ask for a self-hosted one.
 HOSTED = {"x86_64": "ubuntu-24.04", "aarch64": "ubuntu-24.04-arm"}
+# The package extra that carries each backend's SDK (pyproject.toml). ONNX Runtime is in every
+# install (the `agent` extra under `pipeline`); a plugin backend's package is its runner's business.
+BACKEND_EXTRAS: dict[str, tuple[str, ...]] = {
+    "onnxruntime": (),
+    "openvino": ("openvino",),
+    "iree": ("iree",),
+    "tvm": ("tvm",),
+    "litert": ("litert",),
+    "tensorrt": ("tensorrt",),
+}
+# What each job other than the SKU builds installs (`scripts/setup.sh --extras`, docs/ci.md): the
+# registry check, assemble and promote run the build toolchain's commands but no compiler; the
+# rollout job reads and signs the release store only (boto3 for S3).
+JOB_EXTRAS = {"registry": "pipeline", "assemble": "pipeline", "promote": "pipeline", "rollout": "agent"}
 
 
 def runs_on(sku: SkuSpec) -> list[str]:
@@ -29,9 +44,36 @@ def runs_on(sku: SkuSpec) -> list[str]:
     return list(sku.runner_labels)
 
 
+def setup_extras(registry: Registry, sku: SkuSpec) -> str:
+    """The extras a SKU's job installs: the build toolchain, the example models' trainers when the
+    registry has examples (torch: setup.sh takes its CPU wheel) and the SKU's backend SDK only."""
+    extras = ["pipeline"]
+    if registry.examples:
+        extras.append("examples")
+    extras += BACKEND_EXTRAS.get(sku.backend, ())
+    return ",".join(extras)
+
+
+def setup_with(sku: SkuSpec) -> str:
+    """System parts beyond pip a SKU's job needs (``scripts/setup.sh --with``): Mesa's software
+    Vulkan driver for an IREE Vulkan SKU; on a Jetson, JetPack's TensorRT, which is no wheel but
+    the system Python's package (the venv sees it through --system-site-packages)."""
+    parts = []
+    if sku.backend == "iree" and sku.options.get("target_device") == "vulkan":
+        parts.append("vulkan")
+    if sku.backend == "tensorrt" and sku.target.arch == "aarch64":
+        parts.append("system-site-packages")
+    return ",".join(parts)
+
+
 def matrix(registry: Registry) -> list[dict[str, Any]]:
-    """One entry per SKU, in registry order: what the build job's matrix lists."""
-    return [{"sku": name, "runs-on": runs_on(sku)} for name, sku in registry.skus.items()]
+    """One entry per SKU built in CI (``ci: true``), in registry order: what the build job's matrix
+    lists, with what the job's setup step installs."""
+    return [
+        {"sku": name, "runs-on": runs_on(sku), "extras": setup_extras(registry, sku), "with": setup_with(sku)}
+        for name, sku in registry.skus.items()
+        if sku.ci
+    ]
 
 
 def _environment():
@@ -69,8 +111,6 @@ def yaml_value(value: Any) -> str:
 
     GitHub evaluates ``${{`` in any string, quoted or not, so a value holding it is refused.
     """
-    import json
-
     text = json.dumps(value)
     if "${{" in text:
         raise ConfigError(
@@ -86,7 +126,10 @@ def workflows(registry: Registry) -> dict[str, str]:
     env.filters["yaml_value"] = yaml_value
     release = registry.release
     context = {
-        "matrix": matrix(registry),
+        # the plan job filters it (self-hosted SKUs only where the repository says it has those
+        # runners) and hands it to the SKU jobs; JSON in an env value, read by jq, never pasted
+        "matrix_json": json.dumps(matrix(registry), separators=(",", ":")),
+        "job_extras": JOB_EXTRAS,
         "models": sorted(registry.models),
         "aliases": list(release.aliases),
         "skus": list(registry.skus),

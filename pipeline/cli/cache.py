@@ -8,7 +8,9 @@ import json
 import sys
 
 from pipeline.backends import capability_table
+from pipeline.cli import tables
 from pipeline.cli.progress import ProgressLine
+from pipeline.cli.tables import Column
 from pipeline.ops.caches import refresh as cache_refresh
 from pipeline.ops.caches import status as cache_status
 from pipeline.project.config import load_registry
@@ -41,10 +43,23 @@ def status(args: argparse.Namespace) -> int:
     return 0
 
 
+CACHE_COLUMNS = (
+    Column("sku"),
+    Column("model"),
+    Column("kind"),
+    Column("state"),
+    Column("size", numeric=True),
+    Column("compiler"),
+    Column("target"),
+    Column("tuned"),
+    Column("last build", "last build"),
+)
+
+
 def status_text(rows) -> str:
     if not rows:
         return "no SKU here uses a backend with a cache"
-    table = [["sku", "model", "kind", "state", "size", "compiler", "target", "tuned", "last build"]]
+    cells = []
     for r in rows:
         last = r.last_build or {}
         rate = last.get("hit_rate")
@@ -54,30 +69,23 @@ def status_text(rows) -> str:
                 + (f" ({rate:.0%})" if rate is not None else "")
             )
             if last
-            else "-"
+            else None
         )
-        compiler = next((f"{k} {v}" for k, v in r.key.items() if k != "target"), "-")
-        target = r.key.get("target", "-")
-        if len(target) > 48:
-            target = target[:45] + "..."
-        tuned = f"{r.tuned_at or '-'}" + (f" ({r.trials} trials)" if r.trials else "")
-        table.append(
-            [
-                r.sku,
-                r.model,
-                r.kind or "-",
-                r.state,
-                _size(r.bytes) if r.files else "-",
-                compiler,
-                target,
-                tuned,
-                last_text,
-            ]
+        cells.append(
+            {
+                "sku": r.sku,
+                "model": r.model,
+                "kind": r.kind,
+                "state": r.state,
+                "size": _size(r.bytes) if r.files else None,
+                "compiler": next((f"{k} {v}" for k, v in r.key.items() if k != "target"), None),
+                "target": r.key.get("target"),
+                "tuned": f"{r.tuned_at or '-'}" + (f" ({r.trials} trials)" if r.trials else ""),
+                "last build": last_text,
+            }
         )
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table]
-    lines += [f"  {r.sku}/{r.model}: {r.reason}" for r in rows if r.state not in ("fresh", "none")]
-    return "\n".join(lines)
+    notes = [[f"{r.sku}/{r.model}: {r.reason}"] if r.state not in ("fresh", "none") else [] for r in rows]
+    return tables.render(CACHE_COLUMNS, cells, notes)
 
 
 def _size(n: float) -> str:

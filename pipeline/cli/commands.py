@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+from pipeline.cli import tables
 from pipeline.cli.compare import refresh_lines
 from pipeline.cli.parser.commands import STAGE_COMMANDS, STAGE_FLAGS
 from pipeline.cli.progress import ProgressLine
+from pipeline.cli.tables import Column
 from pipeline.core.env import MLFLOW_LOGGING_LEVEL
 from pipeline.core.errors import ConfigError, EnvironmentProblem, SkuforgeError
 from pipeline.core.paths import Layout
-from pipeline.engine.matrix import matrix, sku_statuses, worst_exit
+from pipeline.engine.matrix import OUTCOMES, PairOutcome, matrix, sku_statuses, worst_exit
 from pipeline.ops.hostreport import check_report, class_labels, load_classes, probe_report
 from pipeline.ops.pipelines import hide_from_dvc, move_pair_locks, render_pipelines
 from pipeline.ops.repro import DvcFailed, ProjectStatus, clear_outcomes, run_dvc_repro, targets, upstream_stages
@@ -96,6 +101,40 @@ STAGES: dict[str, tuple[Callable[..., Any], Callable[[Any], str]]] = {
 }
 
 
+# The line each stage function logs with its result (pipeline/stages/*.py), which the command
+# prints itself: the CLI drops the log record so the result shows once (on stdout; -v keeps both).
+RESULT_LOGS: dict[str, str] = {
+    "prepare": "prepared: ",
+    "data": "data: ",
+    "reference": "reference: ",
+    "calibrate": "calibrate: ",
+    "build": "built in ",
+    "bench": "bench: p50 ",
+    "manifest": "manifest ",
+    "export": "exported: ",
+    "publish": "published: ",
+}
+
+
+@contextmanager
+def _result_once(stage: str, verbose: bool = False) -> Iterator[None]:
+    """While a stage runs, drop its own result log line: the command prints that result (validate
+    logs only details, so it has none)."""
+    prefix = RESULT_LOGS.get(stage)
+
+    def keep(record: logging.LogRecord) -> bool:
+        text = str(record.msg).split("] ", 1)[-1]  # after the "[model/sku]" prefix
+        return record.levelno != logging.INFO or not text.startswith(str(prefix))
+
+    logger = logging.getLogger("pipeline.stages")
+    if prefix is not None and not verbose:
+        logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
 def run_stage(args: argparse.Namespace) -> int:
     """A stage command: the stage's function on (model[, SKU]) with its extra switches, then its summary."""
     fn, summarize = STAGES[args.command]
@@ -104,7 +143,8 @@ def run_stage(args: argparse.Namespace) -> int:
     progress = ProgressLine()
     try:
         target = (args.model, args.sku) if STAGE_COMMANDS[args.command][0] else (args.model,)
-        result = fn(registry, *target, progress=progress, **{kw: getattr(args, kw) for kw in flags})
+        with _result_once(args.command, args.verbose):
+            result = fn(registry, *target, progress=progress, **{kw: getattr(args, kw) for kw in flags})
     finally:
         progress.close()
     data = result.to_json() if hasattr(result, "to_json") else result
@@ -156,13 +196,8 @@ def list_skus(args: argparse.Namespace) -> int:
         return "build+run" if s.buildable and s.runnable else "build" if s.buildable else "run" if s.runnable else "no"
 
     def text() -> str:
-        lines = [f"{'SKU':24} {'BACKEND':12} {'PREC':5} {'TARGET':20} {'HERE':10} RUNNER LABELS"]
-        for s in rows:
-            lines.append(
-                f"{s.sku:24} {s.backend:12} {s.precision:5} {s.target:20} {here(s):10} {','.join(s.runner_labels)}"
-            )
-            lines += [f"{'':24} - {p}" for p in s.problems]
-        return "\n".join(lines)
+        cells = [{**s.to_json(), "here": here(s), "runner_labels": ",".join(s.runner_labels)} for s in rows]
+        return tables.render(SKU_COLUMNS, cells, [[f"- {p}" for p in s.problems] for s in rows])
 
     _emit(args, [s.to_json() for s in rows], text)
     return 0
@@ -172,7 +207,8 @@ def export_example(args: argparse.Namespace) -> int:
 
     progress = ProgressLine()
     try:
-        result = export(_registry(args), args.example, progress=progress)
+        with _result_once("export", args.verbose):
+            result = export(_registry(args), args.example, progress=progress)
     finally:
         progress.close()
     _emit(args, result, lambda: f"exported {args.example}: accuracy {result['accuracy']}")
@@ -248,7 +284,7 @@ def repro(args: argparse.Namespace) -> int:
             "consistency": consistency,
             "exit_code": code,
         },
-        lambda: _matrix_text(rows),
+        lambda: matrix_text(rows, args.wide),
     )
     return code
 
@@ -301,8 +337,9 @@ def publish(args: argparse.Namespace) -> int:
     require_mlflow()  # before the progress line starts: it should time publishing, not a 2 s import
     progress = ProgressLine()
     try:
-        for model, sku in pairs:
-            results.append(publish_pair(reg, model, sku, progress=progress))
+        with _result_once("publish", args.verbose):
+            for model, sku in pairs:
+                results.append(publish_pair(reg, model, sku, progress=progress))
     finally:
         progress.close()
 
@@ -343,7 +380,7 @@ def promote(args: argparse.Namespace) -> int:
 
     _quiet_mlflow()
     reg = _registry(args)
-    skus = None if args.all_skus else args.sku
+    skus = None if args.all else args.sku
     try:
         if args.rollback:
             if args.version:
@@ -366,25 +403,20 @@ def releases(args: argparse.Namespace) -> int:
 
     def text() -> str:
         lines = [f"{listing.model} at {listing.tracking_uri} (chain: {' -> '.join(listing.chain)})"]
-        cols = ("SKU", "VERSION", "DIGEST", "CREATED", "CORRECTNESS", "P50_MS", "ALIASES")
-        rows = [
-            (
-                s.sku,
-                v.version,
-                (v.digest or "-")[:12],
-                v.created,
-                v.correctness or "-",
-                f"{v.p50_ms:.4g}" if v.p50_ms is not None else "-",
-                ",".join(v.aliases) or "-",
-            )
+        cells = [
+            {
+                "sku": s.sku,
+                "version": str(v.version),
+                "digest": (v.digest or "")[:12],
+                "created": v.created,
+                "correctness": v.correctness,
+                "p50_ms": v.p50_ms,
+                "aliases": ",".join(v.aliases),
+            }
             for s in listing.skus
             for v in s.versions
         ]
-        widths = (
-            [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)] if rows else [len(c) for c in cols]
-        )
-        lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
-        lines += ["  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)) for r in rows]
+        lines.append(tables.render(RELEASE_COLUMNS, cells))
         for s in listing.skus:
             for alias, entries in s.history.items():
                 for e in entries:
@@ -401,17 +433,30 @@ def releases(args: argparse.Namespace) -> int:
 
 
 def summary(args: argparse.Namespace) -> int:
-
-    rows = matrix(_registry(args))
-    _emit(args, [r.to_json() for r in rows], lambda: _matrix_text(rows))
+    """The matrix, filtered by --model, --sku (checked against the registry: an unknown name is exit
+    2 with the known ones) and --outcome."""
+    reg = _registry(args)
+    for name in args.model or []:
+        reg.model(name)
+    for name in args.sku or []:
+        reg.sku(name)
+    unknown = sorted(set(args.outcome or ()) - set(OUTCOMES))
+    if unknown:
+        raise ConfigError(
+            f"unknown outcome {', '.join(map(repr, unknown))}",
+            hint=f"give one of: {', '.join(OUTCOMES)} (quote those with a space)",
+        )
+    rows = matrix(reg, args.model, args.sku)
+    if args.outcome:
+        rows = [r for r in rows if r.outcome in args.outcome]
+    _emit(args, [r.to_json() for r in rows], lambda: matrix_text(rows, args.wide))
     return 0
 
 
 def report(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     index = write_site(_registry(args), args.model, Path(args.out).absolute() if args.out else None, args.sku)
-    print(index)
+    _emit(args, {"index": str(index), "out": str(index.parent)}, lambda: str(index))
     return 0
 
 
@@ -445,47 +490,69 @@ def runner_labels(args: argparse.Namespace) -> int:
     return 0
 
 
-MATRIX_COLUMNS = [
-    "model",
-    "sku",
-    "outcome",
-    "precision",
-    "build_s",
-    "layers",
-    "fused_layers",
-    "max_abs_error",
-    "evaluation_reference",
-    "evaluation_delta",
-    "hard_tail_delta",
-    "p50_ms",
-    "p99_ms",
-    "e2e_p50_ms",
-    "throughput_per_s",
-    "mlflow",
-]
+SKU_COLUMNS = (
+    Column("sku"),
+    Column("backend"),
+    Column("precision", "prec"),
+    Column("target"),
+    Column("here"),
+    Column("runner_labels", "runner labels"),
+)
+RELEASE_COLUMNS = (
+    Column("sku"),
+    Column("version", numeric=True),
+    Column("digest"),
+    Column("created"),
+    Column("correctness"),
+    Column("p50_ms", "p50 ms", numeric=True),
+    Column("aliases"),
+)
+
+MATRIX_COLUMNS = (
+    Column("model"),
+    Column("sku"),
+    Column("outcome"),
+    Column("precision", "prec"),
+    Column("max_abs_error", "max err", numeric=True),
+    Column("evaluation_delta", "eval Δ", numeric=True, signed=True),
+    Column("p50_ms", "p50 ms", numeric=True),
+    Column("p99_ms", "p99 ms", numeric=True),
+    Column("throughput_per_s", "samples/s", numeric=True),
+)
+"""The default matrix: what decides a pair at a glance, in 120 columns (the reason a pair failed, or
+what a passed one warns of, is the line under it)."""
+
+WIDE_COLUMNS = (
+    *MATRIX_COLUMNS[:3],
+    Column("backend"),
+    *MATRIX_COLUMNS[3:5],
+    Column("evaluation_reference", "eval ref", numeric=True),
+    MATRIX_COLUMNS[5],
+    Column("hard_tail_delta", "hard-tail Δ", numeric=True, signed=True),
+    Column("build_s", "build s", numeric=True),
+    Column("layers", numeric=True),
+    Column("fused_layers", "fused", numeric=True),
+    *MATRIX_COLUMNS[6:8],
+    Column("e2e_p50_ms", "e2e p50 ms", numeric=True),
+    MATRIX_COLUMNS[8],
+    Column("digest"),
+    Column("mlflow"),
+)
+"""--wide: every figure of the manifest's summary row."""
 
 
-def _matrix_text(rows) -> str:
+def matrix_text(rows: list[PairOutcome], wide: bool = False, **render: Any) -> str:
     """One line per (model, SKU): its outcome and its manifest's figures; under a pair that did not
-    pass, why (indented)."""
+    pass (or passed with warnings), why, indented; then the count per outcome."""
     if not rows:
         return "no models or SKUs"
-
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return "-" if v is None else str(v)
-
-    cells = [{**(r.manifest or {}), "model": r.model, "sku": r.sku, "outcome": r.label} for r in rows]
-    widths = {c: max(len(c), *(len(fmt(x.get(c))) for x in cells)) for c in MATRIX_COLUMNS}
-    lines = ["  ".join(c.ljust(widths[c]) for c in MATRIX_COLUMNS).rstrip()]
-    for r, x in zip(rows, cells, strict=True):
-        lines.append("  ".join(fmt(x.get(c)).ljust(widths[c]) for c in MATRIX_COLUMNS).rstrip())
-        if r.detail:  # why it did not pass, or what a passed pair warns of
-            labels = f" (runner labels [{', '.join(r.runner_labels)}])" if r.runner_labels else ""
-            lines.append(f"    {r.detail}{labels}")
+    cells = [{**(r.manifest or {}), "model": r.model, "sku": r.sku, "outcome": r.outcome} for r in rows]
+    notes = []
+    for r in rows:
+        labels = f" (runner labels [{', '.join(r.runner_labels)}])" if r.runner_labels else ""
+        notes.append([f"{r.detail}{labels}"] if r.detail else [])
     counts: dict[str, int] = {}
     for r in rows:
         counts[r.outcome] = counts.get(r.outcome, 0) + 1
-    lines.append(", ".join(f"{n} {k}" for k, n in counts.items()))
-    return "\n".join(lines)
+    footer = [", ".join(f"{n} {k}" for k, n in counts.items())]
+    return tables.render(WIDE_COLUMNS if wide else MATRIX_COLUMNS, cells, notes, wide=wide, footer=footer, **render)

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from pipeline.cli import tables
+from pipeline.cli.tables import Column
 from pipeline.project.config import load_registry
 from pipeline.verify.consistency import consistency, describe, nonfinite_line, table, write_report
 
@@ -25,8 +27,14 @@ def compare(args: argparse.Namespace) -> int:
 
 
 def _aligned(rows: list[list[str]], indent: str = "  ") -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    """A matrix of ``consistency.table`` (header row first) through the CLI's table printer: SKUs
+    down and across, every column kept (a cell is never cut)."""
+    header, *body = rows
+    columns = [Column("c0", header[0] or " ")] + [
+        Column(f"c{i}", title, numeric=True) for i, title in enumerate(header[1:], 1)
+    ]
+    cells = [{f"c{i}": x for i, x in enumerate(r)} for r in body]
+    return [indent + line for line in tables.render(columns, cells, wide=True).splitlines()]
 
 
 def text(report) -> str:

@@ -494,6 +494,11 @@ class SkuSpec(Strict):
     bisect: BisectSpec = BisectSpec()
     reproducibility: ReproducibilitySpec = ReproducibilitySpec()
     cache: CacheSpec = CacheSpec()
+    ci: bool = Field(
+        True,
+        description="false: the rendered build workflow has no job for this SKU (its runners are not in "
+        "CI yet, or it is built by hand); `skuforge repro` still builds it where the host can (docs/ci.md)",
+    )
     description: str = ""
 
     @model_validator(mode="after")
@@ -646,7 +651,7 @@ class Release(Strict):
     reason_required: list[str] = Field(
         default_factory=lambda: ["production"], description="aliases whose moves need --reason"
     )
-    skus: list[str] | None = Field(None, description="SKUs a release (promote --all-skus) requires; default: every SKU")
+    skus: list[str] | None = Field(None, description="SKUs a release (promote --all) requires; default: every SKU")
     history: int = Field(50, ge=1, description="alias moves kept per alias (rollback reads them)")
     performance: PerformanceGate = PerformanceGate()
     tracking: TrackingSpec = TrackingSpec()

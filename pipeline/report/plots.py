@@ -39,6 +39,16 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
+def _log_ticks(axis) -> None:
+    """Plain labels at 1, 2 and 5 of each decade on a log axis (matplotlib's default labels every
+    minor tick as 2×10⁰ …, which overlap)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def _draw(fn):
     """Run ``fn`` under the report's rc settings (math text off) and return its figure as PNG."""
     import functools
@@ -53,19 +63,49 @@ def _draw(fn):
     return wrapper
 
 
+SPAN_FOR_LOG = 10.0  # p99.9 / p50 above which a linear axis squeezes the body into one bar
+
+
+def latency_axis(samples: Sequence[float] | Any) -> tuple[str, Any]:
+    """("log", log-spaced bin edges) when the samples up to p99.9 span more than SPAN_FOR_LOG
+    times their median, else ("linear", 60): a p50 of 0.02 ms beside a p99.9 of 20 ms is one bar
+    at zero and a vertical line on a linear axis."""
+    import numpy as np
+
+    values = np.sort(np.asarray(samples, dtype=float))
+    hi = np.percentile(values, 99.9) if len(values) > 100 else values[-1]
+    p50 = float(np.median(values))
+    lo = float(values[0])
+    if lo > 0 and p50 > 0 and hi / p50 > SPAN_FOR_LOG:
+        return "log", np.logspace(math.log10(lo), math.log10(hi), 61)
+    return "linear", 60
+
+
 @_draw
 def latency_distribution(samples: Sequence[float], percentiles: dict[str, float]):
-    """Histogram and empirical CDF of the steady engine-only samples, percentiles marked."""
+    """Histogram and empirical CDF of the steady engine-only samples to p99.9, percentiles marked;
+    log-spaced bins and a log x axis where the range spans decades (latency_axis)."""
     import numpy as np
 
     fig, axes = _figure(1, 2)
     hist, cdf = axes[0]
     values = np.sort(np.asarray(samples, dtype=float))
     hi = np.percentile(values, 99.9) if len(values) > 100 else values[-1]
-    hist.hist(values[values <= hi], bins=60, color="#4c72b0")
-    hist.set(title="latency histogram (to p99.9)", xlabel="ms", ylabel="calls")
+    scale, bins = latency_axis(values)
+    note = ", log x" if scale == "log" else ""
+    hist.hist(values[values <= hi], bins=bins, color="#4c72b0")
+    hist.set(title=f"latency histogram (to p99.9{note})", xlabel="ms", ylabel="calls", xscale=scale)
     cdf.plot(values, np.arange(1, len(values) + 1) / len(values), color="#4c72b0")
-    cdf.set(title="latency CDF (to p99.9)", xlabel="ms", ylabel="fraction of calls", xlim=(values[0], hi))
+    cdf.set(
+        title=f"latency CDF (to p99.9{note})",
+        xlabel="ms",
+        ylabel="fraction of calls",
+        xscale=scale,
+        xlim=(values[0], hi),
+    )
+    if scale == "log":
+        _log_ticks(hist.xaxis)
+        _log_ticks(cdf.xaxis)
     for name, value in percentiles.items():
         for ax in (hist, cdf):
             ax.axvline(
@@ -89,6 +129,7 @@ def timeline(iterations: Sequence[int], phases: Sequence[str], latency_ms: Seque
         ax.scatter(xs, ys, s=2, color=COLOURS.get(phase, "grey"), label=f"{_text(phase)} ({len(xs)})", rasterized=True)
     title = "latency per call, warm-up to steady state" + (f" (every {step}th call)" if step > 1 else "")
     ax.set(title=title, xlabel="call", ylabel="ms", yscale="log")
+    _log_ticks(ax.yaxis)
     ax.legend(loc="upper right", markerscale=4)
     return fig
 
@@ -136,10 +177,12 @@ def roofline(
     engine: tuple[float, float] | None,
     compute_ceilings: dict[str, float] | None = None,
     bandwidth_ceilings: dict[str, float] | None = None,
+    above: Sequence[tuple[float, float]] = (),
 ):
     """The classic log-log roofline: min(peak compute, bandwidth x intensity), lower ceilings
     dashed, the timed layers and the whole engine as points (FLOP/byte, achieved GFLOP/s); the
-    five slowest-running layers (lowest achieved) are named."""
+    five slowest-running layers (lowest achieved) are named. Points in ``above`` lie over the roof,
+    which a measurement cannot: they are ringed in red and the chart says a peak is wrong."""
     import numpy as np
 
     fig, axes = _figure(height=4.2)
@@ -176,6 +219,27 @@ def roofline(
             ax.annotate(_text(name[:32]), (x, y), textcoords="offset points", xytext=(4, 2), fontsize=6)
     if engine and engine[0] > 0 and engine[1] > 0:
         ax.scatter([engine[0]], [engine[1]], s=90, marker="*", color="#d62728", label="engine", zorder=3)
+    if above:
+        ax.scatter(
+            [x for x, _ in above],
+            [y for _, y in above],
+            s=260,
+            facecolors="none",
+            edgecolors="#d62728",
+            linewidths=1.6,
+            label=f"above the roof ({len(above)}): a peak is wrong",
+            zorder=4,
+        )
+        ax.text(
+            0.02,
+            0.97,
+            "ABOVE THE ROOF: a measured peak is too low\n(or the FLOP/byte count is off): see the note",
+            transform=ax.transAxes,
+            va="top",
+            fontsize=8,
+            color="#d62728",
+            fontweight="bold",
+        )
     ax.set(xscale="log", yscale="log", title="roofline", xlabel="arithmetic intensity (FLOP/byte)", ylabel="GFLOP/s")
     ax.legend(loc="lower right", fontsize=7)
     return fig

@@ -9,11 +9,12 @@ self-contained ``report.html`` that publish uploads, data URIs).
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import math
 import re
+import subprocess
 from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -40,19 +41,37 @@ PLOT_ERRORS = (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, O
 
 
 def fmt(value: Any) -> str:
-    """A cell: 4 significant digits for floats, yes/no, JSON for lists and dicts, '–' for nothing."""
+    """A cell: floats to 4 significant digits (whole numbers with thousands separators from 10,000
+    up, never ``1.8e+04``), yes/no, '–' for nothing; a mapping or a list of mappings as small
+    key/value lists (escaped markup), never raw JSON."""
+    import markupsafe
+
     if value is None:
         return "–"
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
-        return f"{value:.4g}" if math.isfinite(value) else str(value)
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:,.0f}" if 1e4 <= abs(value) < 1e15 else f"{value:.4g}"
     if isinstance(value, int):
         return f"{value:,}"
-    if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-        return "[" + ", ".join(fmt(v) for v in value) + "]"
-    if isinstance(value, (dict, list, tuple)):
-        return json.dumps(value, sort_keys=True, default=str)
+    if isinstance(value, dict):
+        if not value:
+            return "–"
+        items = markupsafe.Markup("").join(
+            markupsafe.Markup('<li><span class="k">{}</span> {}</li>').format(k, fmt(v))
+            for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))
+        )
+        return markupsafe.Markup('<ul class="kv">{}</ul>').format(items)
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return "–"
+        if any(isinstance(v, (dict, list, tuple)) for v in value):
+            return markupsafe.Markup(" ").join(fmt(v) for v in value)
+        parts = [fmt(v) for v in value]
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        return "[" + ", ".join(parts) + "]" if numeric else ", ".join(parts)
     return str(value)
 
 
@@ -63,7 +82,28 @@ def interval(value: Any) -> str:
 
 
 def status_class(outcome: str) -> str:
-    return "passed" if outcome in _PASSED else "failed" if outcome in _FAILED else "other"
+    base = outcome.split(" (warn:")[0]  # PairOutcome.label: "passed (warn: ...)"
+    return "passed" if base in _PASSED else "failed" if base in _FAILED else "other"
+
+
+def provenance(root: Path) -> dict[str, Any]:
+    """What the index says it was written from: the project's git commit (None outside git), whether
+    tracked files differ from it, and the time (UTC)."""
+
+    def git(*args: str) -> str | None:
+        try:
+            proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {
+        "commit": commit,
+        "dirty": bool(status) if status is not None else None,
+        "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def _environment():
@@ -119,27 +159,32 @@ def _chart(images: Images, notes: list[str], name: str, what: str, draw: Callabl
 def _outcomes(
     registry: Registry, models: list[str], pairs: dict[tuple[str, str], PairData], notes: list[str] | None = None
 ) -> dict[tuple[str, str], tuple[str, str]]:
-    """(model, SKU) -> (outcome, detail), from the manifests and the failures stage commands
-    recorded (what `skuforge summary` shows), else from validate.json (said in ``notes``)."""
+    """(model, SKU) -> (outcome, detail) as `skuforge summary` shows them (matrix(): the manifests,
+    the failures stage commands recorded, what this host can build). A pair summary calls "not run"
+    whose reports are here (the manifest stage has not run yet) keeps that outcome and says what
+    validate.json holds in its detail. Only when the matrix cannot be read (a damaged manifest) do
+    the outcomes come from validate.json alone, said in ``notes``."""
 
     try:
-        # what is on disk, not what this host could build (statuses=[]: no probing)
-        rows = matrix(registry, models, list(dict.fromkeys(s for _, s in pairs)), statuses=[])
-        found: dict[tuple[str, str], tuple[str, str]] = {(r.model, r.sku): (r.outcome, r.detail) for r in rows}
-    except SkuforgeError as exc:  # a damaged manifest, say: still show what the reports say
+        rows = matrix(registry, models, list(dict.fromkeys(s for _, s in pairs)))
+        found: dict[tuple[str, str], tuple[str, str]] = {(r.model, r.sku): (r.label, r.detail) for r in rows}
+    except SkuforgeError as exc:
         log.warning("outcomes from the reports alone: %s", exc.message)
         if notes is not None:
             notes.append(f"outcomes from validate.json alone, not the manifests: {exc.message}")
         found = {}
+        for key, pair in pairs.items():
+            passed = _d(pair.validate).get("passed")
+            detail = "; ".join(str(f) for f in _list(_d(pair.validate).get("failures")))
+            found[key] = (
+                ("passed" if passed else "gate failed", detail) if isinstance(passed, bool) else ("not run", "")
+            )
+        return found
     for key, pair in pairs.items():
-        outcome = found.get(key, ("not run", ""))
-        if outcome[0] == "not run" and pair.validate is not None:
-            passed = pair.validate.get("passed")
-            detail = "; ".join(str(f) for f in _list(pair.validate.get("failures")))
-            outcome = ("passed" if passed else "gate failed", detail) if isinstance(passed, bool) else outcome
-        elif outcome[0] == "not run" and pair.build is not None:
-            outcome = ("built only", "build.json but no validate.json here (validated on its runner, or not yet)")
-        found[key] = outcome
+        outcome, detail = found[key]
+        if outcome == "not run" and pair.validate is not None and isinstance(pair.validate.get("passed"), bool):
+            said = "passed" if pair.validate["passed"] else "failed"
+            found[key] = (outcome, f"{detail}; validate.json here says {said} (the manifest stage makes it an outcome)")
     return found
 
 
@@ -204,7 +249,11 @@ def _bench_view(pair: PairData, images: Images, notes: list[str]) -> dict[str, A
             f"{what} latency histogram",
             lambda: plots.latency_distribution(pair.latency_ms, marks),
         )
-        shown.append((src, "latency histogram and CDF"))
+        scale, _ = plots.latency_axis(pair.latency_ms)
+        caption = "latency histogram and CDF" + (
+            f" (log x: p99.9 is over {plots.SPAN_FOR_LOG:g}× p50)" if scale == "log" else ""
+        )
+        shown.append((src, caption))
     if pair.timeline is not None:
         t = pair.timeline
         src = _chart(
@@ -321,6 +370,50 @@ def _layers_view(build: dict[str, Any] | None, roofline: dict[str, Any] | None) 
     return {"rows": rows, "timed": bool(timed)}
 
 
+PEAK_PROBE = "skuforge runner probe --peaks --refresh"
+
+
+def above_roof(roofline: dict[str, Any]) -> tuple[list[str], list[tuple[float, float]]]:
+    """What in roofline.json lies above the roof, which no measurement can: one line per wrong peak
+    naming it (compute or memory), the achieved figure against the measured peak and what to check;
+    and the (intensity, achieved GFLOP/s) points over the roof, for the chart."""
+    peak_gflops, peak_gbs = _num(roofline.get("peak_gflops")), _num(roofline.get("peak_gbs"))
+    if not peak_gflops or not peak_gbs or peak_gflops <= 0 or peak_gbs <= 0:
+        return [], []
+    items: list[tuple[str, float | None, float | None]] = [
+        ("the engine", _num(roofline.get("intensity")), _num(roofline.get("achieved_gflops")))
+    ]
+    items += [
+        (f"layer {_d(x).get('name')}", _num(_d(x).get("intensity")), _num(_d(x).get("achieved_gflops")))
+        for x in _list(roofline.get("layers"))
+    ]
+    compute, memory, points = [], [], []
+    for name, intensity, achieved in items:
+        if not intensity or not achieved or intensity <= 0 or achieved <= 0:
+            continue
+        gbs = achieved / intensity
+        if achieved > peak_gflops:
+            compute.append(f"{name} {fmt(achieved)} GFLOP/s")
+        if gbs > peak_gbs:
+            memory.append(f"{name} {fmt(gbs)} GB/s (bandwidth fraction {fmt(gbs / peak_gbs)})")
+        if achieved > peak_gflops or gbs > peak_gbs:
+            points.append((intensity, achieved))
+    lines = []
+    if compute:
+        lines.append(
+            f"above the roof, compute peak wrong: {', '.join(compute)} against a measured compute peak of "
+            f"{fmt(peak_gflops)} GFLOP/s. The peak is too low or the FLOPs counted too many: "
+            f"rerun the peak probe ({PEAK_PROBE}) and check the FLOP count of the model's ops"
+        )
+    if memory:
+        lines.append(
+            f"above the roof, memory peak wrong: {', '.join(memory)} against a measured bandwidth peak of "
+            f"{fmt(peak_gbs)} GB/s. The peak is too low, or the bytes counted as memory traffic were served "
+            f"from cache: rerun the peak probe ({PEAK_PROBE}) and check the byte count"
+        )
+    return lines, points
+
+
 def _roofline_view(
     roofline: dict[str, Any] | None, images: Images, notes: list[str], what: str
 ) -> dict[str, Any] | None:
@@ -333,7 +426,8 @@ def _roofline_view(
     uncounted = _list(roofline.get("uncounted"))
     if uncounted:
         notes.append(f"roofline: {len(uncounted)} node(s) of ops without a FLOP formula count 0 FLOPs")
-    view: dict[str, Any] = {"summary": summary, "layers": layers, "plot": None}
+    wrong, over = above_roof(roofline)
+    view: dict[str, Any] = {"summary": summary, "layers": layers, "plot": None, "above": wrong}
     if not peak_gflops or not peak_gbs or peak_gflops <= 0 or peak_gbs <= 0:
         notes.append(f"{ROOFLINE} has no positive compute and bandwidth peaks: no roofline chart")
         return view
@@ -359,7 +453,7 @@ def _roofline_view(
         "roofline.png",
         f"{what} roofline",
         lambda: plots.roofline(
-            peak_gflops, peak_gbs, points, engine if None not in engine else None, ceilings, bandwidths
+            peak_gflops, peak_gbs, points, engine if None not in engine else None, ceilings, bandwidths, over
         ),
     )
     return view
@@ -581,7 +675,9 @@ def write_site(
             )
             (tmp / m / "index.html").write_text(html, encoding="utf-8")
             index_models.append({"name": m, "href": f"{m}/index.html", "pairs": listed})
-        html = env.get_template("index.html.j2").render(models=index_models, counts=counts, page_notes=index_notes)
+        html = env.get_template("index.html.j2").render(
+            models=index_models, counts=counts, page_notes=index_notes, written=provenance(Path(registry.root))
+        )
         (tmp / "index.html").write_text(html, encoding="utf-8")
     log.info("report of %s written to %s", ", ".join(models), target)
     return target / "index.html"

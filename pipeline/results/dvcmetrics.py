@@ -11,6 +11,9 @@ without DVC's cache (build/ is DVC-cached and absent on a fresh runner).
     metrics/timeline/<model>/<sku>.csv      iteration,phase,latency_ms: warm-up and steady calls, at most 200 rows
     metrics/sweep/<model>/<sku>.csv         batch,concurrency,p50_ms,p99_ms,throughput_per_s (when swept)
     metrics/compare/<model>.csv             sku,p50_ms,p99_ms,throughput_per_s: every built SKU of the model
+    metrics/by_sku/<kind>/<model>.csv       the model's latency_cdf, timeline or sweep files in one table
+                                            with a leading sku column: what `dvc plots show` draws, one
+                                            plot per model with a line (or colour) per SKU
 
 Each folder keeps a ``.gitkeep`` (ignored by DVC through .dvcignore): DVC fails on a plots or
 metrics folder that does not exist. The figures follow the manifest: when the manifest keeps its
@@ -36,6 +39,8 @@ log = logging.getLogger(__name__)
 ROOT = "metrics"
 BENCH, LATENCY_CDF, TIMELINE, SWEEP, COMPARE = "bench", "latency_cdf", "timeline", "sweep", "compare"
 FOLDERS: tuple[str, ...] = (BENCH, LATENCY_CDF, TIMELINE, SWEEP, COMPARE)
+BY_SKU = "by_sku"  # metrics/by_sku/<kind>/<model>.csv: the per-pair files of one kind, one table per model
+GROUPED: tuple[str, ...] = (LATENCY_CDF, TIMELINE, SWEEP)
 QUANTILES = 101
 TIMELINE_POINTS = 200
 DIGITS = 4  # significant digits of a plotted latency: below what two runs of one engine tell apart
@@ -155,6 +160,44 @@ def write_comparison(root: str | Path, model: str) -> Path | None:
     return atomic_write_bytes(path, table.encode())
 
 
+def by_sku(root: str | Path, kind: str, model: str) -> str | None:
+    """The model's per-pair ``kind`` files as one CSV with a leading ``sku`` column (a file of another
+    header, an older format, is left out); None when no SKU of the model has one."""
+    header: list[str] | None = None
+    rows: list[list[str]] = []
+    for path in sorted((folder(root, kind) / model).glob("*.csv")):
+        with path.open(newline="", encoding="utf-8") as fh:
+            reader = csv.reader(fh)
+            head = next(reader, None)
+            if head is None or (header is not None and head != header):
+                log.warning("%s: not the header of the other %s files, left out of the grouped plot", path, kind)
+                continue
+            header = head
+            rows += [[path.stem, *row] for row in reader]
+    return None if header is None else _csv(("sku", *header), rows)
+
+
+def grouped_file(root: str | Path, kind: str, model: str) -> Path:
+    return folder(root, BY_SKU) / kind / f"{model}.csv"
+
+
+def write_model_tables(root: str | Path, model: str) -> list[Path]:
+    """Rewrite the files every SKU of ``model`` shares (``metrics/compare/<model>.csv`` and
+    ``metrics/by_sku/*/<model>.csv``) from the per-pair files (also what resolves a merge conflict
+    in them); the files whose content changed (a grouped file no SKU feeds any more is removed)."""
+    written = [p for p in (write_comparison(root, model),) if p is not None]
+    for kind in GROUPED:
+        path, table = grouped_file(root, kind, model), by_sku(root, kind, model)
+        keep = path.parent / ".gitkeep"  # DVC fails to load a plots folder that does not exist
+        if not keep.is_file():
+            atomic_write_bytes(keep, b"")
+        if table is None:
+            path.unlink(missing_ok=True)  # as the pair files no longer produced: removed, not listed
+        elif not (path.is_file() and path.read_text(encoding="utf-8") == table):
+            written.append(atomic_write_bytes(path, table.encode()))
+    return written
+
+
 def write_metrics(
     root: str | Path,
     manifest: Mapping[str, Any],
@@ -188,8 +231,7 @@ def write_metrics(
         ]
     if not same:
         written.append(atomic_write_json(summary, figures))
-    if (compare := write_comparison(root, model)) is not None:
-        written.append(compare)
+    written += write_model_tables(root, model)
     log.info(
         "%s/%s: dvc metrics and plots data %s",
         model,

@@ -74,7 +74,7 @@ def test_rollout_job_environment_permissions_and_concurrency(rollout):
         "AWS_ACCESS_KEY_ID": "${{ secrets.AWS_ACCESS_KEY_ID }}",
         "AWS_SECRET_ACCESS_KEY": "${{ secrets.AWS_SECRET_ACCESS_KEY }}",
     }
-    assert job["steps"][0] == {"uses": "actions/checkout@v4", "with": {"persist-credentials": False}}
+    assert job["steps"][0] == {"uses": "actions/checkout@v6", "with": {"persist-credentials": False}}
     summary = _step(job, "job summary")
     assert summary["if"] == "always()"
     assert summary["run"] == 'skuforge rollout status --all --markdown >> "$GITHUB_STEP_SUMMARY"'

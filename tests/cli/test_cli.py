@@ -13,7 +13,7 @@ from pathlib import Path
 import models
 import numpy as np
 import pytest
-from cli_helpers import assert_user_error, project, skuforge
+from cli_helpers import assert_user_error, project, service_env, skuforge
 
 from pipeline.cli import build_parser, handler
 from pipeline.host.probe import host_arch
@@ -165,7 +165,57 @@ def test_skus_json(tmp_path):
 def test_skus_table(tmp_path):
     project(tmp_path)
     proc = skuforge("skus", cwd=tmp_path)
-    assert proc.returncode == 0 and "RUNNER LABELS" in proc.stdout and "cpu" in proc.stdout
+    assert proc.returncode == 0 and "runner labels" in proc.stdout.splitlines()[0] and "cpu" in proc.stdout
+
+
+def test_version(tmp_path):
+    from importlib.metadata import version
+
+    proc = skuforge("--version", cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout == f"skuforge {version('skuforge')}\n", proc
+
+
+@pytest.mark.parametrize("command", [("promote", "m", "--sku", "cpu", "--to", "candidate"), ("releases", "m")])
+def test_a_positional_model_is_refused_with_a_hint(tmp_path, command):
+    proc = skuforge(*command, cwd=tmp_path)
+    assert proc.returncode == 2 and "hint: name the model with --model" in proc.stderr, proc.stderr
+
+
+def test_summary_filters(tmp_path):
+    foreign = models.ort_sku("fp32", target={"arch": OTHER_ARCH}, runner_labels=["self-hosted", "far-away"])
+    project(tmp_path, skus={"cpu": models.ort_sku("fp32"), "foreign": foreign})
+
+    def pairs(*args: str) -> list[tuple[str, str, str]]:
+        proc = skuforge("summary", "--json", *args, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        return [(r["model"], r["sku"], r["outcome"]) for r in json.loads(proc.stdout)]
+
+    assert pairs() == [("m", "cpu", "not run"), ("m", "foreign", "not buildable here")]
+    assert pairs("--sku", "foreign") == [("m", "foreign", "not buildable here")]
+    assert pairs("--outcome", "not run", "--model", "m") == [("m", "cpu", "not run")]
+    assert pairs("--outcome", "passed") == []
+    assert_user_error(skuforge("summary", "--outcome", "bogus", cwd=tmp_path), 2, "bogus", "not buildable here")
+    assert_user_error(skuforge("summary", "--sku", "nope", cwd=tmp_path), 2, "nope", "foreign")
+    text = skuforge("summary", "--sku", "foreign", cwd=tmp_path).stdout.splitlines()
+    assert text[0].split()[:3] == ["model", "sku", "outcome"] and text[1].split()[:2] == ["m", "foreign"]
+    assert "far-away" in text[2] and text[-1] == "1 not buildable here"
+
+
+def test_a_stage_prints_its_result_once(tmp_path):
+    project(tmp_path)
+    proc = skuforge("prepare", "--model", "m", cwd=tmp_path, env=service_env(DVC_STAGE="prepare@m"))
+    assert proc.returncode == 0, proc.stderr
+    both = proc.stdout + proc.stderr
+    assert proc.stdout.startswith("prepared m:") and both.count("prepared") == 1, both
+    verbose = skuforge("-v", "prepare", "--model", "m", cwd=tmp_path)  # -v: the library's line too
+    assert "[m] prepared: " in verbose.stderr and verbose.stdout.startswith("prepared m:"), verbose.stderr
+
+
+def test_ci_render_check_json():
+    proc = skuforge("ci", "render", "--check", "--json", cwd=REPO)
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == (0 if doc["current"] else 1) and doc["check"] is True, proc.stderr
+    assert ".github/workflows/build.yml" in doc["files"]
 
 
 def test_config_validate_json(tmp_path):

@@ -115,6 +115,8 @@ def project(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     root, scratch = tmp_path_factory.mktemp("dvcmetrics"), tmp_path_factory.mktemp("bench")
     for name in ("dvc.yaml", ".dvcignore"):
         shutil.copy(REPO / name, root / name)
+    # the plot templates (colour by SKU) and the offline page dvc.yaml's plots name
+    shutil.copytree(REPO / ".dvc" / "plots", root / ".dvc" / "plots")
     # a team's project commits its run records (this repository's example ignores its own)
     records = {"/dvc.lock", f"/{dvcmetrics.ROOT}/", "/manifests/", "/reports/"}
     (root / ".gitignore").write_text(
@@ -131,8 +133,9 @@ def project(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     }
     (root / "params.yaml").write_text(yaml.safe_dump(registry))
     assert _run(root, "git", "init", "-q").returncode == 0
-    (root / ".dvc").mkdir()  # what `dvc init` leaves that matters here, without its seconds of start-up
-    (root / ".dvc" / "config").write_text("")
+    # what `dvc init` leaves that matters here, without its seconds of start-up; the offline page
+    # (bundled Vega) as this repository's .dvc/config names it (which also sets no_scm: not here)
+    (root / ".dvc" / "config").write_text("[plots]\n    html_template = plots/offline.html\n")
     (root / ".dvc" / ".gitignore").write_text("/config.local\n/tmp\n/cache\n")
     _write_pairs(root, scratch, {BUILT[0]: 0.1, BUILT[1]: 0.2})
     assert _run(root, "git", "add", "-A").returncode == 0
@@ -163,11 +166,19 @@ def _pair(kind: str, sku: str) -> str:
     return f"{dvcmetrics.ROOT}/{kind}/{MODEL}/{sku}.{'json' if kind == dvcmetrics.BENCH else 'csv'}"
 
 
+def _grouped(kind: str) -> str:
+    """The model's one table of ``kind`` (a sku column): what dvc.yaml's plots name."""
+    return f"{dvcmetrics.ROOT}/{dvcmetrics.BY_SKU}/{kind}/{MODEL}.csv"
+
+
 def test_dvc_yaml_names_the_folders_the_module_writes():
     doc = yaml.safe_load((REPO / "dvc.yaml").read_text())
     plots = {next(iter(p)) if isinstance(p, dict) else p for p in doc["plots"]}
     assert doc["metrics"] == [f"{dvcmetrics.ROOT}/{dvcmetrics.BENCH}"]
-    assert plots == {f"{dvcmetrics.ROOT}/{k}" for k in dvcmetrics.FOLDERS if k != dvcmetrics.BENCH}
+    grouped = (dvcmetrics.LATENCY_CDF, dvcmetrics.TIMELINE, dvcmetrics.SWEEP)
+    assert plots == {f"{dvcmetrics.ROOT}/{dvcmetrics.BY_SKU}/{k}" for k in grouped} | {
+        f"{dvcmetrics.ROOT}/{dvcmetrics.COMPARE}"
+    }
     # a stage-level metric or plot lists every pair of the matrix, built or not
     assert not [name for name, stage in doc["stages"].items() if {"metrics", "plots"} & set(stage.get("do", stage))]
 
@@ -192,16 +203,18 @@ def test_metrics_diff_shows_the_slower_engine(project):
 
 def test_plots_show_has_every_built_pairs_plots_and_no_unbuilt_one(project):
     data = _clean(project["plots show"])["data"]
-    expected = {_pair(kind, sku) for sku in BUILT for kind in (dvcmetrics.LATENCY_CDF, dvcmetrics.TIMELINE)}
-    expected |= {_pair(dvcmetrics.SWEEP, BUILT[0]), f"{dvcmetrics.ROOT}/{dvcmetrics.COMPARE}/{MODEL}.csv"}
-    assert set(data) == expected
-    assert not [p for p in data if UNBUILT in p]
+    expected = {_grouped(k) for k in (dvcmetrics.LATENCY_CDF, dvcmetrics.TIMELINE, dvcmetrics.SWEEP)}
+    expected |= {f"{dvcmetrics.ROOT}/{dvcmetrics.COMPARE}/{MODEL}.csv"}
+    assert set(data) == expected  # one plot per model and kind, not one per pair
+    for name, (plot,) in ((n, p) for n, p in data.items() if dvcmetrics.BY_SKU in n):
+        skus = {v["sku"] for v in plot["content"]["data"]["values"]}
+        assert skus == ({BUILT[0]} if dvcmetrics.SWEEP in name else set(BUILT)), name
 
 
 def test_plots_diff_overlays_both_revisions(project):
     data = _clean(project["plots diff"])["data"]
-    (plot,) = data[_pair(dvcmetrics.LATENCY_CDF, BUILT[0])]
-    values = plot["content"]["data"]["values"]
+    (plot,) = data[_grouped(dvcmetrics.LATENCY_CDF)]
+    values = [v for v in plot["content"]["data"]["values"] if v["sku"] == BUILT[0]]
     assert set(plot["revisions"]) == {"HEAD~1", "workspace"}
     medians = {v["rev"]: float(v["latency_ms"]) for v in values if v["quantile"] == "0.50"}
     assert medians["workspace"] > medians["HEAD~1"]

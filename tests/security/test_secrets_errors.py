@@ -198,7 +198,7 @@ def test_token_and_password_with_a_live_server(pair, server):
     assert pub.returncode == 0, pub.stdout + pub.stderr
     assert "published conv/cpu" in pub.stdout and f"http://***@127.0.0.1:{server.port}" in pub.stdout
     assert_no_secret(pub, PASSWORD, TOKEN, "ci-user")
-    promo = skuforge("-v", "promote", "conv", "--sku", "cpu", "--to", "candidate", cwd=pair, env=e)
+    promo = skuforge("-v", "promote", "--model", "conv", "--sku", "cpu", "--to", "candidate", cwd=pair, env=e)
     assert promo.returncode in (0, 1), promo.stdout + promo.stderr  # a gate may refuse; it must not leak
     assert "Traceback" not in promo.stdout + promo.stderr
     assert_no_secret(promo, PASSWORD, TOKEN, "ci-user")
@@ -262,7 +262,7 @@ def test_non_json_manifest(pair, command):
 
 
 def test_version_that_is_not_a_number(two):
-    proc = skuforge("promote", "conv", "--sku", "a", "--to", "candidate", "--version", "abc", cwd=two, env=env())
+    proc = skuforge("promote", "--model", "conv", "--sku", "a", "--to", "candidate", "--version", "abc", cwd=two, env=env())
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert "--version" in proc.stderr and "'abc' is not a version number" in proc.stderr, out

@@ -10,7 +10,7 @@ def positive_int(value: str) -> str:
     if not value.strip().isdigit() or int(value) < 1:
         raise argparse.ArgumentTypeError(
             f"{value!r} is not a version number: give a positive integer such as 3 "
-            "(`skuforge releases MODEL` lists the versions)"
+            "(`skuforge releases --model M` lists the versions)"
         )
     return str(int(value))
 
@@ -45,6 +45,12 @@ STAGE_FLAGS: dict[str, dict[str, tuple[str, str]]] = {
         ),
     },
 }
+
+
+def _wide(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--wide", action="store_true", help="every column of the matrix (default: the key ones, in 120 columns)"
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -87,10 +93,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler="pipeline.cli.commands:publish")
 
     p = sub.add_parser("promote", help="move a registry alias along the chain when the gates pass, or roll it back")
-    p.add_argument("model")
+    p.add_argument("--model", required=True)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--sku", action="append", help="the SKU (repeatable)")
-    which.add_argument("--all-skus", action="store_true", help="every SKU the release requires (release.skus)")
+    which.add_argument("--all", action="store_true", help="every SKU the release requires (release.skus)")
     p.add_argument("--to", required=True, metavar="ALIAS", help="the alias to move (release.aliases)")
     p.add_argument(
         "--version",
@@ -104,7 +110,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler="pipeline.cli.commands:promote")
 
     p = sub.add_parser("releases", help="registered versions and aliases per SKU of a model")
-    p.add_argument("model")
+    p.add_argument("--model", required=True)
     p.add_argument("--history", action="store_true", help="also the alias moves (who, when, why)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler="pipeline.cli.commands:releases")
@@ -121,12 +127,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="show what would run (one dvc status), run nothing; renders pipelines/ like a run",
     )
     r.add_argument("--no-publish", action="store_true", help="stop at the manifests: record nothing in MLflow")
+    _wide(r)
     r.add_argument("--json", action="store_true")
     r.set_defaults(handler="pipeline.cli.commands:repro")
 
     s = sub.add_parser(
         "summary", help="the outcome of every (model, SKU) with its manifest's gates, metric deltas, latency"
     )
+    s.add_argument("--model", action="append", help="only this model (repeatable)")
+    s.add_argument("--sku", action="append", help="only this SKU (repeatable)")
+    s.add_argument(
+        "--outcome", action="append", help="only pairs with this outcome, e.g. passed, 'gate failed' (repeatable)"
+    )
+    _wide(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(handler="pipeline.cli.commands:summary")
 
@@ -138,6 +151,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="only this model (default: every model)")
     p.add_argument("--sku", action="append", help="only this SKU (repeatable; default: every SKU)")
     p.add_argument("--out", metavar="DIR", help="the folder to (re)write, inside the project (default: build/report)")
+    p.add_argument("--json", action="store_true", help="print the index's path and the pages written as JSON")
     p.set_defaults(handler="pipeline.cli.commands:report")
 
     rn = sub.add_parser("runner", help="this host as a CI runner: its state, whether it matches a SKU, runner labels")
