@@ -75,15 +75,20 @@ def test_render_is_a_no_op_when_current_and_removes_a_dropped_skus_files(tmp_pat
     assert render_pipelines(reg, check=True).current
 
 
-def test_config_validate_fails_while_the_pipeline_files_are_stale(tmp_path):
+def test_config_validate_names_stale_pipeline_files_without_failing(tmp_path, capsys):
     from pipeline.cli import main
 
     params = _project(tmp_path)
-    assert main(["--params", str(params), "config", "validate"]) == 1
+    assert main(["--params", str(params), "config", "validate", "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["pipelines_stale"] and "pipelines/" in out.err
     render_pipelines(load_registry(params))
-    assert main(["--params", str(params), "config", "validate"]) == 0
+    assert main(["--params", str(params), "config", "validate", "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["pipelines_stale"] == [] and "note:" not in out.err
     _project(tmp_path, {"b": ["here"]})
-    assert main(["--params", str(params), "config", "validate"]) == 1
+    assert main(["--params", str(params), "config", "validate", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pipelines_stale"]
 
 
 def _dvc(root: Path, *args: str) -> subprocess.CompletedProcess:

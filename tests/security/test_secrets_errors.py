@@ -262,7 +262,9 @@ def test_non_json_manifest(pair, command):
 
 
 def test_version_that_is_not_a_number(two):
-    proc = skuforge("promote", "--model", "conv", "--sku", "a", "--to", "candidate", "--version", "abc", cwd=two, env=env())
+    proc = skuforge(
+        "promote", "--model", "conv", "--sku", "a", "--to", "candidate", "--version", "abc", cwd=two, env=env()
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert "--version" in proc.stderr and "'abc' is not a version number" in proc.stderr, out
