@@ -354,6 +354,21 @@ def test_unknown_model_and_sku_lookup():
     assert "cpu_int8" in info.value.message
 
 
+def test_a_model_is_built_for_the_skus_it_selects():
+    reg = parse_registry(mutated("models.multi.skus", ["cpu_int8"]))
+    assert reg.pairs() == [("conv", "cpu"), ("conv", "cpu_int8"), ("multi", "cpu_int8")]
+    assert reg.pairs(models=["multi"]) == [("multi", "cpu_int8")]
+    assert reg.pairs(skus=["cpu"]) == [("conv", "cpu")]
+    assert parse_registry(base()).pairs(skus=["cpu"]) == [("conv", "cpu"), ("multi", "cpu")]
+
+
+def test_a_models_sku_selection_names_known_skus():
+    err = config_error(mutated("models.multi.skus", ["cpu_int"]))
+    assert "models.multi.skus: unknown SKU 'cpu_int'" in err.message and "did you mean 'cpu_int8'" in err.message
+    err = config_error(mutated("models.multi.skus", []))
+    assert "models.multi.skus: empty, so the model is built nowhere" in err.message
+
+
 # --- override merging ---------------------------------------------------------------------------
 
 

@@ -239,7 +239,7 @@ def test_repro_refreshes_the_checked_in_matrix(tmp_path):
     doc = json.loads((root / "reports/consistency/good.json").read_text())
     assert [s["sku"] for s in doc["skus"]] == ["fp32", "int8"] and doc["skipped"] == []
     # DVC caches (and pushes) the golden outputs with validate.json
-    lock = (root / "dvc.lock").read_text()
+    lock = (root / "pipelines/int8/run/dvc.lock").read_text() + (root / "pipelines/fp32/run/dvc.lock").read_text()
     assert "build/good/int8/outputs.npz" in lock and "build/good/fp32/outputs.npz" in lock
     before = (root / "reports/consistency/good.md").read_bytes()
     again = run(root, "repro", "--no-publish", "--json")

@@ -195,7 +195,10 @@ def test_repro_json_and_a_fixed_pair_loses_its_record(repro):
     proc = run(root, "repro", "--no-publish", "--model", "strict", "--model", "good", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(proc.stdout)
-    assert doc["exit_code"] == 0 and sorted(doc["targets"]) == ["manifest@good-int8", "manifest@strict-int8"]
+    assert doc["exit_code"] == 0 and sorted(doc["targets"]) == [
+        "pipelines/int8/run/dvc.yaml:manifest@good",
+        "pipelines/int8/run/dvc.yaml:manifest@strict",
+    ]
     rows = _by_pair(doc["matrix"])
     assert set(rows) == {(m, s) for m in ("good", "strict") for s in ("int8", "far")}
     assert rows[("strict", "int8")]["outcome"] == "passed", rows
@@ -407,7 +410,7 @@ def test_build_and_publish_failures_and_clearing(registry):
     )
     outcome_path(registry.root, "validate", "a", "here").unlink()
     outcome_path(registry.root, "build", "a", "here").unlink()
-    clear_outcomes(registry, ["manifest@a-here"])
+    clear_outcomes(registry, ["pipelines/here/run/dvc.yaml:manifest@a"])
     assert not outcome_path(registry.root, "bench", "a", "here").exists()
     row = matrix(registry, skus=["here"])[0]
     assert (row.outcome, row.exit_code) == ("not run", 0)
@@ -426,7 +429,7 @@ def test_a_stage_command_records_its_failure_and_clears_it_on_success(tmp_path, 
     params = str(tmp_path / "params.yaml")
     assert main(["--params", params, "build", "--model", "m", "--sku", "cpu"]) == 2  # nothing prepared yet
     assert not (tmp_path / "build").exists()  # run by hand: the message was on the screen, nothing recorded
-    monkeypatch.setenv("DVC_STAGE", "build@m-cpu")  # as dvc runs it
+    monkeypatch.setenv("DVC_STAGE", "pipelines/cpu/dvc.yaml:build@m")  # as dvc runs it
     assert main(["--params", params, "build", "--model", "m", "--sku", "cpu"]) == 2
     record = json.loads(outcome_path(tmp_path, "build", "m", "cpu").read_text())
     assert (record["stage"], record["model"], record["sku"], record["exit_code"]) == ("build", "m", "cpu", 2)

@@ -9,6 +9,9 @@ from pathlib import Path
 import yaml
 
 from pipeline.core.paths import Layout
+from pipeline.engine.matrix import pipeline_file
+from pipeline.ops.pipelines import pipeline_files
+from pipeline.project.config import load_registry
 from pipeline.results.dvcmetrics import pair_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -16,12 +19,27 @@ ROOT = Path("/project")
 L = Layout(ROOT)
 
 
+def sku_files() -> dict[str, dict]:
+    """The per-SKU pipeline files the repository's registry renders for its first SKU, that SKU's
+    name written S: (model, SKU) stages run once per model, ``${item}``."""
+    registry = load_registry(REPO / "params.yaml")
+    sku = next(iter(registry.skus))
+    return {
+        "build": yaml.safe_load(pipeline_files(registry)[pipeline_file(sku, run=False)].replace(sku, "S")),
+        "run": yaml.safe_load(pipeline_files(registry)[pipeline_file(sku, run=True)].replace(sku, "S")),
+    }
+
+
 def dvc_stages() -> dict:
-    return yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    """dvc.yaml's stages, with the (model, SKU) stages of the SKU files as their per-model body."""
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    for doc in sku_files().values():
+        stages.update({name: stage["do"] for name, stage in doc["stages"].items()})
+    return stages
 
 
 def substitute(text: str) -> str:
-    for var, value in (("${key}", "M"), ("${item.model}", "M"), ("${item.sku}", "S")):
+    for var, value in (("${key}", "M"), ("${item}", "M")):
         text = text.replace(var, value)
     return text
 
@@ -112,9 +130,22 @@ def test_every_stage_depends_on_its_resolved_config_file():
 
 
 def test_stage_families_in_repro_match_dvc_yaml():
-    from pipeline.engine.matrix import EXAMPLE_STAGES, GLOBAL_STAGES, MODEL_STAGES, PAIR_STAGES
+    from pipeline.engine.matrix import (
+        BUILD_STAGES,
+        EXAMPLE_STAGES,
+        GLOBAL_STAGES,
+        MODEL_STAGES,
+        PAIR_STAGES,
+        RUN_STAGES,
+    )
 
-    stages = dvc_stages()
-    assert set(stages) == {*GLOBAL_STAGES, *EXAMPLE_STAGES, *MODEL_STAGES, *PAIR_STAGES}
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    assert set(stages) == {*GLOBAL_STAGES, *EXAMPLE_STAGES, *MODEL_STAGES}
     assert all("foreach" in stages[s] for s in (*EXAMPLE_STAGES, *MODEL_STAGES))
-    assert all("matrix" in stages[s] for s in PAIR_STAGES)
+    files = sku_files()
+    assert tuple(files["build"]["stages"]) == BUILD_STAGES and tuple(files["run"]["stages"]) == RUN_STAGES
+    assert (*BUILD_STAGES, *RUN_STAGES) == PAIR_STAGES
+    # each runs at the project root: commands and lock paths as if dvc.yaml held them
+    for name, doc in files.items():
+        depth = len(Path(pipeline_file("S", run=name == "run")).parent.parts)
+        assert all(s["do"]["wdir"] == "/".join([".."] * depth) for s in doc["stages"].values()), name

@@ -42,20 +42,67 @@ def test_sku_statuses(registry):
 
 def test_targets_are_the_buildable_pairs(registry):
     built, skipped = targets(registry, None, None)
-    assert built == ["publish@a-here", "publish@a-here_int8", "publish@b-here", "publish@b-here_int8"]
+    assert built == [
+        "pipelines/here/run/dvc.yaml:publish@a",
+        "pipelines/here_int8/run/dvc.yaml:publish@a",
+        "pipelines/here/run/dvc.yaml:publish@b",
+        "pipelines/here_int8/run/dvc.yaml:publish@b",
+    ]
     assert [s.sku for s in skipped] == ["there"]
     built, skipped = targets(registry, ["b"], ["here", "there"])
-    assert built == ["publish@b-here"] and [s.sku for s in skipped] == ["there"]
+    assert built == ["pipelines/here/run/dvc.yaml:publish@b"] and [s.sku for s in skipped] == ["there"]
     built, _ = targets(registry, ["b"], ["here"], publish=False)
-    assert built == ["manifest@b-here"]
+    assert built == ["pipelines/here/run/dvc.yaml:manifest@b"]
+
+
+def test_a_sku_this_host_only_builds_is_targeted_at_its_build_stage(registry):
+    statuses = sku_statuses(registry)
+    for s in statuses:
+        if s.sku == "here_int8":
+            s.runnable = False
+    built, skipped = targets(registry, ["a"], None, statuses=statuses)
+    assert built == ["pipelines/here/run/dvc.yaml:publish@a", "pipelines/here_int8/dvc.yaml:build@a"]
+    assert [s.sku for s in skipped] == ["here_int8", "there"]
+
+
+def test_targets_follow_the_models_sku_selection(tmp_path):
+    data = {
+        "defaults": {},
+        "examples": {},
+        "models": {
+            "a": {**models.conv_bn_spec("models/a"), "skus": ["here_int8"]},
+            "b": models.conv_bn_spec("models/b"),
+        },
+        "skus": {"here": models.ort_sku("fp32"), "here_int8": models.ort_sku("int8")},
+    }
+    registry = parse_registry(data, root=tmp_path)
+    assert registry.pairs() == [("a", "here_int8"), ("b", "here"), ("b", "here_int8")]
+    built, _ = targets(registry, None, None)
+    assert built == [
+        "pipelines/here_int8/run/dvc.yaml:publish@a",
+        "pipelines/here/run/dvc.yaml:publish@b",
+        "pipelines/here_int8/run/dvc.yaml:publish@b",
+    ]
+    with pytest.raises(ConfigError, match="model a is built for none of the SKUs asked for: here") as info:
+        targets(registry, ["a"], ["here"])
+    assert "models.a.skus" in info.value.hint
 
 
 def test_upstream_of_a_publish_target_is_the_whole_chain(registry):
     from pipeline.ops.repro import upstream_stages
 
-    names = upstream_stages(registry, ["publish@a-here"])
-    assert {f"{s}@a-here" for s in ("build", "validate", "bench", "manifest", "publish")} <= names
-    assert not any(n.endswith("-here_int8") or n.startswith("publish@b") for n in names)
+    names = upstream_stages(registry, ["pipelines/here/run/dvc.yaml:publish@a"])
+    assert names == {
+        "config",
+        *(f"{s}@a" for s in ("prepare", "data", "reference", "calibrate")),
+        "pipelines/here/dvc.yaml:build@a",
+        *(f"pipelines/here/run/dvc.yaml:{s}@a" for s in ("validate", "bench", "manifest", "publish")),
+    }
+    assert upstream_stages(registry, ["pipelines/here/dvc.yaml:build@b"]) == {
+        "config",
+        *(f"{s}@b" for s in ("prepare", "data", "reference", "calibrate")),
+        "pipelines/here/dvc.yaml:build@b",
+    }
 
 
 def test_targets_refuse_unknown_names(registry):
@@ -67,7 +114,7 @@ def test_targets_refuse_unknown_names(registry):
 
 def test_repro_outside_a_dvc_repository(tmp_path):
     with pytest.raises(InputError) as info:
-        run_dvc_repro(tmp_path, ["manifest@a-here"])
+        run_dvc_repro(tmp_path, ["pipelines/here/run/dvc.yaml:manifest@a"])
     assert "not a DVC repository" in info.value.message and "dvc init" in info.value.hint
 
 
@@ -187,3 +234,16 @@ def test_dvc_refusing_its_lock_file_says_how_to_rebuild_it(tmp_path):
     assert err.exit_code == 2 and "delete it" in err.hint and "dvc.yaml" not in err.hint
     err = dvc_failure(tmp_path, 255, "ERROR: './dvc.yaml' is invalid.\n")
     assert err.hint == "fix dvc.yaml / params.yaml as dvc says"
+
+
+def test_a_conflicted_per_sku_lock_is_refused_naming_it(tmp_path):
+    from pipeline.core.errors import MalformedFile
+
+    (tmp_path / ".dvc").mkdir()
+    lock = tmp_path / "pipelines" / "here" / "run" / "dvc.lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text(CONFLICTED_LOCK)
+    with pytest.raises(MalformedFile) as info:
+        run_dvc_repro(tmp_path, ["pipelines/here/run/dvc.yaml:publish@a"])
+    assert info.value.message.startswith(f"{lock} has an unresolved git merge conflict: line 7")
+    assert "delete dvc.lock" in info.value.hint

@@ -57,7 +57,8 @@ def assemble(args: argparse.Namespace) -> int:
     if args.json:
         _json(result)
         return 0
-    print(f"dvc.lock {'updated' if result['changed'] else 'unchanged'} from the SKUs {', '.join(result['skus'])}")
+    written = ", ".join(result["written"])
+    print(f"locks from the SKUs {', '.join(result['skus'])}: {f'updated {written}' if written else 'unchanged'}")
     for line in refresh_lines(result["consistency"]):
         print(line)
     return 0

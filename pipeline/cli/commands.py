@@ -21,6 +21,7 @@ from pipeline.core.errors import ConfigError, EnvironmentProblem, SkuforgeError
 from pipeline.core.paths import Layout
 from pipeline.engine.matrix import OUTCOMES, PairOutcome, matrix, sku_statuses, worst_exit
 from pipeline.ops.hostreport import check_report, class_labels, load_classes, probe_report
+from pipeline.ops.pipelines import hide_from_dvc, move_pair_locks, render_pipelines
 from pipeline.ops.repro import DvcFailed, ProjectStatus, clear_outcomes, run_dvc_repro, targets, upstream_stages
 from pipeline.project.config import load_registry
 from pipeline.report import write_site
@@ -152,9 +153,26 @@ def run_stage(args: argparse.Namespace) -> int:
 
 
 def config_validate(args: argparse.Namespace) -> int:
+    """Exit 0 for a valid registry; per-SKU pipeline files it renders differently are a note, not a
+    failure (`skuforge repro` renders them before it runs: a project that never ran it has none)."""
     reg = _registry(args)
-    data = {"params": args.params, "models": sorted(reg.models), "skus": sorted(reg.skus), "valid": True}
+    pipelines = render_pipelines(reg, check=True)
+    stale = sorted(pipelines.differ + pipelines.removed)
+    data = {
+        "params": args.params,
+        "models": sorted(reg.models),
+        "skus": sorted(reg.skus),
+        "valid": True,
+        "pipelines_stale": stale,
+    }
     _emit(args, data, lambda: f"{args.params}: valid ({len(reg.models)} models, {len(reg.skus)} SKUs)")
+    if stale:
+        print(
+            f"note: {len(stale)} per-SKU pipeline file(s) differ from what the registry renders "
+            f"({', '.join(stale[:3])}{', ...' if len(stale) > 3 else ''}): `skuforge repro` renders them "
+            "(`--dry` renders without running); commit pipelines/ for plain `dvc repro -P`",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -202,8 +220,15 @@ def export_example(args: argparse.Namespace) -> int:
 def repro(args: argparse.Namespace) -> int:
 
     reg = _registry(args)
-    status = None if args.force else ProjectStatus(reg.root)
-    dvc_targets, skipped = targets(reg, args.model, args.sku, publish=not args.no_publish)
+    render_pipelines(reg)  # dvc reads them next: current for this registry (a no-op when they are)
+    move_pair_locks(reg)  # a project built before pipelines/ keeps its runs
+    status = None if args.force else ProjectStatus(reg.root)  # runs while the host is checked
+    all_statuses = sku_statuses(reg)
+    _, host_filter_changed = hide_from_dvc(reg, all_statuses)
+    if status is not None and host_filter_changed:  # DVC sees other stages now: ask again
+        status.cancel()
+        status = ProjectStatus(reg.root)
+    dvc_targets, skipped = targets(reg, args.model, args.sku, publish=not args.no_publish, statuses=all_statuses)
     for s in skipped:
         what = "building only (validate and bench need the target)" if s.buildable else "skipping"
         print(
@@ -225,6 +250,11 @@ def repro(args: argparse.Namespace) -> int:
         clear_outcomes(reg, dvc_targets)  # this run records again what still fails
     if stale == []:
         print("Data and pipelines are up to date.", file=sys.stderr)
+    elif args.dry and stale is not None:  # the one status call answers: no second dvc run
+        changes = status.changes() if status is not None else None
+        for name in stale:
+            print(f"{name}: {_changed(changes[name] if changes else [])}", file=sys.stderr)
+        print("(and every stage downstream of these)", file=sys.stderr)
     else:
         try:
             run_dvc_repro(reg.root, dvc_targets, force=args.force, dry=args.dry, keep_going=True)
@@ -233,9 +263,10 @@ def repro(args: argparse.Namespace) -> int:
                 raise
             failed = exc  # the matrix below says which pairs and why
     if args.dry:
-        _emit(args, {"targets": dvc_targets, "skipped": [s.to_json() for s in skipped]}, lambda: "")
+        dry = {"targets": dvc_targets, "skipped": [s.to_json() for s in skipped], "stale": stale}
+        _emit(args, dry, lambda: "")
         return 0
-    statuses = [s for s in sku_statuses(reg) if not args.sku or s.sku in args.sku]
+    statuses = [s for s in all_statuses if not args.sku or s.sku in args.sku]
     try:
         rows = matrix(reg, args.model, [s.sku for s in statuses], statuses)
     except SkuforgeError:
@@ -258,6 +289,19 @@ def repro(args: argparse.Namespace) -> int:
         lambda: matrix_text(rows, args.wide),
     )
     return code
+
+
+def _changed(entries: list[Any]) -> str:
+    """dvc status's reasons for one stage on one line: ``changed deps: build/config/a.json (modified)``."""
+    parts = []
+    for entry in entries:
+        if isinstance(entry, dict):
+            for what, files in entry.items():
+                shown = ", ".join(f"{f} ({c})" for f, c in files.items()) if isinstance(files, dict) else str(files)
+                parts.append(f"{what}: {shown}")
+        else:
+            parts.append(str(entry))
+    return "; ".join(parts) or "changed"
 
 
 def _consistency_reports(reg, models: list[str] | None) -> tuple[dict[str, Any], int]:

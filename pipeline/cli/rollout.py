@@ -169,7 +169,7 @@ def rollout_plan(args: argparse.Namespace) -> int:
     released = releases_of(state.targets.signed, args.model)
     rid = args.release or (released[-1] if released else None)
     doc = release_doc(store, args.model, rid) if rid in released else None
-    skus = list(doc["skus"]) if doc else reg.release_skus()
+    skus = list(doc["skus"]) if doc else [s for _, s in reg.pairs(models=[args.model], skus=reg.release_skus())]
     waves = controller.rollout_waves(reg, args.waves, args.bake)
     p = plan(
         inventory, waves, f"{args.model}-{rid or 'next'}", skus, reg.rollout.fallback_sku, labels=args.labels or ()

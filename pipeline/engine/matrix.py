@@ -59,19 +59,35 @@ def sku_statuses(registry: Registry, cached: bool = True) -> list[SkuStatus]:
     return out
 
 
-# dvc.yaml's stages: once per project, per example, per model, per (model, SKU)
+# The pipeline's stages: in dvc.yaml once per project, per example and per model; per (model, SKU)
+# in the SKU's own files (pipeline/ops/pipelines.py renders them): BUILD_STAGES in
+# pipelines/<sku>/dvc.yaml, RUN_STAGES (they need the target itself) in pipelines/<sku>/run/dvc.yaml.
 GLOBAL_STAGES = ("config",)
 EXAMPLE_STAGES = ("export",)
 MODEL_STAGES = ("prepare", "data", "reference", "calibrate")
 PAIR_STAGES = ("build", "validate", "bench", "manifest", "publish")
+BUILD_STAGES = PAIR_STAGES[:1]
+RUN_STAGES = PAIR_STAGES[1:]
+PIPELINES_DIR = "pipelines"
 
 
-def split_pair(registry: Registry, item: str) -> tuple[str, str]:
-    return next(
-        (m, item[len(m) + 1 :])
-        for m in registry.models
-        if item.startswith(f"{m}-") and item[len(m) + 1 :] in registry.skus
-    )
+def pipeline_file(sku: str, run: bool) -> str:
+    """The SKU's dvc.yaml holding its build stages, or (``run``) the stages that need the target."""
+    return f"{PIPELINES_DIR}/{sku}/run/dvc.yaml" if run else f"{PIPELINES_DIR}/{sku}/dvc.yaml"
+
+
+def stage_address(stage: str, model: str, sku: str) -> str:
+    """How dvc names a (model, SKU) stage: ``pipelines/<sku>/run/dvc.yaml:bench@<model>``."""
+    return f"{pipeline_file(sku, stage in RUN_STAGES)}:{stage}@{model}"
+
+
+def parse_address(address: str) -> tuple[str, str | None, str | None]:
+    """(stage, model or example, SKU) of a dvc stage address; None where the stage has none."""
+    path, _, name = address.rpartition(":")
+    stage, _, item = name.partition("@")
+    parts = path.split("/")
+    sku = parts[1] if len(parts) > 1 and parts[0] == PIPELINES_DIR else None
+    return stage, item or None, sku
 
 
 # --- the matrix ---------------------------------------------------------------------------------
@@ -124,8 +140,9 @@ def matrix(
     skus: list[str] | None = None,
     statuses: list[SkuStatus] | None = None,
 ) -> list[PairOutcome]:
-    """One outcome per (model, SKU), in registry order, from the manifests, the outcome records the
-    stage commands left and what this host can do (``statuses``: sku_statuses, computed when None).
+    """One outcome per (model, SKU) the registry builds (Registry.pairs), in registry order, from
+    the manifests, the outcome records the stage commands left and what this host can do
+    (``statuses``: sku_statuses, computed when None).
 
     A record counts only when it is newer than the pair's manifest; of several, the newest (a
     stage that succeeds removes its own record, and `skuforge repro` clears those of its targets).
@@ -135,13 +152,15 @@ def matrix(
     base = registry.root / OUTCOMES_DIR
     config = read_outcome(base / "config.json")
     rows = []
-    for model in models or list(registry.models):
-        upstream = [r for r in (config, *(read_outcome(base / model / f"{st}.json") for st in MODEL_STAGES)) if r]
-        for sku in skus or list(registry.skus):
-            row = _pair_outcome(registry, model, sku, by_sku.get(sku), upstream)
-            if row.manifest is not None:
-                row.manifest.pop("failures")  # said in ``detail``
-            rows.append(row)
+    upstream: dict[str, list[dict[str, Any]]] = {}
+    for model, sku in registry.pairs(models or None, skus or None):
+        if model not in upstream:
+            records = (config, *(read_outcome(base / model / f"{st}.json") for st in MODEL_STAGES))
+            upstream[model] = [r for r in records if r]
+        row = _pair_outcome(registry, model, sku, by_sku.get(sku), upstream[model])
+        if row.manifest is not None:
+            row.manifest.pop("failures")  # said in ``detail``
+        rows.append(row)
     return rows
 
 

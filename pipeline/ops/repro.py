@@ -10,8 +10,9 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-from pipeline.core.errors import EnvironmentProblem, InputError, MalformedFile, SkuforgeError
+from pipeline.core.errors import ConfigError, EnvironmentProblem, InputError, MalformedFile, SkuforgeError
 from pipeline.core.io import MERGE_CONFLICT_FIX, merge_conflict
 from pipeline.core.processes import stop_group
 from pipeline.core.redact import redact
@@ -20,43 +21,55 @@ from pipeline.engine.matrix import (
     GLOBAL_STAGES,
     MODEL_STAGES,
     PAIR_STAGES,
+    PIPELINES_DIR,
     SkuStatus,
+    parse_address,
     sku_statuses,
-    split_pair,
+    stage_address,
 )
 from pipeline.project.config import Registry
 from pipeline.results.outcomes import clear_outcome
 
 
 def targets(
-    registry: Registry, models: list[str] | None, skus: list[str] | None, publish: bool = True
+    registry: Registry,
+    models: list[str] | None,
+    skus: list[str] | None,
+    publish: bool = True,
+    statuses: list[SkuStatus] | None = None,
 ) -> tuple[list[str], list[SkuStatus]]:
-    """dvc targets for this host, and the SKUs it cannot take all the way.
+    """dvc targets (stage addresses) for this host, and the SKUs it cannot take all the way.
 
     A SKU this host can build and run goes to its publish stage (its manifest with
     ``publish=False``); one it can only build (a cross-compiled engine) goes to its build stage,
-    and its runner validates, benches and publishes it.
+    and its runner validates, benches and publishes it. Only the pairs the registry builds
+    (Registry.pairs: ``models.<m>.skus``). ``statuses``: sku_statuses, computed when None.
     """
     for m in models or []:
         registry.model(m)
     for s in skus or []:
         registry.sku(s)
-    statuses = [s for s in sku_statuses(registry) if not skus or s.sku in skus]
-    wanted_models = models or list(registry.models)
+    statuses = [s for s in (sku_statuses(registry) if statuses is None else statuses) if not skus or s.sku in skus]
+    by_sku = {s.sku: s for s in statuses}
+    pairs = registry.pairs(models or None, list(by_sku))
+    if models and skus and not pairs:
+        raise ConfigError(
+            f"model {', '.join(models)} is built for none of the SKUs asked for: {', '.join(skus)}",
+            hint=f"add the SKU to models.{models[0]}.skus in params.yaml, or ask for one listed there",
+        )
     last = PAIR_STAGES[-1] if publish else "manifest"
-    out = [f"{last if s.runnable else 'build'}@{m}-{s.sku}" for m in wanted_models for s in statuses if s.buildable]
+    out = [stage_address(last if by_sku[s].runnable else "build", m, s) for m, s in pairs if by_sku[s].buildable]
     return out, [s for s in statuses if not (s.buildable and s.runnable)]
 
 
-# Stage families of dvc.yaml (tests/test_paths.py keeps them in step with it).
 def upstream_stages(registry: Registry, dvc_targets: list[str]) -> set[str]:
-    """The dvc.yaml stages the targets depend on, targets included."""
+    """The stage addresses the targets depend on, targets included."""
     names: set[str] = set(GLOBAL_STAGES) | {f"{s}@{e}" for s in EXAMPLE_STAGES for e in registry.examples}
     for target in dvc_targets:
-        stage, _, pair = target.partition("@")
-        model, sku = split_pair(registry, pair)
+        stage, model, sku = parse_address(target)
+        assert model is not None and sku is not None, target  # targets() makes (model, SKU) addresses only
         names |= {f"{s}@{model}" for s in MODEL_STAGES}
-        names |= {f"{s}@{model}-{sku}" for s in PAIR_STAGES[: PAIR_STAGES.index(stage) + 1]}
+        names |= {stage_address(s, model, sku) for s in PAIR_STAGES[: PAIR_STAGES.index(stage) + 1]}
     return names
 
 
@@ -83,10 +96,11 @@ DVC_FILES = {
 
 
 def refuse_merge_conflicts(root: Path) -> None:
-    """MalformedFile (exit 2) naming the file and line when dvc.lock, dvc.yaml or params.yaml still
+    """MalformedFile (exit 2) naming the file and line when a dvc.lock, dvc.yaml or params.yaml still
     holds a git merge conflict: dvc would fail on it with a parse error that does not say so."""
-    for name, fix in DVC_FILES.items():
-        path = root / name
+    per_sku = [p for pattern in ("*/dvc.lock", "*/run/dvc.lock") for p in sorted((root / PIPELINES_DIR).glob(pattern))]
+    for path in [*(root / name for name in DVC_FILES), *per_sku]:
+        fix = DVC_FILES[path.name]
         try:
             text = path.read_text(encoding="utf-8", errors="replace")
         except OSError:
@@ -109,13 +123,29 @@ class ProjectStatus:
             [_dvc(root), "status", "--json"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
         )
 
+        self._status: dict[str, Any] | None = None
+
+    def cancel(self) -> None:
+        """Stop the status run: what it reads changed since it started."""
+        self.proc.kill()
+        self.proc.communicate()
+        self._status = None
+
+    def changes(self) -> dict[str, Any] | None:
+        """Stage address -> what DVC found changed, for every stage it would run; None when the
+        status could not be read."""
+        if self.proc.returncode is None:
+            out, _ = self.proc.communicate()
+            try:
+                status = json.loads(out) if self.proc.returncode == 0 else None
+            except ValueError:
+                status = None
+            self._status = status if isinstance(status, dict) else None
+        return self._status
+
     def stale(self, stages: set[str]) -> list[str] | None:
         """Which of ``stages`` DVC would run; None when the status could not be read."""
-        out, _ = self.proc.communicate()
-        try:
-            status = json.loads(out) if self.proc.returncode == 0 else None
-        except ValueError:
-            status = None
+        status = self.changes()
         return None if status is None else sorted(set(status) & stages)
 
 
@@ -332,11 +362,10 @@ def clear_outcomes(registry: Registry, dvc_targets: list[str]) -> None:
     """Forget the recorded failures of every stage the targets depend on: the run about to start
     records them again where they still fail (a stage dvc skips as up to date has succeeded)."""
     for name in upstream_stages(registry, dvc_targets):
-        stage, _, item = name.partition("@")
-        if not item:
+        stage, item, sku = parse_address(name)
+        if item is None:
             clear_outcome(registry.root, stage)
         elif stage in MODEL_STAGES:
             clear_outcome(registry.root, stage, item)
-        elif stage in PAIR_STAGES:
-            model, sku = split_pair(registry, item)
-            clear_outcome(registry.root, stage, model, sku)
+        elif stage in PAIR_STAGES and sku is not None:
+            clear_outcome(registry.root, stage, item, sku)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Iterable
 from itertools import pairwise
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -365,6 +366,11 @@ class ModelSpec(Strict):
         description="SKU -> ONNX nodes of the prepared model kept in higher precision than the "
         "SKU's (excluded from INT8 quantization, FP32 in an FP16 engine); "
         "skuforge bisect --fix writes it",
+    )
+    skus: list[str] | None = Field(
+        None,
+        description="the SKUs this model is built for, in any order (default: every SKU); the others "
+        "get no stages, config files or matrix rows",
     )
 
     @model_validator(mode="after")
@@ -869,8 +875,18 @@ class Registry(Strict):
             pins.update({k: p.opt for k, p in s.profiles.items() if k in axes})
         return pins
 
-    def pairs(self) -> list[tuple[str, str]]:
-        return [(m, s) for m in self.models for s in self.skus]
+    def pairs(self, models: Iterable[str] | None = None, skus: Iterable[str] | None = None) -> list[tuple[str, str]]:
+        """Every (model, SKU) the registry builds, model-major in registry order: each model with the
+        SKUs ``models.<m>.skus`` selects (all when unset). ``models`` / ``skus`` narrow it (None: all)."""
+        wanted_models = set(self.models if models is None else models)
+        wanted_skus = set(self.skus if skus is None else skus)
+        return [
+            (m, s)
+            for m, spec in self.models.items()
+            if m in wanted_models
+            for s in self.skus
+            if s in wanted_skus and (spec.skus is None or s in spec.skus)
+        ]
 
     def release_skus(self) -> list[str]:
         """The SKUs a release requires (promote --all)."""
@@ -1013,6 +1029,14 @@ def _check_cross_references(registry: Registry, source: str) -> None:
                         f"skus.{sname}.shapes.{axis}: only the batch axis may be re-pinned per SKU "
                         f"(datasets are generated at models.{name}.pins.{axis}={model.pins[axis]})"
                     )
+        for listed in model.skus or []:
+            if listed not in registry.skus:
+                problems.append(
+                    f"models.{name}.skus: unknown SKU {listed!r}{did_you_mean(listed, registry.skus)}; "
+                    f"known SKUs: {', '.join(sorted(registry.skus))}"
+                )
+        if model.skus == []:
+            problems.append(f"models.{name}.skus: empty, so the model is built nowhere; list a SKU or remove the key")
     for listed in registry.release.skus or []:
         if listed not in registry.skus:
             problems.append(
@@ -1088,7 +1112,7 @@ def _resolution_problems(registry: Registry) -> list[str]:
         classes = sorted({kind for kind in model.output_kinds.values() if kind in CLASS_KINDS})
         if golden is None or not classes or model.datasets.evaluation or model.datasets.hard_tail:
             continue
-        for sname in registry.skus:
+        for _, sname in registry.pairs(models=[name]):
             for kind in classes:
                 tol = registry.tolerance(name, sname).for_kind(kind)
                 if tol.min_top1_agreement <= 0:
@@ -1117,7 +1141,8 @@ def _size_problems(registry: Registry) -> list[str]:
             pinned.setdefault(model.batch_axis, (1, None))
         found = {i: _tensor_problem(name, model, i, pinned, f"models.{name}.") for i in range(len(model.inputs))}
         problems += [p for p in found.values() if p]
-        for sname, sku in registry.skus.items():
+        for _, sname in registry.pairs(models=[name]):
+            sku = registry.skus[sname]
             largest = {
                 **pinned,
                 **{a: (v, f"skus.{sname}.shapes.{a}") for a, v in sku.shapes.items() if a in axes},

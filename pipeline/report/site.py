@@ -630,7 +630,7 @@ def write_site(
         registry.sku(s)
     target = _target(registry, out)
     layout = Layout(registry.root)
-    pairs = {(m, s): load_pair(layout, _safe(m), _safe(s)) for m in models for s in skus}
+    pairs = {(m, s): load_pair(layout, _safe(m), _safe(s)) for m, s in registry.pairs(models, skus)}
     index_notes: list[str] = []
     outcomes = _outcomes(registry, models, pairs, index_notes)
     env = _environment()
@@ -640,7 +640,7 @@ def write_site(
         counts: dict[str, int] = {}
         for m in models:
             rows, listed = [], []
-            for s in skus:
+            for s in [s for pm, s in pairs if pm == m]:  # the SKUs the model selects
                 pair, outcome = pairs[m, s], outcomes[m, s]
                 counts[outcome[0]] = counts.get(outcome[0], 0) + 1
                 href = None

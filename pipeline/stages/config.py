@@ -28,7 +28,8 @@ def resolved(registry: Registry) -> dict[str, dict[str, Any]]:
             "spec": spec.model_dump(mode="json", exclude={"higher_precision"}),
             "pins": registry.pins(model),
         }
-        for sku, sku_spec in registry.skus.items():
+        for _, sku in registry.pairs(models=[model]):
+            sku_spec = registry.skus[sku]
             files[out.config_file(model, sku).name] = {
                 "model": model,
                 "sku": sku,

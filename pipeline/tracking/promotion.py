@@ -101,7 +101,9 @@ def _why(registry: Registry, alias: str, reason: str | None, action: str) -> str
 
 def _skus(registry: Registry, model: str, skus: list[str] | None) -> list[str]:
     registry.model(model)
-    wanted = registry.release_skus() if skus is None else list(dict.fromkeys(skus))
+    if skus is None:  # the release's SKUs the model is built for (models.<m>.skus)
+        return [s for _, s in registry.pairs(models=[model], skus=registry.release_skus())]
+    wanted = list(dict.fromkeys(skus))
     for sku in wanted:
         registry.sku(sku)
     return wanted

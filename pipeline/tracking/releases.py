@@ -68,7 +68,7 @@ def list_releases(
             )
         )
     skus.sort(key=lambda s: s.sku)
-    required = registry.release_skus()
+    required = [s for _, s in registry.pairs(models=[model], skus=registry.release_skus())]
     published = {s.sku for s in skus if s.versions}
     return ReleaseListing(
         model=model,

@@ -102,7 +102,7 @@ def consistency(registry: Registry, model: str) -> ConsistencyReport:
     compared: list[ComparedSku] = []
     skipped: list[SkippedSku] = []
     arrays: dict[str, dict[str, np.ndarray]] = {}
-    for sku in registry.skus:
+    for _, sku in registry.pairs(models=[model]):
         found = _sku_outputs(registry, out, model, sku, ref, expected)
         if isinstance(found, str):
             skipped.append(SkippedSku(sku=sku, reason=found))

@@ -331,6 +331,7 @@ def test_build_job_steps_replay_for_a_cpu_sku(tmp_path):
     manifest = work / "manifests/conv/cpu_fp32.json"
     validate_document(json.loads(manifest.read_text()))
     assert (work / "build/ci/cpu_fp32/dvc.lock").is_file()
+    assert (work / "build/ci/cpu_fp32/pipelines/cpu_fp32/run/dvc.lock").is_file()
     summary = files["GITHUB_STEP_SUMMARY"].read_text()
     assert "### skuforge: cpu_fp32" in summary and "| conv | yes |" in summary
     assert any((remote / "runs").rglob("*")), "dvc push --run-cache pushed no run cache"
@@ -352,31 +353,38 @@ def test_assemble_takes_each_skus_stages_from_its_own_job(tmp_path):
     write_project(tmp_path, {"conv": conv_bn_spec()}, {"a": ort_sku(), "b": ort_sku()})
     reg = load_registry(tmp_path / "params.yaml")
 
-    def lock(sku: str, tag: str) -> None:
-        stages = {
-            "prepare@conv": {"cmd": f"prepare {tag}"},
-            "build@conv-a": {"cmd": f"build a {tag}"},
-            "build@conv-b": {"cmd": f"build b {tag}"},
-        }
-        path = tmp_path / "locks" / sku / "dvc.lock"
-        path.parent.mkdir(parents=True)
+    def write(path: Path, stages: dict) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump({"schema": "2.0", "stages": stages}))
+
+    def job(sku: str, tag: str) -> None:
+        """What SKU ``sku``'s job keeps: its root lock and its own two locks."""
+        kept = tmp_path / "locks" / sku
+        write(kept / "dvc.lock", {"prepare@conv": {"cmd": f"prepare {tag}"}})
+        write(kept / f"pipelines/{sku}/dvc.lock", {"build@conv": {"cmd": f"build {sku} {tag}"}})
+        write(kept / f"pipelines/{sku}/run/dvc.lock", {"validate@conv": {"cmd": f"validate {sku} {tag}"}})
 
     from pipeline.ci.assemble import assemble
     from pipeline.core.errors import InputError
 
     with pytest.raises(InputError, match="no <sku>/dvc.lock"):
         assemble(reg, tmp_path / "locks")
-    (tmp_path / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": {"config": {"cmd": "old"}}}))
-    lock("b", "from-b")
-    lock("a", "from-a")
+    # a lock of the one-file layout: its (model, SKU) entries now live in the SKU's own locks
+    write(tmp_path / "dvc.lock", {"config": {"cmd": "old"}, "build@conv-a": {"cmd": "old layout"}})
+    job("b", "from-b")
+    job("a", "from-a")
     result = assemble(reg, tmp_path / "locks")
     assert result["skus"] == ["a", "b"] and result["changed"]
+    assert result["written"] == [
+        "dvc.lock",
+        "pipelines/a/dvc.lock",
+        "pipelines/a/run/dvc.lock",
+        "pipelines/b/dvc.lock",
+        "pipelines/b/run/dvc.lock",
+    ]
     stages = yaml.safe_load((tmp_path / "dvc.lock").read_text())["stages"]
-    assert stages == {
-        "build@conv-a": {"cmd": "build a from-a"},
-        "build@conv-b": {"cmd": "build b from-b"},
-        "config": {"cmd": "old"},
-        "prepare@conv": {"cmd": "prepare from-a"},
-    }
+    assert stages == {"config": {"cmd": "old"}, "prepare@conv": {"cmd": "prepare from-a"}}
+    for sku in ("a", "b"):  # each SKU's own locks as its job wrote them
+        for name in (f"pipelines/{sku}/dvc.lock", f"pipelines/{sku}/run/dvc.lock"):
+            assert (tmp_path / name).read_bytes() == (tmp_path / "locks" / sku / name).read_bytes()
     assert assemble(reg, tmp_path / "locks")["changed"] is False

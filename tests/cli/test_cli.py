@@ -222,7 +222,13 @@ def test_config_validate_json(tmp_path):
     params = project(tmp_path)
     proc = skuforge("--params", str(params), "config", "validate", "--json", cwd=REPO)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout) == {"params": str(params), "models": ["m"], "skus": ["cpu"], "valid": True}
+    assert json.loads(proc.stdout) == {
+        "params": str(params),
+        "models": ["m"],
+        "skus": ["cpu"],
+        "valid": True,
+        "pipelines_stale": ["pipelines/cpu/dvc.yaml", "pipelines/cpu/run/dvc.yaml"],  # never rendered here
+    }
 
 
 def test_prepare_json(tmp_path):

@@ -26,6 +26,9 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # `tests.models` without relying on how pytest was started
     sys.path.insert(0, str(REPO))
 
+from pipeline.engine.matrix import stage_address  # noqa: E402
+from pipeline.ops.pipelines import render_pipelines  # noqa: E402
+from pipeline.project.config import load_registry  # noqa: E402
 from pipeline.results.manifest import validate_document  # noqa: E402
 from tests.models import conv_bn_model, conv_bn_spec, multi_io_model, multi_io_spec, ort_sku, write_project  # noqa: E402
 
@@ -171,11 +174,12 @@ def first(project) -> Run:
 
 @pytest.fixture(scope="module")
 def noop(project, first) -> tuple[Run, Run]:
-    """2. `skuforge repro` again with nothing changed, and `dvc status` of the buildable targets."""
+    """2. `skuforge repro` again with nothing changed, and plain `dvc status` of the whole project:
+    the SKU this host cannot build is hidden from DVC here (pipelines/far/.dvcignore)."""
     must(first)
     again = run(project, "skuforge", "repro")
     print(f"no-op skuforge repro: {again.seconds:.1f}s")
-    status = run(project, "dvc", "status", *[f"manifest@{m}-{s}" for m in MODELS for s in BUILDABLE])
+    status = run(project, "dvc", "status")
     return again, status
 
 
@@ -201,8 +205,12 @@ def sku_edit(project, noop) -> Run:
 
 @pytest.fixture(scope="module")
 def far_by_dvc(project, sku_edit) -> Run:
-    """4. Plain `dvc repro` of the build stage of the SKU this host cannot build."""
-    return run(project, "dvc", "repro", "build@conv-far")
+    """4. Plain `dvc repro` of the build stage of the SKU this host cannot build: refused while
+    `skuforge repro` hides it, and run (to fail) once the .dvcignore is gone (a fresh clone)."""
+    hidden = run(project, "dvc", "repro", "pipelines/far/dvc.yaml:build@conv")
+    assert hidden.returncode != 0 and "is dvc-ignored" in hidden.output, str(hidden)
+    (project / "pipelines/far/.dvcignore").unlink()
+    return run(project, "dvc", "repro", "pipelines/far/dvc.yaml:build@conv")
 
 
 @pytest.fixture(scope="module")
@@ -220,12 +228,13 @@ def gate_fail(project, far_by_dvc) -> Run:
 
 
 def test_empty_examples_foreach_is_accepted(project):
-    listed = must(run(project, "dvc", "stage", "list"))
+    render_pipelines(load_registry(project / "params.yaml"))  # as `skuforge repro` does first
+    listed = must(run(project, "dvc", "stage", "list", "--all"))
     names = {line.split()[0] for line in listed.stdout.splitlines() if line.strip()}
     assert not any(n.startswith("export") for n in names)
     assert {f"prepare@{m}" for m in MODELS} <= names
     assert {
-        f"{stage}@{m}-{s}"
+        stage_address(stage, m, s)
         for stage in ("build", "validate", "bench", "manifest", "publish")
         for m in MODELS
         for s in (*BUILDABLE, "far")
@@ -284,10 +293,10 @@ def test_sku_edit_reruns_only_that_sku(sku_edit):
     ran = sku_edit.stages
     assert ran, str(sku_edit)
     # the config stage re-resolves the registry; only cpu_int8's resolved files change
-    assert ran[0] == "config" and all(name.endswith("-cpu_int8") for name in ran[1:]), ran
-    assert {f"{stage}@{m}-cpu_int8" for stage in ("build", "validate", "manifest", "publish") for m in MODELS} <= set(
-        ran
-    ), ran
+    assert ran[0] == "config" and all(name.startswith("pipelines/cpu_int8/") for name in ran[1:]), ran
+    assert {
+        stage_address(stage, m, "cpu_int8") for stage in ("build", "validate", "manifest", "publish") for m in MODELS
+    } <= set(ran), ran
     files = sku_edit.files
     assert files["after"] == files["before"] and len(files["after"]) == len(MODELS)  # byte for byte
     assert len(files["builds"]) == len(MODELS)
@@ -313,7 +322,7 @@ def test_failing_gate_under_dvc_exits_1_and_keeps_report(gate_fail):
     assert gate_fail.returncode == 1, str(gate_fail)
     assert "failed validation" in gate_fail.output, str(gate_fail)
     # dvc keeps going: one line names every stage that failed
-    failed = re.findall(r"'validate@(\w+)-cpu_int8'", gate_fail.output)
+    failed = re.findall(r"'pipelines/cpu_int8/run/dvc.yaml:validate@(\w+)'", gate_fail.output)
     assert failed, str(gate_fail)
     assert re.search(rf"^{failed[0]}\s+cpu_int8\s+gate failed", gate_fail.stdout, re.M), str(gate_fail)
     report = json.loads(gate_fail.files[f"build/{failed[0]}/cpu_int8/validate.json"])
@@ -322,7 +331,9 @@ def test_failing_gate_under_dvc_exits_1_and_keeps_report(gate_fail):
     assert all(o["atol"] == 0.0 and o["rtol"] == 0.0 and o["max_mismatch"] == 0.0 for o in report["outputs"])
     assert not all(o["passed"] for o in report["outputs"])
     # only cpu_int8 was asked for (and the registry re-resolved)
-    assert all(name.endswith("-cpu_int8") for name in gate_fail.stages if name != "config"), gate_fail.stages
+    assert all(name.startswith("pipelines/cpu_int8/") for name in gate_fail.stages if name != "config"), (
+        gate_fail.stages
+    )
 
 
 # --- a user project that leaves optional registry sections out ------------------------------------
@@ -343,5 +354,5 @@ def test_dry_run_in_fresh_project(tmp_path):
     root = make_project(tmp_path / "p", models=("conv",), sku_table={"cpu_fp32": ort_sku("fp32")})
     result = run(root, "skuforge", "repro", "--dry")
     assert result.returncode == 0, str(result)
-    assert "build@conv-cpu_fp32" in result.output
+    assert "pipelines/cpu_fp32/dvc.yaml:build@conv" in result.output
     assert not (root / "build").exists()

@@ -538,3 +538,15 @@ def test_precision_gate_names_layers_that_ran_in_another_precision(tmp_path):
     with pytest.raises(GateFailed, match=r"precision: int8 was asked for but 1 layers ran in fp32.*pool \(ReduceSum"):
         validate(reg, "multi", "fail")
     assert read_json(Layout(reg.root).report("multi", "fail", "validate"))["precision_gate"]["passed"] is False
+
+
+def test_config_resolves_only_the_pairs_a_model_selects(tmp_path):
+    from pipeline.stages.config import write_config
+
+    table = {"a": {**models.conv_bn_spec("models/a"), "skus": ["int8"]}, "b": models.conv_bn_spec("models/b")}
+    reg = load_registry(
+        models.write_project(tmp_path, table, {"fp32": models.ort_sku(), "int8": models.ort_sku("int8")})
+    )
+    write_config(reg)
+    written = sorted(p.name for p in Layout(tmp_path).config_dir().glob("*.json"))
+    assert written == ["a-int8.json", "b-fp32.json", "b-int8.json", "model-a.json", "model-b.json"]

@@ -121,7 +121,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--model", action="append", help="only this model (repeatable)")
     r.add_argument("--sku", action="append", help="only this SKU (repeatable)")
     r.add_argument("--force", action="store_true", help="rerun stages even if unchanged")
-    r.add_argument("--dry", action="store_true", help="show what would run (dvc status), run nothing")
+    r.add_argument(
+        "--dry",
+        action="store_true",
+        help="show what would run (one dvc status), run nothing; renders pipelines/ like a run",
+    )
     r.add_argument("--no-publish", action="store_true", help="stop at the manifests: record nothing in MLflow")
     _wide(r)
     r.add_argument("--json", action="store_true")
