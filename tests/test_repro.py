@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import models
 import pytest
@@ -10,7 +13,7 @@ import pytest
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.engine.matrix import sku_statuses
 from pipeline.host.probe import host_arch
-from pipeline.ops.repro import DvcFailed, run_dvc_repro, targets
+from pipeline.ops.repro import STATUS_MEMO, DvcFailed, ProjectStatus, run_dvc_repro, targets, workspace_state
 from pipeline.project.config import parse_registry
 
 OTHER_ARCH = "aarch64" if host_arch() == "x86_64" else "x86_64"
@@ -247,3 +250,45 @@ def test_a_conflicted_per_sku_lock_is_refused_naming_it(tmp_path):
         run_dvc_repro(tmp_path, ["pipelines/here/run/dvc.yaml:publish@a"])
     assert info.value.message.startswith(f"{lock} has an unresolved git merge conflict: line 7")
     assert "delete dvc.lock" in info.value.hint
+
+
+def _dvc_project(root: Path) -> None:
+    """A real DVC project with one stage run once: `b` copied from `a`."""
+    dvc = str(Path(sys.executable).parent / "dvc")
+    env = {**os.environ, "DVC_NO_ANALYTICS": "1"}
+    (root / "a").write_text("one\n")
+    (root / "dvc.yaml").write_text("stages:\n  copy:\n    cmd: cp a b\n    deps: [a]\n    outs: [b]\n")
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    subprocess.run([dvc, "init", "-q"], cwd=root, check=True, env=env)
+    subprocess.run([dvc, "repro", "-q"], cwd=root, check=True, env=env, capture_output=True)
+
+
+@pytest.mark.slow
+def test_an_unchanged_workspace_reuses_dvc_status_and_any_change_asks_again(tmp_path):
+    """The status memo (repro --dry, a no-op repro in well under a second) answers only for the
+    exact workspace dvc answered for: an edited dependency, a deleted output or a new stage asks dvc."""
+    _dvc_project(tmp_path)
+    first = ProjectStatus(tmp_path)
+    assert not first.reused and first.changes() == {}
+    assert (tmp_path / STATUS_MEMO).is_file()
+    again = ProjectStatus(tmp_path)
+    assert again.reused and again.proc is None and again.stale({"copy"}) == []
+
+    (tmp_path / "a").write_text("two\n")  # same size, new content and mtime
+    edited = ProjectStatus(tmp_path)
+    assert not edited.reused and edited.stale({"copy"}) == ["copy"]
+    assert ProjectStatus(tmp_path).reused and ProjectStatus(tmp_path).stale({"copy"}) == ["copy"]
+
+    (tmp_path / "a").write_text("one\n")
+    assert ProjectStatus(tmp_path).stale({"copy"}) == []  # dvc's own answer: back as it was
+    (tmp_path / "b").unlink()
+    assert ProjectStatus(tmp_path).stale({"copy"}) == ["copy"]
+    (tmp_path / "b").write_text("one\n")
+    with (tmp_path / "dvc.yaml").open("a") as f:
+        f.write("  more:\n    cmd: cp b c\n    deps: [b]\n    outs: [c]\n")
+    assert ProjectStatus(tmp_path).stale({"copy", "more"}) == ["more"]
+
+
+def test_a_lock_that_is_not_yaml_never_reuses_an_answer(tmp_path):
+    (tmp_path / "dvc.lock").write_text("stages: [unclosed\n")
+    assert workspace_state(tmp_path) is None

@@ -264,7 +264,8 @@ def repro(args: argparse.Namespace) -> int:
             failed = exc  # the matrix below says which pairs and why
     if args.dry:
         dry = {"targets": dvc_targets, "skipped": [s.to_json() for s in skipped], "stale": stale}
-        _emit(args, dry, lambda: "")
+        if args.json:  # the text answer is what went to stderr above
+            _emit(args, dry, lambda: "")
         return 0
     statuses = [s for s in all_statuses if not args.sku or s.sku in args.sku]
     try:

@@ -3,7 +3,10 @@ command's failure was (outcome records), and the matrix of outcomes per (model, 
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import os
 import re
 import shutil
 import signal
@@ -13,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.errors import ConfigError, EnvironmentProblem, InputError, MalformedFile, SkuforgeError
-from pipeline.core.io import MERGE_CONFLICT_FIX, merge_conflict
+from pipeline.core.io import MERGE_CONFLICT_FIX, atomic_write_json, merge_conflict
 from pipeline.core.processes import stop_group
 from pipeline.core.redact import redact
 from pipeline.engine.matrix import (
@@ -110,37 +113,110 @@ def refuse_merge_conflicts(root: Path) -> None:
             raise MalformedFile(conflict, hint=fix)
 
 
+# `dvc status`'s last answer and the state of the workspace it answered for (.dvc/tmp: DVC's own
+# git-ignored scratch folder): a read-only `repro --dry`, or a no-op `repro`, on an unchanged
+# workspace answers from it in milliseconds instead of a multi-second dvc start.
+STATUS_MEMO = Path(".dvc") / "tmp" / "skuforge-status.json"
+# The files whose change can change dvc's answer besides the stages' own deps and outs.
+_DVC_FILES = ("dvc.yaml", "dvc.lock", ".dvcignore")
+_PROJECT_FILES = ("dvc.yaml", "dvc.lock", "params.yaml", ".dvcignore", ".dvc/config", ".dvc/config.local")
+
+
+def _stat_line(root: Path, path: Path) -> str:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return f"{path.relative_to(root)}\0-\n"
+    return f"{path.relative_to(root)}\0{st.st_mode}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n"
+
+
+def _walk(root: Path, path: Path, out: list[str]) -> None:
+    out.append(_stat_line(root, path))
+    if path.is_dir() and not path.is_symlink():
+        for entry in sorted(os.scandir(path), key=lambda e: e.name):
+            _walk(root, Path(entry.path), out)
+
+
+def workspace_state(root: Path) -> str | None:
+    """A digest of everything `dvc status` reads: the pipeline files, params.yaml, DVC's config and
+    ignore files, and (size, mtime, inode) of every file under each path a lock records as a
+    dependency or output. DVC itself trusts (size, mtime, inode) to skip re-hashing a file, so the
+    same state gives the same answer. None when a lock cannot be read (dvc then decides)."""
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    files = [root / name for name in _PROJECT_FILES]
+    pipelines = root / PIPELINES_DIR
+    if pipelines.is_dir():
+        files += sorted(p for p in pipelines.rglob("*") if p.name in _DVC_FILES)
+    recorded: set[str] = set()
+    for lock in (f for f in files if f.name == "dvc.lock" and f.is_file()):
+        try:
+            doc = yaml.load(lock.read_text(encoding="utf-8"), Loader=loader)  # noqa: S506 (a safe loader)
+            for stage in (doc or {}).get("stages", {}).values():
+                recorded.update(str(e["path"]) for kind in ("deps", "outs") for e in stage.get(kind) or [])
+        except (OSError, ValueError, yaml.YAMLError, AttributeError, KeyError, TypeError):
+            return None
+    lines = [_stat_line(root, f) for f in files]
+    for rel in sorted(recorded):
+        path = (root / rel).resolve()
+        if root.resolve() not in (path, *path.parents):  # a lock naming a path outside: dvc decides
+            return None
+        _walk(root, root / rel, lines)
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
 class ProjectStatus:
     """One `dvc status` of the whole project, started at once and read when needed.
 
     `dvc repro T1 T2 ...` re-reads dvc.yaml and dvc.lock once per target, which makes a no-op
     run slow with many SKUs; one status call answers "is anything to do?" at the cost of one
-    read, and runs while skuforge checks the host.
+    read, and runs while skuforge checks the host. When the workspace is as it was at the last
+    answer (``workspace_state``), that answer is reused and dvc does not start.
     """
 
     def __init__(self, root: Path):
-        self.proc = subprocess.Popen(
-            [_dvc(root), "status", "--json"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-        )
+        self.root = root
+        self.key = workspace_state(root)
+        self.proc: subprocess.Popen[str] | None = None
+        self._status: dict[str, Any] | None = self._remembered()
+        self.reused = self._status is not None
+        if not self.reused:
+            self.proc = subprocess.Popen(
+                [_dvc(root), "status", "--json"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            )
 
-        self._status: dict[str, Any] | None = None
+    def _remembered(self) -> dict[str, Any] | None:
+        if self.key is None:
+            return None
+        try:
+            memo = json.loads((self.root / STATUS_MEMO).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        ok = isinstance(memo, dict) and memo.get("state") == self.key and isinstance(memo.get("status"), dict)
+        return memo["status"] if ok else None
 
     def cancel(self) -> None:
         """Stop the status run: what it reads changed since it started."""
-        self.proc.kill()
-        self.proc.communicate()
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.communicate()
         self._status = None
 
     def changes(self) -> dict[str, Any] | None:
         """Stage address -> what DVC found changed, for every stage it would run; None when the
         status could not be read."""
-        if self.proc.returncode is None:
+        if self.proc is not None and self.proc.returncode is None:
             out, _ = self.proc.communicate()
             try:
                 status = json.loads(out) if self.proc.returncode == 0 else None
             except ValueError:
                 status = None
             self._status = status if isinstance(status, dict) else None
+            # remembered only when nothing changed while dvc looked
+            if self._status is not None and self.key is not None and workspace_state(self.root) == self.key:
+                with contextlib.suppress(OSError):  # a read-only .dvc/tmp: the next run asks dvc again
+                    atomic_write_json(self.root / STATUS_MEMO, {"state": self.key, "status": self._status})
         return self._status
 
     def stale(self, stages: set[str]) -> list[str] | None:
