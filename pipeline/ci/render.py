@@ -111,8 +111,9 @@ def yaml_value(value: Any) -> str:
 
     GitHub evaluates ``${{`` in any string, quoted or not, so a value holding it is refused.
     """
+    refuse_expressions(value)
     text = json.dumps(value)
-    if "${{" in text:
+    if "${{" in text:  # not in any one string: made by joining them
         raise ConfigError(
             f"registry value {value!r} holds '${{{{': GitHub would evaluate it as an expression",
             hint="rename it in params.yaml (see the name rule in docs/registry.md)",
@@ -120,15 +121,34 @@ def yaml_value(value: Any) -> str:
     return _Serialized(text)
 
 
+def refuse_expressions(value: Any) -> None:
+    """ConfigError naming the first string in ``value`` (nested lists and dicts, keys included)
+    that holds ``${{``: the registry name, not the whole document it ends up in."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            refuse_expressions(k)
+            refuse_expressions(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            refuse_expressions(v)
+    elif isinstance(value, str) and "${{" in value:
+        raise ConfigError(
+            f"registry value {value!r} holds '${{{{': GitHub would evaluate it as an expression",
+            hint="rename it in params.yaml (see the name rule in docs/registry.md)",
+        )
+
+
 def workflows(registry: Registry) -> dict[str, str]:
     """File name -> rendered text of every workflow the registry describes."""
     env = _environment()
     env.filters["yaml_value"] = yaml_value
     release = registry.release
+    entries = matrix(registry)
+    refuse_expressions(entries)  # checked whole here: it is printed as one JSON string below
     context = {
         # the plan job filters it (self-hosted SKUs only where the repository says it has those
         # runners) and hands it to the SKU jobs; JSON in an env value, read by jq, never pasted
-        "matrix_json": json.dumps(matrix(registry), separators=(",", ":")),
+        "matrix_json": json.dumps(entries, separators=(",", ":")),
         "job_extras": JOB_EXTRAS,
         "models": sorted(registry.models),
         "aliases": list(release.aliases),

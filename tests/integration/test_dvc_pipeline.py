@@ -61,6 +61,7 @@ class Run:
     stderr: str
     seconds: float
     files: dict[str, Any] = field(default_factory=dict)
+    after: dict[str, str] = field(default_factory=dict)  # command -> its stdout, run right after this one
 
     @property
     def output(self) -> str:
@@ -168,6 +169,8 @@ def first(project) -> Run:
     result = run(project, "skuforge", "repro")
     result.files = snapshot(project, "manifests/**/*.json")
     result.files["mlflow"] = store_state(project) if result.returncode == 0 else {}
+    # the wide matrix (its last column: the MLflow version this checkout published), as it was then
+    result.after["summary --wide"] = run(project, "skuforge", "summary", "--wide").stdout
     print(f"first skuforge repro: {result.seconds:.1f}s")
     return result
 
@@ -276,7 +279,8 @@ def test_repro_records_every_pair_in_the_embedded_mlflow_store(project, first):
                 "artifacts": ["engine", "manifest.json", "reports"],
             }, (m, s)
         assert first.files["mlflow"][f"{m}/far"]["runs"] == 0
-    assert re.search(r"^conv\s+cpu_fp32\s.*\sv1\s*$", first.stdout, re.M), first.stdout  # summary: version
+    wide = first.after["summary --wide"]
+    assert re.search(r"^conv\s+cpu_fp32\s.*\sv1\s*$", wide, re.M), wide
 
 
 def test_noop_rerun_runs_no_stage(noop):

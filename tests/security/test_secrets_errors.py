@@ -403,7 +403,7 @@ def test_dvc_killed_by_a_signal(tmp_path):
     e["PATH"] = os.pathsep.join([str(fake), e["PATH"]])
     proc = skuforge("repro", "--no-publish", cwd=root, env=e)
     assert_user_error(proc, 3, "killed by SIGKILL", "run `skuforge repro` again")
-    assert "dvc.yaml" not in proc.stderr
+    assert "dvc.yaml" not in proc.stderr.split("skuforge: error:")[1]  # not blamed on a pipeline file
     # whatever dvc did, the matrix of what the records say still follows
     assert proc.stdout.splitlines()[0].split()[:3] == ["model", "sku", "outcome"], proc.stdout
 
