@@ -167,6 +167,11 @@ def ort_sku(precision: str = "fp32", **extra) -> dict:
     return sku
 
 
+def one_sku_params(**sku) -> dict:
+    """params.yaml of one model (conv_bn) and one ONNX Runtime FP32 SKU ``s`` with ``sku``'s keys."""
+    return {"defaults": {}, "examples": {}, "models": {"m": conv_bn_spec()}, "skus": {"s": ort_sku("fp32", **sku)}}
+
+
 def cpu_sku(backend: str, precision: str, options: dict) -> dict:
     """A SKU of ``backend`` for this host's CPU, benchmarked briefly."""
     import platform

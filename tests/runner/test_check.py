@@ -11,14 +11,7 @@ from pipeline.project.config import parse_registry
 
 
 def registry(**sku):
-    return parse_registry(
-        {
-            "defaults": {},
-            "examples": {},
-            "models": {"m": models.conv_bn_spec()},
-            "skus": {"s": models.ort_sku("fp32", **sku)},
-        }
-    )
+    return parse_registry(models.one_sku_params(**sku))
 
 
 def test_toolchain_pins():

@@ -43,14 +43,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def registry(**sku):
-    return parse_registry(
-        {
-            "defaults": {},
-            "examples": {},
-            "models": {"m": models.conv_bn_spec()},
-            "skus": {"s": models.ort_sku("fp32", **sku)},
-        }
-    )
+    return parse_registry(models.one_sku_params(**sku))
 
 
 def _statuses_in_a_new_process() -> dict:
