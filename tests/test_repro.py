@@ -292,3 +292,14 @@ def test_an_unchanged_workspace_reuses_dvc_status_and_any_change_asks_again(tmp_
 def test_a_lock_that_is_not_yaml_never_reuses_an_answer(tmp_path):
     (tmp_path / "dvc.lock").write_text("stages: [unclosed\n")
     assert workspace_state(tmp_path) is None
+
+
+@pytest.mark.parametrize("path", ["../outside", "/etc", "linked"])
+def test_a_lock_naming_a_path_outside_or_through_a_link_never_reuses_an_answer(tmp_path, path):
+    """Their content can change while nothing under the project does: dvc is asked every time."""
+    (tmp_path / "real").write_text("x")
+    (tmp_path / "linked").symlink_to(tmp_path / "real")
+    (tmp_path / "dvc.lock").write_text(f"schema: '2.0'\nstages:\n  s:\n    deps:\n    - path: {path}\n")
+    assert workspace_state(tmp_path) is None
+    (tmp_path / "dvc.lock").write_text("schema: '2.0'\nstages:\n  s:\n    deps:\n    - path: real\n")
+    assert workspace_state(tmp_path) is not None

@@ -130,9 +130,15 @@ def _stat_line(root: Path, path: Path) -> str:
     return f"{path.relative_to(root)}\0{st.st_mode}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n"
 
 
+class _Linked(Exception):
+    """A symbolic link under a locked path: its target can change with the link's own stat unchanged."""
+
+
 def _walk(root: Path, path: Path, out: list[str]) -> None:
+    if path.is_symlink():
+        raise _Linked(path)
     out.append(_stat_line(root, path))
-    if path.is_dir() and not path.is_symlink():
+    if path.is_dir():
         for entry in sorted(os.scandir(path), key=lambda e: e.name):
             _walk(root, Path(entry.path), out)
 
@@ -140,8 +146,9 @@ def _walk(root: Path, path: Path, out: list[str]) -> None:
 def workspace_state(root: Path) -> str | None:
     """A digest of everything `dvc status` reads: the pipeline files, params.yaml, DVC's config and
     ignore files, and (size, mtime, inode) of every file under each path a lock records as a
-    dependency or output. DVC itself trusts (size, mtime, inode) to skip re-hashing a file, so the
-    same state gives the same answer. None when a lock cannot be read (dvc then decides)."""
+    dependency or output, and the dvc that answers. DVC itself trusts (size, mtime, inode) to skip
+    re-hashing a file, so the same state gives the same answer. None (dvc decides) when a lock cannot
+    be read, or names a path outside the project or holding a symbolic link."""
     import yaml
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -157,12 +164,16 @@ def workspace_state(root: Path) -> str | None:
                 recorded.update(str(e["path"]) for kind in ("deps", "outs") for e in stage.get(kind) or [])
         except (OSError, ValueError, yaml.YAMLError, AttributeError, KeyError, TypeError):
             return None
-    lines = [_stat_line(root, f) for f in files]
+    dvc = shutil.which("dvc") or str(Path(sys.executable).with_name("dvc"))
+    lines = [_stat_line(root, f) for f in files] + [f"dvc\0{dvc}\0{_stat_line(Path(dvc).parent, Path(dvc))}"]
     for rel in sorted(recorded):
         path = (root / rel).resolve()
         if root.resolve() not in (path, *path.parents):  # a lock naming a path outside: dvc decides
             return None
-        _walk(root, root / rel, lines)
+        try:
+            _walk(root, root / rel, lines)
+        except _Linked:
+            return None
     return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
