@@ -367,6 +367,8 @@ def test_a_models_sku_selection_names_known_skus():
     assert "models.multi.skus: unknown SKU 'cpu_int'" in err.message and "did you mean 'cpu_int8'" in err.message
     err = config_error(mutated("models.multi.skus", []))
     assert "models.multi.skus: empty, so the model is built nowhere" in err.message
+    err = config_error(mutated("models.multi.skus", ["cpu", "cpu_int8", "cpu"]))
+    assert "models.multi.skus: cpu listed more than once" in err.message
 
 
 # --- override merging ---------------------------------------------------------------------------

@@ -1037,6 +1037,9 @@ def _check_cross_references(registry: Registry, source: str) -> None:
                 )
         if model.skus == []:
             problems.append(f"models.{name}.skus: empty, so the model is built nowhere; list a SKU or remove the key")
+        repeated = sorted({s for s in model.skus or [] if (model.skus or []).count(s) > 1})
+        if repeated:
+            problems.append(f"models.{name}.skus: {', '.join(repeated)} listed more than once; list each SKU once")
     for listed in registry.release.skus or []:
         if listed not in registry.skus:
             problems.append(
