@@ -472,6 +472,17 @@ def test_report_is_replaced_whole(site, tmp_path):
     assert not stale.exists()
 
 
+def test_report_progress_names_each_page_and_ends_at_one(site):
+    registry, index = site
+    heard: list[tuple[str, float]] = []
+    assert write_site(registry, MODEL, progress=lambda what, f: heard.append((what, f))) == index
+    fractions = [f for _, f in heard]
+    assert fractions == sorted(fractions) and fractions[0] == 0 and fractions[-1] == 1.0
+    pair_pages = {p.parent.name for p in (index.parent / MODEL).glob("*/index.html")}
+    assert {w.removeprefix(f"report {MODEL}/") for w, _ in heard if "/" in w} == pair_pages
+    assert (f"report {MODEL}", fractions[len(pair_pages)]) in heard  # the model page after its pairs
+
+
 def test_pair_report_is_self_contained(site, tmp_path):
     registry, _ = site
     written = write_pair_report(registry, MODEL, NEW, tmp_path)

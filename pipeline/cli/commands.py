@@ -458,7 +458,13 @@ def summary(args: argparse.Namespace) -> int:
 
 def report(args: argparse.Namespace) -> int:
 
-    index = write_site(_registry(args), args.model, Path(args.out).absolute() if args.out else None, args.sku)
+    progress = ProgressLine()
+    try:
+        index = write_site(
+            _registry(args), args.model, Path(args.out).absolute() if args.out else None, args.sku, progress=progress
+        )
+    finally:
+        progress.close()
     _emit(args, {"index": str(index), "out": str(index.parent)}, lambda: str(index))
     return 0
 

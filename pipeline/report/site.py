@@ -21,6 +21,7 @@ from typing import Any
 from pipeline.core.errors import InputError, SkuforgeError
 from pipeline.core.io import atomic_dir, atomic_write_bytes
 from pipeline.core.paths import Layout, inside
+from pipeline.core.progress import Progress
 from pipeline.engine.matrix import matrix
 from pipeline.project.config import Registry
 from pipeline.report import plots
@@ -613,11 +614,16 @@ def _target(registry: Registry, out: str | Path | None) -> Path:
 
 
 def write_site(
-    registry: Registry, model: str | None = None, out: str | Path | None = None, skus: list[str] | None = None
+    registry: Registry,
+    model: str | None = None,
+    out: str | Path | None = None,
+    skus: list[str] | None = None,
+    progress: Progress | None = None,
 ) -> Path:
     """Write the HTML report of ``model`` (default: every model) over ``skus`` (default: every
     SKU) under ``out`` (relative to the project root; default build/report), replacing the
-    previous report in one swap. Returns the index page.
+    previous report in one swap. Returns the index page. ``progress`` hears of each page (the
+    charts make a pair page take a second or more).
 
     InputError (exit 2) when a report file is not JSON, or ``out`` leaves the project or holds
     something other than an earlier report; missing pieces are left out and said so on the pages.
@@ -638,6 +644,15 @@ def write_site(
         (tmp / MARKER).write_text("written by skuforge report: `skuforge report` replaces this folder\n")
         index_models = []
         counts: dict[str, int] = {}
+        pages = sum(1 for pair in pairs.values() if pair.has_page) + len(models) + 1
+        written = 0
+
+        def page(what: str) -> None:
+            nonlocal written
+            if progress is not None:
+                progress(f"report {what}", written / pages)
+            written += 1
+
         for m in models:
             rows, listed = [], []
             for s in [s for pm, s in pairs if pm == m]:  # the SKUs the model selects
@@ -645,6 +660,7 @@ def write_site(
                 counts[outcome[0]] = counts.get(outcome[0], 0) + 1
                 href = None
                 if pair.has_page:
+                    page(f"{m}/{s}")
                     folder = tmp / m / s
                     folder.mkdir(parents=True)
                     html = _pair_html(env, pair, outcome, _Files(folder), nav=True)
@@ -664,6 +680,7 @@ def write_site(
                     }
                 )
             (tmp / m).mkdir(exist_ok=True)
+            page(m)
             notes: list[str] = []
             charts = _model_charts(m, rows, _Files(tmp / m), notes)
             html = env.get_template("model.html.j2").render(
@@ -679,6 +696,8 @@ def write_site(
             models=index_models, counts=counts, page_notes=index_notes, written=provenance(Path(registry.root))
         )
         (tmp / "index.html").write_text(html, encoding="utf-8")
+        if progress is not None:
+            progress("report written", 1.0)
     log.info("report of %s written to %s", ", ".join(models), target)
     return target / "index.html"
 
