@@ -9,7 +9,9 @@
 #                                     registry check, assemble and promote; agent for rollout; a SKU's job
 #                                     pipeline[,examples][,<its backend's extra>]: pipeline/ci/render.py)
 #   scripts/setup.sh --with LIST      system parts, comma-separated: vulkan (Mesa's software Vulkan driver,
-#                                     apt), chromium (apt), system-site-packages (a Jetson's JetPack TensorRT)
+#                                     apt), chromium (apt), system-site-packages (a Jetson's JetPack TensorRT),
+#                                     cross-aarch64 (Debian's gcc-aarch64-linux-gnu: an aarch64 TVM SKU built
+#                                     on an x86 host; the developer set adds it when params.yaml has one)
 #
 # Implied by the extras: `examples` installs PyTorch's CPU wheel first (PyPI's Linux x86-64 torch is the
 # CUDA build), `litert` makes the LiteRT converter's own environment, `test` adds chromium.
@@ -27,13 +29,21 @@ while [ $# -gt 0 ]; do
     --test) test=true; shift ;;
     --extras) extras="${2?--extras needs a comma-separated list}"; shift 2 ;;
     --with) with="${2?--with needs a comma-separated list (it may be empty)}"; with_set=true; shift 2 ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "setup: unknown argument: $1 (see scripts/setup.sh --help)" >&2; exit 2 ;;
   esac
 done
 # the developer set (no --extras) gets the Vulkan device unless --with says otherwise
 if ! $with_set && [ "$extras" = "pipeline,examples,openvino,iree,tvm,litert" ]; then
   with="vulkan"
+  # an aarch64 TVM SKU in the registry (a SKU block with both keys) is cross-compiled on an x86 host
+  if [ "$(uname -m)" = x86_64 ] && [ -f params.yaml ] && awk '
+      /^  [A-Za-z0-9_.-]+:[[:space:]]*$/ { if (tvm && arm) found = 1; tvm = arm = 0 }
+      /^    backend:[[:space:]]*tvm/ { tvm = 1 }
+      /^    target:.*arch:[[:space:]]*aarch64/ { arm = 1 }
+      END { exit !(found || (tvm && arm)) }' params.yaml; then
+    with="$with,cross-aarch64"
+  fi
 fi
 if $test; then
   extras="${extras:+$extras,}test"
@@ -41,8 +51,8 @@ if $test; then
 fi
 has() { case ",$1," in *",$2,"*) return 0 ;; *) return 1 ;; esac; }
 for part in ${with//,/ }; do
-  has "vulkan,chromium,system-site-packages" "$part" || {
-    echo "setup: unknown --with part '$part' (known: vulkan, chromium, system-site-packages)" >&2
+  has "vulkan,chromium,system-site-packages,cross-aarch64" "$part" || {
+    echo "setup: unknown --with part '$part' (known: vulkan, chromium, system-site-packages, cross-aarch64)" >&2
     exit 2
   }
 done
@@ -78,6 +88,12 @@ fi
 # browser download is not used).
 if has "$with" chromium; then
   apt_install chromium /usr/bin/chromium "the HTML report's browser test needs it"
+fi
+
+# Debian's aarch64 cross GCC: TVM links a library for an aarch64 SKU with it (without it the SKU is
+# not buildable on an x86 host, and says so).
+if has "$with" cross-aarch64; then
+  apt_install gcc-aarch64-linux-gnu /usr/bin/aarch64-linux-gnu-gcc "an aarch64 TVM SKU is cross-compiled with it"
 fi
 
 venv=(python3 -m venv .venv)

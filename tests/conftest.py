@@ -29,6 +29,7 @@ if str(TESTS) not in sys.path:
 # groups in a node attribute pytest no longer reads.)
 ONE_WORKER = {
     "tvm": ("tests/backends/test_tvm.py",),  # every tuning in one process
+    "tvm_rpc": ("tests/backends/test_tvm_rpc.py",),  # one tracker and its two servers for the module
     "dvc_pipeline": ("tests/integration/test_dvc_pipeline.py",),  # a chain of module fixtures: repro thrice
     "matrix": ("tests/test_matrix.py",),  # skuforge repro of four models under DVC
     "digits": ("tests/examples/test_digits.py",),  # trains the example model

@@ -109,6 +109,11 @@ class Backend(abc.ABC):
         to run it). The default: engines are built on the target."""
         return False
 
+    def runs_remotely(self, sku: SkuSpec) -> bool:
+        """True when this host runs the SKU's engine on a device it reaches (an RPC session), so the
+        host's own hardware does not decide whether it can validate and bench it. The default: no."""
+        return False
+
     @abc.abstractmethod
     def environment_problems(self, sku: SkuSpec, purpose: str = "run") -> list[str]:
         """What this host lacks to ``build`` or ``run`` the SKU's engines (SDK, providers, devices)."""

@@ -309,12 +309,17 @@ class CacheSession:
         )
         self.miss(f"the {self.backend.capabilities.cache} ({reason})")
 
-    def write(self, name: str, data: bytes, trials: int | None = None) -> None:
-        """Stage a cache file, written by ``commit`` after the engine is in place. ``trials``:
-        tuning trials spent on it by this build (recorded as the last tuning)."""
+    def write(self, name: str, data: bytes, trials: int | None = None, seconds: float | None = None) -> None:
+        """Stage a cache file, written by ``commit`` after the engine is in place. ``trials`` and
+        ``seconds``: the tuning this build spent on it (recorded as the last tuning; the next
+        tuning's estimate reads its seconds per trial)."""
         self._staged[name] = data
         if trials is not None:
-            self._tuned = {"trials": (self._tuned or {}).get("trials", 0) + trials}
+            tuned = self._tuned or {}
+            self._tuned = {
+                "trials": tuned.get("trials", 0) + trials,
+                "seconds": tuned.get("seconds", 0.0) + (seconds or 0.0),
+            }
 
     def close(self) -> dict[str, Any]:
         """Decide what the cache becomes (nothing is written yet) and return the build's cache
@@ -349,12 +354,16 @@ class CacheSession:
             "tuned_at": (index or {}).get("tuned_at"),
             "trials": (index or {}).get("trials"),
         }
+        if (index or {}).get("last_tuning") is not None:
+            doc["last_tuning"] = index["last_tuning"]  # type: ignore[index]
         if self._tuned is not None and (self._files or not self.trusted):  # this build's search made the cache
             doc["tuned_at"] = (
                 _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
             )
             before = (doc["trials"] or 0) if self.trusted else 0  # trials that made the records kept
             doc["trials"] = before + self._tuned["trials"]
+            # this search alone: what a trial cost on this SKU's measuring devices, for the next estimate
+            doc["last_tuning"] = {"trials": self._tuned["trials"], "seconds": round(self._tuned["seconds"], 1)}
         self._index = doc if doc != index else None
         total = self.hits + self.misses
         return {
@@ -396,3 +405,21 @@ def write_plain_index(folder: Path, backend: Backend) -> None:
     index, _ = _read_index(folder)
     if index != doc:
         atomic_write_json(folder / INDEX, doc)
+
+
+def seconds_per_trial(root: Path) -> float | None:
+    """What a tuning trial last cost on a SKU: the newest ``last_tuning`` of the indexes of its
+    models' caches under ``root`` (caches/<sku>/<model>/: the same devices measure every model);
+    None when none is recorded."""
+    best: tuple[str, float] | None = None
+    for path in sorted(root.glob(f"*/{INDEX}")):
+        index, _ = _read_index(path.parent)
+        last = (index or {}).get("last_tuning")
+        try:
+            trials, seconds = int(last["trials"]), float(last["seconds"])  # type: ignore[index]
+        except (TypeError, KeyError, ValueError):
+            continue
+        when = str((index or {}).get("tuned_at") or "")
+        if trials > 0 and seconds > 0 and (best is None or when > best[0]):
+            best = (when, seconds / trials)
+    return None if best is None else best[1]

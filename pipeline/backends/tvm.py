@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.backends.base import Backend, onnx_version
+from pipeline.backends.caches import seconds_per_trial
 from pipeline.backends.contract import (
     BuildContext,
     BuildOutcome,
@@ -46,7 +47,8 @@ from pipeline.backends.contract import (
     median_per_run,
 )
 from pipeline.backends.opset import OPSET_CONVERSION_RTOL, OpsetConversion, convert_opset, probe_difference
-from pipeline.core.env import SKUFORGE_TUNE, TVM_NUM_THREADS
+from pipeline.backends.tvm_rpc import RemoteTvmRunner, RpcOptions, connect, rpc_runner
+from pipeline.core.env import SKUFORGE_TUNE, SKUFORGE_TVM_TRACKER, TVM_NUM_THREADS
 from pipeline.core.errors import EnvironmentProblem, InputError, UnsupportedOp
 from pipeline.core.progress import Progress
 from pipeline.host import probe
@@ -68,6 +70,13 @@ DEFAULTS = "default_schedules.json"
 _PACKAGE = "apache-tvm"
 _PIP = "pip install 'apache-tvm==0.27.*' psutil cloudpickle (and a C compiler, g++ or cc, to link the engine)"
 _TRIPLES = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu"}
+# A SKU for another architecture is compiled here for its triple and linked by Debian's cross GCC
+# (the compiler, its apt package); the ELF machine (e_machine) its library must carry.
+_CROSS_CC = {
+    "aarch64": ("aarch64-linux-gnu-gcc", "gcc-aarch64-linux-gnu"),
+    "x86_64": ("x86_64-linux-gnu-gcc", "gcc-x86-64-linux-gnu"),
+}
+_ELF_MACHINE = {"x86_64": 62, "aarch64": 183}
 # fused-function name tokens that are not op names
 _NOT_OPS = {"fused", "compute", "cast", "expand", "dims"}
 # What one tuning trial costs on a 2-core runner (a candidate built in a new process, then measured
@@ -108,6 +117,14 @@ class TvmOptions(BaseModel):
     )
     opt_level: int = Field(3, ge=0, le=3)
     num_threads: int = Field(0, ge=0, description="TVM runtime threads (0: TVM's default, one per physical core)")
+    rpc: RpcOptions | None = Field(
+        None,
+        description="a device bench: tuning measures candidates, and validate and bench run the engine, on the "
+        "devices registered under this tracker key (the tracker's address: SKUFORGE_TVM_TRACKER)",
+    )
+    max_minutes: float | None = Field(
+        None, gt=0, le=10_000, description="tuning stops at this many minutes and keeps the best schedules found"
+    )
 
 
 class TvmMeta(EngineMeta):
@@ -151,6 +168,20 @@ def target_of(options: TvmOptions, arch: str) -> dict[str, Any]:
     if features:
         target["mattr"] = features
     return target
+
+
+def elf_machine_problem(path: Path, arch: str) -> str | None:
+    """Why the library at ``path`` is not code for ``arch``: its ELF header's e_machine names another."""
+    import struct
+
+    with open(path, "rb") as f:
+        head = f.read(20)
+    if len(head) < 20 or head[:4] != b"\x7fELF":
+        return f"{path.name} is not an ELF shared library"
+    machine = struct.unpack_from("<H" if head[5] == 1 else ">H", head, 18)[0]
+    if machine != _ELF_MACHINE[arch]:
+        return f"{path.name} has ELF machine {machine}, not {arch}'s {_ELF_MACHINE[arch]}"
+    return None
 
 
 def elf_extent_problem(path: Path) -> str | None:
@@ -330,6 +361,16 @@ class TvmBackend(Backend):
             problems.append(f"target.arch: {sku.target.arch} has no LLVM triple here (known: {', '.join(_TRIPLES)})")
         return problems
 
+    def runs_remotely(self, sku: SkuSpec) -> bool:
+        """A SKU naming a bench key (``options.rpc``), with the tracker set: validate and bench run
+        its library on a device registered under the key (a session per run, exit 4 when none is)."""
+        return self.options(sku).rpc is not None and SKUFORGE_TVM_TRACKER.is_set()
+
+    def cross_compiles(self, sku: SkuSpec) -> bool:
+        """A SKU for another architecture is compiled for its triple here and linked by a cross
+        compiler; its runner (or a device through the tracker) loads and runs it."""
+        return sku.target.arch != probe.host_arch()
+
     def environment_problems(self, sku: SkuSpec, purpose: str = "run") -> list[str]:
         try:
             tvm = _tvm()
@@ -338,7 +379,9 @@ class TvmBackend(Backend):
         problems = []
         if not tvm.runtime.enabled("llvm") and purpose == "build":
             problems.append("this TVM build has no LLVM code generator (USE_LLVM OFF)")
-        if purpose == "build":
+        if purpose == "build" and self.cross_compiles(sku):
+            problems += _cross_problems(sku, self.options(sku))
+        elif purpose == "build":
             if not (shutil.which("g++") or shutil.which("cc")):
                 problems.append("no C compiler (g++ or cc) to link the engine library: install gcc")
             if self.options(sku).trials:
@@ -409,7 +452,13 @@ class TvmBackend(Backend):
             database, tuned, untuned = self._schedule(ctx, staged, mod, target, opts, warnings)
         _progress(ctx, "tvm compile", 0.7)
         executable = compile_module(mod, target, database, opts.opt_level)
-        executable.export_library(str(ctx.engine_dir / LIBRARY))
+        arch = ctx.sku_spec.target.arch
+        cross = self.cross_compiles(ctx.sku_spec)
+        # a cross build is linked by the target's GCC; the C compiler TVM finds otherwise links for this host
+        executable.export_library(str(ctx.engine_dir / LIBRARY), **({"cc": _CROSS_CC[arch][0]} if cross else {}))
+        wrong = elf_machine_problem(ctx.engine_dir / LIBRARY, arch)
+        if wrong:  # a linker that ignored the triple: the device would refuse the library at load
+            raise EnvironmentProblem(f"the exported library is not for {arch}: {wrong}", hint=_cross_hint(arch))
         meta = TvmMeta(
             library=LIBRARY,
             target=target_json,
@@ -422,9 +471,12 @@ class TvmBackend(Backend):
             functions=len(functions),
             host_cpu=probe.cpu_record(),
         )
-        runner = TvmRunner(ctx.engine_dir / LIBRARY, meta)
-        runner.infer(ctx.probe_inputs)  # it loads and runs before it is called an engine
-        runner.close()
+        if cross:  # this host cannot load it: the SKU's runner, or a device through the tracker, runs it
+            log.info("[%s/%s] cross-compiled for %s: not loaded here", ctx.model, ctx.sku, target_json["mtriple"])
+        else:
+            runner = TvmRunner(ctx.engine_dir / LIBRARY, meta)
+            runner.infer(ctx.probe_inputs)  # it loads and runs before it is called an engine
+            runner.close()
         layers = [
             LayerInfo(
                 name=fn,
@@ -492,22 +544,59 @@ class TvmBackend(Backend):
                 session.miss(f"tuning task {task.task_name}")
         untuned = 0
         if missing and tuning_asked(ctx):
+            if self.cross_compiles(ctx.sku_spec) and opts.rpc is None:  # local runs would be for another CPU
+                raise EnvironmentProblem(
+                    f"{ctx.sku} targets {ctx.sku_spec.target.arch}: its candidates cannot be measured on this "
+                    f"{probe.host_arch()} host",
+                    hint="tune it on its own runner, or name the devices' tracker key (options.rpc.key)",
+                )
             budget = ctx.tuning_trials or opts.trials
             log.warning(
-                "[%s/%s] %s", ctx.model, ctx.sku, tuning_budget_warning(ctx, opts, len(missing), len(tasks), budget)
+                "[%s/%s] %s",
+                ctx.model,
+                ctx.sku,
+                tuning_budget_warning(
+                    ctx, opts, len(missing), len(tasks), budget, seconds_per_trial(session.folder.parent)
+                ),
             )
             _progress(ctx, f"tvm tune {len(missing)} tasks", 0.2)
+            runner, where = None, "this host"
+            if opts.rpc is not None:  # measured on the bench: a SKU for a device never tunes on this host
+                host, port = connect(opts.rpc)
+                runner, where = rpc_runner(opts.rpc, host, port), f"the devices under RPC key {opts.rpc.key}"
             with _threads(opts.num_threads):  # candidates are measured with the threads the engine runs with
-                spent = tune(missing, target, work, budget, opts.trials_per_task, progress=ctx.progress)
+                run = tune_run(
+                    missing,
+                    target,
+                    work,
+                    budget,
+                    opts.trials_per_task,
+                    progress=ctx.progress,
+                    runner=runner,
+                    max_minutes=opts.max_minutes,
+                )
+            spent = run.trials
+            if run.failed:
+                warnings.append(f"{run.failed} of {run.measured} candidates failed to build or run on {where}")
+            if run.stopped_at_budget:
+                warnings.append(
+                    f"tuning stopped at options.max_minutes ({opts.max_minutes:g} min) after {run.measured} "
+                    "candidates: the database keeps the best found so far"
+                )
             database = open_database(work)
             # a task the search found no valid schedule for keeps the default schedule: recorded so a
             # replay knows it was decided, not forgotten
             defaults.update({t.task_name: task_hash(t) for t in missing if not has_record(database, t, target)})
             (work / DEFAULTS).write_text(json.dumps(dict(sorted(defaults.items())), indent=1) + "\n")
             for name in self.cache_files:
-                session.write(name, (work / name).read_bytes(), trials=spent if name == RECORDS else None)
+                session.write(
+                    name,
+                    (work / name).read_bytes(),
+                    trials=spent if name == RECORDS else None,
+                    seconds=run.seconds if name == RECORDS else None,
+                )
             if spent:
-                warnings.append(f"tuned {spent} trials on this host: the database records this runner's measurements")
+                warnings.append(f"tuned {spent} trials on {where}: the database records its measurements")
         elif missing:
             untuned = len(missing)
             if ctx.search:  # bisection's scratch builds take the defaults by design
@@ -522,6 +611,12 @@ class TvmBackend(Backend):
         return database, tuned, untuned
 
     def _load_impl(self, engine_dir: Path, meta: TvmMeta, sku: SkuSpec) -> Runner:
+        opts: TvmOptions = self.options(sku)
+        if self.runs_remotely(sku):  # the device bench runs it, not this CPU
+            assert opts.rpc is not None  # runs_remotely says so
+            return RemoteTvmRunner(
+                engine_dir / meta.library, list(meta.inputs), [o.name for o in meta.outputs], meta.entry, opts.rpc
+            )
         missing = probe.missing_llvm_features(meta.target.get("mattr", []))
         if missing:
             raise EnvironmentProblem(
@@ -860,6 +955,27 @@ def task_hash(task: Any) -> str:
     return f"{structural_hash(task.dispatched[0]) & 0xFFFFFFFFFFFFFFFF:016x}"
 
 
+def _cross_hint(arch: str) -> str:
+    compiler, package = _CROSS_CC[arch]
+    return f"apt-get install {package} (scripts/setup.sh --with cross-{arch} as root) for {compiler}"
+
+
+def _cross_problems(sku: SkuSpec, options: TvmOptions) -> list[str]:
+    """What a cross build of ``sku`` lacks here: the target's GCC, and a target that names the
+    device rather than this host (``host`` CPU, this host's core count)."""
+    arch = sku.target.arch
+    problems = []
+    if not shutil.which(_CROSS_CC[arch][0]):
+        problems.append(f"cross-compiling for {arch} needs {_CROSS_CC[arch][0]}: {_cross_hint(arch)}")
+    if options.target_cpu == "host":
+        problems.append(
+            f"options.target_cpu: host is this {probe.host_arch()} CPU; name the {arch} device's (e.g. cortex-a76)"
+        )
+    if options.num_cores is None:
+        problems.append("options.num_cores: unset means this host's cores; set the device's")
+    return problems
+
+
 def _read_defaults(path: Path) -> dict[str, str]:
     if not path.is_file():
         return {}
@@ -872,6 +988,19 @@ def has_record(database: Any, task: Any, target: Any) -> bool:
     return database.has_workload(mod) and bool(database.query_tuning_record(mod, target, task.task_name))
 
 
+@dataclass(frozen=True)
+class TuningRun:
+    """What one tuning did: records added to the database (``trials``), candidates measured and how
+    many of them failed (a build error, a run error, a device lost mid-batch), its seconds, and
+    whether ``max_minutes`` ended it."""
+
+    trials: int
+    measured: int
+    failed: int
+    seconds: float
+    stopped_at_budget: bool
+
+
 def tune(
     tasks: list[Any],
     target: Any,
@@ -881,11 +1010,29 @@ def tune(
     seed: int = 0,
     progress: Progress | None = None,
 ) -> int:
-    """Tune ``tasks`` into the JSON database in ``work`` (records already there are kept); returns
-    the trials measured. Candidates are built one at a time (a 2-core runner also measures) and
-    measured in a separate process (LocalRunner); the cost model is random, within MetaSchedule's
-    evolutionary search, so small budgets need no xgboost. ``progress`` hears the trials and tasks
-    done as they are measured (TuningProgress)."""
+    """Tune ``tasks`` locally into the JSON database in ``work``; returns the trials measured (tune_run)."""
+    return tune_run(tasks, target, work, trials, per_task, seed, progress).trials
+
+
+def tune_run(
+    tasks: list[Any],
+    target: Any,
+    work: Path,
+    trials: int,
+    per_task: int | None,
+    seed: int = 0,
+    progress: Progress | None = None,
+    runner: Any = None,
+    max_minutes: float | None = None,
+) -> TuningRun:
+    """Tune ``tasks`` into the JSON database in ``work`` (records already there are kept).
+    Candidates are built one at a time (a 2-core runner also measures) and measured by ``runner``:
+    a separate local process (LocalRunner) when None, or the devices of a tracker key
+    (tvm_rpc.rpc_runner). The cost model is random, within MetaSchedule's evolutionary search, so
+    small budgets need no xgboost. ``progress`` hears the trials and tasks done as they are measured
+    (TuningProgress). ``max_minutes``: after the first batch measured past it, every task is
+    terminated, so the search ends with what the database holds (MetaSchedule commits each
+    measured batch as it goes)."""
     ms = _ms()
     from tvm.s_tir.meta_schedule.relax_integration import extracted_tasks_to_tune_contexts
 
@@ -896,13 +1043,22 @@ def tune(
     # (TVM's pool spin-waits: two tuning processes on 2 cores each with 2 threads crawled for minutes)
     threads = max(1, min(int(target.attrs.get("num-cores", 1)), probe.usable_cores()))
     report = TuningProgress(progress, len(tasks), tuning_budget(trials, per_task, len(tasks)), per_task)
+    deadline = None if max_minutes is None else time.monotonic() + max_minutes * 60
+    began = time.monotonic()
     with _tuning_logs(), report:
         contexts, weights = extracted_tasks_to_tune_contexts(
             tasks, work_dir=str(work / "logs"), num_threads=threads, seed=seed
         )
-        _tune_contexts(ms, contexts, weights, work, database, trials, per_task, _measure_callback(ms, report))
+        callback = _measure_callback(ms, report, deadline)
+        _tune_contexts(ms, contexts, weights, work, database, trials, per_task, callback, runner)
         report.finished()
-    return len(open_database(work).get_all_tuning_records()) - before
+    return TuningRun(
+        trials=len(open_database(work).get_all_tuning_records()) - before,
+        measured=report.trials,
+        failed=report.failed,
+        seconds=time.monotonic() - began,
+        stopped_at_budget=report.stopped,
+    )
 
 
 def tuning_budget(trials: int, per_task: int | None, tasks: int) -> int:
@@ -910,16 +1066,25 @@ def tuning_budget(trials: int, per_task: int | None, tasks: int) -> int:
     return min(trials, (per_task or max(1, -(-trials // tasks))) * tasks)
 
 
-def tuning_budget_warning(ctx: BuildContext, opts: TvmOptions, missing: int, tasks: int, trials: int) -> str:
+def tuning_budget_warning(
+    ctx: BuildContext, opts: TvmOptions, missing: int, tasks: int, trials: int, per_trial: float | None = None
+) -> str:
     """The one line a build says before it tunes what the database lacks: how much, about how long
-    (SECONDS_PER_TRIAL a trial), and how to not tune here."""
+    (``per_trial``: the seconds a trial cost in the SKU's last tuning, else SECONDS_PER_TRIAL), the
+    ``max_minutes`` cap, and how to not tune here."""
     budget = tuning_budget(trials, opts.trials_per_task, missing)
-    minutes = budget * SECONDS_PER_TRIAL / 60
+    seconds = per_trial if per_trial else SECONDS_PER_TRIAL
+    minutes = budget * seconds / 60
+    basis = (
+        f"{seconds:.3g} s a trial in this SKU's last tuning"
+        if per_trial
+        else f"~{SECONDS_PER_TRIAL:g} s a trial on a 2-core runner; no tuning of this SKU recorded yet"
+    )
+    cap = f", stopped at options.max_minutes ({opts.max_minutes:g} min)" if opts.max_minutes else ""
     source = "--trials" if ctx.tuning_trials else f"skus.{ctx.sku}.options.trials"
     head = (
         f"tuning {missing} of {tasks} tasks the tuning database caches/{ctx.sku}/{ctx.model} lacks: "
-        f"{budget} trials ({source}), expect about {minutes:.0f} min on a 2-core runner "
-        f"(~{SECONDS_PER_TRIAL:g} s a trial)"
+        f"{budget} trials ({source}), expect about {minutes:.0f} min ({basis}){cap}"
     )
     if ctx.cache_refresh:
         return f"{head}; a smaller {source} tunes faster and worse"
@@ -954,6 +1119,8 @@ class TuningProgress:
         self.trials = 0
         self.per_task_trials: dict[int, int] = {}
         self.terminated = 0
+        self.failed = 0  # candidates whose build or measurement failed
+        self.stopped = False  # the time budget ended the search
         self.began = clock()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -985,6 +1152,11 @@ class TuningProgress:
             self.per_task_trials[task_id] = self.per_task_trials.get(task_id, 0) + trials
             self.terminated = max(self.terminated, terminated)
         self._report()
+
+    def failures(self, count: int) -> None:
+        """``count`` candidates of the last batch failed to build or to run."""
+        with self._lock:
+            self.failed += count
 
     def finished(self) -> None:
         """MetaSchedule returned: every task is done (tuned, its space exhausted, or the budget spent)."""
@@ -1023,8 +1195,9 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-def _measure_callback(ms: Any, report: TuningProgress) -> Any:
-    """A MetaSchedule measure callback that tells ``report`` of each measured batch."""
+def _measure_callback(ms: Any, report: TuningProgress, deadline: float | None = None) -> Any:
+    """A MetaSchedule measure callback that tells ``report`` of each measured batch and its failed
+    candidates, and past ``deadline`` (time.monotonic) terminates every task still searching."""
     from tvm.ir.utils import derived_object
 
     @derived_object
@@ -1032,6 +1205,17 @@ def _measure_callback(ms: Any, report: TuningProgress) -> Any:
         def apply(
             self, task_scheduler: Any, task_id: int, candidates: Any, builder_results: Any, runner_results: Any
         ) -> None:
+            failed = sum(
+                1
+                for b, r in zip(builder_results, runner_results, strict=False)
+                if b.error_msg is not None or r.error_msg is not None
+            )
+            report.failures(failed)
+            if deadline is not None and time.monotonic() >= deadline:
+                report.stopped = True
+                for i, task in enumerate(task_scheduler.tasks_):
+                    if not task.is_terminated:
+                        task_scheduler.terminate_task(i)
             finished = sum(1 for t in task_scheduler.tasks_ if t.is_terminated)
             report.measured(int(task_id), len(runner_results), finished)
 
@@ -1074,6 +1258,7 @@ def _tune_contexts(
     trials: int,
     per_task: int,
     callback: Any = None,
+    runner: Any = None,
 ) -> None:
     callbacks = [*ms.measure_callback.MeasureCallback.create("default"), *([callback] if callback is not None else [])]
     try:
@@ -1085,7 +1270,7 @@ def _tune_contexts(
             max_trials_per_task=per_task,
             num_trials_per_iter=min(per_task, 16),
             builder=ms.builder.LocalBuilder(f_build=_build_candidate, max_workers=1, timeout_sec=120),
-            runner=ms.runner.LocalRunner(timeout_sec=60),
+            runner=runner if runner is not None else ms.runner.LocalRunner(timeout_sec=60),
             database=database,
             cost_model="random",
             measure_callbacks=callbacks,

@@ -19,6 +19,11 @@ from pipeline.project.config import NAME_PATTERN, Registry, SkuSpec
 
 WORKFLOW_DIR = Path(".github") / "workflows"
 TEMPLATES = {"build.yml": "build.yml.j2", "promote.yml": "promote.yml.j2", "rollout.yml": "rollout.yml.j2"}
+# rendered only while a SKU names an RPC tracker key (``tune_matrix``); removed when none does
+TUNE_WORKFLOW = ("tune.yml", "tune.yml.j2")
+# The tuning job's runner: a self-hosted x86 machine on the bench's network (it reaches the tracker
+# and compiles the candidates; the devices behind the key measure them).
+TUNE_RUNNER = ["self-hosted", "linux", "x64"]
 # GitHub-hosted runners for CPU SKUs that do not ask for a self-hosted one.
 HOSTED = {"x86_64": "ubuntu-24.04", "aarch64": "ubuntu-24.04-arm"}
 # The package extra that carries each backend's SDK (pyproject.toml). ONNX Runtime is in every
@@ -73,6 +78,27 @@ def matrix(registry: Registry) -> list[dict[str, Any]]:
         {"sku": name, "runs-on": runs_on(sku), "extras": setup_extras(registry, sku), "with": setup_with(sku)}
         for name, sku in registry.skus.items()
         if sku.ci
+    ]
+
+
+def rpc_key(sku: SkuSpec) -> str | None:
+    """The RPC tracker key a TVM SKU's candidates are measured under (``options.rpc.key``), if any."""
+    rpc = sku.options.get("rpc") if sku.backend == "tvm" else None
+    return rpc.get("key") if isinstance(rpc, dict) else None
+
+
+def tune_matrix(registry: Registry) -> list[dict[str, Any]]:
+    """One entry per SKU with an RPC tracker key, in registry order: the tuning job's matrix. The
+    job runs on the x86 tuning runner, so a SKU for another architecture installs its cross GCC."""
+    return [
+        {
+            "sku": name,
+            "runs-on": TUNE_RUNNER,
+            "extras": setup_extras(registry, sku),
+            "with": f"cross-{sku.target.arch}" if sku.target.arch != "x86_64" else "",
+        }
+        for name, sku in registry.skus.items()
+        if rpc_key(sku)
     ]
 
 
@@ -144,7 +170,8 @@ def workflows(registry: Registry) -> dict[str, str]:
     env.filters["yaml_value"] = yaml_value
     release = registry.release
     entries = matrix(registry)
-    refuse_expressions(entries)  # checked whole here: it is printed as one JSON string below
+    tuning = tune_matrix(registry)
+    refuse_expressions([entries, tuning])  # checked whole here: each is printed as one JSON string below
     context = {
         # the plan job filters it (self-hosted SKUs only where the repository says it has those
         # runners) and hands it to the SKU jobs; JSON in an env value, read by jq, never pasted
@@ -155,8 +182,11 @@ def workflows(registry: Registry) -> dict[str, str]:
         "skus": list(registry.skus),
         # the rollout workflow checks a dispatched model name with the registry's own rule
         "model_rule": f"^{NAME_PATTERN.pattern}$",
+        "tune_matrix_json": json.dumps(tuning, separators=(",", ":")),
+        "tune_skus": [entry["sku"] for entry in tuning],
     }
-    return {name: env.get_template(template).render(**context) for name, template in TEMPLATES.items()}
+    templates = dict(TEMPLATES, **dict([TUNE_WORKFLOW] if tuning else []))
+    return {name: env.get_template(template).render(**context) for name, template in templates.items()}
 
 
 @dataclass
@@ -177,7 +207,13 @@ def render(registry: Registry, output: Path | None = None, check: bool = False) 
 
     directory = Path(output) if output is not None else registry.root / WORKFLOW_DIR
     files, differ = [], []
-    for name, text in workflows(registry).items():
+    rendered = workflows(registry)
+    stale = directory / TUNE_WORKFLOW[0]
+    if TUNE_WORKFLOW[0] not in rendered and stale.is_file():  # no SKU names a tracker key any more
+        differ.append(_shown(stale, registry.root))
+        if not check:
+            stale.unlink()
+    for name, text in rendered.items():
         path = directory / name
         shown = _shown(path, registry.root)
         files.append(shown)

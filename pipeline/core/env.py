@@ -220,6 +220,16 @@ SKUFORGE_TUNE = Flag(
     "a build of a TVM SKU with `options.trials > 0` tunes the tasks its checked-in tuning database lacks "
     "(unset: they get TVM's default schedules and a warning; `cache refresh` tunes from scratch)",
 )
+SKUFORGE_TVM_TRACKER = Text(
+    "SKUFORGE_TVM_TRACKER",
+    "`host:port` of TVM's RPC tracker: a TVM SKU with `options.rpc.key` tunes, validates and benchmarks on "
+    "the devices registered under its key (never read from params.yaml)",
+)
+SKUFORGE_TVM_RPC_WAIT = Number(
+    "SKUFORGE_TVM_RPC_WAIT",
+    "seconds a TVM SKU with `options.rpc.key` waits for a device registered under its key before it fails (exit 4)",
+    default=60.0,
+)
 SKUFORGE_CACHE_DIR = Folder(
     "SKUFORGE_CACHE_DIR",
     "folder of this host's caches: the peaks of `runner probe --peaks`, the LiteRT converter's environment, "

@@ -78,8 +78,9 @@ def host_problems(registry: Registry, sku: str, purpose: Purpose = "run") -> lis
     """Why this host cannot build (or run) ``sku``'s engines; empty when it can."""
     spec = registry.sku(sku)
     backend = get_backend(spec.backend)
-    cross = purpose == "build" and backend.cross_compiles(spec)
-    if not cross:
+    # a cross build needs no target here; a remote run (a device on the bench) needs none either
+    elsewhere = backend.cross_compiles(spec) if purpose == "build" else backend.runs_remotely(spec)
+    if not elsewhere:
         problems = hardware_problems(registry, sku)
         if problems:  # wrong hardware: the SDK checks below would only add noise
             return problems

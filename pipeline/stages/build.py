@@ -70,7 +70,9 @@ def build(
             )
         log(model, sku).info("remedy during the build: %s", remedy.summary)
     outcome, files, seconds = built.outcome, built.files, built.seconds
-    if backend.capabilities.cache is None:
+    # a backend without a cache, or one whose options use none (TVM with trials 0): the folder DVC
+    # declares as an output still exists
+    if backend.capabilities.cache is None or not backend.uses_cache(backend.options(sku_spec)):
         write_plain_index(out.cache_dir(model, sku), backend)
     reproducibility = None
     if reproducible.wanted(sku_spec, check_reproducible):

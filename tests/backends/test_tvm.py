@@ -157,6 +157,9 @@ def test_default_schedule_engine_matches_the_reference(proj, model):
     assert meta["format"] == "skuforge-tvm-relax/1" and meta["entry"] == "main" and meta["cache"] is None
     assert [i["name"] for i in meta["inputs"]] == {"conv": ["x"], "multi": ["x", "ids", "scale"]}[model]
     assert not (proj.out.cache_dir(model, "plain") / WORKLOADS).exists()  # trials 0: no database
+    # but the folder DVC declares as the build's output exists (an empty index), or dvc fails the stage
+    index = json.loads((proj.out.cache_dir(model, "plain") / INDEX).read_text())
+    assert index == {"backend": "tvm", "files": []}
 
 
 def test_fused_functions_name_their_onnx_nodes(proj):
@@ -179,6 +182,8 @@ def test_tuning_writes_the_database_and_a_rebuild_replays_it(proj):
         index["backend"] == "tvm" and index["kind"] == "tuning-database" and index["trials"] >= 1 and index["tuned_at"]
     )
     assert index["key"] == TvmBackend().cache_key(proj.registry.sku("tuned"))
+    # what this search cost: the next tuning's estimate reads its seconds per trial
+    assert index["last_tuning"]["trials"] == index["trials"] and index["last_tuning"]["seconds"] > 0
     assert sorted(f["path"] for f in index["files"]) == sorted([WORKLOADS, RECORDS, DEFAULTS])
     assert first["sha256"] == files_digest(index["files"])
     # the replay: every task found (a record, or a recorded default), nothing tuned, nothing written

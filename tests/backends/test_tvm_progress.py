@@ -4,6 +4,7 @@ it (pipeline/backends/tvm.py: TuningProgress, tuning_budget_warning)."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -16,6 +17,7 @@ from test_tvm import _import_intrinsics
 
 tvm = pytest.importorskip("tvm", reason="apache-tvm is not installed (pip install 'skuforge[tvm]')")
 
+from pipeline.backends.caches import INDEX, seconds_per_trial  # noqa: E402
 from pipeline.backends.tvm import (  # noqa: E402
     TuningProgress,
     TvmOptions,
@@ -83,6 +85,28 @@ def test_the_warning_names_model_sku_tasks_trials_time_and_the_way_out():
     refresh = SimpleNamespace(model="mine", sku="x86_tvm_fp32", tuning_trials=8, cache_refresh=True)
     text = tuning_budget_warning(refresh, TvmOptions(trials=64), missing=12, tasks=12, trials=8)
     assert ": 8 trials (--trials)" in text and "a smaller --trials" in text and "SKUFORGE_TUNE" not in text
+
+
+def test_the_estimate_is_what_a_trial_cost_in_the_skus_last_tuning(tmp_path):
+    """The recorded seconds per trial of the SKU's newest tuning (any model: the same devices) beat
+    the constant; a cap in max_minutes is said."""
+    ctx = SimpleNamespace(model="mine", sku="x86_tvm_fp32", tuning_trials=None, cache_refresh=False)
+    assert seconds_per_trial(tmp_path) is None
+    for model, when, trials, seconds in (
+        ("old", "2026-01-01T00:00:00Z", 10, 300.0),
+        ("new", "2026-06-01T00:00:00Z", 20, 60.0),
+    ):
+        (tmp_path / model).mkdir()
+        index = {"files": [], "tuned_at": when, "last_tuning": {"trials": trials, "seconds": seconds}}
+        (tmp_path / model / INDEX).write_text(json.dumps(index))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / INDEX).write_text('{"files": [], "last_tuning": {"trials": "x"}}')
+    assert seconds_per_trial(tmp_path) == 3.0  # the newest: 60 s over 20 trials
+    text = tuning_budget_warning(
+        ctx, TvmOptions(trials=64, max_minutes=2), 12, 12, 64, per_trial=seconds_per_trial(tmp_path)
+    )
+    assert "expect about 3 min (3 s a trial in this SKU's last tuning)" in text
+    assert "stopped at options.max_minutes (2 min)" in text
 
 
 def test_a_tiny_models_tuning_reports_trials_and_tasks_as_it_goes(tmp_path):

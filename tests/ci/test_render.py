@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pipeline.ci.render import matrix, runs_on  # noqa: E402
+from pipeline.backends.tvm import TvmOptions  # noqa: E402
+from pipeline.ci.render import TUNE_RUNNER, matrix, render, runs_on, tune_matrix  # noqa: E402
 from pipeline.project.config import load_registry  # noqa: E402
 from pipeline.results.manifest import validate_document  # noqa: E402
 from tests.models import conv_bn_model, conv_bn_spec, ort_sku, write_project  # noqa: E402
@@ -239,6 +240,42 @@ def test_actionlint_flags_an_old_runtime(tmp_path, rendered):
     bad = tmp_path / "bad.yml"
     bad.write_text((rendered / "rollout.yml").read_text().replace("actions/checkout@v6", "actions/checkout@v4"))
     assert any("node20" in f["message"] for f in _actionlint(bad))
+
+
+def test_a_sku_with_a_tracker_key_gets_the_tuning_workflow_and_loses_it_without(tmp_path):
+    """tune.yml exists only while a SKU names options.rpc.key: its matrix and dispatch choices list
+    that SKU (an arm64 one installs the cross GCC on the x86 tuning runner), and it lints clean."""
+    reg = load_registry(REPO / "params.yaml")
+    assert not tune_matrix(reg)  # the example names no tracker key: no tuning workflow
+    spec = reg.skus["rpi5_tvm_fp32"]
+    options = {**spec.options, "rpc": {"key": "rpi5"}}
+    TvmOptions.model_validate(options)  # the key as the backend reads it
+    reg.skus["rpi5_tvm_fp32"] = spec.model_copy(update={"options": options})
+    result = render(reg, output=tmp_path)
+    assert "tune.yml" in {Path(f).name for f in result.files}
+    doc = yaml.safe_load((tmp_path / "tune.yml").read_text())
+    assert doc[True]["workflow_dispatch"]["inputs"]["sku"]["options"] == ["all", "rpi5_tvm_fp32"]
+    assert doc[True]["schedule"]
+    listed = json.loads(doc["jobs"]["plan"]["steps"][0]["env"]["MATRIX"])
+    assert listed == [
+        {"sku": "rpi5_tvm_fp32", "runs-on": TUNE_RUNNER, "extras": "pipeline,examples,tvm", "with": "cross-aarch64"}
+    ]
+    tune = doc["jobs"]["tune"]
+    assert (
+        tune["environment"] == "publish" and tune["env"]["SKUFORGE_TVM_TRACKER"] == "${{ vars.SKUFORGE_TVM_TRACKER }}"
+    )
+    run = "\n".join(step.get("run", "") for step in tune["steps"])
+    assert 'skuforge cache refresh --sku "$SKU"' in run and "gh pr create" in run
+    files = sorted(tmp_path.glob("*.yml"))
+    proc = sh(
+        REPO, _tool("check-jsonschema"), "--builtin-schema", "vendor.github-workflows", *map(str, files), check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _zizmor(*files)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _actionlint(*files) == []
+    again = render(load_registry(REPO / "params.yaml"), output=tmp_path)  # the key removed: so is the workflow
+    assert not (tmp_path / "tune.yml").exists() and any(f.endswith("tune.yml") for f in again.differ)
 
 
 # --- step replay -------------------------------------------------------------------------------
