@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import models  # noqa: E402
+from rpc_bench import free_port, start  # noqa: E402
 
 from pipeline.backends.tvm import (  # noqa: E402
     TvmOptions,
@@ -40,28 +39,12 @@ from pipeline.backends.tvm import (  # noqa: E402
     tune_run,
 )
 from pipeline.backends.tvm_rpc import RpcOptions, registered, rpc_runner, wait_for_key  # noqa: E402
+from pipeline.model.graph import pin_axes  # noqa: E402
 
 KEY = "bench"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(*args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.Popen(
-        [sys.executable, "-m", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        env=env,
-    )
-
-
-def _latency(mod, target, database, rounds: int, folder: Path) -> float:
+def _latency(mod, target, database, rounds: int, folder: Path, inputs: dict) -> float:
     """Median microseconds of one call of the engine on this host."""
     import numpy as np
     import tvm
@@ -71,13 +54,14 @@ def _latency(mod, target, database, rounds: int, folder: Path) -> float:
     compile_module(mod, target, database, 3).export_library(str(path))
     dev = tvm.cpu(0)
     vm = relax.VirtualMachine(tvm.runtime.load_module(str(path)), dev)
-    x = tvm.runtime.tensor(np.random.default_rng(0).standard_normal((1, 3, 8, 8), dtype=np.float32), dev)
+    rng = np.random.default_rng(0)
+    x = [tvm.runtime.tensor(rng.standard_normal(shape).astype(np.float32), dev) for shape in inputs.values()]
     for _ in range(10):
-        vm["main"](x)
+        vm["main"](*x)
     times = []
     for _ in range(rounds):
         began = time.perf_counter()
-        vm["main"](x)
+        vm["main"](*x)
         times.append((time.perf_counter() - began) * 1e6)
     return statistics.median(times)
 
@@ -86,13 +70,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument(
+        "--onnx",
+        type=Path,
+        help="a float-input ONNX model with batch 1 or a batch axis (e.g. an example's "
+        "build/digits_cnn/prepared/model.onnx); default: the tests' tiny CNN",
+    )
     args = parser.parse_args()
     import onnx
     import tvm
 
     os.environ.setdefault("TVM_NUM_THREADS", "1")
-    port = _port()
-    procs = [_start("tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port), "--port-end", str(port + 1))]
+    port = free_port()
+    procs = [start("tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port), "--port-end", str(port + 1))]
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -104,9 +94,9 @@ def main() -> int:
                     raise
                 time.sleep(0.5)
         for _ in range(2):
-            p = _port()
+            p = free_port()
             procs.append(
-                _start(
+                start(
                     "tvm.exec.rpc_server",
                     *("--tracker", f"127.0.0.1:{port}", "--key", KEY, "--host", "127.0.0.1"),
                     *("--port", str(p), "--port-end", str(p + 1)),
@@ -115,7 +105,12 @@ def main() -> int:
         wait_for_key("127.0.0.1", port, KEY, 60)
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp)
-            model = onnx.load(str(models.conv_bn_model(folder / "conv.onnx", batch=1)))
+            if args.onnx:
+                model = pin_axes(onnx.load(str(args.onnx)), {"batch": 1}, folder)
+            else:
+                model = onnx.load(str(models.conv_bn_model(folder / "conv.onnx", batch=1)))
+            inputs = {i.name: [d.dim_value or 1 for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+            print(f"model {args.onnx or 'tiny CNN (tests/models.py)'}: inputs {inputs}")
             imported = import_onnx(model, {})
             target = tvm.target.Target(target_of(TvmOptions(target_cpu="x86-64-v3", num_cores=1), "x86_64"))
             mod, _ = lower(imported.mod, target, imported.node_of)
@@ -131,8 +126,8 @@ def main() -> int:
                 work = folder / name
                 work.mkdir()
                 runs[name] = (tune_run(tasks, target, work, args.trials, per_task, runner=runner), open_database(work))
-            untuned = _latency(mod, target, None, args.rounds, folder)
-            latency = {name: _latency(mod, target, db, args.rounds, folder) for name, (_, db) in runs.items()}
+            untuned = _latency(mod, target, None, args.rounds, folder, inputs)
+            latency = {name: _latency(mod, target, db, args.rounds, folder, inputs) for name, (_, db) in runs.items()}
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -9,9 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,6 +21,7 @@ if importlib.util.find_spec("tornado") is None:
     pytest.skip("TVM's RPC tracker needs tornado (pip install tornado)", allow_module_level=True)
 
 import models  # noqa: E402
+from rpc_bench import free_port, start  # noqa: E402
 from test_tvm import _import_intrinsics  # noqa: E402 - tuning's slow import, answered fast (see there)
 
 from pipeline.backends import tvm_rpc  # noqa: E402
@@ -52,23 +51,6 @@ if host_arch() != "x86_64" or "avx2" not in cpu_features():
 KEY = "loopback"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(*args: str) -> subprocess.Popen:
-    """A TVM RPC process in its own process group (rpc_server forks a child per session)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-
-
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -90,15 +72,15 @@ def _wait(check, seconds: float = 60) -> None:
 @pytest.fixture(scope="module")
 def bench_rpc():
     """A tracker and two servers under KEY, on loopback."""
-    port = _free_port()
-    tracker = _start("tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port), "--port-end", str(port + 1))
+    port = free_port()
+    tracker = start("tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port), "--port-end", str(port + 1))
     servers = []
     try:
         _wait(lambda: registered("127.0.0.1", port) is not None)
         for _ in range(2):
-            p = _free_port()
+            p = free_port()
             servers.append(
-                _start(
+                start(
                     "tvm.exec.rpc_server",
                     "--tracker",
                     f"127.0.0.1:{port}",
