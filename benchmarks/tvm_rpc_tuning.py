@@ -133,7 +133,9 @@ def main() -> int:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    print(f"tiny CNN, {len(tasks)} tasks, {args.trials} trials ({per_task} a task), two loopback servers")
+    print(
+        f"{args.onnx or 'tiny CNN'}, {len(tasks)} tasks, {args.trials} trials ({per_task} a task), two loopback servers"
+    )
     for name, (run, _) in runs.items():
         print(
             f"  tune {name:8s}: {run.seconds:7.1f} s, {run.measured} measured, {run.failed} failed, "
