@@ -1001,19 +1001,6 @@ class TuningRun:
     stopped_at_budget: bool
 
 
-def tune(
-    tasks: list[Any],
-    target: Any,
-    work: Path,
-    trials: int,
-    per_task: int | None,
-    seed: int = 0,
-    progress: Progress | None = None,
-) -> int:
-    """Tune ``tasks`` locally into the JSON database in ``work``; returns the trials measured (tune_run)."""
-    return tune_run(tasks, target, work, trials, per_task, seed, progress).trials
-
-
 def tune_run(
     tasks: list[Any],
     target: Any,

@@ -20,7 +20,7 @@ from pipeline.core.errors import InputError
 from pipeline.core.io import atomic_write_bytes
 from pipeline.engine.matrix import EXAMPLE_STAGES, GLOBAL_STAGES, MODEL_STAGES, pipeline_file
 from pipeline.project.config import Registry
-from pipeline.results.dvcmetrics import write_comparison
+from pipeline.results.dvcmetrics import write_model_tables
 from pipeline.verify.consistency import refresh_reports
 
 
@@ -84,8 +84,9 @@ def assemble(registry: Registry, locks_dir: Path, lock: Path | None = None) -> d
     if changed:
         locks.insert(0, _shown(lock, registry.root))
 
-    # each SKU job wrote its own metrics/bench files; the per-model comparison spans them all
-    compared = [str(written) for model in registry.models if (written := write_comparison(registry.root, model))]
+    # each SKU job wrote its own metrics files; the per-model comparison and the grouped plot
+    # tables (metrics/by_sku/) span them all
+    compared = [str(path) for model in registry.models for path in write_model_tables(registry.root, model)]
     return {
         "lock": str(lock),
         "skus": found,

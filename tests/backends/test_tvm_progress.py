@@ -25,7 +25,7 @@ from pipeline.backends.tvm import (  # noqa: E402
     import_onnx,
     lower,
     target_of,
-    tune,
+    tune_run,
     tuning_budget,
     tuning_budget_warning,
 )
@@ -125,7 +125,7 @@ def test_a_tiny_models_tuning_reports_trials_and_tasks_as_it_goes(tmp_path):
     seen = Recorder()
     work = tmp_path / "tuning"
     work.mkdir()
-    spent = tune(tasks, target, work, trials=2, per_task=1, progress=seen)
+    spent = tune_run(tasks, target, work, trials=2, per_task=1, progress=seen).trials
     counts = [tuple(map(int, m.groups())) for m in (LABEL.match(label) for label, _ in seen.calls) if m]
     assert counts and counts[0] == (0, 2, 0, 2)  # said before the first candidate
     assert counts[-1] == (2, 2, 2, 2) and spent >= 1  # the end: every task done
