@@ -564,4 +564,78 @@ def matrix_text(rows: list[PairOutcome], wide: bool = False, **render: Any) -> s
     for r in rows:
         counts[r.outcome] = counts.get(r.outcome, 0) + 1
     footer = [", ".join(f"{n} {k}" for k, n in counts.items())]
-    return tables.render(WIDE_COLUMNS if wide else MATRIX_COLUMNS, cells, notes, wide=wide, footer=footer, **render)
+    text = tables.render(WIDE_COLUMNS if wide else MATRIX_COLUMNS, cells, notes, wide=wide, footer=footer, **render)
+    return text + end_to_end_text(rows, wide, **render) + drift_text(rows, wide, **render)
+
+
+E2E_STEPS = ("decode", "preprocess", "infer", "postprocess")
+E2E_COLUMNS = (
+    Column("model"),
+    Column("sku"),
+    *(Column(f"e2e_{step}_ms", step, numeric=True) for step in E2E_STEPS),
+    Column("e2e_p50_ms", "end to end", numeric=True),
+    Column("p50_ms", "engine only", numeric=True),
+    Column("energy_j", "J/inference", numeric=True),
+)
+
+
+def end_to_end_text(rows: list[PairOutcome], wide: bool = False, **render: Any) -> str:
+    """Where the time of an end-to-end call goes (p50 ms per step, as the device runs it), and the
+    energy per inference or, once, why there is none."""
+    cells = [
+        {**r.manifest, "model": r.model, "sku": r.sku} for r in rows if r.manifest and "e2e_infer_ms" in r.manifest
+    ]
+    if not cells:
+        return ""
+    reasons = sorted({c["energy"] for c in cells if c.get("energy_j") is None and c.get("energy")})
+    footer = [f"energy: {reason}" for reason in reasons[:3]] + (["energy: …"] if len(reasons) > 3 else [])
+    title = "\n\nEnd to end as the device runs it: p50 ms per step (steps' p50s need not add up to the whole's)\n"
+    return title + tables.render(E2E_COLUMNS, cells, wide=wide, footer=footer, **render)
+
+
+DRIFT_COLUMNS = (
+    Column("model"),
+    Column("sku"),
+    Column("input"),
+    Column("device"),
+    Column("differs", "steps differing"),
+    Column("max_abs_input_diff", "max |Δ input|", numeric=True),
+    Column("samples", "samples Δ", numeric=True),
+    Column("metric_drop", "metric drop", numeric=True, signed=True),
+    Column("culprit", "mostly"),
+    Column("gate"),
+)
+
+
+def drift_text(rows: list[PairOutcome], wide: bool = False, **render: Any) -> str:
+    """The preprocessing drift check of the pairs whose device preprocessing differs from the
+    training side's (their steps, libraries or results); the rest counted in one line."""
+    cells, same = [], 0
+    for r in rows:
+        for name, d in ((r.manifest or {}).get("preprocessing") or {}).items():
+            if not d["differing_steps"] and not d["samples_differing"] and d["passed"]:
+                same += 1
+                continue
+            cells.append(
+                {
+                    "model": r.model,
+                    "sku": r.sku,
+                    "input": name,
+                    "device": d["device"],
+                    "differs": ",".join(d["differing_steps"]) or "-",
+                    "max_abs_input_diff": d["max_abs_input_diff"],
+                    "samples": f"{d['samples_differing']}/{d['samples']}",
+                    "metric_drop": d["metric_drop"],
+                    "culprit": d["culprit"],
+                    "gate": ("pass" if d["passed"] else "FAIL") if d["gated"] else "reported",
+                }
+            )
+    if not cells and not same:
+        return ""
+    footer = (
+        [f"{same} other pair input(s): the device runs the training side's steps, model inputs identical"]
+        if same
+        else []
+    )
+    title = "\n\nPreprocessing drift: the device's steps against the training side's, same raw files, same engine\n"
+    return title + tables.render(DRIFT_COLUMNS, cells, wide=wide, footer=footer, **render)

@@ -391,6 +391,28 @@ def _manifest_row(registry: Registry, model: str, sku: str) -> dict[str, Any]:
         "p50_ms": m.benchmark.engine_only.p50_ms,
         "p99_ms": m.benchmark.engine_only.p99_ms,
         "e2e_p50_ms": m.benchmark.end_to_end.p50_ms,
+        # the end-to-end calls per step (decode, preprocess, infer, postprocess): p50 ms
+        **{f"e2e_{step}_ms": v.p50_ms for step, v in m.benchmark.end_to_end_steps.items()},
+        "energy_j": m.benchmark.energy.joules_per_inference,
+        "energy": m.benchmark.energy.source if m.benchmark.energy.available else m.benchmark.energy.reason,
+        "preprocessing": {
+            name: {
+                "device": "+".join(f"{lib} {v}" for lib, v in p.device.get("versions", {}).items() if lib != "numpy"),
+                "reference": "+".join(
+                    f"{lib} {v}" for lib, v in p.reference.get("versions", {}).items() if lib != "numpy"
+                ),
+                "differing_steps": p.differing_steps,
+                "max_abs_input_diff": p.max_abs_input_diff,
+                "samples_differing": p.samples_differing,
+                "samples": p.samples,
+                "split": p.split,
+                "metric_drop": p.metric_drop,
+                "culprit": p.culprit,
+                "gated": p.gated,
+                "passed": p.passed,
+            }
+            for name, p in m.preprocessing.items()
+        },
         "throughput_per_s": m.benchmark.throughput_per_s,
         "warnings": _warnings(m, model, sku),
         "digest": m.digest[:12],

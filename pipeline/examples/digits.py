@@ -9,10 +9,16 @@ to it:
 * ``hard_tail.npz``    evaluation images with noise, low contrast or magnitudes beyond 0..16
 * ``calibration.npz``  128 training images
 * ``golden.npz``       48 evaluation + 16 hard-tail images
+* ``images/<split>/``  the same four sets as 8-bit grayscale PNG files, 28x28 (each 8x8 digit scaled
+                       up by nearest neighbour, ink 0..16 stored as 0..240, clipped at 255), with
+                       ``labels.csv``: what the example's params.yaml reads, through the declared
+                       preprocessing (decode, resize back to 8x8, normalise)
 * ``export.json``      what was trained, how well it does under ONNX Runtime, and the model's hash
 
 Dataset ``image`` arrays hold RAW pixel values (0..16); the 1/16 scale is the pipeline's
-preprocessing.
+preprocessing. The PNG files hold the same digits as an edge camera would deliver them: the
+model was trained on the 8x8 arrays, which the declared training-side preprocessing (Pillow's box
+resize of the 28x28 file, / 240) gives back for the clean images.
 
 Training and the ONNX export run in a child process whose float32 compute path is pinned before
 torch loads, so an AVX-512 host and an AVX2-only one, Intel or AMD, produce the same bits: one
@@ -50,6 +56,8 @@ INPUT_NAME = "image"
 OUTPUT_NAME = "probs"
 
 PIXEL_SCALE = 1.0 / 16.0
+IMAGE_SIZE = 28  # the PNG files' height and width
+INK_SCALE = 15  # PNG value per raw pixel unit: 0..16 -> 0..240
 EVAL_FRACTION = 0.25
 N_CALIBRATION = 128
 N_GOLDEN_EVAL = 48
@@ -125,6 +133,7 @@ def export_example(
     atomic_write_bytes(out_dir / "model.onnx", onnx_bytes)
     for split in ("evaluation", "hard_tail", "calibration", "golden"):
         atomic_savez(out_dir / f"{split}.npz", **data[split])
+        write_images(out_dir / "images" / split, data[split]["image"], data[split]["labels"])
     record = {
         "model": name,
         "opset": opset,
@@ -137,6 +146,25 @@ def export_example(
     }
     atomic_write_json(out_dir / "export.json", record)
     return record
+
+
+def write_images(folder: Path, images: np.ndarray, labels: np.ndarray) -> None:
+    """Raw 8x8 digits (0..16) as IMAGE_SIZE-square 8-bit grayscale PNG files, ``NNNN.png``, and
+    ``labels.csv`` (file,label). Pillow encodes them (deterministic for one Pillow build). Plain
+    writes: the export stage writes into a staging folder it renames whole (atomic_dir)."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = ["file,label"]
+    for i, (image, label) in enumerate(zip(images, labels, strict=True)):
+        pixels = np.clip(np.rint(image.reshape(8, 8).astype(np.float64) * INK_SCALE), 0, 255).astype(np.uint8)
+        big = Image.fromarray(pixels).resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.NEAREST)
+        buffer = io.BytesIO()
+        big.save(buffer, format="PNG")
+        name = f"{i:04d}.png"
+        (folder / name).write_bytes(buffer.getvalue())
+        rows.append(f"{name},{int(label)}")
+    (folder / "labels.csv").write_text("\n".join(rows) + "\n")
 
 
 def _train_pinned(

@@ -307,6 +307,14 @@ def device_state() -> dict[str, Any]:
     return state
 
 
+def cpu_mhz_lowest() -> float | None:
+    """The lowest current clock across CPUs (cpufreq ``scaling_cur_freq``): a throttled core shows
+    here when cpu0 alone would not. None where cpufreq is not exposed (most VMs)."""
+    found = [_read(str(p)) for p in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cpufreq/scaling_cur_freq")]
+    mhz = [int(f) / 1000 for f in found if f and f.isdigit()]
+    return min(mhz) if mhz else None
+
+
 def rss_mb() -> dict[str, float]:
     """Resident and peak resident memory of this process, from /proc (MB)."""
     out = {}

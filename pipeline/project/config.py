@@ -136,6 +136,32 @@ class BenchSweep(Strict):
         return sorted(set(v))
 
 
+class SustainedSpec(Strict):
+    """A sustained run: windows of calls until the latency and temperature trends flatten (or the cap)."""
+
+    min_seconds: float = Field(60.0, gt=0, description="run at least this long")
+    max_seconds: float = Field(600.0, gt=0, description="the cap: stop here, flat or not (reported)")
+    until_thermal_steady: bool = Field(
+        True, description="after min_seconds, stop once temperature and latency trends are flat; false: run to the cap"
+    )
+    window_seconds: float = Field(5.0, gt=0, description="one point of the trend: its median latency and temperature")
+    trend_windows: int = Field(6, ge=3, description="windows the flatness is judged over")
+    max_latency_slope: float = Field(
+        0.01, gt=0, description="flat: the latency trend changes less than this fraction per window"
+    )
+    max_temperature_slope: float = Field(
+        0.05, gt=0, description="flat: the temperature trend rises less than this many degrees C per window"
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> SustainedSpec:
+        if self.min_seconds > self.max_seconds:
+            raise ValueError(f"sustained.min_seconds ({self.min_seconds}) is above max_seconds ({self.max_seconds})")
+        if self.window_seconds * self.trend_windows > self.max_seconds:
+            raise ValueError("sustained: window_seconds * trend_windows exceeds max_seconds: no trend could be judged")
+        return self
+
+
 class BenchSpec(Strict):
     warmup: int = Field(20, ge=0, description="fewest warm-up calls before steady state may be declared; 0: no warm-up")
     max_warmup_seconds: float = Field(
@@ -179,6 +205,12 @@ class BenchSpec(Strict):
         "(roofline.json; peaks measured once per host)",
     )
     sweep: BenchSweep | None = None
+    sustained: SustainedSpec | None = Field(
+        None, description="after the timed phases, run until temperature and latency flatten (or a cap)"
+    )
+    energy: bool = Field(
+        True, description="read the host's energy counters (RAPL, NVML, INA3221) over the steady phase"
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> BenchSpec:
@@ -201,6 +233,8 @@ class BenchOverride(Strict):
     noise_floor: float | None = Field(None, ge=0, lt=1)
     roofline: bool | None = None
     sweep: BenchSweep | None = None
+    sustained: SustainedSpec | None = None
+    energy: bool | None = None
 
 
 def _default_tolerances() -> dict[str, dict[str, Tolerance]]:
@@ -280,6 +314,221 @@ class Affine(Strict):
     offset: float = 0.0
 
 
+Interpolation = Literal["nearest", "bilinear", "bicubic", "area", "lanczos"]
+ProcessingLibrary = Literal["pillow", "opencv", "scipy"]
+ColorOrder = Literal["rgb", "bgr", "gray"]
+Layout2D = Literal["chw", "hwc"]
+# the order the steps run in; a report names a step by these words
+PREPROCESSING_STEPS: tuple[str, ...] = ("decode", "color", "resize", "layout", "normalize", "dtype")
+
+
+class Resize(Strict):
+    """Resize an image to the model's (height, width)."""
+
+    size: tuple[int, int] = Field(description="(height, width) the model takes")
+    interpolation: Interpolation = "bilinear"
+    antialias: bool | None = Field(
+        None,
+        description="low-pass filter when downscaling; null: the library's own behaviour (Pillow filters, "
+        "OpenCV's bilinear does not); a value the library cannot honour is refused",
+    )
+    keep_aspect: bool = Field(False, description="scale to fit inside size and pad the rest (letterbox, centred)")
+    pad_value: float = Field(0.0, ge=0, le=255, description="pixel value of the padding (keep_aspect)")
+
+    @field_validator("size")
+    @classmethod
+    def _positive(cls, size: tuple[int, int]) -> tuple[int, int]:
+        if min(size) < 1 or max(size) > 16384:
+            raise ValueError(f"size {list(size)}: height and width must be 1..16384")
+        return size
+
+
+class Normalize(Strict):
+    """(x - mean) / std per channel, on the decoded values (0..255 for 8-bit images)."""
+
+    mean: list[float] = Field(min_length=1, description="one value per channel, or one for all")
+    std: list[float] = Field(min_length=1, description="one value per channel, or one for all; never 0")
+
+    @model_validator(mode="after")
+    def _valid(self) -> Normalize:
+        if any(v == 0 or not math.isfinite(v) for v in self.std):
+            raise ValueError(f"std {self.std}: every value must be finite and non-zero")
+        if any(not math.isfinite(v) for v in self.mean):
+            raise ValueError(f"mean {self.mean}: every value must be finite")
+        return self
+
+
+class FilePreprocessing(Strict):
+    """Raw files to one model input, step by step (PREPROCESSING_STEPS order): decode, colour order,
+    resize, layout, normalise, dtype. Decode runs in ``decode_library`` (default ``library``), colour
+    and resize in ``library``, the rest in numpy; docs/preprocessing.md."""
+
+    decode: Literal["image", "audio"] = Field(description="image files (PNG, JPEG, BMP) or WAV audio")
+    library: ProcessingLibrary = Field(
+        "pillow", description="pillow or opencv for images, scipy (scipy.io.wavfile) for audio"
+    )
+    decode_library: ProcessingLibrary | None = Field(
+        None, description="decode the files with another library than the rest (color, resize); null: `library`"
+    )
+    color: ColorOrder = Field("rgb", description="the channel order the model takes (images)")
+    resize: Resize | None = None
+    layout: Layout2D = Field("chw", description="channels first (chw) or last (hwc), images")
+    normalize: Normalize | None = None
+    length: int | None = Field(None, ge=1, description="audio: samples per clip, shorter clips zero-padded")
+    sample_rate: int | None = Field(None, ge=1, description="audio: the rate the model takes; another is refused")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> FilePreprocessing:
+        if self.decode == "audio":
+            for key, lib in (("library", self.library), ("decode_library", self.decode_library)):
+                if lib not in (None, "scipy"):
+                    raise ValueError(f"decode audio: {key} {lib!r} cannot read WAV here: use scipy")
+            if self.resize is not None:
+                raise ValueError("decode audio: resize is for images; use length to pad or trim clips")
+        else:
+            if "scipy" in (self.library, self.decode_library):
+                key = "library" if self.library == "scipy" else "decode_library"
+                raise ValueError(f"decode image: {key} scipy decodes audio only: use pillow or opencv")
+            if self.length is not None or self.sample_rate is not None:
+                raise ValueError("decode image: length and sample_rate are for audio")
+            if self.resize is not None:
+                problem = resize_problem(self.library, self.resize)
+                if problem:
+                    raise ValueError(problem)
+        if self.normalize is not None:
+            channels = 1 if self.color == "gray" or self.decode == "audio" else 3
+            for key in ("mean", "std"):
+                values = getattr(self.normalize, key)
+                if len(values) not in (1, channels):
+                    raise ValueError(
+                        f"normalize.{key} has {len(values)} values; {self.color} has {channels} channel(s): "
+                        "give one per channel or one for all"
+                    )
+        return self
+
+    @property
+    def decoder(self) -> ProcessingLibrary:
+        """The library that decodes the files: ``decode_library``, else ``library``."""
+        return self.decode_library or self.library
+
+    def steps(self) -> dict[str, Any]:
+        """Each step's settings, PREPROCESSING_STEPS order, as JSON: what a drift report compares.
+        Decode, colour and resize carry the library that runs them, so a library change shows as a
+        settings change of each step the library runs (an image without resize has none to run)."""
+        image = self.decode == "image"
+        return {
+            "decode": {"kind": self.decode, "library": self.decoder, "sample_rate": self.sample_rate},
+            "color": {"order": self.color, "library": self.library} if image else None,
+            "resize": (
+                ({**self.resize.model_dump(), "library": self.library} if self.resize is not None else None)
+                if image
+                else {"length": self.length}
+            ),
+            "layout": self.layout if image else None,
+            "normalize": self.normalize.model_dump() if self.normalize is not None else None,
+            "dtype": None,
+        }
+
+
+def resize_problem(library: str, resize: Resize) -> str | None:
+    """What a library cannot do of a resize: Pillow's resize always filters when it downscales
+    (bilinear, bicubic, lanczos), OpenCV's never does (area averages)."""
+    if library == "pillow" and resize.antialias is False and resize.interpolation in ("bilinear", "bicubic", "lanczos"):
+        return (
+            f"resize: Pillow's {resize.interpolation} resize always antialiases when downscaling; "
+            "antialias: false is OpenCV's behaviour (library: opencv)"
+        )
+    if library == "opencv" and resize.antialias is True and resize.interpolation != "area":
+        return (
+            f"resize: OpenCV's {resize.interpolation} resize has no antialias filter; use interpolation: area "
+            "(it averages) or library: pillow"
+        )
+    return None
+
+
+class ResizeOverride(Strict):
+    interpolation: Interpolation | None = None
+    antialias: bool | None = None
+    keep_aspect: bool | None = None
+
+
+class DevicePreprocessing(Strict):
+    """What the device ships in place of the model's declared (training-side) preprocessing: any
+    key given replaces the model's for every image or audio input of every model on the SKU
+    (``library`` alone leaves a model's own ``decode_library`` in place)."""
+
+    library: ProcessingLibrary | None = None
+    decode_library: ProcessingLibrary | None = Field(
+        None, description="the library that decodes the files on the device; null: the model's"
+    )
+    color: ColorOrder | None = None
+    resize: ResizeOverride | None = None
+    layout: Layout2D | None = None
+    normalize: Normalize | None = None
+
+
+class PreprocessingGate(Strict):
+    """The SKU's device-side preprocessing and its drift check (docs/preprocessing.md)."""
+
+    device: DevicePreprocessing | None = Field(
+        None, description="the device's implementation; null: the model's declared one, run on the device"
+    )
+    max_metric_drop: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="fail when the device's preprocessing costs more than this in the task metric "
+        "(paired McNemar, as the metric gate); null: reported, not gated",
+    )
+    max_input_diff: float | None = Field(
+        None, ge=0, description="fail when a model input differs by more than this (max abs); null: reported"
+    )
+
+
+def device_preprocessing(model: FilePreprocessing, device: DevicePreprocessing | None) -> FilePreprocessing:
+    """The model's declared preprocessing with the SKU's device-side keys in place."""
+    if device is None:
+        return model
+    update: dict[str, Any] = device.model_dump(exclude_none=True, exclude={"resize"})
+    if device.resize is not None and model.resize is not None:
+        update["resize"] = model.resize.model_copy(update=device.resize.model_dump(exclude_none=True))
+    merged = model.model_dump()
+    merged.update({k: (v.model_dump() if isinstance(v, BaseModel) else v) for k, v in update.items()})
+    return FilePreprocessing.model_validate(merged)
+
+
+class TopK(Strict):
+    """Class scores to the k best classes (softmax first for logits)."""
+
+    kind: Literal["topk"]
+    output: str
+    k: int = Field(5, ge=1)
+    softmax: bool = Field(False, description="the output holds logits: softmax before ranking")
+
+
+class BoxesNms(Strict):
+    """Detector boxes and scores to detections: score threshold, then non-maximum suppression (OpenCV)."""
+
+    kind: Literal["nms"]
+    boxes: str = Field(description="output of boxes, [.., N, 4]")
+    scores: str = Field(description="output of per-box class scores, [.., N, classes]")
+    box_format: Literal["xyxy", "cxcywh"] = "xyxy"
+    score_threshold: float = Field(0.25, ge=0, le=1)
+    iou_threshold: float = Field(0.45, ge=0, le=1)
+    max_detections: int = Field(100, ge=1)
+
+
+class CtcGreedy(Strict):
+    """Per-frame class scores to label sequences: best class per frame, repeats merged, blanks dropped."""
+
+    kind: Literal["ctc_greedy"]
+    output: str = Field(description="output of per-frame scores, [.., frames, classes]")
+    blank: int = Field(0, ge=0)
+
+
+PostprocessStep = TopK | BoxesNms | CtcGreedy
+
+
 class GenerateSpec(Strict):
     count: int = Field(32, ge=1)
     seed: int = 0
@@ -291,9 +540,15 @@ class GenerateSpec(Strict):
 
 
 class DatasetSource(Strict):
-    """Either a .npz/.npy file (relative to the model's dir) or generated from the input spec."""
+    """A .npz/.npy file (relative to the model's dir), a folder of raw files (images or WAV clips,
+    read through the input's declared preprocessing), or generated from the input spec."""
 
     path: str | None = None
+    files: str | None = Field(
+        None,
+        description="folder of raw files (relative to the model's dir), sorted by name; labels in "
+        "its labels.csv (file,label) when present",
+    )
     generate: GenerateSpec | None = None
     take: int | None = Field(None, ge=1, description="use only the first N samples")
     labels: str = Field("labels", description="key of the label array in an .npz")
@@ -301,8 +556,10 @@ class DatasetSource(Strict):
 
     @model_validator(mode="after")
     def _one_source(self) -> DatasetSource:
-        if (self.path is None) == (self.generate is None):
-            raise ValueError("give exactly one of 'path' or 'generate'")
+        if sum(x is not None for x in (self.path, self.files, self.generate)) != 1:
+            raise ValueError("give exactly one of 'path', 'files' or 'generate'")
+        if self.files is not None and self.labels != "labels":
+            raise ValueError("labels: a files dataset reads its labels from labels.csv in its folder")
         return self
 
 
@@ -350,8 +607,14 @@ class ModelSpec(Strict):
     outputs: list[str] | None = Field(None, description="outputs to check (default: all)")
     pins: dict[str, int] = Field(default_factory=dict, description="value of each dynamic axis")
     batch_axis: str | None = Field("batch", description="axis name that indexes samples")
-    preprocess: dict[str, Affine] = Field(default_factory=dict)
-    postprocess: Postprocess = "none"
+    preprocess: dict[str, Affine | FilePreprocessing] = Field(
+        default_factory=dict,
+        description="per input: an affine map of array data (scale, offset), or the steps from raw "
+        "files (decode: image|audio ...; docs/preprocessing.md)",
+    )
+    postprocess: Postprocess | PostprocessStep = Field(
+        "none", description="none, argmax, or a step: topk, nms, ctc_greedy (docs/preprocessing.md)"
+    )
     datasets: Datasets = Datasets()
     metric: Metric | None = None
     calibration: CalibrationSpec = CalibrationSpec()
@@ -390,12 +653,66 @@ class ModelSpec(Strict):
         for name in self.preprocess:
             if name not in names:
                 raise ValueError(f"preprocess.{name}: no such input (inputs: {names})")
+        problem = self._file_problem()
+        if problem:
+            raise ValueError(problem)
         if self.metric is not None and self.datasets.evaluation is None:
             raise ValueError("a metric needs datasets.evaluation with labels")
         return self
 
     def input(self, name: str) -> InputSpec:
         return next(i for i in self.inputs if i.name == name)
+
+    @property
+    def file_inputs(self) -> dict[str, FilePreprocessing]:
+        """Inputs made from raw files, with their declared (training-side) preprocessing."""
+        return {k: v for k, v in self.preprocess.items() if isinstance(v, FilePreprocessing)}
+
+    def affine(self, name: str) -> Affine | None:
+        step = self.preprocess.get(name)
+        return step if isinstance(step, Affine) else None
+
+    def _file_problem(self) -> str | None:
+        files = self.file_inputs
+        sources = [
+            (split, source)
+            for split in ("golden", "calibration", "evaluation", "hard_tail")
+            if (source := getattr(self.datasets, split)) is not None
+        ]
+        with_files = [split for split, source in sources if source.files is not None]
+        if with_files and (len(self.inputs) != 1 or not files):
+            return (
+                f"datasets {with_files} are folders of raw files: the model needs one input, declared with "
+                "preprocess.<input>.decode (image or audio)"
+            )
+        if files:
+            arrays = [split for split, source in sources if source.path is not None]
+            if arrays:
+                return (
+                    f"datasets {arrays}: input {next(iter(files))!r} is decoded from raw files "
+                    "(preprocess.<input>.decode): give each set as files: <folder> (or generate)"
+                )
+        for name, steps in files.items():
+            inp = self.input(name)
+            sample = [d for d in inp.shape if d != self.batch_axis]
+            if steps.decode == "audio":
+                if len(sample) != 1:
+                    return f"preprocess.{name}: audio fills a [batch, samples] input, not shape {inp.shape}"
+                continue
+            if len(sample) != 3:
+                return (
+                    f"preprocess.{name}: an image fills a [batch, C, H, W] or [batch, H, W, C] input, not {inp.shape}"
+                )
+            c, h, w = sample if steps.layout == "chw" else (sample[2], sample[0], sample[1])
+            want = 1 if steps.color == "gray" else 3
+            if isinstance(c, int) and c != want:
+                return (
+                    f"preprocess.{name}: color {steps.color} gives {want} channel(s), "
+                    f"the input has {c} ({steps.layout})"
+                )
+            if steps.resize is not None and all(isinstance(d, int) for d in (h, w)) and (h, w) != steps.resize.size:
+                return f"preprocess.{name}: resize.size {list(steps.resize.size)} is not the input's (H, W) {[h, w]}"
+        return None
 
     @property
     def default_batch(self) -> int:
@@ -485,6 +802,7 @@ class SkuSpec(Strict):
     tolerance: ToleranceOverride = ToleranceOverride()
     metric: MetricGateOverride = MetricGateOverride()
     bench: BenchOverride = BenchOverride()
+    preprocessing: PreprocessingGate = PreprocessingGate()
     max_seconds: float | None = Field(
         3600.0,
         gt=0,

@@ -261,7 +261,7 @@ def preprocess(spec: ModelSpec, raw: Arrays) -> Arrays:
     out = {}
     for inp in spec.inputs:
         arr = raw[inp.name]
-        affine = spec.preprocess.get(inp.name)
+        affine = spec.affine(inp.name)
         with np.errstate(over="ignore", invalid="ignore"):
             if affine is not None:
                 arr = arr.astype("float64") * affine.scale + affine.offset

@@ -21,11 +21,17 @@ from pipeline.results.benchstats import round_ci, round_to_ci, same_figure
 from pipeline.results.reports import (
     Benchmark,
     BenchReport,
+    EnergyResult,
+    EnergySummary,
     HostInfo,
     LatencyStats,
     LatencySummary,
     Manifest,
+    PreprocessingDrift,
+    PreprocessingSummary,
     Provenance,
+    SustainedResult,
+    SustainedSummary,
 )
 
 SCHEMA_FILE = "manifest.schema.json"
@@ -36,7 +42,7 @@ def schema() -> dict[str, Any]:
     """The JSON Schema of the manifest, generated from the typed model."""
     doc = Manifest.model_json_schema()
     doc["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    doc["$id"] = "https://skuforge.dev/schemas/manifest-6.json"
+    doc["$id"] = "https://skuforge.dev/schemas/manifest-7.json"
     return doc
 
 
@@ -52,6 +58,8 @@ def digest(body: dict[str, Any]) -> str:
 # Fields of a report that change on every run of an unchanged build: left out of its evidence digest.
 VOLATILE = {"build.json": (("build_seconds",), ("reproducibility", "second_build_seconds"))}
 MEMORY_TOLERANCE_MB = 2.0
+# energy per inference has no interval from one run: a rerun within this fraction is the same figure
+ENERGY_TOLERANCE = 0.10
 
 
 def evidence_digest(name: str, path: Path) -> str | None:
@@ -122,6 +130,65 @@ def benchmark_summary(bench: BenchReport, noise_floor: float = 0.0) -> Benchmark
         throughput_ci_per_s=throughput_ci,
         peak_rss_mb=float(round(mem.get("peak_rss", 0.0))),
         engine_load_mb=float(round(mem.get("engine_load_delta", 0.0))),
+        end_to_end_input=bench.end_to_end_input,
+        end_to_end_steps={k: _summary(v, noise_floor) for k, v in bench.end_to_end_steps.items()},
+        energy=energy_summary(bench.energy),
+        sustained=_sustained_summary(bench.sustained, noise_floor) if bench.sustained else None,
+    )
+
+
+def preprocessing_summary(d: PreprocessingDrift) -> PreprocessingSummary:
+    """The drift check as the manifest keeps it: both implementations, the input difference and
+    the metric drop (4 significant digits: the same files and libraries give the same figures)."""
+    return PreprocessingSummary(
+        reference=d.reference,
+        device=d.device,
+        differing_steps=d.differing_steps,
+        split=d.split,
+        samples=d.samples,
+        max_abs_input_diff=float(f"{d.diff.max_abs:.4g}"),
+        samples_differing=d.diff.samples_differing,
+        metric=d.metric,
+        metric_drop=_sig(d.metric_drop, 4),
+        drop_interval=(float(f"{d.drop_interval[0]:.4g}"), float(f"{d.drop_interval[1]:.4g}"))
+        if d.drop_interval
+        else None,
+        culprit=d.culprit,
+        gated=d.max_metric_drop is not None or d.max_input_diff is not None,
+        passed=d.passed,
+    )
+
+
+def _sig(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else float(f"{value:.{digits}g}")
+
+
+def energy_summary(energy: EnergyResult | None) -> EnergySummary:
+    if energy is None:
+        return EnergySummary(available=False, reason="unavailable: bench.json predates energy measurement")
+    if not energy.available:
+        return EnergySummary(available=False, source=energy.source, reason=energy.reason)
+    return EnergySummary(
+        available=True,
+        source=energy.source,
+        joules_per_inference=_sig(energy.joules_per_inference),
+        mean_power_w=_sig(energy.mean_power_w),
+        domains=sorted(energy.summed),
+    )
+
+
+def _sustained_summary(run: SustainedResult, floor: float) -> SustainedSummary:
+    p50, _ = _figure(run.p50_ms, None, floor)
+    p99, _ = _figure(run.p99_ms, None, floor)
+    throttle = run.throttling
+    return SustainedSummary(
+        stopped=run.stopped,
+        seconds=round(run.seconds),
+        p50_ms=p50,
+        p99_ms=p99,
+        latency_drift_pct=_sig(throttle.latency_drift_pct, 2),
+        clock_drop_pct=_sig(throttle.clock_drop_pct, 2),
+        temperature_rise_c=_sig(throttle.temperature_rise_c, 2),
     )
 
 
@@ -140,6 +207,22 @@ def benchmark_changes(old: Benchmark, new: Benchmark) -> list[str]:
                 moved.append(f"{kind}.{q}_ms {getattr(a, f'{q}_ms')} -> {getattr(b, f'{q}_ms')}")
     if not same_figure(old.throughput_per_s, old.throughput_ci_per_s, new.throughput_per_s, new.throughput_ci_per_s):
         moved.append(f"throughput_per_s {old.throughput_per_s} -> {new.throughput_per_s}")
+    for step in sorted(set(old.end_to_end_steps) | set(new.end_to_end_steps)):
+        a, b = old.end_to_end_steps.get(step), new.end_to_end_steps.get(step)
+        if a is None or b is None or not same_figure(a.p50_ms, a.p50_ci_ms, b.p50_ms, b.p50_ci_ms):
+            moved.append(f"end_to_end_steps.{step}.p50_ms {a and a.p50_ms} -> {b and b.p50_ms}")
+    ea, eb = old.energy, new.energy
+    if (ea.available, ea.source) != (eb.available, eb.source) or (
+        ea.joules_per_inference is not None
+        and eb.joules_per_inference is not None
+        and abs(ea.joules_per_inference - eb.joules_per_inference)
+        > ENERGY_TOLERANCE * max(ea.joules_per_inference, eb.joules_per_inference)
+    ):
+        moved.append(f"energy {ea.joules_per_inference or ea.reason} -> {eb.joules_per_inference or eb.reason}")
+    if (old.sustained is None) != (new.sustained is None) or (
+        old.sustained is not None and new.sustained is not None and old.sustained != new.sustained
+    ):
+        moved.append("sustained")
     for key in ("peak_rss_mb", "engine_load_mb"):
         a, b = getattr(old, key), getattr(new, key)
         if abs(a - b) > max(MEMORY_TOLERANCE_MB, 0.05 * max(abs(a), abs(b))):

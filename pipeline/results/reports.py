@@ -4,16 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pipeline.core.io import sha256_json
-
-
-class Result(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    def to_json(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+from pipeline.results.base import Result
+from pipeline.results.power import EnergyResult, SustainedResult
 
 
 class TensorSig(Result):
@@ -64,11 +59,18 @@ class DatasetRecord(Result):
         False,
         description="generated from the input spec, not real data: it may not exercise the model as real inputs do",
     )
+    files: int | None = Field(None, description="raw files the set was decoded from (a files dataset)")
+    raw_sha256: str | None = Field(None, description="the packed raw files (<split>.raw.npz) of a files dataset")
 
 
 class DataReport(Result):
     model: str
     splits: dict[str, DatasetRecord]
+    preprocessing: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="per input made from raw files: the declared training-side steps, their libraries "
+        "and versions as the data stage ran them",
+    )
 
 
 class ReferenceReport(Result):
@@ -444,6 +446,56 @@ class Remedy(Result):
     )
 
 
+class InputDiff(Result):
+    """How far one variant of the preprocessing moves a model input from the reference's."""
+
+    max_abs: float
+    mean_abs: float
+    samples_differing: int = Field(description="samples with any element different")
+    elements_differing: float = Field(description="fraction of all elements that differ")
+
+
+class StepDrift(Result):
+    """One step swapped alone (the reference's steps with only this one the device's)."""
+
+    step: str
+    reference: Any = Field(description="the step's settings on the training side")
+    device: Any = Field(description="the step's settings on the device")
+    input: InputDiff
+    metric_drop: float | None = Field(None, description="task metric lost by this step alone (None: no metric)")
+    worse: int = 0
+    better: int = 0
+
+
+class PreprocessingDrift(Result):
+    """The device's preprocessing against the declared training-side one, on the same raw files,
+    through this engine: the difference in the model's input and in the task metric (paired, as
+    the metric gate: the exact one-sided McNemar test on the samples where exactly one is right)."""
+
+    input: str = Field(description="the model input made from raw files")
+    split: str
+    samples: int
+    reference: dict[str, Any] = Field(description="training-side steps, libraries and versions (data stage's host)")
+    device: dict[str, Any] = Field(description="device-side steps, libraries and versions (this host)")
+    differing_steps: list[str] = Field(description="steps whose settings or library differ")
+    diff: InputDiff
+    metric: str | None = None
+    metric_reference: float | None = Field(None, description="the metric with the reference's preprocessing")
+    metric_device: float | None = Field(None, description="the metric with the device's preprocessing")
+    metric_drop: float | None = None
+    worse: int = 0
+    better: int = 0
+    p_value: float | None = None
+    drop_interval: tuple[float, float] | None = None
+    confidence: float = 0.95
+    max_metric_drop: float | None = Field(None, description="the gate (skus.<sku>.preprocessing); None: reported only")
+    max_input_diff: float | None = None
+    steps: list[StepDrift] = Field(default_factory=list, description="per differing step, swapped alone")
+    culprit: str | None = Field(None, description="the step that alone moves the metric (else the input) most")
+    passed: bool
+    failure: str | None = None
+
+
 class ValidationReport(EngineBound):
     model: str
     sku: str
@@ -460,6 +512,9 @@ class ValidationReport(EngineBound):
         None, description="sha256_arrays of the engine's golden outputs (outputs.npz) written with this report"
     )
     bisection: Bisection | None = Field(None, description="first divergent node, when a correctness gate failed")
+    preprocessing: list[PreprocessingDrift] = Field(
+        default_factory=list, description="the drift check per input made from raw files"
+    )
 
 
 class LatencyStats(Result):
@@ -531,6 +586,19 @@ class BenchReport(EngineBound):
     steady_state: SteadyState
     engine_only: LatencyStats
     end_to_end: LatencyStats
+    end_to_end_steps: dict[str, LatencyStats] = Field(
+        default_factory=dict,
+        description="the end-to-end calls timed per step, in order: decode, preprocess, infer, postprocess "
+        "(decode only from raw files); their p50s need not add up to the whole's",
+    )
+    end_to_end_input: str | None = Field(
+        None, description="what an end-to-end call starts from: raw files (how many, their format) or raw arrays"
+    )
+    preprocessing: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="per input from raw files: the device-side steps the calls ran, with versions"
+    )
+    energy: EnergyResult | None = Field(None, description="energy over the engine-only steady phase, or why none")
+    sustained: SustainedResult | None = Field(None, description="bench.sustained: the run to thermal equilibrium")
     stopped: Literal["iterations", "max_seconds", "budget"] = Field(
         description="what ended the engine-only phase (budget: what was left of skus.<sku>.max_seconds)"
     )
@@ -668,6 +736,55 @@ class Benchmark(Result):
     throughput_ci_per_s: tuple[float, float] | None
     peak_rss_mb: float = Field(description="whole MB")
     engine_load_mb: float = Field(description="RSS the engine's load added, whole MB")
+    end_to_end_input: str | None = Field(None, description="what an end-to-end call starts from")
+    end_to_end_steps: dict[str, LatencySummary] = Field(
+        default_factory=dict, description="decode, preprocess, infer, postprocess: each step of the end-to-end calls"
+    )
+    energy: EnergySummary = Field(description="joules per inference over the engine-only phase, or why none")
+    sustained: SustainedSummary | None = Field(
+        None, exclude_if=lambda v: v is None, description="bench.sustained: figures at equilibrium"
+    )
+
+
+class EnergySummary(Result):
+    """Energy per inference (3 significant digits), or ``reason``: never a zero where nothing was measured."""
+
+    available: bool
+    source: str | None = None
+    joules_per_inference: float | None = None
+    mean_power_w: float | None = None
+    domains: list[str] = Field(default_factory=list, description="what was summed (RAPL zones, rails, GPUs)")
+    reason: str | None = None
+
+
+class SustainedSummary(Result):
+    """The sustained run: how it ended and the figures at equilibrium, rounded as the other figures."""
+
+    stopped: str
+    seconds: float
+    p50_ms: float
+    p99_ms: float
+    latency_drift_pct: float | None
+    clock_drop_pct: float | None
+    temperature_rise_c: float | None
+
+
+class PreprocessingSummary(Result):
+    """One input made from raw files: both implementations and what the drift check measured."""
+
+    reference: dict[str, Any] = Field(description="training side: steps, libraries and versions (the data stage's)")
+    device: dict[str, Any] = Field(description="device side: steps, libraries and versions (validate's host)")
+    differing_steps: list[str]
+    split: str
+    samples: int
+    max_abs_input_diff: float
+    samples_differing: int
+    metric: str | None
+    metric_drop: float | None
+    drop_interval: tuple[float, float] | None
+    culprit: str | None
+    gated: bool = Field(description="skus.<sku>.preprocessing sets max_metric_drop or max_input_diff")
+    passed: bool
 
 
 class HostInfo(Result):
@@ -695,7 +812,7 @@ class Evidence(Result):
 class Manifest(Result):
     """One engine, described. Everything but ``provenance`` is a function of the inputs."""
 
-    schema_version: Literal[6] = 6
+    schema_version: Literal[7] = 7
     model: str
     sku: str
     digest: str = Field(description="sha256 of this document without 'digest' and 'provenance'")
@@ -724,6 +841,9 @@ class Manifest(Result):
     placement: dict[str, int]
     precision_counts: dict[str, int]
     correctness: Correctness
+    preprocessing: dict[str, PreprocessingSummary] = Field(
+        default_factory=dict, description="per input made from raw files (docs/preprocessing.md)"
+    )
     benchmark: Benchmark
     host: HostInfo
     provenance: Provenance

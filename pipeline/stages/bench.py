@@ -26,9 +26,14 @@ from pipeline.core.env import (
 )
 from pipeline.core.errors import ConfigError
 from pipeline.core.io import atomic_write_bytes, atomic_write_json, sha256_bytes
-from pipeline.project.config import BenchSpec, Registry
-from pipeline.project.data import LABELS, iter_batches, postprocess, preprocess
+from pipeline.host.energy import open_meter, unavailable
+from pipeline.project.config import BenchSpec, Registry, SkuSpec, SustainedSpec, device_preprocessing
+from pipeline.project.data import LABELS, iter_batches, preprocess
+from pipeline.project.files import unpack
+from pipeline.project.postprocessing import postprocess
+from pipeline.project.processing import Preprocessor, describe
 from pipeline.results.benchstats import drift, e2e_below_engine, latency_stats, settled
+from pipeline.results.power import ENERGY_SOURCES, EnergySource
 from pipeline.results.reports import (
     BenchReport,
     BuildReport,
@@ -38,6 +43,7 @@ from pipeline.results.reports import (
     SteadyState,
     SweepPoint,
 )
+from pipeline.stages.sustained import sustained_run
 
 if TYPE_CHECKING:
     from pipeline.perf.roofline import RooflineReport
@@ -47,6 +53,8 @@ from pipeline.host.peaks import host_peaks
 from pipeline.host.probe import device_state, host, rss_mb, usable_cores
 from pipeline.perf.roofline import graph_cost, roofline
 from pipeline.project.artifacts import batch_indices, check_engine, layout, load_arrays, log, read_report
+
+ENERGY_PHASE = "engine-only steady state"
 
 
 def time_calls(
@@ -313,6 +321,77 @@ def timeline_csv(warm: list[float], steady: list[float]) -> bytes:
     return ("iteration,phase,latency_ms\n" + "".join(rows)).encode()
 
 
+class EndToEnd:
+    """One end-to-end call as the device makes it, timed per step: decode (raw files only),
+    preprocess (the device-side steps, or the affine map of raw arrays), infer, postprocess. Each
+    call appends its steps' milliseconds to ``times``; the per-step clock reads are four
+    ``perf_counter`` calls, well under a microsecond."""
+
+    def __init__(self, registry: Registry, model: str, sku: str, runner, in_idx: dict, batch: int):
+        import numpy as np
+
+        self.np = np
+        spec = registry.model(model)
+        out = layout(registry)
+        self.spec, self.runner, self.in_idx, self.batch = spec, runner, in_idx, batch
+        self.times: dict[str, list[float]] = {}
+        raw = load_arrays(out.split(model, "golden", raw=True), "data")
+        files = spec.file_inputs
+        self.preprocessors: dict[str, Preprocessor] = {}
+        self.described: dict[str, dict] = {}
+        if files:
+            blobs, names, _ = unpack(raw)
+            take = [i % len(blobs) for i in range(batch)]
+            self.blobs = [blobs[i] for i in take]
+            self.names = [names[i] for i in take]
+            device = registry.sku(sku).preprocessing.device
+            for name, steps in files.items():
+                shipped = device_preprocessing(steps, device)
+                self.preprocessors[name] = Preprocessor(shipped, spec.input(name).dtype)
+                self.described[name] = describe(shipped)
+            kinds = sorted({n.rsplit(".", 1)[-1].lower() for n in self.names})
+            self.source = (
+                f"{len(self.blobs)} raw {'/'.join(kinds)} file(s) from the golden set "
+                f"({sum(map(len, self.blobs))} bytes, in memory), the device-side preprocessing"
+            )
+            self.steps: tuple[str, ...] = ("decode", "preprocess", "infer", "postprocess")
+        else:
+            raw.pop(LABELS, None)
+            self.raw_batch = {k: v[:batch] for k, v in raw.items()}
+            self.source = "raw golden arrays (models.<name>.preprocess: an affine map per input)"
+            self.steps = ("preprocess", "infer", "postprocess")
+        for step in self.steps:
+            self.times[step] = []
+
+    def __call__(self) -> object:
+        clock = time.perf_counter
+        t0 = clock()
+        if self.preprocessors:
+            name, pre = next(iter(self.preprocessors.items()))  # config: one input from raw files
+            decoded = [pre.decode(b, n) for b, n in zip(self.blobs, self.names, strict=True)]
+            t1 = clock()
+            inputs = {name: self.np.stack([pre.transform(d) for d in decoded])}
+            self.times["decode"].append((t1 - t0) * 1000.0)
+        else:
+            t1 = t0
+            inputs = preprocess(self.spec, self.raw_batch)
+        _, batched = next(iter_batches(inputs, self.in_idx, self.batch))
+        t2 = clock()
+        outputs = self.runner.infer(batched)
+        t3 = clock()
+        result = postprocess(self.spec, outputs)
+        t4 = clock()
+        times = self.times
+        times["preprocess"].append((t2 - t1) * 1000.0)
+        times["infer"].append((t3 - t2) * 1000.0)
+        times["postprocess"].append((t4 - t3) * 1000.0)
+        return result
+
+    def reset(self) -> None:
+        for samples in self.times.values():
+            samples.clear()
+
+
 def bench(registry: Registry, model: str, sku: str, progress: Progress | None = None) -> BenchReport:
     import numpy as np
 
@@ -325,11 +404,8 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
     batch = registry.pins(model, sku).get(spec.batch_axis or "", 1)
     in_idx, _ = batch_indices(registry, model, prep.signature)
     golden = load_arrays(out.split(model, "golden"), "data")
-    raw = load_arrays(out.split(model, "golden", raw=True), "data")
-    for arrays in (golden, raw):
-        arrays.pop(LABELS, None)
+    golden.pop(LABELS, None)
     _, feeds = next(iter_batches(golden, in_idx, batch))
-    raw_batch = {k: v[:batch] for k, v in raw.items()}
     # impossible batch sizes are refused before any timing
     sweep_feeds = _sweep_feeds(registry, model, sku, golden, in_idx, cfg.sweep.batch or [batch]) if cfg.sweep else {}
     state_before = device_state()
@@ -353,15 +429,26 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
         warm, steady_state = warm_up(call, warm_cfg, progress)
         budget.check("bench engine-only")
         steady_cfg = _phase_cfg(cfg, budget, 0.5)
-        steady, wall, capped = _timed(call, steady_cfg, cfg.concurrency, progress, "bench engine")
+        # the host's energy counters over the engine-only phase, or why there are none
+        meter = open_meter(sources=energy_sources(sku_spec)) if cfg.energy else "unavailable: bench.energy is false"
+        try:
+            if not isinstance(meter, str):
+                meter.start()
+            steady, wall, capped = _timed(call, steady_cfg, cfg.concurrency, progress, "bench engine")
+            energy = (
+                unavailable(meter, ENERGY_PHASE)
+                if isinstance(meter, str)
+                else meter.stop(len(steady) * batch, ENERGY_PHASE)
+            )
+        finally:
+            if not isinstance(meter, str):
+                meter.close()
         stopped = _stopped(cfg, steady_cfg, capped)
 
-        def end_to_end() -> object:
-            inputs = preprocess(spec, raw_batch)
-            _, batched = next(iter_batches(inputs, in_idx, batch))
-            return postprocess(spec, runner.infer(batched))
-
+        end_to_end = EndToEnd(registry, model, sku, runner, in_idx, batch)
         budget.check("bench end-to-end")
+        end_to_end()  # the first decode loads the library's codecs: not a steady-state call
+        end_to_end.reset()
         e2e_cfg = _phase_cfg(cfg, budget, 0.5)
         # at the engine-only phase's concurrency: e2e latency under fewer callers is not comparable
         e2e, _, e2e_capped = _timed(end_to_end, e2e_cfg, cfg.concurrency, progress, "bench end-to-end")
@@ -388,6 +475,9 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
                 warnings.append(
                     f"bench: no roofline: its 20 profiled runs would not fit in what is left of {budget.key}"
                 )
+        sustained = None
+        if cfg.sustained is not None:
+            sustained = _sustained(call, cfg.sustained, sku_spec, batch, budget, progress, warnings)
         run = execution(build, cfg.concurrency)
         mem_after = rss_mb()
     # the statistics of the samples as latency.csv holds them: the manifest stage recomputes them from it
@@ -424,6 +514,11 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
         steady_state=steady_state,
         engine_only=engine,
         end_to_end=end_to_end_stats,
+        end_to_end_steps={step: latency_stats(times, cfg.confidence) for step, times in end_to_end.times.items()},
+        end_to_end_input=end_to_end.source,
+        preprocessing=end_to_end.described,
+        energy=energy,
+        sustained=sustained,
         stopped=stopped,
         drift=drift(steady, steady_state.window, cfg.drift_threshold),
         throughput_per_s=len(steady) * batch / wall if wall > 0 else 0.0,
@@ -471,6 +566,41 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
             report.drift.last_p50_ms,
         )
     return report
+
+
+def energy_sources(sku: SkuSpec) -> tuple[EnergySource, ...]:
+    """The meters to try, the SKU's device first: a GPU SKU's energy is the GPU's (NVML; a Jetson's
+    input rail), a CPU SKU's the CPU package's (RAPL)."""
+    if sku.target.device == "gpu":
+        return ("nvml", "ina3221", "rapl")
+    return ENERGY_SOURCES
+
+
+def _sustained(call, spec: SustainedSpec, sku_spec: SkuSpec, batch: int, budget: Budget, progress, warnings: list[str]):
+    """The sustained run within what is left of the stage's budget (a margin kept for the report)."""
+    left = budget.remaining()
+    if left < spec.window_seconds * spec.trend_windows:
+        warnings.append(
+            f"bench: no sustained run: {left:.0f} s left of {budget.key}, less than its "
+            f"{spec.trend_windows} windows of {spec.window_seconds:g} s"
+        )
+        return None
+    meter = open_meter(sources=energy_sources(sku_spec))
+    try:
+        result = sustained_run(
+            call,
+            spec,
+            batch,
+            progress=progress,
+            meter=None if isinstance(meter, str) else meter,
+            deadline=time.perf_counter() + left * 0.9 if math.isfinite(left) else None,
+        )
+    finally:
+        if not isinstance(meter, str):
+            meter.close()
+    if result.stopped != "flat":
+        warnings.append(f"bench: sustained run not at equilibrium: {result.reason}")
+    return result
 
 
 def _ci(ci: tuple[float, float] | None) -> str:

@@ -7,8 +7,10 @@ from pipeline.core.io import atomic_savez, atomic_write_json, sha256_arrays
 from pipeline.core.paths import SPLITS
 from pipeline.core.progress import Progress
 from pipeline.project.artifacts import layout, log
-from pipeline.project.config import Registry
+from pipeline.project.config import DatasetSource, ModelSpec, Registry
 from pipeline.project.data import LABELS, check_dataset, check_finite, check_range, generate, load_file, preprocess
+from pipeline.project.files import NAMES, pack, read_files_dataset
+from pipeline.project.processing import Preprocessor, describe
 from pipeline.results.reports import DataReport, DatasetRecord
 
 
@@ -27,6 +29,9 @@ def make_data(registry: Registry, model: str, progress: Progress | None = None) 
             inputs = generate(spec, pins, source)
             check_dataset(spec, inputs, pins, split, raw=False)
             raw = {k: _unprocess(spec, k, v) for k, v in inputs.items()}
+        elif source.files is not None:
+            inputs, raw, origin = _from_files(registry, spec, source, split)
+            check_dataset(spec, inputs, pins, split, raw=False)
         else:
             origin = f"{spec.dir}/{source.path}"
             raw = load_file(spec, registry.root, source, split)
@@ -35,9 +40,9 @@ def make_data(registry: Registry, model: str, progress: Progress | None = None) 
             inputs = preprocess(spec, raw)
             check_dataset(spec, inputs, pins, split, raw=False)
         # preprocessing or a narrow dtype (float16) can overflow to Inf
-        where = f"{origin} after preprocessing" if spec.preprocess and source.path else origin
+        where = f"{origin} after preprocessing" if spec.preprocess and source.generate is None else origin
         check_finite(inputs, split, where, source.allow_non_finite)
-        if split == "calibration" and source.path is not None:  # generated sets stay in range by construction
+        if split == "calibration" and source.generate is None:  # generated sets stay in range by construction
             check_range(spec, inputs, split, where)
         staged[split] = (inputs, raw, origin)
     if spec.metric is not None:
@@ -50,7 +55,8 @@ def make_data(registry: Registry, model: str, progress: Progress | None = None) 
     records = {}
     for split, (inputs, raw, origin) in staged.items():
         atomic_savez(out.split(model, split), **inputs)
-        if split == "golden":
+        # the raw golden set feeds the end-to-end benchmark; raw files of every split, the drift check
+        if split == "golden" or getattr(spec.datasets, split).files is not None:
             atomic_savez(out.split(model, split, raw=True), **raw)
         records[split] = DatasetRecord(
             split=split,
@@ -59,16 +65,36 @@ def make_data(registry: Registry, model: str, progress: Progress | None = None) 
             source=origin,
             has_labels=LABELS in inputs,
             synthetic=getattr(spec.datasets, split).generate is not None,
+            files=len(raw[NAMES]) if getattr(spec.datasets, split).files is not None else None,
+            raw_sha256=sha256_arrays(raw) if getattr(spec.datasets, split).files is not None else None,
         )
-    report = DataReport(model=model, splits=records)
+    report = DataReport(
+        model=model,
+        splits=records,
+        # the training-side implementation, as this host ran it: the manifest records it beside the device's
+        preprocessing={name: describe(steps) for name, steps in spec.file_inputs.items()},
+    )
     atomic_write_json(out.report(model, None, "data"), report.to_json())
     log(model).info("data: %s", ", ".join(f"{k} {v.samples}" for k, v in records.items()))
     return report
 
 
+def _from_files(registry: Registry, spec: ModelSpec, source: DatasetSource, split: str):
+    """A folder of raw files through the model's declared (training-side) preprocessing: the model
+    inputs, the packed files (for the drift check and the end-to-end benchmark) and the origin."""
+    assert source.files is not None
+    name, steps = next(iter(spec.file_inputs.items()))  # config: a files dataset feeds one decoded input
+    found = read_files_dataset(registry.root, spec.dir, source.files, split, steps.decode, source.take)
+    inputs = {name: Preprocessor(steps, spec.input(name).dtype)(found.blobs, found.names)}
+    if found.labels is not None:
+        inputs[LABELS] = found.labels
+    origin = f"{spec.dir}/{source.files} ({len(found.names)} files, {steps.library})"
+    return inputs, pack(found.blobs, found.names, found.labels), origin
+
+
 def _unprocess(spec, name, arr):
     """Raw values whose preprocessing gives ``arr`` (for end-to-end benchmarks)."""
-    affine = spec.preprocess.get(name)
+    affine = spec.affine(name)
     if affine is None or name == LABELS:
         return arr
     return ((arr.astype("float64") - affine.offset) / affine.scale).astype("float32")

@@ -10,7 +10,15 @@ from pipeline.project.config import Registry
 from pipeline.results.benchstats import latency_stats
 from pipeline.results.dvcmetrics import write_metrics
 from pipeline.results.latency import read_latency_csv
-from pipeline.results.manifest import benchmark_summary, digest, evidence_digest, provenance, settle, validate_document
+from pipeline.results.manifest import (
+    benchmark_summary,
+    digest,
+    evidence_digest,
+    preprocessing_summary,
+    provenance,
+    settle,
+    validate_document,
+)
 from pipeline.results.reports import (
     BenchReport,
     BuildInfo,
@@ -158,6 +166,7 @@ def assemble(registry: Registry, model: str, sku: str) -> dict:
             warnings=val.warnings,
             bisection=val.bisection,
         ),
+        preprocessing={d.input: preprocessing_summary(d) for d in val.preprocessing},
         benchmark=benchmark_summary(bench, registry.bench(sku).noise_floor),
         host=bench.host,
     )

@@ -24,6 +24,7 @@ from pipeline.verify.compare import (
     metric_warnings,
     output_warnings,
 )
+from pipeline.verify.drift import drift_line, preprocessing_drift
 
 
 def _bisect(registry: Registry, model: str, sku: str):
@@ -60,6 +61,10 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
     with budget.watch(), get_backend(sku_spec.backend).load(out.engine_dir(model, sku), sku_spec) as runner:
         engine_sha = check_engine(runner, build, out.engine_dir(model, sku), model, sku)
         errors, metrics, samples, golden = correctness(registry, model, sku, runner, progress, budget)
+        # the device's preprocessing against the training side's, through this engine (docs/preprocessing.md)
+        drift = preprocessing_drift(
+            registry, model, sku, runner, {m.split: m.engine for m in metrics}, progress, budget
+        )
     if golden:
         atomic_savez(out.engine_outputs(model, sku), **golden)
         outputs_sha = sha256_arrays(golden)
@@ -68,6 +73,7 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
     gate_failures = correctness_failures(registry, model, errors, metrics)
     unjudged = input_failures(errors, metrics)
     failures = gate_failures + unjudged
+    failures += [d.failure for d in drift if d.failure]
     if not placement.passed:
         nodes = ", ".join(f"{layer.name} ({layer.op_type}) on {layer.device}" for layer in placement.offending)
         failures.append(
@@ -105,6 +111,7 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
         build_config_sha256=build.build_config_sha256,
         outputs_sha256=outputs_sha,
         bisection=bisection,
+        preprocessing=drift,
     )
     atomic_write_json(out.report(model, sku, "validate"), report.to_json())
     lg = log(model, sku)
@@ -121,6 +128,8 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
                 "+".join(e.top1_splits),
                 e.top1_interval,
             )
+    for d in drift:
+        lg.info("%s", drift_line(d))
     for m in metrics:
         assert spec.metric is not None  # correctness() measures metrics only for a model that declares one
         lg.info(

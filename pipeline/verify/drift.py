@@ -1,0 +1,322 @@
+"""The preprocessing drift check: the device's preprocessing against the declared training-side one.
+
+Both run on the same raw files (the data stage packed them into ``<split>.raw.npz``; the training
+side's model inputs are ``<split>.npz``). The difference in the model's input is measured on every
+sample; the difference in the task metric runs through the engine under test on the samples whose
+input differs (the others give the engine the same input, so the same answer), paired, and judged as
+the metric gate judges an engine: the observed drop above ``max_metric_drop`` and the exact one-sided
+McNemar test calling the device's preprocessing worse. Where the two differ, each differing step is
+swapped in alone to name the step that moves the metric (else the input) most.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pipeline.core.budget import Budget
+from pipeline.core.errors import ConfigError
+from pipeline.core.progress import Progress
+from pipeline.project.artifacts import layout, load_arrays, read_report, run_plan
+from pipeline.project.config import FilePreprocessing, Registry, device_preprocessing
+from pipeline.project.data import run_dataset
+from pipeline.project.files import unpack
+from pipeline.project.processing import Preprocessor, describe, differing_steps, with_step
+from pipeline.results import gatestats
+from pipeline.results.reports import DataReport, InputDiff, PrepareReport, PreprocessingDrift, StepDrift
+from pipeline.verify.compare import METRICS
+
+if TYPE_CHECKING:
+    import numpy as np
+
+# the split the check runs on: the first of these given as files (labelled sets first)
+DRIFT_SPLITS = ("evaluation", "hard_tail", "golden", "calibration")
+
+
+def input_diff(reference: np.ndarray, device: np.ndarray) -> InputDiff:
+    """Element-wise difference of two stacks of samples (float64; NaN on one side only counts as differing)."""
+    import numpy as np
+
+    a = reference.astype(np.float64).reshape(len(reference), -1)
+    b = device.astype(np.float64).reshape(len(device), -1)
+    if a.shape != b.shape:
+        raise ConfigError(
+            f"the device's preprocessing gives samples of shape {list(device.shape[1:])}, the reference's "
+            f"{list(reference.shape[1:])}",
+            hint="the device must fill the same model input: fix skus.<sku>.preprocessing.device",
+        )
+    with np.errstate(invalid="ignore"):
+        delta = np.abs(a - b)
+    differs = (delta > 0) | (np.isnan(a) != np.isnan(b))
+    delta = np.where(np.isnan(delta), 0.0, delta)
+    return InputDiff(
+        max_abs=float(delta.max()) if delta.size else 0.0,
+        mean_abs=float(delta.mean()) if delta.size else 0.0,
+        samples_differing=int(differs.any(axis=1).sum()),
+        elements_differing=float(differs.mean()) if differs.size else 0.0,
+    )
+
+
+def _differing_rows(reference: np.ndarray, device: np.ndarray) -> np.ndarray:
+    import numpy as np
+
+    a, b = reference.reshape(len(reference), -1), device.reshape(len(device), -1)
+    return np.flatnonzero(~((a == b) | (np.isnan(a) & np.isnan(b))).all(axis=1))
+
+
+class _Paired:
+    """Paired task-metric counts of a variant's inputs against the training-side inputs through the
+    engine, run on the samples whose inputs differ only: (worse, better); (0, 0) without a metric."""
+
+    def __init__(self, runner, budget, name, reference, labels, kind, output, in_idx, out_idx, batch):
+        self.runner, self.budget, self.name, self.reference, self.labels = runner, budget, name, reference, labels
+        self.kind = kind if labels is not None else None
+        self.output, self.in_idx, self.out_idx, self.batch = output, in_idx, out_idx, batch
+
+    def __call__(self, x: np.ndarray, label: str) -> tuple[int, int]:
+        import numpy as np
+
+        rows = _differing_rows(self.reference, x)
+        if self.kind is None or not len(rows):
+            return 0, 0
+        infer = self.runner.infer
+        if self.budget is not None:
+            infer = self.budget.calls(infer, f"validate drift {label}", 2 * len(rows), "sample")
+        correct = METRICS[self.kind]
+        r, d = (
+            correct(
+                run_dataset(infer, {self.name: arr[rows]}, self.in_idx, self.out_idx, self.batch)[self.output],
+                self.labels[rows],
+            )
+            for arr in (self.reference, x)
+        )
+        return int(np.count_nonzero(r & ~d)), int(np.count_nonzero(d & ~r))
+
+
+def preprocessing_drift(
+    registry: Registry,
+    model: str,
+    sku: str,
+    runner: Any,
+    engine_scores: dict[str, float],
+    progress: Progress | None = None,
+    budget: Budget | None = None,
+) -> list[PreprocessingDrift]:
+    """The drift check of each input made from raw files (none: an empty list). ``engine_scores``:
+    the engine's task metric per split with the training-side inputs (the validate stage's)."""
+    spec, sku_spec = registry.model(model), registry.sku(sku)
+    files = spec.file_inputs
+    split = next((s for s in DRIFT_SPLITS if (src := getattr(spec.datasets, s)) is not None and src.files), None)
+    if not files or split is None:
+        return []
+    out = layout(registry)
+    data = read_report(out.report(model, None, "data"), DataReport, "data")
+    prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
+    in_idx, out_idx, batch = run_plan(registry, model, prep.signature, sku)
+    blobs, names, labels = unpack(load_arrays(out.split(model, split, raw=True), "data"))
+    trained = load_arrays(out.split(model, split), "data")
+    gate = sku_spec.preprocessing
+    confidence = registry.metric_gate(model, sku).confidence
+    results = []
+    for name, reference in files.items():
+        device = device_preprocessing(reference, gate.device)
+        dtype = spec.input(name).dtype
+        ref_x = trained[name]
+        dev_x = Preprocessor(device, dtype)(blobs, names)
+        diff = input_diff(ref_x, dev_x)
+        judged = spec.metric is not None and labels is not None
+        judge = _Paired(
+            runner,
+            budget,
+            name,
+            ref_x,
+            labels,
+            spec.metric.kind if spec.metric else None,
+            spec.metric.output if spec.metric else "",
+            in_idx,
+            out_idx,
+            batch,
+        )
+        if progress is not None:
+            progress(f"validate preprocessing {name}", 0.0)
+        worse, better = judge(dev_x, "device")
+        drifted = bool(diff.samples_differing)
+        steps = _attribute(reference, device, blobs, names, dtype, judge) if drifted else []
+        n = len(ref_x)
+        drop = (worse - better) / n if judged and n else None
+        culprit = _culprit(steps)
+        failure = _failure(
+            name,
+            split,
+            sku,
+            drop,
+            worse,
+            better,
+            n,
+            diff,
+            gate.max_metric_drop,
+            gate.max_input_diff,
+            confidence,
+            spec.metric.kind if spec.metric else None,
+            judged,
+            steps,
+            culprit,
+        )
+        reference_score = engine_scores.get(split)
+        results.append(
+            PreprocessingDrift(
+                input=name,
+                split=split,
+                samples=n,
+                reference=data.preprocessing.get(name, describe(reference)),
+                device=describe(device),
+                differing_steps=differing_steps(reference, device),
+                diff=diff,
+                metric=spec.metric.kind if judged and spec.metric else None,
+                metric_reference=reference_score if judged else None,
+                metric_device=(
+                    reference_score - drop if judged and reference_score is not None and drop is not None else None
+                ),
+                metric_drop=drop,
+                worse=worse,
+                better=better,
+                p_value=gatestats.mcnemar_p(worse, better) if judged else None,
+                drop_interval=gatestats.drop_interval(worse, better, n, confidence) if judged and n else None,
+                confidence=confidence,
+                max_metric_drop=gate.max_metric_drop,
+                max_input_diff=gate.max_input_diff,
+                steps=steps,
+                culprit=culprit,
+                passed=failure is None,
+                failure=failure,
+            )
+        )
+        if progress is not None:
+            progress(f"validate preprocessing {name}", 1.0)
+    return results
+
+
+def _attribute(
+    reference: FilePreprocessing,
+    device: FilePreprocessing,
+    blobs: list[bytes],
+    names: list[str],
+    dtype: str,
+    judge: _Paired,
+) -> list[StepDrift]:
+    """Each differing step swapped in alone: its input difference and metric drop."""
+    ref_steps, dev_steps = reference.steps(), device.steps()
+    out = []
+    for step in differing_steps(reference, device):
+        try:
+            variant = with_step(reference, device, step)
+        except ConfigError:
+            continue  # a step that cannot stand alone: the whole device pipeline's figures still stand
+        x = Preprocessor(variant, dtype)(blobs, names)
+        worse, better = judge(x, step)
+        out.append(
+            StepDrift(
+                step=step,
+                reference=ref_steps[step],
+                device=dev_steps[step],
+                input=input_diff(judge.reference, x),
+                metric_drop=(worse - better) / len(x) if judge.kind is not None and len(x) else None,
+                worse=worse,
+                better=better,
+            )
+        )
+    return out
+
+
+def _culprit(steps: list[StepDrift]) -> str | None:
+    """The step that alone costs the most metric, else moves the input most; steps that tie
+    exactly (a library swap shows in every step that library runs) are named together."""
+    if not steps:
+        return None
+
+    def key(s: StepDrift) -> tuple[float, float]:
+        return (s.metric_drop or 0.0, s.input.max_abs)
+
+    top = max(key(s) for s in steps)
+    if top == (0.0, 0.0):
+        return None
+    return "+".join(s.step for s in steps if key(s) == top)
+
+
+def settings_text(value: Any) -> str:
+    """A step's settings on one line: ``order bgr, library pillow``."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {settings_text(v)}" for k, v in value.items() if v is not None) or "-"
+    if isinstance(value, list | tuple):
+        return "x".join(map(str, value))
+    return str(value)
+
+
+def _failure(
+    name: str,
+    split: str,
+    sku: str,
+    drop: float | None,
+    worse: int,
+    better: int,
+    n: int,
+    diff: InputDiff,
+    max_drop: float | None,
+    max_diff: float | None,
+    confidence: float,
+    kind: str | None,
+    judged: bool,
+    steps: list[StepDrift],
+    culprit: str | None,
+) -> str | None:
+    """The gate's verdict as one line naming the step, or None when it passes (or nothing is gated)."""
+    key = f"skus.{sku}.preprocessing"
+    blame = ""
+    if culprit is not None:
+        s = next(x for x in steps if x.step == culprit.split("+")[0])
+        alone = (
+            f"costs {s.metric_drop:.4g} alone"
+            if s.metric_drop is not None
+            else f"moves it by up to {s.input.max_abs:.4g}"
+        )
+        blame = (
+            f"; the step: {culprit} (device: {settings_text(s.device)}; training side: "
+            f"{settings_text(s.reference)}) {alone}"
+        )
+    if max_drop is not None:
+        if not judged:
+            return (
+                f"preprocessing of input {name!r}: {key}.max_metric_drop is set but the {split} files have no "
+                f"labels or the model no metric: the drift cannot be judged (fails closed)"
+            )
+        assert drop is not None
+        if gatestats.drop_fails(worse, better, n, max_drop, confidence):
+            lo, hi = gatestats.drop_interval(worse, better, n, confidence)
+            return (
+                f"preprocessing of input {name!r}: the device's steps cost {drop:.4g} {kind} on {split} "
+                f"(n={n}: {worse} worse, {better} better, McNemar p={gatestats.mcnemar_p(worse, better):.3g}, "
+                f"drop {lo:.4g}..{hi:.4g}), above {key}.max_metric_drop {max_drop:g}{blame}"
+            )
+    if max_diff is not None and diff.max_abs > max_diff:
+        return (
+            f"preprocessing of input {name!r}: the device's steps move the model input by up to {diff.max_abs:.4g} "
+            f"({diff.samples_differing} of {n} samples differ), above {key}.max_input_diff {max_diff:g}{blame}"
+        )
+    return None
+
+
+def drift_line(d: PreprocessingDrift) -> str:
+    """One log line: what differs, how far the input moved and what it cost."""
+    what = ", ".join(d.differing_steps) or "none (same steps and libraries)"
+    line = (
+        f"preprocessing {d.input} on {d.split} (n={d.samples}): device {d.device['versions']} vs training side "
+        f"{d.reference.get('versions')}; differing steps: {what}; input max |diff| {d.diff.max_abs:.4g}, "
+        f"{d.diff.samples_differing} samples differ"
+    )
+    if d.metric_drop is not None:
+        line += f"; {d.metric} drop {d.metric_drop:+.4g} ({d.worse} worse, {d.better} better)"
+    if d.culprit:
+        line += f"; most from step {d.culprit}"
+    gate = [f"max_metric_drop {d.max_metric_drop:g}"] if d.max_metric_drop is not None else []
+    gate += [f"max_input_diff {d.max_input_diff:g}"] if d.max_input_diff is not None else []
+    verdict = f" [gate: {', '.join(gate)}: {'pass' if d.passed else 'FAIL'}]" if gate else " [reported, not gated]"
+    return line + verdict

@@ -1,0 +1,207 @@
+"""Declared preprocessing from raw files, end to end on a real model with real PNG files: the data
+stage decodes them through the training side's steps, validate runs the drift check against the
+SKU's device-side steps (a planted colour swap fails its gate naming the step), bench times the
+end-to-end calls per step and the manifest records both implementations."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import models
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from PIL import Image
+
+from pipeline.core.errors import ConfigError, GateFailed
+from pipeline.core.io import read_json
+from pipeline.core.paths import Layout
+from pipeline.project.config import load_registry
+from pipeline.results.manifest import schema, validate_document
+from pipeline.stages.bench import bench
+from pipeline.stages.build import build
+from pipeline.stages.data import make_data
+from pipeline.stages.manifest import write_manifest
+from pipeline.stages.prepare import prepare
+from pipeline.stages.reference import reference
+from pipeline.stages.validate import validate
+
+STEPS = {
+    "decode": "image",
+    "library": "pillow",
+    "color": "rgb",
+    "resize": {"size": [8, 8], "interpolation": "area"},
+    "layout": "chw",
+    "normalize": {"mean": [0, 0, 0], "std": [255, 255, 255]},
+}
+
+
+def colour_model(path: Path) -> Path:
+    """x[batch,3,8,8] (RGB, 0..1) -> probs[batch,2]: class 0 where red outweighs blue, 1 where blue
+    outweighs red. A swapped colour order flips every answer."""
+    w = numpy_helper.from_array(np.array([[8.0, 0.0, -8.0], [-8.0, 0.0, 8.0]], np.float32), "w")
+    b = numpy_helper.from_array(np.zeros(2, np.float32), "b")
+    nodes = [
+        helper.make_node("GlobalAveragePool", ["x"], ["gap"]),
+        helper.make_node("Flatten", ["gap"], ["flat"]),
+        helper.make_node("Gemm", ["flat", "w", "b"], ["logits"], transB=1),
+        helper.make_node("Softmax", ["logits"], ["probs"], axis=-1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "colour",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 8])],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 2])],
+        [w, b],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def write_pngs(folder: Path, count: int, seed: int) -> None:
+    """``count`` 20x20 RGB PNG files, half red-dominant (label 0), half blue-dominant (label 1), with noise."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = ["file,label"]
+    for i in range(count):
+        label = i % 2
+        pixels = rng.integers(0, 60, size=(20, 20, 3))
+        pixels[..., 0 if label == 0 else 2] += 150
+        buffer = io.BytesIO()
+        Image.fromarray(pixels.astype(np.uint8)).save(buffer, format="PNG")
+        (folder / f"{i:03d}.png").write_bytes(buffer.getvalue())
+        rows.append(f"{i:03d}.png,{label}")
+    (folder / "labels.csv").write_text("\n".join(rows) + "\n")
+
+
+def colour_spec() -> dict:
+    return {
+        "dir": "models/colour",
+        "source": "model.onnx",
+        "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 3, 8, 8]}],
+        "preprocess": {"x": STEPS},
+        "postprocess": {"kind": "topk", "output": "probs", "k": 2},
+        "datasets": {
+            "golden": {"files": "images/golden"},
+            "calibration": {"files": "images/golden"},
+            "evaluation": {"files": "images/evaluation"},
+        },
+        # 60 labelled samples resolve a drop of 0.1 (the default 0.01 needs 201)
+        "metric": {"kind": "top1_accuracy", "output": "probs", "gate": {"max_drop": 0.1, "max_drop_hard_tail": 0.1}},
+    }
+
+
+SKUS = {
+    "same": models.ort_sku("fp32"),  # ships the training side's steps
+    "opencv": models.ort_sku("fp32", preprocessing={"device": {"library": "opencv"}, "max_metric_drop": 0.05}),
+    "swapped": models.ort_sku("fp32", preprocessing={"device": {"color": "bgr"}, "max_metric_drop": 0.05}),
+}
+
+
+@pytest.fixture(scope="module")
+def proj(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prep")
+    colour_model(root / "models/colour/model.onnx")
+    write_pngs(root / "models/colour/images/golden", 8, seed=1)
+    write_pngs(root / "models/colour/images/evaluation", 60, seed=2)
+    reg = load_registry(models.write_project(root, {"colour": colour_spec()}, SKUS))
+    prepare(reg, "colour")
+    data = make_data(reg, "colour")
+    reference(reg, "colour")
+    for sku in SKUS:
+        build(reg, "colour", sku)
+    return reg, data
+
+
+def test_data_stage_decodes_files_through_the_declared_steps(proj):
+    reg, data = proj
+    out = Layout(reg.root)
+    with np.load(out.split("colour", "evaluation")) as arrays:
+        x, labels = arrays["x"], arrays["labels"]
+    assert x.shape == (60, 3, 8, 8) and x.dtype == np.float32 and list(labels[:4]) == [0, 1, 0, 1]
+    # the training side's steps, by hand from the same file: Pillow box resize, / 255, CHW
+    first = Image.open(reg.root / "models/colour/images/evaluation/000.png").convert("RGB")
+    expected = np.asarray(first.resize((8, 8), Image.Resampling.BOX), np.float64).transpose(2, 0, 1) / 255
+    np.testing.assert_allclose(x[0], expected.astype(np.float32))
+    assert data.splits["evaluation"].files == 60 and data.splits["evaluation"].raw_sha256
+    assert data.preprocessing["x"]["versions"]["pillow"]
+    assert out.split("colour", "evaluation", raw=True).is_file()  # the packed files the drift check reads
+
+
+def test_the_same_steps_on_the_device_show_no_drift(proj):
+    reg, _ = proj
+    report = validate(reg, "colour", "same")
+    (drift,) = report.preprocessing
+    assert drift.differing_steps == [] and drift.diff.samples_differing == 0 and drift.diff.max_abs == 0
+    assert drift.metric_drop == 0 and drift.passed and drift.max_metric_drop is None
+
+
+def test_another_library_is_measured_and_attributed(proj):
+    reg, _ = proj
+    report = validate(reg, "colour", "opencv")  # area resize, RGB: a small input drift, no metric drop
+    (drift,) = report.preprocessing
+    assert drift.device["versions"]["opencv"] and drift.reference["versions"]["pillow"]
+    assert "resize" in drift.differing_steps and drift.passed
+    assert drift.metric_drop is not None and drift.metric_drop <= 0.05
+    assert {s.step for s in drift.steps} == set(drift.differing_steps)
+
+
+def test_a_planted_colour_swap_fails_its_gate_naming_the_step(proj):
+    reg, _ = proj
+    with pytest.raises(GateFailed) as caught:
+        validate(reg, "colour", "swapped")
+    message = str(caught.value)
+    assert "preprocessing of input 'x'" in message and "max_metric_drop 0.05" in message
+    assert "the step: color (device: order bgr, library pillow; training side: order rgb, library pillow)" in message
+    # the report is written before the gate exits, with the figures behind the verdict
+    doc = read_json(Layout(reg.root).report("colour", "swapped", "validate"))
+    (drift,) = doc["preprocessing"]
+    assert drift["differing_steps"] == ["color"] and drift["culprit"] == "color" and not drift["passed"]
+    assert drift["worse"] == 60 and drift["better"] == 0 and drift["metric_drop"] == 1.0
+    assert drift["p_value"] < 1e-6 and drift["drop_interval"][0] > 0.05
+
+
+def test_end_to_end_is_timed_per_step_and_recorded(proj):
+    reg, _ = proj
+    validate(reg, "colour", "opencv")
+    report = bench(reg, "colour", "opencv")
+    assert list(report.end_to_end_steps) == ["decode", "preprocess", "infer", "postprocess"]
+    for stats in report.end_to_end_steps.values():
+        assert stats.iterations == report.end_to_end.iterations and stats.p50_ms > 0
+    assert "png" in (report.end_to_end_input or "") and report.preprocessing["x"]["versions"]["opencv"]
+    assert report.energy is not None and (report.energy.available or report.energy.reason.startswith("unavailable"))
+    manifest = write_manifest(reg, "colour", "opencv")
+    doc = json.loads(Layout(reg.root).manifest("colour", "opencv").read_text())
+    validate_document(doc)
+    import jsonschema
+
+    jsonschema.validate(doc, schema())
+    summary = manifest.preprocessing["x"]
+    assert summary.reference["versions"]["pillow"] and summary.device["versions"]["opencv"]
+    assert set(doc["benchmark"]["end_to_end_steps"]) == {"decode", "preprocess", "infer", "postprocess"}
+    energy = doc["benchmark"]["energy"]
+    assert energy["available"] or (
+        energy["reason"].startswith("unavailable: ") and energy["joules_per_inference"] is None
+    )
+
+
+def test_files_datasets_need_a_decoded_input(tmp_path):
+    spec = colour_spec()
+    spec["preprocess"] = {}
+    models.write_project(tmp_path, {"colour": spec}, {"same": models.ort_sku("fp32")})
+    with pytest.raises(ConfigError, match="declared with preprocess.<input>.decode"):
+        load_registry(tmp_path / "params.yaml")
+
+
+def test_a_resize_that_does_not_give_the_input_shape_is_refused(tmp_path):
+    spec = colour_spec()
+    spec["preprocess"] = {"x": {**STEPS, "resize": {"size": [7, 8], "interpolation": "area"}}}
+    models.write_project(tmp_path, {"colour": spec}, {"same": models.ort_sku("fp32")})
+    with pytest.raises(ConfigError, match=r"resize.size \[7, 8\] is not the input's \(H, W\) \[8, 8\]"):
+        load_registry(tmp_path / "params.yaml")
