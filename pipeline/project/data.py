@@ -271,15 +271,6 @@ def preprocess(spec: ModelSpec, raw: Arrays) -> Arrays:
     return out
 
 
-def postprocess(spec: ModelSpec, outputs: Arrays) -> Arrays:
-    import numpy as np
-
-    if spec.postprocess == "argmax":
-        name = spec.metric.output if spec.metric else next(iter(outputs))
-        return {"class": np.argmax(outputs[name], axis=-1)}
-    return outputs
-
-
 def iter_batches(arrays: Arrays, input_batch_index: dict[str, int | None], batch: int) -> Iterator[tuple[int, Arrays]]:
     """Yield (real sample count, feeds) in batches of ``batch``; the last is padded by repetition.
 

@@ -297,3 +297,57 @@ def bars(
 def _sku_axis(ax, skus: Sequence[str]) -> None:
     ax.set_xticks(range(len(skus)), [_text(s) for s in skus], rotation=30, ha="right")
     ax.grid(axis="x", visible=False)
+
+
+STEP_COLOURS = {"decode": "#7570b3", "preprocess": "#1b9e77", "infer": "#d95f02", "postprocess": "#e7298a"}
+
+
+@_draw
+def step_bars(steps: Sequence[tuple[str, float]], whole_p50: float | None, engine_p50: float | None):
+    """Where an end-to-end call's time goes: the p50 of each step stacked on one bar, beside the
+    whole call's p50 and the engine-only p50. Percentiles do not add: the stacked bar need not
+    match the whole's."""
+    if not steps:
+        raise ValueError("no step has a p50")
+    fig, axes = _figure(height=2.6)
+    ax = axes[0][0]
+    left = 0.0
+    for name, value in steps:
+        ax.barh(0, value, left=left, height=0.6, color=STEP_COLOURS.get(name, "grey"), label=f"{_text(name)} {value:.4g}")
+        left += value
+    labels = ["end to end: step p50s"]
+    for label, value, colour in (("end to end: whole p50", whole_p50, "#666666"), ("engine only p50", engine_p50, "#4c72b0")):
+        if value is not None:
+            ax.barh(len(labels), value, height=0.6, color=colour)
+            ax.annotate(f"{value:.4g}", (value, len(labels)), textcoords="offset points", xytext=(3, -3), fontsize=7)
+            labels.append(label)
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()
+    ax.margins(x=0.08)  # room for the figures at the bars' ends
+    ax.grid(axis="y", visible=False)
+    ax.set(title="end to end, per step (p50, ms; percentiles do not add)", xlabel="ms")
+    fig.legend(loc="outside lower center", ncol=len(steps), fontsize=7, title="step p50 ms", title_fontsize=7)
+    return fig
+
+
+@_draw
+def sustained(t_s: Sequence[float], p50_ms: Sequence[float], temperature_c: Sequence[float | None]):
+    """A sustained run per window: the p50 (left axis) and the hottest thermal zone (right axis,
+    where one was read) against time, so a latency rise can be laid beside the heat."""
+    if not t_s:
+        raise ValueError("no windows")
+    fig, axes = _figure()
+    ax = axes[0][0]
+    ax.plot(t_s, p50_ms, "o-", markersize=3, color=COLOURS["p50"], label="p50 ms")
+    ax.set(title="sustained run: p50 and temperature per window", xlabel="seconds from the start", ylabel="p50 ms")
+    hot = [(t, c) for t, c in zip(t_s, temperature_c, strict=True) if c is not None]
+    handles, labels = ax.get_legend_handles_labels()
+    if hot:
+        twin = ax.twinx()
+        twin.plot([t for t, _ in hot], [c for _, c in hot], "s--", markersize=3, color=COLOURS["p99"], label="°C")
+        twin.set_ylabel("temperature °C")
+        twin.grid(visible=False)
+        more, names = twin.get_legend_handles_labels()
+        handles, labels = handles + more, labels + names
+    ax.legend(handles, labels, loc="lower right")
+    return fig

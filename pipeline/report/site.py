@@ -336,6 +336,177 @@ def _correctness_view(validate: dict[str, Any] | None) -> dict[str, Any] | None:
     }
 
 
+STEP_ORDER = ("decode", "preprocess", "infer", "postprocess")  # BenchReport.end_to_end_steps
+
+
+def _pipeline_steps(side: Any) -> list[dict[str, Any]]:
+    """A preprocessing description's steps ({steps: [{step, library, settings}], versions})."""
+    return [_d(x) for x in _list(_d(side).get("steps"))]
+
+
+def _steps_view(pair: PairData, images: Images, notes: list[str]) -> dict[str, Any] | None:
+    """The end-to-end calls timed per step (decode, preprocess, infer, postprocess), their chart
+    beside the engine-only p50, what a call starts from and the device-side preprocessing it ran."""
+    b = _d(pair.bench)
+    steps = _d(b.get("end_to_end_steps"))
+    if not steps:
+        return None
+    names = [n for n in STEP_ORDER if n in steps] + [n for n in steps if n not in STEP_ORDER]
+    rows = [(name, _d(steps[name])) for name in names]
+    whole, engine = _d(b.get("end_to_end")), _d(b.get("engine_only"))
+    p50s = [(name, v) for name, s in rows if (v := _num(s.get("p50_ms"))) is not None]
+    plot = None
+    if p50s:
+        plot = _chart(
+            images,
+            notes,
+            "steps.png",
+            f"{pair.model}/{pair.sku} end to end per step",
+            lambda: plots.step_bars(p50s, _num(whole.get("p50_ms")), _num(engine.get("p50_ms"))),
+        )
+    preprocessing = [
+        {"input": name, "steps": _pipeline_steps(side), "versions": _d(_d(side).get("versions"))}
+        for name, side in sorted(_d(b.get("preprocessing")).items())
+    ]
+    return {
+        "rows": rows,
+        "whole": whole,
+        "engine": engine,
+        "input": b.get("end_to_end_input"),
+        "sum_p50": sum(v for _, v in p50s) if p50s else None,
+        "plot": plot,
+        "preprocessing": preprocessing,
+    }
+
+
+def _energy_view(energy: Any) -> dict[str, Any] | None:
+    """An EnergyResult's figures, or its reason verbatim: an energy not measured is never shown as 0."""
+    e = _d(energy)
+    if not e:
+        return None
+    if e.get("available") is not True:
+        reason = e.get("reason")
+        return {
+            "available": False,
+            "reason": str(reason) if reason else "unavailable: the report gives no reason",
+            "phase": e.get("phase"),
+        }
+    figures = [
+        ("joules per inference (J)", e.get("joules_per_inference")),
+        ("mean power (W)", e.get("mean_power_w")),
+        ("source", e.get("source")),
+        ("summed domains", [str(x) for x in _list(e.get("summed"))]),
+        ("joules per domain", _d(e.get("domains"))),
+        ("joules (summed)", e.get("joules")),
+        ("window (s)", e.get("window_seconds")),
+        ("inferences", e.get("inferences")),
+        ("phase", e.get("phase")),
+        ("sampling", e.get("sampling")),
+    ]
+    return {"available": True, "figures": figures}
+
+
+def _sustained_view(sustained: Any, images: Images, notes: list[str], what: str) -> dict[str, Any] | None:
+    """A SustainedResult: the p50 and temperature per window as a chart, why it stopped, the
+    equilibrium figures and the throttling."""
+    s = _d(sustained)
+    if not s:
+        return None
+    windows = [_d(w) for w in _list(s.get("windows"))]
+    points = [
+        (t, p, _num(w.get("temperature_c")))
+        for w in windows
+        if (t := _num(w.get("t_s"))) is not None and (p := _num(w.get("p50_ms"))) is not None
+    ]
+    plot = None
+    if points:
+        plot = _chart(
+            images,
+            notes,
+            "sustained.png",
+            f"{what} sustained run",
+            lambda: plots.sustained([t for t, *_ in points], [p for _, p, _ in points], [c for *_, c in points]),
+        )
+    keys = (
+        "seconds",
+        "batch",
+        "judged_on",
+        "latency_slope",
+        "temperature_slope_c",
+        "equilibrium_windows",
+        "p50_ms",
+        "p99_ms",
+        "throughput_per_s",
+    )
+    return {
+        "stopped": s.get("stopped"),
+        "reason": s.get("reason"),
+        "equilibrium": {k: s[k] for k in keys if k in s},
+        "throttling": _d(s.get("throttling")),
+        "energy": _energy_view(s.get("energy")),
+        "windows": windows,
+        "plot": plot,
+    }
+
+
+def _drift_gate(drift: dict[str, Any]) -> str:
+    gates = [
+        f"{label} at most {fmt(value)}"
+        for label, key in (("metric drop", "max_metric_drop"), ("input max abs difference", "max_input_diff"))
+        if (value := _num(drift.get(key))) is not None
+    ]
+    return ", ".join(gates) if gates else "reported, not gated"
+
+
+def _one_drift(drift: dict[str, Any]) -> dict[str, Any]:
+    """One PreprocessingDrift: the two sides step by step (the differing ones marked), their
+    library versions, the input and metric differences, the gate and the per-step attribution."""
+    ref, dev = _d(drift.get("reference")), _d(drift.get("device"))
+    differing = {str(x) for x in _list(drift.get("differing_steps"))}
+    ref_steps = {str(x.get("step")): x for x in _pipeline_steps(ref)}
+    dev_steps = {str(x.get("step")): x for x in _pipeline_steps(dev)}
+    steps = [
+        {"step": name, "differs": name in differing, "reference": ref_steps.get(name), "device": dev_steps.get(name)}
+        for name in dict.fromkeys([*ref_steps, *dev_steps])
+    ]
+    ref_versions, dev_versions = _d(ref.get("versions")), _d(dev.get("versions"))
+    versions = [
+        (lib, ref_versions.get(lib), dev_versions.get(lib), ref_versions.get(lib) != dev_versions.get(lib))
+        for lib in sorted(set(ref_versions) | set(dev_versions), key=str)
+    ]
+    passed = drift.get("passed")
+    return {
+        "input": drift.get("input"),
+        "split": drift.get("split"),
+        "samples": drift.get("samples"),
+        "steps": steps,
+        "differing": sorted(differing),
+        "versions": versions,
+        "diff": _d(drift.get("diff")),
+        "metric": drift.get("metric"),
+        "metric_reference": drift.get("metric_reference"),
+        "metric_device": drift.get("metric_device"),
+        "metric_drop": drift.get("metric_drop"),
+        "drop_interval": _ci(drift.get("drop_interval")),
+        "confidence": drift.get("confidence"),
+        "p_value": drift.get("p_value"),
+        "worse": drift.get("worse"),
+        "better": drift.get("better"),
+        "gate": _drift_gate(drift),
+        "passed": passed if isinstance(passed, bool) else None,
+        "failure": drift.get("failure"),
+        "attribution": [_d(x) for x in _list(drift.get("steps"))],
+        "culprit": drift.get("culprit"),
+    }
+
+
+def _drift_view(validate: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+    """validate.json's preprocessing drift per input; None where validate.json has no such field."""
+    if validate is None or "preprocessing" not in validate:
+        return None
+    return [_one_drift(_d(x)) for x in _list(validate.get("preprocessing"))]
+
+
 def _roofline_layers(roofline: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     """Layer name -> its measured time, achieved GFLOP/s and intensity, from roofline.json
     (pipeline.perf.roofline.RooflineReport: the layer's name is the engine layer's where it was timed)."""
@@ -475,6 +646,8 @@ def _pair_html(env, pair: PairData, outcome: tuple[str, str], images: Images, na
     notes = list(pair.notes)
     what = f"{pair.model}/{pair.sku}"
     bench = _bench_view(pair, images, notes)
+    steps = _steps_view(pair, images, notes)
+    sustained = _sustained_view(_d(pair.bench).get("sustained"), images, notes, what)
     roofline = _roofline_view(pair.roofline, images, notes, what)
     return env.get_template("pair.html.j2").render(
         model=pair.model,
@@ -484,7 +657,12 @@ def _pair_html(env, pair: PairData, outcome: tuple[str, str], images: Images, na
         nav=nav,
         build=_build_view(pair.build),
         bench=bench,
+        steps=steps,
+        energy=_energy_view(_d(pair.bench).get("energy")),
+        sustained=sustained,
         correctness=_correctness_view(pair.validate),
+        drift=_drift_view(pair.validate),
+        has_validate=pair.validate is not None,
         roofline=roofline,
         roofline_note=f"no {ROOFLINE} for this pair (the roofline step has not run here)",
         layers=_layers_view(pair.build, pair.roofline),
@@ -514,7 +692,21 @@ def _model_row(pair: PairData, outcome: tuple[str, str], href: str | None) -> di
         "load_delta": _num(memory.get("engine_load_delta")),
         "deltas": deltas,
         "engine_bytes": engine_bytes(pair.build),
+        "drift": [
+            (d["input"], d["metric_drop"], d["passed"], d["differing"]) for d in _drift_view(pair.validate) or []
+        ],
+        "energy": _energy_cell(b.get("energy")),
     }
+
+
+def _energy_cell(energy: Any) -> dict[str, Any] | None:
+    """J/inference for the cross-SKU table, or the reason there is none (never a 0)."""
+    view = _energy_view(energy)
+    if view is None:
+        return None
+    if not view["available"]:
+        return {"jpi": None, "reason": view["reason"]}
+    return {"jpi": _num(_d(energy).get("joules_per_inference")), "reason": None}
 
 
 def _model_charts(model: str, rows: list[dict[str, Any]], images: Images, notes: list[str]) -> list[tuple[str, str]]:

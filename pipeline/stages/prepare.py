@@ -103,11 +103,15 @@ def prepare(registry: Registry, model: str, progress: Progress | None = None) ->
     source = load_source(registry, model)
     sig = signature(source)
     names = [o.name for o in sig.outputs]
-    for wanted in [*(spec.outputs or []), *([spec.metric.output] if spec.metric else [])]:
+    post = spec.postprocess
+    post_outputs = (
+        [] if isinstance(post, str) else [getattr(post, k) for k in ("output", "boxes", "scores") if hasattr(post, k)]
+    )
+    for wanted in [*(spec.outputs or []), *([spec.metric.output] if spec.metric else []), *post_outputs]:
         if wanted not in names:
             raise InputError(
                 f"{path}: params.yaml names output {wanted!r} but the model's outputs are {names}",
-                hint="fix models.<name>.outputs / metric.output",
+                hint="fix models.<name>.outputs / metric.output / postprocess",
             )
     work = copy.deepcopy(source)
     records = run_passes(work)

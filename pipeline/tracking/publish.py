@@ -138,6 +138,23 @@ def manifest_metrics(
                 out[f"latency.{kind}.{key}_low"], out[f"latency.{kind}.{key}_high"] = value
             else:
                 out[f"latency.{kind}.{key}"] = value
+    for step, stats in b.end_to_end_steps.items():  # where an end-to-end call's time goes
+        out[f"latency.end_to_end.{step}.p50_ms"] = stats.p50_ms
+        out[f"latency.end_to_end.{step}.p99_ms"] = stats.p99_ms
+    if b.energy.available:  # never a zero where nothing was measured: the reason is a tag
+        out["energy.joules_per_inference"] = b.energy.joules_per_inference
+        out["energy.mean_power_w"] = b.energy.mean_power_w
+    if b.sustained is not None:
+        out["sustained.p50_ms"] = b.sustained.p50_ms
+        out["sustained.p99_ms"] = b.sustained.p99_ms
+        out["sustained.seconds"] = b.sustained.seconds
+        for key in ("latency_drift_pct", "clock_drop_pct", "temperature_rise_c"):
+            out[f"sustained.{key}"] = getattr(b.sustained, key)
+    for name, p in m.preprocessing.items():
+        out[f"preprocessing.{name}.max_abs_input_diff"] = p.max_abs_input_diff
+        out[f"preprocessing.{name}.samples_differing"] = p.samples_differing
+        out[f"preprocessing.{name}.metric_drop"] = p.metric_drop
+        out[f"gate.preprocessing.{name}.passed"] = p.passed
     out["throughput_per_s"] = b.throughput_per_s
     out["memory.peak_rss_mb"] = b.peak_rss_mb
     out["memory.engine_load_mb"] = b.engine_load_mb
@@ -225,6 +242,10 @@ def _run_tags(m: Manifest, env: Mapping[str, str]) -> dict[str, str]:
         "skuforge.precision": m.precision,
         "skuforge.version": __version__,
         "skuforge.hardware_specific": str(m.hardware_specific).lower(),
+        # the meter, or why there is none (a metric would have to be a zero)
+        "skuforge.energy": (m.benchmark.energy.source or "")
+        if m.benchmark.energy.available
+        else (m.benchmark.energy.reason or "unavailable")[:MAX_PARAM_VALUE],
         "mlflow.user": actor(dict(env)),
         "mlflow.note.content": _summary(m),
         **ci_tags(m, env),

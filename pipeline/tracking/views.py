@@ -39,8 +39,10 @@ KEY_METRICS = (
     "latency.end_to_end.p50_ms",
     "throughput_per_s",
     "memory.peak_rss_mb",
+    "energy.joules_per_inference",
     "error.*.max_abs_error",
     "task.*.delta",
+    "preprocessing.*.metric_drop",
 )
 KEY_TAGS = ("skuforge.backend", "skuforge.precision")
 COLUMN_WIDTH = 175  # px

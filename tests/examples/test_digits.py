@@ -10,10 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.io import read_json, sha256_file
 from pipeline.examples import digits
+from pipeline.project.config import load_registry
+from pipeline.project.files import read_files_dataset
+from pipeline.project.processing import Preprocessor
 
 REPO = Path(__file__).resolve().parents[2]
 DATASETS = ("evaluation.npz", "hard_tail.npz", "calibration.npz", "golden.npz")
@@ -65,6 +69,25 @@ def test_datasets_hold_raw_pixels(cnn):
     assert sizes["calibration"] == 128 and sizes["golden"] == 64
 
 
+def test_images_reproduce_the_arrays_through_the_declared_preprocessing(cnn):
+    """The PNG files and labels.csv per split; the checked-in params.yaml's training-side steps (Pillow,
+    box resize to 8x8, / 240) give back the arrays the model was trained on for every clean image."""
+    out, _, _ = cnn
+    steps = load_registry(REPO / "params.yaml").model("digits_cnn").preprocess["image"]
+    for split in ("evaluation", "hard_tail", "golden", "calibration"):
+        found = read_files_dataset(out, ".", f"images/{split}", split, "image")
+        with np.load(out / f"{split}.npz") as data:
+            image, labels = data["image"], data["labels"]
+        assert len(found.names) == len(image) and found.names[0] == "0000.png"
+        np.testing.assert_array_equal(found.labels, labels)
+        if split == "evaluation":
+            decoded = Preprocessor(steps, "float32")(found.blobs, found.names)
+            assert decoded.shape == (len(image), 1, 8, 8)
+            np.testing.assert_array_equal(decoded, image * np.float32(1 / 16))
+    with Image.open(out / "images/evaluation/0000.png") as im:
+        assert im.size == (digits.IMAGE_SIZE, digits.IMAGE_SIZE) and im.mode == "L"
+
+
 def test_onnx_runtime_outputs_probabilities(cnn):
     import onnx
     import onnxruntime as ort
@@ -96,6 +119,8 @@ def test_export_is_byte_deterministic(cnn, tmp_path):
     assert (tmp_path / "model.onnx").read_bytes() == (out / "model.onnx").read_bytes()
     for name in DATASETS:
         assert (tmp_path / name).read_bytes() == (out / name).read_bytes(), name
+    for png in sorted((out / "images/golden").iterdir()):
+        assert (tmp_path / "images/golden" / png.name).read_bytes() == png.read_bytes(), png.name
 
 
 def test_unknown_example_names_the_known_ones(tmp_path):
@@ -128,6 +153,9 @@ import json, sys, tempfile
 from pathlib import Path
 import torch
 from pipeline.examples import digits
+from pipeline.project.config import load_registry
+from pipeline.project.files import read_files_dataset
+from pipeline.project.processing import Preprocessor
 from pipeline.core.io import sha256_file
 hashes = {{"capability": torch.backends.cpu.get_cpu_capability()}}
 for name in digits.EXAMPLES:

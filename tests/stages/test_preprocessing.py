@@ -9,6 +9,7 @@ import io
 import json
 from pathlib import Path
 
+import jsonschema
 import models
 import numpy as np
 import onnx
@@ -101,6 +102,19 @@ SKUS = {
     "same": models.ort_sku("fp32"),  # ships the training side's steps
     "opencv": models.ort_sku("fp32", preprocessing={"device": {"library": "opencv"}, "max_metric_drop": 0.05}),
     "swapped": models.ort_sku("fp32", preprocessing={"device": {"color": "bgr"}, "max_metric_drop": 0.05}),
+    # a sustained run of 0.2..1.5 s in windows of 0.1 s, flat when the latency moves < 50% a window
+    "sustained": models.ort_sku(
+        "fp32",
+        bench={
+            "sustained": {
+                "min_seconds": 0.2,
+                "max_seconds": 1.5,
+                "window_seconds": 0.1,
+                "trend_windows": 3,
+                "max_latency_slope": 0.5,
+            }
+        },
+    ),
 }
 
 
@@ -179,8 +193,6 @@ def test_end_to_end_is_timed_per_step_and_recorded(proj):
     manifest = write_manifest(reg, "colour", "opencv")
     doc = json.loads(Layout(reg.root).manifest("colour", "opencv").read_text())
     validate_document(doc)
-    import jsonschema
-
     jsonschema.validate(doc, schema())
     summary = manifest.preprocessing["x"]
     assert summary.reference["versions"]["pillow"] and summary.device["versions"]["opencv"]
@@ -205,3 +217,19 @@ def test_a_resize_that_does_not_give_the_input_shape_is_refused(tmp_path):
     models.write_project(tmp_path, {"colour": spec}, {"same": models.ort_sku("fp32")})
     with pytest.raises(ConfigError, match=r"resize.size \[7, 8\] is not the input's \(H, W\) \[8, 8\]"):
         load_registry(tmp_path / "params.yaml")
+
+
+def test_a_sustained_run_is_recorded_with_its_stop_reason(proj):
+    reg, _ = proj
+    validate(reg, "colour", "sustained")
+    report = bench(reg, "colour", "sustained")
+    run = report.sustained
+    assert run is not None and run.stopped in ("flat", "cap") and run.reason
+    assert len(run.windows) >= 3 and all(w.calls > 0 for w in run.windows)
+    assert run.windows[-1].t_s <= 1.5 + 0.5  # the cap holds (one call may end past it)
+    assert run.p50_ms > 0 and run.p99_ms >= run.p50_ms and run.throughput_per_s > 0
+    assert "latency" in run.judged_on
+    if not any(w.temperature_c is not None for w in run.windows):
+        assert run.throttling.temperature_rise_c is None  # no sensor: no figure, never a zero
+    manifest = write_manifest(reg, "colour", "sustained")
+    assert manifest.benchmark.sustained is not None and manifest.benchmark.sustained.stopped == run.stopped
