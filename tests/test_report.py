@@ -24,6 +24,8 @@ from pipeline.project.config import load_registry
 from pipeline.report import pages, plots, write_pair_report, write_site
 from pipeline.report.site import fmt
 from pipeline.results.outcomes import record_outcome
+from pipeline.results.power import UNAVAILABLE, EnergyResult, SustainedResult, SustainedWindow, Throttling
+from pipeline.results.reports import InputDiff, PreprocessingDrift, StepDrift
 
 EVIL = "<script>alert('x')</script>"
 EVIL_ESCAPED = "&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt;"
@@ -663,3 +665,209 @@ def test_samples_of_another_format_are_left_out(site, tmp_path):
     (root / "build" / MODEL / NEW / "timeline.csv").write_text("call,ms\n0,1.0\n")
     index = write_site(load_registry(root / "params.yaml"))
     assert "no timeline.csv" in _read(index.parent / MODEL / NEW / "index.html")
+
+
+# --- end to end per step, preprocessing drift, energy ---------------------------------------------
+
+HOSTILE = "<img src=x onerror=alert(1)>"  # in a preprocessing setting: drawn as text, never markup
+HOSTILE_ESCAPED = "&lt;img src=x onerror=alert(1)&gt;"
+NO_METER = UNAVAILABLE + "rapl: no /sys/class/powercap (not Linux, or no powercap driver)"
+
+
+def _side(library: str, interpolation: str) -> dict:
+    """A preprocessing description as pipeline.examples' describe() writes it."""
+    return {
+        "steps": [
+            {"step": "decode", "library": library, "settings": {"kind": "image", "library": library}},
+            {"step": "resize", "library": library, "settings": {"size": [8, 8], "interpolation": interpolation}},
+            {"step": "normalize", "library": "numpy", "settings": {"mean": [0.0], "std": [255.0]}},
+        ],
+        "versions": {library: "1.0.0", "numpy": "2.0.0"},
+    }
+
+
+def _drift(name: str, gated: bool) -> dict:
+    """A PreprocessingDrift with ``resize`` as the culprit: failing its gate, or reported only."""
+    diff = InputDiff(max_abs=0.25, mean_abs=0.03, samples_differing=7, elements_differing=0.4)
+    same = InputDiff(max_abs=0.0, mean_abs=0.0, samples_differing=0, elements_differing=0.0)
+    return PreprocessingDrift(
+        input=name,
+        split="evaluation",
+        samples=20,
+        reference=_side("pillow", "area"),
+        device=_side("opencv", HOSTILE),
+        differing_steps=["decode", "resize"],
+        diff=diff,
+        metric="top1_accuracy",
+        metric_reference=0.95,
+        metric_device=0.8,
+        metric_drop=0.15,
+        worse=3,
+        p_value=0.0625,
+        drop_interval=(0.05, 0.25),
+        max_metric_drop=0.03 if gated else None,
+        steps=[
+            StepDrift(
+                step="decode", reference={"kind": "image"}, device={"kind": "image"}, input=same, metric_drop=0.0
+            ),
+            StepDrift(
+                step="resize",
+                reference={"interpolation": "area"},
+                device={"interpolation": HOSTILE},
+                input=diff,
+                metric_drop=0.15,
+                worse=3,
+            ),
+        ],
+        culprit="resize",
+        passed=not gated,
+        failure="top1_accuracy drops 0.15 with the device's preprocessing, over 0.03" if gated else None,
+    ).to_json()
+
+
+def _energy() -> dict:
+    return EnergyResult(
+        available=True,
+        source="rapl",
+        domains={"package-0": 1.5, "core": 1.0, "dram": 0.5},
+        summed=["package-0", "dram"],
+        joules=2.0,
+        joules_per_inference=0.0125,
+        mean_power_w=4.0,
+        window_seconds=0.5,
+        inferences=160,
+        phase="engine-only steady state",
+    ).to_json()
+
+
+def _sustained() -> dict:
+    windows = [
+        SustainedWindow(t_s=5.0 * (i + 1), calls=100, p50_ms=1.0 + 0.02 * i, p99_ms=2.0, temperature_c=50.0 + i)
+        for i in range(6)
+    ]
+    return SustainedResult(
+        seconds=30.0,
+        batch=1,
+        windows=windows,
+        stopped="flat",
+        reason="latency and temperature flat over the last 3 windows (slopes 0.01, 0.2 °C)",
+        judged_on=["latency", "temperature"],
+        equilibrium_windows=3,
+        p50_ms=1.08,
+        p99_ms=2.0,
+        throughput_per_s=900.0,
+        throttling=Throttling(latency_drift_pct=8.0, clock_reason="no CPU clock readable", temperature_rise_c=4.0),
+    ).to_json()
+
+
+def _update(path: Path, **fields) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def _section(text: str, title: str) -> str:
+    """The page from the ``<h2>`` named ``title`` to the next one."""
+    return text.split(f"<h2>{title}</h2>", 1)[1].split("<h2>", 1)[0]
+
+
+@pytest.fixture(scope="module")
+def measured_site(site, tmp_path_factory):
+    """The site's project with the per-step times, the drift check and the energy in its reports:
+    NEW's meter unavailable and its drift gate failed, OLD's energy measured and a sustained run."""
+    root = _copy(site, tmp_path_factory.mktemp("measured"))
+    new, old = root / "build" / MODEL / NEW, root / "build" / MODEL / OLD
+    steps = {name: _stats(p50, True) for name, p50 in (("decode", 0.2), ("preprocess", 0.3), ("infer", 0.5))}
+    _update(
+        new / "bench.json",
+        end_to_end_steps={**steps, "postprocess": _stats(0.1, False)},
+        end_to_end_input="8 raw png file(s) from the golden set, the device-side preprocessing",
+        preprocessing={"image": _side("opencv", HOSTILE)},
+        energy=EnergyResult(available=False, reason=NO_METER, phase="engine-only steady state").to_json(),
+    )
+    _update(new / "validate.json", preprocessing=[_drift("image", gated=True), _drift("mask", gated=False)])
+    _update(old / "bench.json", energy=_energy(), sustained=_sustained())
+    return write_site(load_registry(root / "params.yaml"), MODEL)
+
+
+def test_pair_page_shows_end_to_end_per_step(measured_site):
+    page = measured_site.parent / MODEL / NEW
+    section = _section(_read(page / "index.html"), "End to end, per step")
+    assert (page / "steps.png").read_bytes()[:4] == b"\x89PNG" and 'src="steps.png"' in section
+    rows = re.findall(
+        r'<tr(?: class="total")?><th>([^<]+)</th><td class="num">[^<]*</td><td class="num">[^<]*</td>\n'
+        r'<td class="num">([^ <]+)',
+        section,
+    )
+    assert rows == [
+        ("decode", "0.2"),
+        ("preprocess", "0.3"),
+        ("infer", "0.5"),
+        ("postprocess", "0.1"),
+        ("end to end (whole call)", "1"),
+        ("engine only", "0.5"),
+    ], section
+    assert "[0.19 – 0.21]" in section  # a step's p50 confidence interval
+    assert "starts from: 8 raw png file(s) from the golden set" in section
+    assert "add up to 1.1 ms against the whole call's p50 of 1 ms: percentiles do not add" in section
+    assert "decode (opencv) → resize (opencv) → normalize (numpy)" in section
+
+
+def test_pair_page_shows_the_preprocessing_drift_escaped(measured_site):
+    text = _read(measured_site.parent / MODEL / NEW / "index.html")
+    assert HOSTILE not in text and "<img src=x" not in text and "<script" not in text
+    section = _section(text, "Preprocessing drift")
+    assert section.count(HOSTILE_ESCAPED) == 4  # per input: the device side's resize settings, the attribution
+    gated, reported = section.split("<h3>input mask", 1)
+    assert '<h3>input image: <span class="failed">FAIL</span></h3>' in gated
+    assert "top1_accuracy drops 0.15 with the device&#39;s preprocessing, over 0.03" in gated
+    for tag in ("decode", "resize"):
+        assert f'<tr class="differs"><th>{tag}</th><td><strong>differs</strong>' in gated, tag
+    assert "<tr><th>normalize</th><td>same</td>" in gated
+    assert '<tr class="differs"><th>pillow</th><td>1.0.0</td><td>–</td>' in gated  # versions, side by side
+    assert "<tr><th>numpy</th><td>2.0.0</td><td>2.0.0</td>" in gated
+    assert "max abs 0.25 · mean abs 0.03 · 7 of 20 samples differ" in gated
+    assert "top1_accuracy: 0.95 with the training preprocessing, 0.8 with the device's" in gated
+    assert "0.15 [0.05 – 0.25] (95% confidence interval) · p-value 0.0625" in gated
+    assert "<tr><th>gate</th><td>metric drop at most 0.03</td>" in gated
+    assert "<strong>resize</strong>" in gated and "resize (culprit)" in gated
+    assert ': <span class="passed">passed</span></h3>' in reported
+    assert "<td>reported, not gated</td>" in reported
+
+
+def test_pair_page_says_why_energy_is_unavailable(measured_site):
+    energy = _section(_read(measured_site.parent / MODEL / NEW / "index.html"), "Energy")
+    assert f'<p class="note">{NO_METER} (over the engine-only steady state)</p>' in energy
+    assert "joules per inference" not in energy and "no sustained run" in energy
+
+
+def test_pair_page_shows_measured_energy_and_the_sustained_run(measured_site):
+    page = measured_site.parent / MODEL / OLD
+    energy = _section(_read(page / "index.html"), "Energy")
+    assert '<tr><th>joules per inference (J)</th><td class="num">0.0125</td></tr>' in energy
+    assert '<tr><th>mean power (W)</th><td class="num">4</td></tr>' in energy
+    assert "<td>package-0, dram</td>" in energy and "<td>rapl</td>" in energy
+    assert (page / "sustained.png").read_bytes()[:4] == b"\x89PNG" and 'src="sustained.png"' in energy
+    assert "stopped: <strong>flat</strong>: latency and temperature flat" in energy
+    assert "latency_drift_pct" in energy and "no CPU clock readable" in energy
+    assert "6 windows" in energy
+
+
+def test_model_page_shows_drift_and_energy_per_sku(measured_site):
+    text = _read(measured_site.parent / MODEL / "index.html")
+    assert "<th>preprocessing drift (metric drop)</th><th>J/inference</th>" in text
+    new_row = text.split(f'href="{NEW}/index.html"', 1)[1].split("</tr>", 1)[0]
+    old_row = text.split(f'href="{OLD}/index.html"', 1)[1].split("</tr>", 1)[0]
+    assert 'image 0.15 <span class="failed">FAIL</span><br>mask 0.15 <span class="passed">passed</span>' in new_row
+    assert f'<span class="other" title="{NO_METER}">unavailable</span>' in new_row
+    assert old_row.endswith('<td class="num">–</td><td class="num">0.0125</td>'), old_row
+    for page in pages(measured_site):
+        for ref in re.findall(r'(?:href|src)="([^"#]+)"', _read(page)):
+            assert (page.parent / ref).is_file(), (page, ref)
+
+
+def test_pages_without_these_fields_say_so(site):
+    _, index = site
+    old = _read(index.parent / MODEL / OLD / "index.html")
+    assert "not recorded (a bench report of an older format): no per-step times" in old
+    assert "not recorded (a validate report of an older format)" in _section(old, "Preprocessing drift")
+    assert "not recorded (a bench report of an older format)" in _section(old, "Energy")
+    assert "J/inference" not in _read(index.parent / MODEL / "index.html")  # no SKU has an energy figure

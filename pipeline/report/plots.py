@@ -313,10 +313,15 @@ def step_bars(steps: Sequence[tuple[str, float]], whole_p50: float | None, engin
     ax = axes[0][0]
     left = 0.0
     for name, value in steps:
-        ax.barh(0, value, left=left, height=0.6, color=STEP_COLOURS.get(name, "grey"), label=f"{_text(name)} {value:.4g}")
+        ax.barh(
+            0, value, left=left, height=0.6, color=STEP_COLOURS.get(name, "grey"), label=f"{_text(name)} {value:.4g}"
+        )
         left += value
     labels = ["end to end: step p50s"]
-    for label, value, colour in (("end to end: whole p50", whole_p50, "#666666"), ("engine only p50", engine_p50, "#4c72b0")):
+    for label, value, colour in (
+        ("end to end: whole p50", whole_p50, "#666666"),
+        ("engine only p50", engine_p50, "#4c72b0"),
+    ):
         if value is not None:
             ax.barh(len(labels), value, height=0.6, color=colour)
             ax.annotate(f"{value:.4g}", (value, len(labels)), textcoords="offset points", xytext=(3, -3), fontsize=7)

@@ -341,7 +341,19 @@ STEP_ORDER = ("decode", "preprocess", "infer", "postprocess")  # BenchReport.end
 
 def _pipeline_steps(side: Any) -> list[dict[str, Any]]:
     """A preprocessing description's steps ({steps: [{step, library, settings}], versions})."""
-    return [_d(x) for x in _list(_d(side).get("steps"))]
+    return [
+        {"step": x.get("step"), "library": x.get("library"), "settings": x.get("settings")}
+        for x in map(_d, _list(_d(side).get("steps")))
+    ]
+
+
+def _pick(value: Any, keys: Iterable[str]) -> dict[str, Any]:
+    """``value``'s ``keys`` (None where absent): a template reads every one of them."""
+    return {k: _d(value).get(k) for k in keys}
+
+
+_STATS = ("iterations", "mean_ms", "p50_ms", "p95_ms", "p99_ms", "max_ms", "p50_ci_ms", "p95_ci_ms", "p99_ci_ms")
+_DIFF = ("max_abs", "mean_abs", "samples_differing", "elements_differing")
 
 
 def _steps_view(pair: PairData, images: Images, notes: list[str]) -> dict[str, Any] | None:
@@ -352,8 +364,8 @@ def _steps_view(pair: PairData, images: Images, notes: list[str]) -> dict[str, A
     if not steps:
         return None
     names = [n for n in STEP_ORDER if n in steps] + [n for n in steps if n not in STEP_ORDER]
-    rows = [(name, _d(steps[name])) for name in names]
-    whole, engine = _d(b.get("end_to_end")), _d(b.get("engine_only"))
+    rows = [(name, _pick(steps[name], _STATS)) for name in names]
+    whole, engine = _pick(b.get("end_to_end"), _STATS), _pick(b.get("engine_only"), _STATS)
     p50s = [(name, v) for name, s in rows if (v := _num(s.get("p50_ms"))) is not None]
     plot = None
     if p50s:
@@ -412,7 +424,10 @@ def _sustained_view(sustained: Any, images: Images, notes: list[str], what: str)
     s = _d(sustained)
     if not s:
         return None
-    windows = [_d(w) for w in _list(s.get("windows"))]
+    windows = [
+        _pick(w, ("t_s", "calls", "p50_ms", "p99_ms", "temperature_c", "cpu_mhz", "power_w"))
+        for w in _list(s.get("windows"))
+    ]
     points = [
         (t, p, _num(w.get("temperature_c")))
         for w in windows
@@ -462,7 +477,7 @@ def _one_drift(drift: dict[str, Any]) -> dict[str, Any]:
     """One PreprocessingDrift: the two sides step by step (the differing ones marked), their
     library versions, the input and metric differences, the gate and the per-step attribution."""
     ref, dev = _d(drift.get("reference")), _d(drift.get("device"))
-    differing = {str(x) for x in _list(drift.get("differing_steps"))}
+    differing = list(dict.fromkeys(str(x) for x in _list(drift.get("differing_steps"))))
     ref_steps = {str(x.get("step")): x for x in _pipeline_steps(ref)}
     dev_steps = {str(x.get("step")): x for x in _pipeline_steps(dev)}
     steps = [
@@ -480,22 +495,28 @@ def _one_drift(drift: dict[str, Any]) -> dict[str, Any]:
         "split": drift.get("split"),
         "samples": drift.get("samples"),
         "steps": steps,
-        "differing": sorted(differing),
+        "differing": differing,
         "versions": versions,
-        "diff": _d(drift.get("diff")),
+        "diff": _pick(drift.get("diff"), _DIFF),
         "metric": drift.get("metric"),
         "metric_reference": drift.get("metric_reference"),
         "metric_device": drift.get("metric_device"),
         "metric_drop": drift.get("metric_drop"),
         "drop_interval": _ci(drift.get("drop_interval")),
-        "confidence": drift.get("confidence"),
+        "confidence": f"{c:.0%}" if (c := _num(drift.get("confidence"))) is not None and 0 < c < 1 else None,
         "p_value": drift.get("p_value"),
         "worse": drift.get("worse"),
         "better": drift.get("better"),
         "gate": _drift_gate(drift),
         "passed": passed if isinstance(passed, bool) else None,
         "failure": drift.get("failure"),
-        "attribution": [_d(x) for x in _list(drift.get("steps"))],
+        "attribution": [
+            {
+                **_pick(x, ("step", "reference", "device", "metric_drop", "worse", "better")),
+                "input": _pick(x.get("input"), _DIFF),
+            }
+            for x in map(_d, _list(drift.get("steps")))
+        ],
         "culprit": drift.get("culprit"),
     }
 
@@ -878,6 +899,8 @@ def write_site(
             html = env.get_template("model.html.j2").render(
                 model=m,
                 rows=rows,
+                show_drift=any(r["drift"] for r in rows),
+                show_energy=any(r["energy"] for r in rows),
                 charts=charts,
                 consistency=_consistency_view(layout.consistency_report(m)),
                 page_notes=notes,

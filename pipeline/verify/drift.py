@@ -65,12 +65,35 @@ def _differing_rows(reference: np.ndarray, device: np.ndarray) -> np.ndarray:
 
 class _Paired:
     """Paired task-metric counts of a variant's inputs against the training-side inputs through the
-    engine, run on the samples whose inputs differ only: (worse, better); (0, 0) without a metric."""
+    engine, run on the samples whose inputs differ only: (worse, better); (0, 0) without a metric.
+    The engine's answers on the training-side inputs are kept per sample: each variant (the device's
+    steps, then each step alone) runs the engine on its own inputs only."""
 
-    def __init__(self, runner, budget, name, reference, labels, kind, output, in_idx, out_idx, batch):
+    def __init__(
+        self,
+        runner: Any,
+        budget: Budget | None,
+        name: str,
+        reference: np.ndarray,
+        labels: np.ndarray | None,
+        kind: str | None,
+        output: str,
+        in_idx: dict[str, int | None],
+        out_idx: dict[str, int | None],
+        batch: int,
+    ):
         self.runner, self.budget, self.name, self.reference, self.labels = runner, budget, name, reference, labels
         self.kind = kind if labels is not None else None
         self.output, self.in_idx, self.out_idx, self.batch = output, in_idx, out_idx, batch
+        self.known: dict[int, bool] = {}  # sample -> right with the training-side inputs
+
+    def _correct(self, x: np.ndarray, rows: np.ndarray, label: str) -> np.ndarray:
+        assert self.kind is not None and self.labels is not None
+        infer = self.runner.infer
+        if self.budget is not None:
+            infer = self.budget.calls(infer, f"validate drift {label}", len(rows), "sample")
+        got = run_dataset(infer, {self.name: x[rows]}, self.in_idx, self.out_idx, self.batch)[self.output]
+        return METRICS[self.kind](got, self.labels[rows])
 
     def __call__(self, x: np.ndarray, label: str) -> tuple[int, int]:
         import numpy as np
@@ -78,17 +101,12 @@ class _Paired:
         rows = _differing_rows(self.reference, x)
         if self.kind is None or not len(rows):
             return 0, 0
-        infer = self.runner.infer
-        if self.budget is not None:
-            infer = self.budget.calls(infer, f"validate drift {label}", 2 * len(rows), "sample")
-        correct = METRICS[self.kind]
-        r, d = (
-            correct(
-                run_dataset(infer, {self.name: arr[rows]}, self.in_idx, self.out_idx, self.batch)[self.output],
-                self.labels[rows],
-            )
-            for arr in (self.reference, x)
-        )
+        missing = np.array([i for i in rows.tolist() if i not in self.known], dtype=np.int64)
+        if len(missing):
+            for i, ok in zip(missing.tolist(), self._correct(self.reference, missing, "training side"), strict=True):
+                self.known[i] = bool(ok)
+        r = np.array([self.known[i] for i in rows.tolist()])
+        d = self._correct(x, rows, label)
         return int(np.count_nonzero(r & ~d)), int(np.count_nonzero(d & ~r))
 
 
