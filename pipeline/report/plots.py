@@ -318,13 +318,13 @@ def step_bars(steps: Sequence[tuple[str, float]], whole_p50: float | None, engin
         )
         left += value
     labels = ["end to end: step p50s"]
-    for label, value, colour in (
+    for label, whole, colour in (
         ("end to end: whole p50", whole_p50, "#666666"),
         ("engine only p50", engine_p50, "#4c72b0"),
     ):
-        if value is not None:
-            ax.barh(len(labels), value, height=0.6, color=colour)
-            ax.annotate(f"{value:.4g}", (value, len(labels)), textcoords="offset points", xytext=(3, -3), fontsize=7)
+        if whole is not None:
+            ax.barh(len(labels), whole, height=0.6, color=colour)
+            ax.annotate(f"{whole:.4g}", (whole, len(labels)), textcoords="offset points", xytext=(3, -3), fontsize=7)
             labels.append(label)
     ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()

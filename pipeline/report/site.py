@@ -713,9 +713,7 @@ def _model_row(pair: PairData, outcome: tuple[str, str], href: str | None) -> di
         "load_delta": _num(memory.get("engine_load_delta")),
         "deltas": deltas,
         "engine_bytes": engine_bytes(pair.build),
-        "drift": [
-            (d["input"], d["metric_drop"], d["passed"], d["differing"]) for d in _drift_view(pair.validate) or []
-        ],
+        "drift": [(d["input"], d["metric_drop"], d["passed"]) for d in _drift_view(pair.validate) or []],
         "energy": _energy_cell(b.get("energy")),
     }
 
