@@ -433,6 +433,8 @@ class FilePreprocessing(Strict):
 def resize_problem(library: str, resize: Resize) -> str | None:
     """What a library cannot do of a resize: Pillow's resize always filters when it downscales
     (bilinear, bicubic, lanczos), OpenCV's never does (area averages)."""
+    if resize.antialias is True and resize.interpolation == "nearest":
+        return "resize: nearest-neighbour interpolation never filters: antialias: true needs another interpolation"
     if library == "pillow" and resize.antialias is False and resize.interpolation in ("bilinear", "bicubic", "lanczos"):
         return (
             f"resize: Pillow's {resize.interpolation} resize always antialiases when downscaling; "
@@ -684,6 +686,11 @@ class ModelSpec(Strict):
             return (
                 f"datasets {with_files} are folders of raw files: the model needs one input, declared with "
                 "preprocess.<input>.decode (image or audio)"
+            )
+        if files and self.datasets.golden.files is None:
+            return (
+                f"datasets.golden: input {next(iter(files))!r} is decoded from raw files (preprocess.<input>.decode): "
+                "give golden as files: <folder> (the end-to-end benchmark decodes its files)"
             )
         if files:
             arrays = [split for split, source in sources if source.path is not None]
@@ -1365,6 +1372,7 @@ def _check_cross_references(registry: Registry, source: str) -> None:
                 f"known SKUs: {', '.join(sorted(registry.skus))}"
             )
     problems += _fallback_problems(registry)
+    problems += _device_preprocessing_problems(registry)
     problems += _collisions(registry)
     problems += _size_problems(registry)
     problems += _resolution_problems(registry)
@@ -1404,6 +1412,23 @@ def _fallback_problems(registry: Registry) -> list[str]:
         if bad
     ]
     return [f"rollout.fallback_sku: {name!r} is not portable: {'; '.join(wrong)}"] if wrong else []
+
+
+def _device_preprocessing_problems(registry: Registry) -> list[str]:
+    """Each SKU's device-side preprocessing merged into each of its models' declared steps: a mix the
+    library cannot run (OpenCV with an antialiased bilinear resize, say) is refused here, by key."""
+    problems = []
+    for model, sku in registry.pairs():
+        device = registry.sku(sku).preprocessing.device
+        if device is None:
+            continue
+        for name, steps in registry.model(model).file_inputs.items():
+            try:
+                device_preprocessing(steps, device)
+            except ValidationError as exc:
+                detail = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+                problems.append(f"skus.{sku}.preprocessing.device with models.{model}.preprocess.{name}: {detail}")
+    return problems
 
 
 def _collisions(registry: Registry) -> list[str]:

@@ -60,6 +60,7 @@ VOLATILE = {"build.json": (("build_seconds",), ("reproducibility", "second_build
 MEMORY_TOLERANCE_MB = 2.0
 # energy per inference has no interval from one run: a rerun within this fraction is the same figure
 ENERGY_TOLERANCE = 0.10
+SUSTAINED_TOLERANCE = 0.10
 
 
 def evidence_digest(name: str, path: Path) -> str | None:
@@ -219,15 +220,24 @@ def benchmark_changes(old: Benchmark, new: Benchmark) -> list[str]:
         > ENERGY_TOLERANCE * max(ea.joules_per_inference, eb.joules_per_inference)
     ):
         moved.append(f"energy {ea.joules_per_inference or ea.reason} -> {eb.joules_per_inference or eb.reason}")
-    if (old.sustained is None) != (new.sustained is None) or (
-        old.sustained is not None and new.sustained is not None and old.sustained != new.sustained
-    ):
+    if _sustained_moved(old.sustained, new.sustained):
         moved.append("sustained")
     for key in ("peak_rss_mb", "engine_load_mb"):
         a, b = getattr(old, key), getattr(new, key)
         if abs(a - b) > max(MEMORY_TOLERANCE_MB, 0.05 * max(abs(a), abs(b))):
             moved.append(f"{key} {a} -> {b}")
     return moved
+
+
+def _sustained_moved(a: SustainedSummary | None, b: SustainedSummary | None) -> bool:
+    """One run's equilibrium has no interval: a rerun that stopped the same way, its p50 and p99
+    within SUSTAINED_TOLERANCE, is the same figure."""
+    if a is None or b is None:
+        return (a is None) != (b is None)
+    return a.stopped != b.stopped or any(
+        abs(getattr(a, k) - getattr(b, k)) > SUSTAINED_TOLERANCE * max(getattr(a, k), getattr(b, k))
+        for k in ("p50_ms", "p99_ms")
+    )
 
 
 def settle(doc: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from pipeline.core.env import (
 from pipeline.core.errors import ConfigError
 from pipeline.core.io import atomic_write_bytes, atomic_write_json, sha256_bytes
 from pipeline.host.energy import open_meter, unavailable
-from pipeline.project.config import BenchSpec, Registry, SkuSpec, SustainedSpec, device_preprocessing
+from pipeline.project.config import BenchSpec, Registry, SkuSpec, device_preprocessing
 from pipeline.project.data import LABELS, iter_batches, preprocess
 from pipeline.project.files import unpack
 from pipeline.project.postprocessing import postprocess
@@ -477,7 +477,7 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
                 )
         sustained = None
         if cfg.sustained is not None:
-            sustained = _sustained(call, cfg.sustained, sku_spec, batch, budget, progress, warnings)
+            sustained = _sustained(call, cfg, sku_spec, batch, budget, progress, warnings)
         run = execution(build, cfg.concurrency)
         mem_after = rss_mb()
     # the statistics of the samples as latency.csv holds them: the manifest stage recomputes them from it
@@ -576,8 +576,10 @@ def energy_sources(sku: SkuSpec) -> tuple[EnergySource, ...]:
     return ENERGY_SOURCES
 
 
-def _sustained(call, spec: SustainedSpec, sku_spec: SkuSpec, batch: int, budget: Budget, progress, warnings: list[str]):
+def _sustained(call, cfg: BenchSpec, sku_spec: SkuSpec, batch: int, budget: Budget, progress, warnings: list[str]):
     """The sustained run within what is left of the stage's budget (a margin kept for the report)."""
+    assert cfg.sustained is not None
+    spec = cfg.sustained
     left = budget.remaining()
     if left < spec.window_seconds * spec.trend_windows:
         warnings.append(
@@ -585,7 +587,7 @@ def _sustained(call, spec: SustainedSpec, sku_spec: SkuSpec, batch: int, budget:
             f"{spec.trend_windows} windows of {spec.window_seconds:g} s"
         )
         return None
-    meter = open_meter(sources=energy_sources(sku_spec))
+    meter = open_meter(sources=energy_sources(sku_spec)) if cfg.energy else "bench.energy is false"
     try:
         result = sustained_run(
             call,

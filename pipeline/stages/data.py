@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 from pipeline.core.errors import InputError
 from pipeline.core.io import atomic_savez, atomic_write_json, sha256_arrays
+from pipeline.core.limits import DTYPE_BYTES, MAX_DATASET_BYTES, human_bytes
 from pipeline.core.paths import SPLITS
 from pipeline.core.progress import Progress
 from pipeline.project.artifacts import layout, log
@@ -30,7 +33,7 @@ def make_data(registry: Registry, model: str, progress: Progress | None = None) 
             check_dataset(spec, inputs, pins, split, raw=False)
             raw = {k: _unprocess(spec, k, v) for k, v in inputs.items()}
         elif source.files is not None:
-            inputs, raw, origin = _from_files(registry, spec, source, split)
+            inputs, raw, origin = _from_files(registry, spec, pins, source, split)
             check_dataset(spec, inputs, pins, split, raw=False)
         else:
             origin = f"{spec.dir}/{source.path}"
@@ -79,13 +82,23 @@ def make_data(registry: Registry, model: str, progress: Progress | None = None) 
     return report
 
 
-def _from_files(registry: Registry, spec: ModelSpec, source: DatasetSource, split: str):
+def _from_files(registry: Registry, spec: ModelSpec, pins: dict[str, int], source: DatasetSource, split: str):
     """A folder of raw files through the model's declared (training-side) preprocessing: the model
     inputs, the packed files (for the drift check and the end-to-end benchmark) and the origin."""
     assert source.files is not None
     name, steps = next(iter(spec.file_inputs.items()))  # config: a files dataset feeds one decoded input
     found = read_files_dataset(registry.root, spec.dir, source.files, split, steps.decode, source.take)
-    inputs = {name: Preprocessor(steps, spec.input(name).dtype)(found.blobs, found.names)}
+    inp = spec.input(name)
+    # decoded, the files are model inputs: the split's budget holds for them as for any array set
+    sample = math.prod(inp.shape_at(pins, drop=spec.batch_axis))
+    decoded = len(found.names) * sample * DTYPE_BYTES[inp.dtype]
+    if decoded > MAX_DATASET_BYTES:
+        raise InputError(
+            f"dataset {split}: {len(found.names)} files decode to {human_bytes(decoded)} of model inputs, "
+            f"over the {human_bytes(MAX_DATASET_BYTES)} a split may hold",
+            hint=f"use fewer files (models.<name>.datasets.{split}.take) or a smaller input shape",
+        )
+    inputs = {name: Preprocessor(steps, inp.dtype)(found.blobs, found.names)}
     if found.labels is not None:
         inputs[LABELS] = found.labels
     origin = f"{spec.dir}/{source.files} ({len(found.names)} files, {steps.library})"

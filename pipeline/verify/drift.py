@@ -38,7 +38,7 @@ def input_diff(reference: np.ndarray, device: np.ndarray) -> InputDiff:
 
     a = reference.astype(np.float64).reshape(len(reference), -1)
     b = device.astype(np.float64).reshape(len(device), -1)
-    if a.shape != b.shape:
+    if reference.shape != device.shape:
         raise ConfigError(
             f"the device's preprocessing gives samples of shape {list(device.shape[1:])}, the reference's "
             f"{list(reference.shape[1:])}",
@@ -251,8 +251,8 @@ def _culprit(steps: list[StepDrift]) -> str | None:
     if not steps:
         return None
 
-    def key(s: StepDrift) -> tuple[float, float]:
-        return (s.metric_drop or 0.0, s.input.max_abs)
+    def key(s: StepDrift) -> tuple[float, float]:  # a step that moves the metric either way is drift
+        return (abs(s.metric_drop or 0.0), s.input.max_abs)
 
     top = max(key(s) for s in steps)
     if top == (0.0, 0.0):
@@ -307,6 +307,12 @@ def _failure(
                 f"labels or the model no metric: the drift cannot be judged (fails closed)"
             )
         assert drop is not None
+        needed = gatestats.min_samples_for_drop(max_drop, confidence)
+        if n < needed:
+            return (
+                f"preprocessing of input {name!r}: {n} {split} samples cannot resolve {key}.max_metric_drop "
+                f"{max_drop:g} at {confidence:.0%} confidence: it needs {needed} labelled samples (fails closed)"
+            )
         if gatestats.drop_fails(worse, better, n, max_drop, confidence):
             lo, hi = gatestats.drop_interval(worse, better, n, confidence)
             return (
