@@ -494,6 +494,9 @@ class PreprocessingDrift(Result):
     culprit: str | None = Field(None, description="the step that alone moves the metric (else the input) most")
     passed: bool
     failure: str | None = None
+    judgeable: bool = Field(
+        True, description="false: the split cannot judge the gate (no labels, too few samples): fails closed"
+    )
 
 
 class ValidationReport(EngineBound):

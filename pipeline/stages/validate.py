@@ -71,9 +71,8 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
     placement = placement_gate(build, sku_spec.placement.allowed, sku_spec.placement.max_fallback_nodes)
     precision = precision_gate(build, sku_spec.precision_gate.policy, sku_spec.precision_gate.max_mismatched_layers)
     gate_failures = correctness_failures(registry, model, errors, metrics)
-    unjudged = input_failures(errors, metrics)
-    failures = gate_failures + unjudged
-    failures += [d.failure for d in drift if d.failure]
+    unjudged = input_failures(errors, metrics) + [d.failure for d in drift if d.failure and not d.judgeable]
+    failures = gate_failures + [d.failure for d in drift if d.failure and d.judgeable] + unjudged
     if not placement.passed:
         nodes = ", ".join(f"{layer.name} ({layer.op_type}) on {layer.device}" for layer in placement.offending)
         failures.append(

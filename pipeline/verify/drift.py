@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 # the split the check runs on: the first of these given as files (labelled sets first)
 DRIFT_SPLITS = ("evaluation", "hard_tail", "golden", "calibration")
+FAILS_CLOSED = " (fails closed)"  # ends the failure of a gate the split cannot judge
 
 
 def input_diff(reference: np.ndarray, device: np.ndarray) -> InputDiff:
@@ -206,6 +207,7 @@ def preprocessing_drift(
                 culprit=culprit,
                 passed=failure is None,
                 failure=failure,
+                judgeable=failure is None or not failure.endswith(FAILS_CLOSED),
             )
         )
         if progress is not None:
@@ -304,14 +306,14 @@ def _failure(
         if not judged:
             return (
                 f"preprocessing of input {name!r}: {key}.max_metric_drop is set but the {split} files have no "
-                f"labels or the model no metric: the drift cannot be judged (fails closed)"
+                f"labels or the model no metric: the drift cannot be judged{FAILS_CLOSED}"
             )
         assert drop is not None
         needed = gatestats.min_samples_for_drop(max_drop, confidence)
         if n < needed:
             return (
                 f"preprocessing of input {name!r}: {n} {split} samples cannot resolve {key}.max_metric_drop "
-                f"{max_drop:g} at {confidence:.0%} confidence: it needs {needed} labelled samples (fails closed)"
+                f"{max_drop:g} at {confidence:.0%} confidence: it needs {needed} labelled samples{FAILS_CLOSED}"
             )
         if gatestats.drop_fails(worse, better, n, max_drop, confidence):
             lo, hi = gatestats.drop_interval(worse, better, n, confidence)

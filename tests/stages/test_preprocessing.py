@@ -17,7 +17,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from PIL import Image
 
-from pipeline.core.errors import ConfigError, GateFailed
+from pipeline.core.errors import ConfigError, GateFailed, InputError
 from pipeline.core.io import read_json
 from pipeline.core.paths import Layout
 from pipeline.project.config import load_registry
@@ -102,6 +102,7 @@ SKUS = {
     "same": models.ort_sku("fp32"),  # ships the training side's steps
     "opencv": models.ort_sku("fp32", preprocessing={"device": {"library": "opencv"}, "max_metric_drop": 0.05}),
     "swapped": models.ort_sku("fp32", preprocessing={"device": {"color": "bgr"}, "max_metric_drop": 0.05}),
+    "tight": models.ort_sku("fp32", preprocessing={"max_metric_drop": 0.01}),
     # a sustained run of 0.2..1.5 s in windows of 0.1 s, flat when the latency moves < 50% a window
     "sustained": models.ort_sku(
         "fp32",
@@ -233,3 +234,32 @@ def test_a_sustained_run_is_recorded_with_its_stop_reason(proj):
         assert run.throttling.temperature_rise_c is None  # no sensor: no figure, never a zero
     manifest = write_manifest(reg, "colour", "sustained")
     assert manifest.benchmark.sustained is not None and manifest.benchmark.sustained.stopped == run.stopped
+
+
+def test_a_device_preprocessing_the_library_cannot_run_is_refused_at_load(tmp_path):
+    sku = models.ort_sku(
+        "fp32",
+        preprocessing={"device": {"library": "opencv", "resize": {"interpolation": "bilinear", "antialias": True}}},
+    )
+    models.write_project(tmp_path, {"colour": colour_spec()}, {"dev": sku})
+    with pytest.raises(ConfigError) as caught:
+        load_registry(tmp_path / "params.yaml")
+    assert "skus.dev.preprocessing.device with models.colour.preprocess.x" in str(caught.value)
+    assert "OpenCV's bilinear resize has no antialias filter" in str(caught.value)
+
+
+def test_a_decoded_input_needs_golden_files(tmp_path):
+    spec = colour_spec()
+    del spec["datasets"]["golden"]  # the default: generated
+    models.write_project(tmp_path, {"colour": spec}, {"same": models.ort_sku("fp32")})
+    with pytest.raises(ConfigError, match="give golden as files"):
+        load_registry(tmp_path / "params.yaml")
+
+
+def test_a_split_too_small_for_the_drift_gate_fails_closed(proj):
+    reg, _ = proj
+    # 0.01 needs 201 labelled samples at 95%: the 60 evaluation files cannot judge it, drift or none
+    with pytest.raises(InputError, match=r"60 evaluation samples cannot resolve .*max_metric_drop 0.01.*needs 201"):
+        validate(reg, "colour", "tight")
+    (drift,) = read_json(Layout(reg.root).report("colour", "tight", "validate"))["preprocessing"]
+    assert not drift["passed"] and not drift["judgeable"] and drift["diff"]["max_abs"] == 0
