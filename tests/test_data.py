@@ -19,7 +19,6 @@ from pipeline.project.data import (
     generate,
     iter_batches,
     load_file,
-    postprocess,
     preprocess,
     run_dataset,
     sample_shape,
@@ -307,7 +306,7 @@ def test_check_dataset_rejects_an_unsafe_dtype():
     assert check_dataset(MULTI, arrays, PINS, "golden", raw=True) == 6  # raw data is cast by preprocessing
 
 
-# --- preprocess and postprocess -----------------------------------------------------------------
+# --- preprocess (postprocess: tests/test_postprocessing.py) ---------------------------------------
 
 
 def test_preprocess_applies_the_affine_transform_and_dtype():
@@ -316,14 +315,6 @@ def test_preprocess_applies_the_affine_transform_and_dtype():
     out = preprocess(spec, raw)
     assert out["x"].dtype == np.float32 and np.allclose(out["x"], 0.5)
     np.testing.assert_array_equal(out[LABELS], [1, 2])
-
-
-def test_postprocess_argmax():
-    spec = ModelSpec.model_validate({**models.conv_bn_spec(), "postprocess": "argmax"})
-    out = postprocess(spec, {"probs": np.array([[0.1, 0.7, 0.2, 0.0], [0.9, 0.0, 0.0, 0.1]])})
-    np.testing.assert_array_equal(out["class"], [1, 0])
-    outputs = {"probs": np.ones(2)}
-    assert postprocess(CONV, outputs) is outputs  # "none" leaves the outputs alone
 
 
 # --- batching and running -----------------------------------------------------------------------

@@ -22,7 +22,7 @@ from pipeline.results.benchstats import (
     settled,
 )
 from pipeline.results.manifest import benchmark_changes, settle
-from pipeline.results.reports import Benchmark, LatencySummary
+from pipeline.results.reports import Benchmark, EnergySummary, LatencySummary, SustainedSummary
 from pipeline.stages.bench import bench, time_calls, warm_up
 from pipeline.stages.build import build
 from pipeline.stages.calibrate import calibrate
@@ -139,9 +139,42 @@ def test_same_figure_is_overlapping_intervals():
     assert same_figure(100.0, None, 104.0, None) and not same_figure(100.0, None, 110.0, None)
 
 
-def _summary(p50: float, ci: tuple[float, float], rss: float = 80.0) -> Benchmark:
+def _summary(
+    p50: float,
+    ci: tuple[float, float],
+    rss: float = 80.0,
+    joules: float | None = None,
+    decode: float | None = None,
+    sustained_p50: float | None = None,
+) -> Benchmark:
     lat = LatencySummary(p50_ms=p50, p50_ci_ms=ci, p99_ms=p50 * 2, p99_ci_ms=(ci[0] * 2, ci[1] * 2))
+    energy = (
+        EnergySummary(available=True, source="rapl", joules_per_inference=joules, domains=["package-0"])
+        if joules is not None
+        else EnergySummary(available=False, reason="unavailable: rapl: no /sys/class/powercap")
+    )
+    steps = {}
+    if decode is not None:
+        steps = {
+            "decode": LatencySummary(
+                p50_ms=decode, p50_ci_ms=(decode * 0.98, decode * 1.02), p99_ms=decode * 2, p99_ci_ms=None
+            )
+        }
+    sustained = None
+    if sustained_p50 is not None:
+        sustained = SustainedSummary(
+            stopped="flat",
+            seconds=60,
+            p50_ms=sustained_p50,
+            p99_ms=sustained_p50 * 2,
+            latency_drift_pct=1.0,
+            clock_drop_pct=None,
+            temperature_rise_c=None,
+        )
     return Benchmark(
+        energy=energy,
+        end_to_end_steps=steps,
+        sustained=sustained,
         batch=1,
         concurrency=1,
         engine_only=lat,
@@ -160,6 +193,17 @@ def test_benchmark_changes_name_what_moved():
     moved = benchmark_changes(old, _summary(0.060, (0.059, 0.061), rss=120.0))
     assert any(m.startswith("engine_only.p50_ms 0.05 -> 0.06") for m in moved)
     assert any(m.startswith("peak_rss_mb") for m in moved)
+    # energy has no interval: within 10% is the same figure; a meter that appears is a change
+    assert (
+        benchmark_changes(_summary(0.05, (0.049, 0.051), joules=1.0), _summary(0.05, (0.049, 0.051), joules=1.05)) == []
+    )
+    assert benchmark_changes(_summary(0.05, (0.049, 0.051), joules=1.0), _summary(0.05, (0.049, 0.051), joules=1.2))
+    assert benchmark_changes(old, _summary(0.05, (0.049, 0.051), joules=1.0))
+    # an end-to-end step moves by its interval; a sustained run by 10% of its equilibrium p50
+    a, b = _summary(0.05, (0.049, 0.051), decode=0.1), _summary(0.05, (0.049, 0.051), decode=0.2)
+    assert benchmark_changes(a, b) == ["end_to_end_steps.decode.p50_ms 0.1 -> 0.2"]
+    s1, s2 = _summary(0.05, (0.049, 0.051), sustained_p50=1.0), _summary(0.05, (0.049, 0.051), sustained_p50=1.05)
+    assert benchmark_changes(s1, s2) == [] and benchmark_changes(s1, _summary(0.05, (0.049, 0.051), sustained_p50=1.3))
 
 
 def test_settle_keeps_the_previous_figures_only_when_nothing_else_changed():
