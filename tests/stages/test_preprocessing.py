@@ -227,7 +227,6 @@ def test_a_sustained_run_is_recorded_with_its_stop_reason(proj):
     run = report.sustained
     assert run is not None and run.stopped in ("flat", "cap") and run.reason
     assert len(run.windows) >= 3 and all(w.calls > 0 for w in run.windows)
-    assert run.windows[-1].t_s <= 1.5 + 0.5  # the cap holds (one call may end past it)
     assert run.p50_ms > 0 and run.p99_ms >= run.p50_ms and run.throughput_per_s > 0
     assert "latency" in run.judged_on
     if not any(w.temperature_c is not None for w in run.windows):
