@@ -596,7 +596,6 @@ def end_to_end_text(rows: list[PairOutcome], wide: bool = False, **render: Any) 
 DRIFT_COLUMNS = (
     Column("model"),
     Column("sku"),
-    Column("input"),
     Column("device"),
     Column("differs", "steps differing"),
     Column("max_abs_input_diff", "max |Δ input|", numeric=True),
@@ -612,7 +611,8 @@ def drift_text(rows: list[PairOutcome], wide: bool = False, **render: Any) -> st
     training side's (their steps, libraries or results); the rest counted in one line."""
     cells, same = [], 0
     for r in rows:
-        for name, d in ((r.manifest or {}).get("preprocessing") or {}).items():
+        # one input per model is made from raw files (config): the table names the pair only
+        for d in ((r.manifest or {}).get("preprocessing") or {}).values():
             if not d["differing_steps"] and not d["samples_differing"] and d["passed"]:
                 same += 1
                 continue
@@ -620,7 +620,6 @@ def drift_text(rows: list[PairOutcome], wide: bool = False, **render: Any) -> st
                 {
                     "model": r.model,
                     "sku": r.sku,
-                    "input": name,
                     "device": d["device"],
                     "differs": ",".join(d["differing_steps"]) or "-",
                     "max_abs_input_diff": d["max_abs_input_diff"],
@@ -633,7 +632,7 @@ def drift_text(rows: list[PairOutcome], wide: bool = False, **render: Any) -> st
     if not cells and not same:
         return ""
     footer = (
-        [f"{same} other pair input(s): the device runs the training side's steps, model inputs identical"]
+        [f"{same} other pair(s): the device runs the training side's steps, model inputs identical"]
         if same
         else []
     )

@@ -116,3 +116,35 @@ def test_text_is_cut_to_fit_but_numbers_never_are():
     lines = render(columns, rows, width=40).splitlines()
     assert max(len(x) for x in lines) <= 40
     assert lines[1].endswith("123,456,789") and "…" in lines[1]
+
+
+def test_end_to_end_steps_drift_and_energy_follow_the_matrix():
+    steps = {"e2e_decode_ms": 0.056, "e2e_preprocess_ms": 0.055, "e2e_infer_ms": 0.039, "e2e_postprocess_ms": 0.021}
+    drift = {
+        "device": "opencv 5.1.0",
+        "differing_steps": ["decode", "color", "resize"],
+        "max_abs_input_diff": 0.258,
+        "samples_differing": 450,
+        "samples": 450,
+        "metric_drop": 0.00667,
+        "culprit": "color+resize",
+        "gated": True,
+        "passed": False,
+    }
+    same = {**drift, "differing_steps": [], "samples_differing": 0, "metric_drop": 0.0, "culprit": None, "passed": True}
+    reason = "unavailable: rapl: no /sys/class/powercap"
+    rows = [
+        _pair("digits_cnn", "x86_ov_fp32", **steps, energy_j=None, energy=reason, preprocessing={"image": drift}),
+        _pair("digits_cnn", "x86_ort_fp32", **steps, energy_j=0.0123, energy="rapl", preprocessing={"image": same}),
+    ]
+    text = matrix_text(rows, stream=io.StringIO())
+    lines = text.splitlines()
+    assert max(len(x) for x in lines) <= 120, text
+    e2e = lines.index(next(x for x in lines if x.startswith("End to end as the device runs it")))
+    assert lines[e2e + 1].split()[:6] == ["model", "sku", "decode", "preprocess", "infer", "postprocess"]
+    assert "0.0560" in lines[e2e + 2] and "0.0123" in lines[e2e + 3]
+    assert f"energy: {reason}" in lines  # said once, never a 0
+    drift_at = lines.index(next(x for x in lines if x.startswith("Preprocessing drift")))
+    row = lines[drift_at + 2]
+    assert "x86_ov_fp32" in row and "decode,color,resize" in row and "color+resize" in row and row.endswith("FAIL")
+    assert lines[-1] == "1 other pair(s): the device runs the training side's steps, model inputs identical"
