@@ -153,9 +153,6 @@ import json, sys, tempfile
 from pathlib import Path
 import torch
 from pipeline.examples import digits
-from pipeline.project.config import load_registry
-from pipeline.project.files import read_files_dataset
-from pipeline.project.processing import Preprocessor
 from pipeline.core.io import sha256_file
 hashes = {{"capability": torch.backends.cpu.get_cpu_capability()}}
 for name in digits.EXAMPLES:
