@@ -632,9 +632,7 @@ def drift_text(rows: list[PairOutcome], wide: bool = False, **render: Any) -> st
     if not cells and not same:
         return ""
     footer = (
-        [f"{same} other pair(s): the device runs the training side's steps, model inputs identical"]
-        if same
-        else []
+        [f"{same} other pair(s): the device runs the training side's steps, model inputs identical"] if same else []
     )
     title = "\n\nPreprocessing drift: the device's steps against the training side's, same raw files, same engine\n"
     return title + tables.render(DRIFT_COLUMNS, cells, wide=wide, footer=footer, **render)

@@ -174,6 +174,8 @@ def energy_summary(energy: EnergyResult | None) -> EnergySummary:
         source=energy.source,
         joules_per_inference=_sig(energy.joules_per_inference),
         mean_power_w=_sig(energy.mean_power_w),
+        idle_power_w=_sig(energy.idle_power_w),
+        above_idle_joules_per_inference=_sig(energy.above_idle_joules_per_inference),
         domains=sorted(energy.summed),
     )
 

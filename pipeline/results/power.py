@@ -49,6 +49,16 @@ class EnergyResult(Result):
     sampling: str | None = Field(
         None, description="for rails without an energy counter: the sampling period and how power was integrated"
     )
+    idle_power_w: float | None = Field(
+        None,
+        description="mean power of the same domains just before, the engine loaded and not called (the host's "
+        "floor: other processes, idle cores)",
+    )
+    above_idle_joules_per_inference: float | None = Field(
+        None,
+        description="(joules - idle_power_w * window_seconds) / inferences: what the inferences added; noisy, "
+        "and at or below 0 where the engine's draw is within the host's idle variation",
+    )
 
 
 class SustainedWindow(Result):

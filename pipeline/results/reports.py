@@ -756,6 +756,8 @@ class EnergySummary(Result):
     source: str | None = None
     joules_per_inference: float | None = None
     mean_power_w: float | None = None
+    idle_power_w: float | None = Field(None, description="the host's floor just before, the engine idle")
+    above_idle_joules_per_inference: float | None = Field(None, description="what the inferences added above it")
     domains: list[str] = Field(default_factory=list, description="what was summed (RAPL zones, rails, GPUs)")
     reason: str | None = None
 

@@ -33,7 +33,7 @@ from pipeline.project.files import unpack
 from pipeline.project.postprocessing import postprocess
 from pipeline.project.processing import Preprocessor, describe
 from pipeline.results.benchstats import drift, e2e_below_engine, latency_stats, settled
-from pipeline.results.power import ENERGY_SOURCES, EnergySource
+from pipeline.results.power import ENERGY_SOURCES, EnergyResult, EnergySource
 from pipeline.results.reports import (
     BenchReport,
     BuildReport,
@@ -55,6 +55,18 @@ from pipeline.perf.roofline import graph_cost, roofline
 from pipeline.project.artifacts import batch_indices, check_engine, layout, load_arrays, log, read_report
 
 ENERGY_PHASE = "engine-only steady state"
+IDLE_SECONDS = 1.0  # the host's floor, measured before the steady phase where a meter exists
+
+
+def above_idle(energy: EnergyResult, idle: EnergyResult | None) -> EnergyResult:
+    """``energy`` with the floor measured just before it (idle power) and what the inferences added
+    above it; unchanged where either was not measured."""
+    if not energy.available or idle is None or not idle.available or idle.mean_power_w is None:
+        return energy
+    above = None
+    if energy.joules is not None and energy.inferences > 0:
+        above = (energy.joules - idle.mean_power_w * energy.window_seconds) / energy.inferences
+    return energy.model_copy(update={"idle_power_w": idle.mean_power_w, "above_idle_joules_per_inference": above})
 
 
 def time_calls(
@@ -432,13 +444,17 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
         # the host's energy counters over the engine-only phase, or why there are none
         meter = open_meter(sources=energy_sources(sku_spec)) if cfg.energy else "unavailable: bench.energy is false"
         try:
+            idle = None
             if not isinstance(meter, str):
+                meter.start()  # the floor first: the engine loaded and not called
+                time.sleep(IDLE_SECONDS)
+                idle = meter.stop(0, "idle")
                 meter.start()
             steady, wall, capped = _timed(call, steady_cfg, cfg.concurrency, progress, "bench engine")
             energy = (
                 unavailable(meter, ENERGY_PHASE)
                 if isinstance(meter, str)
-                else meter.stop(len(steady) * batch, ENERGY_PHASE)
+                else above_idle(meter.stop(len(steady) * batch, ENERGY_PHASE), idle)
             )
         finally:
             if not isinstance(meter, str):

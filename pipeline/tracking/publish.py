@@ -144,6 +144,8 @@ def manifest_metrics(
     if b.energy.available:  # never a zero where nothing was measured: the reason is a tag
         out["energy.joules_per_inference"] = b.energy.joules_per_inference
         out["energy.mean_power_w"] = b.energy.mean_power_w
+        out["energy.idle_power_w"] = b.energy.idle_power_w
+        out["energy.above_idle_joules_per_inference"] = b.energy.above_idle_joules_per_inference
     if b.sustained is not None:
         out["sustained.p50_ms"] = b.sustained.p50_ms
         out["sustained.p99_ms"] = b.sustained.p99_ms

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import threading
+import time
 from pathlib import Path
 
 import jsonschema
@@ -20,8 +23,10 @@ from PIL import Image
 from pipeline.core.errors import ConfigError, GateFailed, InputError
 from pipeline.core.io import read_json
 from pipeline.core.paths import Layout
+from pipeline.host.energy import open_meter
 from pipeline.project.config import load_registry
 from pipeline.results.manifest import schema, validate_document
+from pipeline.stages import bench as bench_stage
 from pipeline.stages.bench import bench
 from pipeline.stages.build import build
 from pipeline.stages.data import make_data
@@ -103,6 +108,7 @@ SKUS = {
     "opencv": models.ort_sku("fp32", preprocessing={"device": {"library": "opencv"}, "max_metric_drop": 0.05}),
     "swapped": models.ort_sku("fp32", preprocessing={"device": {"color": "bgr"}, "max_metric_drop": 0.05}),
     "tight": models.ort_sku("fp32", preprocessing={"max_metric_drop": 0.01}),
+    "metered": models.ort_sku("fp32", bench={"min_seconds": 0.3}),  # a steady phase a counter resolves
     # a sustained run of 0.2..1.5 s in windows of 0.1 s, flat when the latency moves < 50% a window
     "sustained": models.ort_sku(
         "fp32",
@@ -262,3 +268,54 @@ def test_a_split_too_small_for_the_drift_gate_fails_closed(proj):
         validate(reg, "colour", "tight")
     (drift,) = read_json(Layout(reg.root).report("colour", "tight", "validate"))["preprocessing"]
     assert not drift["passed"] and not drift["judgeable"] and drift["diff"]["max_abs"] == 0
+
+
+class DrivenRapl:
+    """A powercap tree whose package counter a thread advances at ``watts`` (as RAPL does, in
+    microjoules of wall time), for a bench on a host that has no readable RAPL."""
+
+    def __init__(self, root: Path, watts: float):
+        self.base = root / "sys/class/powercap/intel-rapl:0"
+        self.base.mkdir(parents=True)
+        (self.base / "name").write_text("package-0\n")
+        (self.base / "max_energy_range_uj").write_text("262143328850\n")
+        self.watts, self.stop = watts, threading.Event()
+        self._write(0)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _write(self, uj: int) -> None:
+        staged = self.base / ".energy_uj"
+        staged.write_text(f"{uj}\n")
+        os.replace(staged, self.base / "energy_uj")
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        while not self.stop.wait(0.002):
+            self._write(int((time.perf_counter() - t0) * self.watts * 1e6))
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def test_energy_per_inference_over_the_steady_phase_above_the_idle_floor(proj, tmp_path, monkeypatch):
+    reg, _ = proj
+    validate(reg, "colour", "metered")
+    # the bench reads this tree's package zone instead of the host's /sys (which has none here)
+    monkeypatch.setattr(bench_stage, "open_meter", lambda sources: open_meter(tmp_path, sources=("rapl",)))
+    with DrivenRapl(tmp_path, watts=20.0):
+        report = bench(reg, "colour", "metered")
+    energy = report.energy
+    assert energy is not None and energy.available and energy.source == "rapl" and energy.summed == ["package-0"]
+    assert energy.inferences == report.engine_only.iterations  # batch 1: one inference per timed call
+    assert energy.joules_per_inference == pytest.approx(energy.joules / energy.inferences)
+    # a constant draw: the floor and the steady phase's mean power are the same 20 W (sampled every 2 ms)
+    assert energy.idle_power_w == pytest.approx(20.0, rel=0.25) and energy.mean_power_w == pytest.approx(20.0, rel=0.5)
+    assert energy.above_idle_joules_per_inference is not None
+    assert abs(energy.above_idle_joules_per_inference) < energy.joules_per_inference  # nothing above the floor
+    summary = write_manifest(reg, "colour", "metered").benchmark.energy
+    assert summary.available and summary.source == "rapl" and summary.joules_per_inference is not None
