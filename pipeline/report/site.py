@@ -406,6 +406,8 @@ def _energy_view(energy: Any) -> dict[str, Any] | None:
     figures = [
         ("joules per inference (J)", e.get("joules_per_inference")),
         ("mean power (W)", e.get("mean_power_w")),
+        ("idle floor before (W)", e.get("idle_power_w")),
+        ("above the floor, per inference (J)", e.get("above_idle_joules_per_inference")),
         ("source", e.get("source")),
         ("summed domains", [str(x) for x in _list(e.get("summed"))]),
         ("joules per domain", _d(e.get("domains"))),
