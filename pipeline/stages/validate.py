@@ -82,6 +82,12 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
     warnings = [line for e in errors for line in output_warnings(e)] + [
         line for m in metrics for line in metric_warnings(m)
     ]
+    gate = sku_spec.preprocessing
+    if not drift and (gate.device is not None or gate.max_metric_drop is not None or gate.max_input_diff is not None):
+        warnings.append(
+            f"skus.{sku}.preprocessing: {model} has no input made from raw files (preprocess.<input>.decode "
+            "with files datasets), so no drift check ran for it"
+        )
     if precision.mismatched:
         kinds = Counter(layer.precision for layer in precision.mismatched)
         line = (

@@ -319,3 +319,16 @@ def test_energy_per_inference_over_the_steady_phase_above_the_idle_floor(proj, t
     assert abs(energy.above_idle_joules_per_inference) < energy.joules_per_inference  # nothing above the floor
     summary = write_manifest(reg, "colour", "metered").benchmark.energy
     assert summary.available and summary.source == "rapl" and summary.joules_per_inference is not None
+
+
+def test_a_preprocessing_gate_on_a_model_without_raw_files_says_it_did_not_run(tmp_path):
+    models.conv_bn_model(tmp_path / "models/conv/model.onnx")
+    sku = models.ort_sku("fp32", preprocessing={"max_metric_drop": 0.03})
+    reg = load_registry(models.write_project(tmp_path, {"conv": models.conv_bn_spec()}, {"s": sku}))
+    prepare(reg, "conv")
+    make_data(reg, "conv")
+    reference(reg, "conv")
+    build(reg, "conv", "s")
+    report = validate(reg, "conv", "s")
+    assert report.preprocessing == []
+    assert any("skus.s.preprocessing: conv has no input made from raw files" in w for w in report.warnings)
