@@ -598,9 +598,9 @@ DRIFT_COLUMNS = (
     Column("sku"),
     Column("device"),
     Column("differs", "steps differing"),
-    Column("max_abs_input_diff", "max |Δ input|", numeric=True),
-    Column("samples", "samples Δ", numeric=True),
-    Column("metric_drop", "metric drop", numeric=True, signed=True),
+    Column("max_abs_input_diff", "max Δ in", numeric=True),
+    Column("samples", "differ", numeric=True),
+    Column("metric_drop", "drop", numeric=True, signed=True),
     Column("culprit", "mostly"),
     Column("gate"),
 )
