@@ -15,10 +15,10 @@ from PIL import Image
 from scipy.io import wavfile
 
 from pipeline.core.errors import ConfigError, InputError, MalformedFile
+from pipeline.core.limits import MAX_IMAGE_PIXELS
 from pipeline.project.config import DevicePreprocessing, FilePreprocessing, device_preprocessing
 from pipeline.project.files import LABELS, pack, read_files_dataset, unpack
 from pipeline.project.processing import (
-    MAX_IMAGE_PIXELS,
     Preprocessor,
     describe,
     differing_steps,

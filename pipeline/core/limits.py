@@ -34,6 +34,12 @@ MAX_DATASET_BYTES = 4 * GiB
 # ZIP_RATIO_GRACE_BYTES: real inputs deflate 2-20x (padding-heavy token ids up to ~100x); deflate's
 # ceiling, ~1030x for a run of one byte, is what a zip bomb is made of.
 MAX_ZIP_RATIO = 200
+# A folder of raw files (pipeline/project/files.py): one file per sample, 1 KiB a name at most in the
+# packed names array; labels.csv read whole. An image's pixels (width x height) before it is decoded:
+# 64 Mi, a decompression bomb's tell (below Pillow's own warning level).
+MAX_DATASET_FILES = 100_000
+MAX_LABELS_CSV_BYTES = 64 * MiB
+MAX_IMAGE_PIXELS = 64 * MiB
 ZIP_RATIO_GRACE_BYTES = 64 * MiB
 
 # bytes per element of each dtype params.yaml accepts (pipeline.project.config.DType)

@@ -358,6 +358,11 @@ def _warnings(m: Any, model: str, sku: str) -> list[tuple[str, str]]:
     return out
 
 
+def _libraries(described: dict[str, Any]) -> str:
+    """The image or audio libraries of a described preprocessing with their versions: ``opencv 5.1.0``."""
+    return "+".join(f"{lib} {v}" for lib, v in described.get("versions", {}).items() if lib != "numpy")
+
+
 def _manifest_row(registry: Registry, model: str, sku: str) -> dict[str, Any]:
     """The summary row of one manifest: gate results, metric deltas, latency, MLflow version."""
 
@@ -397,10 +402,8 @@ def _manifest_row(registry: Registry, model: str, sku: str) -> dict[str, Any]:
         "energy": m.benchmark.energy.source if m.benchmark.energy.available else m.benchmark.energy.reason,
         "preprocessing": {
             name: {
-                "device": "+".join(f"{lib} {v}" for lib, v in p.device.get("versions", {}).items() if lib != "numpy"),
-                "reference": "+".join(
-                    f"{lib} {v}" for lib, v in p.reference.get("versions", {}).items() if lib != "numpy"
-                ),
+                "device": _libraries(p.device),
+                "reference": _libraries(p.reference),
                 "differing_steps": p.differing_steps,
                 "max_abs_input_diff": p.max_abs_input_diff,
                 "samples_differing": p.samples_differing,

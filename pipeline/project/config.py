@@ -491,11 +491,10 @@ def device_preprocessing(model: FilePreprocessing, device: DevicePreprocessing |
     """The model's declared preprocessing with the SKU's device-side keys in place."""
     if device is None:
         return model
-    update: dict[str, Any] = device.model_dump(exclude_none=True, exclude={"resize"})
-    if device.resize is not None and model.resize is not None:
-        update["resize"] = model.resize.model_copy(update=device.resize.model_dump(exclude_none=True))
     merged = model.model_dump()
-    merged.update({k: (v.model_dump() if isinstance(v, BaseModel) else v) for k, v in update.items()})
+    merged.update(device.model_dump(exclude_none=True, exclude={"resize"}))
+    if device.resize is not None and merged["resize"] is not None:  # a model without resize keeps none
+        merged["resize"].update(device.resize.model_dump(exclude_none=True))
     return FilePreprocessing.model_validate(merged)
 
 
@@ -506,6 +505,9 @@ class TopK(Strict):
     output: str
     k: int = Field(5, ge=1)
     softmax: bool = Field(False, description="the output holds logits: softmax before ranking")
+
+    def outputs(self) -> list[str]:
+        return [self.output]
 
 
 class BoxesNms(Strict):
@@ -519,6 +521,9 @@ class BoxesNms(Strict):
     iou_threshold: float = Field(0.45, ge=0, le=1)
     max_detections: int = Field(100, ge=1)
 
+    def outputs(self) -> list[str]:
+        return [self.boxes, self.scores]
+
 
 class CtcGreedy(Strict):
     """Per-frame class scores to label sequences: best class per frame, repeats merged, blanks dropped."""
@@ -526,6 +531,9 @@ class CtcGreedy(Strict):
     kind: Literal["ctc_greedy"]
     output: str = Field(description="output of per-frame scores, [.., frames, classes]")
     blank: int = Field(0, ge=0)
+
+    def outputs(self) -> list[str]:
+        return [self.output]
 
 
 PostprocessStep = TopK | BoxesNms | CtcGreedy

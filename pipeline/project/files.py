@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pipeline.core.errors import InputError, MalformedFile
-from pipeline.core.limits import MAX_DATASET_BYTES, human_bytes
+from pipeline.core.limits import MAX_DATASET_BYTES, MAX_DATASET_FILES, MAX_LABELS_CSV_BYTES, human_bytes
 from pipeline.core.paths import inside
+from pipeline.project.data import LABELS
 
 if TYPE_CHECKING:
     import numpy as np
@@ -31,12 +32,9 @@ EXTENSIONS: dict[str, tuple[str, ...]] = {
     "audio": (".wav",),
 }
 LABELS_CSV = "labels.csv"
-# one file per sample; the packed names array is (files x longest name) code points, 1 KiB a name at most
-MAX_DATASET_FILES = 100_000
-MAX_LABELS_CSV_BYTES = 64 << 20
 
-# keys of the packed form; LABELS is pipeline.project.data.LABELS, the key every split's labels use
-BYTES, OFFSETS, NAMES, LABELS = "file_bytes", "file_offsets", "file_names", "labels"
+# keys of the packed form (the labels under LABELS, the key every split's labels use)
+BYTES, OFFSETS, NAMES = "file_bytes", "file_offsets", "file_names"
 
 
 @dataclass(frozen=True)

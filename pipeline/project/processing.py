@@ -34,15 +34,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pipeline.core.errors import ConfigError, InputError
+from pipeline.core.limits import MAX_IMAGE_PIXELS
 from pipeline.project.config import PREPROCESSING_STEPS, FilePreprocessing, resize_problem
 
 if TYPE_CHECKING:
     import numpy as np
     import PIL.Image
 
-# Decompression bombs: a 64 Mpx image is 192 MiB as 8-bit RGB and 1.5 GiB once normalised to
-# float64; a few lines of PNG can claim far more. Below Pillow's own warning level (89 Mpx).
-MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+# Decompression bombs (MAX_IMAGE_PIXELS, pipeline/core/limits.py): a 64 Mpx image is 192 MiB as
+# 8-bit RGB and 1.5 GiB once normalised to float64; a few lines of PNG can claim far more.
 
 # the steps an image library runs (the rest run in numpy): decode in the decode library, the
 # others in the transform library (``library``)

@@ -3,13 +3,14 @@ and end to end (preprocess, batch, infer, postprocess), device state at the time
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Literal
 
 from pipeline.backends import get_backend
@@ -26,7 +27,7 @@ from pipeline.core.env import (
 )
 from pipeline.core.errors import ConfigError
 from pipeline.core.io import atomic_write_bytes, atomic_write_json, sha256_bytes
-from pipeline.host.energy import open_meter, unavailable
+from pipeline.host.energy import EnergyMeter, open_meter, unavailable
 from pipeline.project.config import BenchSpec, Registry, SkuSpec, device_preprocessing
 from pipeline.project.data import LABELS, iter_batches, preprocess
 from pipeline.project.files import unpack
@@ -348,19 +349,17 @@ class EndToEnd:
         self.spec, self.runner, self.in_idx, self.batch = spec, runner, in_idx, batch
         self.times: dict[str, list[float]] = {}
         raw = load_arrays(out.split(model, "golden", raw=True), "data")
-        files = spec.file_inputs
-        self.preprocessors: dict[str, Preprocessor] = {}
+        self.pre: tuple[str, Preprocessor] | None = None  # the input made from raw files (config: one)
         self.described: dict[str, dict] = {}
-        if files:
+        if spec.file_inputs:
             blobs, names, _ = unpack(raw)
             take = [i % len(blobs) for i in range(batch)]
             self.blobs = [blobs[i] for i in take]
             self.names = [names[i] for i in take]
-            device = registry.sku(sku).preprocessing.device
-            for name, steps in files.items():
-                shipped = device_preprocessing(steps, device)
-                self.preprocessors[name] = Preprocessor(shipped, spec.input(name).dtype)
-                self.described[name] = describe(shipped)
+            name, steps = next(iter(spec.file_inputs.items()))
+            shipped = device_preprocessing(steps, registry.sku(sku).preprocessing.device)
+            self.pre = (name, Preprocessor(shipped, spec.input(name).dtype))
+            self.described[name] = describe(shipped)
             kinds = sorted({n.rsplit(".", 1)[-1].lower() for n in self.names})
             self.source = (
                 f"{len(self.blobs)} raw {'/'.join(kinds)} file(s) from the golden set "
@@ -378,8 +377,8 @@ class EndToEnd:
     def __call__(self) -> object:
         clock = time.perf_counter
         t0 = clock()
-        if self.preprocessors:
-            name, pre = next(iter(self.preprocessors.items()))  # config: one input from raw files
+        if self.pre is not None:
+            name, pre = self.pre
             decoded = [pre.decode(b, n) for b, n in zip(self.blobs, self.names, strict=True)]
             t1 = clock()
             inputs = {name: self.np.stack([pre.transform(d) for d in decoded])}
@@ -442,23 +441,17 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
         budget.check("bench engine-only")
         steady_cfg = _phase_cfg(cfg, budget, 0.5)
         # the host's energy counters over the engine-only phase, or why there are none
-        meter = open_meter(sources=energy_sources(sku_spec)) if cfg.energy else "unavailable: bench.energy is false"
-        try:
-            idle = None
-            if not isinstance(meter, str):
+        with energy_meter(cfg, sku_spec) as meter:
+            if isinstance(meter, str):
+                steady, wall, capped = _timed(call, steady_cfg, cfg.concurrency, progress, "bench engine")
+                energy = unavailable(meter, ENERGY_PHASE)
+            else:
                 meter.start()  # the floor first: the engine loaded and not called
                 time.sleep(IDLE_SECONDS)
                 idle = meter.stop(0, "idle")
                 meter.start()
-            steady, wall, capped = _timed(call, steady_cfg, cfg.concurrency, progress, "bench engine")
-            energy = (
-                unavailable(meter, ENERGY_PHASE)
-                if isinstance(meter, str)
-                else above_idle(meter.stop(len(steady) * batch, ENERGY_PHASE), idle)
-            )
-        finally:
-            if not isinstance(meter, str):
-                meter.close()
+                steady, wall, capped = _timed(call, steady_cfg, cfg.concurrency, progress, "bench engine")
+                energy = above_idle(meter.stop(len(steady) * batch, ENERGY_PHASE), idle)
         stopped = _stopped(cfg, steady_cfg, capped)
 
         end_to_end = EndToEnd(registry, model, sku, runner, in_idx, batch)
@@ -592,6 +585,17 @@ def energy_sources(sku: SkuSpec) -> tuple[EnergySource, ...]:
     return ENERGY_SOURCES
 
 
+@contextlib.contextmanager
+def energy_meter(cfg: BenchSpec, sku: SkuSpec) -> Iterator[EnergyMeter | str]:
+    """The host's meter for the SKU (closed after), or why there is none ("unavailable: ...")."""
+    meter = open_meter(sources=energy_sources(sku)) if cfg.energy else "unavailable: bench.energy is false"
+    try:
+        yield meter
+    finally:
+        if not isinstance(meter, str):
+            meter.close()
+
+
 def _sustained(call, cfg: BenchSpec, sku_spec: SkuSpec, batch: int, budget: Budget, progress, warnings: list[str]):
     """The sustained run within what is left of the stage's budget (a margin kept for the report)."""
     assert cfg.sustained is not None
@@ -603,8 +607,7 @@ def _sustained(call, cfg: BenchSpec, sku_spec: SkuSpec, batch: int, budget: Budg
             f"{spec.trend_windows} windows of {spec.window_seconds:g} s"
         )
         return None
-    meter = open_meter(sources=energy_sources(sku_spec)) if cfg.energy else "bench.energy is false"
-    try:
+    with energy_meter(cfg, sku_spec) as meter:
         result = sustained_run(
             call,
             spec,
@@ -613,9 +616,6 @@ def _sustained(call, cfg: BenchSpec, sku_spec: SkuSpec, batch: int, budget: Budg
             meter=None if isinstance(meter, str) else meter,
             deadline=time.perf_counter() + left * 0.9 if math.isfinite(left) else None,
         )
-    finally:
-        if not isinstance(meter, str):
-            meter.close()
     if result.stopped != "flat":
         warnings.append(f"bench: sustained run not at equilibrium: {result.reason}")
     return result

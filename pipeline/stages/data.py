@@ -57,9 +57,10 @@ def make_data(registry: Registry, model: str, progress: Progress | None = None) 
                 )
     records = {}
     for split, (inputs, raw, origin) in staged.items():
+        source = getattr(spec.datasets, split)
         atomic_savez(out.split(model, split), **inputs)
         # the raw golden set feeds the end-to-end benchmark; raw files of every split, the drift check
-        if split == "golden" or getattr(spec.datasets, split).files is not None:
+        if split == "golden" or source.files is not None:
             atomic_savez(out.split(model, split, raw=True), **raw)
         records[split] = DatasetRecord(
             split=split,
@@ -67,9 +68,9 @@ def make_data(registry: Registry, model: str, progress: Progress | None = None) 
             sha256=sha256_arrays(inputs),
             source=origin,
             has_labels=LABELS in inputs,
-            synthetic=getattr(spec.datasets, split).generate is not None,
-            files=len(raw[NAMES]) if getattr(spec.datasets, split).files is not None else None,
-            raw_sha256=sha256_arrays(raw) if getattr(spec.datasets, split).files is not None else None,
+            synthetic=source.generate is not None,
+            files=len(raw[NAMES]) if source.files is not None else None,
+            raw_sha256=sha256_arrays(raw) if source.files is not None else None,
         )
     report = DataReport(
         model=model,

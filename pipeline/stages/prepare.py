@@ -103,11 +103,8 @@ def prepare(registry: Registry, model: str, progress: Progress | None = None) ->
     source = load_source(registry, model)
     sig = signature(source)
     names = [o.name for o in sig.outputs]
-    post = spec.postprocess
-    post_outputs = (
-        [] if isinstance(post, str) else [getattr(post, k) for k in ("output", "boxes", "scores") if hasattr(post, k)]
-    )
-    for wanted in [*(spec.outputs or []), *([spec.metric.output] if spec.metric else []), *post_outputs]:
+    post = [] if isinstance(spec.postprocess, str) else spec.postprocess.outputs()
+    for wanted in [*(spec.outputs or []), *([spec.metric.output] if spec.metric else []), *post]:
         if wanted not in names:
             raise InputError(
                 f"{path}: params.yaml names output {wanted!r} but the model's outputs are {names}",

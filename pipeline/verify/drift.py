@@ -30,21 +30,20 @@ if TYPE_CHECKING:
 
 # the split the check runs on: the first of these given as files (labelled sets first)
 DRIFT_SPLITS = ("evaluation", "hard_tail", "golden", "calibration")
-FAILS_CLOSED = " (fails closed)"  # ends the failure of a gate the split cannot judge
 
 
 def input_diff(reference: np.ndarray, device: np.ndarray) -> InputDiff:
     """Element-wise difference of two stacks of samples (float64; NaN on one side only counts as differing)."""
     import numpy as np
 
-    a = reference.astype(np.float64).reshape(len(reference), -1)
-    b = device.astype(np.float64).reshape(len(device), -1)
     if reference.shape != device.shape:
         raise ConfigError(
             f"the device's preprocessing gives samples of shape {list(device.shape[1:])}, the reference's "
             f"{list(reference.shape[1:])}",
             hint="the device must fill the same model input: fix skus.<sku>.preprocessing.device",
         )
+    a = reference.astype(np.float64).reshape(len(reference), -1)
+    b = device.astype(np.float64).reshape(len(device), -1)
     with np.errstate(invalid="ignore"):
         delta = np.abs(a - b)
     differs = (delta > 0) | (np.isnan(a) != np.isnan(b))
@@ -163,7 +162,7 @@ def preprocessing_drift(
         n = len(ref_x)
         drop = (worse - better) / n if judged and n else None
         culprit = _culprit(steps)
-        failure = _failure(
+        failure, judgeable = _failure(
             name,
             split,
             sku,
@@ -207,7 +206,7 @@ def preprocessing_drift(
                 culprit=culprit,
                 passed=failure is None,
                 failure=failure,
-                judgeable=failure is None or not failure.endswith(FAILS_CLOSED),
+                judgeable=judgeable,
             )
         )
         if progress is not None:
@@ -287,8 +286,9 @@ def _failure(
     judged: bool,
     steps: list[StepDrift],
     culprit: str | None,
-) -> str | None:
-    """The gate's verdict as one line naming the step, or None when it passes (or nothing is gated)."""
+) -> tuple[str | None, bool]:
+    """The gate's verdict as one line naming the step (None: it passes, or nothing is gated), and
+    whether the split could judge it (False: no labels or too few samples, which fails closed)."""
     key = f"skus.{sku}.preprocessing"
     blame = ""
     if culprit is not None:
@@ -306,28 +306,28 @@ def _failure(
         if not judged:
             return (
                 f"preprocessing of input {name!r}: {key}.max_metric_drop is set but the {split} files have no "
-                f"labels or the model no metric: the drift cannot be judged{FAILS_CLOSED}"
-            )
+                f"labels or the model no metric: the drift cannot be judged (fails closed)"
+            ), False
         assert drop is not None
         needed = gatestats.min_samples_for_drop(max_drop, confidence)
         if n < needed:
             return (
                 f"preprocessing of input {name!r}: {n} {split} samples cannot resolve {key}.max_metric_drop "
-                f"{max_drop:g} at {confidence:.0%} confidence: it needs {needed} labelled samples{FAILS_CLOSED}"
-            )
+                f"{max_drop:g} at {confidence:.0%} confidence: it needs {needed} labelled samples (fails closed)"
+            ), False
         if gatestats.drop_fails(worse, better, n, max_drop, confidence):
             lo, hi = gatestats.drop_interval(worse, better, n, confidence)
             return (
                 f"preprocessing of input {name!r}: the device's steps cost {drop:.4g} {kind} on {split} "
                 f"(n={n}: {worse} worse, {better} better, McNemar p={gatestats.mcnemar_p(worse, better):.3g}, "
                 f"drop {lo:.4g}..{hi:.4g}), above {key}.max_metric_drop {max_drop:g}{blame}"
-            )
+            ), True
     if max_diff is not None and diff.max_abs > max_diff:
         return (
             f"preprocessing of input {name!r}: the device's steps move the model input by up to {diff.max_abs:.4g} "
             f"({diff.samples_differing} of {n} samples differ), above {key}.max_input_diff {max_diff:g}{blame}"
-        )
-    return None
+        ), True
+    return None, True
 
 
 def drift_line(d: PreprocessingDrift) -> str:
