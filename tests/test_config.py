@@ -389,7 +389,9 @@ def test_tolerance_overrides_merge_defaults_then_model_then_sku():
     assert reg.tolerance("conv", "cpu_int8").for_kind("probabilities").min_top1_agreement == 0.97
     assert reg.tolerance("conv", "cpu_int8").for_kind("regression").min_top1_agreement == 0.0
     # a precision the defaults leave out falls back to the built-in default
-    assert reg.tolerance("conv", "cpu").for_kind("regression") == Tolerance(atol=1e-4, rtol=1e-3, min_snr_db=40)
+    assert reg.tolerance("conv", "cpu").for_kind("regression") == Tolerance(
+        atol=1e-4, rtol=1e-3, max_mismatch=1e-5, max_outlier_factor=10.0, min_snr_db=40
+    )
 
 
 def test_tolerance_builtin_defaults_per_precision_and_kind():
@@ -397,8 +399,25 @@ def test_tolerance_builtin_defaults_per_precision_and_kind():
     fp32, int8 = reg.tolerance("conv", "cpu"), reg.tolerance("conv", "cpu_int8")
     assert fp32.precision == "fp32" and set(fp32.kinds) == set(OUTPUT_KINDS)
     assert fp32.for_kind("regression") == Tolerance(
-        atol=1e-4, rtol=1e-3, max_mismatch=0.0, min_snr_db=40, confidence=0.95
+        atol=1e-4, rtol=1e-3, max_mismatch=1e-5, max_outlier_factor=10.0, min_snr_db=40, confidence=0.95
     )
+    assert (fp32.task.min_agreement, fp32.task.max_cer, int8.task.min_agreement, int8.task.max_cer) == (
+        0.99,
+        0.01,
+        0.97,
+        0.03,
+    )
+    assert not fp32.enforce and int8.for_kind("regression").max_outlier_factor is None
+
+
+def test_task_keys_and_enforce_resolve_apart_from_the_tensor_keys():
+    data = base()
+    data["defaults"]["tolerances"] = {"int8": {"max_cer": 0.05, "atol": 0.2}}
+    data["skus"]["cpu_int8"]["tolerance"] = {"min_box_f1": 0.8, "enforce": True, "confidence": 0.9}
+    policy = parse_registry(data).tolerance("conv", "cpu_int8")
+    assert policy.enforce and policy.task.max_cer == 0.05 and policy.task.min_box_f1 == 0.8
+    assert policy.task.confidence == 0.9 and policy.for_kind("regression").confidence == 0.9
+    assert policy.for_kind("regression").atol == 0.2 and not hasattr(policy.for_kind("regression"), "max_cer")
     assert fp32.for_kind("probabilities").min_top1_agreement == 0.99
     assert int8.for_kind("regression").max_mismatch == 0.05
     assert int8.for_kind("probabilities").atol == 0.05 and int8.for_kind("state").max_mismatch == 0.01

@@ -75,6 +75,35 @@ class Tolerance(Strict):
         lt=1,
         description="one-sided level of the exact tests that judge max_mismatch and min_top1_agreement",
     )
+    max_outlier_factor: float | None = Field(
+        None,
+        gt=1,
+        description="no element may be beyond this multiple of atol + rtol * |r|, whatever max_mismatch "
+        "lets through (None: no bound)",
+    )
+
+
+class TaskTolerance(Strict):
+    """What the device app computes from the outputs (the declared postprocess), engine against
+    reference on the same inputs, no labels needed (docs/correctness.md, "Task agreement")."""
+
+    min_agreement: float = Field(
+        ge=0, le=1, description="argmax/topk: least share of samples whose top-1 label is the reference's"
+    )
+    max_cer: float = Field(
+        ge=0,
+        le=1,
+        description="ctc_greedy: largest character error rate of the engine's strings against the reference's",
+    )
+    min_box_f1: float = Field(
+        ge=0, le=1, description="nms/db_boxes: least F1 of engine boxes matched to the reference's"
+    )
+    box_iou: float = Field(0.5, gt=0, le=1, description="IoU at which an engine box matches a reference box")
+    min_mean_iou: float = Field(ge=0, le=1, description="segment: least mean IoU of the engine's masks")
+    confidence: float = Field(0.95, gt=0.5, lt=1, description="one-sided level of the intervals that judge them")
+
+
+TASK_KEYS: tuple[str, ...] = tuple(TaskTolerance.model_fields)
 
 
 class ToleranceOverride(Strict):
@@ -84,15 +113,30 @@ class ToleranceOverride(Strict):
     min_top1_agreement: float | None = Field(None, ge=0, le=1)
     min_snr_db: float | None = None
     confidence: float | None = Field(None, gt=0.5, lt=1)
+    max_outlier_factor: float | None = Field(None, gt=1)
+    min_agreement: float | None = Field(None, ge=0, le=1)
+    max_cer: float | None = Field(None, ge=0, le=1)
+    min_box_f1: float | None = Field(None, ge=0, le=1)
+    box_iou: float | None = Field(None, gt=0, le=1)
+    min_mean_iou: float | None = Field(None, ge=0, le=1)
+    enforce: bool | None = Field(
+        None,
+        description="true: the per-output tensor gates decide as well when the model declares a postprocess "
+        "(by default they are diagnostics there and the task agreement decides)",
+    )
 
 
 class TolerancePolicy(Strict):
     """The tolerances of one (model, SKU): one per output kind, and the kinds params.yaml declares.
-    An output whose kind is not declared is judged by the kind inferred from its reference values."""
+    An output whose kind is not declared is judged by the kind inferred from its reference values.
+    ``task``: the thresholds of the task agreement after the declared postprocess; ``enforce``: the
+    tensor gates decide even where a task agreement does."""
 
     precision: Precision
     kinds: dict[OutputKind, Tolerance]
     declared: dict[str, OutputKind] = Field(default_factory=dict, description="output -> kind (models.*.output_kinds)")
+    task: TaskTolerance | None = None
+    enforce: bool = False
 
     def for_kind(self, kind: OutputKind) -> Tolerance:
         return self.kinds[kind]
@@ -237,15 +281,30 @@ class BenchOverride(Strict):
     energy: bool | None = None
 
 
+_FP32_RARE: dict[str, Any] = {"max_mismatch": 1e-5, "max_outlier_factor": 10.0}
+
+
+def _default_task_tolerances() -> dict[str, TaskTolerance]:
+    """Built-in task-agreement thresholds per precision; docs/correctness.md gives the reasoning."""
+    t = TaskTolerance
+    return {
+        "fp32": t(min_agreement=0.99, max_cer=0.01, min_box_f1=0.98, min_mean_iou=0.98),
+        "fp16": t(min_agreement=0.99, max_cer=0.01, min_box_f1=0.97, min_mean_iou=0.97),
+        "int8": t(min_agreement=0.97, max_cer=0.03, min_box_f1=0.9, min_mean_iou=0.9),
+    }
+
+
 def _default_tolerances() -> dict[str, dict[str, Tolerance]]:
     """Built-in tolerances per precision and output kind; docs/correctness.md gives the reasoning."""
     t = Tolerance
     return {
+        # fp32: a correct engine differs by reduction order; a few elements in a million may land
+        # beyond atol/rtol (1e-5, judged exactly), none beyond 10x: docs/correctness.md
         "fp32": {
-            "probabilities": t(atol=1e-4, rtol=1e-3, min_top1_agreement=0.99, min_snr_db=30),
-            "logits": t(atol=1e-4, rtol=1e-3, min_top1_agreement=0.99, min_snr_db=30),
-            "regression": t(atol=1e-4, rtol=1e-3, min_snr_db=40),
-            "state": t(atol=1e-4, rtol=1e-3, min_snr_db=40),
+            "probabilities": t(atol=1e-4, rtol=1e-3, **_FP32_RARE, min_top1_agreement=0.99, min_snr_db=30),
+            "logits": t(atol=1e-4, rtol=1e-3, **_FP32_RARE, min_top1_agreement=0.99, min_snr_db=30),
+            "regression": t(atol=1e-4, rtol=1e-3, **_FP32_RARE, min_snr_db=40),
+            "state": t(atol=1e-4, rtol=1e-3, **_FP32_RARE, min_snr_db=40),
         },
         "fp16": {
             "probabilities": t(atol=1e-2, rtol=1e-2, max_mismatch=1e-3, min_top1_agreement=0.99, min_snr_db=12),
@@ -485,6 +544,14 @@ class PreprocessingGate(Strict):
     max_input_diff: float | None = Field(
         None, ge=0, description="fail when a model input differs by more than this (max abs); null: reported"
     )
+    max_agreement_drop: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="fail when the device's preprocessing changes more than this share of what the declared "
+        "postprocess computes (labels, strings, boxes, masks), engine against itself, no labels needed; "
+        "null: reported; a model without labels is judged this way against max_metric_drop too",
+    )
 
 
 def device_preprocessing(model: FilePreprocessing, device: DevicePreprocessing | None) -> FilePreprocessing:
@@ -526,17 +593,79 @@ class BoxesNms(Strict):
 
 
 class CtcGreedy(Strict):
-    """Per-frame class scores to label sequences: best class per frame, repeats merged, blanks dropped."""
+    """Per-frame class scores to label sequences: best class per frame, repeats merged, blanks dropped;
+    with an ``alphabet``, to text (the classes other than the blank, in order, are its characters)."""
 
     kind: Literal["ctc_greedy"]
     output: str = Field(description="output of per-frame scores, [.., frames, classes]")
     blank: int = Field(0, ge=0)
+    alphabet: str | None = Field(
+        None,
+        min_length=1,
+        description="the characters of the classes other than the blank, in class order (blank 0: class i is "
+        "alphabet[i - 1]); the model has len(alphabet) + 1 classes, and labels.csv holds text",
+    )
+
+    @model_validator(mode="after")
+    def _alphabet(self) -> CtcGreedy:
+        if self.alphabet is None:
+            return self
+        repeated = sorted({c for c in self.alphabet if self.alphabet.count(c) > 1})
+        if repeated:
+            raise ValueError(f"alphabet: characters {repeated} appear more than once; each class is one character")
+        if "\0" in self.alphabet:  # numpy's fixed-width strings drop trailing NULs: a label would lose them
+            raise ValueError("alphabet: the NUL character cannot be a class")
+        if self.blank > len(self.alphabet):
+            raise ValueError(
+                f"blank {self.blank}: the alphabet's {len(self.alphabet)} characters and the blank make "
+                f"{len(self.alphabet) + 1} classes, 0..{len(self.alphabet)}"
+            )
+        return self
 
     def outputs(self) -> list[str]:
         return [self.output]
 
 
-PostprocessStep = TopK | BoxesNms | CtcGreedy
+class DbBoxes(Strict):
+    """A text detector's probability map to boxes, as DBNet does it (binarise, contours, box score,
+    unclip the min-area rectangle): OpenCV, no polygon clipper."""
+
+    kind: Literal["db_boxes"]
+    output: str = Field(description="output of the probability map, [batch, 1, H, W] or [batch, H, W]")
+    threshold: float = Field(0.3, ge=0, le=1, description="a pixel is text above this probability")
+    box_threshold: float = Field(
+        0.6, ge=0, le=1, description="keep a region whose mean probability (the box score) is at least this"
+    )
+    unclip_ratio: float = Field(
+        1.5, ge=0, le=100, description="grow each side of a region's min-area rectangle by area * ratio / perimeter"
+    )
+    min_size: float = Field(3, ge=0, allow_inf_nan=False, description="drop a region whose short side is below this")
+    max_candidates: int = Field(1000, ge=1, description="regions looked at per map, in reading order")
+
+    def outputs(self) -> list[str]:
+        return [self.output]
+
+
+class Segment(Strict):
+    """Per-pixel class scores to a class mask: argmax over the class axis, or a threshold on a
+    single-channel map."""
+
+    kind: Literal["segment"]
+    output: str = Field(
+        description="output of class scores, [batch, classes, H, W] (channels_last: [batch, H, W, classes])"
+    )
+    channels_last: bool = Field(False, description="the class axis is last")
+    threshold: float | None = Field(
+        None,
+        allow_inf_nan=False,
+        description="a single-channel map: class 1 where the value is above this, else 0 (null: argmax)",
+    )
+
+    def outputs(self) -> list[str]:
+        return [self.output]
+
+
+PostprocessStep = TopK | BoxesNms | CtcGreedy | DbBoxes | Segment
 
 
 class GenerateSpec(Strict):
@@ -556,8 +685,9 @@ class DatasetSource(Strict):
     path: str | None = None
     files: str | None = Field(
         None,
-        description="folder of raw files (relative to the model's dir), sorted by name; labels in "
-        "its labels.csv (file,label) when present",
+        description="folder of raw files (relative to the model's dir), sorted by name; targets in its "
+        "labels.csv (file,label: a class index, or text for a ctc_greedy alphabet) or boxes.csv "
+        "(file,x1,y1,x2,y2[,class]) when present",
     )
     generate: GenerateSpec | None = None
     take: int | None = Field(None, ge=1, description="use only the first N samples")
@@ -569,7 +699,7 @@ class DatasetSource(Strict):
         if sum(x is not None for x in (self.path, self.files, self.generate)) != 1:
             raise ValueError("give exactly one of 'path', 'files' or 'generate'")
         if self.files is not None and self.labels != "labels":
-            raise ValueError("labels: a files dataset reads its labels from labels.csv in its folder")
+            raise ValueError("labels: a files dataset reads its targets from labels.csv or boxes.csv in its folder")
         return self
 
 
@@ -623,7 +753,8 @@ class ModelSpec(Strict):
         "files (decode: image|audio ...; docs/preprocessing.md)",
     )
     postprocess: Postprocess | PostprocessStep = Field(
-        "none", description="none, argmax, or a step: topk, nms, ctc_greedy (docs/preprocessing.md)"
+        "none",
+        description="none, argmax, or a step: topk, nms, ctc_greedy, db_boxes, segment (docs/preprocessing.md)",
     )
     datasets: Datasets = Datasets()
     metric: Metric | None = None
@@ -677,6 +808,12 @@ class ModelSpec(Strict):
     def file_inputs(self) -> dict[str, FilePreprocessing]:
         """Inputs made from raw files, with their declared (training-side) preprocessing."""
         return {k: v for k, v in self.preprocess.items() if isinstance(v, FilePreprocessing)}
+
+    @property
+    def alphabet(self) -> str | None:
+        """The characters a ctc_greedy postprocess decodes to (a files dataset's labels.csv then holds text)."""
+        step = self.postprocess
+        return step.alphabet if isinstance(step, CtcGreedy) else None
 
     def affine(self, name: str) -> Affine | None:
         step = self.preprocess.get(name)
@@ -1169,8 +1306,15 @@ class Registry(Strict):
         s, spec = self.sku(sku), self.model(model)
         overrides = [self.defaults.tolerances.get(s.precision), spec.tolerances.get(s.precision), s.tolerance]
         update = {k: v for o in overrides if o is not None for k, v in o.model_dump(exclude_none=True).items()}
+        enforce = bool(update.pop("enforce", False))
+        task_update = {k: update.pop(k) for k in TASK_KEYS if k in update}
+        if "confidence" in update:  # one level for every test of the pair
+            task_update["confidence"] = update["confidence"]
         kinds = {kind: tol.model_copy(update=update) for kind, tol in _default_tolerances()[s.precision].items()}
-        return TolerancePolicy(precision=s.precision, kinds=kinds, declared=dict(spec.output_kinds))
+        task = _default_task_tolerances()[s.precision].model_copy(update=task_update)
+        return TolerancePolicy(
+            precision=s.precision, kinds=kinds, declared=dict(spec.output_kinds), task=task, enforce=enforce
+        )
 
     def higher_precision(self, model: str, sku: str) -> list[str]:
         """ONNX nodes of ``model`` kept in higher precision than ``sku``'s (params.yaml override)."""

@@ -469,7 +469,11 @@ def _sustained_view(sustained: Any, images: Images, notes: list[str], what: str)
 def _drift_gate(drift: dict[str, Any]) -> str:
     gates = [
         f"{label} at most {fmt(value)}"
-        for label, key in (("metric drop", "max_metric_drop"), ("input max abs difference", "max_input_diff"))
+        for label, key in (
+            ("metric drop", "max_metric_drop"),
+            ("input max abs difference", "max_input_diff"),
+            ("change of the postprocess's results", "max_agreement_drop"),
+        )
         if (value := _num(drift.get(key))) is not None
     ]
     return ", ".join(gates) if gates else "reported, not gated"

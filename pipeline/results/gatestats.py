@@ -131,3 +131,40 @@ def min_samples_for_drop(max_drop: float, confidence: float) -> int:
     if max_drop <= 0:
         return need
     return max(need, math.floor((need - 1) / (RESOLUTION * max_drop)) + 1)
+
+
+# the percentile bootstrap of a ratio over samples: seeded, so a gate recomputes the same bounds
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+_BOOTSTRAP_CELLS = 4_000_000  # indices drawn at once (memory: 8 bytes each)
+
+
+def ratio_bounds(numerators, denominators, confidence: float) -> tuple[float, float] | None:
+    """One-sided bounds, each at ``confidence``, of sum(numerators) / sum(denominators) over
+    samples, by a percentile bootstrap that resamples whole samples (characters of one string, boxes
+    of one image move together). None when the denominators sum to 0."""
+    import numpy as np
+
+    num, den = np.asarray(numerators, dtype=np.float64), np.asarray(denominators, dtype=np.float64)
+    n = num.size
+    if n == 0 or den.sum() <= 0:
+        return None
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    chunk = max(1, _BOOTSTRAP_CELLS // n)
+    values = []
+    for start in range(0, BOOTSTRAP_RESAMPLES, chunk):
+        idx = rng.integers(0, n, size=(min(chunk, BOOTSTRAP_RESAMPLES - start), n))
+        d = den[idx].sum(axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            values.append(np.where(d > 0, num[idx].sum(axis=1) / np.where(d > 0, d, 1.0), np.nan))
+    ratios = np.concatenate(values)
+    ratios = ratios[np.isfinite(ratios)]
+    low, high = np.quantile(ratios, [1.0 - confidence, confidence])
+    return float(low), float(high)
+
+
+def units_for_rate(threshold: float, direction: str, confidence: float) -> int:
+    """Units (samples, characters, boxes) a set needs to resolve a rate's threshold: as an agreement
+    of ``threshold`` (min) or an error rate of ``threshold`` (max), judged as binomial units. A proxy
+    for ratio statistics, whose units are not independent: it is a floor, not a guarantee."""
+    return min_rows_for_agreement(threshold if direction == "min" else 1.0 - threshold, confidence)

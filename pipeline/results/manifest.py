@@ -42,7 +42,7 @@ def schema() -> dict[str, Any]:
     """The JSON Schema of the manifest, generated from the typed model."""
     doc = Manifest.model_json_schema()
     doc["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    doc["$id"] = "https://skuforge.dev/schemas/manifest-7.json"
+    doc["$id"] = "https://skuforge.dev/schemas/manifest-8.json"
     return doc
 
 
@@ -155,7 +155,9 @@ def preprocessing_summary(d: PreprocessingDrift) -> PreprocessingSummary:
         if d.drop_interval
         else None,
         culprit=d.culprit,
-        gated=d.max_metric_drop is not None or d.max_input_diff is not None,
+        gated=d.max_metric_drop is not None or d.max_input_diff is not None or d.max_agreement_drop is not None,
+        agreement=_sig(d.agreement.value, 4) if d.agreement is not None else None,
+        agreement_statistic=d.agreement.statistic if d.agreement is not None else None,
         passed=d.passed,
     )
 

@@ -280,7 +280,49 @@ class OutputError(Result):
     min_top1_agreement: float | None = Field(description="the agreement gate applied; null for regression and state")
     min_snr_db: float = Field(0.0, description="the signal-to-noise floor applied")
     confidence: float = Field(0.95, description="one-sided level of the exact tests")
+    max_outlier_factor: float | None = Field(
+        None, description="no element may be beyond this multiple of atol + rtol * |r| (None: no bound)"
+    )
+    outlier_count: int = Field(0, description="elements beyond max_outlier_factor times the tolerance")
     passed: bool
+    gating: bool = Field(
+        True,
+        description="the tensor verdict decides; false: a diagnostic beside the task agreement (which decides) "
+        "but for shape, NaN/Inf and a degenerate output, which always fail",
+    )
+
+
+TaskStatistic = Literal["top1_agreement", "topk_overlap", "exact_match", "cer", "box_f1", "mean_iou"]
+
+
+class TaskAgreement(Result):
+    """What the device app computes from the outputs (the declared postprocess), the engine's against
+    the reference's on the same inputs, per sample; no labels needed. A count statistic (top-1
+    agreement, exact match) has an exact Clopper-Pearson interval; a ratio over samples (CER, box F1,
+    mean IoU, top-k overlap) a seeded percentile bootstrap over samples, recomputed from
+    ``per_sample`` (docs/correctness.md, "Task agreement")."""
+
+    statistic: TaskStatistic
+    postprocess: str = Field(description="the postprocess step whose results are compared")
+    splits: list[str] = Field(description="the splits whose samples were compared")
+    samples: int
+    value: float | None = Field(description="the statistic; None: nothing to compare (no units)")
+    agree: int | None = Field(None, description="count statistics: samples that agree")
+    units: int = Field(description="what the statistic counts: samples, reference characters, boxes (resolution)")
+    per_sample: list[list[float]] = Field(
+        default_factory=list,
+        description="ratio statistics: per sample the numerator and denominator (cer: edits, reference "
+        "characters; box_f1: 2*matched, engine + reference boxes; mean_iou and topk_overlap: value, 1)",
+    )
+    interval: tuple[float, float] | None = Field(None, description="one-sided bounds, each at `confidence`")
+    method: Literal["clopper-pearson", "bootstrap"]
+    threshold: float | None = Field(None, description="the gate; None: reported only")
+    direction: Literal["min", "max"] = Field(description="min: fails below the threshold; max: above")
+    confidence: float = 0.95
+    needed_units: int | None = Field(None, description="units the set needs to resolve the threshold")
+    passed: bool
+    judgeable: bool = Field(True, description="false: too few units to resolve the threshold")
+    failure: str | None = None
 
 
 class MetricResult(Result):
@@ -497,6 +539,12 @@ class PreprocessingDrift(Result):
     judgeable: bool = Field(
         True, description="false: the split cannot judge the gate (no labels, too few samples): fails closed"
     )
+    agreement: TaskAgreement | None = Field(
+        None,
+        description="the declared postprocess's results with the device's inputs against those with the "
+        "training side's, through this engine (no labels needed)",
+    )
+    max_agreement_drop: float | None = Field(None, description="the gate on that agreement; None: reported only")
 
 
 class ValidationReport(EngineBound):
@@ -515,6 +563,12 @@ class ValidationReport(EngineBound):
         None, description="sha256_arrays of the engine's golden outputs (outputs.npz) written with this report"
     )
     bisection: Bisection | None = Field(None, description="first divergent node, when a correctness gate failed")
+    task: list[TaskAgreement] = Field(
+        default_factory=list, description="the declared postprocess's results, engine against reference"
+    )
+    diagnostics: list[str] = Field(
+        default_factory=list, description="tensor-gate lines that did not decide (the task agreement did)"
+    )
     preprocessing: list[PreprocessingDrift] = Field(
         default_factory=list, description="the drift check per input made from raw files"
     )
@@ -716,6 +770,12 @@ class Correctness(Result):
     bisection: Bisection | None = Field(
         None, exclude_if=lambda v: v is None, description="first divergent node, when a correctness gate failed"
     )
+    task: list[TaskAgreement] = Field(
+        default_factory=list, description="the declared postprocess's results, engine against reference"
+    )
+    diagnostics: list[str] = Field(
+        default_factory=list, description="tensor-gate lines that did not decide (the task agreement did)"
+    )
 
 
 class LatencySummary(Result):
@@ -788,7 +848,13 @@ class PreprocessingSummary(Result):
     metric_drop: float | None
     drop_interval: tuple[float, float] | None
     culprit: str | None
-    gated: bool = Field(description="skus.<sku>.preprocessing sets max_metric_drop or max_input_diff")
+    gated: bool = Field(
+        description="skus.<sku>.preprocessing sets max_metric_drop, max_input_diff or max_agreement_drop"
+    )
+    agreement: float | None = Field(
+        None, description="the postprocess's results with the device's inputs against the training side's"
+    )
+    agreement_statistic: str | None = Field(None, description="which statistic `agreement` is (cer, box_f1, ...)")
     passed: bool
 
 
@@ -817,7 +883,7 @@ class Evidence(Result):
 class Manifest(Result):
     """One engine, described. Everything but ``provenance`` is a function of the inputs."""
 
-    schema_version: Literal[7] = 7
+    schema_version: Literal[8] = 8
     model: str
     sku: str
     digest: str = Field(description="sha256 of this document without 'digest' and 'provenance'")

@@ -165,6 +165,8 @@ def assemble(registry: Registry, model: str, sku: str) -> dict:
             ),
             warnings=val.warnings,
             bisection=val.bisection,
+            task=val.task,
+            diagnostics=val.diagnostics,
         ),
         preprocessing={d.input: preprocessing_summary(d) for d in val.preprocessing},
         benchmark=benchmark_summary(bench, registry.bench(sku).noise_floor),

@@ -19,12 +19,21 @@ from pipeline.results.reports import (
     ValidationReport,
 )
 from pipeline.verify.bisect import Bisection, bisect
-from pipeline.verify.check import correctness, correctness_failures, input_failures, placement_gate, precision_gate
+from pipeline.verify.check import (
+    correctness,
+    correctness_failures,
+    diagnostics,
+    input_failures,
+    placement_gate,
+    precision_gate,
+    task_warnings,
+)
 from pipeline.verify.compare import (
     metric_warnings,
     output_warnings,
 )
 from pipeline.verify.drift import drift_line, preprocessing_drift
+from pipeline.verify.task import task_text
 
 
 def _bisect(registry: Registry, model: str, sku: str):
@@ -60,7 +69,8 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
     budget = Budget(sku_spec.max_seconds, "validate", f"skus.{sku}.max_seconds", log(model, sku))
     with budget.watch(), get_backend(sku_spec.backend).load(out.engine_dir(model, sku), sku_spec) as runner:
         engine_sha = check_engine(runner, build, out.engine_dir(model, sku), model, sku)
-        errors, metrics, samples, golden = correctness(registry, model, sku, runner, progress, budget)
+        judgement = correctness(registry, model, sku, runner, progress, budget)
+        errors, metrics, golden = judgement.errors, judgement.metrics, judgement.golden
         # the device's preprocessing against the training side's, through this engine (docs/preprocessing.md)
         drift = preprocessing_drift(
             registry, model, sku, runner, {m.split: m.engine for m in metrics}, progress, budget
@@ -70,8 +80,8 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
         outputs_sha = sha256_arrays(golden)
     placement = placement_gate(build, sku_spec.placement.allowed, sku_spec.placement.max_fallback_nodes)
     precision = precision_gate(build, sku_spec.precision_gate.policy, sku_spec.precision_gate.max_mismatched_layers)
-    gate_failures = correctness_failures(registry, model, errors, metrics)
-    unjudged = input_failures(errors, metrics) + [d.failure for d in drift if d.failure and not d.judgeable]
+    gate_failures = correctness_failures(registry, model, judgement)
+    unjudged = input_failures(judgement) + [d.failure for d in drift if d.failure and not d.judgeable]
     failures = gate_failures + [d.failure for d in drift if d.failure and d.judgeable] + unjudged
     if not placement.passed:
         nodes = ", ".join(f"{layer.name} ({layer.op_type}) on {layer.device}" for layer in placement.offending)
@@ -79,11 +89,18 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
             f"placement: {len(placement.offending)} nodes ran outside {placement.allowed} "
             f"(allowed {placement.max_fallback_nodes}): {nodes}"
         )
-    warnings = [line for e in errors for line in output_warnings(e)] + [
-        line for m in metrics for line in metric_warnings(m)
-    ]
+    warnings = (
+        [line for e in errors if e.gating for line in output_warnings(e)]
+        + [line for m in metrics for line in metric_warnings(m)]
+        + task_warnings(judgement)
+    )
     gate = sku_spec.preprocessing
-    if not drift and (gate.device is not None or gate.max_metric_drop is not None or gate.max_input_diff is not None):
+    if not drift and (
+        gate.device is not None
+        or gate.max_metric_drop is not None
+        or gate.max_input_diff is not None
+        or gate.max_agreement_drop is not None
+    ):
         warnings.append(
             f"skus.{sku}.preprocessing: {model} has no input made from raw files (preprocess.<input>.decode "
             "with files datasets), so no drift check ran for it"
@@ -111,11 +128,13 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
         placement=placement,
         precision_gate=precision,
         warnings=warnings,
-        samples=samples,
+        samples=judgement.samples,
         engine_sha256=engine_sha,
         build_config_sha256=build.build_config_sha256,
         outputs_sha256=outputs_sha,
         bisection=bisection,
+        task=judgement.task,
+        diagnostics=diagnostics(judgement),
         preprocessing=drift,
     )
     atomic_write_json(out.report(model, sku, "validate"), report.to_json())
@@ -133,6 +152,10 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
                 "+".join(e.top1_splits),
                 e.top1_interval,
             )
+    for t in judgement.task:
+        lg.info("%s", task_text(t))
+    for line in report.diagnostics:
+        lg.info("%s", line)
     for d in drift:
         lg.info("%s", drift_line(d))
     for m in metrics:

@@ -21,7 +21,14 @@ from pipeline.results.manifest import host_problems, validate_document
 from pipeline.results.reports import BenchReport, Manifest, OutputError, engine_digest
 from pipeline.results.signing import verify
 from pipeline.tracking.reports import GateResult
-from pipeline.verify.compare import input_problems, metric_input_problems, metric_problems, output_problems
+from pipeline.verify.compare import (
+    input_problems,
+    metric_input_problems,
+    metric_problems,
+    output_problems,
+    structural_problems,
+)
+from pipeline.verify.task import GATED, judge, step_kind
 
 
 def chain_gate(chain: Sequence[str], alias: str, version: str, holds: Sequence[str]) -> GateResult:
@@ -55,7 +62,19 @@ def correctness_problems(m: Manifest, registry: Registry) -> list[str]:
     wanted = spec.outputs if spec.outputs is not None else [o.name for o in m.signature.outputs]
     seen = {o.output for o in c.outputs}
     bad += [f"output {name}: no error figures in the manifest" for name in wanted if name not in seen]
+    task_bad, task_decides = _task_problems(m, registry)
+    bad += task_bad
+    tensor_decides = policy.enforce or not task_decides
     for o in c.outputs:
+        if o.gating != tensor_decides:
+            bad.append(
+                f"output {o.output}: recorded with gating={o.gating}, but params.yaml and the task evidence say "
+                f"the tensor gates {'decide' if tensor_decides else 'are diagnostics'}"
+            )
+        if not tensor_decides:
+            contradictions = _figure_problems(o)
+            bad += [f"output {o.output}: {p}" for p in contradictions] + structural_problems(o)
+            continue
         bad += _kind_problems(o, policy.declared.get(o.output))
         tol = policy.for_kind(o.kind)
         if o.atol > tol.atol + eps or o.rtol > tol.rtol + eps:
@@ -95,6 +114,40 @@ def correctness_problems(m: Manifest, registry: Registry) -> list[str]:
     if not c.passed or c.failures:
         bad.append("validation recorded as failed" + (f": {'; '.join(c.failures)}" if c.failures else ""))
     return list(dict.fromkeys(bad))
+
+
+def _task_problems(m: Manifest, registry: Registry) -> tuple[list[str], bool]:
+    """The task agreement recomputed from its recorded evidence against today's thresholds, and
+    whether it decides (every gated statistic judgeable). A declared postprocess with no record of
+    its gated statistic fails closed."""
+    c, bad = m.correctness, []
+    spec, policy = registry.model(m.model), registry.tolerance(m.model, m.sku)
+    kind = step_kind(spec)
+    if kind not in GATED or policy.task is None:
+        return [], False
+    gated, key = GATED[kind]
+    threshold = float(getattr(policy.task, key))
+    records = [t for t in c.task if t.statistic == gated]
+    if len(records) != 1:
+        return [f"task {gated} ({kind}): {len(records)} records in the manifest, expected one"], False
+    t = records[0]
+    if t.statistic in ("top1_agreement", "exact_match"):
+        if t.agree is None or not 0 <= t.agree <= t.samples:
+            return [f"task {gated}: counts ({t.agree} of {t.samples}) do not add up"], False
+        rows: list[list[float]] = [[1.0]] * t.agree + [[0.0]] * (t.samples - t.agree)
+    else:
+        rows = t.per_sample
+        ok = len(rows) == t.samples and all(len(r) == 2 and math.isfinite(r[0]) and r[1] >= 0 for r in rows)
+        if not ok:
+            return [f"task {gated}: the per-sample evidence does not match its {t.samples} samples"], False
+    again = judge(t.statistic, kind, t.splits, rows, threshold, t.direction, policy.task.confidence)
+    if t.value is not None and (again.value is None or abs(again.value - t.value) > 1e-9):
+        bad.append(f"task {gated}: recorded value {t.value} contradicts its evidence ({again.value})")
+    if again.failure:
+        bad.append(again.failure)
+    if t.passed != (again.passed or not again.judgeable) and again.judgeable:
+        bad.append(f"task {gated}: recorded as {'passed' if t.passed else 'failed'}, the evidence says otherwise")
+    return bad, again.judgeable
 
 
 def _kind_problems(o: OutputError, declared: str | None) -> list[str]:
@@ -143,7 +196,9 @@ def _figure_problems(o: OutputError) -> list[str]:
     ):
         bad.append(f"top-1 counts ({o.top1_agree} of {o.top1_rows}) contradict the agreement {o.top1_agreement}")
     # the element-wise verdict and the smallest passing atol come from one measurement: they agree
-    within = o.mismatch_count <= max_mismatches(o.elements, o.max_mismatch, o.confidence)
+    within = o.mismatch_count <= max_mismatches(o.elements, o.max_mismatch, o.confidence) and not (
+        o.max_outlier_factor is not None and o.outlier_count
+    )
     if o.elements and not unexpected and within != (o.min_passing_atol is not None and o.min_passing_atol <= o.atol):
         bad.append(
             f"{o.mismatch_fraction:.2%} beyond tolerance (allowed {o.max_mismatch:.2%}) contradicts the smallest "

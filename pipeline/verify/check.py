@@ -4,6 +4,9 @@ validate stage and the remedy loop judge engines with it; the gates' statistics 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from typing import Any
+
 from pipeline.core.budget import Budget
 from pipeline.core.paths import REFERENCE_SPLITS
 from pipeline.core.progress import Progress
@@ -13,10 +16,13 @@ from pipeline.project.data import LABELS, run_dataset
 from pipeline.results.reports import (
     COMPUTE_PRECISIONS,
     BuildReport,
+    MetricResult,
+    OutputError,
     PlacementResult,
     PrecisionResult,
     PrepareReport,
     ReferenceReport,
+    TaskAgreement,
 )
 from pipeline.verify.compare import (
     input_problems,
@@ -26,7 +32,9 @@ from pipeline.verify.compare import (
     output_errors,
     output_problems,
     state_outputs,
+    structural_problems,
 )
+from pipeline.verify.task import task_agreement, task_short
 
 
 def placement_gate(build: BuildReport, allowed: list[str] | None, max_fallback: int) -> PlacementResult:
@@ -54,13 +62,35 @@ def precision_gate(build: BuildReport, policy: str, max_mismatched: int) -> Prec
     )
 
 
+@dataclass(frozen=True)
+class Judgement:
+    """A loaded engine against the reference: per-output errors (golden), task metrics per labelled
+    split, the task agreement after the declared postprocess, samples per split, and the engine's
+    golden outputs (for the cross-SKU consistency matrix)."""
+
+    errors: list[OutputError]
+    metrics: list[MetricResult]
+    task: list[TaskAgreement]
+    samples: dict[str, int]
+    golden: dict[str, Any]
+
+    @property
+    def task_decides(self) -> bool:
+        """The task agreement is the verdict: a postprocess gates and its sets resolve its threshold."""
+        gated = [t for t in self.task if t.threshold is not None]
+        return bool(gated) and all(t.judgeable for t in gated)
+
+
 def correctness(
     registry: Registry, model: str, sku: str, runner, progress: Progress | None = None, budget: Budget | None = None
-):
+) -> Judgement:
     """A loaded engine against the reference: per-output errors on the golden split (agreement
     joined by the other referenced splits where golden alone cannot resolve it), the task metric
-    per labelled split paired with the reference's, samples per split, and the engine's golden
-    outputs. The remedy (pipeline/verify/remedy.py) judges its rebuilt engines with it too.
+    per labelled split paired with the reference's, the task agreement after the declared
+    postprocess (golden first, joined by the other splits while it cannot resolve its threshold),
+    samples per split, and the engine's golden outputs. When the task agreement can judge, the
+    tensor gates become diagnostics (``OutputError.gating`` false) unless the SKU's tolerance sets
+    ``enforce``. The remedy (pipeline/verify/remedy.py) judges its rebuilt engines with it too.
     ``budget``: checked before each engine call, which it counts and logs when slow."""
     spec = registry.model(model)
     out = layout(registry)
@@ -105,20 +135,43 @@ def correctness(
             got["golden"], expected["golden"], ref.outputs, tol, model, states=state_outputs(prep.signature), more=more
         )
         golden = {name: got["golden"][name] for name in ref.outputs}  # for the cross-SKU consistency matrix
-    return errors, metrics, samples, golden
+    task = task_agreement(spec, tol.task, got, expected) if tol.task is not None else []
+    judgement = Judgement(errors=errors, metrics=metrics, task=task, samples=samples, golden=golden)
+    if judgement.task_decides and not tol.enforce:
+        judgement = replace(judgement, errors=[e.model_copy(update={"gating": False}) for e in errors])
+    return judgement
 
 
-def correctness_failures(registry: Registry, model: str, errors: list, metrics: list) -> list[str]:
-    """One line per failed output or metric, with its figures."""
+def correctness_failures(registry: Registry, model: str, j: Judgement) -> list[str]:
+    """One line per failed output, task agreement or metric, with its figures. An output whose
+    tensor gates do not decide fails only on its shape, NaN/Inf or a degenerate value."""
     spec = registry.model(model)
     kind = spec.metric.kind if spec.metric else "metric"
-    return [line for e in errors for line in output_problems(e)] + [
-        line for m in metrics for line in metric_problems(m, kind)
+    return (
+        [line for e in j.errors for line in (output_problems(e) if e.gating else structural_problems(e))]
+        + [t.failure for t in j.task if t.failure]
+        + [line for m in j.metrics for line in metric_problems(m, kind)]
+    )
+
+
+def diagnostics(j: Judgement) -> list[str]:
+    """The tensor-gate lines that did not decide (the task agreement did)."""
+    return [
+        f"{line} (diagnostic: the task agreement decides)"
+        for e in j.errors
+        if not e.gating
+        for line in output_problems(e)
+        if line not in structural_problems(e)
     ]
 
 
-def input_failures(errors: list, metrics: list) -> list[str]:
+def input_failures(j: Judgement) -> list[str]:
     """What the datasets cannot judge: an output they do not exercise, a set too small for its threshold."""
-    return [line for e in errors for line in input_problems(e)] + [
-        line for m in metrics for line in metric_input_problems(m)
+    return [line for e in j.errors if e.gating for line in input_problems(e)] + [
+        line for m in j.metrics for line in metric_input_problems(m)
     ]
+
+
+def task_warnings(j: Judgement) -> list[str]:
+    """A postprocess whose agreement cannot judge: the tensor gates decide in its place."""
+    return [f"{short}; the tensor gates decide" for t in j.task if (short := task_short(t))]

@@ -138,6 +138,7 @@ def output_error(
         "min_top1_agreement": t.min_top1_agreement if kind in CLASS_KINDS else None,
         "min_snr_db": t.min_snr_db,
         "confidence": t.confidence,
+        "max_outlier_factor": t.max_outlier_factor,
     }
     if np.shape(engine) != np.shape(reference):
         return OutputError(
@@ -163,6 +164,12 @@ def output_error(
     first = [int(i) for i in np.unravel_index(int(np.argmax(unexpected)), r.shape)] if unexpected.any() else None
     allowed = gatestats.max_mismatches(n, t.max_mismatch, t.confidence)
     hopeless = unmatched if first is None else n + 1  # elements no tolerance can pass
+    factor = t.max_outlier_factor
+    outliers = (
+        int(np.count_nonzero(d > factor * (t.atol + t.rtol * a))) + int(np.count_nonzero(unexpected)) + unmatched
+        if factor is not None
+        else 0
+    )
     agreement = (
         _agreement_figures(e, r, t, more) if kind in CLASS_KINDS else {"top1_agreement": None, "top5_agreement": None}
     )
@@ -184,12 +191,21 @@ def output_error(
         max_rel_error=float(rel.max()) if rel.size else None,
         cosine_similarity=_cosine(e[both], r[both]),
         mismatch_fraction=beyond / n if n else 0.0,
-        min_passing_atol=_smallest_passing(
-            np.maximum(d - t.rtol * a, 0.0), allowed - hopeless, lambda x: np.count_nonzero(d > x + t.rtol * a)
+        min_passing_atol=_with_outliers(
+            _smallest_passing(
+                np.maximum(d - t.rtol * a, 0.0), allowed - hopeless, lambda x: np.count_nonzero(d > x + t.rtol * a)
+            ),
+            None if factor is None else np.maximum(d / factor - t.rtol * a, 0.0),
+            lambda x: np.count_nonzero(d > factor * (x + t.rtol * a)) if factor else 0,
         ),
-        min_passing_rtol=_smallest_passing(
-            _rtol_needed(d, a, t.atol), allowed - hopeless, lambda x: np.count_nonzero(d > t.atol + x * a)
+        min_passing_rtol=_with_outliers(
+            _smallest_passing(
+                _rtol_needed(d, a, t.atol), allowed - hopeless, lambda x: np.count_nonzero(d > t.atol + x * a)
+            ),
+            None if factor is None else _rtol_needed(d / factor, a, t.atol),
+            lambda x: np.count_nonzero(d > factor * (t.atol + x * a)) if factor else 0,
         ),
+        outlier_count=outliers,
         passed=False,
     )
     return err.model_copy(update={"passed": not output_problems(err, t) and not input_problems(err, t)})
@@ -203,16 +219,37 @@ def _tolerance_of(e: OutputError) -> Tolerance:
         min_top1_agreement=e.min_top1_agreement or 0.0,
         min_snr_db=e.min_snr_db,
         confidence=e.confidence,
+        max_outlier_factor=e.max_outlier_factor,
     )
 
 
-def output_problems(e: OutputError, tol: Tolerance | None = None) -> list[str]:
-    """Which criteria the figures of ``e`` fail, one line each with the figures; empty: it passes.
-    ``tol``: the thresholds to judge by (default: those ``e`` was measured with). The element-wise
-    figures were taken at ``e``'s atol and rtol, whatever ``tol`` says: the caller checks those.
-    Fractions are judged from their counts by exact one-sided tests at ``tol.confidence``
-    (pipeline/results/gatestats.py); what the golden set cannot judge is in ``input_problems``."""
-    tol = tol or _tolerance_of(e)
+def _with_outliers(found: float | None, needed: np.ndarray | None, outliers_at) -> float | None:
+    """The smallest passing value raised to the least that leaves no element beyond the outlier
+    bound (``needed``: per element, the least value that does), nudged as ``_smallest_passing``."""
+    import numpy as np
+
+    if found is None or needed is None or not needed.size:
+        return found
+    x = max(found, float(needed.max()))
+    if not np.isfinite(x):
+        return None
+    for _ in range(_MAX_ULP_STEPS):
+        if not outliers_at(x):
+            break
+        x = float(np.nextafter(x, np.inf))
+    else:
+        raise AssertionError(f"no value clears the outliers near {x!r}")  # a bug, not a user error
+    for _ in range(_MAX_ULP_STEPS):
+        below = float(np.nextafter(x, -np.inf))
+        if below < found or outliers_at(below):
+            break
+        x = below
+    return x
+
+
+def structural_problems(e: OutputError) -> list[str]:
+    """What fails an output whatever its tolerance and whichever gate decides: a shape that differs,
+    NaN/Inf where the reference is finite, a constant output where the reference varies."""
     where = f"output {e.output}"
     if e.shape_mismatch is not None:
         return [f"{where}: shape {e.shape_mismatch}"]
@@ -225,10 +262,30 @@ def output_problems(e: OutputError, tol: Tolerance | None = None) -> list[str]:
             f"{where}: the engine's output is constant ({_g(e.engine_constant)}) where the reference varies "
             f"over a range of {_g(e.reference_range)}: a degenerate engine, whatever its absolute error"
         )
+    return bad
+
+
+def output_problems(e: OutputError, tol: Tolerance | None = None) -> list[str]:
+    """Which criteria the figures of ``e`` fail, one line each with the figures; empty: it passes.
+    ``tol``: the thresholds to judge by (default: those ``e`` was measured with). The element-wise
+    figures were taken at ``e``'s atol and rtol, whatever ``tol`` says: the caller checks those.
+    Fractions are judged from their counts by exact one-sided tests at ``tol.confidence``
+    (pipeline/results/gatestats.py); what the golden set cannot judge is in ``input_problems``."""
+    tol = tol or _tolerance_of(e)
+    where = f"output {e.output}"
+    bad = structural_problems(e)
+    if e.shape_mismatch is not None:
+        return bad
     if e.exercised and e.snr_db is not None and e.snr_db < tol.min_snr_db:  # unexercised: input_problems says so
         bad.append(
             f"{where}: signal-to-noise {e.snr_db:.1f} dB < {tol.min_snr_db:g} dB (cosine similarity "
             f"{_g(e.cosine_similarity)}; the error is {10 ** (-e.snr_db / 20):.3g} of the reference's variation)"
+        )
+    if tol.max_outlier_factor is not None and e.outlier_count and not (e.nan_count or e.inf_count):
+        bad.append(
+            f"{where}: {e.outlier_count} of {e.elements} elements beyond {tol.max_outlier_factor:g} times "
+            f"atol={e.atol} rtol={e.rtol} (max abs error {_g(e.max_abs_error)}): a few elements that far off "
+            "are a defect, not rounding"
         )
     if gatestats.mismatch_fails(e.mismatch_count, e.elements, tol.max_mismatch, tol.confidence):
         passes_at = (

@@ -22,8 +22,16 @@ from pipeline.project.data import run_dataset
 from pipeline.project.files import unpack
 from pipeline.project.processing import Preprocessor, describe, differing_steps, with_step
 from pipeline.results import gatestats
-from pipeline.results.reports import DataReport, InputDiff, PrepareReport, PreprocessingDrift, StepDrift
+from pipeline.results.reports import (
+    DataReport,
+    InputDiff,
+    PrepareReport,
+    PreprocessingDrift,
+    StepDrift,
+    TaskAgreement,
+)
 from pipeline.verify.compare import METRICS
+from pipeline.verify.task import GATED, agreement_drop, step_kind, task_short, task_text
 
 if TYPE_CHECKING:
     import numpy as np
@@ -157,6 +165,24 @@ def preprocessing_drift(
         if progress is not None:
             progress(f"validate preprocessing {name}", 0.0)
         worse, better = judge(dev_x, "device")
+        # label-free: the postprocess's results with the device's inputs against the training side's
+        agreement_gate = gate.max_agreement_drop
+        if agreement_gate is None and not judged:
+            agreement_gate = gate.max_metric_drop  # no labels: the drop is judged as agreement
+        task_tol = registry.tolerance(model, sku).task
+        agreement = (
+            agreement_drop(
+                spec,
+                task_tol,
+                _outputs(runner, budget, name, dev_x, in_idx, out_idx, batch, "device"),
+                _outputs(runner, budget, name, ref_x, in_idx, out_idx, batch, "training side"),
+                split,
+                agreement_gate,
+                confidence,
+            )
+            if task_tol is not None and step_kind(spec) in GATED
+            else None
+        )
         drifted = bool(diff.samples_differing)
         steps = _attribute(reference, device, blobs, names, dtype, judge) if drifted else []
         n = len(ref_x)
@@ -178,6 +204,7 @@ def preprocessing_drift(
             judged,
             steps,
             culprit,
+            agreement,
         )
         reference_score = engine_scores.get(split)
         results.append(
@@ -207,11 +234,29 @@ def preprocessing_drift(
                 passed=failure is None,
                 failure=failure,
                 judgeable=judgeable,
+                agreement=agreement,
+                max_agreement_drop=agreement_gate if agreement is not None else None,
             )
         )
         if progress is not None:
             progress(f"validate preprocessing {name}", 1.0)
     return results
+
+
+def _outputs(
+    runner: Any,
+    budget: Budget | None,
+    name: str,
+    x: np.ndarray,
+    in_idx: dict[str, int | None],
+    out_idx: dict[str, int | None],
+    batch: int,
+    label: str,
+) -> dict[str, np.ndarray]:
+    infer = runner.infer
+    if budget is not None:
+        infer = budget.calls(infer, f"validate drift {label}", len(x), "sample")
+    return run_dataset(infer, {name: x}, in_idx, out_idx, batch)
 
 
 def _attribute(
@@ -286,9 +331,12 @@ def _failure(
     judged: bool,
     steps: list[StepDrift],
     culprit: str | None,
+    agreement: TaskAgreement | None = None,
 ) -> tuple[str | None, bool]:
     """The gate's verdict as one line naming the step (None: it passes, or nothing is gated), and
-    whether the split could judge it (False: no labels or too few samples, which fails closed)."""
+    whether the split could judge it (False: no labels or too few samples, which fails closed).
+    ``agreement``: the postprocess's results device against training side, gated where it has a
+    threshold (max_agreement_drop, or max_metric_drop for a model without labels)."""
     key = f"skus.{sku}.preprocessing"
     blame = ""
     if culprit is not None:
@@ -302,12 +350,25 @@ def _failure(
             f"; the step: {culprit} (device: {settings_text(s.device)}; training side: "
             f"{settings_text(s.reference)}) {alone}"
         )
-    if max_drop is not None:
-        if not judged:
+    if agreement is not None and agreement.threshold is not None:
+        if not agreement.judgeable:
             return (
-                f"preprocessing of input {name!r}: {key}.max_metric_drop is set but the {split} files have no "
-                f"labels or the model no metric: the drift cannot be judged (fails closed)"
+                f"preprocessing of input {name!r}: {task_short(agreement) or 'nothing to compare'}: the drift "
+                "cannot be judged (fails closed)"
             ), False
+        if agreement.failure:
+            allowed = agreement.threshold if agreement.direction == "max" else 1.0 - agreement.threshold
+            return (
+                f"preprocessing of input {name!r}: with the device's steps, {task_text(agreement)} against the "
+                f"training side's (n={n}), a change above {key}.max_agreement_drop {allowed:g}{blame}"
+            ), True
+    if max_drop is not None and not judged and (agreement is None or agreement.threshold is None):
+        return (
+            f"preprocessing of input {name!r}: {key}.max_metric_drop is set but the {split} files have no "
+            "labels or the model no metric, and no postprocess to judge its results by: the drift cannot be "
+            "judged (fails closed)"
+        ), False
+    if max_drop is not None and judged:
         assert drop is not None
         needed = gatestats.min_samples_for_drop(max_drop, confidence)
         if n < needed:
@@ -340,9 +401,12 @@ def drift_line(d: PreprocessingDrift) -> str:
     )
     if d.metric_drop is not None:
         line += f"; {d.metric} drop {d.metric_drop:+.4g} ({d.worse} worse, {d.better} better)"
+    if d.agreement is not None:
+        line += f"; {task_text(d.agreement)} against the training side's"
     if d.culprit:
         line += f"; most from step {d.culprit}"
     gate = [f"max_metric_drop {d.max_metric_drop:g}"] if d.max_metric_drop is not None else []
+    gate += [f"max_agreement_drop {d.max_agreement_drop:g}"] if d.max_agreement_drop is not None else []
     gate += [f"max_input_diff {d.max_input_diff:g}"] if d.max_input_diff is not None else []
     verdict = f" [gate: {', '.join(gate)}: {'pass' if d.passed else 'FAIL'}]" if gate else " [reported, not gated]"
     return line + verdict

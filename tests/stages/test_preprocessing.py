@@ -108,6 +108,8 @@ SKUS = {
     "opencv": models.ort_sku("fp32", preprocessing={"device": {"library": "opencv"}, "max_metric_drop": 0.05}),
     "swapped": models.ort_sku("fp32", preprocessing={"device": {"color": "bgr"}, "max_metric_drop": 0.05}),
     "tight": models.ort_sku("fp32", preprocessing={"max_metric_drop": 0.01}),
+    # no labels needed: what the postprocess computes with the device's inputs against the training side's
+    "swapped_agree": models.ort_sku("fp32", preprocessing={"device": {"color": "bgr"}, "max_agreement_drop": 0.1}),
     "metered": models.ort_sku("fp32", bench={"min_seconds": 0.3}),  # a steady phase a counter resolves
     # a sustained run of 0.2..1.5 s in windows of 0.1 s, flat when the latency moves < 50% a window
     "sustained": models.ort_sku(
@@ -131,13 +133,23 @@ def proj(tmp_path_factory):
     colour_model(root / "models/colour/model.onnx")
     write_pngs(root / "models/colour/images/golden", 8, seed=1)
     write_pngs(root / "models/colour/images/evaluation", 60, seed=2)
-    reg = load_registry(models.write_project(root, {"colour": colour_spec()}, SKUS))
-    prepare(reg, "colour")
-    data = make_data(reg, "colour")
-    reference(reg, "colour")
+    # the same model declared without a metric: an unlabelled model as far as the gates know
+    plain = {k: v for k, v in colour_spec().items() if k != "metric"} | {"skus": list(PLAIN_SKUS)}
+    reg = load_registry(models.write_project(root, {"colour": colour_spec(), "plain": plain}, SKUS))
+    made = {}
+    for model in ("colour", "plain"):
+        prepare(reg, model)
+        made[model] = make_data(reg, model)
+        reference(reg, model)
+    data = made["colour"]
     for sku in SKUS:
         build(reg, "colour", sku)
+    for sku in PLAIN_SKUS:
+        build(reg, "plain", sku)
     return reg, data
+
+
+PLAIN_SKUS = ("same", "swapped", "swapped_agree")
 
 
 def test_data_stage_decodes_files_through_the_declared_steps(proj):
@@ -268,6 +280,30 @@ def test_a_split_too_small_for_the_drift_gate_fails_closed(proj):
         validate(reg, "colour", "tight")
     (drift,) = read_json(Layout(reg.root).report("colour", "tight", "validate"))["preprocessing"]
     assert not drift["passed"] and not drift["judgeable"] and drift["diff"]["max_abs"] == 0
+
+
+def test_an_unlabelled_model_is_judged_by_what_its_postprocess_computes(proj):
+    """max_agreement_drop needs no labels: the top-1 labels with the device's inputs against those
+    with the training side's, through the same engine. Swapped colours flip every label."""
+    reg, _ = proj
+    same = validate(reg, "plain", "same").preprocessing[0]
+    assert same.agreement is not None and same.agreement.value == 1.0 and same.agreement.threshold is None
+    with pytest.raises(GateFailed) as caught:
+        validate(reg, "plain", "swapped_agree")
+    message = str(caught.value)
+    assert "with the device's steps, topk top-1 labels agree on 0/60 samples = 0.00%" in message
+    assert "a change above skus.swapped_agree.preprocessing.max_agreement_drop 0.1" in message
+    assert "the step: color" in message
+    (drift,) = read_json(Layout(reg.root).report("plain", "swapped_agree", "validate"))["preprocessing"]
+    assert drift["agreement"]["samples"] == 60 and drift["max_agreement_drop"] == 0.1 and drift["judgeable"]
+
+
+def test_max_metric_drop_on_an_unlabelled_model_is_judged_as_agreement(proj):
+    """A SKU gated by max_metric_drop no longer refuses a model without a metric: the drop is the
+    share of the postprocess's results that change, at the same threshold (0.05 needs 71 samples)."""
+    reg, _ = proj
+    with pytest.raises(InputError, match=r"60 samples \(evaluation\) cannot resolve 95.00%.*it needs 71.*fails closed"):
+        validate(reg, "plain", "swapped")
 
 
 class DrivenRapl:
