@@ -1,18 +1,28 @@
-"""Datasets: generation, loading, checks, preprocessing, batching and running through a runner."""
+"""Datasets: generation, loading, checks, targets (labels, text, boxes), preprocessing, batching and running."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import models
 import numpy as np
 import pytest
+from PIL import Image
 
 from pipeline.backends.reference import reference_runner
-from pipeline.core.errors import InputError
-from pipeline.project.config import Datasets, DatasetSource, GenerateSpec, ModelSpec
+from pipeline.core.errors import InputError, MalformedFile
+from pipeline.core.paths import Layout
+from pipeline.project import files
+from pipeline.project.config import Datasets, DatasetSource, GenerateSpec, ModelSpec, load_registry
 from pipeline.project.data import (
+    BOX_KEYS,
+    LABEL_BOX_CLASSES,
+    LABEL_BOX_COUNTS,
+    LABEL_BOXES,
     LABELS,
+    LABELS_TEXT,
+    BoxTargets,
     check_dataset,
     check_finite,
     check_range,
@@ -22,7 +32,10 @@ from pipeline.project.data import (
     preprocess,
     run_dataset,
     sample_shape,
+    targets,
 )
+from pipeline.project.files import read_files_dataset
+from pipeline.stages.data import make_data
 
 CONV = ModelSpec.model_validate(models.conv_bn_spec())
 MULTI = ModelSpec.model_validate(models.multi_io_spec())
@@ -386,3 +399,239 @@ def test_run_dataset_reports_progress(conv_runner):
     seen = []
     run_dataset(conv_runner.infer, arrays, *CONV_IDX, 1, progress=lambda label, f: seen.append((label, f)), label="ref")
     assert seen and seen[0][0] == "ref" and 0 < seen[0][1] <= 1
+
+
+# --- targets of a files dataset: text labels and boxes ------------------------------------------
+
+
+def image_folder(folder: Path, names: list[str], **csv_files: str) -> Path:
+    """PNG files (4x4 RGB) named ``names`` and the CSV files given as ``labels=...``, ``boxes=...``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, name in enumerate(names):
+        buffer = io.BytesIO()
+        Image.fromarray(np.full((4, 4, 3), i, dtype=np.uint8)).save(buffer, format="PNG")
+        (folder / name).write_bytes(buffer.getvalue())
+    for stem, text in csv_files.items():
+        (folder / f"{stem}.csv").write_text(text, encoding="utf-8")
+    return folder
+
+
+def round_trip(tmp_path: Path, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The arrays as the data stage stores a split, read back without pickle."""
+    np.savez(tmp_path / "split.npz", **arrays)
+    with np.load(tmp_path / "split.npz", allow_pickle=False) as loaded:
+        return dict(loaded)
+
+
+ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz ,"
+
+
+def test_text_labels_are_stored_as_fixed_width_unicode_and_read_back(tmp_path):
+    labels = 'file,label\nb.png,hello world\n"c.png","a,b"\na.png,\nd.png,0042\n'
+    image_folder(tmp_path / "d", ["a.png", "b.png", "c.png", "d.png"], labels=labels)
+    ds = read_files_dataset(tmp_path, ".", "d", "evaluation", "image", alphabet=ALPHABET)
+    text = ds.targets[LABELS_TEXT]
+    assert text.dtype == np.dtype("<U11") and ds.labels is None and LABELS not in ds.targets
+    assert targets(round_trip(tmp_path, {"x": np.zeros((4, 1)), **ds.targets})) == ["", "hello world", "a,b", "0042"]
+    first = read_files_dataset(tmp_path, ".", "d", "evaluation", "image", take=2, alphabet=ALPHABET)
+    assert targets(first.targets) == ["", "hello world"]
+    # without an alphabet the same column holds class indices, as before
+    image_folder(tmp_path / "n", ["a.png", "b.png"], labels="file,label\na.png,7\nb.png, 0042 \n")
+    plain = read_files_dataset(tmp_path, ".", "n", "evaluation", "image")
+    assert plain.labels is not None and plain.labels.dtype == np.int64 and plain.labels.tolist() == [7, 42]
+    assert targets(round_trip(tmp_path, {"x": np.zeros((2, 1)), **plain.targets})).tolist() == [7, 42]
+    assert targets({"x": np.zeros((2, 1))}) is None
+
+
+@pytest.mark.parametrize(
+    ("labels", "match"),
+    [
+        (
+            "file,label\na.png,Hello\nb.png,x\n",
+            r"row 2: label 'Hello' of 'a.png' holds 'H' \(character 1\), which is not",
+        ),
+        ("file,label\na.png,ab\nb.png,a-b\n", r"row 3: label 'a-b' of 'b.png' holds '-' \(character 2\)"),
+        (
+            f"file,label\na.png,{'a' * 1025}\nb.png,x\n",
+            r"row 2: label 'aaaa+\.\.\. of 'a.png' has 1025 characters, above",
+        ),
+        ("file,label\na.png,x\na.png,y\n", r"row 3 labels 'a.png' again \(first on row 2\)"),
+        ("file,label\na.png,x\nzz.png,y\n", r"row 3 names 'zz.png', which is not a file of the folder"),
+        ("file,label\na.png,x\n", r"no label for 1 file\(s\): 'b.png'"),
+        ('file,label\na.png,x\nb.png,"y\n', r"row 3: label 'y\\n' of 'b.png' holds '\\n'"),
+        (f'file,label\na.png,x\nb.png,"{"y" * 200_000}"\n', r"row 3 is not valid CSV \(field larger than field limit"),
+    ],
+)
+def test_text_labels_refused_name_the_file_and_row(tmp_path, labels, match):
+    image_folder(tmp_path / "d", ["a.png", "b.png"], labels=labels)
+    with pytest.raises(InputError, match=match) as info:
+        read_files_dataset(tmp_path, ".", "d", "evaluation", "image", alphabet="abcxyz")
+    assert "labels.csv" in str(info.value)
+
+
+def test_an_integer_label_past_any_class_index_is_refused_not_overflowed(tmp_path):
+    image_folder(tmp_path / "d", ["a.png"], labels=f"file,label\na.png,{'9' * 5000}\n")
+    with pytest.raises(InputError, match=r"row 2: label '9+\.\.\. of 'a.png' is above 2147483647"):
+        read_files_dataset(tmp_path, ".", "d", "evaluation", "image")
+
+
+BOXES = """file,x1,y1,x2,y2,class
+c.png,1,2,3,4,2
+a.png,0.5,0.5,2.5,3.5,0
+c.png,0,0,4,4,1
+"""
+
+
+def test_boxes_are_stored_flat_with_counts_and_read_back_per_file(tmp_path):
+    image_folder(tmp_path / "d", ["a.png", "b.png", "c.png"], boxes=BOXES)
+    ds = read_files_dataset(tmp_path, ".", "d", "evaluation", "image", extent=(4, 4))
+    stored = ds.targets
+    assert stored.keys() == {LABEL_BOXES, LABEL_BOX_CLASSES, LABEL_BOX_COUNTS} and ds.labels is None
+    assert stored[LABEL_BOXES].dtype == np.float32 and stored[LABEL_BOXES].shape == (3, 4)
+    assert stored[LABEL_BOX_CLASSES].dtype == np.int64 and stored[LABEL_BOX_COUNTS].tolist() == [1, 0, 2]
+    got = targets(round_trip(tmp_path, {"x": np.zeros((3, 1)), **stored}))
+    assert isinstance(got, BoxTargets) and len(got) == 3
+    np.testing.assert_array_equal(got.boxes[0], [[0.5, 0.5, 2.5, 3.5]])
+    assert got.boxes[1].shape == (0, 4) and got.classes[1].shape == (0,)  # a file without rows: no boxes
+    np.testing.assert_array_equal(got.boxes[2], [[1, 2, 3, 4], [0, 0, 4, 4]])  # in the file's row order
+    assert [c.tolist() for c in got.classes] == [[0], [], [2, 1]]
+    first = targets(read_files_dataset(tmp_path, ".", "d", "evaluation", "image", take=2).targets)
+    assert isinstance(first, BoxTargets) and [len(b) for b in first.boxes] == [1, 0]
+    # without a class column every box is class 0; a header alone: no boxes at all
+    (tmp_path / "d" / "boxes.csv").write_text("file,x1,y1,x2,y2\nb.png,0,0,1,1\n")
+    plain = targets(read_files_dataset(tmp_path, ".", "d", "evaluation", "image").targets)
+    assert isinstance(plain, BoxTargets) and [c.tolist() for c in plain.classes] == [[], [0], []]
+    (tmp_path / "d" / "boxes.csv").write_text("file,x1,y1,x2,y2\n")
+    empty = targets(read_files_dataset(tmp_path, ".", "d", "evaluation", "image").targets)
+    assert isinstance(empty, BoxTargets) and [len(b) for b in empty.boxes] == [0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("rows", "match"),
+    [
+        ("a.png,3,0,1,2,0", r"row 2: the box \[3.0, 0.0, 1.0, 2.0\] of 'a.png' is empty or reversed"),
+        ("a.png,0,0,1,1,0\na.png,0,2,1,2,0", r"row 3: the box .* of 'a.png' is empty or reversed"),
+        (
+            "a.png,0,0,1,1,0\nb.png,nan,0,1,1,0",
+            r"row 3: the box \[nan, .* of 'b.png' holds a value that is not a finite",
+        ),
+        ("a.png,0,0,inf,1,0", r"row 2: .* not a finite number"),
+        ("a.png,0,0,1e39,1,0", r"row 2: .* not a finite number \(in float32\)"),
+        ("a.png,0,0,one,1,0", r"row 2: the box \['0', '0', 'one', '1'\] of 'a.png' is not four numbers"),
+        ("zz.png,0,0,1,1,0", r"row 2 names 'zz.png', which is not a file of the folder"),
+        ("a.png,0,0,5,1,0", r"row 2: the box .* of 'a.png' leaves the model input's 4x4 pixels"),
+        ("a.png,-1,0,1,1,0", r"leaves the model input's 4x4 pixels"),
+        ("a.png,0,0,1,1,-1", r"row 2: class '-1' of 'a.png' is not an integer >= 0"),
+        ("a.png,0,0,1,1,car", r"row 2: class 'car' of 'a.png' is not an integer >= 0"),
+        ("a.png,0,0,1", r"row 2 has 4 fields, expected 6"),
+    ],
+)
+def test_boxes_refused_name_the_file_and_row(tmp_path, rows, match):
+    image_folder(tmp_path / "d", ["a.png", "b.png"], boxes=f"file,x1,y1,x2,y2,class\n{rows}\n")
+    with pytest.raises(InputError, match=match) as info:
+        read_files_dataset(tmp_path, ".", "d", "evaluation", "image", extent=(4, 4))
+    assert "boxes.csv" in str(info.value)
+
+
+def test_boxes_csv_header_count_and_company_are_checked(tmp_path, monkeypatch):
+    folder = image_folder(tmp_path / "d", ["a.png"], boxes="file,left,top,right,bottom\n")
+    with pytest.raises(InputError, match=r"row 1 is \['file', 'left', .* expected the header 'file,x1,y1,x2,y2' or"):
+        read_files_dataset(tmp_path, ".", "d", "golden", "image")
+    (folder / "boxes.csv").write_text("file,x1,y1,x2,y2\n" + "a.png,0,0,1,1\n" * 4)
+    monkeypatch.setattr(files, "MAX_BOXES_PER_FILE", 3)
+    with pytest.raises(InputError, match=r"row 5: 'a.png' has more than 3 boxes"):
+        read_files_dataset(tmp_path, ".", "d", "golden", "image")
+    (folder / "labels.csv").write_text("file,label\na.png,0\n")
+    with pytest.raises(InputError, match="holds both labels.csv and boxes.csv"):
+        read_files_dataset(tmp_path, ".", "d", "golden", "image")
+    wavs = tmp_path / "w"
+    wavs.mkdir()
+    (wavs / "a.wav").write_bytes(b"RIFF")
+    (wavs / "boxes.csv").write_text("file,x1,y1,x2,y2\n")
+    with pytest.raises(InputError, match=r"not audio files \(.wav\): 'boxes.csv'"):  # boxes are for images
+        read_files_dataset(tmp_path, ".", "w", "golden", "audio")
+
+
+@pytest.mark.parametrize(
+    ("arrays", "match"),
+    [
+        ({LABEL_BOXES: np.zeros((2, 4), np.float32), LABEL_BOX_CLASSES: np.zeros(2, np.int64)}, "boxes without"),
+        (
+            {
+                LABEL_BOXES: np.zeros((2, 4), np.float32),
+                LABEL_BOX_CLASSES: np.zeros(2, np.int64),
+                LABEL_BOX_COUNTS: np.array([1, 2]),
+            },
+            "add up to 3, not the 2 boxes held",
+        ),
+        (
+            {
+                LABEL_BOXES: np.zeros((2, 4), np.float32),
+                LABEL_BOX_CLASSES: np.zeros(2, np.int64),
+                LABEL_BOX_COUNTS: np.array([2**62, 2**62, 2**62, 2**62 + 2]),  # wraps around to 2 in int64
+            },
+            "add up to",
+        ),
+        (
+            {
+                LABEL_BOXES: np.zeros((1, 4), np.float32),
+                LABEL_BOX_CLASSES: np.zeros(1, np.int64),
+                LABEL_BOX_COUNTS: np.array([2, -1]),
+            },
+            "counts >= 0",
+        ),
+        (
+            {
+                LABEL_BOXES: np.zeros((1, 3)),
+                LABEL_BOX_CLASSES: np.zeros(1, np.int64),
+                LABEL_BOX_COUNTS: np.ones(1, np.int64),
+            },
+            r"expected floats \[total, 4\]",
+        ),
+        ({LABELS: np.zeros(2, np.int64), LABELS_TEXT: np.array(["a", "b"])}, "more than one kind of target"),
+        ({LABELS_TEXT: np.zeros(2)}, "expected 1-d unicode"),
+        ({LABELS: np.array(["a", "b"])}, "expected 1-d integers"),
+    ],
+)
+def test_targets_refuse_arrays_that_are_not_one_consistent_kind(arrays, match):
+    with pytest.raises(MalformedFile, match=match):
+        targets(arrays)
+
+
+def test_check_dataset_counts_samples_not_the_flat_box_arrays(tmp_path):
+    image_folder(tmp_path / "d", ["a.png", "b.png", "c.png"], boxes=BOXES)
+    ds = read_files_dataset(tmp_path, ".", "d", "evaluation", "image")
+    arrays = {"x": np.zeros((3, 3, 8, 8), np.float32), **ds.targets}
+    assert check_dataset(CONV, arrays, PINS, "evaluation", raw=False) == 3
+    check_finite(arrays, "evaluation", "d")
+
+
+def test_the_data_stage_stores_text_labels_and_boxes_beside_the_inputs(tmp_path):
+    steps = {"decode": "image", "color": "gray", "resize": {"size": [8, 16]}, "layout": "chw"}
+    entry = {
+        "source": "model.onnx",
+        "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 1, 8, 16]}],
+        "preprocess": {"x": steps},
+        "datasets": {"golden": {"files": "golden"}, "evaluation": {"files": "evaluation"}},
+    }
+    reader = {**entry, "dir": "models/reader", "postprocess": {"kind": "ctc_greedy", "output": "y", "alphabet": "ab"}}
+    finder = {**entry, "dir": "models/finder", "postprocess": {"kind": "db_boxes", "output": "y"}}
+    for name in ("reader", "finder"):
+        image_folder(tmp_path / "models" / name / "golden", ["g.png"])
+    image_folder(tmp_path / "models/reader/evaluation", ["a.png", "b.png"], labels="file,label\na.png,ab\nb.png,b\n")
+    image_folder(tmp_path / "models/finder/evaluation", ["a.png", "b.png"], boxes="file,x1,y1,x2,y2\nb.png,1,1,16,8\n")
+    registry = load_registry(models.write_project(tmp_path, {"reader": reader, "finder": finder}, {}))
+    text = make_data(registry, "reader")
+    boxes = make_data(registry, "finder")
+    assert text.splits["evaluation"].has_labels and boxes.splits["evaluation"].has_labels
+    assert not text.splits["golden"].has_labels
+    out = Layout(tmp_path)
+    with np.load(out.split("reader", "evaluation"), allow_pickle=False) as stored:
+        assert sorted(stored.files) == [LABELS_TEXT, "x"] and targets(dict(stored)) == ["ab", "b"]
+    with np.load(out.split("finder", "evaluation"), allow_pickle=False) as stored:
+        assert sorted(stored.files) == sorted([*BOX_KEYS, "x"])
+        found = targets(dict(stored))
+    assert isinstance(found, BoxTargets) and [b.tolist() for b in found.boxes] == [[], [[1, 1, 16, 8]]]
+    (tmp_path / "models/finder/evaluation/boxes.csv").write_text("file,x1,y1,x2,y2\nb.png,1,1,17,8\n")
+    with pytest.raises(InputError, match=r"row 2: the box .* of 'b.png' leaves the model input's 16x8 pixels"):
+        make_data(registry, "finder")

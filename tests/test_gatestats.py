@@ -18,6 +18,7 @@ from pipeline.verify.compare import (
     output_problems,
     output_warnings,
     state_outputs,
+    top1_correct,
 )
 
 RNG = np.random.default_rng(20)
@@ -68,7 +69,7 @@ def test_mcnemar_decides_a_drop_only_when_significant_and_beyond_the_allowance(w
 def test_a_set_too_small_for_its_drop_is_named_with_the_size_that_can():
     labels = RNG.integers(0, 10, size=100)
     scores = np.eye(10)[labels]
-    m = metric_result("evaluation", "top1_accuracy", scores, scores, labels, 0.01, 0.95)
+    m = metric_result("evaluation", top1_correct(scores, labels), top1_correct(scores, labels), 0.01, 0.95)
     assert m.passed and m.samples == 100 and m.worse == m.better == 0 and m.p_value == 1.0
     assert metric_input_problems(m) == [
         "metric on evaluation: 100 samples cannot resolve a drop of 0.01 at 95% "
@@ -85,7 +86,7 @@ def test_a_paired_drop_is_counted_per_sample():
     ref = np.eye(10)[labels]
     engine = ref.copy()
     engine[:30] = np.eye(10)[(labels[:30] + 1) % 10]  # 30 samples the engine now gets wrong
-    m = metric_result("evaluation", "top1_accuracy", engine, ref, labels, 0.01, 0.95)
+    m = metric_result("evaluation", top1_correct(engine, labels), top1_correct(ref, labels), 0.01, 0.95)
     assert (m.worse, m.better, m.samples) == (30, 0, 500) and not m.passed
     assert m.p_value == pytest.approx(0.5**30) and m.drop_interval[0] > 0.01
 

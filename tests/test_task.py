@@ -13,10 +13,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline.core.errors import GateFailed
+from pipeline.core.errors import ConfigError, GateFailed
 from pipeline.core.io import read_json
 from pipeline.core.paths import Layout
 from pipeline.project.config import TaskTolerance, load_registry
+from pipeline.project.data import BoxTargets
 from pipeline.results import gatestats
 from pipeline.stages.build import build
 from pipeline.stages.calibrate import calibrate
@@ -25,7 +26,7 @@ from pipeline.stages.prepare import prepare
 from pipeline.stages.reference import reference
 from pipeline.stages.validate import validate
 from pipeline.verify.compare import output_error, output_problems
-from pipeline.verify.task import edit_distance, judge, match_boxes, task_agreement, task_short
+from pipeline.verify.task import edit_distance, judge, match_boxes, metric_correct, task_agreement, task_short
 
 
 def _fp32_policy(tmp_path: Path):
@@ -303,3 +304,54 @@ def test_a_task_that_cannot_judge_leaves_the_verdict_to_the_tensor_gates(tmp_pat
     doc = read_json(out.report("m", "s", "validate"))
     assert any("cannot resolve 99.90%" in w and "the tensor gates decide" in w for w in doc["warnings"])
     assert all(o["gating"] for o in doc["outputs"])
+
+
+# --- labelled task metrics ---------------------------------------------------------------------------
+
+
+def _labelled_spec(tmp_path: Path, postprocess: dict, metric: str):
+    models.conv_bn_model(tmp_path / "models" / "conv" / "model.onnx")
+    spec = models.conv_bn_spec() | {
+        "postprocess": postprocess,
+        "metric": {"kind": metric, "output": "y"},
+        "datasets": {"golden": {"generate": {"count": 4}}, "evaluation": {"generate": {"count": 4}}},
+    }
+    return load_registry(models.write_project(tmp_path, {"m": spec}, {"s": models.ort_sku("int8")})).model("m")
+
+
+def test_word_accuracy_compares_the_decoded_string_with_the_text_label(tmp_path):
+    spec = _labelled_spec(tmp_path, {"kind": "ctc_greedy", "output": "y", "alphabet": "abc"}, "word_accuracy")
+    frames = np.array([[1, 1, 0, 2, 3], [3, 0, 3, 0, 0], [2, 2, 2, 0, 1]])  # "abc", "cc", "ba"
+    right, figures = metric_correct(spec, {"y": np.eye(4, dtype=np.float32)[frames]}, ["abc", "cc", "bb"])
+    assert right.tolist() == [True, True, False]
+    assert figures == {"cer": pytest.approx(1 / 7)}  # one substitution over 3 + 2 + 2 label characters
+
+
+def test_detection_accuracy_needs_every_box_of_an_image_matched(tmp_path):
+    spec = _labelled_spec(
+        tmp_path, {"kind": "nms", "boxes": "y", "scores": "s", "iou_threshold": 0.5}, "detection_accuracy"
+    )
+    boxes = np.array([[[0, 0, 10, 10], [20, 20, 30, 30]], [[0, 0, 10, 10], [50, 50, 60, 60]]], np.float32)
+    scores = np.array([[[0.9], [0.8]], [[0.9], [0.1]]], np.float32)  # the second image keeps one box
+    labels = BoxTargets(
+        boxes=[
+            np.array([[1, 1, 10, 10], [20, 20, 30, 30]], np.float32),
+            np.array([[0, 0, 10, 10], [50, 50, 60, 60]], np.float32),
+        ],
+        classes=[np.zeros(2, np.int64), np.zeros(2, np.int64)],
+    )
+    right, figures = metric_correct(spec, {"y": boxes, "s": scores}, labels)
+    assert right.tolist() == [True, False] and figures == {"box_f1": pytest.approx(2 * 3 / 7)}
+
+
+@pytest.mark.parametrize(
+    "postprocess, metric, message",
+    [
+        ({"kind": "ctc_greedy", "output": "y"}, "word_accuracy", "needs postprocess ctc_greedy with an alphabet"),
+        ("argmax", "detection_accuracy", "needs postprocess nms or db_boxes"),
+        ({"kind": "db_boxes", "output": "z"}, "detection_accuracy", "metric.output 'y' is not an output"),
+    ],
+)
+def test_a_labelled_metric_needs_the_postprocess_that_computes_it(tmp_path, postprocess, metric, message):
+    with pytest.raises(ConfigError, match=message):
+        _labelled_spec(tmp_path, postprocess, metric)

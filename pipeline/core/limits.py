@@ -39,6 +39,11 @@ MAX_ZIP_RATIO = 200
 # 64 Mi, a decompression bomb's tell (below Pillow's own warning level).
 MAX_DATASET_FILES = 100_000
 MAX_LABELS_CSV_BYTES = 64 * MiB
+# A text label (labels.csv of a ctc_greedy model with an alphabet): the stored array holds every label at
+# the longest one's width, 4 bytes a character. The boxes of one file (boxes.csv): dense text pages hold a
+# few thousand, COCO images at most a few hundred.
+MAX_TEXT_LABEL_CHARS = 1024
+MAX_BOXES_PER_FILE = 10_000
 MAX_IMAGE_PIXELS = 64 * MiB
 ZIP_RATIO_GRACE_BYTES = 64 * MiB
 

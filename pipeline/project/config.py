@@ -38,7 +38,7 @@ from pipeline.results.signing import parse_public_key
 Precision = Literal["fp32", "fp16", "int8"]
 DType = Literal["float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"]
 CalibrationMethod = Literal["minmax", "entropy", "percentile"]
-MetricKind = Literal["top1_accuracy"]
+MetricKind = Literal["top1_accuracy", "word_accuracy", "detection_accuracy"]
 Postprocess = Literal["none", "argmax"]
 
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -730,8 +730,13 @@ class Datasets(Strict):
 
 
 class Metric(Strict):
+    """The task metric on labelled splits, per sample right or wrong (docs/correctness.md):
+    top1_accuracy (integer labels, the output's top class), word_accuracy (text labels, the
+    ctc_greedy string with its alphabet), detection_accuracy (boxes.csv: the image's boxes matched
+    one to one to its annotations at IoU >= 0.5)."""
+
     kind: MetricKind = "top1_accuracy"
-    output: str
+    output: str = Field(description="the output the metric reads (for word/detection: the postprocess's)")
     gate: MetricGateOverride = MetricGateOverride()
 
 
@@ -799,7 +804,24 @@ class ModelSpec(Strict):
             raise ValueError(problem)
         if self.metric is not None and self.datasets.evaluation is None:
             raise ValueError("a metric needs datasets.evaluation with labels")
+        problem = self._metric_problem()
+        if problem:
+            raise ValueError(problem)
         return self
+
+    def _metric_problem(self) -> str | None:
+        """A labelled metric needs the postprocess that computes what its labels describe."""
+        if self.metric is None or self.metric.kind == "top1_accuracy":
+            return None
+        step = self.postprocess
+        if self.metric.kind == "word_accuracy" and not (isinstance(step, CtcGreedy) and step.alphabet):
+            return "metric word_accuracy compares decoded strings: it needs postprocess ctc_greedy with an alphabet"
+        if self.metric.kind == "detection_accuracy" and not isinstance(step, BoxesNms | DbBoxes):
+            return "metric detection_accuracy compares boxes: it needs postprocess nms or db_boxes"
+        if isinstance(step, str) or self.metric.output not in step.outputs():
+            outputs = [] if isinstance(step, str) else step.outputs()
+            return f"metric.output {self.metric.output!r} is not an output the postprocess reads ({outputs})"
+        return None
 
     def input(self, name: str) -> InputSpec:
         return next(i for i in self.inputs if i.name == name)

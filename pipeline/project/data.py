@@ -1,17 +1,20 @@
 """Datasets: load a user's .npz/.npy or generate from the input spec, preprocess, batch and run.
 
 A dataset is a dict of arrays keyed by input name, each with a leading sample axis: the sample
-shape is the input shape without its batch axis, other dynamic axes at their pins. ``labels``
-rides along when present.
+shape is the input shape without its batch axis, other dynamic axes at their pins. The targets
+ride along when present: ``labels`` (int64 class indices), or from a files dataset ``labels_text``
+(fixed-width unicode) or the boxes (``label_boxes``, ``label_box_classes``, ``label_box_counts``);
+``targets`` gives them per sample.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.core.errors import InputError
+from pipeline.core.errors import InputError, MalformedFile
 from pipeline.core.limits import check_array_file
 from pipeline.core.paths import inside
 from pipeline.project.config import DatasetSource, ModelSpec
@@ -22,6 +25,91 @@ if TYPE_CHECKING:
     Arrays = dict[str, np.ndarray]
 
 LABELS = "labels"
+# a files dataset's other targets: text (labels.csv of a ctc_greedy model with an alphabet), and the boxes
+# of boxes.csv, flat over the split with each sample's count (plain arrays: no pickle)
+LABELS_TEXT = "labels_text"
+LABEL_BOXES, LABEL_BOX_CLASSES, LABEL_BOX_COUNTS = "label_boxes", "label_box_classes", "label_box_counts"
+BOX_KEYS = (LABEL_BOXES, LABEL_BOX_CLASSES, LABEL_BOX_COUNTS)
+TARGET_KEYS = (LABELS, LABELS_TEXT, *BOX_KEYS)
+FLAT_KEYS = (LABEL_BOXES, LABEL_BOX_CLASSES)  # not one row per sample
+
+
+@dataclass(frozen=True)
+class BoxTargets:
+    """Annotated boxes per sample: ``boxes[i]`` float32 [k, 4] (x1, y1, x2, y2 in the model input's
+    pixel coordinates) and ``classes[i]`` int64 [k], k >= 0."""
+
+    boxes: list[np.ndarray]
+    classes: list[np.ndarray]
+
+    def __len__(self) -> int:
+        return len(self.boxes)
+
+
+def box_arrays(boxes: np.ndarray, classes: np.ndarray, counts: np.ndarray) -> Arrays:
+    """The stored form of per-sample boxes: ``boxes`` [total, 4] and ``classes`` [total] grouped by
+    sample in sample order, ``counts`` [samples]."""
+    import numpy as np
+
+    return {
+        LABEL_BOXES: np.asarray(boxes, dtype=np.float32).reshape(-1, 4),
+        LABEL_BOX_CLASSES: np.asarray(classes, dtype=np.int64).reshape(-1),
+        LABEL_BOX_COUNTS: np.asarray(counts, dtype=np.int64).reshape(-1),
+    }
+
+
+def targets(arrays: Arrays) -> list[str] | BoxTargets | np.ndarray | None:
+    """The targets of a split as stored (its .npz arrays), per sample: text labels as ``list[str]``,
+    boxes as ``BoxTargets``, class indices as an int64 array; None for an unlabelled split.
+
+    MalformedFile when the arrays do not hold one consistent kind of target (re-run the data stage)."""
+    import numpy as np
+
+    present = [k for k in (LABELS, LABELS_TEXT, LABEL_BOXES) if k in arrays]
+    problem = None
+    if len(present) > 1:
+        problem = f"the split holds more than one kind of target: {present}"
+    elif LABELS_TEXT in arrays:
+        text = arrays[LABELS_TEXT]
+        if text.ndim != 1 or text.dtype.kind != "U":
+            problem = f"{LABELS_TEXT} is {text.dtype} of shape {text.shape}, expected 1-d unicode"
+        else:
+            return [str(t) for t in text.tolist()]
+    elif any(k in arrays for k in BOX_KEYS):
+        problem = _box_problem(arrays)
+        if problem is None:
+            counts = arrays[LABEL_BOX_COUNTS]
+            bounds = np.cumsum(counts)[:-1].tolist()
+            boxes = np.split(arrays[LABEL_BOXES].astype(np.float32), bounds)
+            classes = np.split(arrays[LABEL_BOX_CLASSES].astype(np.int64), bounds)
+            return BoxTargets(boxes=boxes, classes=classes)
+    elif LABELS in arrays:
+        labels = arrays[LABELS]
+        if labels.ndim != 1 or labels.dtype.kind not in "iu":
+            problem = f"{LABELS} is {labels.dtype} of shape {labels.shape}, expected 1-d integers"
+        else:
+            return labels.astype(np.int64)
+    if problem is not None:
+        raise MalformedFile(f"dataset targets: {problem}", hint="re-run the data stage to rebuild the split")
+    return None
+
+
+def _box_problem(arrays: Arrays) -> str | None:
+    import numpy as np
+
+    missing = [k for k in BOX_KEYS if k not in arrays]
+    if missing:
+        return f"boxes without {missing}"
+    boxes, classes, counts = (arrays[k] for k in BOX_KEYS)
+    if boxes.ndim != 2 or boxes.shape[1] != 4 or boxes.dtype.kind != "f":
+        return f"{LABEL_BOXES} is {boxes.dtype} of shape {boxes.shape}, expected floats [total, 4]"
+    if classes.shape != (len(boxes),) or classes.dtype.kind not in "iu":
+        return f"{LABEL_BOX_CLASSES} is {classes.dtype} of shape {classes.shape}, expected {len(boxes)} integers"
+    if counts.ndim != 1 or counts.dtype.kind not in "iu" or (len(counts) and int(counts.min()) < 0):
+        return f"{LABEL_BOX_COUNTS} is {counts.dtype} of shape {counts.shape}, expected counts >= 0 per sample"
+    if bool((counts > len(boxes)).any()) or int(counts.sum(dtype=np.int64)) != len(boxes):  # no wrap-around
+        return f"{LABEL_BOX_COUNTS} add up to {int(counts.sum(dtype=np.int64))}, not the {len(boxes)} boxes held"
+    return None
 
 
 def sample_shape(spec: ModelSpec, name: str, pins: dict[str, int]) -> tuple[int, ...]:
@@ -180,7 +268,7 @@ def check_finite(arrays: Arrays, split: str, origin: str, allow: bool = False) -
     if allow:
         return
     for key, arr in arrays.items():
-        if key == LABELS or arr.dtype.kind not in "fc" or arr.size == 0:
+        if key in TARGET_KEYS or arr.dtype.kind not in "fc" or arr.size == 0:
             continue
         bad = ~np.isfinite(arr.reshape(len(arr), -1)).all(axis=1)
         if bad.any():
@@ -227,7 +315,7 @@ def check_dataset(spec: ModelSpec, arrays: Arrays, pins: dict[str, int], split: 
     """Check sample shapes and counts against the spec; return the sample count."""
     import numpy as np
 
-    counts = {k: len(v) for k, v in arrays.items()}
+    counts = {k: len(v) for k, v in arrays.items() if k not in FLAT_KEYS}
     if len(set(counts.values())) > 1:
         raise InputError(
             f"dataset {split}: arrays have different sample counts {counts}",

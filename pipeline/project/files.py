@@ -1,10 +1,11 @@
 """A dataset that is a folder of raw files (images or WAV clips), and its packed form.
 
 The folder is untrusted input: it must lie inside the project (symlinks followed), hold only files
-of the input's kind (and an optional labels.csv), and fit the dataset limits, all checked from the
-listing and file sizes before a byte is read. A file's name is used only to open it from the
-listing and to name it in a message; labels.csv's names are matched against the listing, never
-joined into a path.
+of the input's kind (and an optional labels.csv, or for images boxes.csv), and fit the dataset
+limits, all checked from the listing and file sizes before a byte is read. A file's name is used only
+to open it from the listing and to name it in a message; the CSV files' names are matched against
+the listing, never joined into a path. Each of their rows is checked, and a refusal names the file
+and the row.
 
 The data stage keeps the files' bytes beside the arrays it saves (``pack``/``unpack``: plain numeric
 and fixed-width unicode arrays, loadable with allow_pickle=False), so that any later stage can run
@@ -14,15 +15,23 @@ another preprocessing (the device's) on exactly the same files.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pipeline.core.errors import InputError, MalformedFile
-from pipeline.core.limits import MAX_DATASET_BYTES, MAX_DATASET_FILES, MAX_LABELS_CSV_BYTES, human_bytes
+from pipeline.core.limits import (
+    MAX_BOXES_PER_FILE,
+    MAX_DATASET_BYTES,
+    MAX_DATASET_FILES,
+    MAX_LABELS_CSV_BYTES,
+    MAX_TEXT_LABEL_CHARS,
+    human_bytes,
+)
 from pipeline.core.paths import inside
-from pipeline.project.data import LABELS
+from pipeline.project.data import LABEL_BOX_COUNTS, LABELS, LABELS_TEXT, box_arrays
 
 if TYPE_CHECKING:
     import numpy as np
@@ -32,19 +41,31 @@ EXTENSIONS: dict[str, tuple[str, ...]] = {
     "audio": (".wav",),
 }
 LABELS_CSV = "labels.csv"
+BOXES_CSV = "boxes.csv"  # images only
+MAX_CLASS_INDEX = 2**31 - 1  # a class is an output position: it fits the int32 that kernels index with
 
 # keys of the packed form (the labels under LABELS, the key every split's labels use)
 BYTES, OFFSETS, NAMES = "file_bytes", "file_offsets", "file_names"
 
+_LABEL_HEADER = ("file", "label")
+_BOX_HEADERS = (("file", "x1", "y1", "x2", "y2"), ("file", "x1", "y1", "x2", "y2", "class"))
+
 
 @dataclass(frozen=True)
 class FilesDataset:
-    """The files of one split, sorted by name, with their bytes and (from labels.csv) labels."""
+    """The files of one split, sorted by name, with their bytes and targets (labels.csv or boxes.csv)."""
 
     folder: Path
     names: list[str]
     blobs: list[bytes]
-    labels: np.ndarray | None  # int64, one per file; None without labels.csv
+    # as the split's .npz stores them: LABELS (int64) or LABELS_TEXT (unicode), one per file, or the box
+    # arrays (pipeline.project.data.BOX_KEYS); empty without labels.csv or boxes.csv
+    targets: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def labels(self) -> np.ndarray | None:
+        """The integer class indices (int64, one per file) of labels.csv; None without them."""
+        return self.targets.get(LABELS)
 
 
 def read_files_dataset(
@@ -54,14 +75,20 @@ def read_files_dataset(
     split: str,
     decode: Literal["image", "audio"],
     take: int | None = None,
+    *,
+    alphabet: str | None = None,
+    extent: tuple[int, int] | None = None,
 ) -> FilesDataset:
     """The files of ``folder`` (relative to the model's dir under ``root``) whose extension suits
-    ``decode``, sorted by name (code points), the first ``take`` when given, with labels.csv's labels.
+    ``decode``, sorted by name (code points), the first ``take`` when given, with their targets.
 
-    Refused with an InputError naming the split: a folder outside the project (or a file whose
-    symlink leads out of it), no files, an entry with an unsupported extension or that is not a file
-    (hidden entries, ``.name``, are skipped), more than MAX_DATASET_FILES files or MAX_DATASET_BYTES
-    bytes, and a labels.csv that does not label every file exactly once with an integer >= 0.
+    Targets: labels.csv's integer class indices, or its text when ``alphabet`` (a ctc_greedy model's)
+    is given; for images, boxes.csv's boxes, which must lie inside ``extent`` (the model input's height
+    and width) when given. Refused with an InputError naming the split: a folder outside the project
+    (or a file whose symlink leads out of it), no files, an entry with an unsupported extension or that
+    is not a file (hidden entries, ``.name``, are skipped), more than MAX_DATASET_FILES files or
+    MAX_DATASET_BYTES bytes, labels.csv and boxes.csv together, and a row of either that breaks its
+    rules (named with its row).
     """
     where = f"dataset {split}"
     hint_path = f"fix models.<name>.datasets.{split}.files (a folder relative to the model's dir)"
@@ -69,15 +96,16 @@ def read_files_dataset(
     if not path.is_dir():
         raise InputError(f"{where}: {path} is not a folder", hint=hint_path)
     exts = EXTENSIONS[decode]
+    targets_csv = (LABELS_CSV, BOXES_CSV) if decode == "image" else (LABELS_CSV,)
     files: list[os.DirEntry[str]] = []
     other: list[str] = []
-    labels_entry: os.DirEntry[str] | None = None
+    csv_entries: dict[str, os.DirEntry[str]] = {}
     with os.scandir(path) as listing:
         for entry in listing:
             if entry.name.startswith("."):
                 continue
-            if entry.name == LABELS_CSV:
-                labels_entry = entry
+            if entry.name in targets_csv:
+                csv_entries[entry.name] = entry
             elif entry.name.lower().endswith(exts) and entry.is_file():
                 files.append(entry)
             else:
@@ -88,27 +116,33 @@ def read_files_dataset(
                     hint="keep fewer samples in the folder (a held-out subset), or split it",
                 )
     if other:
-        shown = ", ".join(repr(n) for n in sorted(other)[:5]) + (
-            f" and {len(other) - 5} more" if len(other) > 5 else ""
-        )
         raise InputError(
-            f"{where}: {path} holds entries that are not {decode} files ({', '.join(exts)}): {shown}",
-            hint=f"keep only {decode} files and {LABELS_CSV} in the folder (subfolders are not read); "
-            "convert or remove the others",
+            f"{where}: {path} holds entries that are not {decode} files ({', '.join(exts)}): {_some(sorted(other))}",
+            hint=f"keep only {decode} files and {' or '.join(targets_csv)} in the folder (subfolders are not "
+            "read); convert or remove the others",
         )
     if not files:
         raise InputError(
             f"{where}: {path} holds no {decode} files ({', '.join(exts)})",
             hint=f"add the samples to the folder, or {hint_path}",
         )
+    if len(csv_entries) > 1:
+        raise InputError(
+            f"{where}: {path} holds both {LABELS_CSV} and {BOXES_CSV}",
+            hint="a split has one kind of target: keep the one the model's task reads",
+        )
     files.sort(key=lambda e: e.name)
-    labels = None
-    if labels_entry is not None:  # checked against every file, then cut to ``take`` with them
-        inside(root, model_dir, folder, LABELS_CSV)
-        labels = _read_labels(Path(labels_entry.path), [entry.name for entry in files], where)
+    targets: dict[str, np.ndarray] = {}
+    for name, entry in csv_entries.items():  # checked against every file, then cut to ``take`` with them
+        inside(root, model_dir, folder, name)
+        listed = [e.name for e in files]
+        if name == LABELS_CSV:
+            targets = _read_labels(Path(entry.path), listed, where, alphabet)
+        else:
+            targets = _read_boxes(Path(entry.path), listed, where, extent)
     if take is not None:
         files = files[:take]
-        labels = None if labels is None else labels[:take]
+        targets = _take(targets, take)
     for entry in files:  # a symlink made after validation must not lead out either
         inside(root, model_dir, folder, entry.name)
     total = sum(entry.stat().st_size for entry in files)
@@ -137,55 +171,185 @@ def read_files_dataset(
                 f"per dataset while they were read (at {entry.name!r})",
                 hint="let whatever writes to the folder finish, then run again",
             )
-    return FilesDataset(folder=path, names=names, blobs=blobs, labels=labels)
+    return FilesDataset(folder=path, names=names, blobs=blobs, targets=targets)
 
 
-def _read_labels(path: Path, names: list[str], where: str) -> np.ndarray:
-    """One label per name from ``path`` (header ``file,label``), in ``names`` order."""
+def _some(names: Sequence[str]) -> str:
+    """Up to five names, quoted, and how many more."""
+    return ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _shown(text: object, limit: int = 120) -> str:
+    """``repr(text)``, cut to ``limit`` characters: a message quotes a hostile row, not all of it."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else f"{shown[: limit - 3]}..."
+
+
+def _csv_rows(path: Path, headers: Iterable[tuple[str, ...]], where: str, hint: str) -> Iterator[tuple[int, list[str]]]:
+    """The rows after the header of the CSV file ``path`` (UTF-8, at most MAX_LABELS_CSV_BYTES), each
+    with its number (the header is row 1), blank rows skipped. The header must be one of ``headers``
+    and every row as wide as it; an InputError names the file and the row otherwise."""
     import csv
+    import io
 
-    import numpy as np
-
-    hint = f"{LABELS_CSV} has the header 'file,label' and one row per file: its name and an integer class index >= 0"
     if path.stat().st_size > MAX_LABELS_CSV_BYTES:
         raise InputError(f"{where}: {path} is larger than {human_bytes(MAX_LABELS_CSV_BYTES)}", hint=hint)
     try:
         text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{where}: {path} cannot be read as UTF-8 text ({exc})", hint=hint) from exc
-    rows = csv.reader(text.splitlines())
-    header = next(rows, None)
-    if header is None or [h.strip() for h in header] != ["file", "label"]:
-        raise InputError(f"{where}: {path} row 1 is {header!r}, expected the header 'file,label'", hint=hint)
+    reader = csv.reader(io.StringIO(text, newline=""))  # a quoted field may hold a line break
+    number = 0  # the row read last
+    try:
+        header = next(reader, None)
+        number = 1
+        allowed = [list(h) for h in headers]
+        if header is None or [h.strip() for h in header] not in allowed:
+            expected = " or ".join(f"'{','.join(h)}'" for h in allowed)
+            raise InputError(f"{where}: {path} row 1 is {_shown(header)}, expected the header {expected}", hint=hint)
+        for number, row in enumerate(reader, start=2):
+            if not row:
+                continue
+            if len(row) != len(header):
+                raise InputError(
+                    f"{where}: {path} row {number} has {len(row)} fields, expected {len(header)}: {_shown(row)}",
+                    hint=hint,
+                )
+            yield number, row
+    except csv.Error as exc:  # a field past csv's size limit, a stray quote in strict mode
+        raise InputError(f"{where}: {path} row {number + 1} is not valid CSV ({exc})", hint=hint) from exc
+
+
+def _class_index(text: str, what: str, hint: str) -> int:
+    """``text`` as a class index, 0..MAX_CLASS_INDEX; ``what`` names it (file, row, field) in the refusal."""
+    if not (text.isascii() and text.isdigit()):
+        raise InputError(f"{what} is not an integer >= 0", hint=hint)
+    if len(text) > len(str(MAX_CLASS_INDEX)) or int(text) > MAX_CLASS_INDEX:  # int() of 5000 digits raises
+        raise InputError(f"{what} is above {MAX_CLASS_INDEX}, the largest class index", hint=hint)
+    return int(text)
+
+
+def _read_labels(path: Path, names: list[str], where: str, alphabet: str | None) -> dict[str, np.ndarray]:
+    """One label per name from ``path`` (header ``file,label``), in ``names`` order: class indices
+    under LABELS, or with an ``alphabet`` text under LABELS_TEXT."""
+    import numpy as np
+
+    if alphabet is None:
+        hint = (
+            f"{LABELS_CSV} has the header 'file,label' and one row per file: its name and an integer class index >= 0"
+        )
+    else:
+        hint = (
+            f"{LABELS_CSV} has the header 'file,label' and one row per file: its name and its text, in the "
+            f"characters of models.<name>.postprocess.alphabet (at most {MAX_TEXT_LABEL_CHARS}; quote a text "
+            "holding a comma)"
+        )
     index = {name: i for i, name in enumerate(names)}
-    labels = np.full(len(names), -1, dtype=np.int64)
+    labels: list[int | str | None] = [None] * len(names)
     seen: dict[str, int] = {}
-    for number, row in enumerate(rows, start=2):
-        if not row:
-            continue
-        if len(row) != 2:
-            raise InputError(f"{where}: {path} row {number} has {len(row)} fields, expected 2: {row!r}", hint=hint)
-        name, text_label = row[0], row[1].strip()
+    for number, row in _csv_rows(path, [_LABEL_HEADER], where, hint):
+        name = row[0]
         if name in seen:
             raise InputError(
-                f"{where}: {path} row {number} labels {name!r} again (first on row {seen[name]})", hint=hint
+                f"{where}: {path} row {number} labels {_shown(name)} again (first on row {seen[name]})", hint=hint
             )
         seen[name] = number
-        if not (text_label.isascii() and text_label.isdigit()):
-            raise InputError(
-                f"{where}: {path} row {number}: label {text_label!r} of {name!r} is not an integer >= 0", hint=hint
-            )
-        label = int(text_label)
+        what = f"{where}: {path} row {number}: label {_shown(row[1])} of {_shown(name)}"
+        label = _class_index(row[1].strip(), what, hint) if alphabet is None else _text(row[1], alphabet, what, hint)
         if name not in index:
             raise InputError(
-                f"{where}: {path} row {number} names {name!r}, which is not a file of the folder", hint=hint
+                f"{where}: {path} row {number} names {_shown(name)}, which is not a file of the folder", hint=hint
             )
         labels[index[name]] = label
-    missing = [n for n, label in zip(names, labels, strict=True) if label < 0]
+    missing = [n for n, label in zip(names, labels, strict=True) if label is None]
     if missing:
-        shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise InputError(f"{where}: {path} has no label for {len(missing)} file(s): {shown}", hint=hint)
-    return labels
+        raise InputError(f"{where}: {path} has no label for {len(missing)} file(s): {_some(missing)}", hint=hint)
+    if alphabet is None:
+        return {LABELS: np.asarray(labels, dtype=np.int64)}
+    width = max((len(t) for t in labels if isinstance(t, str)), default=1) or 1
+    return {LABELS_TEXT: np.asarray(labels, dtype=f"<U{width}")}
+
+
+def _text(text: str, alphabet: str, what: str, hint: str) -> str:
+    """``text`` as a label of a model that reads ``alphabet``: its characters only, taken as they are."""
+    if len(text) > MAX_TEXT_LABEL_CHARS:
+        raise InputError(f"{what} has {len(text)} characters, above the limit of {MAX_TEXT_LABEL_CHARS}", hint=hint)
+    outside = next((i for i, c in enumerate(text) if c not in alphabet), None)
+    if outside is not None:
+        raise InputError(
+            f"{what} holds {text[outside]!r} (character {outside + 1}), which is not in the model's alphabet",
+            hint=hint,
+        )
+    return text
+
+
+def _read_boxes(path: Path, names: list[str], where: str, extent: tuple[int, int] | None) -> dict[str, np.ndarray]:
+    """The boxes of ``path`` (header ``file,x1,y1,x2,y2`` and optionally ``,class``: zero or more rows
+    per file) grouped by file in ``names`` order, as the split's .npz stores them."""
+    import numpy as np
+
+    hint = (
+        f"{BOXES_CSV} has the header 'file,x1,y1,x2,y2' (or 'file,x1,y1,x2,y2,class') and one row per box: "
+        "the file's name, the box's corners in the model input's pixel coordinates (x1 < x2, y1 < y2) "
+        "and its class index (0 when there is no class column); a file without rows has no boxes"
+    )
+    index = {name: i for i, name in enumerate(names)}
+    per_file = [0] * len(names)
+    rows, files, classes, corners = array("q"), array("q"), array("q"), array("d")
+    for number, row in _csv_rows(path, _BOX_HEADERS, where, hint):
+        name = row[0]
+        at = f"{where}: {path} row {number}"
+        if name not in index:
+            raise InputError(f"{at} names {_shown(name)}, which is not a file of the folder", hint=hint)
+        i = index[name]
+        per_file[i] += 1
+        if per_file[i] > MAX_BOXES_PER_FILE:
+            raise InputError(f"{at}: {_shown(name)} has more than {MAX_BOXES_PER_FILE} boxes", hint=hint)
+        try:
+            corners.extend(float(v) for v in row[1:5])
+        except ValueError as exc:
+            raise InputError(
+                f"{at}: the box {_shown(row[1:5])} of {_shown(name)} is not four numbers", hint=hint
+            ) from exc
+        what = f"{at}: class {_shown(row[5])} of {_shown(name)}" if len(row) > 5 else ""
+        classes.append(_class_index(row[5].strip(), what, hint) if len(row) > 5 else 0)
+        rows.append(number)
+        files.append(i)
+    with np.errstate(over="ignore"):  # past float32: Inf, refused below
+        boxes = np.asarray(corners, dtype=np.float64).reshape(-1, 4).astype(np.float32)
+    x1, y1, x2, y2 = boxes.T
+    problems = [
+        (~np.isfinite(boxes).all(axis=1), "holds a value that is not a finite number (in float32)"),
+        ((x2 <= x1) | (y2 <= y1), "is empty or reversed: x1 < x2 and y1 < y2 are needed"),
+    ]
+    if extent is not None:
+        height, width = extent
+        problems.append(
+            (
+                (x1 < 0) | (y1 < 0) | (x2 > width) | (y2 > height),
+                f"leaves the model input's {width}x{height} pixels (0 <= x1 < x2 <= {width}, 0 <= y1 < y2 <= {height})",
+            )
+        )
+    flagged = [int(np.argmax(bad)) for bad, _ in problems if bad.any()]
+    if flagged:  # the first row with any problem, named with its first problem
+        first = min(flagged)
+        reason = next(why for bad, why in problems if bad[first])
+        raise InputError(
+            f"{where}: {path} row {rows[first]}: the box {boxes[first].tolist()} of "
+            f"{_shown(names[files[first]])} {reason}",
+            hint=hint,
+        )
+    order = np.argsort(np.asarray(files, dtype=np.int64), kind="stable")
+    return box_arrays(boxes[order], np.asarray(classes, dtype=np.int64)[order], np.asarray(per_file))
+
+
+def _take(targets: dict[str, np.ndarray], take: int) -> dict[str, np.ndarray]:
+    """The targets of the first ``take`` files."""
+    if LABEL_BOX_COUNTS not in targets:
+        return {k: v[:take] for k, v in targets.items()}
+    counts = targets[LABEL_BOX_COUNTS][:take]
+    total = int(counts.sum())
+    return {k: counts if k == LABEL_BOX_COUNTS else v[:total] for k, v in targets.items()}
 
 
 def pack(blobs: Sequence[bytes], names: Sequence[str], labels: np.ndarray | None) -> dict[str, np.ndarray]:

@@ -342,6 +342,11 @@ class MetricResult(Result):
         None, description="bounds of the drop, each one-sided at `confidence` (given the discordant count)"
     )
     confidence: float = 0.95
+    figures: dict[str, float] = Field(
+        default_factory=dict,
+        description="more labelled figures, reported: engine_cer/reference_cer (word_accuracy), "
+        "engine_box_f1/reference_box_f1 (detection_accuracy)",
+    )
     passed: bool
 
 
@@ -438,6 +443,17 @@ class Bisection(Result):
     probes: list[Probe] = Field(default_factory=list)
     search_range: list[str] = Field(default_factory=list, description="inconclusive: the candidates still in question")
     tensors: list[TensorError] = Field(default_factory=list, description="scan: every candidate tensor's error")
+    gate_samples: dict[str, int] = Field(
+        default_factory=dict, description="samples per split the validate gate judged the anchor engine on"
+    )
+    gate_failures: list[str] = Field(
+        default_factory=list, description="the validate gate's failures on the anchor engine (nothing marked)"
+    )
+    golden_indices: list[int] = Field(
+        default_factory=list,
+        description="the golden samples bisected when not all fit in memory: those whose outputs fail most "
+        "(empty: all of them)",
+    )
 
 
 class Outcome(Result):

@@ -11,7 +11,16 @@ from pipeline.core.paths import SPLITS
 from pipeline.core.progress import Progress
 from pipeline.project.artifacts import layout, log
 from pipeline.project.config import DatasetSource, ModelSpec, Registry
-from pipeline.project.data import LABELS, check_dataset, check_finite, check_range, generate, load_file, preprocess
+from pipeline.project.data import (
+    LABELS,
+    check_dataset,
+    check_finite,
+    check_range,
+    generate,
+    load_file,
+    preprocess,
+    targets,
+)
 from pipeline.project.files import NAMES, pack, read_files_dataset
 from pipeline.project.processing import Preprocessor, describe
 from pipeline.results.reports import DataReport, DatasetRecord
@@ -67,7 +76,7 @@ def make_data(registry: Registry, model: str, progress: Progress | None = None) 
             samples=len(next(iter(inputs.values()))),
             sha256=sha256_arrays(inputs),
             source=origin,
-            has_labels=LABELS in inputs,
+            has_labels=targets(inputs) is not None,
             synthetic=source.generate is not None,
             files=len(raw[NAMES]) if source.files is not None else None,
             raw_sha256=sha256_arrays(raw) if source.files is not None else None,
@@ -88,10 +97,17 @@ def _from_files(registry: Registry, spec: ModelSpec, pins: dict[str, int], sourc
     inputs, the packed files (for the drift check and the end-to-end benchmark) and the origin."""
     assert source.files is not None
     name, steps = next(iter(spec.file_inputs.items()))  # config: a files dataset feeds one decoded input
-    found = read_files_dataset(registry.root, spec.dir, source.files, split, steps.decode, source.take)
     inp = spec.input(name)
+    shape = inp.shape_at(pins, drop=spec.batch_axis)
+    # boxes.csv's boxes lie in the model input's pixels: (H, W) of a [C, H, W] or [H, W, C] sample
+    extent = None
+    if steps.decode == "image":
+        extent = (shape[1], shape[2]) if steps.layout == "chw" else (shape[0], shape[1])
+    found = read_files_dataset(
+        registry.root, spec.dir, source.files, split, steps.decode, source.take, alphabet=spec.alphabet, extent=extent
+    )
     # decoded, the files are model inputs: the split's budget holds for them as for any array set
-    sample = math.prod(inp.shape_at(pins, drop=spec.batch_axis))
+    sample = math.prod(shape)
     decoded = len(found.names) * sample * DTYPE_BYTES[inp.dtype]
     if decoded > MAX_DATASET_BYTES:
         raise InputError(
@@ -99,9 +115,7 @@ def _from_files(registry: Registry, spec: ModelSpec, pins: dict[str, int], sourc
             f"over the {human_bytes(MAX_DATASET_BYTES)} a split may hold",
             hint=f"use fewer files (models.<name>.datasets.{split}.take) or a smaller input shape",
         )
-    inputs = {name: Preprocessor(steps, inp.dtype)(found.blobs, found.names)}
-    if found.labels is not None:
-        inputs[LABELS] = found.labels
+    inputs = {name: Preprocessor(steps, inp.dtype)(found.blobs, found.names), **found.targets}
     origin = f"{spec.dir}/{source.files} ({len(found.names)} files, {steps.library})"
     return inputs, pack(found.blobs, found.names, found.labels), origin
 

@@ -9,10 +9,10 @@ from pipeline.core.paths import REFERENCE_SPLITS
 from pipeline.core.progress import Progress
 from pipeline.project.artifacts import layout, load_arrays, log, read_report, run_plan
 from pipeline.project.config import Registry
-from pipeline.project.data import LABELS, run_dataset
+from pipeline.project.data import run_dataset, targets
 from pipeline.results.reports import DataReport, PrepareReport, ReferenceReport
 from pipeline.stages.prepare import load_source
-from pipeline.verify.compare import metric_score
+from pipeline.verify.task import metric_correct
 
 
 def reference(registry: Registry, model: str, progress: Progress | None = None) -> ReferenceReport:
@@ -44,8 +44,9 @@ def reference(registry: Registry, model: str, progress: Progress | None = None) 
             atomic_savez(out.reference_dir(model) / f"{split}.npz", **result)
             hashes[split] = sha256_arrays(result)
             samples[split] = len(arrays[spec.inputs[0].name])
-            if spec.metric is not None and LABELS in arrays:
-                metric[split] = metric_score(spec.metric.kind, result[spec.metric.output], arrays[LABELS])
+            labels = targets(arrays)
+            if spec.metric is not None and labels is not None:
+                metric[split] = float(metric_correct(spec, result, labels)[0].mean())
     report = ReferenceReport(
         model=model,
         runtime="onnxruntime CPUExecutionProvider fp32, optimisations off",

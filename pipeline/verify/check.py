@@ -12,7 +12,7 @@ from pipeline.core.paths import REFERENCE_SPLITS
 from pipeline.core.progress import Progress
 from pipeline.project.artifacts import layout, load_arrays, read_report, run_plan
 from pipeline.project.config import Registry
-from pipeline.project.data import LABELS, run_dataset
+from pipeline.project.data import run_dataset, targets
 from pipeline.results.reports import (
     COMPUTE_PRECISIONS,
     BuildReport,
@@ -34,7 +34,7 @@ from pipeline.verify.compare import (
     state_outputs,
     structural_problems,
 )
-from pipeline.verify.task import task_agreement, task_short
+from pipeline.verify.task import metric_correct, task_agreement, task_short
 
 
 def placement_gate(build: BuildReport, allowed: list[str] | None, max_fallback: int) -> PlacementResult:
@@ -112,19 +112,15 @@ def correctness(
             calls = -(-samples[split] // step)
             infer = budget.calls(infer, f"validate {split}", calls, "sample" if step == 1 else "batch")
         got[split] = run_dataset(infer, arrays, in_idx, out_idx, batch, progress, f"validate {split}")
-        if spec.metric is not None and LABELS in arrays:
+        labels = targets(arrays)
+        if spec.metric is not None and labels is not None:
             max_drop = gate.max_drop_hard_tail if split == "hard_tail" else gate.max_drop
-            metrics.append(
-                metric_result(
-                    split,
-                    spec.metric.kind,
-                    got[split][spec.metric.output],
-                    expected[split][spec.metric.output],
-                    arrays[LABELS],
-                    max_drop,
-                    gate.confidence,
-                )
-            )
+            e_ok, e_figures = metric_correct(spec, got[split], labels)
+            r_ok, r_figures = metric_correct(spec, expected[split], labels)
+            figures = {f"engine_{k}": v for k, v in e_figures.items()} | {
+                f"reference_{k}": v for k, v in r_figures.items()
+            }
+            metrics.append(metric_result(split, e_ok, r_ok, max_drop, gate.confidence, figures))
     errors, golden = [], {}
     if "golden" in got:
         more = {

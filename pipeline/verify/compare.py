@@ -538,28 +538,20 @@ def top1_accuracy(scores: np.ndarray, labels: np.ndarray) -> float:
     return float(top1_correct(scores, labels).mean())
 
 
-def metric_score(kind: str, scores: np.ndarray, labels: np.ndarray) -> float:
-    return float(METRICS[kind](scores, labels).mean())
-
-
-# per-sample correctness of each task metric: the metric is its mean, and McNemar pairs the samples
-METRICS = {"top1_accuracy": top1_correct}
-
-
 def metric_result(
     split: str,
-    kind: str,
-    engine: np.ndarray,
-    reference: np.ndarray,
-    labels: np.ndarray,
+    engine_correct: np.ndarray,
+    reference_correct: np.ndarray,
     max_drop: float,
     confidence: float,
+    figures: Mapping[str, float] | None = None,
 ) -> MetricResult:
-    """The task metric of engine and reference on the same samples, judged by ``gatestats.drop_fails``."""
+    """The task metric of engine and reference on the same samples (per sample: right or wrong),
+    judged by ``gatestats.drop_fails``. ``figures``: more labelled figures of both, reported."""
     import numpy as np
 
-    e, r = METRICS[kind](engine, labels), METRICS[kind](reference, labels)
-    n, worse, better = len(labels), int(np.count_nonzero(r & ~e)), int(np.count_nonzero(e & ~r))
+    e, r = np.asarray(engine_correct, dtype=bool), np.asarray(reference_correct, dtype=bool)
+    n, worse, better = len(e), int(np.count_nonzero(r & ~e)), int(np.count_nonzero(e & ~r))
     engine_score, reference_score = float(e.mean()) if n else 0.0, float(r.mean()) if n else 0.0
     return MetricResult(
         split=split,
@@ -573,6 +565,7 @@ def metric_result(
         p_value=gatestats.mcnemar_p(worse, better),
         drop_interval=gatestats.drop_interval(worse, better, n, confidence),
         confidence=confidence,
+        figures=dict(figures or {}),
         passed=not gatestats.drop_fails(worse, better, n, max_drop, confidence),
     )
 

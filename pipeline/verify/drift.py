@@ -17,7 +17,7 @@ from pipeline.core.budget import Budget
 from pipeline.core.errors import ConfigError
 from pipeline.core.progress import Progress
 from pipeline.project.artifacts import layout, load_arrays, read_report, run_plan
-from pipeline.project.config import FilePreprocessing, Registry, device_preprocessing
+from pipeline.project.config import FilePreprocessing, ModelSpec, Registry, device_preprocessing
 from pipeline.project.data import run_dataset
 from pipeline.project.files import unpack
 from pipeline.project.processing import Preprocessor, describe, differing_steps, with_step
@@ -30,8 +30,7 @@ from pipeline.results.reports import (
     StepDrift,
     TaskAgreement,
 )
-from pipeline.verify.compare import METRICS
-from pipeline.verify.task import GATED, agreement_drop, step_kind, task_short, task_text
+from pipeline.verify.task import GATED, agreement_drop, metric_correct, step_kind, take, task_short, task_text
 
 if TYPE_CHECKING:
     import numpy as np
@@ -84,15 +83,15 @@ class _Paired:
         name: str,
         reference: np.ndarray,
         labels: np.ndarray | None,
-        kind: str | None,
-        output: str,
+        spec: ModelSpec,
         in_idx: dict[str, int | None],
         out_idx: dict[str, int | None],
         batch: int,
     ):
         self.runner, self.budget, self.name, self.reference, self.labels = runner, budget, name, reference, labels
-        self.kind = kind if labels is not None else None
-        self.output, self.in_idx, self.out_idx, self.batch = output, in_idx, out_idx, batch
+        self.spec = spec
+        self.kind = spec.metric.kind if labels is not None and spec.metric is not None else None
+        self.in_idx, self.out_idx, self.batch = in_idx, out_idx, batch
         self.known: dict[int, bool] = {}  # sample -> right with the training-side inputs
 
     def _correct(self, x: np.ndarray, rows: np.ndarray, label: str) -> np.ndarray:
@@ -100,8 +99,8 @@ class _Paired:
         infer = self.runner.infer
         if self.budget is not None:
             infer = self.budget.calls(infer, f"validate drift {label}", len(rows), "sample")
-        got = run_dataset(infer, {self.name: x[rows]}, self.in_idx, self.out_idx, self.batch)[self.output]
-        return METRICS[self.kind](got, self.labels[rows])
+        got = run_dataset(infer, {self.name: x[rows]}, self.in_idx, self.out_idx, self.batch)
+        return metric_correct(self.spec, got, take(self.labels, rows.tolist()))[0]
 
     def __call__(self, x: np.ndarray, label: str) -> tuple[int, int]:
         import numpy as np
@@ -150,18 +149,7 @@ def preprocessing_drift(
         dev_x = Preprocessor(device, dtype)(blobs, names)
         diff = input_diff(ref_x, dev_x)
         judged = spec.metric is not None and labels is not None
-        judge = _Paired(
-            runner,
-            budget,
-            name,
-            ref_x,
-            labels,
-            spec.metric.kind if spec.metric else None,
-            spec.metric.output if spec.metric else "",
-            in_idx,
-            out_idx,
-            batch,
-        )
+        judge = _Paired(runner, budget, name, ref_x, labels, spec, in_idx, out_idx, batch)
         if progress is not None:
             progress(f"validate preprocessing {name}", 0.0)
         worse, better = judge(dev_x, "device")

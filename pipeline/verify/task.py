@@ -23,7 +23,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pipeline.core.errors import InputError
 from pipeline.project.config import BoxesNms, ModelSpec, TaskTolerance
+from pipeline.project.data import BoxTargets
 from pipeline.project.postprocessing import postprocess
 from pipeline.results import gatestats
 from pipeline.results.reports import TaskAgreement, TaskStatistic
@@ -354,3 +356,59 @@ def mask_iou(e: Any, r: Any) -> float:
     classes = np.union1d(np.unique(e), np.unique(r))
     ious = [np.count_nonzero((e == c) & (r == c)) / np.count_nonzero((e == c) | (r == c)) for c in classes]
     return float(np.mean(ious)) if ious else 1.0
+
+
+# --- labelled task metrics: per sample right or wrong, so McNemar pairs engine and reference ---------
+
+# the IoU at which a detection matches an annotation (PASCAL VOC's and COCO's mAP@0.5)
+LABEL_IOU = 0.5
+
+
+def metric_correct(spec: ModelSpec, outputs: Outputs, targets: Any) -> tuple[np.ndarray, dict[str, float]]:
+    """Per sample, whether the model's answer is the label's, and the split's pooled figures beside
+    it: top1_accuracy (the metric output's top class is the integer label), word_accuracy (the
+    decoded string is the text label; figure ``cer`` over the labels' characters),
+    detection_accuracy (the image's boxes match its annotations one to one at IoU >= 0.5; figure
+    ``box_f1``, pooled)."""
+    import numpy as np
+
+    assert spec.metric is not None
+    kind = spec.metric.kind
+    if kind == "top1_accuracy":
+        scores = np.asarray(outputs[spec.metric.output])
+        labels = _targets_of(targets, np.ndarray, kind)
+        return np.argmax(scores.reshape(len(labels), -1), axis=-1) == labels, {}
+    result = postprocess(spec, dict(outputs))
+    if kind == "word_accuracy":
+        texts = _targets_of(targets, list, kind)
+        got = list(result["text"])
+        edits = sum(edit_distance(a, b) for a, b in zip(got, texts, strict=True))
+        chars = sum(len(t) for t in texts)
+        return np.array([a == b for a, b in zip(got, texts, strict=True)]), ({"cer": edits / chars} if chars else {})
+    boxes = _targets_of(targets, BoxTargets, kind)
+    box_format = spec.postprocess.box_format if isinstance(spec.postprocess, BoxesNms) else "xyxy"
+    right, matched, total = [], 0, 0
+    for eb, ec, rb, rc in zip(result["boxes"], result["classes"], boxes.boxes, boxes.classes, strict=True):
+        m = match_boxes(_xyxy(eb, box_format), ec, _xyxy(rb, "xyxy"), rc, LABEL_IOU)
+        right.append(m == len(eb) == len(rb))
+        matched, total = matched + m, total + len(eb) + len(rb)
+    return np.array(right, dtype=bool), ({"box_f1": 2 * matched / total} if total else {})
+
+
+def _targets_of(targets: Any, kind: type, metric: str) -> Any:
+    if not isinstance(targets, kind):
+        raise InputError(
+            f"metric {metric}: the split's labels are {type(targets).__name__}, not what {metric} compares",
+            hint="integer labels for top1_accuracy, text labels in labels.csv for word_accuracy, "
+            "boxes.csv for detection_accuracy (docs/preprocessing.md)",
+        )
+    return targets
+
+
+def take(targets: Any, rows: Sequence[int]) -> Any:
+    """The targets of some samples (an integer array, a list of strings or BoxTargets)."""
+    if isinstance(targets, BoxTargets):
+        return BoxTargets(boxes=[targets.boxes[i] for i in rows], classes=[targets.classes[i] for i in rows])
+    if isinstance(targets, list):
+        return [targets[i] for i in rows]
+    return targets[list(rows)]
