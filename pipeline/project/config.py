@@ -1329,9 +1329,8 @@ class Registry(Strict):
         overrides = [self.defaults.tolerances.get(s.precision), spec.tolerances.get(s.precision), s.tolerance]
         update = {k: v for o in overrides if o is not None for k, v in o.model_dump(exclude_none=True).items()}
         enforce = bool(update.pop("enforce", False))
-        task_update = {k: update.pop(k) for k in TASK_KEYS if k in update}
-        if "confidence" in update:  # one level for every test of the pair
-            task_update["confidence"] = update["confidence"]
+        # one confidence for every test of the pair; the other task keys are the task's alone
+        task_update = {k: update.pop(k) if k != "confidence" else update[k] for k in TASK_KEYS if k in update}
         kinds = {kind: tol.model_copy(update=update) for kind, tol in _default_tolerances()[s.precision].items()}
         task = _default_task_tolerances()[s.precision].model_copy(update=task_update)
         return TolerancePolicy(
