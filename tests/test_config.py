@@ -408,6 +408,9 @@ def test_tolerance_builtin_defaults_per_precision_and_kind():
         0.03,
     )
     assert not fp32.enforce and int8.for_kind("regression").max_outlier_factor is None
+    assert fp32.for_kind("probabilities").min_top1_agreement == 0.99
+    assert int8.for_kind("regression").max_mismatch == 0.05
+    assert int8.for_kind("probabilities").atol == 0.05 and int8.for_kind("state").max_mismatch == 0.01
 
 
 def test_task_keys_and_enforce_resolve_apart_from_the_tensor_keys():
@@ -418,9 +421,6 @@ def test_task_keys_and_enforce_resolve_apart_from_the_tensor_keys():
     assert policy.enforce and policy.task.max_cer == 0.05 and policy.task.min_box_f1 == 0.8
     assert policy.task.confidence == 0.9 and policy.for_kind("regression").confidence == 0.9
     assert policy.for_kind("regression").atol == 0.2 and not hasattr(policy.for_kind("regression"), "max_cer")
-    assert fp32.for_kind("probabilities").min_top1_agreement == 0.99
-    assert int8.for_kind("regression").max_mismatch == 0.05
-    assert int8.for_kind("probabilities").atol == 0.05 and int8.for_kind("state").max_mismatch == 0.01
 
 
 def test_agreement_minimum_and_output_kinds_are_overridable():
