@@ -26,6 +26,7 @@ from pipeline.stages.prepare import prepare
 from pipeline.stages.reference import reference
 from pipeline.stages.validate import validate
 from pipeline.verify.compare import output_error, output_problems
+from pipeline.verify.sequence import sequence_errors
 from pipeline.verify.task import edit_distance, judge, match_boxes, metric_correct, task_agreement, task_short
 
 
@@ -355,3 +356,112 @@ def test_detection_accuracy_needs_every_box_of_an_image_matched(tmp_path):
 def test_a_labelled_metric_needs_the_postprocess_that_computes_it(tmp_path, postprocess, metric, message):
     with pytest.raises(ConfigError, match=message):
         _labelled_spec(tmp_path, postprocess, metric)
+
+
+# --- stateful models: the state fed back over a sequence -----------------------------------------------
+
+
+def integrator_model(path: Path) -> Path:
+    """x[batch,4], h[batch,8] -> prob[batch,1], h_out[batch,8]: h_out = h + 0.1 tanh(x W) (a state
+    that integrates its inputs, as a voice-activity model's smoothed energy does), prob = sigmoid(h_out v)."""
+    rng = np.random.default_rng(0)
+    init = [
+        numpy_helper.from_array(rng.normal(0, 1, (4, 8)).astype(np.float32), "w"),
+        numpy_helper.from_array(np.array([0.1], np.float32), "k"),
+        numpy_helper.from_array(rng.normal(0, 1, (8, 1)).astype(np.float32), "v"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["xw"]),
+        helper.make_node("Tanh", ["xw"], ["t"]),
+        helper.make_node("Mul", ["t", "k"], ["dt"]),
+        helper.make_node("Add", ["h", "dt"], ["h_out"]),
+        helper.make_node("MatMul", ["h_out", "v"], ["logit"]),
+        helper.make_node("Sigmoid", ["logit"], ["prob"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "integrator",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4]),
+            helper.make_tensor_value_info("h", TensorProto.FLOAT, ["batch", 8]),
+        ],
+        [
+            helper.make_tensor_value_info("prob", TensorProto.FLOAT, ["batch", 1]),
+            helper.make_tensor_value_info("h_out", TensorProto.FLOAT, ["batch", 8]),
+        ],
+        init,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def _sequence_setup(tmp_path: Path, feed: dict | None = None):
+    path = integrator_model(tmp_path / "m" / "model.onnx")
+    spec = {
+        "dir": "m",
+        "source": "model.onnx",
+        "inputs": [
+            {"name": "x", "dtype": "float32", "shape": ["batch", 4], "range": [-1.0, 1.0]},
+            {"name": "h", "dtype": "float32", "shape": ["batch", 8], "range": [-0.1, 0.1]},
+        ],
+        "sequence": {"steps": 100, "feed": feed or {"h_out": "h"}},
+    }
+    registry = load_registry(models.write_project(tmp_path, {"m": spec}, {"s": models.ort_sku("fp32")}))
+    rng = np.random.default_rng(2)
+    golden = {"x": rng.uniform(-1, 1, (300, 4)).astype(np.float32), "h": np.zeros((300, 8), np.float32)}
+    return registry, path, golden
+
+
+def test_a_state_error_within_tolerance_per_call_fails_after_a_sequence(tmp_path):
+    import onnxruntime as ort
+
+    registry, path, golden = _sequence_setup(tmp_path)
+    spec, policy = registry.model("m"), registry.tolerance("m", "s")
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+    def exact(feeds):
+        return dict(zip(["prob", "h_out"], session.run(None, feeds), strict=True))
+
+    def drifting(feeds):  # 2e-5 off per call: within atol 1e-4 on one call, 2e-3 after 100
+        got = exact(feeds)
+        return got | {"h_out": got["h_out"] + np.float32(2e-5)}
+
+    plan = ({"x": 0, "h": 0}, {"prob": 0, "h_out": 0}, 1)
+    single = output_error("h_out", drifting(golden)["h_out"], exact(golden)["h_out"], policy, "state")
+    assert single.passed  # one call cannot see it
+    ok = sequence_errors(spec, spec.sequence, golden, exact, path, *plan, policy)
+    assert [e.output for e in ok] == ["h_out@100", "prob@100"] and all(e.passed for e in ok)
+    assert all(e.sequence_steps == 100 and e.elements for e in ok) and ok[0].kind == "state"
+    bad = {e.output: e for e in sequence_errors(spec, spec.sequence, golden, drifting, path, *plan, policy)}
+    assert not bad["h_out@100"].passed and bad["h_out@100"].max_abs_error == pytest.approx(2e-3, rel=0.05)
+    assert bad["h_out@100"].elements == 3 * 8  # 300 golden samples: 3 sequences of 100 calls
+
+
+def test_a_feed_naming_no_input_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"sequence.feed: \['state'\] are not inputs of the model"):
+        _sequence_setup(tmp_path, {"h_out": "state"})
+
+
+def test_validate_judges_a_stateful_model_after_its_sequence(tmp_path):
+    integrator_model(tmp_path / "m" / "model.onnx")
+    spec = {
+        "dir": "m",
+        "source": "model.onnx",
+        "inputs": [
+            {"name": "x", "dtype": "float32", "shape": ["batch", 4], "range": [-1.0, 1.0]},
+            {"name": "h", "dtype": "float32", "shape": ["batch", 8], "range": [-0.1, 0.1]},
+        ],
+        "output_kinds": {"prob": "regression"},
+        "sequence": {"steps": 50, "feed": {"h_out": "h"}},
+        "datasets": {"golden": {"generate": {"count": 100, "seed": 3}}},
+    }
+    registry = load_registry(models.write_project(tmp_path, {"m": spec}, {"s": models.ort_sku("fp32")}))
+    for stage in (prepare, make_data, reference):
+        stage(registry, "m")
+    build(registry, "m", "s")
+    report = validate(registry, "m", "s")
+    after = {o.output: o for o in report.outputs if o.sequence_steps}
+    assert report.passed and set(after) == {"h_out@50", "prob@50"} and after["h_out@50"].kind == "state"

@@ -331,6 +331,24 @@ class Defaults(Strict):
     bench: BenchSpec = BenchSpec()
 
 
+class SequenceSpec(Strict):
+    """A stateful model run as the device runs it: ``steps`` calls in a row, each output named in
+    ``feed`` given back as its input on the next call (the golden samples in order are the
+    sequence's other inputs). Validate judges the outputs after the last step against the
+    reference run the same way (docs/correctness.md, "Stateful models")."""
+
+    steps: int = Field(ge=2, le=10_000, description="calls per sequence")
+    feed: dict[str, str] = Field(min_length=1, description="output -> the input it feeds on the next call")
+
+    @model_validator(mode="after")
+    def _one_input_each(self) -> SequenceSpec:
+        fed = list(self.feed.values())
+        repeated = sorted({i for i in fed if fed.count(i) > 1})
+        if repeated:
+            raise ValueError(f"feed: inputs {repeated} are fed by more than one output")
+        return self
+
+
 class InputSpec(Strict):
     """One model input. ``shape`` entries are ints (fixed) or axis names (dynamic, pinned)."""
 
@@ -764,6 +782,9 @@ class ModelSpec(Strict):
     datasets: Datasets = Datasets()
     metric: Metric | None = None
     calibration: CalibrationSpec = CalibrationSpec()
+    sequence: SequenceSpec | None = Field(
+        None, description="a stateful model: run steps in a row feeding outputs back, judge the last (validate)"
+    )
     tolerances: dict[Precision, ToleranceOverride] = Field(default_factory=dict)
     output_kinds: dict[str, OutputKind] = Field(
         default_factory=dict,
@@ -807,6 +828,12 @@ class ModelSpec(Strict):
         problem = self._metric_problem()
         if problem:
             raise ValueError(problem)
+        if self.sequence is not None:
+            unknown = sorted(set(self.sequence.feed.values()) - set(names))
+            if unknown:
+                raise ValueError(f"sequence.feed: {unknown} are not inputs of the model (inputs: {names})")
+            if self.outputs is not None and (missing := sorted(set(self.sequence.feed) - set(self.outputs))):
+                raise ValueError(f"sequence.feed: {missing} are not among the checked outputs {self.outputs}")
         return self
 
     def _metric_problem(self) -> str | None:

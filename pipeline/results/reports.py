@@ -284,6 +284,9 @@ class OutputError(Result):
         None, description="no element may be beyond this multiple of atol + rtol * |r| (None: no bound)"
     )
     outlier_count: int = Field(0, description="elements beyond max_outlier_factor times the tolerance")
+    sequence_steps: int | None = Field(
+        None, description="a stateful model's output after this many calls feeding its state back (models.sequence)"
+    )
     passed: bool
     gating: bool = Field(
         True,
@@ -478,6 +481,16 @@ class FixStep(Result):
     max_abs_error: float | None = Field(None, description="the largest max abs error over the outputs")
     builds: int = Field(description="builds spent so far, this one included")
     kept: bool = Field(True, description="false when the remedy dropped the nodes it added (no effect)")
+    still_quantized: list[str] = Field(
+        default_factory=list,
+        description="INT8: output tensors of kept nodes the engine still quantizes (a QuantizeLinear on them "
+        "for a consumer that reads them in INT8)",
+    )
+    phase: Literal["before", "bisect", "widen", "greedy", "drop"] = Field(
+        "bisect",
+        description="before: the engine as configured; bisect: a bisection's suspect kept; widen: with its "
+        "producers and consumers; greedy, drop: the accuracy-aware phase adding, then dropping nodes",
+    )
 
 
 class Remedy(Result):
@@ -502,6 +515,19 @@ class Remedy(Result):
     lessons: list[str] = Field(
         default_factory=list, description="what a round that did not move the error showed, in words"
     )
+    scan: Bisection | None = Field(
+        None, description="the accuracy-aware phase's scan of every tensor (when the suspects did not fix it)"
+    )
+    ranked: list[str] = Field(
+        default_factory=list,
+        description="the accuracy-aware phase's nodes, by the error their tensors add (most first), as tried",
+    )
+    fp32_p50_ms: float | None = Field(
+        None,
+        description="the prepared model on ONNX Runtime CPU FP32 (all graph optimisations), timed interleaved "
+        "with the two engines",
+    )
+    fp32_latency_ratio: float | None = Field(None, description="after p50 / the FP32 p50")
 
 
 class InputDiff(Result):

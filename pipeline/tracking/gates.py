@@ -65,7 +65,13 @@ def correctness_problems(m: Manifest, registry: Registry) -> list[str]:
     task_bad, task_decides = _task_problems(m, registry)
     bad += task_bad
     tensor_decides = policy.enforce or not task_decides
+    if spec.sequence is not None:
+        wanted_seq = {f"{name}@{spec.sequence.steps}" for name in wanted}
+        bad += [f"output {name}: no sequence figures in the manifest" for name in sorted(wanted_seq - seen)]
     for o in c.outputs:
+        if o.sequence_steps is not None:
+            bad += _sequence_problems(o, spec, policy)
+            continue
         if o.gating != tensor_decides:
             bad.append(
                 f"output {o.output}: recorded with gating={o.gating}, but params.yaml and the task evidence say "
@@ -114,6 +120,27 @@ def correctness_problems(m: Manifest, registry: Registry) -> list[str]:
     if not c.passed or c.failures:
         bad.append("validation recorded as failed" + (f": {'; '.join(c.failures)}" if c.failures else ""))
     return list(dict.fromkeys(bad))
+
+
+def _sequence_problems(o: OutputError, spec: Any, policy: Any) -> list[str]:
+    """A stateful model's output after its sequence: judged by the tensor gates whatever decides
+    the single call (a fed-back output as state), with the steps params.yaml declares."""
+    seq = spec.sequence
+    base = o.output.rsplit("@", 1)[0]
+    if seq is None or o.sequence_steps != seq.steps or o.output != f"{base}@{seq.steps}":
+        return [f"output {o.output}: sequence figures for {o.sequence_steps} steps, params.yaml declares none or other"]
+    expected = "state" if base in seq.feed else policy.declared.get(base, o.kind)
+    bad = [f"output {o.output}: judged as {o.kind}, expected {expected}"] if o.kind != expected else []
+    if not o.gating:
+        bad.append(f"output {o.output}: a sequence output recorded as not deciding")
+    contradictions = _figure_problems(o)
+    bad += [f"output {o.output}: {p}" for p in contradictions]
+    if not contradictions:
+        tol = policy.for_kind(o.kind)
+        bad += output_problems(o, tol) + input_problems(o, tol)
+    if not o.passed:
+        bad.append(f"output {o.output}: recorded as failed")
+    return bad
 
 
 def _task_problems(m: Manifest, registry: Registry) -> tuple[list[str], bool]:

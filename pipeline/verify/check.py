@@ -34,6 +34,7 @@ from pipeline.verify.compare import (
     state_outputs,
     structural_problems,
 )
+from pipeline.verify.sequence import MAX_SEQUENCES, sequence_errors
 from pipeline.verify.task import metric_correct, task_agreement, task_short
 
 
@@ -135,6 +136,17 @@ def correctness(
     judgement = Judgement(errors=errors, metrics=metrics, task=task, samples=samples, golden=golden)
     if judgement.task_decides and not tol.enforce:
         judgement = replace(judgement, errors=[e.model_copy(update={"gating": False}) for e in errors])
+    if spec.sequence is not None and "golden" in got:
+        # the state fed back over a sequence has no task statistic: its tensor gates always decide
+        infer = runner.infer
+        if budget is not None:
+            calls = spec.sequence.steps * min(samples["golden"] // spec.sequence.steps, MAX_SEQUENCES)
+            infer = budget.calls(infer, "validate sequence", calls, "sample")
+        golden_arrays = load_arrays(out.split(model, "golden"), "data")
+        after = sequence_errors(
+            spec, spec.sequence, golden_arrays, infer, out.prepared_model(model), in_idx, out_idx, batch, tol
+        )
+        judgement = replace(judgement, errors=[*judgement.errors, *after])
     return judgement
 
 
