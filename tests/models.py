@@ -11,7 +11,8 @@ from onnx import TensorProto, helper, numpy_helper
 OPSET = 17
 
 
-def _save(graph: onnx.GraphProto, path: Path, opset: int = OPSET) -> Path:
+def save_graph(graph: onnx.GraphProto, path: Path, opset: int = OPSET) -> Path:
+    """The graph as a checked model file at ``path`` (opset ``opset``, IR 8)."""
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="skuforge-tests")
     model.ir_version = 8
     onnx.checker.check_model(model)
@@ -59,7 +60,7 @@ def conv_bn_model(path: Path, batch: str | int = "batch", seed: int = 0) -> Path
         [helper.make_tensor_value_info("probs", TensorProto.FLOAT, [batch, 4])],
         init,
     )
-    return _save(graph, path)
+    return save_graph(graph, path)
 
 
 def multi_io_model(path: Path, seed: int = 0) -> Path:
@@ -95,7 +96,7 @@ def multi_io_model(path: Path, seed: int = 0) -> Path:
         ],
         init,
     )
-    return _save(graph, path)
+    return save_graph(graph, path)
 
 
 def nan_model(path: Path) -> Path:
@@ -112,7 +113,7 @@ def nan_model(path: Path) -> Path:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
         init,
     )
-    return _save(graph, path)
+    return save_graph(graph, path)
 
 
 def conv_bn_spec(dir_: str = "models/conv", batch: str | int = "batch") -> dict:
@@ -526,7 +527,7 @@ def exporter_dense_model(path: Path, x_dims: list | None = None, y_dims: list | 
         [value_info("y", y_dims if y_dims is not None else ["output_dim_0", 4])],
         init,
     )
-    return _save(graph, path)
+    return save_graph(graph, path)
 
 
 def dense_spec(dir_: str, x_shape: list | None = None) -> dict:
@@ -567,7 +568,7 @@ def batch_positions_model(path: Path, seed: int = 0) -> Path:
         ],
         init,
     )
-    return _save(graph, path)
+    return save_graph(graph, path)
 
 
 def upsample_model(path: Path, seed: int = 0) -> Path:
@@ -587,7 +588,7 @@ def upsample_model(path: Path, seed: int = 0) -> Path:
     graph = helper.make_graph(
         nodes, "upsample", [value_info("x", [-1, 2, None, 0])], [value_info("y", [None, 2, -1, -1])], init
     )
-    return _save(graph, path)
+    return save_graph(graph, path)
 
 
 def upsample_spec(dir_: str, height: int = 6, width: int = 5) -> dict:
@@ -620,7 +621,7 @@ def sequence_model(path: Path, seed: int = 0) -> Path:
         [value_info("emb", ["emb_dim_0", "emb_dim_1", 4]), value_info("pooled", [None, 4])],
         init,
     )
-    return _save(graph, path, opset=18)
+    return save_graph(graph, path, opset=18)
 
 
 def sequence_spec(dir_: str, seq: int = 7) -> dict:
@@ -697,7 +698,7 @@ def batch_mixing_model(path: Path) -> Path:
         helper.make_node("Sub", ["x", "m"], ["y"], name="sub"),
     ]
     graph = helper.make_graph(nodes, "batch_mixing", [value_info("x", ["N", 6])], [value_info("y", ["N", 6])], init)
-    return _save(graph, path, opset=18)
+    return save_graph(graph, path, opset=18)
 
 
 def batch_one_reshape_model(path: Path) -> Path:
@@ -712,7 +713,7 @@ def batch_one_reshape_model(path: Path) -> Path:
     graph = helper.make_graph(
         nodes, "batch_one_reshape", [value_info("x", [-1, 6])], [value_info("y", [None, None])], init
     )
-    return _save(graph, path)
+    return save_graph(graph, path)
 
 
 # --- planted defects for bisection (tests/test_bisect.py) ---------------------------------------
@@ -774,7 +775,7 @@ def _classifier(nodes: list[onnx.NodeProto], name: str, init: list, path: Path) 
         [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 10])],
         init,
     )
-    return _save(graph, path)
+    return save_graph(graph, path)
 
 
 def outlier_channel_spec(dir_: str = "m") -> dict:
@@ -811,7 +812,7 @@ def fp16_overflow_model(path: Path, seed: int = 0, factor: float = 4000.0) -> Pa
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])],
         init,
     )
-    return _save(graph, path)
+    return save_graph(graph, path)
 
 
 def fp16_overflow_spec(dir_: str = "m") -> dict:
@@ -860,7 +861,7 @@ def decomposed_layernorm_model(path: Path, blocks: int = 12, width: int = 256, s
         [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", width])],
         inits,
     )
-    return _save(graph, path, opset=18)
+    return save_graph(graph, path, opset=18)
 
 
 def vector_model_spec(dir_: str, width: int = 256) -> dict:
@@ -888,7 +889,7 @@ def det_model(path: Path) -> Path:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch"])],
         [numpy_helper.from_array(np.array(2.0, np.float32), "two")],
     )
-    return _save(graph, path)
+    return save_graph(graph, path)
 
 
 def det_spec(dir_: str = "models/det") -> dict:
@@ -909,7 +910,7 @@ def dft_model(path: Path) -> Path:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8, 2])],
         [numpy_helper.from_array(np.array([2], np.int64), "axes")],
     )
-    return _save(graph, path)
+    return save_graph(graph, path)
 
 
 def dft_spec(dir_: str = "models/dft") -> dict:
@@ -924,7 +925,7 @@ def int16_relu_model(path: Path) -> Path:
         [helper.make_tensor_value_info("x", TensorProto.INT16, ["batch", 4])],
         [helper.make_tensor_value_info("y", TensorProto.INT16, ["batch", 4])],
     )
-    return _save(graph, path)
+    return save_graph(graph, path)
 
 
 def int16_relu_spec(dir_: str = "models/int16") -> dict:
@@ -1029,7 +1030,7 @@ def feature_map_model(path: Path, seed: int = 0) -> Path:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 8, 6])],
         init,
     )
-    return _save(graph, path)
+    return save_graph(graph, path)
 
 
 def feature_map_spec(dir_: str = "m") -> dict:
@@ -1060,7 +1061,7 @@ def foreign_names_model(path: Path, seed: int = 0) -> Path:
         [helper.make_tensor_value_info("out/1", TensorProto.FLOAT, ["batch", 4, 6, 6])],
         init,
     )
-    return _save(graph, path)
+    return save_graph(graph, path)
 
 
 def foreign_names_spec(dir_: str = "m") -> dict:
@@ -1072,3 +1073,79 @@ def foreign_names_spec(dir_: str = "m") -> dict:
             {"name": "x:0", "dtype": "float32", "shape": ["batch", 4, 6, 6], "range": [-1.0, 1.0]},
         ],
     }
+
+
+def bias_outlier_model(path: Path, seed: int = 0, outlier: float = 1e4, opset: int = OPSET) -> Path:
+    """An INT8 defect that only the consumer can undo. x[batch,4,8,8] -> conv1 -> relu1 -> conv2 ->
+    relu2 -> conv3 -> ``outlier_bias`` (Add: channel 5 plus ``outlier``) -> relu3 -> ``drop`` (1x1
+    Conv whose weights for channel 5 are 0) -> relu4 -> GAP -> fc -> probs[batch,10].
+
+    In FP32 ``drop`` ignores channel 5. Quantized with one scale per activation tensor, relu3's
+    output spends its levels on channel 5 and the other channels fall to zero. ``drop`` quantizes
+    its input whatever its producers keep: the Add, relu3 and ``drop`` must all stay float."""
+    rng = np.random.default_rng(seed)
+    bias = np.zeros((1, 8, 1, 1), np.float32)
+    bias[0, 5] = outlier
+    w4 = rng.normal(0, 0.4, (8, 8, 1, 1)).astype(np.float32)
+    w4[:, 5] = 0.0
+    init = [
+        numpy_helper.from_array(rng.normal(0, 0.4, (8, 4, 3, 3)).astype(np.float32), "w1"),
+        numpy_helper.from_array(rng.normal(0, 0.3, (8, 8, 3, 3)).astype(np.float32), "w2"),
+        numpy_helper.from_array(rng.normal(0, 0.3, (8, 8, 3, 3)).astype(np.float32), "w3"),
+        numpy_helper.from_array(bias, "outlier"),
+        numpy_helper.from_array(w4, "w4"),
+        numpy_helper.from_array(rng.normal(0, 2.0, (10, 8)).astype(np.float32), "fc_w"),
+        numpy_helper.from_array(np.zeros((10,), np.float32), "fc_b"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1], name="conv2"),
+        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+        helper.make_node("Conv", ["r2", "w3"], ["c3"], pads=[1, 1, 1, 1], name="conv3"),
+        helper.make_node("Add", ["c3", "outlier"], ["biased"], name="outlier_bias"),
+        helper.make_node("Relu", ["biased"], ["r3"], name="relu3"),
+        helper.make_node("Conv", ["r3", "w4"], ["c4"], name="drop"),
+        helper.make_node("Relu", ["c4"], ["r4"], name="relu4"),
+    ]
+    graph = helper.make_graph(
+        nodes + _head("r4"),
+        "bias_outlier",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 8, 8])],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 10])],
+        init,
+    )
+    return save_graph(graph, path, opset)
+
+
+def unknown_rank_model(path: Path, opset: int = 11, seed: int = 0) -> Path:
+    """x[batch,4,8,8] -> conv1 -> relu1 -> ``reshape`` (to relu1's own shape, read back through a Cast
+    to float and back, as exporters write a size computed in float) -> conv2 -> relu2 -> GAP -> fc ->
+    probs[batch,10], at ``opset``. Shape inference cannot tell ``reshaped``'s rank: its value info
+    (and the exporter's own entry for ``c1``) carries an element type and no shape."""
+    rng = np.random.default_rng(seed)
+    init = [
+        numpy_helper.from_array(rng.normal(0, 0.4, (8, 4, 3, 3)).astype(np.float32), "w1"),
+        numpy_helper.from_array(rng.normal(0, 0.3, (8, 8, 1, 1)).astype(np.float32), "w2"),
+        numpy_helper.from_array(rng.normal(0, 2.0, (10, 8)).astype(np.float32), "fc_w"),
+        numpy_helper.from_array(np.zeros((10,), np.float32), "fc_b"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Shape", ["r1"], ["r1_shape"], name="shape"),
+        helper.make_node("Cast", ["r1_shape"], ["r1_shape_f"], to=TensorProto.FLOAT, name="to_float"),
+        helper.make_node("Cast", ["r1_shape_f"], ["r1_shape_i"], to=TensorProto.INT64, name="to_int"),
+        helper.make_node("Reshape", ["r1", "r1_shape_i"], ["reshaped"], name="reshape"),
+        helper.make_node("Conv", ["reshaped", "w2"], ["c2"], name="conv2"),
+        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+    ]
+    graph = helper.make_graph(
+        nodes + _head("r2"),
+        "unknown_rank",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 8, 8])],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 10])],
+        init,
+        value_info=[helper.make_tensor_value_info("c1", TensorProto.FLOAT, None)],
+    )
+    return _save_at(graph, path, opset)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import models
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -70,11 +69,7 @@ def detector_map_model(path: Path, seed: int = 0, *, swap: bool = False, nudge: 
         [helper.make_tensor_value_info("prob", TensorProto.FLOAT, ["batch", 1, "h", "w"])],
         init,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return models.save_graph(graph, path)
 
 
 def _ort(path: Path, x: np.ndarray, optimised: bool) -> np.ndarray:
@@ -251,11 +246,7 @@ def classifier_model(path: Path, seed: int = 0) -> Path:
         [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 5])],
         init,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return models.save_graph(graph, path)
 
 
 def _classifier_project(root: Path, tolerance: dict) -> tuple:
@@ -391,11 +382,7 @@ def integrator_model(path: Path) -> Path:
         ],
         init,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return models.save_graph(graph, path)
 
 
 def _sequence_setup(tmp_path: Path, feed: dict | None = None):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from pipeline.core.errors import SkuforgeError
 from pipeline.core.paths import Layout
 from pipeline.engine.hostcheck import cached_host_problems, host_problems
 from pipeline.project.config import Registry
@@ -125,10 +126,14 @@ class PairOutcome:
     fix: str = ""  # a failed correctness gate: the bisected node and the command that fixes it (also in detail)
     warnings: list[str] = field(default_factory=list)  # short: what makes a passed pair doubtful (also in detail)
 
+    mixed: str = ""  # a passed engine with layers kept in higher precision: ``mixed: 6 layers fp32, 1.7x of fp32``
+
     @property
     def label(self) -> str:
-        """The outcome as a matrix cell: ``passed (warn: 5 fp32 layers)``."""
-        return f"{self.outcome} (warn: {'; '.join(self.warnings)})" if self.warnings else self.outcome
+        """The outcome as a matrix cell: ``passed (mixed: 6 layers fp32, 1.7x of fp32; warn: 5 fp32 layers)``."""
+        notes = [self.mixed] if self.mixed else []
+        notes += [f"warn: {'; '.join(self.warnings)}"] if self.warnings else []
+        return f"{self.outcome} ({'; '.join(notes)})" if notes else self.outcome
 
     def to_json(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -172,6 +177,7 @@ def _pair_outcome(
     manifest_path = out.manifest(model, sku)
     row = _manifest_row(registry, model, sku) if manifest_path.is_file() else None
     notes = row.pop("warnings") if row is not None else []
+    verdict = row.pop("verdict") if row is not None else []
     if row is None and status is not None and not status.buildable:
         # whatever an attempt here recorded, this host was never going to build it
         return PairOutcome(
@@ -203,11 +209,12 @@ def _pair_outcome(
                 sku,
                 "passed",
                 0,
-                "; ".join(long for _, long in notes),
+                "; ".join([*verdict, *(long for _, long in notes)]),
                 None,
                 row["p50_ms"],
                 manifest=row,
                 warnings=[short for short, _ in notes],
+                mixed=_mixed(registry, model, row),
             )
         fix = row.pop("fix", "")
         return PairOutcome(
@@ -358,6 +365,30 @@ def _warnings(m: Any, model: str, sku: str) -> list[tuple[str, str]]:
     return out
 
 
+def _mixed(registry: Registry, model: str, row: dict[str, Any]) -> str:
+    """``mixed: 6 layers fp32, 1.7x of fp32`` for an engine built with layers kept in higher
+    precision: the ratio is the p50 of the model's FP32 engine on the same backend (a passed
+    manifest of another SKU) over this one's; without one, the layers alone."""
+    kept = row.get("keep_precise") or []
+    if not kept or row["precision"] == "fp32":
+        return ""
+    text = f"mixed: {len(kept)} layer{'s' if len(kept) > 1 else ''} fp32"
+    out = Layout(registry.root)
+    for sku in registry.skus:
+        path = out.manifest(model, sku)
+        if sku == row["sku"] or not path.is_file():
+            continue
+        try:
+            other = load_manifest(path)
+        except SkuforgeError:
+            continue
+        if other.precision == "fp32" and other.backend == row["backend"] and other.correctness.passed:
+            if row["p50_ms"]:
+                text += f", {other.benchmark.engine_only.p50_ms / row['p50_ms']:.2g}x of fp32"
+            break
+    return text
+
+
 def _libraries(described: dict[str, Any]) -> str:
     """The image or audio libraries of a described preprocessing with their versions: ``opencv 5.1.0``."""
     return "+".join(f"{lib} {v}" for lib, v in described.get("versions", {}).items() if lib != "numpy")
@@ -385,6 +416,9 @@ def _manifest_row(registry: Registry, model: str, sku: str) -> dict[str, Any]:
         "precision": m.precision,
         "passed": m.correctness.passed,
         "failures": list(m.correctness.failures),
+        "keep_precise": list(m.build.keep_precise),
+        # what the device app computes, engine against reference: the gated statistic per postprocess
+        "verdict": [f"task: {t.text()}" for t in m.correctness.task if t.threshold is not None],
         "build_s": build_s,
         "layers": len(m.layers),
         "fused_layers": sum(1 for layer in m.layers if len(layer.fused_from) > 1),

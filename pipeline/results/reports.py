@@ -327,6 +327,26 @@ class TaskAgreement(Result):
     judgeable: bool = Field(True, description="false: too few units to resolve the threshold")
     failure: str | None = None
 
+    def text(self) -> str:
+        """The statistic in the user's terms, with n and its interval."""
+        if self.value is None:
+            return f"task {self.statistic} ({self.postprocess}): nothing to compare on {self.samples} samples"
+        interval = f", {self.interval[0]:.2%}..{self.interval[1]:.2%}" if self.interval else ""
+        if self.statistic in ("top1_agreement", "exact_match"):
+            what = "top-1 labels agree" if self.statistic == "top1_agreement" else "strings identical"
+            return f"{self.postprocess} {what} on {self.agree}/{self.samples} samples = {self.value:.2%}{interval}"
+        n = f"{self.units} {UNIT_NAMES.get(self.statistic, 'samples')}, {self.samples} samples"
+        return f"{self.postprocess} {_STATISTIC_NAMES[self.statistic]} {self.value:.2%}{interval} ({n})"
+
+
+UNIT_NAMES = {"cer": "reference characters", "box_f1": "boxes"}
+_STATISTIC_NAMES = {
+    "cer": "character error rate against the reference's strings",
+    "box_f1": "box F1 against the reference's boxes",
+    "mean_iou": "mean IoU against the reference's masks",
+    "topk_overlap": "top-k overlap",
+}
+
 
 class MetricResult(Result):
     """The task metric of engine and reference on the same labelled samples, paired: an exact
@@ -456,6 +476,9 @@ class Bisection(Result):
         default_factory=list,
         description="the golden samples bisected when not all fit in memory: those whose outputs fail most "
         "(empty: all of them)",
+    )
+    opset: int | None = Field(
+        None, description="the ai.onnx opset of the graph searched: the build's, after any conversion it made"
     )
 
 

@@ -233,15 +233,23 @@ def _with_outliers(found: float | None, needed: np.ndarray | None, outliers_at) 
     x = max(found, float(needed.max()))
     if not np.isfinite(x):
         return None
+    return _tightest(x, lambda v: not outliers_at(v), found)
+
+
+def _tightest(x: float, passes, floor: float) -> float:
+    """The smallest float from ``x`` on that ``passes``: up while it does not (rounding of (x - y) + y
+    may need a few ulps), then down while the next one below (not under ``floor``) still does."""
+    import numpy as np
+
     for _ in range(_MAX_ULP_STEPS):
-        if not outliers_at(x):
+        if passes(x):
             break
         x = float(np.nextafter(x, np.inf))
     else:
-        raise AssertionError(f"no value clears the outliers near {x!r}")  # a bug, not a user error
+        raise AssertionError(f"no passing value found near {x!r}")  # a bug, not a user error
     for _ in range(_MAX_ULP_STEPS):
         below = float(np.nextafter(x, -np.inf))
-        if below < found or outliers_at(below):
+        if below < floor or not passes(below):
             break
         x = below
     return x
@@ -513,18 +521,7 @@ def _smallest_passing(needed: np.ndarray, allowed: int, beyond_at) -> float | No
     x = float(np.partition(needed, needed.size - 1 - allowed)[needed.size - 1 - allowed])
     if not np.isfinite(x):
         return None
-    for _ in range(_MAX_ULP_STEPS):
-        if beyond_at(x) <= allowed:
-            break
-        x = float(np.nextafter(x, np.inf))
-    else:
-        raise AssertionError(f"no passing value found near {x!r}")  # a bug, not a user error
-    for _ in range(_MAX_ULP_STEPS):
-        below = float(np.nextafter(x, -np.inf))
-        if below < 0 or beyond_at(below) > allowed:
-            break
-        x = below
-    return x
+    return _tightest(x, lambda v: beyond_at(v) <= allowed, 0.0)
 
 
 def top1_correct(scores: np.ndarray, labels: np.ndarray) -> np.ndarray:

@@ -28,7 +28,7 @@ from pipeline.project.config import BoxesNms, ModelSpec, TaskTolerance
 from pipeline.project.data import BoxTargets
 from pipeline.project.postprocessing import postprocess
 from pipeline.results import gatestats
-from pipeline.results.reports import TaskAgreement, TaskStatistic
+from pipeline.results.reports import UNIT_NAMES, TaskAgreement, TaskStatistic
 
 if TYPE_CHECKING:
     import numpy as np
@@ -190,20 +190,7 @@ def task_short(t: TaskAgreement) -> str | None:
 
 def task_text(t: TaskAgreement) -> str:
     """The statistic in the user's terms, with n and its interval."""
-    if t.value is None:
-        return f"task {t.statistic} ({t.postprocess}): nothing to compare on {t.samples} samples"
-    interval = f", {_pct(t.interval[0])}..{_pct(t.interval[1])}" if t.interval else ""
-    if t.statistic in _COUNTS:
-        what = "top-1 labels agree" if t.statistic == "top1_agreement" else "strings identical"
-        return f"{t.postprocess} {what} on {t.agree}/{t.samples} samples = {_pct(t.value)}{interval}"
-    names = {
-        "cer": "character error rate against the reference's strings",
-        "box_f1": "box F1 against the reference's boxes",
-        "mean_iou": "mean IoU against the reference's masks",
-        "topk_overlap": "top-k overlap",
-    }
-    n = f"{t.units} {_unit(t.statistic)}, {t.samples} samples"
-    return f"{t.postprocess} {names[t.statistic]} {_pct(t.value)}{interval} ({n})"
+    return t.text()
 
 
 def _pct(x: float) -> str:
@@ -211,7 +198,7 @@ def _pct(x: float) -> str:
 
 
 def _unit(statistic: str) -> str:
-    return {"cer": "reference characters", "box_f1": "boxes"}.get(statistic, "samples")
+    return UNIT_NAMES.get(statistic, "samples")
 
 
 def _units(statistic: str, rows: Sequence[Sequence[float]]) -> int:
