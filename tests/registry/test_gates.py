@@ -24,6 +24,7 @@ from pipeline.results.reports import (
 )
 from pipeline.tracking.gates import correctness_gate, correctness_problems, sku_mismatches
 from pipeline.verify.compare import output_error
+from pipeline.verify.task import task_agreement
 
 RNG = np.random.default_rng(0)
 LOGITS = RNG.normal(scale=3.0, size=(600, 4))
@@ -223,3 +224,53 @@ def test_the_gate_judges_at_todays_confidence_not_the_manifests():
     o = measured(flipped(28), loose)  # 95.1% of 550 decisive rows: below 97% at 95%, not at 99.99%
     claimed = o.model_copy(update={"confidence": 0.9999})
     assert any("is below 97.00% at 95% confidence" in p for p in correctness_problems(manifest(claimed), registry()))
+
+
+# --- the task agreement decides beside a postprocess, recomputed from its evidence ---------------------
+
+
+def _task_manifest(reg, engine: np.ndarray, tamper: dict | None = None) -> Manifest:
+    """A manifest of a model with ``postprocess: argmax`` as validate writes it: the task agreement
+    over 600 samples, the tensor figures as diagnostics."""
+    spec = reg.model("conv")
+    policy = reg.tolerance("conv", "cpu_int8")
+    (task,) = task_agreement(spec, policy.task, {"golden": {"probs": engine}}, {"golden": {"probs": REFERENCE}})
+    task = task.model_copy(update=tamper or {})
+    o = measured(engine, reg).model_copy(update={"gating": not task.judgeable})
+    m = manifest(o)
+    passed = task.passed and (o.passed or not o.gating)
+    c = m.correctness.model_copy(update={"task": [task], "passed": passed, "failures": [] if passed else ["failed"]})
+    return Manifest.model_construct(model="conv", sku="cpu_int8", correctness=c, signature=m.signature)
+
+
+def test_with_a_postprocess_the_task_agreement_decides_and_is_recomputed():
+    strict = {"atol": 0.0, "rtol": 0.0, "max_mismatch": 0.0}
+    reg = registry(postprocess="argmax", tolerances={"int8": strict})
+    m = _task_manifest(reg, flipped(3))  # every element beyond atol 0: the tensor figures fail, 597/600 labels agree
+    assert not m.correctness.outputs[0].passed and m.correctness.passed
+    assert correctness_problems(m, reg) == []
+    # the same evidence under enforce: the tensor gates decide again
+    enforced = registry(postprocess="argmax", tolerances={"int8": strict | {"enforce": True}})
+    assert any("gating=False" in p for p in correctness_problems(m, enforced))
+
+
+@pytest.mark.parametrize(
+    "tamper, words",
+    [
+        ({"agree": 700}, "do not add up"),
+        ({"value": 1.0}, "contradicts its evidence"),
+        ({"passed": False}, "recorded as failed"),
+    ],
+)
+def test_task_evidence_that_contradicts_itself_fails_closed(tamper, words):
+    reg = registry(postprocess="argmax")
+    problems = correctness_problems(_task_manifest(reg, flipped(3), tamper), reg)
+    assert any(words in p for p in problems), problems
+
+
+def test_a_task_agreement_below_todays_threshold_fails():
+    loose = registry(postprocess="argmax", tolerances={"int8": {"min_agreement": 0.9}})
+    m = _task_manifest(loose, flipped(30))  # 570/600 = 95%: passes 0.9, not INT8's default 0.97
+    assert correctness_problems(m, loose) == []
+    problems = correctness_problems(m, registry(postprocess="argmax"))
+    assert any("top-1 labels agree on 570/600 samples" in p and "below 97.00%" in p for p in problems), problems
