@@ -33,6 +33,7 @@ ONE_WORKER = {
     "dvc_pipeline": ("tests/integration/test_dvc_pipeline.py",),  # a chain of module fixtures: repro thrice
     "matrix": ("tests/test_matrix.py",),  # skuforge repro of four models under DVC
     "digits": ("tests/examples/test_digits.py",),  # trains the example model
+    "exporter_verdicts": ("tests/test_exporter_verdicts.py",),  # one INT8 recognizer build serves three tests
     # the `server` fixture: a real `mlflow server`, started once per process; the module's projects
     "mlflow_server": (
         "tests/registry/test_mlflow_server.py",

@@ -21,9 +21,13 @@ import pytest
 import yaml
 from cli_helpers import skuforge
 
+import pipeline.verify.bisect as bisect_module
+import pipeline.verify.remedy as remedy_module
 from pipeline.backends import get_backend
+from pipeline.backends.opset import convert_opset
 from pipeline.core.errors import GateFailed
 from pipeline.core.paths import Layout
+from pipeline.model.graph import default_opset, pin_axes
 from pipeline.project.config import SkuSpec, load_registry
 from pipeline.stages.bench import bench
 from pipeline.stages.build import build
@@ -33,7 +37,17 @@ from pipeline.stages.manifest import write_manifest
 from pipeline.stages.prepare import prepare
 from pipeline.stages.reference import reference
 from pipeline.stages.validate import validate
-from pipeline.verify.bisect import Graph, channel_axis, remedy_nodes, tensor_error
+from pipeline.verify.bisect import (
+    Graph,
+    bisect,
+    channel_axis,
+    float_node_inputs,
+    outer_reads,
+    overflow_source,
+    remedy_nodes,
+    tensor_error,
+    unkeepable,
+)
 from pipeline.verify.remedy import fix
 
 SKUS = models.CPU_SKUS
@@ -52,6 +66,13 @@ PLANTED = {
 BUILDERS = {
     "outlier": (models.outlier_channel_model, models.outlier_channel_spec()),
     "overflow": (models.fp16_overflow_model, models.fp16_overflow_spec()),
+    "bias_outlier": (models.bias_outlier_model, models.outlier_channel_spec()),
+    "unknown_rank": (models.unknown_rank_model, models.outlier_channel_spec()),
+    # 4 of 16 golden samples at up to 4x the calibrated range: INT8 saturates on those alone
+    "edge_cases": (
+        models.feature_map_model,
+        models.feature_map_spec() | {"datasets": {"golden": {"generate": {"count": 16, "edge_cases": True}}}},
+    ),
 }
 
 
@@ -175,7 +196,6 @@ def test_no_false_alarm_on_passing_engines(tmp_path, sku):
     reg = _stages(load_registry(tmp_path / "params.yaml"), sku)
     build(reg, "m", sku)
     assert validate(reg, "m", sku).passed
-    from pipeline.verify.bisect import bisect
 
     assert bisect(reg, "m", sku).verdict == "clean"
     scanned = bisect(reg, "m", sku, scan=True)
@@ -267,7 +287,6 @@ def test_openvino_qdq_gather_fault_found_through_fusion(tmp_path):
     assert (suspect["node"], suspect["cause"]) == ("pool", "compiler"), bisection["summary"]
     # the first build marked the Gather's output beside the ReduceSum's and saw nothing wrong
     assert any(not p["divergent"] for p in bisection["probes"])
-    from pipeline.verify.remedy import fix
 
     remedy = fix(reg, "m", "ov_int8")
     assert remedy.passed and "embed" in remedy.keep_precise, remedy.summary
@@ -290,8 +309,6 @@ def if_project(tmp_path_factory):
 def test_graph_follows_outer_scope_reads(tmp_path):
     import onnx
 
-    from pipeline.verify.bisect import float_node_inputs, outer_reads
-
     graph = Graph.of(onnx.load(str(models.if_outer_scope_model(tmp_path / "if.onnx"))))
     branch = graph.producer["r2"]
     assert graph.inputs(branch) == ["bright", "c2"]
@@ -305,8 +322,6 @@ def test_graph_follows_outer_scope_reads(tmp_path):
 def test_if_reading_outer_scope_is_searched_through(if_project):
     """The defect is upstream of the If, reached only through the branches' outer-scope read: the
     search names it (not the If), and the remedy passes in one round."""
-    from pipeline.verify.bisect import bisect
-    from pipeline.verify.remedy import fix
 
     found = bisect(if_project, "m", "ort_int8")
     suspect = found.suspects[0]
@@ -319,8 +334,6 @@ def test_if_reading_outer_scope_is_searched_through(if_project):
 
 
 def test_build_cap_is_stated_with_the_best_found_so_far(if_project):
-    from pipeline.verify.bisect import bisect
-    from pipeline.verify.remedy import fix
 
     found = bisect(if_project, "m", "ort_int8", max_builds=2)
     assert found.verdict == "inconclusive" and found.builds == 2 and found.max_builds == 2
@@ -328,14 +341,16 @@ def test_build_cap_is_stated_with_the_best_found_so_far(if_project):
     remedy = fix(if_project, "m", "ort_int8", max_builds=2)
     assert not remedy.passed and remedy.builds == 3 and remedy.max_builds == 2
     assert "cap 2 builds per bisection" in remedy.summary and "best found" in remedy.summary
-    assert remedy.lessons == [found.summary]
+    assert remedy.lessons[0] == found.summary and remedy.scan is None
+    assert "accuracy-aware phase did not run" in remedy.lessons[1] and "cap is 2" in remedy.lessons[1]
 
 
 def test_a_remedy_that_does_not_move_the_error_stops(if_project, monkeypatch):
     """A suspect whose keeping leaves the error where it was (here: the real bisection's suspect
     swapped for the classifier head) is undone after one round, with what it showed, instead of
-    bisecting again to the same place."""
-    import pipeline.verify.remedy as remedy_module
+    bisecting again to the same place. The accuracy-aware phase then ranks the nodes by the error
+    their tensors add (a scan), keeps them greedily until the gate passes and drops what it can
+    spare, the latest first, within the cap: it finds the planted node and its reader."""
 
     real = remedy_module.bisect
 
@@ -346,18 +361,31 @@ def test_a_remedy_that_does_not_move_the_error_stops(if_project, monkeypatch):
 
     monkeypatch.setattr(remedy_module, "bisect", misled)
     remedy = remedy_module.fix(if_project, "m", "ort_int8")
-    assert not remedy.passed and len(remedy.rounds) == 1 and remedy.keep_precise == []
-    # fc, then fc with what feeds it (flatten): neither moves the error, both undone
-    assert [(s.keep_precise, s.kept) for s in remedy.steps[1:]] == [(["fc"], False), (["fc", "flatten"], False)]
+    assert len(remedy.rounds) == 1
+    # fc, then fc with what feeds it (flatten), then both ways (softmax): none moves the error, all undone
+    assert [(s.phase, s.keep_precise, s.kept) for s in remedy.steps[1:4]] == [
+        ("bisect", ["fc"], False),
+        ("widen", ["fc", "flatten"], False),
+        ("widen", ["fc", "flatten", "softmax"], False),
+    ]
     (lesson,) = remedy.lessons
     assert "keeping fc precise left max abs error at" in lesson and "not the cause" in lesson, lesson
     assert f"{remedy.steps[1].max_abs_error:.4g}" in lesson and lesson in remedy.summary
+    assert "keeping flatten, softmax too did not" in lesson
+    # the accuracy-aware phase: outlier_scale adds the most error, kept with conv2 (which reads it)
+    assert remedy.scan is not None and remedy.ranked[:2] == ["outlier_scale", "conv2"], remedy.ranked
+    assert remedy.passed and remedy.keep_precise == ["outlier_scale", "conv2"], remedy.summary
+    assert [(s.phase, s.keep_precise, s.passed) for s in remedy.steps[4:]] == [
+        ("greedy", ["outlier_scale", "conv2"], True),
+        ("drop", ["outlier_scale"], False),  # neither can go: conv2 quantizes the outlier as it reads it
+        ("drop", ["conv2"], False),
+    ]
+    assert remedy.builds - remedy.steps[3].builds <= remedy.max_builds  # the phase's budget
+    assert remedy.after.passed and remedy.latency_ratio > 0 and remedy.fp32_latency_ratio > 0
 
 
 def test_control_flow_nodes_are_kept_only_where_the_tools_can(tmp_path):
     import onnx
-
-    from pipeline.verify.bisect import unkeepable
 
     graph = Graph.of(onnx.load(str(models.if_outer_scope_model(tmp_path / "if.onnx"))))
     branch = graph.producer["r2"]
@@ -375,11 +403,91 @@ def test_overflow_is_blamed_on_the_node_that_makes_it(tmp_path):
     walk up to the node that made the value (or the graph input holding it)."""
     import onnx
 
-    from pipeline.verify.bisect import overflow_source
-
     graph = Graph.of(onnx.load(str(models.fp16_overflow_model(tmp_path / "m.onnx"))))
     big = {"h": 50.0, "big": 2e5, "big_relu": 2e5, "small": 50.0, "y": 10.0}
     assert overflow_source(graph, "small", "fp16", big.get) == "big"  # rescale reads relu's, relu reads big
     assert overflow_source(graph, "y", "fp16", big.get) == "y"  # fc2's input is in range
     assert overflow_source(graph, "small", "int8", big.get) == "small"  # no finite limit to leave
     assert overflow_source(graph, "h", "fp16", {"x": 1e5}.get) == "x"  # a graph input beyond it
+
+
+# --- the build's own graph, the gate's own samples, a defect only the consumer undoes (issue 36) ------
+
+
+def test_opset_conversion_takes_values_without_a_shape(tmp_path):
+    """Shape inference leaves a tensor of unknown rank with an element type and no shape. Marked as
+    an output (as bisection marks it), the converted graph failed the ONNX checker ("Field 'shape'
+    of 'type' is required but missing"). Shapeless value infos are left out before converting, and
+    an output that had no shape before is checked by the probe run instead."""
+    import numpy as np
+    import onnx
+
+    path = models.unknown_rank_model(tmp_path / "m.onnx")
+    model = pin_axes(onnx.load(str(path)), {"batch": 1}, path)
+    shapeless = [v.name for v in model.graph.value_info if not v.type.tensor_type.HasField("shape")]
+    assert shapeless[:2] == ["reshaped", "c2"], shapeless  # and what follows it
+    marked = Graph.of(model).with_outputs(["reshaped"])
+    x = {"x": np.random.default_rng(0).uniform(0, 1, (1, 4, 8, 8)).astype(np.float32)}
+    converted, record = convert_opset(marked, 17, x, "a test")
+    assert default_opset(converted) == 17 and record is not None and record.max_abs_error == 0.0
+    assert [o.name for o in converted.graph.output] == ["probs", "reshaped"]
+
+
+def test_bisection_searches_the_graph_the_build_converted(tmp_path):
+    """The INT8 build converts the opset-11 model to 17 (QDQ needs 13): bisection searches that
+    graph (reference, candidates, marked builds), the tensor of unknown rank included."""
+
+    reg = _project(tmp_path, "unknown_rank", "ort_int8")
+    report = build(reg, "m", "ort_int8")
+    assert report.calibration["opset_conversion"]["from_opset"] == 11
+    scanned = bisect(reg, "m", "ort_int8", scan=True)
+    assert scanned.opset == 17 and "reshaped" in [t.tensor for t in scanned.tensors], scanned.summary
+    assert not [t.tensor for t in scanned.tensors if t.divergent], scanned.summary
+    assert bisect(reg, "m", "ort_int8").verdict == "clean"
+
+
+def test_the_anchor_is_the_gates_verdict_on_the_gates_samples(tmp_path, monkeypatch):
+    """The gate fails on the 4 edge-case samples of 16 (INT8 saturates beyond the calibrated range).
+    The anchor is the gate's own verdict on its 16 samples; where memory holds fewer, bisection takes
+    those whose outputs fail most, not the first (which pass: "within tolerance on 1 golden sample")."""
+
+    reg = _project(tmp_path, "edge_cases", "ort_int8")
+    build(reg, "m", "ort_int8")
+    found = bisect_module.bisect(reg, "m", "ort_int8")
+    assert found.gate_samples == {"golden": 16} and found.samples == 16 and found.golden_indices == []
+    assert found.gate_failures and found.verdict == "diverges", found.summary
+    monkeypatch.setattr(bisect_module, "MAX_INTERMEDIATE_BYTES", 2000)  # one sample's tensors
+    capped = bisect_module.bisect(reg, "m", "ort_int8")
+    assert capped.samples == 1 and set(capped.golden_indices) <= {12, 13, 14, 15}, capped.golden_indices
+    assert capped.gate_failures == found.gate_failures and capped.verdict == "diverges", capped.summary
+
+
+def test_planted_bias_outlier_is_fixed_with_the_node_that_reads_it(tmp_path, monkeypatch):
+    """An Add puts +1e4 on one channel, a Relu passes it on, a 1x1 Conv drops that channel. The
+    Relu's output stays out of INT8 only when the Conv reading it is float too: the remedy follows
+    the outlier through the Relu to its reader and passes in one round. Keeping the producers alone
+    (the remedy before) leaves the error where it was; the engine's layers show why (a QuantizeLinear
+    on the Relu's output) and the remedy widens to its reader."""
+
+    reg = _project(tmp_path, "bias_outlier", "ort_int8")
+    build(reg, "m", "ort_int8")
+    remedy = remedy_module.fix(reg, "m", "ort_int8")
+    suspect = remedy.rounds[0].suspects[0]
+    assert (suspect.node, suspect.cause) == ("outlier_bias", "range"), remedy.rounds[0].summary
+    assert remedy.passed and remedy.keep_precise == ["outlier_bias", "relu3", "drop"], remedy.summary
+    assert remedy.steps[1].max_abs_error < remedy.steps[0].max_abs_error / 10
+
+    real = remedy_module.bisect
+
+    def producers_only(*args, **kwargs):
+        found = real(*args, **kwargs)
+        found.suspects[0].keep = ["outlier_bias", "relu3"]
+        return found
+
+    monkeypatch.setattr(remedy_module, "bisect", producers_only)
+    remedy = remedy_module.fix(reg, "m", "ort_int8")
+    assert [(s.phase, s.keep_precise, s.passed, s.still_quantized) for s in remedy.steps[1:]] == [
+        ("bisect", ["outlier_bias", "relu3"], False, ["r3"]),
+        ("widen", ["outlier_bias", "relu3", "drop"], True, []),
+    ], remedy.summary
+    assert remedy.steps[1].max_abs_error == remedy.steps[0].max_abs_error  # the INT8 figure, exactly

@@ -6,6 +6,12 @@ listed in KNOWN_UNSUPPORTED (a clean UnsupportedOp naming that op, the node and 
 KNOWN_GATE_FAILURES (builds, runs, misses its gate). A pair that regresses from passed to
 unsupported fails, and so does a listed pair that starts passing (strict: update the table).
 
+The exporter-style fixtures of tests/exporter_models.py (a DBNet-style detector, a CTC recognizer,
+an opset-11 classifier with a shapeless value_info entry, a stateful model with an If, a conv
+classifier) declare a postprocess, so the task agreement decides their verdicts; they run on the
+SKU kinds those verdicts are about only (EXPORTER_SKUS: ONNX Runtime FP32 and INT8, OpenVINO INT8,
+LiteRT INT8, IREE FP16), which keeps their share of the module near a minute.
+
 The outcomes are collected into a matrix printed at the end of the module (and written to
 ``corpus-matrix.txt`` in the module's temporary folder).
 """
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import exporter_models
 import models
 import onnx
 import pytest
@@ -39,7 +46,7 @@ NEWEST = onnx.defs.onnx_opset_version()
 ANY_LITERT_KERNEL = {"placement": {"allowed": ["xnnpack", "cpu"]}}
 SKUS = models.CPU_SKUS | {
     "litert_fp32": models.cpu_sku("litert", "fp32", {"delegate": "xnnpack"}) | ANY_LITERT_KERNEL,
-    "litert_int8": models.cpu_sku("litert", "int8", {"delegate": "xnnpack", "per_channel": True}) | ANY_LITERT_KERNEL,
+    "litert_int8": exporter_models.LITERT_INT8,
 }
 
 
@@ -69,17 +76,29 @@ FIXTURES = {
     # paddle2onnx names and an opset-11 Softmax over a non-last axis (the INT8 quantizer crashed)
     "paddle_softmax": (models.paddle_softmax_model, _conv(11)[1]),
     "external_data": (models.external_data_model, models.vector_spec("m")),
+    # models whose outputs a device app post-processes: the task agreement decides their verdicts
+    **{name: (builder, spec("m")) for name, (builder, spec) in exporter_models.FIXTURES.items()},
 }
 MATRIX: dict[tuple[str, str], str] = {}
 # LiteRT INT8 (a ~10 s conversion each) on these only: a conv net, an opset-11 Softmax converted to
-# 13, int64 and scalar I/O with an embedding, and a refusal; LiteRT FP32 runs every fixture
-LITERT_INT8_FIXTURES = ("conv_opset13", "paddle_softmax", "multi_output", "lstm")
+# 13, int64 and scalar I/O with an embedding, a refusal, and the exporter-style fixtures (their INT8
+# verdicts are what they are for); LiteRT FP32 runs every fixture but those
+LITERT_INT8_FIXTURES = ("conv_opset13", "paddle_softmax", "multi_output", "lstm", *exporter_models.FIXTURES)
+# The exporter-style fixtures (tests/exporter_models.py) on the SKU kinds whose verdicts they are
+# about only: INT8 on each INT8 backend and IREE FP16 against the ONNX Runtime FP32 baseline. Their
+# LiteRT FP32, IREE FP32 and OpenVINO FP32 builds would add ~100 s to the module and judge nothing
+# these do not (a LiteRT conversion takes ~13 s here)
+EXPORTER_SKUS = ("ort_fp32", "ort_int8", "ov_int8", "iree_fp16", "litert_int8")
 # Pairs a backend refuses with UnsupportedOp, and the op it names. Every fixture builds on every
 # other CPU SKU (onnxruntime 1.32, OpenVINO 2026.4, IREE 3.13); onnx2tf 1.29.24 fails on these nodes
 # (the Loop body's While layer, an LSTM Reshape and a GRU Split of the wrong size), keep_ncw or not
 KNOWN_UNSUPPORTED: dict[tuple[str, str], str] = {
     **{(fixture, "litert_fp32"): op for fixture, op in (("loop", "Loop"), ("lstm", "LSTM"), ("gru", "GRU"))},
     ("lstm", "litert_int8"): "LSTM",
+    # onnx2tf 1.29.24 fails on the If whose then branch reads weights of the outer graph ("could not
+    # convert the model: 'wx'", a KeyError on that initializer); the "if" fixture's branches read only
+    # a graph input and hold their own Constants, and it converts (litert_fp32)
+    ("stateful_if", "litert_int8"): "If",
 }
 # Pairs that build and run but miss the accuracy gate, and why (strict: a fix turns them red)
 KNOWN_GATE_FAILURES = {
@@ -141,6 +160,8 @@ def _pairs():
     for fixture in FIXTURES:
         for sku in SKUS:
             if sku == "litert_int8" and fixture not in LITERT_INT8_FIXTURES:
+                continue
+            if fixture in exporter_models.FIXTURES and sku not in EXPORTER_SKUS:
                 continue
             reason = KNOWN_GATE_FAILURES.get((fixture, sku))
             marks = [pytest.mark.xfail(raises=GateFailed, strict=True, reason=reason)] if reason else []

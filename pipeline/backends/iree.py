@@ -34,7 +34,7 @@ from pipeline.backends.contract import BuildContext, BuildOutcome, Capabilities,
 from pipeline.backends.opset import convert_opset
 from pipeline.core.errors import ConfigError, EnvironmentProblem, InputError, UnsupportedOp, first_line
 from pipeline.host import probe
-from pipeline.model.graph import _all_nodes, default_opset, signature, tensors_to_raw
+from pipeline.model.graph import all_nodes, default_opset, signature, tensors_to_raw
 from pipeline.results.reports import LayerInfo, TensorSig
 
 if TYPE_CHECKING:
@@ -242,14 +242,16 @@ class IreeBackend(Backend):
         work = staged.work
         # the graph as imported (with the FP16 converter's casts), in graph order
         node_types = {n.name: n.op_type for n in staged.model.graph.node if n.name}
+        # a refusal may name a node inside an If/Loop/Scan body: those are known by name too
+        named = {n.name: n.op_type for n in all_nodes(staged.model.graph) if n.name} | node_types
         _progress(ctx, "iree import", 0.1)
         try:
             _to_mlir(staged.source, work / "input.mlir")
         except _ImportRefused as exc:
-            raise _import_failure(exc, node_types, staged.notes["earlier"], work, (ctx.model, ctx.sku)) from exc
+            raise _import_failure(exc, named, staged.notes["earlier"], work, (ctx.model, ctx.sku)) from exc
         _progress(ctx, "iree compile", 0.3)
         flags, dropped = _compile(
-            work, compile_flags(opts, ctx.sku_spec.target.arch), opts.droppable_flags, ctx.engine_dir / VMFB, node_types
+            work, compile_flags(opts, ctx.sku_spec.target.arch), opts.droppable_flags, ctx.engine_dir / VMFB, named
         )
         dispatches = parse_dispatches(work / "sources", list(node_types), opts.runtime_driver)
         target = _resolved_target(work / "sources")
@@ -489,7 +491,7 @@ def _refused_at(
     if node is not None:
         return node, node_types[node], None
     for name in named + [q for q in re.findall(r"'([^']+)'", message)]:
-        reader = next((n for n in _all_nodes(model.graph) if name in n.input), None)
+        reader = next((n for n in all_nodes(model.graph) if name in n.input), None)
         if reader is not None:
             return reader.name or reader.output[0], reader.op_type, name
     return None, None, None

@@ -484,7 +484,7 @@ class OpenVinoBackend(Backend):
             layers=layers,
             requested_devices=member_devices(device),
             partition_boundaries=boundaries,
-            options=opts.model_dump(mode="json"),
+            options={**opts.model_dump(mode="json"), "opset_conversion": staged.notes.get("opset_conversion")},
             calibration=staged.calibration,
             warnings=warnings,
             meta=meta,

@@ -37,6 +37,16 @@ class OpsetConversion:
         )
 
 
+def recorded_conversion(*records: dict | None) -> OpsetConversion | None:
+    """The opset conversion a build did, from the records a backend keeps it in (the QDQ
+    calibration record, the build options), or None."""
+    for record in records:
+        found = (record or {}).get("opset_conversion")
+        if found:
+            return OpsetConversion(**found)
+    return None
+
+
 def probe_difference(model: onnx.ModelProto, changed: onnx.ModelProto, probe_inputs: dict) -> tuple[float, float]:
     """The largest absolute and relative (to the largest output magnitude, at least 1) difference
     between the outputs ONNX Runtime computes for two models on ``probe_inputs``; inf where an
@@ -58,13 +68,50 @@ def probe_difference(model: onnx.ModelProto, changed: onnx.ModelProto, probe_inp
     return worst_abs, worst_rel
 
 
+def without_shapeless_values(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` without the ``graph.value_info`` entries that carry no shape (an element
+    type alone: shape inference writes one for a tensor whose rank it cannot tell, and exporters do).
+    They add nothing inference does not find again, and the converter's output must type-check."""
+    import onnx
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    kept = [vi for vi in copy.graph.value_info if has_shape(vi)]
+    del copy.graph.value_info[:]
+    copy.graph.value_info.extend(kept)
+    return copy
+
+
+def has_shape(value: onnx.ValueInfoProto) -> bool:
+    """A tensor value with a shape (of known rank); other types count as shaped."""
+    return not value.type.HasField("tensor_type") or value.type.tensor_type.HasField("shape")
+
+
+def checkable(converted: onnx.ModelProto, original: onnx.ModelProto) -> onnx.ModelProto:
+    """``converted`` as the ONNX checker takes it: the checker wants a shape on every graph output,
+    but an output of unknown rank (a tensor bisection marks as an output, a Reshape to a computed
+    shape) has none before the conversion either; the probe run checks those outputs instead."""
+    import onnx
+
+    unshaped = {o.name for o in original.graph.output if not has_shape(o)}
+    if not unshaped:
+        return converted
+    copy = onnx.ModelProto()
+    copy.CopyFrom(converted)
+    kept = [o for o in copy.graph.output if has_shape(o) or o.name not in unshaped]
+    del copy.graph.output[:]
+    copy.graph.output.extend(kept)
+    return copy
+
+
 def convert_opset(
     model: onnx.ModelProto, target: int, probe_inputs: dict, reason: str
 ) -> tuple[onnx.ModelProto, OpsetConversion | None]:
     """``model`` at ai.onnx opset ``target``: converted with ONNX's version converter (up or down,
     tensors stored as raw_data) when at another opset, else returned as is (record None). The
     conversion is refused (InputError) when the converter fails or ONNX Runtime's outputs on
-    ``probe_inputs`` differ between the two models by more than OPSET_CONVERSION_RTOL."""
+    ``probe_inputs`` differ between the two models by more than OPSET_CONVERSION_RTOL. Value infos
+    without a shape are left out before converting, and shapes inferred again after."""
     import onnx
     from onnx import version_converter
 
@@ -73,8 +120,9 @@ def convert_opset(
         return model, None
     redo = f"re-export the model from its framework at opset {target}"
     try:
-        converted = version_converter.convert_version(model, target)
-        onnx.checker.check_model(converted)
+        converted = version_converter.convert_version(without_shapeless_values(model), target)
+        converted = onnx.shape_inference.infer_shapes(converted)
+        onnx.checker.check_model(checkable(converted, model))
     except Exception as exc:  # the converter raises plain RuntimeError/ValidationError from C++
         detail = first_line(exc)
         raise InputError(

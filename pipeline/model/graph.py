@@ -155,7 +155,7 @@ def check_ops(model: onnx.ModelProto, path: Path) -> None:
             "or upgrade onnx and onnxruntime together to versions that know it",
         )
     local = {(f.domain, f.name) for f in model.functions}  # model-local functions are defined in the file
-    for node in _all_nodes(model.graph):
+    for node in all_nodes(model.graph):
         if (node.domain or "") not in _STANDARD_DOMAINS and (node.domain, node.op_type) not in local:
             raise InputError(
                 f"{path}: node {node.name or node.output[0]!r} is op {node.op_type!r} of the custom domain "
@@ -165,12 +165,12 @@ def check_ops(model: onnx.ModelProto, path: Path) -> None:
             )
 
 
-def _all_nodes(graph: onnx.GraphProto):
+def all_nodes(graph: onnx.GraphProto):
     for node in graph.node:
         yield node
         for attr in node.attribute:
             for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
-                yield from _all_nodes(sub)
+                yield from all_nodes(sub)
 
 
 def infer_shapes(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
@@ -553,7 +553,7 @@ def coerced_axis_nodes(model: onnx.ModelProto) -> list[str]:
 
     if default_opset(model) >= 13:
         return []
-    if not any(n.op_type in COERCED_AXIS_OPS for n in _all_nodes(model.graph)):
+    if not any(n.op_type in COERCED_AXIS_OPS for n in all_nodes(model.graph)):
         return []
     try:
         inferred = onnx.shape_inference.infer_shapes(model)
@@ -565,7 +565,7 @@ def coerced_axis_nodes(model: onnx.ModelProto) -> list[str]:
         if v.type.tensor_type.HasField("shape")
     }
     found = []
-    for index, node in enumerate(_all_nodes(inferred.graph)):
+    for index, node in enumerate(all_nodes(inferred.graph)):
         if node.op_type not in COERCED_AXIS_OPS or not node.input:
             continue
         axis = next((a.i for a in node.attribute if a.name == "axis"), 1)

@@ -1,11 +1,14 @@
 """Bisection: the first node whose output leaves tolerance against the reference, and why.
 
-The search works on every backend the same way, through the backend's own build: the prepared
-model gets a few intermediate tensors marked as extra graph outputs, the SKU's backend builds it
-exactly as the build stage does (precision, calibration table, options, nodes kept precise) into
-a scratch folder, the engine runs the golden inputs, and the marked tensors are compared with
-ONNX Runtime CPU FP32 (optimisations off) running the same prepared model with every candidate
-tensor marked. Marking every tensor at once changes what the compiler fuses and can hide the
+The search works on every backend the same way, through the backend's own build. The anchor is
+the engine with nothing marked, judged by the validate gate itself (its samples, its criteria):
+what the search explains. The graph searched is the one that build compiled (the prepared model,
+at the opset the build converted it to); it gets a few intermediate tensors marked as extra graph
+outputs, the SKU's backend builds it exactly as the build stage does (precision, calibration
+table, options, nodes kept precise) into a scratch folder, the engine runs the gate's golden
+samples (those whose outputs fail most when not all fit in memory), and the marked tensors are
+compared with ONNX Runtime CPU FP32 (optimisations off) running the same graph with them marked.
+Marking every tensor at once changes what the compiler fuses and can hide the
 fault (OpenVINO's CPU plugin computes one QDQ Gather path wrong only when its result is not an
 output), so each build marks only ``marks_per_build`` tensors and the search narrows by parts:
 about log_(k+1)(n) builds for n candidates.
@@ -28,19 +31,21 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.backends import backend_class, get_backend
+from pipeline.backends.opset import convert_opset, recorded_conversion
 from pipeline.backends.reference import reference_runner
 from pipeline.core.errors import ConfigError, EnvironmentProblem, SkuforgeError
-from pipeline.engine.build import build_engine
-from pipeline.model.graph import pin_axes
+from pipeline.engine.build import Built, build_engine
+from pipeline.model.graph import default_opset, pin_axes
 from pipeline.project.artifacts import layout, load_arrays, read_report, run_plan
-from pipeline.project.data import LABELS, run_dataset
+from pipeline.project.data import LABELS, iter_batches, run_dataset
 from pipeline.results.reports import Bisection, BuildReport, EngineLayer, PrepareReport, Probe, Suspect, TensorError
+from pipeline.verify.check import correctness, correctness_failures
 from pipeline.verify.compare import output_error, output_problems
 
 if TYPE_CHECKING:
@@ -48,6 +53,7 @@ if TYPE_CHECKING:
     import onnx
 
     from pipeline.project.config import Registry
+    from pipeline.verify.check import Judgement
 
 LOG = logging.getLogger("skuforge.bisect")
 
@@ -381,13 +387,20 @@ def unkeepable(graph: Graph, node: Any, precision: str) -> str | None:
 
 
 def remedy_nodes(
-    graph: Graph, suspect_tensor: str, cause: str, precision: str, reference_abs_max: Callable[[str], float | None]
+    graph: Graph,
+    suspect_tensor: str,
+    cause: str,
+    precision: str,
+    reference_abs_max: Callable[[str], float | None],
+    outlier: Callable[[str], bool] | None = None,
 ) -> list[str]:
     """Nodes to keep in higher precision so the suspect stops diverging. Overflow and range keep the
     tensor itself out of the low precision: its producer and every consumer (an FP16 value beyond
     65504 is also out of range for the node that reads it; an INT8-quantized tensor is quantized
     at its consumers' inputs too), following the overflow downstream while the reference values
-    stay beyond the precision's range. Accumulation and compiler keep the node alone."""
+    stay beyond the precision's range, and the range while ``outlier`` says a consumer's output
+    still has the outlier channel (a Relu passes it on, and the node reading the Relu's output
+    quantizes it again). Accumulation and compiler keep the node alone."""
     names: list[str] = []
 
     def add(node: Any) -> None:
@@ -413,7 +426,24 @@ def remedy_nodes(
                     big = reference_abs_max(out)
                     if big is not None and big > top / 2:
                         todo.append(out)
+            if cause == "range" and outlier is not None:
+                todo += [out for out in consumer.output if out in graph.float_values and outlier(out)]
     return names
+
+
+def outlier_channels(graph: Graph, reference: Mapping[str, np.ndarray]) -> Callable[[str], bool]:
+    """Whether a tensor's reference has one channel beyond OUTLIER_RATIO times the median channel's
+    abs-max (what makes one INT8 scale for the tensor wipe out the others)."""
+
+    def outlier(tensor: str) -> bool:
+        if tensor not in reference:
+            return False
+        channels = tensor_error(graph, tensor, None, reference[tensor], "int8").channel_abs_max
+        median = channels.get("median")
+        others = [v for k, v in channels.items() if k != "median"]
+        return median is not None and median > 0 and max(others) > OUTLIER_RATIO * median
+
+    return outlier
 
 
 # --- running ----------------------------------------------------------------------------------------
@@ -426,16 +456,16 @@ def scratch_build(
     folder: Path,
     keep: tuple[str, ...] | list[str],
     prepared: Path | None = None,
-) -> Path:
+) -> Built:
     """The build stage's engine, built into ``folder/engine`` with a copy of the SKU's cache (the
-    real engine and cache are never touched); returns the engine folder."""
+    real engine and cache are never touched); returns what the build reported."""
 
     real = layout(registry).cache_dir(model, sku)
     if real.is_dir() and not real.is_symlink():
         shutil.copytree(real, folder / "cache", symlinks=True)  # a link stays a link: the copy is as untrusted
     # the marked outputs make new tuning tasks: a scratch build may miss the cache without failing, and
     # takes the compiler's default schedules for them rather than searching (numerics, not speed, matter here)
-    build_engine(
+    return build_engine(
         registry,
         model,
         sku,
@@ -446,12 +476,65 @@ def scratch_build(
         search=False,
         keep_precise=tuple(keep),
     )
-    return folder / "engine"
+
+
+def run_engine(registry: Registry, sku: str, engine: Path, feeds: dict[str, np.ndarray], in_idx: dict, batch: int):
+    """An engine's every output on ``feeds``, stacked per run (one batch per run)."""
+    sku_spec = registry.sku(sku)
+    with get_backend(sku_spec.backend).load(engine, sku_spec) as runner:
+        return run_dataset(runner.infer, feeds, in_idx, {t: None for t in runner.output_names}, batch)
+
+
+class ReferenceValues(Mapping[str, "np.ndarray"]):
+    """The graph inputs and any float tensor of the graph as ONNX Runtime CPU FP32 (optimisations
+    off, so marking changes nothing) computes it on the bisection's samples, stacked per run. A
+    tensor is computed when first asked for, with the others asked for at once: every tensor of
+    every sample would not fit in memory, the few a build marks do. Kept while they fit
+    MAX_INTERMEDIATE_BYTES."""
+
+    def __init__(self, graph: Graph, feeds: dict[str, np.ndarray], in_idx: dict[str, int | None], batch: int) -> None:
+        self.graph, self.feeds, self.in_idx, self.batch = graph, feeds, in_idx, batch
+        self.known = {*graph.float_values, *(o.name for o in graph.model.graph.output)}  # outputs of any type
+        self._values: dict[str, np.ndarray] = {}
+        self.runs = 0  # reference runs over the samples, for the log
+
+    def fetch(self, tensors: list[str]) -> None:
+        want = [t for t in dict.fromkeys(tensors) if t not in self._values and t in self.known]
+        want = [t for t in want if t not in self.feeds]
+        if not want:
+            return
+        with reference_runner(self.graph.with_outputs(want).SerializeToString()) as runner:
+            got = run_dataset(runner.infer, self.feeds, self.in_idx, {t: None for t in runner.output_names}, self.batch)
+        self.runs += 1
+        held = sum(a.nbytes for a in self._values.values())
+        for old in list(self._values):  # the oldest go first, never what was just asked for
+            if held + sum(got[t].nbytes for t in want) <= MAX_INTERMEDIATE_BYTES:
+                break
+            if old not in tensors:
+                held -= self._values.pop(old).nbytes
+        self._values.update({t: got[t] for t in want})
+
+    def __getitem__(self, tensor: str) -> np.ndarray:
+        if tensor in self.feeds:
+            return self.feeds[tensor]
+        if tensor not in self.known:
+            raise KeyError(tensor)
+        self.fetch([tensor])
+        return self._values[tensor]
+
+    def __contains__(self, tensor: object) -> bool:
+        return tensor in self.feeds or tensor in self.known
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self.feeds, *(t for t in self.known if t not in self.feeds)])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 @dataclass
 class Session:
-    """One bisection's fixed inputs: the graph, the golden samples, the reference of every candidate."""
+    """One bisection's fixed inputs: the graph the build compiles, the samples, their reference."""
 
     registry: Registry
     model: str
@@ -460,7 +543,7 @@ class Session:
     feeds: dict[str, np.ndarray]
     in_idx: dict[str, int | None]
     batch: int
-    reference: dict[str, np.ndarray]
+    reference: ReferenceValues
     keep: tuple[str, ...]
     work: Path
     builds: int = 0
@@ -481,21 +564,19 @@ class Session:
             prepared = folder / "marked.onnx"
             onnx.save(self.graph.with_outputs(marked), str(prepared))
             scratch_build(self.registry, self.model, self.sku, folder, self.keep, prepared)
-            sku_spec = self.registry.sku(self.sku)
-            with get_backend(sku_spec.backend).load(folder / "engine", sku_spec) as runner:
-                missing = [t for t in marked if t not in runner.output_names]
-                if missing:
-                    raise EnvironmentProblem(
-                        f"the {sku_spec.backend} engine does not expose {missing} as outputs",
-                        hint="this backend renames or drops marked outputs: bisection cannot read them",
-                    )
-                return run_dataset(
-                    runner.infer, self.feeds, self.in_idx, {t: None for t in runner.output_names}, self.batch
+            got = run_engine(self.registry, self.sku, folder / "engine", self.feeds, self.in_idx, self.batch)
+            missing = [t for t in marked if t not in got]
+            if missing:
+                raise EnvironmentProblem(
+                    f"the {self.registry.sku(self.sku).backend} engine does not expose {missing} as outputs",
+                    hint="this backend renames or drops marked outputs: bisection cannot read them",
                 )
+            return got
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
     def probe(self, marked: list[str]) -> dict[str, TensorError]:
+        self.reference.fetch(marked)
         got = self.run_engine(marked)
         errors = {t: tensor_error(self.graph, t, got[t], self.reference[t], self.precision) for t in marked}
         self.probes.append(Probe(marked=marked, divergent=[t for t in marked if errors[t].divergent]))
@@ -510,15 +591,76 @@ class Session:
         return errors
 
 
-def _samples(registry: Registry, model: str, sku: str, work: Path) -> tuple[dict, dict, int, Any]:
-    """Golden inputs (capped), their batch axes and the SKU's batch."""
+def _samples(registry: Registry, model: str, sku: str) -> tuple[dict, dict, int]:
+    """Golden inputs, their batch axes and the SKU's batch."""
 
     out = layout(registry)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
     arrays = load_arrays(out.split(model, "golden"), "data")
     arrays.pop(LABELS, None)
     in_idx, _, batch = run_plan(registry, model, prep.signature, sku)
-    return arrays, in_idx, batch, prep
+    return arrays, in_idx, batch
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """The SKU's engine with nothing marked, judged by the validate gate itself (its samples, its
+    criteria): what the search has to explain."""
+
+    engine: Path
+    built: Built
+    judgement: Judgement
+    failures: list[str]
+
+    def samples(self) -> str:
+        return ", ".join(f"{n} {split}" for split, n in self.judgement.samples.items()) or "no samples"
+
+    def failing_outputs(self) -> list[str]:
+        """The outputs the gate's tensor checks find off (diagnostics beside a task verdict included)."""
+        return [e.output for e in self.judgement.errors if output_problems(e)]
+
+
+def judge_anchor(registry: Registry, model: str, sku: str, folder: Path, keep: tuple[str, ...]) -> Anchor:
+    built = scratch_build(registry, model, sku, folder, keep)
+    sku_spec = registry.sku(sku)
+    with get_backend(sku_spec.backend).load(folder / "engine", sku_spec) as runner:
+        judgement = correctness(registry, model, sku, runner)
+    return Anchor(folder / "engine", built, judgement, correctness_failures(registry, model, judgement))
+
+
+def as_built(model: onnx.ModelProto, built: Built, probe: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """``model`` at the opset the build converted it to (the same conversion), so the reference,
+    the candidates and the marked builds are those of the graph the engine was compiled from."""
+    conversion = recorded_conversion(built.outcome.calibration, built.outcome.options)
+    if conversion is None or conversion.to_opset == default_opset(model):
+        return model
+    converted, _ = convert_opset(model, conversion.to_opset, probe, conversion.reason)
+    return converted
+
+
+def pick_samples(
+    anchor: Anchor, reference: dict[str, np.ndarray], outputs: list[str], total: int, n: int, batch: int
+) -> list[int]:
+    """The golden samples to bisect on: all of them when ``n`` covers them, else the ``n`` (whole
+    batches) whose ``outputs`` the anchor engine gets most wrong (relative error, NaN/Inf first),
+    in their order in the set."""
+    import numpy as np
+
+    if n >= total:
+        return list(range(total))
+    n = max(batch, n - n % batch)
+    score = np.zeros(total)
+    for name in outputs:
+        got, ref = anchor.judgement.golden.get(name), reference.get(name)
+        if got is None or ref is None or got.shape != ref.shape or len(got) != total:
+            continue
+        g, r = got.reshape(total, -1).astype(np.float64), ref.reshape(total, -1).astype(np.float64)
+        bad = (~np.isfinite(g) & np.isfinite(r)).any(axis=1)
+        d = np.where(np.isfinite(g) & np.isfinite(r), g - r, 0.0)
+        rel = np.linalg.norm(d, axis=1) / np.maximum(np.linalg.norm(np.where(np.isfinite(r), r, 0.0), axis=1), 1e-12)
+        score = np.maximum(score, np.where(bad, np.inf, rel))
+    worst = np.argsort(-score, kind="stable")[:n]
+    return sorted(int(i) for i in worst)
 
 
 def bisect(
@@ -535,6 +677,7 @@ def bisect(
     """Search the first divergent node of ``model``'s engine for ``sku`` (see the module doc).
     ``scan``: measure every candidate instead (a few marked per build), failing or not: the
     per-layer error profile, and a check that a passing engine has no divergent tensor."""
+    import numpy as np
     import onnx
 
     spec = registry.sku(sku)
@@ -551,23 +694,30 @@ def bisect(
     out = layout(registry)
     with tempfile.TemporaryDirectory(prefix="skuforge-bisect-") as tmp:
         work = Path(tmp)
-        arrays, in_idx, batch, prep = _samples(registry, model, sku, work)
+        arrays, in_idx, batch = _samples(registry, model, sku)
+        # the anchor: the engine as the build stage makes it, judged by the validate gate itself
+        anchor = judge_anchor(registry, model, sku, work / "anchor", keep)
         prepared = out.prepared_model(model)
-        graph = Graph.of(
-            pin_axes(
-                onnx.load(str(prepared)),
-                {k_: v for k_, v in registry.pins(model, sku).items() if k_ not in spec.profiles},
-                prepared,
-            )
+        pinned = pin_axes(
+            onnx.load(str(prepared)),
+            {k_: v for k_, v in registry.pins(model, sku).items() if k_ not in spec.profiles},
+            prepared,
         )
-        # every candidate in one reference run (no optimisation, so marking changes nothing there),
-        # on as many golden samples as fit the memory cap
-        per_run = sum(_numel(graph.float_values[t]) * 8 for t in graph.order) or 1
-        n = min(len(next(iter(arrays.values()))), MAX_SAMPLES, batch * max(1, MAX_INTERMEDIATE_BYTES // per_run))
-        feeds = {name: a[:n] for name, a in arrays.items()}
+        graph = Graph.of(as_built(pinned, anchor.built, next(iter_batches(arrays, in_idx, batch))[1]))
         outputs = [o.name for o in graph.model.graph.output]
-        with reference_runner(graph.with_outputs(graph.order).SerializeToString()) as ref_runner:
-            reference = run_dataset(ref_runner.infer, feeds, in_idx, {t: None for t in ref_runner.output_names}, batch)
+        # as many of the gate's golden samples as the tensors a build marks (and the outputs) fit
+        # MAX_INTERMEDIATE_BYTES for, engine and reference; the ones that fail most when not all fit
+        marks = max(k, SCAN_MARKS) if scan else k
+        sizes = sorted(_numel(graph.float_values[t]) for t in [*graph.order, *outputs] if t in graph.float_values)
+        per_run = 2 * 8 * (sum(sizes[-(marks + 2) :]) + sum(_numel(v) for v in graph.model.graph.output)) or 1
+        total = len(next(iter(arrays.values())))
+        cap = min(MAX_SAMPLES, batch * max(1, MAX_INTERMEDIATE_BYTES // per_run))
+        expected = load_arrays(out.reference_dir(model) / "golden.npz", "reference")
+        gate_off = anchor.failing_outputs() or outputs
+        picked = pick_samples(anchor, expected, gate_off, total, cap, batch)
+        feeds = {name: np.take(a, picked, axis=0) for name, a in arrays.items()}
+        n = len(picked)
+        reference = ReferenceValues(graph, feeds, in_idx, batch)
         session = Session(
             registry=registry,
             model=model,
@@ -579,14 +729,23 @@ def bisect(
             reference=reference,
             keep=keep,
             work=work,
+            builds=1,
         )
-        # the anchor: the engine's own outputs (nothing marked), judged by the SKU's tolerance
-        got = session.run_engine([])
+        got = run_engine(registry, sku, anchor.engine, feeds, in_idx, batch)
+        reference.fetch(outputs)
         tol = registry.tolerance(model, sku)
         out_errors = [tensor_error(graph, o, got[o], reference[o], spec.precision) for o in outputs]
-        # the gate's own criteria, not what the (smaller) bisection sample cannot judge: never a tie
-        failing = [o for o in outputs if output_problems(output_error(o, got[o], reference[o], tol))]
-        failing += [e.tensor for e in out_errors if e.divergent and e.tensor not in failing]
+        # the outputs off on the samples bisected, by the gate's tolerance or beyond the precision
+        here = [o for o in outputs if output_problems(output_error(o, got[o], reference[o], tol))]
+        here += [e.tensor for e in out_errors if e.divergent and e.tensor not in here]
+        failing = list(dict.fromkeys([*anchor.failing_outputs(), *here])) or (outputs if anchor.failures else [])
+        note = ""
+        if anchor.failures and not here:
+            note = (
+                f"the validate gate fails on the anchor engine ({anchor.samples()}: {anchor.failures[0]}), "
+                f"but on the {n} golden sample(s) bisected no output is off: the search runs toward "
+                f"{', '.join(failing)} on the samples whose outputs fail most; "
+            )
         base = dict(
             model=model,
             sku=sku,
@@ -597,19 +756,23 @@ def bisect(
             samples=n,
             keep_precise=list(keep),
             outputs=out_errors,
+            gate_samples=anchor.judgement.samples,
+            gate_failures=anchor.failures,
+            golden_indices=picked if n < total else [],
+            opset=default_opset(graph.model),
         )
-        if not failing and not scan:
+        if not anchor.failures and not scan:
             return Bisection(
                 **base,
                 verdict="clean",
                 failing_outputs=[],
                 candidates=0,
                 builds=session.builds,
-                summary=f"outputs within tolerance on {n} golden samples: nothing to bisect",
+                summary=f"the validate gate passes on the anchor engine ({anchor.samples()}): nothing to bisect",
                 probes=session.probes,
             )
         if scan:
-            return _scan(session, base, failing, outputs, max(k, SCAN_MARKS))
+            return _scan(session, base, failing, max(k, SCAN_MARKS))
         wanted = graph.ancestors(failing)
         candidates = [
             t
@@ -634,7 +797,7 @@ def bisect(
                 builds=session.builds,
                 probes=session.probes,
                 search_range=candidates[lo:hi],
-                summary=f"build cap reached ({session.builds} of {max_builds} builds) with {hi - lo} candidates "
+                summary=f"{note}build cap reached ({session.builds} of {max_builds} builds) with {hi - lo} candidates "
                 f"left: {candidates[lo]} .. {candidates[hi - 1]}{best}; raise skus.{sku}.bisect.max_builds "
                 "or --max-builds",
             )
@@ -653,8 +816,7 @@ def bisect(
                 break
             tensor = back
         # a node reading values the precision cannot hold is not where they went wrong: blame their maker
-        values = {**feeds, **reference}
-        source = overflow_source(graph, tensor, spec.precision, reference_abs_max(values))
+        source = overflow_source(graph, tensor, spec.precision, reference_abs_max(reference))
         reader = None
         if source != tensor:
             reader, tensor = tensor, source
@@ -662,10 +824,10 @@ def bisect(
             if todo and session.builds < max_builds:
                 errors.update(session.probe(todo))
             if tensor not in errors:  # a graph input, or no build left: what the reference shows
-                errors[tensor] = tensor_error(graph, tensor, None, values[tensor], spec.precision)
+                errors[tensor] = tensor_error(graph, tensor, None, reference[tensor], spec.precision)
         ins = [i for i in float_node_inputs(graph, tensor) if i in errors]
         suspect = _suspect(
-            registry, model, sku, graph, tensor, errors[tensor], [errors[i] for i in ins], values, reader
+            registry, model, sku, graph, tensor, errors[tensor], [errors[i] for i in ins], reference, reader
         )
         first_nonfinite = suspect.node if (errors[tensor].nan or errors[tensor].inf) else None
         if first_nonfinite is None and any(e.nan or e.inf for e in out_errors) and session.builds < max_builds:
@@ -673,7 +835,7 @@ def bisect(
             a, b = _search(session, later, k, max_builds, lambda e: bool(e.nan or e.inf), None)
             if a == b:
                 first_nonfinite = graph.node_name(later[a]) if a < len(later) else graph.node_name(failing[0])
-        summary = f"first divergent node {suspect.node} ({suspect.op_type}), likely cause {suspect.cause}: " + (
+        summary = f"{note}first divergent node {suspect.node} ({suspect.op_type}), likely cause {suspect.cause}: " + (
             f"{suspect.explanation}; an FP32 engine has no higher precision to keep it in"
             if spec.precision == "fp32"
             else f"{suspect.explanation}; keep {suspect.keep} in higher precision"
@@ -691,12 +853,21 @@ def bisect(
         )
 
 
-def _scan(session: Session, base: dict[str, Any], failing: list[str], outputs: list[str], per_build: int) -> Bisection:
+def scan_candidates(graph: Graph, precision: str) -> list[str]:
+    """What a scan measures: every candidate tensor (a folded activation's input left out for INT8)."""
+    outputs = {o.name for o in graph.model.graph.output}
+    return [t for t in graph.order if t not in outputs and not (precision == "int8" and graph.folded_activation(t))]
+
+
+def scan_builds(graph: Graph, precision: str, per_build: int = SCAN_MARKS) -> int:
+    """The builds a scan takes, the anchor included."""
+    return 1 + -(-len(scan_candidates(graph, precision)) // per_build)
+
+
+def _scan(session: Session, base: dict[str, Any], failing: list[str], per_build: int) -> Bisection:
     """Every candidate tensor's error, ``per_build`` marked per build (all builds, no budget)."""
     graph = session.graph
-    candidates = [
-        t for t in graph.order if t not in outputs and not (session.precision == "int8" and graph.folded_activation(t))
-    ]
+    candidates = scan_candidates(graph, session.precision)
     errors: dict[str, TensorError] = {}
     for start in range(0, len(candidates), per_build):
         errors.update(session.probe(candidates[start : start + per_build]))
@@ -760,7 +931,7 @@ def _search(
     return lo, hi
 
 
-def reference_abs_max(reference: dict[str, np.ndarray]) -> Callable[[str], float | None]:
+def reference_abs_max(reference: Mapping[str, np.ndarray]) -> Callable[[str], float | None]:
     """A tensor's finite reference abs-max (None when unknown or all non-finite)."""
     import numpy as np
 
@@ -804,7 +975,7 @@ def _suspect(
     tensor: str,
     error: TensorError,
     inputs: list[TensorError],
-    reference: dict[str, np.ndarray],
+    reference: Mapping[str, np.ndarray],
     reader: str | None = None,
 ) -> Suspect:
     """``reader``: the tensor bisection first blamed, whose node reads ``tensor`` (beyond the precision)."""
@@ -818,7 +989,7 @@ def _suspect(
             f"{tensor}: its inputs are already beyond {precision}'s range in the reference, so the value is made here"
         )
     absmax = reference_abs_max(reference)
-    keep = remedy_nodes(graph, tensor, cause, precision, absmax) if node is not None else []
+    keep = remedy_nodes(graph, tensor, cause, precision, absmax, outlier_channels(graph, reference)) if node else []
     if node is None:
         why += (
             f"; {tensor} is a graph input: no node can keep it precise (the converter casts graph inputs first): "
