@@ -21,6 +21,9 @@ on the inputs generated here and the files are the same on every host:
 - ``classifier``: a small conv classifier exported by PyTorch, probs [batch,10] after a Softmax,
   ``topk`` (k 3) on 160 golden images (.npz: ten smooth class templates blended with noise, some
   barely visible); quantized to INT8 it flips a few of those close labels (2 of 160 here).
+- ``crnn_outlier``, ``classifier_outlier``: the two with a dead channel (a bias of ``outlier`` on one
+  channel of conv2, which the next conv reads none of): their all-INT8 engines misread every string
+  and flip most labels; kept in float, conv2 to that conv pass (tests/test_remedy_backends.py).
 
 ``FIXTURES`` maps each name to its builder (``build(path)`` writes the ONNX file at ``path`` and any
 dataset beside it) and its params.yaml entry (``spec(dir_)``).
@@ -313,6 +316,31 @@ def crnn(path: Path, golden: int = 160, seed: int = 0) -> Path:
     return path
 
 
+def crnn_outlier(path: Path, outlier: float = 1e4, golden: int = 160, seed: int = 0) -> Path:
+    """The recognizer with one dead channel: ``conv2``'s channel 15 gets a bias of ``outlier`` and
+    ``collapse`` reads none of it (its weights for that channel are 0), as a trained net can carry a
+    channel the next layer learnt to ignore. In FP32 the strings are the recognizer's own; with one
+    INT8 scale for conv2's output (and the MaxPool's after it) the levels go to channel 15 and the
+    glyph channel falls to zero: the engine reads blanks. ``golden.npz`` and ``calibration.npz``
+    as :func:`crnn`'s."""
+    import torch
+
+    net = _crnn_module(seed)
+    net.conv2.bias.data[15] = outlier
+    net.collapse.weight.data[:, 15] = 0.0
+    _export(
+        net,
+        torch.zeros(1, 1, CRNN_HEIGHT, CRNN_WIDTH),
+        path,
+        "image",
+        "probs",
+        {"image": {0: "batch"}, "probs": {0: "batch"}},
+    )
+    _savez(path.parent / "golden.npz", image=stripe_images(golden, seed + 1)[0])
+    _savez(path.parent / "calibration.npz", image=stripe_images(64, seed + 2)[0])
+    return path
+
+
 def crnn_spec(dir_: str) -> dict:
     return {
         "dir": dir_,
@@ -584,6 +612,24 @@ def classifier(path: Path, golden: int = 160, seed: int = 0) -> Path:
     return path
 
 
+def classifier_outlier(path: Path, outlier: float = 1e4, golden: int = 160, seed: int = 0) -> Path:
+    """The classifier with one dead channel: ``conv2``'s channel 31 gets a bias of ``outlier`` (BN
+    folds it into the exported Conv) and ``conv3`` reads none of it (its weights for that channel are
+    0; the head is matched after). In FP32 the labels are the classifier's own; with one INT8 scale
+    for conv2's output (and the MaxPool's after it) the levels go to channel 31 and the other 31
+    channels fall to zero. ``golden.npz`` and ``calibration.npz`` as :func:`classifier`'s."""
+    import torch
+
+    net = _classifier_module(seed)
+    net.bn2.bias.data[31] = outlier
+    net.conv3.weight.data[:, 31] = 0.0
+    _match_head(net, 32, seed, 4.0)
+    _export(net, torch.zeros(1, 3, 32, 32), path, "x", "probs", {"x": {0: "batch"}, "probs": {0: "batch"}})
+    _savez(path.parent / "golden.npz", x=template_images(golden, seed + 1, 32, seed)[0])
+    _savez(path.parent / "calibration.npz", x=template_images(64, seed + 2, 32, seed)[0])
+    return path
+
+
 def classifier_spec(dir_: str) -> dict:
     return {
         "dir": dir_,
@@ -600,4 +646,9 @@ FIXTURES: dict[str, tuple[Callable[[Path], Path], Callable[[str], dict]]] = {
     "opset11_shapeless": (opset11_shapeless, opset11_shapeless_spec),
     "stateful_if": (stateful_if, stateful_if_spec),
     "classifier": (classifier, classifier_spec),
+}
+# the dead-channel variants (tests/test_remedy_backends.py, benchmarks/remedy_backends.py)
+OUTLIER_FIXTURES: dict[str, tuple[Callable[..., Path], Callable[[str], dict]]] = {
+    "crnn_outlier": (crnn_outlier, crnn_spec),
+    "classifier_outlier": (classifier_outlier, classifier_spec),
 }

@@ -106,15 +106,18 @@ def _fix_text(r, args: argparse.Namespace) -> str:
         lines.append(
             f"  {name}: {'pass' if o.passed else 'fail'}; {errs}{'; ' + mets if mets else ''}; p50 {_num(o.p50_ms)} ms"
         )
+        lines += [f"    {line}" for line in o.failures[:3]]
     if r.latency_ratio:
-        lines.append(f"  latency cost: x{r.latency_ratio:.2f}")
+        lines.append(f"  latency cost: x{r.latency_ratio:.2f} of all-{r.precision}")
+    if r.fp32_latency_ratio:
+        lines.append(f"  against ONNX Runtime FP32 on this host: x{r.fp32_latency_ratio:.2f}")
     if r.max_builds:
         lines.append(
             f"  builds: {r.builds} in {len(r.rounds)} round(s); cap {r.max_builds} per bisection, {r.max_rounds} rounds"
         )
     for step in r.steps:
         lines.append(
-            f"    keep [{', '.join(step.keep_precise)}]: max abs {_num(step.max_abs_error)}, "
+            f"    {step.phase}: keep [{', '.join(step.keep_precise)}]: max abs {_num(step.max_abs_error)}, "
             f"{'pass' if step.passed else 'fail'} (build {step.builds}){'' if step.kept else ', undone'}"
         )
     for lesson in r.lessons:

@@ -392,15 +392,16 @@ def remedy_nodes(
     cause: str,
     precision: str,
     reference_abs_max: Callable[[str], float | None],
-    outlier: Callable[[str], bool] | None = None,
+    outlier: Callable[[str], set[str]] | None = None,
 ) -> list[str]:
     """Nodes to keep in higher precision so the suspect stops diverging. Overflow and range keep the
     tensor itself out of the low precision: its producer and every consumer (an FP16 value beyond
     65504 is also out of range for the node that reads it; an INT8-quantized tensor is quantized
     at its consumers' inputs too), following the overflow downstream while the reference values
     stay beyond the precision's range, and the range while ``outlier`` says a consumer's output
-    still has the outlier channel (a Relu passes it on, and the node reading the Relu's output
-    quantizes it again). Accumulation and compiler keep the node alone."""
+    still has the outlier channel, the same one (a Relu passes it on, and the node reading the Relu's
+    output quantizes it again; a Conv that drops it may have wide channels of its own, which its INT8
+    scale held before). Accumulation and compiler keep the node alone."""
     names: list[str] = []
 
     def add(node: Any) -> None:
@@ -413,6 +414,7 @@ def remedy_nodes(
         return names
     top = FINITE_MAX.get(precision)
     todo, seen = [suspect_tensor], set()
+    carried = {suspect_tensor: outlier(suspect_tensor)} if cause == "range" and outlier is not None else {}
     while todo:
         tensor = todo.pop(0)
         if tensor in seen:
@@ -427,21 +429,25 @@ def remedy_nodes(
                     if big is not None and big > top / 2:
                         todo.append(out)
             if cause == "range" and outlier is not None:
-                todo += [out for out in consumer.output if out in graph.float_values and outlier(out)]
+                for out in consumer.output:
+                    if out in graph.float_values and out not in carried:
+                        carried[out] = outlier(out) & carried[tensor]
+                        todo += [out] if carried[out] else []
     return names
 
 
-def outlier_channels(graph: Graph, reference: Mapping[str, np.ndarray]) -> Callable[[str], bool]:
-    """Whether a tensor's reference has one channel beyond OUTLIER_RATIO times the median channel's
-    abs-max (what makes one INT8 scale for the tensor wipe out the others)."""
+def outlier_channels(graph: Graph, reference: Mapping[str, np.ndarray]) -> Callable[[str], set[str]]:
+    """The channels of a tensor's reference beyond OUTLIER_RATIO times the median channel's abs-max
+    (what makes one INT8 scale for the tensor wipe out the others); none where it has none."""
 
-    def outlier(tensor: str) -> bool:
+    def outlier(tensor: str) -> set[str]:
         if tensor not in reference:
-            return False
+            return set()
         channels = tensor_error(graph, tensor, None, reference[tensor], "int8").channel_abs_max
         median = channels.get("median")
-        others = [v for k, v in channels.items() if k != "median"]
-        return median is not None and median > 0 and max(others) > OUTLIER_RATIO * median
+        if median is None or median <= 0:
+            return set()
+        return {k for k, v in channels.items() if k != "median" and v > OUTLIER_RATIO * median}
 
     return outlier
 

@@ -399,7 +399,7 @@ def se_block_model(path: Path, seed: int = 0) -> Path:
         [models.value_info("y", ["batch", 8, 8, 8])],
         init,
     )
-    return models._save(graph, path)
+    return models.save_graph(graph, path)
 
 
 def resize_roi_model(path: Path, seed: int = 0) -> Path:
@@ -424,7 +424,7 @@ def resize_roi_model(path: Path, seed: int = 0) -> Path:
         [models.value_info("y", ["batch", 4, 8, 8])],
         init,
     )
-    return models._save(graph, path, opset=11)
+    return models.save_graph(graph, path, opset=11)
 
 
 def spec(dir_: str, shape: list) -> dict:

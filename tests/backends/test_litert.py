@@ -266,7 +266,7 @@ def test_a_scalar_output_comes_back_as_the_onnx_scalar(tmp_path):
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
     )
-    models._save(graph, tmp_path / "m" / "model.onnx")
+    models.save_graph(graph, tmp_path / "m" / "model.onnx")
     spec = {"dir": "m", "source": "model.onnx", "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}]}
     reg = load_registry(models.write_project(tmp_path, {"m": spec}, {"fp32": SKUS["fp32"]}))
     for stage in (prepare, make_data, reference):

@@ -362,6 +362,8 @@ def _map_ops(req: dict[str, Any], float_model: bytes, probe: dict[str, np.ndarra
                 "tensor": tensors[outs[0]]["name"] if outs else None,
                 "onnx_tensor": found[0] if found else None,
                 "nodes": nodes,
+                "inputs": [int(i) for i in op["inputs"] if i >= 0],
+                "outputs": outs,
             }
         )
     outputs = []
@@ -419,6 +421,23 @@ def _samples(path: str, keys: dict[str, str], shapes: dict[str, tuple[int, ...]]
     return [{keys[name]: _feed(data[name][i], shapes[keys[name]]) for name in keys} for i in range(n)]
 
 
+def _denylist(ops: list[dict[str, Any]], keep: set[str]) -> list[str]:
+    """The output tensors of the ops to keep in float: those computing a kept ONNX node, and the ops
+    with no ONNX value of their own that a kept op reads (onnx2tf's glue, as the PAD it splits out of
+    a padded strided Conv): quantized, their INT8 output is what the kept node reads."""
+    kept = {op["index"] for op in ops if keep & set(op["nodes"]) and op["tensor"]}
+    by_index = {op["index"]: op for op in ops}
+    producer = {t: op for op in ops for t in op["outputs"]}
+    todo = list(kept)
+    while todo:
+        for t in by_index[todo.pop()]["inputs"]:
+            glue = producer.get(t)
+            if glue and glue["index"] not in kept and glue["onnx_tensor"] is None and glue["tensor"]:
+                kept.add(glue["index"])
+                todo.append(glue["index"])
+    return [op["tensor"] for op in ops if op["index"] in kept]
+
+
 def convert(req: dict[str, Any]) -> dict[str, Any]:
     import onnx
     import tensorflow as tf
@@ -456,9 +475,7 @@ def convert(req: dict[str, Any]) -> dict[str, Any]:
         model = _tflite(conv.convert, "FP16", locate)
     else:
         keep = set(req.get("keep_nodes", []))
-        for op in mapping["ops"]:
-            if keep & set(op["nodes"]) and op["tensor"]:
-                denylisted.append(op["tensor"])
+        denylisted = _denylist(mapping["ops"], keep)
         covered = {n for op in mapping["ops"] for n in op["nodes"]}
         unmatched = sorted(keep - covered)
         samples = _samples(req["calibration"], keys, _shapes(float_model))
