@@ -385,15 +385,19 @@ def integrator_model(path: Path) -> Path:
     return models.save_graph(graph, path)
 
 
+INTEGRATOR = {
+    "dir": "m",
+    "source": "model.onnx",
+    "inputs": [
+        {"name": "x", "dtype": "float32", "shape": ["batch", 4], "range": [-1.0, 1.0]},
+        {"name": "h", "dtype": "float32", "shape": ["batch", 8], "range": [-0.1, 0.1]},
+    ],
+}
+
+
 def _sequence_setup(tmp_path: Path, feed: dict | None = None):
     path = integrator_model(tmp_path / "m" / "model.onnx")
-    spec = {
-        "dir": "m",
-        "source": "model.onnx",
-        "inputs": [
-            {"name": "x", "dtype": "float32", "shape": ["batch", 4], "range": [-1.0, 1.0]},
-            {"name": "h", "dtype": "float32", "shape": ["batch", 8], "range": [-0.1, 0.1]},
-        ],
+    spec = INTEGRATOR | {
         "sequence": {"steps": 100, "feed": feed or {"h_out": "h"}},
     }
     registry = load_registry(models.write_project(tmp_path, {"m": spec}, {"s": models.ort_sku("fp32")}))
@@ -434,13 +438,7 @@ def test_a_feed_naming_no_input_is_refused(tmp_path):
 
 def test_validate_judges_a_stateful_model_after_its_sequence(tmp_path):
     integrator_model(tmp_path / "m" / "model.onnx")
-    spec = {
-        "dir": "m",
-        "source": "model.onnx",
-        "inputs": [
-            {"name": "x", "dtype": "float32", "shape": ["batch", 4], "range": [-1.0, 1.0]},
-            {"name": "h", "dtype": "float32", "shape": ["batch", 8], "range": [-0.1, 0.1]},
-        ],
+    spec = INTEGRATOR | {
         "output_kinds": {"prob": "regression"},
         "sequence": {"steps": 50, "feed": {"h_out": "h"}},
         "datasets": {"golden": {"generate": {"count": 100, "seed": 3}}},
