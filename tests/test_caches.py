@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,11 +21,14 @@ from pipeline import backends as backends_pkg
 from pipeline.backends import caches
 from pipeline.backends.onnxruntime import OnnxRuntimeBackend
 from pipeline.cli import main
-from pipeline.core.errors import GateFailed
+from pipeline.core.errors import GateFailed, InputError
 from pipeline.core.io import read_json, sha256_file
 from pipeline.core.paths import Layout
+from pipeline.engine.matrix import matrix
 from pipeline.ops import caches as cache_commands
 from pipeline.project.config import load_registry
+from pipeline.report.site import status_class
+from pipeline.results.manifest import digest as manifest_digest
 from pipeline.results.reports import BuildReport
 from pipeline.stages.build import build
 from pipeline.stages.data import make_data
@@ -177,30 +181,63 @@ def test_second_build_replays_the_cache_and_leaves_it_untouched(proj):
     assert row.state == "fresh" and row.last_build["hits"] == 1 and row.last_build["state"] == "fresh"
 
 
-# --- 3, 4, 5: stale, corrupt and unindexed caches are reported, not read, and rebuilt ----------------
+# --- 3, 4, 5: stale and corrupt caches are reported, never read, and left as they are ------------------
 
 
-def test_a_cache_of_another_compiler_version_is_stale_and_rebuilt(proj, monkeypatch):
+def listing(folder: Path) -> dict[str, bytes | str]:
+    """Every entry under ``folder`` without following a link: a file's bytes, ``-> target`` for a link."""
+    out: dict[str, bytes | str] = {}
+    for top, dirs, names in os.walk(folder):
+        for name in dirs + names:
+            path = Path(top, name)
+            rel = path.relative_to(folder).as_posix()
+            if path.is_symlink():
+                out[rel] = f"-> {os.readlink(path)}"
+            elif path.is_file():
+                out[rel] = path.read_bytes()
+    return out
+
+
+def assert_unused_and_kept(proj, state: str, *words: str, refresh: bool = False) -> BuildReport:
+    """cache status and the build both say ``state``, naming ``words``; the build reads nothing from
+    the folder, records that the engine was built without it, and removes or rewrites nothing;
+    ``refresh``: then ``cache refresh`` rebuilds it."""
+    row = status_of(proj.registry)
+    assert (row.state, row.foreign) == (state, False), (row.state, row.reason)
+    for word in words:
+        assert word in row.reason, (word, row.reason)
+    before = listing(proj.cache())
+    report = build(proj.registry, "conv", "fake")
+    assert SEEN[-1] == {CACHE_FILE: None}, f"a {state} cache was read"
+    rec = report.cache
+    assert rec.state == state and rec.hits == 0 and rec.misses >= 1
+    assert (rec.updated, rec.files, rec.sha256) == (False, [], None)
+    assert rec.unused() == f"cache: {state} — built without checked-in timing cache"
+    [warning] = [w for w in report.warnings if f"is {state}" in w]
+    assert "not used" in warning and "left as it is" in warning, warning
+    assert "skuforge cache refresh --sku fake --model conv" in warning, warning
+    assert listing(proj.cache()) == before, "a build changed a cache it did not trust"
+    if refresh:
+        assert cache_commands.refresh(proj.registry, "fake", ["conv"])[0]["updated"] is True
+        assert (proj.cache() / CACHE_FILE).read_bytes() == decisions()
+        assert index(proj.cache())["files"][0]["sha256"] == sha256_file(proj.cache() / CACHE_FILE)
+        assert status_of(proj.registry).state == "fresh"
+    return report
+
+
+def test_a_cache_of_another_compiler_version_is_stale_and_left_as_it_is(proj, monkeypatch):
     build(proj.registry, "conv", "fake")
     old_trials = index(proj.cache())["trials"]
     monkeypatch.setattr(f"{__name__}.COMPILER_VERSION", "2.0")
-    assert status_of(proj.registry).state == "stale"
+    report = assert_unused_and_kept(proj, "stale", "compiler", "'1.0'", "'2.0'")
+    assert "target" not in report.cache.reason  # only what differs is named
+    assert index(proj.cache())["key"] == {"compiler": "1.0", "target": TARGET}
 
-    report = build(proj.registry, "conv", "fake")
-    assert SEEN[-1] == {CACHE_FILE: None}  # a stale cache is never read
-    rec = report.cache
-    assert rec.state == "stale"
-    assert "compiler" in rec.reason and "'1.0'" in rec.reason and "'2.0'" in rec.reason, rec.reason
-    assert "target" not in rec.reason  # only what differs is named
-    assert rec.hits == 0 and rec.misses >= 1 and rec.updated is True  # not trusted: the fake searched again
-    assert any("caches/fake/conv is stale" in w and "not used" in w for w in report.warnings), report.warnings
-
+    cache_commands.refresh(proj.registry, "fake", ["conv"])  # what rewrites it: a person's refresh
     doc = index(proj.cache())
     assert doc["key"] == {"compiler": "2.0", "target": TARGET}
     assert (proj.cache() / CACHE_FILE).read_bytes() == decisions()  # the 2.0 decisions
-    assert doc["files"][0]["sha256"] == sha256_file(proj.cache() / CACHE_FILE)
     assert doc["trials"] == 3 == old_trials  # the old trials made nothing that is kept
-    assert status_of(proj.registry).state == "fresh"
     assert build(proj.registry, "conv", "fake").cache.state == "fresh"
 
 
@@ -208,46 +245,34 @@ def test_a_cache_made_by_another_backend_is_stale(proj):
     build(proj.registry, "conv", "fake")
     doc = index(proj.cache())
     (proj.cache() / caches.INDEX).write_text(json.dumps({**doc, "backend": "tensorrt"}))
-    row = status_of(proj.registry)
-    assert row.state == "stale" and "tensorrt" in row.reason and "fakecache" in row.reason, row.reason
-    rec = build(proj.registry, "conv", "fake").cache
-    assert rec.state == "stale" and rec.hits == 0
-    assert index(proj.cache())["backend"] == "fakecache"
+    assert_unused_and_kept(proj, "stale", "tensorrt", "fakecache")
 
 
-def test_an_edited_cache_file_is_corrupt_and_rebuilt(proj):
+def test_an_edited_cache_file_is_corrupt_and_left_as_it_is(proj):
     build(proj.registry, "conv", "fake")
     (proj.cache() / CACHE_FILE).write_bytes(MAGIC + b" edited by hand\n")
-    row = status_of(proj.registry)
-    assert row.state == "corrupt" and CACHE_FILE in row.reason and "sha256" in row.reason, row.reason
-
-    report = build(proj.registry, "conv", "fake")
-    rec = report.cache
-    assert rec.state == "corrupt" and CACHE_FILE in rec.reason
-    assert rec.hits == 0 and rec.misses >= 1 and rec.updated is True
-    assert any("is corrupt" in w and "not used" in w for w in report.warnings), report.warnings
-    assert (proj.cache() / CACHE_FILE).read_bytes() == decisions()
-    assert index(proj.cache())["files"][0]["sha256"] == sha256_file(proj.cache() / CACHE_FILE)
-    assert status_of(proj.registry).state == "fresh"
+    assert_unused_and_kept(proj, "corrupt", CACHE_FILE, "sha256", refresh=True)
 
 
-def test_a_truncated_cache_file_is_corrupt(proj):
+def test_a_truncated_cache_file_is_corrupt(proj, capsys):
     build(proj.registry, "conv", "fake")
     path = proj.cache() / CACHE_FILE
     path.write_bytes(path.read_bytes()[:-3])
-    assert status_of(proj.registry).state == "corrupt"
-    assert build(proj.registry, "conv", "fake").cache.state == "corrupt"
-    assert path.read_bytes() == decisions()
+    assert_unused_and_kept(proj, "corrupt", CACHE_FILE)
+    # the build command says it, not only build.json
+    code, out, err = cli(capsys, "--params", str(proj.params), "build", "--model", "conv", "--sku", "fake")
+    assert code == 0, err
+    built, said = out.splitlines()
+    assert built.startswith("built conv/fake in ")
+    assert said.startswith(f"cache: corrupt — built without checked-in timing cache ({CACHE_FILE} differs"), said
+    assert said.endswith("rebuild it: skuforge cache refresh --sku fake --model conv, then commit caches/fake/conv")
 
 
 def test_a_listed_cache_file_that_is_gone_is_corrupt(proj):
     build(proj.registry, "conv", "fake")
     (proj.cache() / CACHE_FILE).unlink()
-    row = status_of(proj.registry)
-    assert row.state == "corrupt" and "missing" in row.reason and CACHE_FILE in row.reason, row.reason
-    rec = build(proj.registry, "conv", "fake").cache
-    assert rec.state == "corrupt" and rec.updated is True
-    assert (proj.cache() / CACHE_FILE).read_bytes() == decisions()
+    assert_unused_and_kept(proj, "corrupt", CACHE_FILE, "missing")
+    assert not (proj.cache() / CACHE_FILE).exists()
 
 
 def test_a_file_the_index_vouches_for_but_the_backend_cannot_read_is_corrupt(proj):
@@ -257,45 +282,63 @@ def test_a_file_the_index_vouches_for_but_the_backend_cannot_read_is_corrupt(pro
     doc = index(proj.cache())
     doc["files"] = [{"path": CACHE_FILE, "sha256": sha256_file(path), "bytes": path.stat().st_size}]
     (proj.cache() / caches.INDEX).write_text(json.dumps(doc))  # only check_cache can tell now
-    row = status_of(proj.registry)
-    assert (row.state, row.reason) == ("corrupt", f"{CACHE_FILE} is not a DEC1 decisions file")
-
-    rec = build(proj.registry, "conv", "fake").cache
-    assert (rec.state, rec.reason) == ("corrupt", f"{CACHE_FILE} is not a DEC1 decisions file")
-    assert rec.hits == 0 and rec.updated is True
-    assert path.read_bytes() == decisions()
-    assert status_of(proj.registry).state == "fresh"
-
-
-def test_cache_files_without_an_index_are_not_trusted(proj):
-    folder = proj.cache()
-    folder.mkdir(parents=True)
-    (folder / CACHE_FILE).write_bytes(decisions())  # the very bytes a build would write, but not indexed
-    row = status_of(proj.registry)
-    assert row.state == "corrupt" and CACHE_FILE in row.reason and caches.INDEX in row.reason, row.reason
-
-    report = build(proj.registry, "conv", "fake")
-    assert SEEN[-1] == {CACHE_FILE: None}
-    rec = report.cache
-    assert rec.state == "corrupt" and rec.hits == 0 and rec.misses >= 1
-    assert any("not used" in w for w in report.warnings), report.warnings
-    doc = index(folder)
-    assert doc["files"] == [{"path": CACHE_FILE, "sha256": sha256_file(folder / CACHE_FILE), "bytes": len(decisions())}]
-    assert doc["key"] == {"compiler": "1.0", "target": TARGET}
-    assert status_of(proj.registry).state == "fresh"
+    report = assert_unused_and_kept(proj, "corrupt", f"{CACHE_FILE} is not a DEC1 decisions file", refresh=True)
+    assert report.cache.reason == f"{CACHE_FILE} is not a DEC1 decisions file"
 
 
 def test_an_index_that_is_not_json_is_corrupt(proj):
     build(proj.registry, "conv", "fake")
     (proj.cache() / caches.INDEX).write_text("{not json")
-    row = status_of(proj.registry)
-    assert row.state == "corrupt" and caches.INDEX in row.reason
-    rec = build(proj.registry, "conv", "fake").cache
-    assert rec.state == "corrupt" and rec.hits == 0
+    assert_unused_and_kept(proj, "corrupt", caches.INDEX, refresh=True)
     assert index(proj.cache())["key"] == {"compiler": "1.0", "target": TARGET}
 
 
-# --- the index is the whole truth: rewritten indexes, re-made files, planted files -----------------
+# --- issue 37: an editor's file beside the cache is ignored, and nothing checked in is removed ---------
+
+EDITOR_FILES = [f".{CACHE_FILE}.swp", f".#{CACHE_FILE}", f"{CACHE_FILE}~", f"#{CACHE_FILE}#", "notes.swp"]
+
+
+@pytest.mark.parametrize("name", [*EDITOR_FILES, f".{CACHE_FILE}.123.abc.tmp", "sub/.notes.txt.swp"])
+def test_an_editors_file_is_ignored_by_name(proj, name):
+    """inspect alone (no build): the cache stays fresh and the file is named."""
+    build(proj.registry, "conv", "fake")
+    (proj.cache() / name).parent.mkdir(parents=True, exist_ok=True)
+    (proj.cache() / name).write_bytes(b"")
+    row = status_of(proj.registry)
+    assert (row.state, row.foreign, row.ignored) == ("fresh", False, [name]), row.reason
+    assert caches.editor_file(name) and not caches.editor_file(CACHE_FILE) and not caches.editor_file("notes.txt")
+
+
+def test_an_editors_swap_file_never_discards_the_checked_in_cache(proj, capsys):
+    """The report: an empty swap file in the folder made the next build delete the checked-in files,
+    build without them and pass. Now the build replays the cache, keeps every file, and names it."""
+    build(proj.registry, "conv", "fake")
+    swap = proj.cache() / f".{CACHE_FILE}.swp"
+    swap.write_bytes(b"")
+    before = listing(proj.cache())
+    report = build(proj.registry, "conv", "fake")
+    assert SEEN[-1] == {CACHE_FILE: proj.cache() / CACHE_FILE}  # replayed
+    rec = report.cache
+    assert (rec.state, rec.hits, rec.misses, rec.updated, rec.unused()) == ("fresh", 1, 0, False, None)
+    assert rec.ignored == [swap.name]
+    assert [w for w in report.warnings if "ignored" in w] == [
+        f"caches/fake/conv: ignored {swap.name} (not in {caches.INDEX}; an editor's file by its name): "
+        "never read, never removed"
+    ]
+    assert listing(proj.cache()) == before
+    code, out, _ = cli(capsys, "--params", str(proj.params), "cache", "status", "--sku", "fake", "--fail-on", "corrupt")
+    assert code == 0 and f"fake/conv: ignored {swap.name} (an editor's files)" in out, out
+    # nor does a refresh remove it, or a first build beside it
+    cache_commands.refresh(proj.registry, "fake", ["conv"])
+    assert swap.is_file() and status_of(proj.registry).state == "fresh"
+    (proj.cache() / CACHE_FILE).unlink()
+    (proj.cache() / caches.INDEX).unlink()
+    rec = build(proj.registry, "conv", "fake").cache
+    assert (rec.state, rec.updated, rec.ignored) == ("missing", True, [swap.name])
+    assert sorted(listing(proj.cache())) == sorted([caches.INDEX, CACHE_FILE, swap.name])
+
+
+# --- the folder holds plain files its index lists, and nothing else: a build stops (exit 2) -------------
 
 
 def test_an_index_rewritten_for_a_new_key_counts_as_an_update(proj, monkeypatch):
@@ -303,34 +346,9 @@ def test_an_index_rewritten_for_a_new_key_counts_as_an_update(proj, monkeypatch)
     build(proj.registry, "conv", "fake")
     before = (proj.cache() / caches.INDEX).read_bytes()
     monkeypatch.setattr(f"{__name__}.COMPILER_VERSION", "2.0")
-    rec = build(proj.registry, "conv", "fake").cache
-    assert rec.state == "stale"
+    rec = cache_commands.refresh(proj.registry, "fake", ["conv"])[0]
     assert (proj.cache() / caches.INDEX).read_bytes() != before  # git sees a change...
-    assert rec.updated is True  # ...so the record (and `cache refresh`'s "written") must say so
-
-
-def test_indexing_files_the_build_remade_records_the_tuning(proj):
-    folder = proj.cache()
-    folder.mkdir(parents=True)
-    (folder / CACHE_FILE).write_bytes(decisions())  # what the build will decide again, but not indexed
-    rec = build(proj.registry, "conv", "fake").cache
-    assert rec.state == "corrupt"
-    doc = index(folder)
-    assert doc["trials"] == 3 and doc["tuned_at"] is not None, doc
-    assert rec.updated is True
-
-
-def test_a_cache_file_the_index_does_not_list_is_not_trusted(proj, monkeypatch):
-    monkeypatch.setattr(FakeCacheBackend, "cache_files", (CACHE_FILE, "extra.bin"))
-    build(proj.registry, "conv", "fake")
-    assert [f["path"] for f in index(proj.cache())["files"]] == [CACHE_FILE]
-    (proj.cache() / "extra.bin").write_bytes(b"planted: no build wrote this")
-    build(proj.registry, "conv", "fake")
-    assert SEEN[-1]["extra.bin"] is None, "the unindexed file was handed to the backend"
-    assert "extra.bin" not in [f["path"] for f in index(proj.cache())["files"]]
-
-
-# --- the folder holds plain files its index lists, and nothing else -----------------------------------
+    assert rec["updated"] is True  # ...so the record (and `cache refresh`'s "written") must say so
 
 
 def outside(proj, name: str = "outside.bin", data: bytes | None = None) -> Path:
@@ -340,48 +358,67 @@ def outside(proj, name: str = "outside.bin", data: bytes | None = None) -> Path:
     return path
 
 
-def assert_corrupt_then_rebuilt(proj, *words: str) -> None:
-    """cache status and the build both say corrupt, naming ``words``; the build reads nothing from
-    the folder, says what to do, and leaves only what the new index lists."""
+def assert_foreign_then_refreshed(proj, *words: str) -> None:
+    """cache status says corrupt, naming ``words``; a build stops with exit 2 naming them and what
+    to do, having read and removed nothing; ``cache refresh`` then leaves only what the new index
+    lists (a link removed, never what it points to)."""
     row = status_of(proj.registry)
-    assert row.state == "corrupt", (row.state, row.reason)
+    assert (row.state, row.foreign) == ("corrupt", True), (row.state, row.reason)
     for word in words:
         assert word in row.reason, (word, row.reason)
-    report = build(proj.registry, "conv", "fake")
-    assert SEEN[-1] == {CACHE_FILE: None}, "a corrupt cache was read"
-    rec = report.cache
-    assert rec.state == "corrupt" and rec.hits == 0 and rec.updated is True
-    assert any("is corrupt" in w and "not used" in w for w in report.warnings), report.warnings
+    before, seen = listing(proj.cache()), len(SEEN)
+    with pytest.raises(InputError) as info:
+        build(proj.registry, "conv", "fake")
+    assert info.value.exit_code == 2
+    for word in [*words, "skuforge cache refresh --sku fake --model conv"]:
+        assert word in str(info.value), (word, str(info.value))
+    assert len(SEEN) == seen, "the backend ran on a foreign cache"
+    assert listing(proj.cache()) == before, "a build removed or wrote something"
+    rec = cache_commands.refresh(proj.registry, "fake", ["conv"])[0]
+    assert rec["updated"] is True
     assert not proj.cache().is_symlink()
-    assert sorted(tree(proj.cache())) == [caches.INDEX, CACHE_FILE]
-    assert not any(p.is_symlink() for p in proj.cache().rglob("*"))
+    assert sorted(listing(proj.cache())) == [caches.INDEX, CACHE_FILE]
     assert status_of(proj.registry).state == "fresh"
 
 
-@pytest.mark.parametrize("name", ["notes.txt", "sub/planted.bin", f".{CACHE_FILE}.123.abc.tmp"])
-def test_any_file_the_index_does_not_list_makes_the_cache_corrupt(proj, name):
+def test_cache_files_without_an_index_stop_the_build(proj):
+    folder = proj.cache()
+    folder.mkdir(parents=True)
+    (folder / CACHE_FILE).write_bytes(decisions())  # the very bytes a build would write, but not indexed
+    assert_foreign_then_refreshed(proj, CACHE_FILE, f"present but not in {caches.INDEX}")
+    doc = index(folder)
+    assert doc["files"] == [{"path": CACHE_FILE, "sha256": sha256_file(folder / CACHE_FILE), "bytes": len(decisions())}]
+    assert doc["trials"] == 3 and doc["tuned_at"] is not None, doc  # the refresh's search made it
+
+
+@pytest.mark.parametrize("name", ["notes.txt", "sub/planted.bin", "extra.bin"])
+def test_any_other_file_the_index_does_not_list_stops_the_build(proj, monkeypatch, name):
     """Not only the backend's own file names: anything else in the folder, at any depth."""
+    monkeypatch.setattr(FakeCacheBackend, "cache_files", (CACHE_FILE, "extra.bin"))
     build(proj.registry, "conv", "fake")
     (proj.cache() / name).parent.mkdir(parents=True, exist_ok=True)
     (proj.cache() / name).write_bytes(b"planted: no build wrote this")
-    row = status_of(proj.registry)
-    assert f"{name} present but not in {caches.INDEX}" in row.reason, row.reason
-    assert "skuforge cache refresh --sku fake --model conv" in row.reason  # what to do
-    assert_corrupt_then_rebuilt(proj, name)
+    assert_foreign_then_refreshed(proj, f"{name} present but not in {caches.INDEX}")
     assert not (proj.cache() / name).exists()
 
 
-def test_a_symlink_out_of_the_project_makes_the_cache_corrupt(proj):
+def test_a_symlink_out_of_the_project_stops_the_build(proj):
     build(proj.registry, "conv", "fake")
     target = outside(proj, data=b"a secret outside the project")
     (proj.cache() / "leak.bin").symlink_to(target)
-    assert_corrupt_then_rebuilt(
+    assert_foreign_then_refreshed(
         proj, "leak.bin is a symlink", str(target), "outside the cache folder", "a cache holds plain files only"
     )
     assert target.read_bytes() == b"a secret outside the project"  # the link is removed, never its target
 
 
-def test_a_listed_cache_file_that_is_a_symlink_is_corrupt_even_when_its_bytes_match(proj):
+def test_a_symlink_with_an_editors_name_is_still_a_symlink(proj):
+    build(proj.registry, "conv", "fake")
+    (proj.cache() / f".#{CACHE_FILE}").symlink_to("user@host.123:456")  # emacs's lock file is a link
+    assert_foreign_then_refreshed(proj, f".#{CACHE_FILE} is a symlink")
+
+
+def test_a_listed_cache_file_that_is_a_symlink_stops_the_build_even_when_its_bytes_match(proj):
     """The index vouches for bytes, not for where they live: the same decisions behind a link out
     of the project are not trusted (they used to be: every check followed the link)."""
     build(proj.registry, "conv", "fake")
@@ -389,37 +426,37 @@ def test_a_listed_cache_file_that_is_a_symlink_is_corrupt_even_when_its_bytes_ma
     (proj.cache() / CACHE_FILE).unlink()
     (proj.cache() / CACHE_FILE).symlink_to(target)
     assert sha256_file(proj.cache() / CACHE_FILE) == index(proj.cache())["files"][0]["sha256"]
-    assert_corrupt_then_rebuilt(proj, f"{CACHE_FILE} is a symlink", "outside the cache folder")
+    assert_foreign_then_refreshed(proj, f"{CACHE_FILE} is a symlink", "outside the cache folder")
     assert target.read_bytes() == decisions()
 
 
-def test_a_symlinked_subfolder_or_index_is_corrupt(proj):
+def test_a_symlinked_subfolder_or_index_stops_the_build(proj):
     build(proj.registry, "conv", "fake")
     elsewhere = proj.root.parent / "elsewhere"
     elsewhere.mkdir()
     (proj.cache() / "more").symlink_to(elsewhere, target_is_directory=True)
-    assert_corrupt_then_rebuilt(proj, "more is a symlink")
+    assert_foreign_then_refreshed(proj, "more is a symlink")
     assert elsewhere.is_dir()
 
     real = proj.root.parent / "cache.json"
     real.write_bytes((proj.cache() / caches.INDEX).read_bytes())
     (proj.cache() / caches.INDEX).unlink()
     (proj.cache() / caches.INDEX).symlink_to(real)
-    assert_corrupt_then_rebuilt(proj, f"{caches.INDEX} is a symlink")
+    assert_foreign_then_refreshed(proj, f"{caches.INDEX} is a symlink")
 
 
-def test_a_cache_folder_that_is_a_symlink_is_corrupt_and_becomes_a_folder(proj):
+def test_a_cache_folder_that_is_a_symlink_stops_the_build_and_a_refresh_makes_it_a_folder(proj):
     build(proj.registry, "conv", "fake")
     elsewhere = proj.root.parent / "shared-cache"
     proj.cache().rename(elsewhere)  # a valid cache, key and files, behind a link
     proj.cache().symlink_to(elsewhere, target_is_directory=True)
     before = tree(elsewhere)
-    assert_corrupt_then_rebuilt(proj, "the cache folder is a symlink", str(elsewhere))
+    assert_foreign_then_refreshed(proj, "the cache folder is a symlink", str(elsewhere))
     assert tree(elsewhere) == before  # nothing written or removed through the link
 
 
 @pytest.mark.parametrize("escape", ["../../../outside.bin", "{outside}", f"sub/../../{CACHE_FILE}"])
-def test_an_index_path_out_of_the_folder_is_corrupt(proj, escape):
+def test_an_index_path_out_of_the_folder_stops_the_build(proj, escape):
     build(proj.registry, "conv", "fake")
     target = outside(proj)
     escape = escape.format(outside=target)
@@ -427,10 +464,7 @@ def test_an_index_path_out_of_the_folder_is_corrupt(proj, escape):
     doc["files"] = [{"path": escape, "sha256": sha256_file(target), "bytes": target.stat().st_size}]
     (proj.cache() / caches.INDEX).write_text(json.dumps(doc))
     (proj.cache() / CACHE_FILE).unlink()
-    row = status_of(proj.registry)
-    assert f"{caches.INDEX} lists {escape!r}, which escapes the cache folder" in row.reason, row.reason
-    assert "skuforge cache refresh --sku fake --model conv" in row.reason
-    assert_corrupt_then_rebuilt(proj, "escapes the cache folder")
+    assert_foreign_then_refreshed(proj, f"{caches.INDEX} lists {escape!r}, which escapes the cache folder")
     assert target.read_bytes() == decisions()
 
 
@@ -605,11 +639,32 @@ def test_the_manifest_carries_the_cache(proj):
         "sha256": caches.files_digest(index(proj.cache())["files"]),
         "key": {"compiler": "1.0", "target": TARGET},
         "state": "fresh",
+        "reason": "key and files match",
         "hits": 1,
         "misses": 0,
         "required": False,
+        "ignored": [],
     }
     assert manifest["cache"]["sha256"] == rec.sha256
+    [row] = matrix(proj.registry, ["conv"], ["fake"], statuses=[])
+    assert (row.outcome, row.cache) == ("passed", "") and "cache" not in row.detail
+
+    # a pair whose build found its cache corrupt (and an editor's file beside it): the manifest says
+    # so, and so do the matrix cell, its detail line and the report's colour
+    path = proj.out.manifest("conv", "fake")
+    doc = read_json(path)
+    reason = f"{CACHE_FILE} differs from its sha256 in {caches.INDEX} (edited or truncated)"
+    doc["cache"].update(state="corrupt", reason=reason, sha256=None, ignored=[".decisions.bin.swp"])
+    path.write_text(json.dumps({**doc, "digest": manifest_digest(doc)}))
+    [row] = matrix(proj.registry, ["conv"], ["fake"], statuses=[])
+    assert row.outcome == "passed" and row.cache == "cache: corrupt — built without checked-in timing cache"
+    assert row.label.startswith("passed (cache: corrupt — built without checked-in timing cache; warn: ")
+    assert "cache ignores .decisions.bin.swp" in row.warnings
+    assert row.detail.startswith(
+        f"cache: corrupt — built without checked-in timing cache (caches/fake/conv: {reason}); rebuild it: "
+        "skuforge cache refresh --sku fake --model conv"
+    ), row.detail
+    assert status_class(row.label) == "passed"
 
 
 # --- 9, 10: the commands ----------------------------------------------------------------------------

@@ -11,11 +11,15 @@ build on any runner of the SKU replays them, and ``cache.json`` beside them is t
 
 A build opens a ``CacheSession``. The cache is trusted only when the index's key equals the
 backend's key for the SKU (compiler version and target), every file matches its record, and the
-backend can read it; otherwise it is *stale*, *corrupt* or *missing*: reported, never read, and
-rebuilt by the build. The folder holds plain files the index lists and nothing else: a symlink
-(the folder itself, a file, a subfolder), a file the index does not list, or an index path that
-leaves the folder (``../``, absolute) makes it corrupt, and its rebuild removes what the new index
-does not list. The backend counts hits and misses (tuning tasks found or not in the
+backend can read it; otherwise it is *stale*, *corrupt* or *missing*: reported, never read. A
+build never removes or rewrites a cache it did not trust: it builds without it, leaves the folder
+as it is and says so (the build record, the manifest, the matrix row); only ``skuforge cache
+refresh``, run by a person, replaces it. The folder holds plain files the index lists and nothing
+else, but for an editor's files (``EDITOR_FILES``: dot-files, ``*~``, ``*.swp``, ``#...#``),
+which are ignored with a warning naming them. Anything else there (a file the index does not
+list, a symlink: the folder itself, a file, a subfolder) or an index path that leaves the folder
+(``../``, absolute) is *foreign*: the build stops (exit 2) naming it, so a person looks before
+anything is read or removed. The backend counts hits and misses (tuning tasks found or not in the
 database, a timing cache accepted or not). With ``skus.<s>.cache.require`` (or
 ``SKUFORGE_REQUIRE_CACHE=1``, the CI flag) any miss fails the build (exit 1), so a release build
 is known to replay the checked-in decisions. Nothing is written unless the build succeeds (the
@@ -26,6 +30,7 @@ index last.
 from __future__ import annotations
 
 import datetime as _dt
+import fnmatch
 import os
 import posixpath
 from dataclasses import dataclass, field
@@ -33,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pipeline.core.env import SKUFORGE_REQUIRE_CACHE
-from pipeline.core.errors import GateFailed
+from pipeline.core.errors import GateFailed, InputError
 from pipeline.core.io import atomic_write_bytes, atomic_write_json, read_json, sha256_bytes, sha256_file, sha256_json
 from pipeline.core.paths import path_problem
 
@@ -44,6 +49,9 @@ if TYPE_CHECKING:
 INDEX = "cache.json"
 REQUIRE_ENV = SKUFORGE_REQUIRE_CACHE.name  # "1" or "true": every build fails on a cache miss (CI's release flag)
 State = Literal["fresh", "stale", "corrupt", "missing", "unchecked", "none"]
+# an editor's files (vim's swap, emacs's backup and autosave, any dot-file: a half-written temporary
+# of ours too): never read, never removed, named in a warning. Matched on the file's own name.
+EDITOR_FILES = (".*", "*~", "*.swp", "*.swo", "#*#")
 
 
 def required_by_env() -> bool:
@@ -81,6 +89,12 @@ def _entries(folder: Path) -> tuple[list[str], list[str]]:
             elif name in names and rel != INDEX:
                 files.append(rel)
     return sorted(files), sorted(links)
+
+
+def editor_file(rel: str) -> bool:
+    """Whether a path of the cache folder names an editor's file (EDITOR_FILES), ignored by a build."""
+    name = posixpath.basename(rel)
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in EDITOR_FILES)
 
 
 def _link_problem(folder: Path, rel: str) -> str:
@@ -130,6 +144,10 @@ class CacheStatus:
     tuned_at: str | None = None
     trials: int | None = None
     last_build: dict[str, Any] | None = None  # the cache record of the last build report
+    ignored: list[str] = field(default_factory=list)  # an editor's files in the folder (EDITOR_FILES)
+    # the folder holds what no index vouches for (an unlisted file, a symlink) or the index points out
+    # of it: a build stops (exit 2) rather than read or remove anything
+    foreign: bool = False
 
     @property
     def bytes(self) -> int:
@@ -156,6 +174,8 @@ class CacheStatus:
             "tuned_at": self.tuned_at,
             "trials": self.trials,
             "last_build": self.last_build,
+            "ignored": self.ignored,
+            "foreign": self.foreign,
         }
 
 
@@ -176,19 +196,21 @@ def inspect(backend: Backend, sku: str, model: str, folder: Path, want: dict[str
         status.state, status.reason = "none", f"the {backend.name} backend keeps no cache"
         return status
     fix = (
-        f"not trusted; delete it, or rebuild the cache (skuforge cache refresh --sku {sku} --model {model} "
-        f"removes what {INDEX} does not list)"
+        f"not trusted, and a build neither reads nor removes it; delete it, or rebuild the cache "
+        f"(skuforge cache refresh --sku {sku} --model {model} removes what {INDEX} does not list)"
     )
     if folder.is_symlink():
-        status.state = "corrupt"
+        status.state, status.foreign = "corrupt", True
         status.reason = (
             f"the cache folder is a symlink (to {os.readlink(folder)}): not trusted; delete the link, or "
             f"rebuild the cache (skuforge cache refresh --sku {sku} --model {model} makes it a folder)"
         )
         return status
     present, links = _entries(folder) if folder.is_dir() else ([], [])
+    status.ignored = [p for p in present if editor_file(p)]
+    present = [p for p in present if not editor_file(p)]
     if links:  # checked before the index is read: cache.json itself may be the link
-        status.state = "corrupt"
+        status.state, status.foreign = "corrupt", True
         status.reason = f"{'; '.join(_link_problem(folder, x) for x in links)}; a cache holds plain files only: {fix}"
         return status
     index, problem = _read_index(folder)
@@ -196,27 +218,27 @@ def inspect(backend: Backend, sku: str, model: str, folder: Path, want: dict[str
         status.state, status.reason = "corrupt", problem
         return status
     if index is None or not index.get("files"):
-        status.state = "missing" if not present else "corrupt"
-        status.reason = (
-            "no cache yet"
-            if not present
-            else f"{', '.join(present)} present but not in {INDEX} (not written by skuforge): {fix}"
-        )
+        if present:  # files no index vouches for
+            status.state, status.foreign = "corrupt", True
+            status.reason = f"{', '.join(present)} present but not in {INDEX} (not written by skuforge): {fix}"
+        else:
+            status.state, status.reason = "missing", "no cache yet"
         return status
     status.key = {str(k): str(v) for k, v in (index.get("key") or {}).items()}
     status.files = [f for f in index["files"] if isinstance(f, dict)]
     escapes = [p for p in (_escape_problem(f.get("path")) for f in status.files) if p]
     if escapes:
-        status.state = "corrupt"
+        status.state, status.foreign = "corrupt", True
         status.reason = (
             f"{'; '.join(escapes)}: not trusted, nothing outside the folder is read; rebuild the cache "
             f"(skuforge cache refresh --sku {sku} --model {model}) to rewrite the index"
         )
         return status
     listed = {posixpath.normpath(str(f.get("path"))) for f in status.files}
+    status.ignored = [p for p in status.ignored if p not in listed]  # a listed file is the cache's own
     unlisted = [p for p in present if p not in listed]
     if unlisted:  # a file planted beside an index that does not vouch for it
-        status.state = "corrupt"
+        status.state, status.foreign = "corrupt", True
         status.reason = f"{', '.join(unlisted)} present but not in {INDEX} (not written by skuforge): {fix}"
         return status
     status.tuned_at, status.trials = index.get("tuned_at"), index.get("trials")
@@ -258,24 +280,49 @@ class CacheSession:
 
     def __init__(self, backend: Backend, ctx: BuildContext, required: bool):
         self.backend, self.folder, self.required = backend, ctx.cache_dir, required
+        self.refresh = ctx.cache_refresh  # skuforge cache refresh: the one build that may replace the folder
+        # what commit writes, decided by close
+        self._unlink_folder = False
+        self._drop: list[str] = []
+        self._files: dict[str, bytes] = {}
+        self._index: dict[str, Any] | None = None
         self.where = f"caches/{ctx.sku}/{ctx.model}"
         self.refresh_hint = f"skuforge cache refresh --sku {ctx.sku} --model {ctx.model}, then commit {self.where}"
         self.key = backend.cache_key(ctx.sku_spec)
         self.status = inspect(backend, ctx.sku, ctx.model, self.folder, self.key)
-        if ctx.cache_refresh:  # skuforge cache refresh: search afresh, whatever is there
+        kind = backend.capabilities.cache
+        if self.status.foreign and not self.refresh:
+            raise InputError(
+                f"{kind} {self.where}: {self.status.reason}",
+                hint=f"a build never removes anything from a cache folder; rebuild it with {self.refresh_hint} "
+                f"(an editor's files, {' '.join(EDITOR_FILES)}, are ignored)",
+            )
+        if self.refresh:  # search afresh, whatever is there
             self.status.state, self.status.reason = "missing", "a refresh was asked for"
         self.hits, self.misses = 0, 0
         self.missed: list[str] = []  # what was not found (tasks, the cache)
         self.warnings: list[str] = []
         self._staged: dict[str, bytes] = {}
         self._tuned: dict[str, Any] | None = None
-        if self.status.state != "fresh" and (self.status.state != "missing" or required):
+        if self.status.ignored:
             self.warnings.append(
-                f"{backend.capabilities.cache} {self.where} is {self.status.state} "
-                f"({self.status.reason}): not used; this build rebuilds it"
+                f"{self.where}: ignored {', '.join(self.status.ignored)} (not in {INDEX}; an editor's file by "
+                "its name): never read, never removed"
             )
+        if self.status.state != "fresh" and (self.status.state != "missing" or required):
+            self.warnings.append(self._unused(self.status.reason))
         if self.status.state != "fresh":
-            self.miss(f"the {backend.capabilities.cache} ({self.status.state}: {self.status.reason})")
+            self.miss(f"the {kind} ({self.status.state}: {self.status.reason})")
+
+    def _unused(self, reason: str) -> str:
+        what = f"{self.backend.capabilities.cache} {self.where}"
+        if self.status.state == "missing":
+            return f"{what} is missing ({reason}): this build makes it"
+        return (
+            f"{what} is {self.status.state} ({reason}): not used, so the engine is built without its checked-in "
+            f"decisions; the folder is left as it is (a build never rewrites a cache it does not trust): "
+            f"{self.refresh_hint}"
+        )
 
     @property
     def trusted(self) -> bool:
@@ -304,9 +351,7 @@ class CacheSession:
     def reject(self, reason: str) -> None:
         """The backend could not use a cache the index vouched for (another GPU's timing cache)."""
         self.status.state, self.status.reason = "corrupt", reason
-        self.warnings.append(
-            f"{self.backend.capabilities.cache} {self.where} was not usable ({reason}): this build rebuilds it"
-        )
+        self.warnings.append(self._unused(reason))
         self.miss(f"the {self.backend.capabilities.cache} ({reason})")
 
     def write(self, name: str, data: bytes, trials: int | None = None, seconds: float | None = None) -> None:
@@ -323,28 +368,59 @@ class CacheSession:
 
     def close(self) -> dict[str, Any]:
         """Decide what the cache becomes (nothing is written yet) and return the build's cache
-        record; ``commit`` writes it once the engine is in place."""
+        record; ``commit`` writes it once the engine is in place. A build writes only a cache it
+        trusted (extended) or one there was none of (made); a refresh replaces whatever is there."""
+        self._unlink_folder, self._drop, self._files, self._index = False, [], {}, None
+        records: list[dict[str, Any]] = []
+        if self.status.state in ("fresh", "missing"):  # a stale or corrupt cache is left as it is
+            records = self._decide()
+        total = self.hits + self.misses
+        return {
+            "kind": self.backend.capabilities.cache,
+            "state": self.status.state,
+            "reason": self.status.reason,
+            "key": self.key,
+            "sha256": files_digest(records),
+            "files": records,
+            "hits": self.hits,
+            "misses": self.misses,
+            "missed": self.missed[:20],
+            "hit_rate": round(self.hits / total, 4) if total else None,
+            "updated": bool(self._files or self._drop or self._unlink_folder or self._index is not None),
+            "required": self.required,
+            "ignored": self.status.ignored,
+        }
+
+    def _decide(self) -> list[dict[str, Any]]:
+        """What a cache the build may write holds after it: its records; sets what ``commit`` writes
+        (and, for a refresh only, removes)."""
         index = _read_index(self.folder)[0] if _plain(self.folder, INDEX) else None  # never read through a link
-        trusted = {str(f.get("path")) for f in self.status.files} if self.trusted else set()
+        trusted = [str(f.get("path")) for f in self.status.files] if self.trusted else []
         # what the folder will hold: this build's files, and the trusted ones it did not replace
-        contents = {name: data for name, data in self._staged.items()}
-        for name in self.backend.cache_files:
-            if name not in contents and name in trusted:
+        contents = dict(self._staged)
+        for name in trusted:
+            if name not in contents:
                 contents[name] = (self.folder / name).read_bytes()
-        # a symlinked folder is replaced by a real one (the link removed, never what it points to);
-        # in a real folder, whatever the new index will not list goes: planted files, symlinks
-        self._unlink_folder = self.folder.is_symlink()
-        files, links = _entries(self.folder) if self.folder.is_dir() and not self._unlink_folder else ([], [])
-        self._drop = [p for p in files + links if p not in contents and p != INDEX]
+        if self.refresh:
+            # a symlinked folder is replaced by a real one (the link removed, never what it points to);
+            # in a real folder, what the new index will not list goes (planted files, symlinks), but an
+            # editor's files
+            self._unlink_folder = self.folder.is_symlink()
+            if self.folder.is_dir() and not self._unlink_folder:
+                files, links = _entries(self.folder)
+                self._drop = [p for p in files if p not in contents and not editor_file(p)] + [
+                    p for p in links if p not in contents and p != INDEX
+                ]
         self._files = {
             name: data
             for name, data in contents.items()
             if not (_plain(self.folder, name) and (self.folder / name).read_bytes() == data)
         }
+        order = [n for n in self.backend.cache_files if n in contents] + sorted(
+            n for n in contents if n not in self.backend.cache_files
+        )
         records = [
-            {"path": name, "sha256": sha256_bytes(contents[name]), "bytes": len(contents[name])}
-            for name in self.backend.cache_files
-            if name in contents
+            {"path": name, "sha256": sha256_bytes(contents[name]), "bytes": len(contents[name])} for name in order
         ]
         doc = {
             "backend": self.backend.name,
@@ -365,25 +441,11 @@ class CacheSession:
             # this search alone: what a trial cost on this SKU's measuring devices, for the next estimate
             doc["last_tuning"] = {"trials": self._tuned["trials"], "seconds": round(self._tuned["seconds"], 1)}
         self._index = doc if doc != index else None
-        total = self.hits + self.misses
-        return {
-            "kind": self.backend.capabilities.cache,
-            "state": self.status.state,
-            "reason": self.status.reason,
-            "key": self.key,
-            "sha256": files_digest(records),
-            "files": records,
-            "hits": self.hits,
-            "misses": self.misses,
-            "missed": self.missed[:20],
-            "hit_rate": round(self.hits / total, 4) if total else None,
-            "updated": bool(self._files or self._drop or self._unlink_folder or self._index is not None),
-            "required": self.required,
-        }
+        return records
 
     def commit(self) -> None:
-        """Write what ``close`` decided: what no index vouches for removed (a symlinked folder: the
-        link), changed files, the index last."""
+        """Write what ``close`` decided: changed files, the index last; for a refresh first what no
+        index vouches for removed (a symlinked folder: the link)."""
         if self._unlink_folder:
             self.folder.unlink()
         for name in self._drop:

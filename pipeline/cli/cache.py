@@ -84,7 +84,11 @@ def status_text(rows) -> str:
                 "last build": last_text,
             }
         )
-    notes = [[f"{r.sku}/{r.model}: {r.reason}"] if r.state not in ("fresh", "none") else [] for r in rows]
+    notes = [
+        ([f"{r.sku}/{r.model}: {r.reason}"] if r.state not in ("fresh", "none") else [])
+        + ([f"{r.sku}/{r.model}: ignored {', '.join(r.ignored)} (an editor's files)"] if r.ignored else [])
+        for r in rows
+    ]
     return tables.render(CACHE_COLUMNS, cells, notes)
 
 

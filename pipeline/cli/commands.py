@@ -25,6 +25,7 @@ from pipeline.ops.pipelines import hide_from_dvc, move_pair_locks, render_pipeli
 from pipeline.ops.repro import DvcFailed, ProjectStatus, clear_outcomes, run_dvc_repro, targets, upstream_stages
 from pipeline.project.config import load_registry
 from pipeline.report import write_site
+from pipeline.results.reports import BuildReport
 from pipeline.stages import bench as bench_stage
 from pipeline.stages import build as build_stage
 from pipeline.stages import calibrate as calibrate_stage
@@ -41,6 +42,20 @@ from pipeline.tracking.promotion import PromotionBlocked, rollback
 from pipeline.tracking.promotion import promote as promote_alias
 from pipeline.tracking.releases import list_releases
 from pipeline.verify.consistency import refresh_reports
+
+
+def _cache_lines(report: BuildReport) -> str:
+    """What a build's summary says of its checked-in cache: built without it (found stale or
+    corrupt), an editor's files it ignored."""
+    cache, lines = report.cache, []
+    if cache is not None and cache.unused():
+        lines.append(
+            f"{cache.unused()} ({cache.reason}); rebuild it: skuforge cache refresh --sku {report.sku} "
+            f"--model {report.model}, then commit caches/{report.sku}/{report.model}"
+        )
+    if cache is not None and cache.ignored:
+        lines.append(f"cache: ignored {', '.join(cache.ignored)} (an editor's files: never read, never removed)")
+    return "".join(f"\n{line}" for line in lines)
 
 
 def _registry(args: argparse.Namespace):
@@ -81,6 +96,7 @@ STAGES: dict[str, tuple[Callable[..., Any], Callable[[Any], str]]] = {
             f"built {r.model}/{r.sku} in {r.build_seconds:.1f}s: "
             f"placement {r.placement}, precision {r.precision_counts}"
             + (f", reproducible: {r.reproducibility.verdict}" if r.reproducibility else "")
+            + _cache_lines(r)
         ),
     ),
     "validate": (

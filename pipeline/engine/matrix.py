@@ -127,11 +127,14 @@ class PairOutcome:
     warnings: list[str] = field(default_factory=list)  # short: what makes a passed pair doubtful (also in detail)
 
     mixed: str = ""  # a passed engine with layers kept in higher precision: ``mixed: 6 layers fp32, 1.7x of fp32``
+    # an engine built without its checked-in compiler cache: ``cache: corrupt — built without checked-in tuning``
+    cache: str = ""
 
     @property
     def label(self) -> str:
-        """The outcome as a matrix cell: ``passed (mixed: 6 layers fp32, 1.7x of fp32; warn: 5 fp32 layers)``."""
-        notes = [self.mixed] if self.mixed else []
+        """The outcome as a matrix cell: ``passed (mixed: 6 layers fp32, 1.7x of fp32; cache: stale — built
+        without checked-in tuning; warn: 5 fp32 layers)``."""
+        notes = [n for n in (self.mixed, self.cache) if n]
         notes += [f"warn: {'; '.join(self.warnings)}"] if self.warnings else []
         return f"{self.outcome} ({'; '.join(notes)})" if notes else self.outcome
 
@@ -178,6 +181,8 @@ def _pair_outcome(
     row = _manifest_row(registry, model, sku) if manifest_path.is_file() else None
     notes = row.pop("warnings") if row is not None else []
     verdict = row.pop("verdict") if row is not None else []
+    cache_note, cache_detail = (row.pop("cache") if row is not None else None) or ("", None)
+    said = [cache_detail] if cache_detail else []  # the long form, in the detail line
     if row is None and status is not None and not status.buildable:
         # whatever an attempt here recorded, this host was never going to build it
         return PairOutcome(
@@ -209,12 +214,13 @@ def _pair_outcome(
                 sku,
                 "passed",
                 0,
-                "; ".join([*verdict, *(long for _, long in notes)]),
+                "; ".join([*said, *verdict, *(long for _, long in notes)]),
                 None,
                 row["p50_ms"],
                 manifest=row,
                 warnings=[short for short, _ in notes],
                 mixed=_mixed(registry, model, row),
+                cache=cache_note,
             )
         fix = row.pop("fix", "")
         return PairOutcome(
@@ -222,11 +228,12 @@ def _pair_outcome(
             sku,
             "gate failed",
             1,
-            _with_fix("; ".join(row["failures"]) or "correctness gate failed", fix),
+            _with_fix("; ".join([*(row["failures"] or ["correctness gate failed"]), *said]), fix),
             "validate",
             row["p50_ms"],
             manifest=row,
             fix=fix,
+            cache=cache_note,
         )
     if status is not None and not status.runnable and out.report(model, sku, "build").is_file():
         return PairOutcome(
@@ -352,6 +359,15 @@ def _warnings(m: Any, model: str, sku: str) -> list[tuple[str, str]]:
                 f"max_mismatched_layers)",
             )
         )
+    if m.cache is not None and m.cache.ignored:
+        names = ", ".join(m.cache.ignored)
+        out.append(
+            (
+                f"cache ignores {names}",
+                f"cache: caches/{sku}/{model} holds {names}, not in cache.json: ignored as an editor's file by its "
+                "name (never read, never removed)",
+            )
+        )
     bm = m.benchmark
     if e2e_below_engine(bm.engine_only, bm.end_to_end):
         out.append(
@@ -363,6 +379,19 @@ def _warnings(m: Any, model: str, sku: str) -> list[tuple[str, str]]:
             )
         )
     return out
+
+
+def _cache_unused(m: Any, model: str, sku: str) -> tuple[str, str] | None:
+    """(short, long) for an engine built without its checked-in compiler cache (found stale or
+    corrupt, so not used): the matrix cell's note and the detail that says why and what to do."""
+    short = m.cache.unused() if m.cache is not None else None
+    if short is None:
+        return None
+    why = f": {m.cache.reason}" if m.cache.reason else ""
+    return short, (
+        f"{short} (caches/{sku}/{model}{why}); rebuild it: skuforge cache refresh --sku {sku} --model {model}, "
+        "then commit it"
+    )
 
 
 def _mixed(registry: Registry, model: str, row: dict[str, Any]) -> str:
@@ -452,6 +481,7 @@ def _manifest_row(registry: Registry, model: str, sku: str) -> dict[str, Any]:
         },
         "throughput_per_s": m.benchmark.throughput_per_s,
         "warnings": _warnings(m, model, sku),
+        "cache": _cache_unused(m, model, sku),
         "digest": m.digest[:12],
         "mlflow": f"v{published['version']}" if published.get("digest") == m.digest else None,
         **(

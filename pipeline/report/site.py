@@ -26,6 +26,7 @@ from pipeline.engine.matrix import matrix
 from pipeline.project.config import Registry
 from pipeline.report import plots
 from pipeline.report.load import ROOFLINE, PairData, load_pair, read_optional
+from pipeline.results.reports import cache_unused
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def interval(value: Any) -> str:
 
 
 def status_class(outcome: str) -> str:
-    base = outcome.split(" (warn:")[0]  # PairOutcome.label: "passed (warn: ...)"
+    base = outcome.split(" (")[0]  # PairOutcome.label: "passed (mixed: ...; cache: ...; warn: ...)"
     return "passed" if base in _PASSED else "failed" if base in _FAILED else "other"
 
 
@@ -666,6 +667,23 @@ def _build_view(build: dict[str, Any] | None) -> dict[str, Any] | None:
         "precision": build.get("precision"),
         "engine_bytes": engine_bytes(build),
         "seconds": build.get("build_seconds"),
+        "cache": _cache_view(_d(build.get("cache"))),
+    }
+
+
+def _cache_view(cache: dict[str, Any]) -> dict[str, Any] | None:
+    """The checked-in compiler cache as the build found and used it (build.json's ``cache``)."""
+    if not cache:
+        return None
+    kind, state = str(cache.get("kind")), str(cache.get("state"))
+    return {
+        "kind": kind,
+        "state": state,
+        "reason": cache.get("reason"),
+        "hits": cache.get("hits"),
+        "misses": cache.get("misses"),
+        "unused": cache_unused(kind, state),
+        "ignored": [str(x) for x in _list(cache.get("ignored"))],
     }
 
 

@@ -158,21 +158,45 @@ class Reproducibility(Result):
     second_build_seconds: float
 
 
+UNUSED_CACHE_STATES = ("stale", "corrupt")  # a checked-in cache was there and the build used none of it
+_CACHE_DECISIONS = {"tuning-database": "tuning", "timing-cache": "timing cache"}
+
+
+def cache_unused(kind: str, state: str) -> str | None:
+    """``cache: corrupt — built without checked-in tuning`` when a build found its checked-in cache
+    stale or corrupt and so used none of it (pipeline.backends.caches), else None."""
+    if state not in UNUSED_CACHE_STATES:
+        return None
+    return f"cache: {state} — built without checked-in {_CACHE_DECISIONS.get(kind, kind)}"
+
+
 class CacheRecord(Result):
     """How a build used the SKU's checked-in cache (pipeline.backends.caches)."""
 
     kind: str = Field(description="tuning-database or timing-cache")
-    state: str = Field(description="what the build found: fresh (trusted), stale, corrupt or missing")
+    state: str = Field(
+        description="what the build found: fresh (trusted, replayed), missing (made), stale or corrupt (not "
+        "used: the engine was built without it, and the folder left as it was)"
+    )
     reason: str
     key: dict[str, str] = Field(description="what the cache is valid for: compiler version and target")
-    sha256: str | None = Field(description="sha256 over the cache files after the build (path and content)")
+    sha256: str | None = Field(
+        description="sha256 over the cache files after the build (path and content); null when it holds none "
+        "the build trusted or wrote"
+    )
     files: list[FileRecord] = Field(default_factory=list)
     hits: int
     misses: int
     missed: list[str] = Field(default_factory=list, description="what was not in the cache (first 20)")
     hit_rate: float | None
-    updated: bool = Field(description="the build wrote the cache (it was rebuilt or extended)")
+    updated: bool = Field(description="the build wrote the cache (it was made, extended or refreshed)")
     required: bool = Field(description="a miss would have failed the build")
+    ignored: list[str] = Field(
+        default_factory=list, description="an editor's files in the cache folder: never read, never removed"
+    )
+
+    def unused(self) -> str | None:
+        return cache_unused(self.kind, self.state)
 
 
 class BuildReport(EngineBound):
@@ -795,11 +819,19 @@ class CacheInfo(Result):
     sha256: str | None = Field(description="sha256 over the cache files (pipeline.backends.caches.files_digest)")
     key: dict[str, str] = Field(description="compiler version and target the cache is valid for")
     state: str = Field(
-        description="fresh: the build replayed a trusted cache; stale, corrupt or missing: it rebuilt it"
+        description="fresh: the build replayed a trusted cache; missing: it made one; stale or corrupt: it found "
+        "the checked-in cache and used none of it (built without it, the folder left as it was)"
     )
+    reason: str = Field("", description="why the cache was in that state")
     hits: int
     misses: int
     required: bool
+    ignored: list[str] = Field(
+        default_factory=list, description="an editor's files in the cache folder: never read, never removed"
+    )
+
+    def unused(self) -> str | None:
+        return cache_unused(self.kind, self.state)
 
 
 class CalibrationInfo(Result):

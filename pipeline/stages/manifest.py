@@ -137,7 +137,9 @@ def assemble(registry: Registry, model: str, sku: str) -> dict:
         hardware_specific=build.hardware_specific,
         calibration=calibration,
         cache=CacheInfo(
-            **build.cache.model_dump(include={"kind", "sha256", "key", "state", "hits", "misses", "required"})
+            **build.cache.model_dump(
+                include={"kind", "sha256", "key", "state", "reason", "hits", "misses", "required", "ignored"}
+            )
         )
         if build.cache
         else None,

@@ -1,7 +1,8 @@
 """Apache TVM backend: default-schedule builds of two models (validated, benchmarked), the fused
 primitive functions traced to their ONNX nodes, MetaSchedule tuning into the SKU's cache folder
 and its replay, and the cache policy on a real tuning database: a stale database (another TVM
-version), a corrupted one (clear error, rebuilt, never trusted) and fail-on-miss."""
+version: never trusted, left as it is, rebuilt by a refresh), a corrupted one (clear error, never
+trusted) and fail-on-miss."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from pipeline.core.errors import ConfigError, GateFailed, UnsupportedOp  # noqa:
 from pipeline.core.paths import Layout  # noqa: E402
 from pipeline.host.probe import cpu_features, host_arch  # noqa: E402
 from pipeline.model.graph import pin_axes  # noqa: E402
-from pipeline.ops.caches import status  # noqa: E402
+from pipeline.ops.caches import refresh, status  # noqa: E402
 from pipeline.project.config import load_registry  # noqa: E402
 from pipeline.stages.bench import bench  # noqa: E402
 from pipeline.stages.build import build  # noqa: E402
@@ -219,14 +220,18 @@ def test_a_database_of_another_tvm_version_is_stale_and_fails_a_required_build(p
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # nothing written
 
 
-def test_a_stale_database_is_not_trusted_and_is_rebuilt(proj):
+def test_a_stale_database_is_not_trusted_left_as_it_is_and_a_refresh_rebuilds_it(proj):
     _copy_cache(proj, "tuned")
     folder = proj.out.cache_dir("conv", "tuned")
     key = json.loads((folder / INDEX).read_text())["key"]
     _set_index(folder, key={**key, "apache-tvm": "0.26.0"})
-    rep = build(proj.registry, "conv", "tuned", tuning_trials=1)
-    assert rep.cache.state == "stale" and rep.cache.hits == 0 and rep.cache.updated
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    rep = build(proj.registry, "conv", "tuned")  # tuning not asked for: TVM's default schedules
+    assert rep.cache.state == "stale" and rep.cache.hits == 0 and not rep.cache.updated
+    assert rep.cache.unused() == "cache: stale — built without checked-in tuning"
     assert any("tuning-database caches/tuned/conv is stale" in w and "not used" in w for w in rep.warnings)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # the database is never removed
+    refresh(proj.registry, "tuned", ["conv"], trials=1)
     assert json.loads((folder / INDEX).read_text())["key"] == key  # rewritten under this TVM's key
     assert next(r for r in status(proj.registry, ["tuned"], ["conv"])).state == "fresh"
     assert validate(proj.registry, "conv", "tuned").passed
