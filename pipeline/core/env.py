@@ -166,6 +166,7 @@ class Integer(Var[int]):
 
 @dataclass(frozen=True)
 class Number(Var[float]):
+    minimum: float | None = None
     kind: ClassVar[str] = "number"
     expects: ClassVar[str] = "a finite number"
 
@@ -176,6 +177,8 @@ class Number(Var[float]):
             raise ValueError("") from None
         if not math.isfinite(value):
             raise ValueError("")
+        if self.minimum is not None and value < self.minimum:
+            raise ValueError(f"the least is {self.minimum:g}")
         return value
 
 
@@ -227,8 +230,19 @@ SKUFORGE_TVM_TRACKER = Text(
 )
 SKUFORGE_TVM_RPC_WAIT = Number(
     "SKUFORGE_TVM_RPC_WAIT",
-    "seconds a TVM SKU with `options.rpc.key` waits for a device registered under its key before it fails (exit 4)",
-    default=60.0,
+    "seconds a TVM SKU with `options.rpc.key` waits for a device to register under its key, and then for one "
+    "of them to be free, before it fails (exit 4)",
+    default=12.0,
+    minimum=0.0,
+)
+SKUFORGE_TVM_RPC_TIMEOUT = Number(
+    "SKUFORGE_TVM_RPC_TIMEOUT",
+    "seconds TVM's RPC tracker and a device each have to answer a TVM SKU with `options.rpc.key`: the "
+    "connection, each tracker query, opening a session on the device, the engine's upload and load, each "
+    "inference of validate and bench; past it the command fails (exit 4) naming the address. A tuning "
+    "candidate is bounded by `options.rpc.session_timeout_s` instead",
+    default=10.0,
+    minimum=0.1,
 )
 SKUFORGE_CACHE_DIR = Folder(
     "SKUFORGE_CACHE_DIR",
