@@ -327,6 +327,36 @@ def test_generated_set_above_the_dataset_budget():
     assert err.message.splitlines()[1].endswith(f"lower it to at most {(4 << 30) // 768}")
 
 
+def test_a_files_dataset_folder_outside_the_project_is_refused_like_a_dataset_path():
+    """The data stage refuses it too; config validate says so first, as for a .npz path."""
+    for key in ("path", "files"):
+        data = mutated("models.conv.datasets", {"golden": {key: "../../../outside"}})
+        if key == "files":
+            data["models"]["conv"]["preprocess"] = {"x": {"decode": "image", "resize": {"size": [8, 8]}}}
+        assert (
+            f"models.conv.datasets.golden.{key}: '../../../outside' (joined with dir: "
+            "'models/conv/../../../outside') leaves the project root ('..')" in config_error(data).message
+        )
+
+
+def test_an_audio_input_without_scipy_gets_the_real_reason_only():
+    """An entry with decode is checked as the steps alone, one without as the affine map alone: no
+    unknown keys of the other form, and the nearest key within the right one."""
+    steps = {"decode": "audio", "length": 4}
+    problems = config_error(mutated("models.conv.preprocess", {"x": steps})).message.splitlines()[1:]
+    assert problems == [
+        "  - models.conv.preprocess.x: decode audio: library 'pillow' (the default) cannot read WAV: set library: scipy"
+    ]
+    typo = config_error(mutated("models.conv.preprocess", {"x": {**steps, "library": "scipy", "lenght": 4}}))
+    assert "models.conv.preprocess.x.lenght: unknown key (did you mean 'length'?); valid keys here: decode," in (
+        typo.message
+    )
+    affine = config_error(mutated("models.conv.preprocess", {"x": {"scale": 2.0, "ofset": 1}})).message
+    assert "models.conv.preprocess.x.ofset: unknown key (did you mean 'offset'?); valid keys here: scale, offset" in (
+        affine
+    )
+
+
 def test_dataset_needs_exactly_one_source():
     err = config_error(mutated("models.conv.datasets", {"golden": {"path": "g.npz", "generate": {"count": 4}}}))
     assert "models.conv.datasets.golden" in err.message and "exactly one" in err.message

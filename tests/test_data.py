@@ -23,6 +23,7 @@ from pipeline.project.data import (
     LABELS,
     LABELS_TEXT,
     BoxTargets,
+    check_cast,
     check_dataset,
     check_finite,
     check_range,
@@ -220,6 +221,8 @@ def test_load_refuses_labels_that_are_not_integer_class_indices(tmp_path):
         (np.array(["a", "b", "c"]), "string"),
         (np.zeros((3, 2), np.int64), "shape (3, 2)"),
         (np.array([0, -1, 2]), "negative class index at sample 1"),
+        (np.array([0, 2**40, 2]), "holds 1099511627776 at sample 1, above 2147483647"),
+        (np.array([0, 1, 2**64 - 1], np.uint64), "holds 18446744073709551615 at sample 2, above"),  # no wrap to -1
     ]:
         np.savez(folder / "eval.npz", x=x, labels=bad)
         with pytest.raises(InputError, match="'labels'") as info:
@@ -248,6 +251,65 @@ def test_load_takes_uint8_and_bool_raw_inputs(tmp_path):
     spec, folder = spec_with(CONV, tmp_path)
     np.savez(folder / "golden.npz", x=np.zeros((2, 3, 8, 8), np.uint8))
     assert load_file(spec, tmp_path, DatasetSource(path="golden.npz"), "golden")["x"].dtype == np.uint8
+
+
+def test_a_cast_that_changes_a_value_is_refused_naming_it(tmp_path):
+    """preprocess casts raw arrays to the input's dtype: only a cast that changes no value passes."""
+    int_spec = ModelSpec.model_validate(
+        {"dir": "m", "source": "model.onnx", "inputs": [{"name": "x", "dtype": "int32", "shape": ["batch", 2]}]}
+    )
+    refused = [
+        (CONV, np.full((2, 3, 8, 8), 2**24, np.int64), 16777217, "float32 cannot hold exactly", "16777216.0"),
+        (int_spec, np.zeros((3, 2), np.float64), 2.5, "int32 cannot hold exactly", "would make it 2 "),
+        (int_spec, np.zeros((3, 2), np.int64), 2**31, "int32 cannot hold", "-2147483648"),
+    ]
+    for spec, raw, bad, words, became in refused:
+        raw[1, 1] = bad
+        with pytest.raises(InputError, match="m/g.npz key 'x' holds") as info:
+            check_cast(spec, {"x": raw}, preprocess(spec, {"x": raw}), "golden", "m/g.npz")
+        assert f"holds {bad!r} at sample 1" in info.value.message and words in info.value.message
+        assert became in info.value.message and "inputs[0].dtype" in info.value.hint
+    passed = [
+        (CONV, np.full((2, 3, 8, 8), 2**24, np.int64)),  # float32 holds every integer up to 2**24
+        (CONV, np.full((2, 3, 8, 8), 0.1, np.float64)),  # a float narrowed rounds as floats do
+        (CONV, np.full((2, 3, 8, 8), 255, np.uint8)),
+        (MULTI, {"x": np.zeros((2, 6)), "ids": np.full((2, 3), 2**62, np.int64), "scale": np.ones(2)}),  # kept
+        (int_spec, np.full((3, 2), 7.0)),
+    ]
+    for spec, raw in passed:
+        arrays = raw if isinstance(raw, dict) else {"x": raw}
+        check_cast(spec, arrays, preprocess(spec, arrays), "golden", "m/g.npz")
+
+
+def test_a_label_past_the_metric_outputs_classes_is_refused_at_the_data_stage(tmp_path):
+    """conv_bn_model's 'probs' has 4 classes: a label 4 or more is refused naming the file, the row or
+    sample, and the class count, and nothing is written."""
+    metric = {"kind": "top1_accuracy", "output": "probs"}
+    steps = {"decode": "image", "resize": {"size": [8, 8]}, "layout": "chw"}
+    files_spec = {
+        **models.conv_bn_spec("models/f"),
+        "preprocess": {"x": steps},
+        "datasets": {"golden": {"files": "e"}, "evaluation": {"files": "e"}},
+        "metric": metric,
+    }
+    npz_spec = {**models.conv_bn_spec("models/n"), "datasets": {"evaluation": {"path": "e.npz"}}, "metric": metric}
+    for name in ("f", "n"):
+        models.conv_bn_model(tmp_path / "models" / name / "model.onnx")
+    image_folder(tmp_path / "models/f/e", ["a.png", "b.png"], labels="file,label\na.png,3\nb.png,57\n")
+    np.savez(tmp_path / "models/n/e.npz", x=np.zeros((3, 3, 8, 8), np.float32), labels=np.array([0, 57, 3]))
+    registry = load_registry(models.write_project(tmp_path, {"f": files_spec, "n": npz_spec}, {}))
+    expected = {
+        "f": r"labels.csv row 3: label '57' of 'b.png' is not a class of the model: the metric's output 'probs' "
+        r"has 4 classes \(0..3\)",
+        "n": r"models/n/e.npz key 'labels' holds the label 57 at sample 1, but the metric's output 'probs' has 4",
+    }
+    for model, match in expected.items():
+        with pytest.raises(InputError, match=match) as info:
+            make_data(registry, model)
+        assert "metric.output" in info.value.hint
+    assert not (tmp_path / "build").exists()
+    (tmp_path / "models/f/e/labels.csv").write_text("file,label\na.png,3\nb.png,0\n")
+    assert make_data(registry, "f").splits["evaluation"].has_labels
 
 
 def test_check_finite_names_key_and_first_sample():
@@ -472,6 +534,16 @@ def test_text_labels_refused_name_the_file_and_row(tmp_path, labels, match):
 def test_an_integer_label_past_any_class_index_is_refused_not_overflowed(tmp_path):
     image_folder(tmp_path / "d", ["a.png"], labels=f"file,label\na.png,{'9' * 5000}\n")
     with pytest.raises(InputError, match=r"row 2: label '9+\.\.\. of 'a.png' is above 2147483647"):
+        read_files_dataset(tmp_path, ".", "d", "evaluation", "image")
+    (tmp_path / "d" / "labels.csv").write_text("file,label\na.png,99999999999999999999999\n")
+    with pytest.raises(InputError, match=r"label '9{23}' of 'a.png' is above 2147483647"):
+        read_files_dataset(tmp_path, ".", "d", "evaluation", "image")
+
+
+def test_a_file_name_with_a_line_break_is_refused_by_name(tmp_path):
+    """No labels.csv row can name it (a row would end at the break): refused before any CSV is read."""
+    image_folder(tmp_path / "d", ["a\nb.png", "c.png"], labels="file,label\na\nb.png,0\nc.png,1\n")
+    with pytest.raises(InputError, match=r"names hold a line break or another control character: 'a\\nb.png';"):
         read_files_dataset(tmp_path, ".", "d", "evaluation", "image")
 
 

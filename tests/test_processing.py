@@ -259,6 +259,24 @@ def test_wav_rate_mismatch_stereo_and_garbage_are_refused():
         audio()([b"RIFF....garbage"], ["g.wav"])
 
 
+def test_a_wav_whose_chunks_claim_more_than_the_file_holds_is_refused():
+    """Cut short (scipy raised struct.error: exit 70), or a data chunk claiming 4 GB over 8 bytes (scipy
+    read the 8 and said nothing): refused from the chunk headers, naming the file."""
+    good = wav(np.zeros(4, np.int16))
+    lying = bytearray(good)
+    lying[40:44] = (0xFFFFFFF0).to_bytes(4, "little")  # the data chunk's size
+    cases = [
+        (good[:30], r"'fmt ' chunk at byte 12 declares 16 bytes, but only 10 follow"),
+        (good[:38], r"ends inside a chunk header at byte 36 of 38"),
+        (good[:36], r"has no 'data' chunk"),
+        (bytes(lying), r"'data' chunk at byte 36 declares 4294967280 bytes, but only 8 follow"),
+    ]
+    for blob, match in cases:
+        with pytest.raises(InputError, match=rf"file 'a.wav' is not a readable WAV file: .*{match}"):
+            audio()([blob], ["a.wav"])
+    assert audio()([good], ["a.wav"]).shape == (1, 4)
+
+
 # manifests and drift attribution
 
 

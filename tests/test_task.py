@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline.core.errors import ConfigError, GateFailed
+from pipeline.core.errors import ConfigError, GateFailed, InputError
 from pipeline.core.io import read_json
 from pipeline.core.paths import Layout
 from pipeline.project.config import TaskTolerance, load_registry
@@ -317,6 +317,15 @@ def test_word_accuracy_compares_the_decoded_string_with_the_text_label(tmp_path)
     right, figures = metric_correct(spec, {"y": np.eye(4, dtype=np.float32)[frames]}, ["abc", "cc", "bb"])
     assert right.tolist() == [True, True, False]
     assert figures == {"cer": pytest.approx(1 / 7)}  # one substitution over 3 + 2 + 2 label characters
+
+
+def test_top1_accuracy_refuses_a_label_past_the_outputs_classes(tmp_path):
+    """Where the data stage could not tell the class count (a dynamic class axis), the run does."""
+    spec = _labelled_spec(tmp_path, "argmax", "top1_accuracy")
+    scores = np.eye(4, dtype=np.float32)[[0, 1, 2]]
+    assert metric_correct(spec, {"y": scores}, np.array([0, 1, 3]))[0].tolist() == [True, True, False]
+    with pytest.raises(InputError, match=r"sample 1 is 57, but the metric's output 'y' has 4 classes \(0..3\)"):
+        metric_correct(spec, {"y": scores}, np.array([0, 57, 3]))
 
 
 def test_detection_accuracy_needs_every_box_of_an_image_matched(tmp_path):

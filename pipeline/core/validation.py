@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Annotated, Any, Union, get_args
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Tag, ValidationError
 
 
 def did_you_mean(word: object, choices: Any) -> str:
@@ -16,26 +17,45 @@ def did_you_mean(word: object, choices: Any) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
-    """Valid keys of the pydantic model found by walking ``loc`` from ``model``."""
+def _walk(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[str]]:
+    """``loc`` without the tags a tagged union (pydantic's Discriminator) adds to it, and the valid keys
+    of the pydantic model found by walking it from ``model`` (none where the walk gets lost)."""
     current: Any = model
+    shown: list[Any] = []
     for part in loc:
-        if isinstance(current, type) and issubclass(current, BaseModel):
-            field = current.model_fields.get(str(part))
-            if field is None:
-                return []
-            current = field.annotation
+        member = _tagged(current).get(part) if isinstance(part, str) else None
+        if member is not None:  # the form the discriminator chose: not a key of the file
+            current = member
+            continue
+        shown.append(part)
+        bare = _unwrap(current)
+        if isinstance(bare, type) and issubclass(bare, BaseModel):
+            field = bare.model_fields.get(str(part))
+            current = field.annotation if field is not None else None
         else:
-            current = _container_value(current)
-        current = _unwrap(current)
-    return list(current.model_fields) if isinstance(current, type) and issubclass(current, BaseModel) else []
+            current = _container_value(bare)
+    bare = _unwrap(current)
+    valid = list(bare.model_fields) if isinstance(bare, type) and issubclass(bare, BaseModel) else []
+    return tuple(shown), valid
+
+
+def _tagged(tp: Any) -> dict[str, Any]:
+    """A tagged union's members by tag (``Annotated[X, Tag(...)]`` members), else nothing."""
+    while get_origin(tp) is Annotated:
+        tp = get_args(tp)[0]
+    members = {}
+    for member in get_args(tp) if get_origin(tp) in (Union, UnionType) else ():
+        tag = next((m.tag for m in getattr(member, "__metadata__", ()) if isinstance(m, Tag)), None)
+        if tag is not None:
+            members[tag] = member
+    return members
 
 
 def _unwrap(tp: Any) -> Any:
     args = [a for a in get_args(tp) if a is not type(None)]
-    if getattr(tp, "__origin__", None) is Union or type(tp).__name__ == "UnionType":
+    if get_origin(tp) in (Union, UnionType):
         return _unwrap(args[0]) if len(args) == 1 else tp
-    if getattr(tp, "__origin__", None) is Annotated:
+    if get_origin(tp) is Annotated:
         return _unwrap(args[0])
     return tp
 
@@ -49,10 +69,10 @@ def validation_problems(exc: ValidationError, model: type[BaseModel], prefix: tu
     """One line per pydantic error: the full key path, what is wrong, the nearest valid key."""
     lines = []
     for err in exc.errors():
-        loc = tuple(err["loc"])
+        loc, _ = _walk(model, tuple(err["loc"]))
         key = ".".join(str(p) for p in (*prefix, *loc)) or "(top level)"
         if err["type"] == "extra_forbidden":
-            valid = _fields_at(model, loc[:-1])
+            valid = _walk(model, tuple(err["loc"])[:-1])[1]
             known = f"; valid keys here: {', '.join(valid)}" if valid else ""
             lines.append(f"{key}: unknown key{did_you_mean(loc[-1], valid)}{known}")
         elif err["type"] == "literal_error":

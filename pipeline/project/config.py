@@ -12,9 +12,19 @@ import re
 from collections.abc import Iterable
 from itertools import pairwise
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from pipeline.backends import backend_class, known_backends
 from pipeline.core.errors import ConfigError, InputError
@@ -459,7 +469,8 @@ class FilePreprocessing(Strict):
         if self.decode == "audio":
             for key, lib in (("library", self.library), ("decode_library", self.decode_library)):
                 if lib not in (None, "scipy"):
-                    raise ValueError(f"decode audio: {key} {lib!r} cannot read WAV here: use scipy")
+                    default = "" if key in self.model_fields_set else " (the default)"
+                    raise ValueError(f"decode audio: {key} {lib!r}{default} cannot read WAV: set {key}: scipy")
             if self.resize is not None:
                 raise ValueError("decode audio: resize is for images; use length to pad or trim clips")
         else:
@@ -570,6 +581,19 @@ class PreprocessingGate(Strict):
         "postprocess computes (labels, strings, boxes, masks), engine against itself, no labels needed; "
         "null: reported; a model without labels is judged this way against max_metric_drop too",
     )
+
+
+def _preprocess_form(value: Any) -> str:
+    """An entry with ``decode`` is the steps from raw files, any other an affine map: each is checked as
+    that form alone, so a mistake in the steps is not reported as the affine map's unknown keys."""
+    if isinstance(value, dict):
+        return "files" if "decode" in value else "affine"
+    return "files" if isinstance(value, FilePreprocessing) else "affine"
+
+
+Preprocess = Annotated[
+    Annotated[Affine, Tag("affine")] | Annotated[FilePreprocessing, Tag("files")], Discriminator(_preprocess_form)
+]
 
 
 def device_preprocessing(model: FilePreprocessing, device: DevicePreprocessing | None) -> FilePreprocessing:
@@ -770,7 +794,7 @@ class ModelSpec(Strict):
     outputs: list[str] | None = Field(None, description="outputs to check (default: all)")
     pins: dict[str, int] = Field(default_factory=dict, description="value of each dynamic axis")
     batch_axis: str | None = Field("batch", description="axis name that indexes samples")
-    preprocess: dict[str, Affine | FilePreprocessing] = Field(
+    preprocess: dict[str, Preprocess] = Field(
         default_factory=dict,
         description="per input: an affine map of array data (scale, offset), or the steps from raw "
         "files (decode: image|audio ...; docs/preprocessing.md)",
@@ -1476,8 +1500,10 @@ def _path_problems(registry: Registry, resolve: bool) -> list[str]:
         paths += [(f"models.{name}.dir", m.dir, (m.dir,)), (f"models.{name}.source", m.source, (m.dir, m.source))]
         for split in Datasets.model_fields:
             ds = getattr(m.datasets, split)
-            if ds is not None and ds.path is not None:
-                paths.append((f"models.{name}.datasets.{split}.path", ds.path, (m.dir, ds.path)))
+            for key in ("path", "files"):  # a .npz file or a folder of raw files
+                value = getattr(ds, key) if ds is not None else None
+                if value is not None:
+                    paths.append((f"models.{name}.datasets.{split}.{key}", value, (m.dir, value)))
     if registry.rollout.inventory is not None:
         paths.append(("rollout.inventory", registry.rollout.inventory, (registry.rollout.inventory,)))
     problems = []

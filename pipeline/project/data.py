@@ -32,6 +32,7 @@ LABEL_BOXES, LABEL_BOX_CLASSES, LABEL_BOX_COUNTS = "label_boxes", "label_box_cla
 BOX_KEYS = (LABEL_BOXES, LABEL_BOX_CLASSES, LABEL_BOX_COUNTS)
 TARGET_KEYS = (LABELS, LABELS_TEXT, *BOX_KEYS)
 FLAT_KEYS = (LABEL_BOXES, LABEL_BOX_CLASSES)  # not one row per sample
+MAX_CLASS_INDEX = 2**31 - 1  # a class is an output position: it fits the int32 that kernels index with
 
 
 @dataclass(frozen=True)
@@ -240,6 +241,12 @@ def _labels(arr: np.ndarray, split: str, path: Path, key: str) -> np.ndarray:
             f"dataset {split}: {path} key {key!r} has a negative class index at sample {int(arr.argmin())}",
             hint="class indices are output positions, 0 and up",
         )
+    if len(arr) and int(arr.max()) > MAX_CLASS_INDEX:  # compared as Python ints: uint64 never wraps to negative
+        raise InputError(
+            f"dataset {split}: {path} key {key!r} holds {int(arr.max())} at sample {int(arr.argmax())}, above "
+            f"{MAX_CLASS_INDEX}, the largest class index",
+            hint="class indices are output positions, 0 and up: map class ids to their output index first",
+        )
     return arr.astype("int64")
 
 
@@ -338,6 +345,93 @@ def check_dataset(spec: ModelSpec, arrays: Arrays, pins: dict[str, int], split: 
                 hint="save it with the model's dtype",
             )
     return n
+
+
+@dataclass(frozen=True)
+class Classes:
+    """The classes a top1_accuracy metric reads: its output and the output's size per sample."""
+
+    output: str
+    count: int
+
+    def describe(self) -> str:
+        return f"output {self.output!r} has {self.count} classes (0..{self.count - 1})"
+
+    def hint(self) -> str:
+        return (
+            "a label is the position of its class in the metric's output: fix the label, or point "
+            "models.<name>.metric.output at the output that scores the classes"
+        )
+
+
+def check_classes(arrays: Arrays, classes: Classes, split: str, origin: str, key: str) -> None:
+    """Refuse an integer label past the metric output's classes: its top-1 could never be right."""
+    labels = arrays.get(LABELS)
+    if labels is None or not len(labels) or int(labels.max()) < classes.count:
+        return
+    first = int((labels >= classes.count).argmax())
+    raise InputError(
+        f"dataset {split}: {origin} key {key!r} holds the label {int(labels[first])} at sample {first}, but the "
+        f"metric's {classes.describe()}",
+        hint=classes.hint(),
+    )
+
+
+def _lossless(source: np.dtype, target: np.dtype) -> bool:
+    """Whether every value of ``source`` casts to ``target`` unchanged; a float narrowed to a smaller
+    float counts as lossless (it rounds as floats do, and an overflow to Inf is check_finite's)."""
+    import numpy as np
+
+    if source == target or (source.kind == "f" and target.kind == "f"):
+        return True
+    if source.kind in "biu" and target.kind == "f":  # integers up to 2**(mantissa + 1) are exact
+        bits = 1 if source.kind == "b" else np.iinfo(source).bits - (source.kind == "i")
+        return bits <= np.finfo(target).nmant + 1
+    return source.kind in "biu" and target.kind in "biu" and bool(np.can_cast(source, target, "safe"))
+
+
+def check_cast(spec: ModelSpec, raw: Arrays, inputs: Arrays, split: str, origin: str) -> None:
+    """Refuse a cast by ``preprocess`` that changes a value: an integer the input's float dtype cannot
+    hold exactly (float32: beyond 2**24), a fraction or an out-of-range value for an integer input,
+    anything but 0 and 1 for a bool one. ``inputs`` are ``raw`` preprocessed."""
+    import numpy as np
+
+    for index, inp in enumerate(spec.inputs):
+        source, cast = raw[inp.name], inputs[inp.name]
+        where = origin
+        affine = spec.affine(inp.name)
+        if affine is not None and cast.dtype.kind != "f":  # the cast follows the transform: check its result
+            with np.errstate(over="ignore", invalid="ignore"):
+                source = source.astype("float64") * affine.scale + affine.offset
+            where = f"{origin} after preprocessing"
+        if source.size == 0 or _lossless(source.dtype, cast.dtype):
+            continue
+        with np.errstate(over="ignore", invalid="ignore"):
+            changed = (cast.astype(source.dtype) != source).reshape(-1)
+        if not changed.any():
+            continue
+        first = int(changed.argmax())
+        value, became = source.reshape(-1)[first].item(), cast.reshape(-1)[first].item()
+        sample = first // (source.size // len(source))
+        raise InputError(
+            f"dataset {split}: {where} key {inp.name!r} holds {value!r} at sample {sample}, "
+            f"which {cast.dtype} cannot hold exactly: the cast to the input's dtype would make it {became!r} "
+            f"({int(changed.sum())} of {source.size} values would change)",
+            hint=f"save values {cast.dtype} holds exactly ({_holds(cast.dtype)}), or declare "
+            f"models.<name>.inputs[{index}].dtype as the model takes it (a dataset of the declared dtype is kept "
+            "as it is); only a cast that changes no value passes",
+        )
+
+
+def _holds(dtype: np.dtype) -> str:
+    import numpy as np
+
+    if dtype.kind == "f":
+        return f"integers up to 2**{np.finfo(dtype).nmant + 1}"
+    if dtype.kind == "b":
+        return "0 and 1"
+    info = np.iinfo(dtype)
+    return f"whole numbers from {info.min} to {info.max}"
 
 
 def preprocess(spec: ModelSpec, raw: Arrays) -> Arrays:

@@ -31,7 +31,7 @@ from pipeline.core.limits import (
     human_bytes,
 )
 from pipeline.core.paths import inside
-from pipeline.project.data import LABEL_BOX_COUNTS, LABELS, LABELS_TEXT, box_arrays
+from pipeline.project.data import LABEL_BOX_COUNTS, LABELS, LABELS_TEXT, MAX_CLASS_INDEX, Classes, box_arrays
 
 if TYPE_CHECKING:
     import numpy as np
@@ -42,7 +42,6 @@ EXTENSIONS: dict[str, tuple[str, ...]] = {
 }
 LABELS_CSV = "labels.csv"
 BOXES_CSV = "boxes.csv"  # images only
-MAX_CLASS_INDEX = 2**31 - 1  # a class is an output position: it fits the int32 that kernels index with
 
 # keys of the packed form (the labels under LABELS, the key every split's labels use)
 BYTES, OFFSETS, NAMES = "file_bytes", "file_offsets", "file_names"
@@ -78,17 +77,19 @@ def read_files_dataset(
     *,
     alphabet: str | None = None,
     extent: tuple[int, int] | None = None,
+    classes: Classes | None = None,
 ) -> FilesDataset:
     """The files of ``folder`` (relative to the model's dir under ``root``) whose extension suits
     ``decode``, sorted by name (code points), the first ``take`` when given, with their targets.
 
-    Targets: labels.csv's integer class indices, or its text when ``alphabet`` (a ctc_greedy model's)
-    is given; for images, boxes.csv's boxes, which must lie inside ``extent`` (the model input's height
-    and width) when given. Refused with an InputError naming the split: a folder outside the project
-    (or a file whose symlink leads out of it), no files, an entry with an unsupported extension or that
-    is not a file (hidden entries, ``.name``, are skipped), more than MAX_DATASET_FILES files or
-    MAX_DATASET_BYTES bytes, labels.csv and boxes.csv together, and a row of either that breaks its
-    rules (named with its row).
+    Targets: labels.csv's integer class indices (below ``classes``' count when given), or its text when
+    ``alphabet`` (a ctc_greedy model's) is given; for images, boxes.csv's boxes, which must lie inside
+    ``extent`` (the model input's height and width) when given. Refused with an InputError naming the
+    split: a folder outside the project (or a file whose symlink leads out of it), no files, an entry
+    with an unsupported extension or that is not a file (hidden entries, ``.name``, are skipped), a
+    name holding a line break or another control character (no CSV row could name it), more than
+    MAX_DATASET_FILES files or MAX_DATASET_BYTES bytes, labels.csv and boxes.csv together, and a row of
+    either that breaks its rules (named with its row).
     """
     where = f"dataset {split}"
     hint_path = f"fix models.<name>.datasets.{split}.files (a folder relative to the model's dir)"
@@ -115,6 +116,14 @@ def read_files_dataset(
                     f"{where}: {path} holds more than {MAX_DATASET_FILES} files",
                     hint="keep fewer samples in the folder (a held-out subset), or split it",
                 )
+    unnameable = sorted(e.name for e in files if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in e.name))
+    if unnameable:
+        raise InputError(
+            f"{where}: {path} holds {decode} files whose names hold a line break or another control character: "
+            f"{_some(unnameable)}; no row of {' or '.join(targets_csv)} can name them, and a message would "
+            "show them garbled",
+            hint="rename the files without control characters (letters, digits, spaces and punctuation are fine)",
+        )
     if other:
         raise InputError(
             f"{where}: {path} holds entries that are not {decode} files ({', '.join(exts)}): {_some(sorted(other))}",
@@ -137,7 +146,7 @@ def read_files_dataset(
         inside(root, model_dir, folder, name)
         listed = [e.name for e in files]
         if name == LABELS_CSV:
-            targets = _read_labels(Path(entry.path), listed, where, alphabet)
+            targets = _read_labels(Path(entry.path), listed, where, alphabet, classes)
         else:
             targets = _read_boxes(Path(entry.path), listed, where, extent)
     if take is not None:
@@ -220,18 +229,23 @@ def _csv_rows(path: Path, headers: Iterable[tuple[str, ...]], where: str, hint: 
         raise InputError(f"{where}: {path} row {number + 1} is not valid CSV ({exc})", hint=hint) from exc
 
 
-def _class_index(text: str, what: str, hint: str) -> int:
-    """``text`` as a class index, 0..MAX_CLASS_INDEX; ``what`` names it (file, row, field) in the refusal."""
+def _class_index(text: str, what: str, hint: str, classes: Classes | None = None) -> int:
+    """``text`` as a class index, 0..MAX_CLASS_INDEX (below ``classes``' count when given); ``what`` names
+    it (file, row, field) in the refusal."""
     if not (text.isascii() and text.isdigit()):
         raise InputError(f"{what} is not an integer >= 0", hint=hint)
     if len(text) > len(str(MAX_CLASS_INDEX)) or int(text) > MAX_CLASS_INDEX:  # int() of 5000 digits raises
         raise InputError(f"{what} is above {MAX_CLASS_INDEX}, the largest class index", hint=hint)
+    if classes is not None and int(text) >= classes.count:
+        raise InputError(f"{what} is not a class of the model: the metric's {classes.describe()}", hint=classes.hint())
     return int(text)
 
 
-def _read_labels(path: Path, names: list[str], where: str, alphabet: str | None) -> dict[str, np.ndarray]:
+def _read_labels(
+    path: Path, names: list[str], where: str, alphabet: str | None, classes: Classes | None = None
+) -> dict[str, np.ndarray]:
     """One label per name from ``path`` (header ``file,label``), in ``names`` order: class indices
-    under LABELS, or with an ``alphabet`` text under LABELS_TEXT."""
+    (below ``classes``' count when given) under LABELS, or with an ``alphabet`` text under LABELS_TEXT."""
     import numpy as np
 
     if alphabet is None:
@@ -255,7 +269,11 @@ def _read_labels(path: Path, names: list[str], where: str, alphabet: str | None)
             )
         seen[name] = number
         what = f"{where}: {path} row {number}: label {_shown(row[1])} of {_shown(name)}"
-        label = _class_index(row[1].strip(), what, hint) if alphabet is None else _text(row[1], alphabet, what, hint)
+        label = (
+            _class_index(row[1].strip(), what, hint, classes)
+            if alphabet is None
+            else _text(row[1], alphabet, what, hint)
+        )
         if name not in index:
             raise InputError(
                 f"{where}: {path} row {number} names {_shown(name)}, which is not a file of the folder", hint=hint

@@ -183,19 +183,21 @@ class Preprocessor:
 
     def _decode_wav(self, blob: bytes, name: str) -> np.ndarray:
         import io
+        import struct
         import warnings
 
         from scipy.io import wavfile
 
+        hint = "re-save it as PCM or float WAV (or copy it again if it was cut short), or remove it from the dataset"
+        problem = _wav_problem(blob)
+        if problem is not None:
+            raise InputError(f"file {name!r} is not a readable WAV file: {problem}", hint=hint)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", wavfile.WavFileWarning)  # unknown chunks (LIST, ...) are skipped
                 rate, data = wavfile.read(io.BytesIO(blob))
-        except (ValueError, OSError, EOFError, IndexError) as exc:
-            raise InputError(
-                f"file {name!r} is not a readable WAV file (scipy.io.wavfile: {exc})",
-                hint="re-save it as PCM or float WAV, or remove it from the dataset",
-            ) from exc
+        except (ValueError, OSError, EOFError, IndexError, struct.error) as exc:
+            raise InputError(f"file {name!r} is not a readable WAV file (scipy.io.wavfile: {exc})", hint=hint) from exc
         want = self.steps.sample_rate
         if want is not None and rate != want:
             raise InputError(
@@ -285,6 +287,41 @@ class Preprocessor:
             info = np.iinfo(self.dtype)
             arr = np.clip(np.rint(arr), info.min, info.max)
         return np.ascontiguousarray(arr, dtype=self.dtype)
+
+
+def _wav_problem(blob: bytes) -> str | None:
+    """What is wrong with a WAV file's chunks, read from their headers before scipy reads a sample: the
+    file ends inside a chunk header, or a chunk up to the data (fmt, data, any before them) declares
+    more bytes than the file holds after it (cut short, or a header that lies: scipy would read what is
+    there and say nothing), or there is no data chunk. None when they hold, or for a file that is not
+    RIFF/RIFX/RF64 WAVE at all (scipy says what it is)."""
+    import struct
+
+    form = blob[:4]
+    if len(blob) < 12 or form not in (b"RIFF", b"RIFX", b"RF64") or blob[8:12] != b"WAVE":
+        return None
+    order = ">" if form == b"RIFX" else "<"
+    data_size = None  # RF64: the data chunk's size is in ds64 (its own reads 0xFFFFFFFF)
+    at = 12
+    while at < len(blob):
+        if at + 8 > len(blob):
+            return f"the file ends inside a chunk header at byte {at} of {len(blob)} (cut short)"
+        chunk = blob[at : at + 4]
+        (size,) = struct.unpack(order + "I", blob[at + 4 : at + 8])
+        if chunk == b"ds64" and size >= 16 and at + 24 <= len(blob):
+            (data_size,) = struct.unpack("<Q", blob[at + 16 : at + 24])
+        if chunk == b"data" and form == b"RF64" and data_size is not None:
+            size = data_size
+        left = len(blob) - at - 8
+        if size > left:
+            return (
+                f"its {chunk.decode('latin-1')!r} chunk at byte {at} declares {size} bytes, but only {left} follow "
+                "its header (the file is cut short, or its header claims more than it holds)"
+            )
+        if chunk == b"data":
+            return None
+        at += 8 + size + (size & 1)  # chunks are word-aligned
+    return "it has no 'data' chunk (no samples)"
 
 
 def _probe(blob: bytes, name: str, library: str) -> PIL.Image.Image | None:

@@ -9,10 +9,14 @@ from pipeline.core.io import atomic_savez, atomic_write_json, sha256_arrays
 from pipeline.core.limits import DTYPE_BYTES, MAX_DATASET_BYTES, human_bytes
 from pipeline.core.paths import SPLITS
 from pipeline.core.progress import Progress
+from pipeline.model.graph import infer_shapes, rename_axes, signature
 from pipeline.project.artifacts import layout, log
 from pipeline.project.config import DatasetSource, ModelSpec, Registry
 from pipeline.project.data import (
     LABELS,
+    Classes,
+    check_cast,
+    check_classes,
     check_dataset,
     check_finite,
     check_range,
@@ -30,6 +34,7 @@ def make_data(registry: Registry, model: str, progress: Progress | None = None) 
     spec = registry.model(model)
     pins = registry.pins(model)
     out = layout(registry)
+    classes = _classes(registry, model, spec)
     staged = {}
     for split in SPLITS:
         source = getattr(spec.datasets, split)
@@ -42,14 +47,17 @@ def make_data(registry: Registry, model: str, progress: Progress | None = None) 
             check_dataset(spec, inputs, pins, split, raw=False)
             raw = {k: _unprocess(spec, k, v) for k, v in inputs.items()}
         elif source.files is not None:
-            inputs, raw, origin = _from_files(registry, spec, pins, source, split)
+            inputs, raw, origin = _from_files(registry, spec, pins, source, split, classes)
             check_dataset(spec, inputs, pins, split, raw=False)
         else:
             origin = f"{spec.dir}/{source.path}"
             raw = load_file(spec, registry.root, source, split)
             check_dataset(spec, raw, pins, split, raw=True)
             check_finite(raw, split, origin, source.allow_non_finite)
+            if classes is not None:
+                check_classes(raw, classes, split, origin, source.labels)
             inputs = preprocess(spec, raw)
+            check_cast(spec, raw, inputs, split, origin)
             check_dataset(spec, inputs, pins, split, raw=False)
         # preprocessing or a narrow dtype (float16) can overflow to Inf
         where = f"{origin} after preprocessing" if spec.preprocess and source.generate is None else origin
@@ -92,7 +100,40 @@ def make_data(registry: Registry, model: str, progress: Progress | None = None) 
     return report
 
 
-def _from_files(registry: Registry, spec: ModelSpec, pins: dict[str, int], source: DatasetSource, split: str):
+def _classes(registry: Registry, model: str, spec: ModelSpec) -> Classes | None:
+    """The classes a top1_accuracy metric reads: the size per sample of its output in the source model
+    (shapes inferred from the axes named in params.yaml; the weights stay unread). None without that
+    metric, or where the model does not tell: a dynamic axis besides the batch, or a model prepare
+    refuses (it says why); the reference stage then checks the labels against what the model outputs."""
+    if spec.metric is None or spec.metric.kind != "top1_accuracy":
+        return None
+    import onnx  # here: a stage without that metric does not pay for its import
+
+    try:
+        path = registry.model_file(model)
+        proto = onnx.load(str(path), load_external_data=False)
+        rename_axes(proto, spec.inputs, path, spec.batch_axis)
+        proto = infer_shapes(proto, path)
+    except Exception:  # noqa: BLE001 - not readable, or not as params.yaml declares it: prepare says why
+        return None
+    output = next((o for o in signature(proto).outputs if o.name == spec.metric.output), None)
+    if output is None:
+        return None
+    batch = output.batch_index(spec.batch_axis)
+    dims = [d for i, d in enumerate(output.shape) if i != batch]
+    if not all(isinstance(d, int) for d in dims):
+        return None
+    return Classes(output=output.name, count=math.prod(d for d in dims if isinstance(d, int)))
+
+
+def _from_files(
+    registry: Registry,
+    spec: ModelSpec,
+    pins: dict[str, int],
+    source: DatasetSource,
+    split: str,
+    classes: Classes | None,
+):
     """A folder of raw files through the model's declared (training-side) preprocessing: the model
     inputs, the packed files (for the drift check and the end-to-end benchmark) and the origin."""
     assert source.files is not None
@@ -104,7 +145,15 @@ def _from_files(registry: Registry, spec: ModelSpec, pins: dict[str, int], sourc
     if steps.decode == "image":
         extent = (shape[1], shape[2]) if steps.layout == "chw" else (shape[0], shape[1])
     found = read_files_dataset(
-        registry.root, spec.dir, source.files, split, steps.decode, source.take, alphabet=spec.alphabet, extent=extent
+        registry.root,
+        spec.dir,
+        source.files,
+        split,
+        steps.decode,
+        source.take,
+        alphabet=spec.alphabet,
+        extent=extent,
+        classes=classes,
     )
     # decoded, the files are model inputs: the split's budget holds for them as for any array set
     sample = math.prod(shape)
@@ -115,7 +164,11 @@ def _from_files(registry: Registry, spec: ModelSpec, pins: dict[str, int], sourc
             f"over the {human_bytes(MAX_DATASET_BYTES)} a split may hold",
             hint=f"use fewer files (models.<name>.datasets.{split}.take) or a smaller input shape",
         )
-    inputs = {name: Preprocessor(steps, inp.dtype)(found.blobs, found.names), **found.targets}
+    try:
+        samples = Preprocessor(steps, inp.dtype)(found.blobs, found.names)
+    except InputError as exc:  # it names the file: say which split and folder hold it
+        raise InputError(f"dataset {split}: {found.folder}: {exc.message}", hint=exc.hint) from exc
+    inputs = {name: samples, **found.targets}
     origin = f"{spec.dir}/{source.files} ({len(found.names)} files, {steps.library})"
     return inputs, pack(found.blobs, found.names, found.labels), origin
 

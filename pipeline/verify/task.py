@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.core.errors import InputError
 from pipeline.project.config import BoxesNms, ModelSpec, TaskTolerance
-from pipeline.project.data import BoxTargets
+from pipeline.project.data import BoxTargets, Classes
 from pipeline.project.postprocessing import postprocess
 from pipeline.results import gatestats
 from pipeline.results.reports import UNIT_NAMES, TaskAgreement, TaskStatistic
@@ -364,7 +364,16 @@ def metric_correct(spec: ModelSpec, outputs: Outputs, targets: Any) -> tuple[np.
     if kind == "top1_accuracy":
         scores = np.asarray(outputs[spec.metric.output])
         labels = _targets_of(targets, np.ndarray, kind)
-        return np.argmax(scores.reshape(len(labels), -1), axis=-1) == labels, {}
+        scores = scores.reshape(len(labels), -1)
+        if len(labels) and int(labels.max()) >= scores.shape[1]:  # its top-1 could never be right
+            first = int((labels >= scores.shape[1]).argmax())
+            classes = Classes(output=spec.metric.output, count=scores.shape[1])
+            raise InputError(
+                f"metric {kind}: the label of sample {first} is {int(labels[first])}, but the metric's "
+                f"{classes.describe()}",
+                hint=f"{classes.hint()}; then run the data stage again",
+            )
+        return np.argmax(scores, axis=-1) == labels, {}
     result = postprocess(spec, dict(outputs))
     if kind == "word_accuracy":
         texts = _targets_of(targets, list, kind)

@@ -7,6 +7,7 @@ shows no traceback, and the refusing stage leaves nothing behind.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 import yaml
 from cli_helpers import assert_user_error, project, skuforge
+from scipy.io import wavfile
 
 REPO = Path(__file__).resolve().parents[2]
 CONV = "models/conv"
@@ -190,6 +192,18 @@ def test_every_np_load_in_the_library_refuses_pickles():
 def test_complex_input(tmp_path):
     data_project(tmp_path, {"golden.npz": {"x": finite().astype(np.complex64)}}, golden={"path": "golden.npz"})
     refused_data(tmp_path, 2, "golden.npz", "'x'", "complex", "castable to float32")
+
+
+def test_a_wav_cut_short_is_refused_naming_it(tmp_path):
+    """scipy meets a WAV cut inside its fmt chunk with struct.error: that was an internal error (exit 70)."""
+    steps = {"decode": "audio", "library": "scipy", "length": 4}
+    spec = {**models.vector_spec("models/a"), "preprocess": {"x": steps}, "datasets": {"golden": {"files": "clips"}}}
+    project(tmp_path, spec, builder=models.relu_model)
+    buffer = io.BytesIO()
+    wavfile.write(buffer, 16000, np.zeros(4, np.int16))
+    (tmp_path / "models/a/clips").mkdir()
+    (tmp_path / "models/a/clips/cut.wav").write_bytes(buffer.getvalue()[:30])
+    refused_data(tmp_path, 2, "dataset golden", "clips: file 'cut.wav' is not a readable WAV file", "cut short")
 
 
 # --- sizes: zip bombs, lying headers, shapes beyond the limits ----------------------------------
