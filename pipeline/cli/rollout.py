@@ -17,9 +17,10 @@ from pipeline.rollout.agent import HEALTHY, Agent, Device, load_device
 from pipeline.rollout.controller import advance, move, status
 from pipeline.rollout.inventory import Inventory, load_inventory
 from pipeline.rollout.plan import plan
+from pipeline.rollout.recovery import repair
 from pipeline.rollout.release import publish_release, release_doc, releases_of
 from pipeline.rollout.store import open_store, store_url
-from pipeline.rollout.trust import Keys, initialise, pin_path, read_pin, repair, root_bytes
+from pipeline.rollout.trust import Keys, initialise, pin_path, read_pin, root_bytes
 from pipeline.tracking.client import actor
 
 log = logging.getLogger(__name__)
@@ -114,15 +115,32 @@ def release_root(args: argparse.Namespace) -> int:
     _, store, keys = _context(args)
     root = root_bytes(store, keys)
     atomic_write_bytes(args.out, root)
+    data = {
+        "store": store.url,
+        "out": str(args.out),
+        "root_version": json.loads(root)["signed"]["version"],
+        "root_sha256": hashlib.sha256(root).hexdigest(),
+    }
+    text = f"wrote the trusted root of {store.url} to {args.out}"
+    if args.timestamp_out is not None:
+        state = trust.read_state(store, keys)  # proven the newest, as a writer proves it
+        atomic_write_bytes(args.timestamp_out, state.timestamp_data)
+        data.update(
+            timestamp_out=str(args.timestamp_out),
+            timestamp_version=state.link.version,
+            timestamp_sha256=state.link.sha256,
+        )
+        text += f" and its timestamp (version {state.link.version}) to {args.timestamp_out}"
     _print(
         args,
-        {
-            "store": store.url,
-            "out": str(args.out),
-            "root_version": json.loads(root)["signed"]["version"],
-            "root_sha256": hashlib.sha256(root).hexdigest(),
-        },
-        f"wrote the trusted root of {store.url} to {args.out}: provision devices with it (`skuforge agent --root`)",
+        data,
+        text
+        + ": provision devices with "
+        + (
+            "them (`skuforge agent --root ... --timestamp ...`)"
+            if args.timestamp_out
+            else "it (`skuforge agent --root`)"
+        ),
     )
     return 0
 
@@ -131,15 +149,33 @@ def release_repair(args: argparse.Namespace) -> int:
 
     reg, store, keys = _context(args)
     r = repair(store, keys, reg.rollout.expiry)
-    _print(
-        args,
-        r.to_json(),
-        f"repaired {r.store}: timestamp.json was version {r.found if r.found is not None else '(none)'}, the newest "
-        f"committed {r.newest}; signed version {r.timestamp} on snapshot {r.snapshot}"
-        if r.replayed
-        else f"{r.store} was not rolled back: timestamp.json is version {r.timestamp}, the newest committed; "
-        "nothing to repair",
-    )
+    if r.action == "restored":
+        found = r.found if r.found is not None else "(none)"
+        what = (
+            f"it was forked: dropped the store's version(s) {', '.join(map(str, r.dropped))}, which do not "
+            f"follow the version {r.kept} this machine recorded"
+            if r.forked
+            else f"timestamp.json was version {found}, the newest committed {r.newest}"
+        )
+        text = (
+            f"repaired {r.store}: {what}; signed version {r.timestamp} on snapshot {r.snapshot} "
+            f"(the state of version {r.kept})"
+        )
+        if r.forked:
+            text += (
+                "\n  redo what the dropped versions committed (a publish, a rollout move): the store no longer has it"
+            )
+    elif r.action == "archived":
+        text = (
+            f"{r.store}: timestamp.json (version {r.timestamp}) was not in the archive; archived it as the newest "
+            "committed state"
+        )
+    else:
+        text = (
+            f"{r.store} was not rolled back: timestamp.json is version {r.timestamp}, the newest committed; "
+            "nothing to repair"
+        )
+    _print(args, r.to_json(), text)
     return 0
 
 
@@ -343,6 +379,16 @@ def rollout_move(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read(path, flag: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise InputError(
+            f"cannot read {flag} {path}: {exc.strerror or exc}",
+            hint="give the file `skuforge release root` wrote at provisioning",
+        ) from exc
+
+
 def run_agent(args: argparse.Namespace) -> int:
     """Exit 0 when every model runs what it should (ok, current, idle, or the portable fallback), else 1."""
     import time
@@ -356,8 +402,9 @@ def run_agent(args: argparse.Namespace) -> int:
     if not url:
         raise ConfigError("which store?", hint="give --store s3://bucket/prefix (or a folder), or set SKUFORGE_STORE")
     cfg = load_device(args.device)
-    root = args.root.read_bytes() if args.root is not None else None
-    agent = Agent(open_store(url), Device.from_config(cfg), args.state, root)
+    root = _read(args.root, "--root") if args.root is not None else None
+    pinned = _read(args.timestamp, "--timestamp") if args.timestamp is not None else None
+    agent = Agent(open_store(url), Device.from_config(cfg), args.state, root, timestamp=pinned)
     code = 0
     while True:
         for model in cfg.models:

@@ -34,9 +34,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field, field_validator
 
 from pipeline.backends import get_backend, runtime_packages
 from pipeline.core.errors import InputError, ServiceError, SkuforgeError
@@ -44,11 +44,12 @@ from pipeline.core.io import atomic_dir, atomic_write_json, read_json, sha256_by
 from pipeline.core.validation import validation_problems
 from pipeline.core.versions import same_version, satisfies
 from pipeline.host.probe import cpu_features, host_arch
-from pipeline.project.config import SkuSpec, Strict
+from pipeline.project.config import SkuSpec, Strict, name_problem
 from pipeline.project.data import iter_batches, run_dataset
 from pipeline.results.reports import Result
 from pipeline.results.signing import SigningKey
 from pipeline.rollout import identity, trust
+from pipeline.rollout.client import Client
 from pipeline.rollout.doc import RELEASE_DOC, RolloutDoc, desired_release, release_path, report_key, rollout_path
 from pipeline.rollout.inventory import ID_PATTERN
 from pipeline.rollout.store import Store
@@ -65,12 +66,24 @@ RETRIED = ("smoke_failed", "error", "reverted")  # a failed install: counted aga
 HEALTHY = ("ok", "current", "idle", "fallback")  # outcomes of a device that runs what it should
 
 
+def _named(what: str) -> AfterValidator:
+    """The registry's rule for model and SKU names: on a device they name folders and store keys."""
+
+    def check(name: str) -> str:
+        problem = name_problem(name)
+        if problem is not None:
+            raise ValueError(f"{name!r} is not a {what} name: it {problem}")
+        return name
+
+    return AfterValidator(check)
+
+
 class DeviceConfig(Strict):
     """What a device is: written at provisioning (``device.yaml``)."""
 
     id: str
-    sku: str
-    models: list[str] = Field(min_length=1)
+    sku: Annotated[str, _named("SKU")]
+    models: list[Annotated[str, _named("model")]] = Field(min_length=1)
     arch: str | None = Field(None, description="default: this machine's")
     runtime: dict[str, str] | None = Field(None, description="package -> version; default: the installed ones")
     cpu_features: list[str] | None = Field(None, description="default: this CPU's")
@@ -247,7 +260,8 @@ class Agent:
     root: bytes | None = None
     smoke: Callable[[dict[str, Any], Path], Smoke] = smoke_test
     key: SigningKey | None = None
-    client: trust.Client | None = field(default=None, init=False)
+    timestamp: bytes | None = None  # the store's timestamp at provisioning: nothing older is trusted
+    client: Client | None = field(default=None, init=False)
     _now: datetime = field(default_factory=lambda: datetime.now(timezone.utc), init=False, repr=False)
 
     def _model_dir(self, model: str) -> Path:
@@ -442,7 +456,7 @@ class Agent:
         doc, desired, attempt, counted = None, None, None, False
         try:
             # a fresh client per pass: ngclient refreshes once per Updater; the trusted state is on disk
-            self.client = trust.Client(self.store, self.state_dir / "tuf", self.root)
+            self.client = Client(self.store, self.state_dir / "tuf", self.root, self.timestamp)
             self.client.refresh()
             raw = self.client.fetch(rollout_path(model))
             doc = RolloutDoc.model_validate_json(raw) if raw is not None else None

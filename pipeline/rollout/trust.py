@@ -1,4 +1,5 @@
-"""Signed release metadata: a TUF repository kept in the release store, and the client devices use.
+"""Signed release metadata: a TUF repository kept in the release store, the writer's side (devices:
+pipeline/rollout/client.py; recovery from a replay: pipeline/rollout/recovery.py).
 
 The four TUF roles sign what the store serves (the ``tuf`` package's Metadata API):
 
@@ -18,15 +19,14 @@ targets and snapshot files (never overwriting), then the timestamp, conditional 
 the start. A writer that loses the race re-reads and applies its change again; the state a reader
 sees only ever moves from one whole, signed state to the next.
 
-A store writer without the keys cannot sign, but can put back an older, validly signed
-``timestamp.json`` (a replay: an aborted rollout looks active again). Devices refuse it (ngclient
-remembers what it trusted); writers and readers here must too, or they would build on it. So each
-swap also archives the timestamp it committed under a key never overwritten
-(``metadata/timestamps/<countdown>-<v>.json``, named so that the newest lists first), and
-:func:`read_state` refuses a ``timestamp.json`` older than the newest archived one that verifies.
-A writer also keeps, on its own machine (``Keys.ledger``), the versions it last committed to each
-store, which catches a replay that deleted the archive too. :func:`repair` re-signs a timestamp
-above every version seen, on the newest committed snapshot.
+A store writer without the keys can put back an older, validly signed ``timestamp.json`` (a
+replay: an aborted rollout looks active again). Each swap archives the timestamp it committed under
+a key never overwritten (``metadata/timestamps/<countdown>-<v>.json``, newest listed first), and
+:func:`read_state` refuses a ``timestamp.json`` older than the newest archived one. Each timestamp
+signs the version and sha256 of the one it follows, so history is a chain: a writer records on its
+machine (``Keys.ledger``) the newest timestamp it committed or verified, by version and digest, and
+refuses a store whose timestamp does not follow it (older: replayed; elsewhere: forked); a writer
+with no record requires the archive to hold the timestamp it builds on.
 """
 
 from __future__ import annotations
@@ -37,14 +37,13 @@ import json
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pipeline.core.errors import ConfigError, GateFailed, InputError, ServiceError, SkuforgeError, StorageError
+from pipeline.core.errors import ConfigError, GateFailed, InputError, ServiceError, SkuforgeError
 from pipeline.core.io import atomic_write_json
 from pipeline.rollout.store import Blob, PreconditionFailed, Store
 
@@ -65,12 +64,28 @@ MAX_ATTEMPTS = 20
 ARCHIVE = f"{METADATA}/timestamps"
 _COUNTDOWN = 10**12  # archive names count down from here: the newest sorts (and lists) first
 MAX_UNVERIFIED = 20  # archive entries that do not verify, skipped before the archive is refused
+MAX_WALK = 256  # archived timestamps a walk along the links reads before it trusts the rest
 PINS = "release-roots"  # beside params.yaml: one pinned root per store
 LEGACY_PIN = "release-root.json"  # the single pin of earlier versions, read for the store it was made for
+PREVIOUS = "previous"  # signed into each timestamp: the version and sha256 of the timestamp it follows
+REPAIRED = "repaired"  # signed into a timestamp `release repair` made: the key holder vouches for its state
 REPAIR_HINT = (
     "nothing was written. If you did not restore the store on purpose, someone with write access "
     "to it put back older metadata: check who. Then run `skuforge release repair` with the signing "
     "key: it signs a timestamp above every version seen, on the newest committed state"
+)
+FORK_HINT = (
+    "nothing was written. Someone put back older metadata and a writer that could not tell signed on "
+    "top of it. Run `skuforge release repair` with the signing key, on this machine: it commits the "
+    "state this machine recorded again, above every version (devices accept it), and names the "
+    "versions it drops; then redo what those did (a publish, a rollout move)"
+)
+UNPROVEN_HINT = (
+    "nothing was written. Its archive was deleted, or the store predates it. Run `skuforge release repair` "
+    "on the machine that last committed to this store: its record ($SKUFORGE_CACHE_DIR/release-stores/) "
+    "restores the newest state. From a machine with no record, repair takes this version as the newest: "
+    "do that only if you know nothing newer was committed (device reports name the timestamp each "
+    "device trusts: `trusted_timestamp`)"
 )
 
 Init = Literal["created", "completed", "existing"]
@@ -78,6 +93,20 @@ Init = Literal["created", "completed", "existing"]
 
 class VerificationFailed(GateFailed):
     """Signed metadata or a file did not verify (bad signature, expired, replayed, wrong hash)."""
+
+
+class Replayed(VerificationFailed):
+    """The store serves a timestamp older than one committed before: it was put back."""
+
+
+class Forked(VerificationFailed):
+    """The store's timestamp does not follow the one a writer recorded or a device trusts: two states
+    were signed on one history (a writer built on a store put back to an older state)."""
+
+
+class Unproven(VerificationFailed):
+    """The store cannot show that its timestamp follows the newest one known: archived timestamps
+    the links run through are missing."""
 
 
 def blob_key(sha256: str) -> str:
@@ -150,6 +179,13 @@ class State:
     timestamp: Metadata
     etag: str
     origin: str = ""  # sha256 of the store's 1.root.json: which store this is, for the writer's ledger
+    timestamp_data: bytes = b""  # the signed timestamp.json as read: what the next timestamp links to
+    snapshot_sha256: str = ""
+
+    @property
+    def link(self) -> Link:
+        """The timestamp read, by version and digest: what the next one signs as its ``previous``."""
+        return Link(self.timestamp.signed.version, sha256_hex(self.timestamp_data))
 
 
 def _new_root(keys: Keys, expiry: Expiry) -> bytes:
@@ -207,7 +243,7 @@ def initialise(store: Store, keys: Keys, expiry: Expiry) -> Init:
     _put_new(store, f"{METADATA}/1.snapshot.json", _sign(Metadata(snapshot), [keys.online]))
     ts_bytes = _sign(Metadata(timestamp), [keys.online])
     if _put_new(store, TIMESTAMP_KEY, ts_bytes):
-        _landed(store, keys, origin, ts_bytes, Committed(1, 1, 1))
+        _landed(store, keys, root, origin, ts_bytes, Committed(1, 1, 1))
     read_state(store, keys)  # what a crashed init left must verify as what this one would write
     log.debug("%s the signed release store at %s", "created" if made else "completed", store.url)
     return "created" if made else "completed"
@@ -304,10 +340,6 @@ def _chain(store: Store, keys: Keys | None = None) -> tuple[Metadata, str]:
     return root, hashlib.sha256(first.data).hexdigest()
 
 
-def _latest_root(store: Store, keys: Keys | None = None) -> Metadata:
-    return _chain(store, keys)[0]
-
-
 def _verify(root: Metadata, role: str, md: Metadata, what: str) -> None:
     from tuf.api.exceptions import UnsignedMetadataError
 
@@ -320,9 +352,11 @@ def _verify(root: Metadata, role: str, md: Metadata, what: str) -> None:
         ) from exc
 
 
-def _committed_state(store: Store, root: Metadata, sv: int) -> tuple[Metadata, Metadata]:
-    """Snapshot ``sv`` and the targets it names, verified, each the version its parent says."""
-    snapshot = _parse(_must(store, f"{METADATA}/{sv}.snapshot.json").data, f"{sv}.snapshot.json")
+def _committed_state(store: Store, root: Metadata, sv: int) -> tuple[Metadata, Metadata, str]:
+    """Snapshot ``sv`` and the targets it names, verified, each the version its parent says; and the
+    sha256 of the snapshot file."""
+    blob = _must(store, f"{METADATA}/{sv}.snapshot.json")
+    snapshot = _parse(blob.data, f"{sv}.snapshot.json")
     _verify(root, "snapshot", snapshot, f"{sv}.snapshot.json")
     tv = snapshot.signed.meta["targets.json"].version
     targets = _parse(_must(store, f"{METADATA}/{tv}.targets.json").data, f"{tv}.targets.json")
@@ -333,14 +367,16 @@ def _committed_state(store: Store, root: Metadata, sv: int) -> tuple[Metadata, M
                 f"the store's {want}.{name}.json holds version {md.signed.version}",
                 hint="someone copied older metadata over newer; restore it from a backup",
             )
-    return snapshot, targets
+    return snapshot, targets, sha256_hex(blob.data)
 
 
 def read_state(store: Store, keys: Keys | None = None) -> State:
     """The current metadata, each verified against the root's keys (a writer, with ``keys``, never
-    builds on metadata it could not have signed itself). Refuses a replayed store: a
-    ``timestamp.json`` older than the newest archived timestamp, or (a writer with a ledger) than
-    the version this machine committed."""
+    builds on metadata it could not have signed itself). Refuses a replayed store (:class:`Replayed`):
+    a ``timestamp.json`` older than the newest archived timestamp, or (a writer with a ledger) than
+    the one this machine recorded. A writer also refuses a timestamp that does not follow its record
+    (:class:`Forked`, :class:`Unproven`) or, with no record, one the archive does not vouch for; then
+    it records the state it verified."""
     root, origin = _chain(store, keys)
     # listed before timestamp.json is read: a writer archives only after its swap, so nothing listed
     # now can be newer than the timestamp read next, unless an older one was put back since
@@ -354,23 +390,19 @@ def read_state(store: Store, keys: Keys | None = None) -> State:
     version = timestamp.signed.version
     newest = _newest_archived(store, root, itertools.chain([head] if head else [], archived), above=version)
     if newest is not None:
-        raise VerificationFailed(
+        raise Replayed(
             f"the store {store.url} was rolled back: metadata/timestamp.json is version {version}, older "
-            f"than version {newest.signed.version} it committed before ({archive_key(newest.signed.version)}, "
-            "signed by its timestamp key)",
+            f"than version {newest[0].signed.version} it committed before "
+            f"({archive_key(newest[0].signed.version)}, signed by its timestamp key)",
             hint=REPAIR_HINT,
         )
-    if keys is not None and keys.ledger is not None:
-        mine = _recorded(keys, store, origin)
-        if mine is not None and mine.timestamp > version:
-            raise VerificationFailed(
-                f"the store {store.url} was rolled back: metadata/timestamp.json is version {version}, older "
-                f"than version {mine.timestamp} this machine committed to it (at {mine.at}, recorded in "
-                f"{_ledger_file(keys.ledger, store.url, origin)})",
-                hint=REPAIR_HINT,
-            )
-    snapshot, targets = _committed_state(store, root, timestamp.signed.snapshot_meta.version)
-    return State(root, targets, snapshot, timestamp, ts_blob.etag, origin)
+    if keys is not None:
+        _prove(store, keys, root, origin, timestamp, ts_blob.data)
+    snapshot, targets, snapshot_sha = _committed_state(store, root, timestamp.signed.snapshot_meta.version)
+    state = State(root, targets, snapshot, timestamp, ts_blob.etag, origin, ts_blob.data, snapshot_sha)
+    if keys is not None:
+        _record(keys, store, origin, _committed(state))
+    return state
 
 
 def _must(store: Store, key: str) -> Blob:
@@ -394,7 +426,43 @@ def _check_online(root: Metadata, keys: Keys) -> None:
             )
 
 
-# --- replay detection: the timestamp archive and the writer's ledger ---------------------------------
+# --- replay detection: the timestamp archive, the links and the writer's ledger ----------------------
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class Link:
+    """A timestamp by version and the sha256 of its signed file."""
+
+    version: int
+    sha256: str
+
+
+def link_of(md: Metadata) -> Link | None:
+    """The timestamp ``md`` signs that it follows (None: version 1, or signed before links were)."""
+    raw = md.signed.unrecognized_fields.get(PREVIOUS)
+    try:
+        return Link(int(raw["version"]), str(raw["sha256"]))
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def repaired(md: Metadata) -> bool:
+    """Whether ``release repair`` signed ``md``: it follows the state the key holder chose to keep."""
+    return md.signed.unrecognized_fields.get(REPAIRED) is True
+
+
+def _follow(ts: Any, previous: Link | None, repair: bool = False) -> None:
+    """Sign into timestamp ``ts`` the one it follows (and, from repair, that it is a repair)."""
+    for name in (PREVIOUS, REPAIRED):
+        ts.unrecognized_fields.pop(name, None)
+    if previous is not None:
+        ts.unrecognized_fields[PREVIOUS] = {"version": previous.version, "sha256": previous.sha256}
+    if repair:
+        ts.unrecognized_fields[REPAIRED] = True
 
 
 def archive_key(version: int) -> str:
@@ -412,10 +480,26 @@ def _archived_version(key: str) -> int | None:
     return int(m[2])
 
 
-def _newest_archived(store: Store, root: Metadata, keys: Iterator[str], above: int = 0) -> Metadata | None:
-    """The newest archived timestamp above version ``above`` that verifies under ``root``, from
-    ``keys`` (the archive's listing, newest first); None when there is none. An entry that does not
-    verify (written by someone without the key) is skipped, a few of them at most."""
+def _archived(root: Metadata, key: str, version: int, data: bytes) -> Metadata | None:
+    """The archived timestamp ``version`` in ``data`` when it verifies under ``root``; else None (an
+    entry written without the key, logged)."""
+    try:
+        md = _parse(data, key)
+        if md.signed.type != "timestamp" or md.signed.version != version:
+            raise VerificationFailed(f"{key} holds {md.signed.type} version {md.signed.version}")
+        _verify(root, "timestamp", md, key)
+    except VerificationFailed as exc:
+        log.warning("ignoring %s: %s", key, exc)
+        return None
+    return md
+
+
+def _newest_archived(
+    store: Store, root: Metadata, keys: Iterator[str], above: int = 0
+) -> tuple[Metadata, bytes] | None:
+    """The newest archived timestamp above version ``above`` that verifies under ``root``, and its
+    bytes, from ``keys`` (the archive's listing, newest first); None when there is none. An entry that
+    does not verify (written by someone without the key) is skipped, a few of them at most."""
     skipped = 0
     for key in keys:
         version = _archived_version(key)
@@ -424,32 +508,137 @@ def _newest_archived(store: Store, root: Metadata, keys: Iterator[str], above: i
         if version <= above:
             return None
         blob = store.get(key)
-        try:
-            md = _parse(blob.data if blob is not None else b"", key)
-            if md.signed.type != "timestamp" or md.signed.version != version:
-                raise VerificationFailed(f"{key} holds {md.signed.type} version {md.signed.version}")
-            _verify(root, "timestamp", md, key)
-        except VerificationFailed as exc:
-            skipped += 1
-            log.warning("ignoring %s in %s: %s", key, store.url, exc)
-            if skipped >= MAX_UNVERIFIED:
-                raise VerificationFailed(
-                    f"the timestamp archive of {store.url} holds {skipped} entries that do not verify",
-                    hint=f"someone without the signing key wrote under {ARCHIVE}/: delete what does not verify",
-                ) from exc
-            continue
-        return md
+        md = _archived(root, key, version, blob.data if blob is not None else b"")
+        if md is not None and blob is not None:
+            return md, blob.data
+        skipped += 1
+        if skipped >= MAX_UNVERIFIED:
+            raise VerificationFailed(
+                f"the timestamp archive of {store.url} holds {skipped} entries that do not verify",
+                hint=f"someone without the signing key wrote under {ARCHIVE}/: delete what does not verify",
+            )
     return None
 
 
 @dataclass(frozen=True)
+class Break:
+    """Where a walk along the links failed to reach the timestamp it looked for."""
+
+    forked: bool  # a different signed timestamp stands where a link leads (else: an archived link is missing)
+    detail: str
+
+
+def walk(store: Store, root: Metadata, newer: Metadata, older: Link) -> Break | None:
+    """Whether timestamp ``newer`` follows ``older``: its link, then each link's archived timestamp
+    (verified under ``root``) back to ``older``'s version, must hash to what the next one names: one
+    GET per version in between, ``MAX_WALK`` at most. A timestamp ``release repair`` signed ends the
+    walk (the key holder vouched for the state it keeps), as does one signed before links were. None
+    when it follows."""
+    cur = newer
+    for _ in range(MAX_WALK):
+        link = None if repaired(cur) else link_of(cur)
+        if link is None:
+            return None
+        if link.version <= older.version:
+            if link == older:
+                return None
+            return Break(
+                True,
+                f"version {cur.signed.version} follows a version {link.version} of sha256 {link.sha256[:12]}, "
+                f"not the one of sha256 {older.sha256[:12]}",
+            )
+        key = archive_key(link.version)
+        blob = store.get(key)
+        md = _archived(root, key, link.version, blob.data) if blob is not None else None
+        if blob is None or md is None:
+            return Break(False, f"{key}, which version {cur.signed.version} follows, is missing or does not verify")
+        if sha256_hex(blob.data) != link.sha256:
+            return Break(
+                True,
+                f"{key} (sha256 {sha256_hex(blob.data)[:12]}) is not the version {link.version} that version "
+                f"{cur.signed.version} follows (sha256 {link.sha256[:12]})",
+            )
+        cur = md
+    log.warning("%s: stopped following links after %d archived timestamps", store.url, MAX_WALK)
+    return None
+
+
+def _prove(store: Store, keys: Keys, root: Metadata, origin: str, ts: Metadata, data: bytes) -> None:
+    """A writer's check that ``timestamp.json`` (``ts``, signed bytes ``data``) is the newest state:
+    it follows this machine's record; with no record, the archive holds it (or, when a commit stopped
+    before archiving, the version it follows: then it is archived now)."""
+    version, here = ts.signed.version, sha256_hex(data)
+    mine = _recorded(keys, store, origin)
+    if mine is not None:
+        where = f"at {mine.at}, recorded in {_ledger_file(keys.ledger, store.url, origin)}" if keys.ledger else ""
+        if mine.timestamp > version:
+            raise Replayed(
+                f"the store {store.url} was rolled back: metadata/timestamp.json is version {version}, older "
+                f"than version {mine.timestamp} this machine committed or verified ({where})",
+                hint=REPAIR_HINT,
+            )
+        if not mine.timestamp_sha256:  # a record of an earlier skuforge: versions only
+            return
+        if version == mine.timestamp:
+            broken = None if here == mine.timestamp_sha256 else Break(True, f"the store's is sha256 {here[:12]}")
+        else:
+            broken = walk(store, root, ts, Link(mine.timestamp, mine.timestamp_sha256))
+        if broken is not None:
+            raise (Forked if broken.forked else Unproven)(
+                f"the store {store.url} {'was forked' if broken.forked else 'cannot prove its history'}: "
+                f"metadata/timestamp.json (version {version}) does not follow version {mine.timestamp} "
+                f"(sha256 {mine.timestamp_sha256[:12]}) that this machine committed or verified ({where}): "
+                f"{broken.detail}",
+                hint=FORK_HINT,
+            )
+        return
+    key = archive_key(version)
+    blob = store.get(key)
+    if blob is not None and blob.data == data:
+        return
+    if blob is not None and _archived(root, key, version, blob.data) is not None:
+        raise Forked(
+            f"the store {store.url} was forked: metadata/timestamp.json (version {version}, sha256 {here[:12]}) "
+            f"is not the version {version} its archive holds ({key}, sha256 {sha256_hex(blob.data)[:12]})",
+            hint="nothing was written. Someone put back older metadata and a writer that could not tell "
+            "signed on top of it. Run `skuforge release repair` with the signing key: it keeps the "
+            "archived version (committed first), commits it again above every version, and names the "
+            "version it drops; then redo what that did",
+        )
+    link = link_of(ts)
+    prev = store.get(pkey := archive_key(link.version)) if link is not None else None
+    if link and prev and sha256_hex(prev.data) == link.sha256 and _archived(root, pkey, link.version, prev.data):
+        _put_new(store, key, data)  # a commit that stopped between its swap and its archive
+        return
+    raise Unproven(
+        f"the store {store.url} cannot prove that metadata/timestamp.json (version {version}) is its newest "
+        f"state: its archive ({ARCHIVE}/) holds neither it nor the version it follows, and this machine "
+        "has no record of the store",
+        hint=UNPROVEN_HINT,
+    )
+
+
+@dataclass(frozen=True)
 class Committed:
-    """The versions a commit left in a store, as a writer's ledger records them."""
+    """A committed state, as a writer's ledger records it: versions, and digests of the signed files."""
 
     timestamp: int
     snapshot: int
     targets: int
     at: str = ""
+    timestamp_sha256: str = ""
+    snapshot_sha256: str = ""
+
+
+def _committed(state: State) -> Committed:
+    ts = state.timestamp.signed
+    return Committed(
+        ts.version,
+        ts.snapshot_meta.version,
+        state.targets.signed.version,
+        timestamp_sha256=sha256_hex(state.timestamp_data),
+        snapshot_sha256=state.snapshot_sha256,
+    )
 
 
 def _ledger_file(folder: Path, url: str, origin: str) -> Path:
@@ -465,7 +654,14 @@ def _recorded(keys: Keys, store: Store, origin: str) -> Committed | None:
     path = _ledger_file(keys.ledger, store.url, origin)
     try:
         doc = json.loads(path.read_bytes())
-        return Committed(int(doc["timestamp"]), int(doc["snapshot"]), int(doc["targets"]), str(doc.get("at", "")))
+        return Committed(
+            int(doc["timestamp"]),
+            int(doc["snapshot"]),
+            int(doc["targets"]),
+            str(doc.get("at", "")),
+            str(doc.get("timestamp_sha256", "")),
+            str(doc.get("snapshot_sha256", "")),
+        )
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:  # a damaged record protects nothing; say so
@@ -474,148 +670,52 @@ def _recorded(keys: Keys, store: Store, origin: str) -> Committed | None:
 
 
 def _record(keys: Keys, store: Store, origin: str, done: Committed) -> None:
+    """Record ``done`` as the newest state this machine committed or verified in ``store``."""
     if keys.ledger is None:
         return
     have = _recorded(keys, store, origin)
-    if have is not None and have.timestamp >= done.timestamp:  # a concurrent writer on this machine got further
-        return
+    if have is not None and (have.timestamp > done.timestamp or have == replace(done, at=have.at)):
+        return  # a concurrent writer on this machine got further, or nothing changed
     path = _ledger_file(keys.ledger, store.url, origin)
-    doc = {
-        "store": store.url,
-        "root_sha256": origin,
-        "timestamp": done.timestamp,
-        "snapshot": done.snapshot,
-        "targets": done.targets,
-        "at": _now().isoformat(),
-    }
+    doc = {"store": store.url, "root_sha256": origin, **asdict(replace(done, at=_now().isoformat()))}
     try:
         atomic_write_json(path, doc)
     except (SkuforgeError, OSError) as exc:  # the commit landed; only this machine's extra check is lost
         log.warning("could not record the commit to %s in %s: %s", store.url, path, exc)
 
 
-def _landed(store: Store, keys: Keys, origin: str, ts_bytes: bytes, done: Committed) -> None:
-    """What follows a successful swap of the timestamp: archive it, then record it on this machine.
-    Neither may fail the commit (it landed); the next commit archives its own."""
+def _landed(
+    store: Store, keys: Keys, root: Metadata, origin: str, ts_bytes: bytes, done: Committed, base: bytes = b""
+) -> None:
+    """What follows a successful swap of the timestamp: archive it (and ``base``, the one it follows,
+    if a commit that stopped early left that out), then record it on this machine. Neither may fail
+    the commit (it landed); the next commit archives its own."""
     key = archive_key(done.timestamp)
     try:
         if not _put_new(store, key, ts_bytes):
             have = store.get(key)
-            if have is None or have.data != ts_bytes:  # not ours, so not genuine: ours is
-                store.put(key, ts_bytes)
+            if have is None or _archived(root, key, done.timestamp, have.data) is None:
+                store.put(key, ts_bytes)  # what is there does not verify: not genuine, ours is
+            elif have.data != ts_bytes:
+                log.error("%s already holds another signed version %d: the store was forked", key, done.timestamp)
+        if base:
+            _put_new(store, archive_key(_parse(base, "timestamp.json").signed.version), base)
     except SkuforgeError as exc:
         log.warning("could not archive timestamp v%d in %s: %s", done.timestamp, store.url, exc)
-    _record(keys, store, origin, done)
-
-
-@dataclass
-class Repair:
-    """What :func:`repair` found and did."""
-
-    store: str
-    replayed: bool
-    found: int | None  # timestamp.json's version as found (None: missing or not verifying)
-    newest: int  # the newest committed timestamp version known (archive, ledger, timestamp.json)
-    timestamp: int  # timestamp.json's version now
-    snapshot: int  # the snapshot it points at
-
-    def to_json(self) -> dict:
-        return dict(self.__dict__)
-
-
-def repair(store: Store, keys: Keys, expiry: Expiry) -> Repair:
-    """Undo a replay: sign a timestamp above every version seen (timestamp.json, the archive, this
-    machine's ledger), pointing at the newest committed snapshot. Devices that trusted the newest
-    version accept it; nothing committed is lost. A store that was not replayed is left as it is
-    (its current timestamp archived if the archive lacks it)."""
-    from tuf.api.metadata import Metadata, MetaFile, Timestamp
-
-    for _ in range(MAX_ATTEMPTS):
-        root, origin = _chain(store, keys)
-        _check_online(root, keys)
-        blob = store.get(TIMESTAMP_KEY)
-        found: Metadata | None = None
-        if blob is not None:
-            try:
-                found = _parse(blob.data, "timestamp.json")
-                _verify(root, "timestamp", found, "timestamp.json")
-            except VerificationFailed as exc:
-                log.warning("timestamp.json of %s is unusable: %s", store.url, exc)
-                found = None
-        archived = _newest_archived(store, root, iter(store.list(ARCHIVE)))
-        mine = _recorded(keys, store, origin)
-        # (timestamp version, snapshot version) of each committed state known, newest first
-        known = sorted(
-            ((md.signed.version, md.signed.snapshot_meta.version) for md in (found, archived) if md is not None),
-            reverse=True,
-        )
-        if mine is not None:
-            known = sorted([*known, (mine.timestamp, mine.snapshot)], reverse=True)
-        if not known:
-            raise VerificationFailed(
-                f"the store {store.url} holds no timestamp that verifies, archived or current, and this "
-                "machine has no record of it",
-                hint="restore metadata/timestamp.json from a backup",
-            )
-        newest = known[0][0]
-        if found is not None and blob is not None and found.signed.version >= newest:
-            version = found.signed.version
-            sv, tv = _newest_whole(store, root, known[:1])
-            if archived is None or archived.signed.version < version:  # a store older than the archive
-                _landed(store, keys, origin, blob.data, Committed(version, sv, tv))
-            return Repair(store.url, False, version, newest, version, sv)
-        sv, tv = _newest_whole(store, root, known)
-        ts = Timestamp(
-            version=newest + 1,
-            spec_version=SPEC_VERSION,
-            expires=_expires(expiry.timestamp_days),
-            snapshot_meta=MetaFile(version=sv),
-        )
-        data = _sign(Metadata(ts), [keys.online])
-        try:
-            if blob is None:
-                store.put(TIMESTAMP_KEY, data, if_none_match=True)
-            else:
-                store.put(TIMESTAMP_KEY, data, if_match=blob.etag)
-        except PreconditionFailed:
-            continue
-        _landed(store, keys, origin, data, Committed(newest + 1, sv, tv))
-        log.debug(
-            "repaired %s: timestamp.json was v%s, the newest committed v%d; signed v%d on snapshot v%d",
-            store.url,
-            found.signed.version if found is not None else "(none)",
-            newest,
-            newest + 1,
-            sv,
-        )
-        return Repair(store.url, True, found.signed.version if found else None, newest, newest + 1, sv)
-    raise ServiceError("could not repair the timestamp: other writers kept changing it", hint="run again")
-
-
-def _newest_whole(store: Store, root: Metadata, known: list[tuple[int, int]]) -> tuple[int, int]:
-    """The snapshot (and its targets' version) of the newest known commit whose files all verify."""
-    for version, sv in known:
-        try:
-            snapshot, targets = _committed_state(store, root, sv)
-        except VerificationFailed as exc:
-            log.warning("timestamp v%d's snapshot v%d is not usable: %s", version, sv, exc)
-            continue
-        return snapshot.signed.version, targets.signed.version
-    raise VerificationFailed(
-        f"no committed snapshot of {store.url} verifies (tried {', '.join(f'v{sv}' for _, sv in known)})",
-        hint="restore the store's metadata/ from a backup",
-    )
+    _record(keys, store, origin, replace(done, timestamp_sha256=sha256_hex(ts_bytes)))
 
 
 # --- committing -------------------------------------------------------------------------------------
 
 
-def _write_versioned(store: Store, role: str, start: int, make: Callable[[int], bytes]) -> int:
+def _write_versioned(store: Store, role: str, start: int, make: Callable[[int], bytes]) -> tuple[int, bytes]:
     """Write ``<v>.<role>.json`` at the first free version from ``start`` (an orphan of a writer that
-    lost a race or crashed occupies its number for good: it is never overwritten)."""
+    lost a race or crashed occupies its number for good: it is never overwritten); the version and
+    the bytes written."""
     for version in range(start, start + MAX_ATTEMPTS):
-        if _put_new(store, f"{METADATA}/{version}.{role}.json", make(version)):
-            return version
+        data = make(version)
+        if _put_new(store, f"{METADATA}/{version}.{role}.json", data):
+            return version, data
     raise ServiceError(
         f"could not find a free {role} version after {MAX_ATTEMPTS} tries",
         hint="another writer keeps winning; run again later",
@@ -647,20 +747,23 @@ def commit(
         targets = state.targets.signed
         if not change(targets, state):
             return None
+        base = state.link
         old_tv = targets.version
         targets.expires = _expires(expiry.targets_days)
-        tv = _write_versioned(store, "targets", old_tv + 1, _signed_at(state.targets, keys.online))
+        tv, _ = _write_versioned(store, "targets", old_tv + 1, _signed_at(state.targets, keys.online))
         snap = state.snapshot.signed
         snap.meta["targets.json"] = MetaFile(version=tv)
         snap.expires = _expires(expiry.snapshot_days)
-        sv = _write_versioned(store, "snapshot", snap.version + 1, _signed_at(state.snapshot, keys.online))
+        sv, snap_data = _write_versioned(store, "snapshot", snap.version + 1, _signed_at(state.snapshot, keys.online))
         ts = state.timestamp.signed
         ts.version += 1
         ts.snapshot_meta = MetaFile(version=sv)
         ts.expires = _expires(expiry.timestamp_days)
+        _follow(ts, base)
         ts_bytes = _sign(state.timestamp, [keys.online])
         if _swap_timestamp(store, ts_bytes, state.etag):
-            _landed(store, keys, state.origin, ts_bytes, Committed(ts.version, sv, tv))
+            done = Committed(ts.version, sv, tv, snapshot_sha256=sha256_hex(snap_data))
+            _landed(store, keys, state.root, state.origin, ts_bytes, done, state.timestamp_data)
             log.info("%s: targets v%d, snapshot v%d, timestamp v%d", what, tv, sv, ts.version)
             return state
         log.info("%s: another writer committed first (attempt %d); reading again", what, attempt + 1)
@@ -696,12 +799,14 @@ def refresh_timestamp(store: Store, keys: Keys, expiry: Expiry, force: bool = Fa
         ts = state.timestamp.signed
         if not force and not _past_half_life(state.timestamp, expiry.timestamp_days):
             return False
+        base = state.link
         ts.version += 1
         ts.expires = _expires(expiry.timestamp_days)
+        _follow(ts, base)
         data = _sign(state.timestamp, [keys.online])
         if _swap_timestamp(store, data, state.etag):
-            done = Committed(ts.version, ts.snapshot_meta.version, state.targets.signed.version)
-            _landed(store, keys, state.origin, data, done)
+            done = replace(_committed(state), timestamp=ts.version)
+            _landed(store, keys, state.root, state.origin, data, done, state.timestamp_data)
             log.info("re-signed the timestamp of %s: v%d, expires %s", store.url, ts.version, ts.expires.isoformat())
             return True
     raise ServiceError("could not re-sign the timestamp: other writers kept committing", hint="run again")
@@ -725,7 +830,7 @@ def _serialised(md: Metadata) -> bytes:
 def root_bytes(store: Store, keys: Keys | None = None) -> bytes:
     """The current root, for provisioning devices (their trust anchor); with ``keys``, only from a
     chain this writer can vouch for."""
-    return _serialised(_latest_root(store, keys))
+    return _serialised(_chain(store, keys)[0])
 
 
 def read_target(store: Store, state: State, path: str) -> bytes | None:
@@ -792,150 +897,3 @@ def read_pin(project: Path, url: str, store: Store) -> bytes | None:
         path.relative_to(project),
     )
     return None
-
-
-# --- the client (device side) ---------------------------------------------------------------------
-
-
-def _fetcher_class():
-    from tuf.api.exceptions import DownloadHTTPError
-    from tuf.ngclient import FetcherInterface
-
-    class StoreFetcher(FetcherInterface):
-        """Serves ngclient's URLs from a Store: ``store:/metadata/<name>`` and
-        ``store:/targets/<dir>/<sha256>.<name>`` (content-addressed blob)."""
-
-        def __init__(self, store: Store):
-            self.store = store
-
-        def _fetch(self, url: str) -> Iterator[bytes]:
-            rest = url.removeprefix("store:/")
-            if rest.startswith("metadata/"):
-                key = rest
-            elif rest.startswith("targets/"):
-                digest = rest.rsplit("/", 1)[-1].split(".", 1)[0]
-                key = blob_key(digest)
-            else:
-                raise DownloadHTTPError(f"not a store URL: {url}", 404)
-            blob = self.store.get(key)
-            if blob is None:
-                raise DownloadHTTPError(f"{key} not found", 404)
-            return iter([blob.data])
-
-    return StoreFetcher
-
-
-class Client:
-    """A device's view of the store: TUF-verified metadata kept under ``state_dir`` (so a replayed
-    older state is refused), and verified target downloads."""
-
-    def __init__(self, store: Store, state_dir: str | os.PathLike, root: bytes | None = None):
-        from tuf.ngclient import Updater
-
-        self.dir = Path(state_dir)
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise self._unwritable(exc) from exc
-        have_root = (self.dir / "root.json").is_file()
-        if not have_root and root is None:
-            raise ConfigError(
-                f"no trusted root in {self.dir}",
-                hint="provision the device with the store's root (`skuforge release root --out root.json`)",
-            )
-        try:
-            self.updater = Updater(
-                metadata_dir=str(self.dir),
-                metadata_base_url="store:/metadata/",
-                target_base_url="store:/targets/",
-                fetcher=_fetcher_class()(store),
-                bootstrap=None if have_root else root,
-            )
-        except OSError as exc:  # persisting the bootstrap root: the folder, not the root, is at fault
-            raise self._unwritable(exc) from exc
-        except Exception as exc:
-            raise VerificationFailed(
-                f"the trusted root is unusable: {exc}", hint="provision the device again with the store's root"
-            ) from exc
-        self._fresh = False
-
-    def _unwritable(self, exc: OSError) -> StorageError:
-        """The agent's folder refused a write: a storage problem on the device, not a trust failure."""
-        return StorageError(
-            f"cannot keep the trusted release metadata in {self.dir}: {exc.strerror or exc}"
-            + (f" ({exc.filename})" if exc.filename else ""),
-            hint=f"make {self.dir} writable by the agent (permissions, a read-only mount, free space); "
-            "nothing was installed",
-            path=str(self.dir),
-        )
-
-    def refresh(self) -> None:
-        """Fetch and verify the newest metadata. Raises VerificationFailed (bad signature, expired,
-        replayed older version) or ServiceError (store unreachable)."""
-        from tuf.api import exceptions as tex
-
-        try:
-            self.updater.refresh()
-        except OSError as exc:  # ngclient persists what it verified: the folder refused it
-            raise self._unwritable(exc) from exc
-        except tex.DownloadError as exc:
-            cause = exc.__cause__
-            if isinstance(cause, ServiceError):  # the store's own error, as it raised it
-                raise cause from cause.__cause__
-            raise ServiceError(
-                f"could not fetch release metadata: {exc}", hint="check the store and the network"
-            ) from exc
-        except tex.RepositoryError as exc:
-            raise VerificationFailed(
-                f"release metadata refused: {type(exc).__name__}: {exc}",
-                hint="the store serves metadata this device must not trust; nothing was installed",
-            ) from exc
-        self._fresh = True
-
-    def fetch(self, path: str) -> bytes | None:
-        """A target's verified bytes, or None when the signed targets do not list it."""
-        from tuf.api import exceptions as tex
-
-        if not self._fresh:
-            self.refresh()
-        info = self.updater.get_targetinfo(path)
-        if info is None:
-            return None
-        try:
-            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".download.")
-        except OSError as exc:
-            raise self._unwritable(exc) from exc
-        os.close(fd)
-        try:
-            self.updater.download_target(info, filepath=tmp)
-            return Path(tmp).read_bytes()
-        except OSError as exc:
-            raise self._unwritable(exc) from exc
-        except tex.DownloadError as exc:
-            cause = exc.__cause__
-            if isinstance(cause, ServiceError):  # the store's own error, as it raised it
-                raise cause from cause.__cause__
-            raise VerificationFailed(
-                f"{path}: download failed verification or transfer: {exc}",
-                hint="the store holds a damaged or missing file",
-            ) from exc
-        except tex.RepositoryError as exc:
-            raise VerificationFailed(
-                f"{path} does not match its signed hash or length ({type(exc).__name__})",
-                hint="the store holds a damaged or tampered file; nothing was installed",
-            ) from exc
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-
-    def custom(self, path: str) -> dict | None:
-        info = self.updater.get_targetinfo(path)
-        return None if info is None else info.unrecognized_fields.get("custom")
-
-    def trusted_timestamp_version(self) -> int | None:
-        """The timestamp version this device trusts (after ``refresh``; None before), signed into its
-        reports so the controller sees which store state a device acted on. ngclient (7.x) has no
-        public accessor, so its trusted set is read; None if a later ngclient moves it."""
-        try:
-            return int(self.updater._trusted_set.timestamp.version)
-        except (AttributeError, KeyError):
-            return None

@@ -107,6 +107,18 @@ def published(project, tmp_path_factory):
     return store.root
 
 
+@pytest.fixture
+def published_s3(published, moto_s3):
+    """The ``published`` store (r1) copied into a fresh bucket: a store on S3 without publishing again."""
+    from pipeline.rollout.store import LocalStore, S3Store
+
+    local = LocalStore(published)
+    store = S3Store(f"s3://{moto_s3.make_bucket()}/fleet", client=moto_s3.client())
+    for key in local.list(""):
+        store.put(key, local.get(key).data)
+    return store
+
+
 def first_in(doc, wave: int, n: int = 1) -> list[str]:
     """``n`` device ids the rollout's wave ``wave`` is the first to take."""
     import itertools

@@ -151,6 +151,12 @@ def test_agent_refuses_bad_device_files(shipped, tmp_path):
     )
     assert_user_error(proc, 2, "device.yaml")
     assert not (tmp_path / "state").exists()
+    _device_file(tmp_path / "device.yaml", "dev-x", models=["conv", "../../x"])  # model names name folders here
+    proc = skuforge(
+        "agent", "--device", "device.yaml", "--state", "state", "--root", str(root / "root.json"), cwd=tmp_path, env=env
+    )
+    assert_user_error(proc, 2, "device.yaml: models.1: '../../x' is not a model name")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["device.yaml"]  # nothing written
     (tmp_path / "device.yaml").write_text("id: [unclosed\n")
     proc = skuforge("agent", "--device", "device.yaml", "--state", "state", cwd=tmp_path, env=env)
     assert_user_error(proc, 2, "device.yaml")

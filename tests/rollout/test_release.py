@@ -14,6 +14,7 @@ from pipeline.host.probe import host_arch
 from pipeline.project.config import load_registry
 from pipeline.results.signing import signing_key
 from pipeline.rollout import agent, release, trust
+from pipeline.rollout.client import Client
 
 MODEL = "conv"
 
@@ -70,7 +71,7 @@ def test_publish_is_signed_and_idempotent(project, local_store, keys, tmp_path):
     rows = {s.sku: s for s in first.skus}
     assert rows["cpu"].manifest_digest == cpu["manifest_digest"] != portable["manifest_digest"]
 
-    device = trust.Client(local_store, tmp_path / "device", trust.root_bytes(local_store))
+    device = Client(local_store, tmp_path / "device", trust.root_bytes(local_store))
     device.refresh()
     assert json.loads(device.fetch(release.release_path(MODEL, "r1", release.RELEASE_DOC))) == doc
     for sku, entry in doc["skus"].items():

@@ -12,6 +12,7 @@ import pytest
 from pipeline.core.errors import GateFailed
 from pipeline.results.signing import signing_key
 from pipeline.rollout import release, trust
+from pipeline.rollout.client import Client
 from pipeline.stages.publish import publish
 from pipeline.tracking.client import connect
 from pipeline.tracking.promotion import promote
@@ -35,7 +36,7 @@ def test_the_alias_holders_become_a_release(project, promoted, local_store):
     assert sources["cpu"] == f"mlflow conv.cpu v{published['cpu'].version} (candidate)"
     doc = release.release_doc(local_store, "conv", "r1")
     assert doc["source"] == "mlflow alias candidate" and doc["fallback_sku"] == "portable"
-    client = trust.Client(local_store, Path(tempfile.mkdtemp()) / "dev", trust.root_bytes(local_store))
+    client = Client(local_store, Path(tempfile.mkdtemp()) / "dev", trust.root_bytes(local_store))
     expected = client.fetch(doc["skus"]["cpu"]["files"]["expected"])
     assert expected == (project.root / "build/conv/cpu/outputs.npz").read_bytes()
 

@@ -12,9 +12,10 @@ import pytest
 from pipeline.core.errors import ConfigError, ServiceError, StorageError
 from pipeline.project.config import Expiry
 from pipeline.results.signing import SigningKey
-from pipeline.rollout import controller, release, trust
+from pipeline.rollout import controller, recovery, release, trust
+from pipeline.rollout.client import Client
 from pipeline.rollout.store import LocalStore
-from pipeline.rollout.trust import Client, VerificationFailed
+from pipeline.rollout.trust import VerificationFailed
 from rollout.conftest import MODEL
 from rollout.fleet import Fleet
 
@@ -230,7 +231,7 @@ def test_replayed_timestamp_is_refused(repo, keys, tmp_path):
     dev.refresh()
     assert dev.updater._trusted_set.timestamp.version == 3
     repo.put(trust.TIMESTAMP_KEY, old)  # validly signed, older
-    with pytest.raises(VerificationFailed, match="BadVersionNumber"):
+    with pytest.raises(trust.Replayed, match="serves timestamp version 1, older than version 3 this device trusts"):
         client(repo, tmp_path).refresh()  # the same device, restarted
 
 
@@ -357,15 +358,23 @@ def test_replayed_timestamp_is_refused_by_writers_and_readers_until_repaired(rep
         trust.refresh_timestamp(repo, keys, Expiry(), force=True)
     assert _metadata(repo) == before  # nothing signed on top of the replayed state
 
-    fixed = trust.repair(repo, keys, Expiry())
-    assert (fixed.replayed, fixed.found, fixed.newest, fixed.timestamp, fixed.snapshot) == (True, 2, 3, 4, 3)
+    fixed = recovery.repair(repo, keys, Expiry())
+    # v3's state, committed again above every version: its snapshot is v4 (a device may trust any)
+    assert (fixed.replayed, fixed.found, fixed.newest, fixed.timestamp, fixed.kept, fixed.snapshot) == (
+        True,
+        2,
+        3,
+        4,
+        3,
+        4,
+    )
     state = trust.read_state(repo)
     assert state.timestamp.signed.version == 4
     assert set(state.targets.signed.targets) == {"one", "two"}  # nothing lost
     dev = client(repo, tmp_path)  # the device that trusted v3, restarted
     dev.refresh()
     assert dev.fetch("two") == b"2"
-    again = trust.repair(repo, keys, Expiry())
+    again = recovery.repair(repo, keys, Expiry())
     assert (again.replayed, again.timestamp) == (False, 4)
     publish(repo, keys, "three", b"3")
     assert trust.read_state(repo).timestamp.signed.version == 5
@@ -385,8 +394,8 @@ def test_the_writers_ledger_catches_a_replay_that_emptied_the_archive(repo, keys
     assert trust.read_state(repo).timestamp.signed.version == 2  # a reader without a record cannot tell
     with pytest.raises(VerificationFailed, match="version 2, older than version 3 this machine committed"):
         publish(repo, mine, "three", b"3")
-    fixed = trust.repair(repo, mine, Expiry())
-    assert (fixed.replayed, fixed.newest, fixed.timestamp, fixed.snapshot) == (True, 3, 4, 3)
+    fixed = recovery.repair(repo, mine, Expiry())
+    assert (fixed.replayed, fixed.newest, fixed.timestamp, fixed.kept, fixed.snapshot) == (True, 3, 4, 3, 4)
     assert set(trust.read_state(repo).targets.signed.targets) == {"one", "two"}
     publish(repo, mine, "three", b"3")
 
@@ -422,7 +431,7 @@ def test_a_commit_killed_before_its_archive_is_not_a_replay(repo, keys):
     publish(repo, keys, "one", b"1")
     repo.delete(trust.archive_key(2))  # the swap landed, the archive write did not
     assert trust.read_state(repo).timestamp.signed.version == 2
-    assert trust.repair(repo, keys, Expiry()).replayed is False
+    assert recovery.repair(repo, keys, Expiry()).replayed is False
     assert repo.exists(trust.archive_key(2))  # repair archived the current one
 
 
@@ -604,6 +613,6 @@ def test_a_replayed_rollout_state_is_refused_by_every_command_and_repaired(store
             attempt()
     assert _metadata(store) == before
 
-    assert trust.repair(store, keys, project.rollout.expiry).timestamp == aborted + 1
+    assert recovery.repair(store, keys, project.rollout.expiry).timestamp == aborted + 1
     assert controller.status(project, store, MODEL).rollout.status == "aborted"
     client(store, tmp_path).refresh()  # the device that saw the abort is not stuck

@@ -77,13 +77,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler="pipeline.cli.rollout:release_publish")
     p = rsub.add_parser("root", help="write the store's trusted root: the file devices are provisioned with")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument(
+        "--timestamp-out",
+        type=Path,
+        metavar="FILE",
+        help="also write the store's current timestamp, verified: a device given it (`agent --timestamp`) "
+        "refuses any older state",
+    )
     _store_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler="pipeline.cli.rollout:release_root")
     p = rsub.add_parser(
         "repair",
-        help="after a rollback of the store (an older timestamp.json put back): sign a timestamp above "
-        "every version seen, on the newest committed state",
+        help="after a rollback or a fork of the store (an older timestamp.json put back): commit the newest "
+        "state (or this machine's record of it) again, above every version seen",
     )
     _store_arg(p)
     p.add_argument("--json", action="store_true")
@@ -148,6 +155,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--state", type=Path, help="the agent's folder (engines, A/B slots, trusted metadata, device key); required"
     )
     p.add_argument("--root", type=Path, help="the trusted root.json (needed on the first run)")
+    p.add_argument(
+        "--timestamp",
+        type=Path,
+        metavar="FILE",
+        help="the store's timestamp at provisioning (`release root --timestamp-out`): no older state is trusted",
+    )
     p.add_argument("--store", help="s3://bucket/prefix or a folder (default: $SKUFORGE_STORE)")
     p.add_argument("--interval", type=float, default=0, help="seconds between passes (default 0: one pass)")
     p.add_argument("--json", action="store_true")
