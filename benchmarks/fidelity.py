@@ -6,7 +6,8 @@ call above it. The references, per backend:
 
     onnxruntime  a bare InferenceSession.run loop, session options as the engine loads them
     openvino     benchmark_app (sync API, the engine's compile config) and a bare InferRequest.infer loop
-    iree         iree-benchmark-module (one call per repetition: a p50, not a mean) and a bare invoke loop
+    iree         iree-benchmark-module (one call per repetition: a p50, not a mean), a bare invoke loop
+                 and one that also copies the outputs to numpy (what returning them costs at least)
     tvm          the Relax VM's time_evaluator (one call per repeat) on a VM loaded as the runner loads it
 
 The timers run interleaved, in rounds, in one process (the tools as subprocesses in their turn);
@@ -182,6 +183,17 @@ def iree_refs(engine: Path, meta: dict, feeds: dict, work: Path, calls: int) -> 
         vm_context.invoke(function, args, rt.VmVariantList(n_out))
 
     bare = python_timer("iree vm_context.invoke", invoke)
+
+    def invoke_and_read() -> None:
+        # the least a caller that wants the outputs does more: each copied from its mapping into a
+        # new array (the runner's way on the CPU drivers; the bare loop above never reads them)
+        results = rt.VmVariantList(n_out)
+        vm_context.invoke(function, args, results)
+        for i in range(n_out):
+            view = results.get_as_object(i, rt.HalBufferView)
+            np.ndarray(view.shape, rt.HalElementType.map_to_dtype(view.element_type), view.map()).copy()
+
+    read = python_timer("iree invoke + outputs to numpy", invoke_and_read)
     inputs = []
     for sig in meta["inputs"]:
         path = work / f"{sig['name']}.npy"
@@ -211,7 +223,7 @@ def iree_refs(engine: Path, meta: dict, feeds: dict, work: Path, calls: int) -> 
         ]
         return statistics.median(times)
 
-    return [Timer("iree-benchmark-module", benchmark_module), bare]
+    return [Timer("iree-benchmark-module", benchmark_module), read, bare]
 
 
 def tvm_refs(engine: Path, meta: dict, feeds: dict, work: Path, calls: int) -> list[Timer]:

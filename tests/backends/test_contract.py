@@ -258,6 +258,55 @@ def test_the_runner_refuses_a_wrong_input(project, stack, runnable, wrong, messa
         assert runner.infer(_feeds(runner))["y"].shape == (1, 4)  # still usable
 
 
+def _at_offset(feeds: dict[str, np.ndarray], offset: int) -> dict[str, np.ndarray]:
+    """Copies of ``feeds`` whose data starts ``offset`` bytes past a 64-byte boundary (0: aligned as a
+    runtime may import it in place; 8: not, as a slice of a batch often is)."""
+    out = {}
+    for name, arr in feeds.items():
+        raw = np.zeros(arr.nbytes + 128, np.uint8)
+        start = (-raw.ctypes.data % 64) + offset
+        out[name] = raw[start : start + arr.nbytes].view(arr.dtype).reshape(arr.shape)
+        out[name][...] = arr
+        assert out[name].ctypes.data % 64 == offset
+    return out
+
+
+@pytest.mark.parametrize("offset", [0, 8], ids=["aligned", "unaligned"])
+def test_successive_calls_return_their_own_outputs_and_read_the_inputs_given(project, stack, runnable, offset):
+    """A runner may keep its request, bound inputs and buffers from call to call (the bench loop's
+    overhead) but never at a caller's cost: the outputs of one call survive the next (validate keeps
+    every sample's), and a feed is read as it is at each call, whether it is a new array or the same
+    one written in place (the bound array of the last call)."""
+    tol = project.registry.tolerance(MODEL, stack.backend).for_kind("regression")
+    reference = reference_runner(project.out.prepared_model(MODEL))
+
+    def check(got: dict[str, np.ndarray], feeds: dict[str, np.ndarray]) -> None:
+        want = reference.infer({k: v.copy() for k, v in feeds.items()})
+        np.testing.assert_allclose(got["y"], want["y"], atol=tol.atol, rtol=tol.rtol)
+        assert np.array_equal(got["cls"], want["cls"])
+
+    with _load(project, stack, runnable) as runner:
+        a, b = _at_offset(_feeds(runner, 0), offset), _at_offset(_feeds(runner, 1), offset)
+        first = runner.infer(a)
+        kept = {k: v.copy() for k, v in first.items()}
+        second = runner.infer(b)  # new arrays
+        check(first, a)
+        check(second, b)
+        assert not np.allclose(first["y"], second["y"]), "the two feeds should give different outputs"
+        for name in first:
+            assert not np.shares_memory(first[name], second[name]), f"output {name!r} reuses the last call's memory"
+            assert np.array_equal(first[name], kept[name]), f"output {name!r} of a call changed at the next one"
+        third = runner.infer(a)  # the first arrays again, as they were
+        check(third, a)
+        for name, arr in b.items():  # the arrays of the second call, written in place
+            arr[...] = a[name]
+        check(runner.infer(b), a)
+        a["x"] *= 2.0
+        a["scale"][...] = 0.25
+        check(runner.infer(a), a)
+        check(third, {k: v.copy() for k, v in _at_offset(_feeds(runner, 0), offset).items()})  # kept
+
+
 # --- engines that must not load ---------------------------------------------------------------------
 
 

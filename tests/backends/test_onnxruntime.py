@@ -91,3 +91,38 @@ def test_an_op_the_reference_runtime_lacks_stops_prepare_naming_the_op_and_the_n
         prepare(reg, "int16")
     assert info.value.exit_code == 3
     assert "onnxruntime cannot compile op 'Relu' (node 'relu_int16')" in info.value.message
+
+
+def test_the_runner_calls_the_binding_and_an_ep_failure_goes_through_the_session_fallback(tmp_path):
+    """The engine's runner skips InferenceSession.run's second check of the feed (Runner.infer did it)
+    but not its EP fallback: an EPFail from the binding's run goes through InferenceSession.run."""
+    import numpy as np
+    from onnxruntime.capi.onnxruntime_pybind11_state import EPFail
+
+    from pipeline.backends import get_backend
+    from pipeline.backends.onnxruntime import OnnxRuntimeRunner
+
+    reg = project(tmp_path, {"ort": models.ort_sku("fp32")})
+    build(reg, "conv", "ort")
+    runner = get_backend("onnxruntime").load(Layout(reg.root).engine_dir("conv", "ort"), reg.sku("ort"))
+    assert isinstance(runner, OnnxRuntimeRunner) and runner._run is not None
+    sig = runner.inputs[0]
+    feeds = {sig.name: np.random.default_rng(0).normal(size=[1, *sig.shape[1:]]).astype(np.float32)}
+    want = runner.session.run(runner.output_names, feeds)
+    got = runner.infer(feeds)
+    assert list(got) == runner.output_names
+    for name, arr in zip(runner.output_names, want, strict=True):
+        np.testing.assert_array_equal(got[name], arr)
+
+    calls = []
+
+    def failing(*args):
+        calls.append("binding")
+        raise EPFail("planted EP failure")
+
+    public = runner.session.run
+    runner._run = failing
+    runner.session.run = lambda *args: calls.append("session") or public(*args)
+    got = runner.infer(feeds)
+    assert calls == ["binding", "session"]
+    np.testing.assert_array_equal(got[runner.output_names[0]], want[0])
