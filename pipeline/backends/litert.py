@@ -120,6 +120,12 @@ class LiteRtOptions(BaseModel):
         description="ONNX ops with no LiteRT built-in kernel that onnx2tf rewrites as built-in math "
         "(Erf: Abramowitz-Stegun 7.1.26, |error| <= 1.5e-7); without it they need TensorFlow's Flex ops",
     )
+    xnnpack_rewrites: bool = Field(
+        True,
+        description="rewrite what would become ops XNNPACK has no kernel for as equal ops it has: HardSigmoid "
+        "(RELU_0_TO_1) as Mul, Add, Clip(0, 1) before onnx2tf; RESIZE_NEAREST_NEIGHBOR by 2^k as CONCATENATION + "
+        "DEPTH_TO_SPACE in the flatbuffer; recorded in the build report's options.graph_rewrites",
+    )
     convert_timeout_s: int = Field(1800, ge=10, description="the converter's time limit")
 
 
@@ -332,6 +338,7 @@ class LiteRtBackend(Backend):
             "per_channel": opts.per_channel,
             "int8_io": opts.int8_io,
             "pseudo_ops": list(opts.pseudo_ops),
+            "xnnpack_rewrites": opts.xnnpack_rewrites,
             "keep_nodes": list(ctx.keep_precise) if precision == "int8" else [],
         }
         atomic_savez(staged.work / "probe.npz", **{k: np.ascontiguousarray(v) for k, v in ctx.probe_inputs.items()})
@@ -391,6 +398,8 @@ class LiteRtBackend(Backend):
                 **opts.model_dump(mode="json"),
                 "converter": result.get("versions", {}),
                 "opset_conversion": staged.notes.get("opset_conversion"),
+                # [{rewrite, from, to, nodes}]: what the converter rewrote for XNNPACK, by ONNX node
+                "graph_rewrites": result.get("rewrites", []),
             },
             calibration=calibration,
             warnings=warnings,

@@ -10,6 +10,9 @@ skuforge's. Every value arrives in the request file (paths, names, flags), none 
    calibrated on the request's calibration samples, then quantized with every op int8 but the
    ops made from the ONNX nodes to keep in float (``denylisted_nodes``); int8 inputs and
    outputs where asked (``fully_quantize``).
+   Where ``xnnpack_rewrites`` asks (the default), what would become ops XNNPACK has no kernel for is
+   rewritten as equal ops it has: HardSigmoid in the ONNX model, nearest resizes by 2^k in each
+   flatbuffer (``hardsigmoid_rewrite``, ``nearest_resize_rewrite``).
 3. The FP32 flatbuffer and ONNX Runtime run one probe sample with every intermediate kept: each
    TFLite op's output is matched by value to an ONNX tensor (up to an NHWC<->NCHW permutation),
    which maps the op back to the ONNX nodes it computes, and each ONNX output to the TFLite
@@ -127,18 +130,186 @@ def onnx_node(name: str | None, model: Any, renamed: dict[str, str]) -> str | No
     return (_find_node(name, model, renamed) or renamed.get(name, name)) if name else None
 
 
-def _onnx2tf(req: dict[str, Any], saved_model: Path) -> tuple[dict[str, str], dict[str, str]]:
-    """The SavedModel; returns {ONNX input: the name onnx2tf was given} (inputs renamed to be kept) and
-    {node name given: ONNX node name} (nodes renamed for TensorFlow)."""
+# XNNPACK 2.3's delegate has no kernel for two TFLite ops onnx2tf makes; each is rewritten into ops
+# it has that compute the same values (tests/backends/test_litert_rewrites.py):
+#   HardSigmoid (RELU_0_TO_1), before onnx2tf: Mul(alpha), Add(beta), Clip(0, 1) -> MUL, ADD, MINIMUM, RELU
+#   RESIZE_NEAREST_NEIGHBOR by 2^k on H and W (not align_corners), in the flatbuffer: k times
+#     CONCATENATION of 4 copies on the channel axis, DEPTH_TO_SPACE 2: out[2h+i, 2w+j, c] = x[h, w, c]
+#     (copies of the same values, bit for bit). In the flatbuffer, not before onnx2tf: onnx2tf's
+#     layout heuristics transpose the Add after an ONNX DepthToSpace the wrong way (a detector's FPN).
+MAX_NEAREST_STEPS = 6  # x64
+
+
+def _attr(node: Any, name: str, default: Any) -> Any:
+    import onnx
+
+    for a in node.attribute:
+        if a.name == name:
+            value = onnx.helper.get_attribute_value(a)
+            return value.decode() if isinstance(value, bytes) else value
+    return default
+
+
+def hardsigmoid_rewrite(model: Any) -> list[str]:
+    """Each HardSigmoid of ``model`` rewritten in place as Mul(alpha), Add(beta), Clip(0, 1) (onnx2tf
+    makes RELU_0_TO_1 of a HardSigmoid, MINIMUM and RELU of a Clip); returns the nodes rewritten."""
+    from onnx import TensorProto, helper
+
+    graph = model.graph
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+    taken = {n.name for n in graph.node} | {i.name for i in graph.initializer}
+    taken |= {t for n in graph.node for t in (*n.input, *n.output)}
+    done, nodes = [], []
+    for node in graph.node:
+        if node.op_type != "HardSigmoid" or node.domain not in ("", "ai.onnx"):
+            nodes.append(node)
+            continue
+        label = node.name or node.output[0]
+        x, y = node.input[0], node.output[0]
+        alpha, beta = _fresh(f"{label}__alpha", taken), _fresh(f"{label}__beta", taken)
+        scaled, shifted = _fresh(f"{label}__scaled", taken), _fresh(f"{label}__shifted", taken)
+        graph.initializer.extend(
+            [
+                helper.make_tensor(alpha, TensorProto.FLOAT, [], [float(_attr(node, "alpha", 0.2))]),
+                helper.make_tensor(beta, TensorProto.FLOAT, [], [float(_attr(node, "beta", 0.5))]),
+            ]
+        )
+        if opset >= 11:
+            lo, hi = _fresh(f"{label}__zero", taken), _fresh(f"{label}__one", taken)
+            graph.initializer.extend(
+                [
+                    helper.make_tensor(lo, TensorProto.FLOAT, [], [0.0]),
+                    helper.make_tensor(hi, TensorProto.FLOAT, [], [1.0]),
+                ]
+            )
+            clip = helper.make_node("Clip", [shifted, lo, hi], [y], name=_fresh(f"{label}__clip", taken))
+        else:  # Clip's bounds were attributes before opset 11
+            clip = helper.make_node("Clip", [shifted], [y], min=0.0, max=1.0, name=_fresh(f"{label}__clip", taken))
+        nodes += [
+            helper.make_node("Mul", [x, alpha], [scaled], name=_fresh(f"{label}__mul", taken)),
+            helper.make_node("Add", [scaled, beta], [shifted], name=_fresh(f"{label}__add", taken)),
+            clip,
+        ]
+        done.append(label)
+    if done:
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return done
+
+
+def _opcode(model: Any, code: int) -> int:
+    """The index of builtin op ``code`` in the model's operator codes (added when absent)."""
+    from tensorflow.lite.python import schema_py_generated as fb
+
+    for i, opcode in enumerate(model.operatorCodes):
+        if max(opcode.builtinCode, opcode.deprecatedBuiltinCode) == code:
+            return i
+    opcode = fb.OperatorCodeT()
+    opcode.builtinCode, opcode.deprecatedBuiltinCode, opcode.version = code, min(code, 127), 1
+    model.operatorCodes.append(opcode)
+    return len(model.operatorCodes) - 1
+
+
+def _nearest_steps(options: Any, src: list[int], dst: list[int]) -> int | None:
+    """k when a RESIZE_NEAREST_NEIGHBOR from NHWC ``src`` to ``dst`` scales H and W by the same 2**k
+    and picks pixel floor(i / 2**k) (not align_corners: with or without half-pixel centers), else None."""
+    if options is None or options.alignCorners or len(src) != 4 or len(dst) != 4 or min(src) <= 0:
+        return None
+    if dst[0] != src[0] or dst[3] != src[3] or dst[1] % src[1] or dst[2] % src[2]:
+        return None
+    scale = dst[1] // src[1]
+    if scale != dst[2] // src[2] or scale < 2 or scale & (scale - 1):
+        return None
+    steps = scale.bit_length() - 1
+    return steps if steps <= MAX_NEAREST_STEPS else None
+
+
+def nearest_resize_rewrite(flatbuffer: bytes) -> tuple[bytes, list[str]]:
+    """The flatbuffer with each RESIZE_NEAREST_NEIGHBOR that ``_nearest_steps`` takes rewritten as
+    CONCATENATION + DEPTH_TO_SPACE steps; returns it and the output tensors of the resizes rewritten."""
+    import copy
+
+    from tensorflow.lite.python import schema_py_generated as fb
+    from tensorflow.lite.tools import flatbuffer_utils
+
+    model = flatbuffer_utils.convert_bytearray_to_object(bytearray(flatbuffer))
+    codes = [max(c.builtinCode, c.deprecatedBuiltinCode) for c in model.operatorCodes]
+    if fb.BuiltinOperator.RESIZE_NEAREST_NEIGHBOR not in codes:
+        return flatbuffer, []
+    done = []
+    for graph in model.subgraphs:
+        ops = []
+        for op in graph.operators or []:
+            if codes[op.opcodeIndex] != fb.BuiltinOperator.RESIZE_NEAREST_NEIGHBOR:
+                ops.append(op)
+                continue
+            src, dst = graph.tensors[op.inputs[0]], graph.tensors[op.outputs[0]]
+            shape = [int(d) for d in src.shape]
+            steps = _nearest_steps(op.builtinOptions, shape, [int(d) for d in dst.shape])
+            if steps is None:
+                ops.append(op)
+                continue
+            name = dst.name.decode() if isinstance(dst.name, bytes) else str(dst.name)
+            current = op.inputs[0]
+            for k in range(steps):
+                tiled = copy.deepcopy(dst)
+                tiled.shape, tiled.shapeSignature, tiled.buffer = [shape[0], shape[1], shape[2], 4 * shape[3]], None, 0
+                tiled.name = f"{name}/xnnpack_tiled{k}"
+                graph.tensors.append(tiled)
+                concat = fb.OperatorT()
+                concat.opcodeIndex = _opcode(model, fb.BuiltinOperator.CONCATENATION)
+                concat.inputs, concat.outputs = [current] * 4, [len(graph.tensors) - 1]
+                concat.builtinOptionsType = fb.BuiltinOptions.ConcatenationOptions
+                concat.builtinOptions = fb.ConcatenationOptionsT()
+                concat.builtinOptions.axis = 3
+                shape = [shape[0], 2 * shape[1], 2 * shape[2], shape[3]]
+                if k == steps - 1:
+                    out = op.outputs[0]
+                else:
+                    step = copy.deepcopy(dst)
+                    step.shape, step.shapeSignature, step.buffer = list(shape), None, 0
+                    step.name = f"{name}/xnnpack_up{k}"
+                    graph.tensors.append(step)
+                    out = len(graph.tensors) - 1
+                d2s = fb.OperatorT()
+                d2s.opcodeIndex = _opcode(model, fb.BuiltinOperator.DEPTH_TO_SPACE)
+                d2s.inputs, d2s.outputs = [concat.outputs[0]], [out]
+                d2s.builtinOptionsType = fb.BuiltinOptions.DepthToSpaceOptions
+                d2s.builtinOptions = fb.DepthToSpaceOptionsT()
+                d2s.builtinOptions.blockSize = 2
+                ops += [concat, d2s]
+                current = out
+            done.append(name)
+        graph.operators = ops
+    if not done:
+        return flatbuffer, []
+    return bytes(flatbuffer_utils.convert_object_to_bytearray(model)), done
+
+
+def _onnx2tf(req: dict[str, Any], saved_model: Path) -> tuple[dict[str, str], dict[str, str], list[dict[str, Any]]]:
+    """The SavedModel; returns {ONNX input: the name onnx2tf was given} (inputs renamed to be kept),
+    {node name given: ONNX node name} (nodes renamed for TensorFlow) and the XNNPACK rewrites made."""
     import onnx
     import onnx2tf
 
     model = onnx.load(req["onnx"])
     init = {i.name for i in model.graph.initializer}
     renamed, inputs = _tf_safe(model)
+    rewrites = []
+    if req.get("xnnpack_rewrites", True):
+        hardsigmoids = [renamed.get(n, n) for n in hardsigmoid_rewrite(model)]  # as the ONNX model names them
+        if hardsigmoids:
+            rewrites.append(
+                {
+                    "rewrite": "hardsigmoid",
+                    "from": "HardSigmoid (RELU_0_TO_1)",
+                    "to": "Mul, Add, Clip(0, 1) (MUL, ADD, MINIMUM, RELU)",
+                    "nodes": hardsigmoids,
+                }
+            )
     keep = [i.name for i in model.graph.input if i.name not in init and len(i.type.tensor_type.shape.dim) in (3, 4, 5)]
     source = req["onnx"]
-    if renamed or inputs:
+    if renamed or inputs or rewrites:
         source = str(saved_model.parent / "tf_safe.onnx")
         onnx.save(model, source)
     original = onnx.load(req["onnx"], load_external_data=False)
@@ -175,7 +346,7 @@ def _onnx2tf(req: dict[str, Any], saved_model: Path) -> tuple[dict[str, str], di
             op=ops[-1][0] if ops else None,
             node=onnx_node(ops[-1][1] if ops else None, original, renamed),
         )
-    return inputs, renamed
+    return inputs, renamed, rewrites
 
 
 class ConversionError(Exception):
@@ -342,6 +513,9 @@ def _map_ops(req: dict[str, Any], float_model: bytes, probe: dict[str, np.ndarra
     for name, key in keys.items():
         matched[sig_in[key]] = (name, tuple(range(probe[name].ndim)))
     ops = []
+    # tensor -> the ONNX nodes already computed when it is: a matched tensor's ancestors; an unmatched
+    # one's (glue, as the copies a rewritten Resize concatenates) those of the tensors it is made from
+    computed: dict[int, set[str]] = {}
     for op in interp._get_ops_details():
         outs = [int(i) for i in op["outputs"] if i >= 0]
         found = None
@@ -354,6 +528,10 @@ def _map_ops(req: dict[str, Any], float_model: bytes, probe: dict[str, np.ndarra
         for i in op["inputs"]:
             if int(i) in matched:
                 bound |= ancestors.get(matched[int(i)][0], set())
+            else:
+                bound |= computed.get(int(i), set())
+        for i in outs:
+            computed[i] = ancestors.get(matched[i][0], set()) if i in matched else bound
         nodes = sorted(ancestors.get(found[0], set()) - bound) if found else []
         ops.append(
             {
@@ -445,7 +623,7 @@ def convert(req: dict[str, Any]) -> dict[str, Any]:
 
     work = Path(req["work"])
     saved_model = work / "saved_model"
-    inputs, renamed = _onnx2tf(req, saved_model)
+    inputs, renamed, rewrites = _onnx2tf(req, saved_model)
     original = onnx.load(req["onnx"], load_external_data=False)
 
     def locate(scope: str) -> str | None:
@@ -456,6 +634,11 @@ def convert(req: dict[str, Any]) -> dict[str, Any]:
 
     step("tflite fp32")
     float_model = _tflite(converter().convert, "FP32", locate)
+    rewrite = bool(req.get("xnnpack_rewrites", True))
+    resized: list[str] = []
+    if rewrite:
+        step("xnnpack rewrites")
+        float_model, resized = nearest_resize_rewrite(float_model)
     (work / "float32.tflite").write_bytes(float_model)
     sig_in, sig_out = _signature(float_model)
     probe = {k: v for k, v in np.load(req["probe"], allow_pickle=False).items()}
@@ -463,6 +646,17 @@ def convert(req: dict[str, Any]) -> dict[str, Any]:
     _check_layouts(keys, _shapes(float_model), probe)
     step("map ops to onnx nodes")
     mapping = _map_ops(req, float_model, probe, keys)
+    if resized:
+        nodes = sorted({n for op in mapping["ops"] if op["tensor"] in resized for n in op["nodes"]})
+        rewrites.append(
+            {
+                "rewrite": "nearest_resize",
+                "from": "RESIZE_NEAREST_NEIGHBOR x2^k",
+                "to": "k x (CONCATENATION of 4 copies on channels, DEPTH_TO_SPACE 2)",
+                "nodes": nodes or resized,
+                "ops": len(resized),
+            }
+        )
     precision = req["precision"]
     denylisted: list[str] = []
     unmatched: list[str] = []
@@ -473,9 +667,11 @@ def convert(req: dict[str, Any]) -> dict[str, Any]:
         conv.optimizations = [tf.lite.Optimize.DEFAULT]
         conv.target_spec.supported_types = [tf.float16]
         model = _tflite(conv.convert, "FP16", locate)
+        model = nearest_resize_rewrite(model)[0] if rewrite else model
     else:
         keep = set(req.get("keep_nodes", []))
-        denylisted = _denylist(mapping["ops"], keep)
+        # the tensors the nearest-resize rewrite added are not in the model quantized (it is rewritten after)
+        denylisted = [t for t in _denylist(mapping["ops"], keep) if "/xnnpack_" not in t]
         covered = {n for op in mapping["ops"] for n in op["nodes"]}
         unmatched = sorted(keep - covered)
         samples = _samples(req["calibration"], keys, _shapes(float_model))
@@ -498,6 +694,8 @@ def convert(req: dict[str, Any]) -> dict[str, Any]:
             )
         except Exception as exc:
             raise ConversionError("quantize", f"INT8 quantization failed: {_first_line(str(exc))}") from exc
+        if rewrite:
+            model = nearest_resize_rewrite(model)[0]
     Path(req["out"]).write_bytes(model)
     return {
         "ok": True,
@@ -506,6 +704,7 @@ def convert(req: dict[str, Any]) -> dict[str, Any]:
         "ops": mapping["ops"],
         "denylisted": denylisted,
         "keep_not_found": unmatched,
+        "rewrites": rewrites,
         "versions": _versions(),
     }
 
