@@ -42,9 +42,10 @@ def _env() -> dict[str, str]:
 
 
 def _skus() -> dict:
+    # one device class: repro ends by selecting an engine for it per model
     return {
-        "int8": models.ort_sku("int8"),
-        "far": models.ort_sku("fp32", target={"arch": OTHER_ARCH}, runner_labels=["arm-box"]),
+        "int8": models.ort_sku("int8", device_class="x86-test"),
+        "far": models.ort_sku("fp32", target={"arch": OTHER_ARCH}, runner_labels=["arm-box"], device_class="x86-test"),
     }
 
 
@@ -112,10 +113,32 @@ def test_repro_keeps_going_and_shows_every_pair(repro):
     assert "output probs:" in proc.stdout and "beyond atol=0.0" in proc.stdout, proc.stdout
     assert "prepare@custom failed:" in proc.stdout and "'MyOp'" in proc.stdout, proc.stdout
     assert f"needs arch {OTHER_ARCH}" in proc.stdout and "arm-box" in proc.stdout
-    assert (
-        "1 passed, 3 not buildable here, 1 gate failed, 1 not run" in proc.stdout.splitlines()[-1]
-        or proc.stdout.splitlines()[-1].count(",") == 3
-    ), proc.stdout
+    footer = proc.stdout.split("\n\n")[0].splitlines()[-1]  # the matrix's last line: the tables under it follow
+    assert "1 passed, 3 not buildable here, 1 gate failed, 1 not run" in footer or footer.count(",") == 3, proc.stdout
+
+
+@pytest.mark.slow
+def test_repro_selects_an_engine_per_device_class(repro):
+    from pipeline.project.config import load_registry
+    from pipeline.verify.selection import read_selection
+
+    root, proc = repro
+    registry = load_registry(root / "params.yaml")
+    good, strict, custom = (read_selection(registry, m).get("x86-test") for m in ("good", "strict", "custom"))
+    assert good is not None and (good.decision, good.chosen) == ("only candidate", "int8")
+    assert [c.reason for c in good.candidates] == ["", "no manifest yet"]  # far: not built on this host
+    # a failed validate leaves no manifest: the class has no engine, with the matrix's reason
+    assert strict is not None and strict.decision == "none passed" and strict.chosen is None
+    assert "int8: no manifest (gate failed: output probs" in strict.why
+    assert custom is not None and custom.decision == "none passed" and "prepare@custom failed" in custom.why
+    section = proc.stdout.split("Selected per device class", 1)[1].splitlines()
+    assert any(x.split()[:4] == ["good", "x86-test", "int8", "only"] for x in section), proc.stdout
+    assert any(x.split()[:3] == ["strict", "x86-test", "none"] for x in section), proc.stdout
+    assert proc.returncode == 2  # the selection does not change repro's exit code: the matrix's worst
+    status = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all"], check=True, cwd=root, capture_output=True, text=True
+    )
+    assert ".selection" not in status.stdout and (root / "build/.selection/.gitignore").read_text() == "*\n"
 
 
 @pytest.mark.slow
@@ -203,6 +226,8 @@ def test_repro_json_and_a_fixed_pair_loses_its_record(repro):
     assert set(rows) == {(m, s) for m in ("good", "strict") for s in ("int8", "far")}
     assert rows[("strict", "int8")]["outcome"] == "passed", rows
     assert not (root / "build/.outcomes/strict/validate@int8.json").exists()
+    (chosen,) = doc["selection"]["strict"]["classes"]
+    assert (chosen["decision"], chosen["chosen"]) == ("only candidate", "int8")
 
 
 # --- DVC's own failures and Ctrl-C ------------------------------------------------------------------

@@ -15,6 +15,7 @@ from pipeline.cli import tables
 from pipeline.cli.compare import refresh_lines
 from pipeline.cli.parser.commands import STAGE_COMMANDS, STAGE_FLAGS
 from pipeline.cli.progress import ProgressLine
+from pipeline.cli.select import selection_text
 from pipeline.cli.tables import Column
 from pipeline.core.env import MLFLOW_LOGGING_LEVEL
 from pipeline.core.errors import ConfigError, EnvironmentProblem, SkuforgeError
@@ -26,6 +27,7 @@ from pipeline.ops.repro import DvcFailed, ProjectStatus, clear_outcomes, run_dvc
 from pipeline.project.config import load_registry
 from pipeline.report import write_site
 from pipeline.results.reports import BuildReport
+from pipeline.results.selection import SelectionRecord
 from pipeline.stages import bench as bench_stage
 from pipeline.stages import build as build_stage
 from pipeline.stages import calibrate as calibrate_stage
@@ -42,6 +44,7 @@ from pipeline.tracking.promotion import PromotionBlocked, rollback
 from pipeline.tracking.promotion import promote as promote_alias
 from pipeline.tracking.releases import list_releases
 from pipeline.verify.consistency import refresh_reports
+from pipeline.verify.selection import refresh_selections, select
 
 
 def _cache_lines(report: BuildReport) -> str:
@@ -293,6 +296,7 @@ def repro(args: argparse.Namespace) -> int:
     if failed is not None and not failed.stage_failed:  # dvc itself, or something from outside
         print(f"skuforge: error: {failed}", file=sys.stderr)
     consistency, consistency_exit = _consistency_reports(reg, args.model)
+    selected = _selection_records(reg, args.model)
     code = max(worst_exit(rows), failed.exit_code if failed else 0, consistency_exit)
     _emit(
         args,
@@ -301,11 +305,30 @@ def repro(args: argparse.Namespace) -> int:
             "skipped": [s.to_json() for s in skipped],
             "matrix": [r.to_json() for r in rows],
             "consistency": consistency,
+            "selection": {m: r.to_json() if isinstance(r, SelectionRecord) else r for m, r in selected.items()},
             "exit_code": code,
         },
-        lambda: matrix_text(rows, args.wide),
+        lambda: matrix_text(rows, args.wide) + selection_text(_records(selected), args.wide),
     )
     return code
+
+
+def _selection_records(reg, models: list[str] | None) -> dict[str, SelectionRecord | str]:
+    """Write the selection record of each model after a run (build/.selection/<model>.json): model ->
+    its record, or why none was written (said on stderr; the matrix still shows)."""
+    try:
+        done = refresh_selections(reg, models)
+    except SkuforgeError as exc:  # a read-only build/ folder, say
+        print(f"skuforge: error: selection records not written: {exc}", file=sys.stderr)
+        return {}
+    for model, r in done.items():
+        if not isinstance(r, SelectionRecord):
+            print(f"selection {model}: not written: {r}", file=sys.stderr)
+    return done
+
+
+def _records(selected: dict[str, SelectionRecord | str]) -> list[SelectionRecord]:
+    return [r for r in selected.values() if isinstance(r, SelectionRecord)]
 
 
 def _changed(entries: list[Any]) -> str:
@@ -468,7 +491,14 @@ def summary(args: argparse.Namespace) -> int:
     rows = matrix(reg, args.model, args.sku)
     if args.outcome:
         rows = [r for r in rows if r.outcome in args.outcome]
-    _emit(args, [r.to_json() for r in rows], lambda: matrix_text(rows, args.wide))
+
+    def text() -> str:  # the selection of the models shown, computed from their manifests (nothing written)
+        models = list(dict.fromkeys(r.model for r in rows))
+        return matrix_text(rows, args.wide) + selection_text(
+            [s for s in (select(reg, m) for m in models) if s.classes], args.wide
+        )
+
+    _emit(args, [r.to_json() for r in rows], text)
     return 0
 
 
@@ -519,6 +549,7 @@ SKU_COLUMNS = (
     Column("sku"),
     Column("backend"),
     Column("precision", "prec"),
+    Column("device_class", "class"),
     Column("target"),
     Column("here"),
     Column("runner_labels", "runner labels"),

@@ -179,6 +179,15 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_bytes(path, to_json(obj).encode())
 
 
+def git_ignored(folder: str | os.PathLike) -> Path:
+    """``folder``, holding a ``.gitignore`` that ignores everything in it: local state of this checkout
+    (outside every DVC output, so nothing else ignores it in a team's repository)."""
+    ignore = Path(folder) / ".gitignore"
+    if not ignore.exists():
+        atomic_write_bytes(ignore, b"*\n")
+    return Path(folder)
+
+
 def atomic_savez(path: str | os.PathLike, **arrays: Any) -> Path:
     """np.savez (uncompressed, deterministic bytes) written atomically."""
     import numpy as np

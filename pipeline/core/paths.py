@@ -102,6 +102,11 @@ class Layout:
         """The cross-SKU consistency matrix of a model (``.json`` and ``.md``): checked into git."""
         return self.root / "reports" / "consistency" / f"{model}{suffix}"
 
+    def selection(self, model: str) -> Path:
+        """The engine chosen per device class for ``model`` (``skuforge select``): outside every DVC
+        output, in a folder git ignores (model names never start with '.')."""
+        return self.root / "build" / ".selection" / f"{model}.json"
+
     def latency_csv(self, model: str, sku: str) -> Path:
         return self.sku_dir(model, sku) / "latency.csv"
 

@@ -30,6 +30,7 @@ class SkuStatus:
     buildable: bool
     runnable: bool = False
     problems: list[str] = field(default_factory=list)
+    device_class: str | None = None  # the devices it serves (skus.<s>.device_class); None: in no class
 
     def to_json(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -55,6 +56,7 @@ def sku_statuses(registry: Registry, cached: bool = True) -> list[SkuStatus]:
                 buildable=not build,
                 runnable=not run,
                 problems=list(dict.fromkeys(build + run)),
+                device_class=spec.device_class,
             )
         )
     return out

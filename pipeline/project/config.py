@@ -1037,6 +1037,12 @@ class SkuSpec(Strict):
     bisect: BisectSpec = BisectSpec()
     reproducibility: ReproducibilitySpec = ReproducibilitySpec()
     cache: CacheSpec = CacheSpec()
+    device_class: str | None = Field(
+        None,
+        description="the devices this SKU's engine serves (x86-avx2, rpi5, jetson-orin, ...): the SKUs of one class "
+        "are candidates for the same devices, and `skuforge select` picks one per model (docs/registry.md); "
+        "unset: no class, not a candidate (the portable fallback)",
+    )
     ci: bool = Field(
         True,
         description="false: the rendered build workflow has no job for this SKU (its runners are not in "
@@ -1050,6 +1056,14 @@ class SkuSpec(Strict):
         if both:
             raise ValueError(f"axes {sorted(both)} are in both 'shapes' and 'profiles': pick one")
         return self
+
+    @field_validator("device_class")
+    @classmethod
+    def _device_class(cls, name: str | None) -> str | None:
+        problem = None if name is None else device_class_problem(name)
+        if problem:
+            raise ValueError(problem)
+        return name
 
     @field_validator("toolchain")
     @classmethod
@@ -1081,6 +1095,12 @@ NAME_FORBIDDEN = ("/", ":", "'", '"', "`")  # MLflow refuses '/' and ':'; quotes
 # names: one strict rule keeps them inert everywhere and keeps '<model>-<sku>' unambiguous.
 NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,63}")
 NAME_RULE = "a lowercase letter, then lowercase letters, digits or '_', at most 64 characters"
+# A device class is a key of the selection record and a CLI argument, never a path or a shell word
+# on its own; '-' is allowed as in runner labels (x86-avx2).
+DEVICE_CLASS_PATTERN = re.compile(r"[a-z][a-z0-9_-]{0,62}[a-z0-9]|[a-z]")
+DEVICE_CLASS_RULE = (
+    "a lowercase letter, then lowercase letters, digits, '-' or '_', ending in a letter or digit, at most 64 characters"
+)
 PREFIX_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 PACKAGE_PATTERN = re.compile(r"^([A-Z0-9]|[A-Z0-9][A-Z0-9._-]*[A-Z0-9])$", re.IGNORECASE)
 RESERVED_MODEL_NAMES = (
@@ -1108,6 +1128,54 @@ def name_problem(name: Any) -> str | None:
     what += ["is empty"] if not name else [] if "a" <= name[0] <= "z" else ["does not start with a lowercase letter"]
     what += [f"contains {' '.join(repr(c) for c in bad)}"] if bad else []
     return f"{', '.join(what)}: names are {NAME_RULE}; use e.g. {suggest_name(name)!r}"
+
+
+def device_class_problem(name: Any) -> str | None:
+    """Why ``name`` cannot name a device class, with a valid spelling; None when it can."""
+    if isinstance(name, str) and DEVICE_CLASS_PATTERN.fullmatch(name):
+        return None
+    fixed = re.sub(r"[^a-z0-9_-]+", "-", str(name).lower()).strip("-_")[:64].rstrip("-_")
+    fixed = fixed if "a" <= fixed[:1] <= "z" else f"c-{fixed}".rstrip("-")
+    return f"{name!r} is not a device class name: {DEVICE_CLASS_RULE}; use e.g. {fixed!r}"
+
+
+Objective = Literal["p50", "p99", "throughput"]
+OBJECTIVES: tuple[str, ...] = get_args(Objective)
+DEFAULT_PREFERENCE = ("onnxruntime", "openvino", "litert", "iree", "tvm", "tensorrt")
+
+
+class SelectionSpec(Strict):
+    """How `skuforge select` picks one engine per (model, device class) among the passing candidates."""
+
+    objective: Objective = Field(
+        "p50",
+        description="p50 or p99: engine-only latency from the bench's steady-state samples (lower wins); "
+        "throughput: samples per second (higher wins)",
+    )
+    confidence: float = Field(
+        0.95, gt=0, lt=1, description="level of the interval of the runner-up's figure over the winner's"
+    )
+    bootstrap: int = Field(2000, ge=100, description="bootstrap resamples of that interval")
+    min_samples: int = Field(30, ge=5, description="fewer steady-state samples on either side: not separated")
+    prefer: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_PREFERENCE),
+        description="backends in order of preference: breaks a tie (candidates not separated from the fastest); "
+        "a backend not listed comes after those listed",
+    )
+
+    @field_validator("prefer")
+    @classmethod
+    def _prefer(cls, prefer: list[str]) -> list[str]:
+        repeated = sorted({b for b in prefer if prefer.count(b) > 1})
+        if repeated:
+            raise ValueError(f"{', '.join(repeated)} listed more than once; list each backend once")
+        unknown = [b for b in prefer if b not in known_backends()]
+        if unknown:
+            raise ValueError(
+                f"unknown backend {unknown[0]!r}{did_you_mean(unknown[0], known_backends())}; "
+                f"known backends: {', '.join(known_backends())}"
+            )
+        return prefer
 
 
 class PerformanceGate(Strict):
@@ -1351,6 +1419,7 @@ class Registry(Strict):
     models: dict[str, ModelSpec]
     skus: dict[str, SkuSpec]
     release: Release = Field(default_factory=Release)
+    selection: SelectionSpec = Field(default_factory=SelectionSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     _root: Path = PrivateAttr(default_factory=lambda: Path("."))
 
@@ -1436,6 +1505,14 @@ class Registry(Strict):
             for s in self.skus
             if s in wanted_skus and (spec.skus is None or s in spec.skus)
         ]
+
+    def device_classes(self) -> dict[str, list[str]]:
+        """Device class -> its SKUs, in registry order (SKUs without a class are in none)."""
+        classes: dict[str, list[str]] = {}
+        for name, spec in self.skus.items():
+            if spec.device_class is not None:
+                classes.setdefault(spec.device_class, []).append(name)
+        return classes
 
     def release_skus(self) -> list[str]:
         """The SKUs a release requires (promote --all)."""

@@ -84,7 +84,23 @@ def bootstrap_median_ratio(
     x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray, resamples: int, confidence: float, seed: int = 0
 ) -> tuple[float, float]:
     """Percentile bootstrap interval of median(x) / median(y), resampling each side on its own."""
+    return bootstrap_quantile_ratio(x, y, 0.5, resamples, confidence, seed)
+
+
+def bootstrap_quantile_ratio(
+    x: Sequence[float] | np.ndarray,
+    y: Sequence[float] | np.ndarray,
+    q: float,
+    resamples: int,
+    confidence: float,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of quantile_q(x) / quantile_q(y) (q 0.5: the medians),
+    resampling each side on its own."""
     import numpy as np
+
+    def stat(a: np.ndarray) -> np.ndarray:
+        return np.median(a, axis=1) if q == 0.5 else np.quantile(a, q, axis=1)
 
     xa, ya = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     rng = np.random.default_rng(seed)
@@ -92,8 +108,8 @@ def bootstrap_median_ratio(
     block = max(1, 2_000_000 // max(len(xa), len(ya)))  # bounded memory for long sample lists
     for start in range(0, resamples, block):
         k = min(block, resamples - start)
-        mx = np.median(xa[rng.integers(0, len(xa), (k, len(xa)))], axis=1)
-        my = np.median(ya[rng.integers(0, len(ya), (k, len(ya)))], axis=1)
+        mx = stat(xa[rng.integers(0, len(xa), (k, len(xa)))])
+        my = stat(ya[rng.integers(0, len(ya), (k, len(ya)))])
         ratios[start : start + k] = mx / my
     tail = (1.0 - confidence) / 2.0
     low, high = np.quantile(ratios, [tail, 1.0 - tail])

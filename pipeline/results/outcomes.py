@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.errors import TimedOut, UnsupportedOp
-from pipeline.core.io import atomic_write_bytes, atomic_write_json
+from pipeline.core.io import atomic_write_json, git_ignored
 from pipeline.core.redact import redact
 
 OUTCOMES_DIR = Path("build") / ".outcomes"  # not inside any stage's outs: dvc neither removes nor tracks it
@@ -36,9 +36,7 @@ def record_outcome(
     """Write the failure of one stage command (atomically): stage, exit code, one-line message and,
     for an UnsupportedOp, the backend, op and node."""
 
-    base = Path(root) / OUTCOMES_DIR
-    if not (base / ".gitignore").exists():  # local state of this checkout, like build/
-        atomic_write_bytes(base / ".gitignore", b"*\n")
+    git_ignored(Path(root) / OUTCOMES_DIR)  # local state of this checkout, like build/
     lines = [line.strip() for line in redact(message).splitlines() if line.strip()]
     record: dict[str, Any] = {
         "stage": stage,

@@ -144,6 +144,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(handler="pipeline.cli.commands:summary")
 
     p = sub.add_parser(
+        "select",
+        help="the engine chosen per device class for a model: the fastest passing candidate when separated "
+        "from the runner-up, else a tie broken by selection.prefer",
+    )
+    p.add_argument("--model", required=True)
+    p.add_argument(
+        "--class",
+        dest="device_class",
+        metavar="C",
+        help="only this device class (skus.<s>.device_class; default: every class of the model's SKUs)",
+    )
+    p.add_argument("--json", action="store_true", help="print the selection record as JSON")
+    p.set_defaults(handler="pipeline.cli.select:select_command")
+
+    p = sub.add_parser(
         "report",
         help="a static HTML report (no network needed): latency, correctness, layers, "
         "roofline per pair; SKUs side by side per model",
