@@ -106,6 +106,10 @@ def release_publish(args: argparse.Namespace) -> int:
     ]
     if r.partial:
         lines.append(f"  partial: without {', '.join(r.partial)} (their devices run the portable fallback)")
+    if r.selection is not None:
+        lines.append(f"  device classes (selection {r.selection[:12]}):")
+        lines += [f"    {c:22s} -> {s}" for c, s in r.classes.items()]
+        lines += [f"    {c:22s} -> portable fallback: {why}" for c, why in r.unselected.items()]
     _print(args, r.to_json(), "\n".join(lines))
     return 0
 

@@ -7,8 +7,10 @@ One pass (``run_once``) per model:
 1. refresh the signed metadata (TUF: signatures, expiry, versions never going back);
 2. read the rollout document and decide the release this device should run (doc.desired_release:
    waves, rate limit, labels, pause and abort);
-3. pick the engine: the device's SKU if the release has it and the device can run it (architecture,
-   CPU features, runtime versions from the release document), else the portable fallback;
+3. pick the engine: the SKU the release selects for the device's class (``device_class``: the
+   release's ``classes`` map, pipeline.rollout.release), else the device's SKU, if the release has
+   it and the device can run it (architecture, CPU features, runtime versions from the release
+   document), else the portable fallback (a class the release selects nothing for: with the reason);
 4. download every file through TUF (length and sha256 verified) into the inactive slot (A/B);
 5. smoke-test the staged engine: load it with its backend, run the golden inputs, compare with the
    engine's outputs recorded at validation within the SKU's tolerance, time it and the active engine;
@@ -36,7 +38,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, Field, field_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from pipeline.backends import get_backend, runtime_packages
 from pipeline.core.errors import InputError, ServiceError, SkuforgeError
@@ -44,7 +46,7 @@ from pipeline.core.io import atomic_dir, atomic_write_json, read_json, sha256_by
 from pipeline.core.validation import validation_problems
 from pipeline.core.versions import same_version, satisfies
 from pipeline.host.probe import cpu_features, host_arch
-from pipeline.project.config import SkuSpec, Strict, name_problem
+from pipeline.project.config import SkuSpec, Strict, device_class_problem, name_problem
 from pipeline.project.data import iter_batches, run_dataset
 from pipeline.results.reports import Result
 from pipeline.results.signing import SigningKey
@@ -78,11 +80,24 @@ def _named(what: str) -> AfterValidator:
     return AfterValidator(check)
 
 
+def _device_class(name: str | None) -> str | None:
+    """The registry's rule for device class names (pipeline.project.config)."""
+    problem = None if name is None else device_class_problem(name)
+    if problem is not None:
+        raise ValueError(problem)
+    return name
+
+
 class DeviceConfig(Strict):
-    """What a device is: written at provisioning (``device.yaml``)."""
+    """What a device is: written at provisioning (``device.yaml``). ``sku``, ``device_class`` or both:
+    a class gets the engine the release selects for it, a SKU that SKU's engine (and, with both,
+    the SKU's engine when the release selects nothing for the class)."""
 
     id: str
-    sku: Annotated[str, _named("SKU")]
+    sku: Annotated[str, _named("SKU")] | None = None
+    device_class: Annotated[str | None, AfterValidator(_device_class)] = Field(
+        None, description="the device class (x86-avx2, ...): it runs the engine the release selects for it"
+    )
     models: list[Annotated[str, _named("model")]] = Field(min_length=1)
     arch: str | None = Field(None, description="default: this machine's")
     runtime: dict[str, str] | None = Field(None, description="package -> version; default: the installed ones")
@@ -101,18 +116,25 @@ class DeviceConfig(Strict):
             )
         return value
 
+    @model_validator(mode="after")
+    def _sku_or_class(self) -> DeviceConfig:
+        if self.sku is None and self.device_class is None:
+            raise ValueError("name the device's sku, its device_class, or both")
+        return self
+
 
 @dataclass
 class Device:
     """A device's identity with the defaults resolved from the machine it runs on."""
 
     id: str
-    sku: str
+    sku: str | None
     arch: str
     runtime: dict[str, str]
     cpu_features: frozenset[str]
     ring: str | None = None
     labels: tuple[str, ...] = ()
+    device_class: str | None = None
 
     @classmethod
     def from_config(cls, cfg: DeviceConfig) -> Device:
@@ -125,6 +147,7 @@ class Device:
             cpu_features=frozenset(cfg.cpu_features) if cfg.cpu_features is not None else cpu_features(),
             ring=cfg.ring,
             labels=tuple(cfg.labels),
+            device_class=cfg.device_class,
         )
 
 
@@ -171,6 +194,27 @@ def compatibility(requires: dict[str, Any], device: Device) -> list[str]:
         if not satisfies(device.runtime.get(pkg), spec):
             bad.append(f"needs {pkg} {spec}, the device has {device.runtime.get(pkg) or 'none'}")
     return bad
+
+
+def engine_for(release: dict[str, Any], device: Device) -> tuple[str | None, str, dict[str, Any]]:
+    """The SKU whose engine ``device`` should run from ``release`` (None: none, the portable fallback),
+    why, and how it was chosen (kept in the active document and the report). The release's class map
+    first (the engine selected for the device's class), then the device's own SKU."""
+    cls = device.device_class
+    if cls is None:
+        return device.sku, "", {}
+    selection = release.get("selection") or {}
+    chosen = (release.get("classes") or {}).get(cls)
+    if chosen is not None:
+        return chosen, f"device class {cls}: {chosen} selected", {"device_class": cls, "selected": chosen}
+    why = (selection.get("unselected") or {}).get(cls) or (
+        f"release {release['release']} selects no engine for device class {cls}"
+        + ("" if release.get("classes") else " (its SKUs name no device classes)")
+    )
+    via = {"device_class": cls, "selected": None}
+    if device.sku is not None:
+        return device.sku, f"{why}; the device's SKU {device.sku}", via
+    return None, why, via
 
 
 # --- the smoke test ---------------------------------------------------------------------------------
@@ -341,9 +385,11 @@ class Agent:
         rollout: str | None,
         previous: dict[str, Any] | None = None,
         window_minutes: float = 0,
+        via: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Switch to ``slot``. With a previous engine and a health window, remember both, so a pass
-        within the window can go back by itself (``_health_window``)."""
+        within the window can go back by itself (``_health_window``). ``via``: how a device class
+        chose the engine (engine_for), kept with it."""
         doc: dict[str, Any] = {
             "slot": slot,
             "release": rid,
@@ -351,6 +397,7 @@ class Agent:
             "kind": kind,
             "rollout": rollout,
             "activated": _iso(self._now),
+            **(via or {}),
         }
         if previous is not None and window_minutes > 0:
             doc["previous"] = _committed(previous)
@@ -526,7 +573,10 @@ class Agent:
         # a new engine of the rollout's own release is watched for its health window
         window = doc.health_window_minutes if doc and rid == doc.release and doc.status != "rolled_back" else 0
         slot = "b" if act is not None and act["slot"] == "a" else "a"
-        entry = release["skus"].get(self.device.sku)
+        sku, how, via = engine_for(release, self.device)
+        if how:
+            log.info("%s %s: %s", self.device.id, model, how)
+        entry = release["skus"].get(sku) if sku is not None else None
         fallback = release["skus"].get(release.get("fallback_sku") or "")
         outcome, detail = "ok", ""
         choice = None
@@ -534,14 +584,16 @@ class Agent:
         def result(outcome: str, detail: str, active: dict[str, Any] | None, latency=None, previous=None):
             return self._result(model, rollout, rid, outcome, detail, active, t0, latency, previous, attempt)
 
-        if entry is None:
-            outcome, detail = "incompatible", f"release {rid} has no engine for SKU {self.device.sku}"
+        if sku is None:  # a class the release selects nothing for: the portable engine, as without one
+            outcome, detail = "incompatible", how
+        elif entry is None:
+            outcome, detail = "incompatible", f"{how + '; ' if how else ''}release {rid} has no engine for SKU {sku}"
         else:
             problems = compatibility(entry["requires"], self.device)
             if problems:
-                outcome, detail = "incompatible", "; ".join(problems)
+                outcome, detail = "incompatible", f"{how + ': ' if how else ''}{'; '.join(problems)}"
             else:
-                choice = (self.device.sku, entry, "optimized")
+                choice = (sku, entry, "optimized")
         if choice is not None:
             if self._verified_slot(model, slot, rid, choice[0], choice[1]):
                 staged = self._model_dir(model) / "slots" / slot  # A/B: the other slot already holds it
@@ -550,8 +602,9 @@ class Agent:
             smoke = self.smoke(choice[1], staged)
             if smoke.passed:
                 previous_latency = self._previous_latency(model, act, choice[1], staged)
-                active = self._activate(model, slot, rid, choice[0], choice[2], rollout, act, window)
-                return result("ok", smoke.detail, active, smoke.latency_ms, previous_latency)
+                active = self._activate(model, slot, rid, choice[0], choice[2], rollout, act, window, via)
+                detail = f"{how}; {smoke.detail}" if how else smoke.detail
+                return result("ok", detail, active, smoke.latency_ms, previous_latency)
             outcome, detail = "smoke_failed", smoke.detail
             if act is not None:  # keep the engine that works
                 return result(outcome, f"{detail}; kept {act['release']}", act, smoke.latency_ms)
@@ -573,7 +626,7 @@ class Agent:
         smoke = self.smoke(fallback, staged)
         if not smoke.passed:
             return result(outcome, f"{detail}; the portable fallback failed too: {smoke.detail}", act)
-        active = self._activate(model, slot, rid, fsku, "fallback", rollout, act, window)
+        active = self._activate(model, slot, rid, fsku, "fallback", rollout, act, window, via)
         outcome = outcome if outcome == "smoke_failed" else "fallback"
         return result(outcome, f"{detail}; running the portable fallback {fsku}", active, smoke.latency_ms)
 
@@ -639,6 +692,7 @@ class Agent:
         body = {
             "device": self.device.id,
             "sku": self.device.sku,
+            "device_class": self.device.device_class,
             "arch": self.device.arch,
             "ring": self.device.ring,
             "model": model,

@@ -8,6 +8,13 @@ channel pointers. The commit is the last write: until it lands no reader sees an
 
 Every release carries the portable fallback (``rollout.fallback_sku``, an ONNX Runtime CPU FP32
 engine built and validated like any other); a release without it is refused.
+
+Where the model's SKUs name device classes (``skus.<s>.device_class``), the release also carries
+the selection (pipeline.verify.selection): ``classes``, device class -> the SKU selected for it, and
+the digest of the selection record it came from. A record present must be current (read_selection:
+an edited or stale one is refused, exit 2); an absent one is computed as `skuforge select` does.
+Each selected engine must be in the release as the very manifest the record weighed; a device
+declaring its class runs that engine (pipeline.rollout.agent).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from pipeline.project.artifacts import layout, run_plan
 from pipeline.project.config import Registry
 from pipeline.results.manifest import Manifest, evidence_digest
 from pipeline.results.reports import Result
+from pipeline.results.selection import SelectionRecord
 from pipeline.results.signing import signing_key
 from pipeline.rollout import trust
 from pipeline.rollout.doc import RELEASE_DOC, RELEASES, release_path
@@ -41,6 +49,7 @@ from pipeline.tracking.client import TAG_DIGEST, connect, registered_model_name,
 from pipeline.tracking.gates import correctness_problems, engine_gate, manifest_gate, placement_gate, signature_gate
 from pipeline.tracking.promotion import _bench, _download, _engine_files
 from pipeline.tracking.publish import MANIFEST_ARTIFACT, REPORT_ARTIFACTS
+from pipeline.verify.selection import classes_of, read_selection, select, write_selection
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +94,13 @@ class ReleaseResult(Result):
     fallback_sku: str | None
     partial: list[str] = Field(default_factory=list, description="release SKUs it lacks (--allow-partial)")
     skus: list[ReleaseSku]
+    classes: dict[str, str] = Field(
+        default_factory=dict, description="device class -> the SKU selected for it (empty: the model has no classes)"
+    )
+    unselected: dict[str, str] = Field(
+        default_factory=dict, description="device class -> why it has no engine (its devices run the fallback)"
+    )
+    selection: str | None = Field(None, description="digest of the selection record the class map came from")
     seconds: float
 
 
@@ -225,6 +241,60 @@ def check(registry: Registry, model: str, c: Candidate, alias: str | None) -> li
     return bad
 
 
+# --- the selection ----------------------------------------------------------------------------------
+
+
+def selection_of(registry: Registry, model: str) -> SelectionRecord | None:
+    """The model's selection record, current; None when no SKU of it names a device class (nothing to
+    select: devices run their SKU's engine, as without classes). A record present must be the one
+    its manifests give (read_selection: an edited or stale one is refused, exit 2, for what was
+    reviewed is not what would ship); an absent one (git ignores build/.selection: a fresh checkout
+    has the manifests, not the record) is computed as `skuforge select` computes it, and written."""
+    if not classes_of(registry, model):
+        return None
+    path = Layout(registry.root).selection(model)
+    if path.is_file():
+        return read_selection(registry, model)
+    record = select(registry, model)
+    write_selection(registry, record)
+    log.info(
+        "release %s: no selection record; computed from the manifests and wrote %s (digest %s)",
+        model,
+        path.relative_to(registry.root).as_posix(),
+        record.digest[:12],
+    )
+    return record
+
+
+def class_map(
+    record: SelectionRecord, shipped: dict[str, Manifest], allow_partial: list[str]
+) -> tuple[dict[str, str], dict[str, str], list[str]]:
+    """Device class -> the SKU the release serves it with, class -> why it has none, and every
+    reason to refuse: a selected engine must be in the release as the manifest the record weighed
+    (a selected SKU left out only by --allow-partial leaves its class to the fallback)."""
+    classes, unselected, problems = {}, {}, []
+    for c in record.classes:
+        if c.chosen is None:
+            unselected[c.device_class] = c.summary
+            continue
+        m, weighed = shipped.get(c.chosen), record.manifests.get(c.chosen)
+        if m is None and c.chosen in allow_partial:
+            unselected[c.device_class] = f"{c.chosen} selected, not in this release (--allow-partial)"
+        elif m is None:
+            problems.append(
+                f"device class {c.device_class} selects {c.chosen}, which this release does not hold "
+                "(add it to release.skus / --sku, or --allow-partial it: its devices then run the fallback)"
+            )
+        elif m.digest != weighed:
+            problems.append(
+                f"device class {c.device_class} selects {c.chosen} with manifest {(weighed or '?')[:12]}, "
+                f"the release holds {m.digest[:12]} (promote the engine that was selected, or select again)"
+            )
+        else:
+            classes[c.device_class] = c.chosen
+    return classes, unselected, problems
+
+
 # --- the release document ---------------------------------------------------------------------------
 
 
@@ -337,6 +407,7 @@ def publish_release(
     wanted = list(dict.fromkeys([*(skus or required), *([fallback] if fallback else [])]))
     for s in [*wanted, *(allow_partial or [])]:
         registry.sku(s)
+    selection = selection_of(registry, model)  # before any download: a stale record fails fast
     log.info(
         "release %s: gathering %d SKU(s) from %s",
         model,
@@ -404,6 +475,14 @@ def publish_release(
             assert c.manifest is not None  # check() passed it
             manifests[c.sku] = c.manifest
         digests = {s: m.digest for s, m in manifests.items()}
+        classes, unselected, refused_classes = (
+            class_map(selection, manifests, allow_partial or []) if selection is not None else ({}, {}, [])
+        )
+        if refused_classes:
+            raise GateFailed(
+                f"release of {model} refused: " + "; ".join(refused_classes),
+                hint="the selection and the release must name the same engines; nothing was published",
+            )
         outcome: dict[str, Any] = {}
 
         def change(targets, state) -> bool:
@@ -412,7 +491,8 @@ def publish_release(
                 raw = trust.read_target(store, state, release_path(model, existing[-1], RELEASE_DOC))
                 assert raw is not None  # releases_of listed it from these targets
                 doc = json.loads(raw)
-                if {s: e["manifest_digest"] for s, e in doc["skus"].items()} == digests:
+                same = {s: e["manifest_digest"] for s, e in doc["skus"].items()} == digests
+                if same and doc.get("classes", {}) == classes:  # what devices act on: engines, class map
                     outcome.update(release=existing[-1], created=False)
                     return False
             rid = f"r{int(existing[-1][1:]) + 1 if existing else 1}"
@@ -432,6 +512,10 @@ def publish_release(
                 "fallback_sku": fallback,
                 "partial": missing,
                 "skus": entries,
+                "classes": classes,
+                "selection": None
+                if selection is None
+                else {"digest": selection.digest, "objective": selection.objective, "unselected": unselected},
             }
             data = json.dumps(doc, indent=2, sort_keys=True).encode()
             trust.put_blob(store, data)
@@ -473,6 +557,9 @@ def publish_release(
         fallback_sku=fallback,
         partial=missing,
         skus=rows,
+        classes=classes,
+        unselected=unselected,
+        selection=selection.digest if selection is not None else None,
         seconds=round(time.perf_counter() - t0, 3),
     )
 
