@@ -86,7 +86,7 @@ def test_runner_classes_cover_the_registry():
     registry = load_registry(ROOT / "params.yaml")
     classes = load_classes(ROOT / "runners" / "classes.yaml")
     assert classes_problems(registry, classes) == []
-    assert {"x86-cpu-avx2", "x86-nvidia-gpu", "jetson-orin-jp61", "rpi5"} <= set(classes)
+    assert {"x86-cpu-avx2", "x86-cpu-avx512-vnni", "x86-nvidia-gpu", "jetson-orin-jp61", "rpi5"} <= set(classes)
 
 
 def test_runner_classes_catch_a_disagreeing_pin():
