@@ -30,6 +30,16 @@ updated by JSON, e.g.
 ``--variant 'iree_ukernels=x86_iree_cpu_fp32:{"extra_flags":["--iree-llvmcpu-enable-ukernels=all"]}'``:
 the way a default change is judged, before and after side by side in one run.
 
+After the table of each model, the selection per device class (``skus.<s>.device_class``): among
+the class's engines that built here, the fastest by wall p50 is selected when the bootstrap interval
+of the runner-up's p50 over its p50 (the per-call samples of the interleaved rounds) lies wholly
+above 1, else a tie broken by ``selection.prefer`` — ``decide()`` of pipeline/verify/selection.py,
+the rule ``skuforge select`` applies. The pipeline's gates (correctness, placement, precision) are
+not run here: "max|d| vs ref" in the note column is the only check, and selection is by speed among
+the engines that built. ``x`` columns are the selected engine's speed-up over ORT defaults in wall p50
+and in CPU time per call (the figure to read under ``--threads 1``). The AVX-512 VNNI SKUs are in the
+default list only on a host with avx512_vnni (run without it, their u8s8 sums would saturate).
+
 The roofline column is achieved FLOP/s over the host's measured FP32 peak (``pipeline.perf.roofline``
 FLOPs per ONNX layer, ``pipeline.host.peaks`` host peaks); without those modules it says n/a.
 """
@@ -66,7 +76,10 @@ CPU_SKUS = (
     "x86_litert_fp32",
     "x86_litert_int8",
 )
+# INT8 SKUs of the x86-avx512-vnni class: timed only where the host has the instructions
+VNNI_SKUS = ("x86_vnni_ort_int8", "x86_vnni_ov_int8", "x86_vnni_litert_int8")
 ORT_DEFAULTS = "ort_defaults"
+SELECTION_KEY = "selection (by class)"  # in --json per model: not a SKU name (those are [a-z0-9_])
 GOLDEN_SAMPLES = 8  # golden samples each engine is compared on
 
 
@@ -95,6 +108,8 @@ def make_project(
 
     params = yaml.safe_load((source / "params.yaml").read_text())
     out: dict[str, Any] = {"defaults": params["defaults"], "examples": {}, "models": {}, "skus": {}}
+    if "selection" in params:  # the objective, confidence and preference order the selection uses
+        out["selection"] = params["selection"]
     theirs = yaml.safe_load((project / "params.yaml").read_text())["models"] if project else {}
     for name in models:
         if project:
@@ -210,6 +225,58 @@ def delegation(outcome: Any, delegated_device: str) -> dict[str, Any] | None:
     }
 
 
+def select_by_class(
+    registry: Any, engines: list[str], samples: dict[str, list[float]], errors: dict[str, str]
+) -> dict[str, Any]:
+    """Per device class of ``engines``: the choice by ``decide()`` among those that built (their
+    per-call wall samples), without the pipeline's gates; an engine that did not build is a
+    candidate that cannot be chosen, with its error."""
+    import numpy as np
+
+    from pipeline.results.selection import SelectionCandidate
+    from pipeline.verify.selection import QUANTILES, decide
+
+    spec = registry.selection
+    if spec.objective not in QUANTILES:  # throughput: this benchmark times one call at a time
+        spec = spec.model_copy(update={"objective": "p50"})
+    classes: dict[str, list[str]] = {}
+    for name in engines:
+        device_class = registry.sku(name).device_class
+        if device_class is not None:
+            classes.setdefault(device_class, []).append(name)
+    chosen = {}
+    for device_class, members in classes.items():
+        candidates, drawn = [], {}
+        for name in members:
+            s = registry.sku(name)
+            common = {"sku": name, "backend": s.backend, "precision": s.precision}
+            if name not in samples:
+                candidates.append(
+                    SelectionCandidate(
+                        **common,
+                        manifest_digest=None,
+                        outcome="build failed",
+                        eligible=False,
+                        reason=errors.get(name, "not built"),
+                    )
+                )
+                continue
+            drawn[name] = samples[name]
+            candidates.append(
+                SelectionCandidate(
+                    **common,
+                    manifest_digest="",  # no manifest: built and timed here, no gates run
+                    outcome="built (gates not run)",
+                    eligible=True,
+                    value=float(np.percentile(samples[name], QUANTILES[spec.objective] * 100)),
+                    evidence="samples",
+                    samples=len(samples[name]),
+                )
+            )
+        chosen[device_class] = decide(device_class, candidates, drawn, spec)
+    return chosen
+
+
 def max_abs_diff(got: dict[str, Any], want: dict[str, Any]) -> float:
     """The largest absolute difference over the outputs both have."""
     import numpy as np
@@ -227,7 +294,11 @@ def main() -> None:
     ap.add_argument(
         "--project", type=Path, help="take the models from this project's params.yaml (entries and folders copied)"
     )
-    ap.add_argument("--skus", default=",".join(CPU_SKUS), help="comma-separated SKUs of ./params.yaml")
+    ap.add_argument(
+        "--skus",
+        help=f"comma-separated SKUs of ./params.yaml (default: {', '.join(CPU_SKUS)}; "
+        f"and {', '.join(VNNI_SKUS)} on a host with avx512_vnni)",
+    )
     ap.add_argument(
         "--variant",
         action="append",
@@ -248,7 +319,15 @@ def main() -> None:
         models = list(yaml.safe_load((args.project / "params.yaml").read_text())["models"])
     else:
         models = list(MODELS)
-    skus = [s for s in args.skus.split(",") if s]
+    if args.skus:
+        skus = [s for s in args.skus.split(",") if s]
+    else:
+        from pipeline.host.probe import cpu_features
+
+        vnni = "avx512_vnni" in cpu_features()
+        skus = list(CPU_SKUS) + (list(VNNI_SKUS) if vnni else [])
+        if not vnni:
+            print("x86-avx512-vnni: this host has no avx512_vnni: its SKUs are not timed", file=sys.stderr)
     variants: dict[str, tuple[str, dict[str, Any]]] = {}
     for text in args.variant:
         name, _, rest = text.partition("=")
@@ -382,6 +461,38 @@ def main() -> None:
                     f"{found['transposes_added']:10d}  {', '.join(found['builtin_op_types']) or '-'}"
                 )
                 rows[name]["delegation"] = found
+            chosen = select_by_class(registry, engines, samples, errors)
+            if chosen:
+                objective = "p99" if registry.selection.objective == "p99" else "p50"  # as select_by_class
+                print(f"  selection by wall {objective} (no gates run: among the engines that built)")
+                print(
+                    f"  {'class':18} {'selected':26} {'wall x':>7} {'cpu x':>7}  {'runner-up':26} "
+                    "margin [interval]  decision"
+                )
+            for device_class, c in chosen.items():
+                margin = "-"
+                if c.margin is not None:
+                    low_high = (
+                        f"[{c.margin.interval[0]:.3g}, {c.margin.interval[1]:.3g}]" if c.margin.interval else "[-]"
+                    )
+                    margin = f"{c.margin.ratio:.3g}x {low_high}"
+                wall = f"{base / p50[c.chosen]:6.2f}x" if c.chosen else f"{'-':>7}"
+                cpu = f"{cpu_ms[ORT_DEFAULTS] / cpu_ms[c.chosen]:6.2f}x" if c.chosen else f"{'-':>7}"
+                decision = {"separated": "separated", "tie": f"tie ({', '.join(c.tied)})"}.get(c.decision, c.decision)
+                runner_up = c.runner_up or "-"
+                print(f"  {device_class:18} {c.chosen or 'none':26} {wall} {cpu}  {runner_up:26} {margin}  {decision}")
+                rows.setdefault(SELECTION_KEY, {})[device_class] = {
+                    "selected": c.chosen,
+                    "speedup": base / p50[c.chosen] if c.chosen else None,
+                    "cpu_speedup": cpu_ms[ORT_DEFAULTS] / cpu_ms[c.chosen] if c.chosen else None,
+                    "runner_up": c.runner_up,
+                    "decision": c.decision,
+                    "tied": c.tied,
+                    "separated": c.margin.separated if c.margin else None,
+                    "margin": c.margin.ratio if c.margin else None,
+                    "margin_interval": c.margin.interval if c.margin else None,
+                    "why": c.why,
+                }
             results[model] = rows
         if all(r.get("roofline") in (None, "n/a") for rows in results.values() for r in rows.values()):
             print("\nroofline: n/a (pipeline/perf/roofline.py is not in this tree)")

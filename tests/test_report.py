@@ -26,6 +26,7 @@ from pipeline.report.site import fmt
 from pipeline.results.outcomes import record_outcome
 from pipeline.results.power import UNAVAILABLE, EnergyResult, SustainedResult, SustainedWindow, Throttling
 from pipeline.results.reports import InputDiff, PreprocessingDrift, StepDrift
+from pipeline.verify.selection import select
 
 EVIL = "<script>alert('x')</script>"
 EVIL_ESCAPED = "&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt;"
@@ -610,6 +611,7 @@ def test_report_over_a_really_built_pair(tmp_path):
     from pipeline.stages.bench import bench
     from pipeline.stages.build import build
     from pipeline.stages.data import make_data
+    from pipeline.stages.manifest import write_manifest
     from pipeline.stages.prepare import prepare
     from pipeline.stages.reference import reference
     from pipeline.stages.validate import validate
@@ -617,21 +619,61 @@ def test_report_over_a_really_built_pair(tmp_path):
     models.conv_bn_model(tmp_path / "models" / "conv" / "model.onnx")
     registry = load_registry(
         models.write_project(
-            tmp_path, {MODEL: models.conv_bn_spec()}, {"cpu": models.ort_sku("fp32"), "other": models.ort_sku("fp32")}
+            tmp_path,
+            {MODEL: models.conv_bn_spec()},
+            {
+                "cpu": models.ort_sku("fp32", device_class="x86-test"),
+                "other": models.ort_sku("fp32", device_class="x86-test"),
+                "third": models.ort_sku("fp32", device_class="x86-test"),
+            },
         )
     )
     prepare(registry, MODEL)
     make_data(registry, MODEL)
     reference(registry, MODEL)
-    build(registry, MODEL, "cpu")
-    validate(registry, MODEL, "cpu")
-    bench(registry, MODEL, "cpu")
+    for sku in ("cpu", "other"):
+        build(registry, MODEL, sku)
+        validate(registry, MODEL, sku)
+        bench(registry, MODEL, sku)
+    write_manifest(registry, MODEL, "cpu")
     index = write_site(registry)
     pair = index.parent / MODEL / "cpu"
     text = _read(pair / "index.html")
     assert "passed" in text and "Benchmark" in text and "no bench.json" not in text and "no timeline.csv" not in text
     assert {"latency.png", "timeline.png", "percentiles.png"} <= {p.name for p in pair.iterdir()}
     assert "not run" in _read(index)  # the SKU never built
+
+    # the selection per device class: cpu (the one manifest) is chosen and marked on the model page,
+    # beside its chart; other (benched, no manifest yet) and third (never built) are not candidates
+    page = _read(index.parent / MODEL / "index.html")
+    assert "Selected engine per device class" in page and (index.parent / MODEL / "selection-x86-test.png").is_file()
+    chosen = re.findall(r'<tr class="chosen"><td>(.*?)</td>\s*<td>(.*?)</td>', page)
+    assert chosen == [('<span class="passed" title="selected">★ selected</span>', "cpu")], chosen
+    assert "cpu selected for x86-test (only candidate)" in page
+    # no labelled split and no task agreement here: latency alone, as a strip
+    assert 'alt="x86-test: latency of each candidate, cpu selected"' in page
+    drawn = plots.selection(
+        [
+            ("a", 1.0, (0.9, 1.1), -0.01, "selected"),
+            ("b", 1.5, None, 0.0, "tied"),
+            ("c", 0.5, None, -0.2, "gates failed"),
+        ],
+        "engine-only p50 (ms)",
+        "task metric delta (evaluation)",
+        "x86-test: p50 against accuracy",
+    )
+    assert drawn.startswith(b"\x89PNG")
+    # both with manifests: two points, the chosen one marked and its separation (or the tie) said
+    write_manifest(registry, MODEL, "other")
+    page = _read(write_site(registry).parent / MODEL / "index.html")
+    record = select(registry, MODEL)
+    (c,) = record.classes
+    assert c.decision in ("separated", "tie") and c.chosen in ("cpu", "other")
+    assert re.findall(r'<tr class="chosen"><td>.*?</td>\s*<td>(.*?)</td>', page) == [c.chosen]
+    assert c.summary in page and f"{c.chosen} selected for x86-test" in page
+    assert ("tie (tied: " in page) == (c.decision == "tie") and ("separated (separated from" in page) == (
+        c.decision == "separated"
+    )
     assert write_pair_report(registry, MODEL, "cpu") == [registry.root / "build" / MODEL / "cpu" / "report.html"]
 
 

@@ -294,3 +294,73 @@ def test_select_on_a_built_project(built):
     (c,) = json.loads(proc.stdout)["classes"]
     assert proc.returncode == 0 and (c["decision"], c["chosen"]) == ("only candidate", "cpu")
     assert [x["outcome"] for x in c["candidates"]] == ["passed", "gate failed"]
+
+
+# --- in MLflow ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("store", ["server", "embedded"])
+def test_the_selection_is_published_to_mlflow(built, store, request, tmp_path):
+    """`skuforge select --publish`: a run in the model's experiment holding the record as
+    selection.json and the choice per class as tags, once per digest; the experiment tagged with the
+    current choice (a new record moves the tags, its own run beside the first)."""
+    from cli_helpers import service_env
+
+    from pipeline.tracking.client import connect, experiment_name
+    from pipeline.tracking.selection import SELECTION_ARTIFACT, TAG_SELECTION_DIGEST, TAG_SELECTION_RUN
+
+    reg, _ = built
+    root = reg.root
+    uri = request.getfixturevalue("server").uri if store == "server" else None
+    env = service_env(**({"MLFLOW_TRACKING_URI": uri} if uri else {}))
+    tracking = connect(reg, uri=uri)
+
+    def publish() -> dict:
+        proc = skuforge("select", "--model", "conv", "--json", "--publish", cwd=root, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "published the selection of conv" in proc.stderr, proc.stderr
+        return json.loads(proc.stdout)
+
+    record = publish()
+    exp = tracking.client.get_experiment_by_name(experiment_name(reg.release, "conv"))
+    runs = tracking.client.search_runs(
+        [exp.experiment_id], filter_string=f"tags.`{TAG_SELECTION_DIGEST}` = '{record['digest']}'"
+    )
+    (run,) = runs
+    tags = run.data.tags
+    assert tags["skuforge.kind"] == "selection" and tags["skuforge.model"] == "conv"
+    assert tags["skuforge.selection.x86-test"] == "cpu" and tags["skuforge.selection.x86-test.decision"] == "separated"
+    assert tags["skuforge.selection.x86-test.runner_up"] == "portable"
+    assert tags["skuforge.artifacts_complete"] == "true" and run.info.status == "FINISHED"
+    assert run.data.metrics["selection.x86-test.separated"] == 1.0
+    assert run.data.metrics["selection.x86-test.margin"] == pytest.approx(2.0, rel=0.05)
+    local = tracking.client.download_artifacts(run.info.run_id, SELECTION_ARTIFACT, str(tmp_path))
+    assert Path(local).read_bytes() == Layout(root).selection("conv").read_bytes()  # the record, byte for byte
+    exp = tracking.client.get_experiment(exp.experiment_id)
+    assert exp.tags[TAG_SELECTION_DIGEST] == record["digest"] and exp.tags[TAG_SELECTION_RUN] == run.info.run_id
+    assert exp.tags["skuforge.selection.x86-test"] == "cpu"
+
+    # the same record again: the same run, nothing new
+    assert publish()["digest"] == record["digest"]
+    assert (
+        len(tracking.client.search_runs([exp.experiment_id], filter_string="tags.`skuforge.kind` = 'selection'")) == 1
+    )
+
+    # portable becomes the faster one: a new record, its own run, the experiment's tags follow it
+    fake_bench(reg, "conv", "portable", samples(0.5, 0.01, seed=2))
+    again = publish()
+    assert again["digest"] != record["digest"] and again["classes"][0]["chosen"] == "portable"
+    selection_runs = tracking.client.search_runs(
+        [exp.experiment_id], filter_string="tags.`skuforge.kind` = 'selection'"
+    )
+    assert len(selection_runs) == 2
+    exp = tracking.client.get_experiment(exp.experiment_id)
+    assert exp.tags[TAG_SELECTION_DIGEST] == again["digest"] and exp.tags["skuforge.selection.x86-test"] == "portable"
+
+    # the class renamed in params.yaml: the experiment loses the old class's tag
+    params = root / "params.yaml"
+    params.write_text(params.read_text().replace("device_class: x86-test", "device_class: x86-renamed"))
+    renamed = publish()
+    assert [c["device_class"] for c in renamed["classes"]] == ["x86-renamed"]
+    exp = tracking.client.get_experiment(exp.experiment_id)
+    assert exp.tags["skuforge.selection.x86-renamed"] == "portable" and "skuforge.selection.x86-test" not in exp.tags

@@ -15,7 +15,7 @@ from pipeline.cli import tables
 from pipeline.cli.compare import refresh_lines
 from pipeline.cli.parser.commands import STAGE_COMMANDS, STAGE_FLAGS
 from pipeline.cli.progress import ProgressLine
-from pipeline.cli.select import selection_text
+from pipeline.cli.select import publish_record, published_line, selection_text
 from pipeline.cli.tables import Column
 from pipeline.core.env import MLFLOW_LOGGING_LEVEL
 from pipeline.core.errors import ConfigError, EnvironmentProblem, SkuforgeError
@@ -297,7 +297,9 @@ def repro(args: argparse.Namespace) -> int:
         print(f"skuforge: error: {failed}", file=sys.stderr)
     consistency, consistency_exit = _consistency_reports(reg, args.model)
     selected = _selection_records(reg, args.model)
-    code = max(worst_exit(rows), failed.exit_code if failed else 0, consistency_exit)
+    # a run over every SKU (not a CI job's --sku) records the choice in MLflow, as the pairs' publish stages did
+    published = _publish_selections(reg, _records(selected)) if not (args.no_publish or args.sku) else 0
+    code = max(worst_exit(rows), failed.exit_code if failed else 0, consistency_exit, published)
     _emit(
         args,
         {
@@ -325,6 +327,19 @@ def _selection_records(reg, models: list[str] | None) -> dict[str, SelectionReco
         if not isinstance(r, SelectionRecord):
             print(f"selection {model}: not written: {r}", file=sys.stderr)
     return done
+
+
+def _publish_selections(reg, records: list[SelectionRecord]) -> int:
+    """Publish each written selection record (pipeline/tracking/selection.py); a failure is said on
+    stderr and is the exit code (the matrix still shows)."""
+    worst = 0
+    for record in records:
+        try:
+            print(published_line(publish_record(reg, record)), file=sys.stderr)
+        except SkuforgeError as exc:
+            print(f"skuforge: error: selection of {record.model} not published: {exc}", file=sys.stderr)
+            worst = max(worst, exc.exit_code)
+    return worst
 
 
 def _records(selected: dict[str, SelectionRecord | str]) -> list[SelectionRecord]:

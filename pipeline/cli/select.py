@@ -10,9 +10,13 @@ from typing import Any
 
 from pipeline.cli import tables
 from pipeline.cli.tables import Column
+from pipeline.core.env import MLFLOW_LOGGING_LEVEL
 from pipeline.core.errors import ConfigError
-from pipeline.project.config import load_registry
+from pipeline.project.config import Registry, load_registry
 from pipeline.results.selection import ClassSelection, SelectionRecord
+from pipeline.tracking.client import connect, require_mlflow
+from pipeline.tracking.reports import SelectionPublishResult
+from pipeline.tracking.selection import publish_selection
 from pipeline.verify.selection import check_class, select, write_selection
 
 CANDIDATE_COLUMNS = (
@@ -44,11 +48,25 @@ def select_command(args: argparse.Namespace) -> int:
     shown = [check_class(record, args.device_class)] if args.device_class else record.classes
     path = write_selection(registry, record)
     print(f"wrote {path.relative_to(registry.root)}", file=sys.stderr)
+    if args.publish:
+        print(published_line(publish_record(registry, record)), file=sys.stderr)
     if args.json:  # the record as written, its classes narrowed to --class (digest: the file's)
         print(json.dumps({**record.to_json(), "classes": [c.to_json() for c in shown]}, indent=2, sort_keys=True))
     else:
         print(record_text(record, shown))
     return 1 if any(c.decision == "none passed" for c in shown) else 0
+
+
+def publish_record(registry: Registry, record: SelectionRecord) -> SelectionPublishResult:
+    """Record ``record`` in MLflow (``select --publish``, and `repro` after it writes the records)."""
+    MLFLOW_LOGGING_LEVEL.setdefault("WARNING")  # MLflow's INFO lines (store migrations) off the user's stderr
+    require_mlflow()
+    return publish_selection(connect(registry), registry, record)
+
+
+def published_line(r: SelectionPublishResult) -> str:
+    state = "new run" if r.created_run else "run already there"
+    return f"published the selection of {r.model} ({r.digest[:12]}): run {r.run_id[:12]}, {state}, at {r.tracking_uri}"
 
 
 def record_text(record: SelectionRecord, shown: list[ClassSelection]) -> str:

@@ -356,3 +356,62 @@ def sustained(t_s: Sequence[float], p50_ms: Sequence[float], temperature_c: Sequ
         handles, labels = handles + more, labels + names
     ax.legend(handles, labels, loc="lower right")
     return fig
+
+
+SELECTION_STYLE = {  # state -> (marker, size, face colour, edge colour)
+    "selected": ("*", 260, "#d62728", "#7f0000"),
+    "tied": ("o", 70, "#ff7f0e", "#7f3f00"),
+    "passed": ("o", 50, "#4c72b0", "#1f3a5f"),
+    "gates failed": ("X", 60, "#bbbbbb", "#666666"),
+}
+
+
+@_draw
+def selection(
+    points: Sequence[tuple[str, float, Interval, float | None, str]], xlabel: str, ylabel: str | None, title: str
+):
+    """One device class's candidates: (SKU, figure, its interval, accuracy or None, state) each a point
+    at (figure, accuracy), the interval as an x error bar, the selected one a large star; with no
+    accuracy figure (``ylabel`` None) a strip of the figures alone. ``state`` is a SELECTION_STYLE key."""
+    if not points:
+        raise ValueError("no candidate has a figure")
+    fig, axes = _figure(height=3.0 if ylabel else 1.9)
+    ax = axes[0][0]
+    strip = ylabel is None
+    for state, (marker, size, face, edge) in SELECTION_STYLE.items():
+        mine = [p for p in points if p[4] == state]
+        if not mine:
+            continue
+        for _, x, ci, y, _ in mine:
+            if ci:
+                ax.errorbar(
+                    [x], [0.0 if strip else y], xerr=[[x - ci[0]], [ci[1] - x]], fmt="none", ecolor=edge, capsize=3
+                )
+        ax.scatter(
+            [p[1] for p in mine],
+            [0.0 if strip else (p[3] if p[3] is not None else math.nan) for p in mine],
+            marker=marker,
+            s=size,
+            color=face,
+            edgecolors=edge,
+            label=state,
+            zorder=3,
+        )
+    for sku, x, _, y, _ in points:
+        ax.annotate(
+            _text(sku),
+            (x, 0.0 if strip else (y if y is not None else math.nan)),
+            textcoords="offset points",
+            xytext=(5, 5),
+            fontsize=7,
+        )
+    xs = [p[1] for p in points if p[1] > 0]
+    if xs and max(xs) / min(xs) > 30:
+        ax.set_xscale("log")
+    if strip:
+        ax.set_yticks([])
+        ax.grid(axis="y", visible=False)
+    ax.set(title=_text(title), xlabel=xlabel, ylabel=ylabel or "")
+    ax.margins(x=0.15, y=0.25)
+    ax.legend(loc="best", fontsize=7, markerscale=0.6)
+    return fig

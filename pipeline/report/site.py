@@ -26,7 +26,10 @@ from pipeline.engine.matrix import matrix
 from pipeline.project.config import Registry
 from pipeline.report import plots
 from pipeline.report.load import ROOFLINE, PairData, load_pair, read_optional
-from pipeline.results.reports import cache_unused
+from pipeline.results.manifest import load_manifest
+from pipeline.results.reports import Manifest, cache_unused
+from pipeline.results.selection import ClassSelection, SelectionRecord
+from pipeline.verify.selection import select
 
 log = logging.getLogger(__name__)
 
@@ -799,6 +802,137 @@ def _model_charts(model: str, rows: list[dict[str, Any]], images: Images, notes:
     return out
 
 
+# --- the selection per device class ---------------------------------------------------------------
+
+
+ACCURACY_SPLIT = "evaluation"  # the split whose task-metric delta the selection chart plots, where present
+
+
+def _accuracy(m: Manifest | None) -> tuple[str, float] | None:
+    """(what, figure) the selection chart plots upwards for one engine: the task metric's delta on
+    the evaluation split (else the first split), else the first task agreement; None: neither."""
+    if m is None:
+        return None
+    metrics = sorted(m.correctness.metrics, key=lambda x: x.split != ACCURACY_SPLIT)
+    if metrics:
+        return f"task metric delta ({metrics[0].split})", metrics[0].delta
+    agreed = [t for t in m.correctness.task if t.value is not None]
+    if agreed:
+        return f"{agreed[0].statistic} (engine vs reference)", float(agreed[0].value or 0.0)
+    return None
+
+
+def _point_state(c: ClassSelection, sku: str, eligible: bool) -> str:
+    if sku == c.chosen:
+        return "selected"
+    if not eligible:
+        return "gates failed"
+    return "tied" if sku in c.tied else "passed"
+
+
+def _class_view(
+    record: SelectionRecord, c: ClassSelection, manifests: dict[str, Manifest], images: Images, notes: list[str]
+) -> dict[str, Any]:
+    lower = record.objective != "throughput"
+    unit = "ms" if lower else "samples/s"
+    xlabel = f"engine-only {record.objective} ({unit})" if lower else "throughput (samples/s)"
+    accuracy = {x.sku: _accuracy(manifests.get(x.sku)) for x in c.candidates}
+    labels = sorted({a[0] for a in accuracy.values() if a is not None})
+    ylabel = labels[0] if len(labels) == 1 else ("accuracy figure (see the table)" if labels else None)
+    rows, points = [], []
+    for x in c.candidates:
+        a = accuracy[x.sku]
+        state = _point_state(c, x.sku, x.eligible) if x.value is not None else None
+        rows.append(
+            {
+                "sku": x.sku,
+                "backend": x.backend,
+                "precision": x.precision,
+                "value": x.value,
+                "interval": x.interval,
+                "accuracy": a[1] if a else None,
+                "accuracy_what": a[0] if a else None,
+                "gates": "passed" if x.eligible else x.reason,
+                "eligible": x.eligible,
+                "state": state or "no figure",
+                "chosen": x.sku == c.chosen,
+            }
+        )
+        if x.value is not None and (ylabel is None or a is not None):
+            points.append((x.sku, x.value, x.interval, a[1] if a else None, state or "passed"))
+    if ylabel is not None and len(points) < sum(1 for x in c.candidates if x.value is not None):
+        notes.append(f"{c.device_class}: a candidate without an accuracy figure is in the table, not on the chart")
+    name = f"selection-{_safe(c.device_class)}.png"
+    title = f"{c.device_class}: {record.objective} against accuracy" if ylabel else f"{c.device_class}: {xlabel}"
+    plot = (
+        _chart(
+            images,
+            notes,
+            name,
+            f"{record.model} selection for {c.device_class}",
+            lambda: plots.selection(points, xlabel, ylabel, title),
+        )
+        if points
+        else None
+    )
+    return {
+        "device_class": c.device_class,
+        "decision": c.decision,
+        "chosen": c.chosen,
+        "runner_up": c.runner_up,
+        "summary": c.summary,
+        "tied": c.tied,
+        "margin": c.margin,
+        "notes": c.notes,
+        "rule": c.rule,
+        "rows": rows,
+        "plot": plot,
+        "alt": f"{c.device_class}: {'latency' if lower else 'throughput'} of each candidate"
+        + (" against accuracy" if ylabel else "")
+        + (f", {c.chosen} selected" if c.chosen else ", none selected"),
+        "unit": unit,
+    }
+
+
+def _selection_view(registry: Registry, model: str, images: Images, notes: list[str]) -> dict[str, Any] | None:
+    """The selection per device class (pipeline/verify/selection.py), computed from the manifests
+    present as `skuforge select` does; whether build/.selection/<model>.json is that record."""
+    layout = Layout(registry.root)
+    try:
+        record = select(registry, model)
+        manifests = {
+            x.sku: load_manifest(layout.manifest(model, x.sku))
+            for c in record.classes
+            for x in c.candidates
+            if x.manifest_digest is not None
+        }
+    except SkuforgeError as exc:
+        notes.append(f"selection left out: {exc}")
+        return None
+    if not record.classes:
+        return None
+    path = layout.selection(model)
+    try:
+        written = read_optional(path)
+    except InputError:
+        written = {"digest": "unreadable"}
+    on_disk = (
+        f"build/.selection/{model}.json is this record"
+        if written is not None and written.get("digest") == record.digest
+        else f"build/.selection/{model}.json is not written yet: skuforge select --model {model} writes it"
+        if written is None
+        else f"build/.selection/{model}.json differs (stale): shown is the selection the manifests give now; "
+        f"skuforge select --model {model} writes it again"
+    )
+    return {
+        "digest": record.digest,
+        "objective": record.objective,
+        "confidence": record.confidence,
+        "on_disk": on_disk,
+        "classes": [_class_view(record, c, manifests, images, notes) for c in record.classes],
+    }
+
+
 def _consistency_view(path: Path) -> dict[str, Any] | None:
     report = read_optional(path)
     if report is None:
@@ -925,6 +1059,7 @@ def write_site(
                 show_energy=any(r["energy"] for r in rows),
                 charts=charts,
                 consistency=_consistency_view(layout.consistency_report(m)),
+                selection=_selection_view(registry, m, _Files(tmp / m), notes),
                 page_notes=notes,
             )
             (tmp / m / "index.html").write_text(html, encoding="utf-8")

@@ -33,6 +33,20 @@ class PublishResult(Result):
         return self.model_dump(mode="json", exclude={"created_run", "created_version", "resumed", "seconds"})
 
 
+class SelectionPublishResult(Result):
+    """Where a model's selection record went in MLflow (pipeline/tracking/selection.py)."""
+
+    model: str
+    digest: str = Field(description="the selection record's digest")
+    tracking_uri: str = Field(description="the store, without credentials")
+    experiment_id: str
+    run_id: str
+    artifact_uri: str
+    classes: dict[str, str | None] = Field(description="device class -> the SKU chosen (None: nothing chosen)")
+    created_run: bool = Field(False, description="this call created the run (else it found or resumed one)")
+    seconds: float = 0.0
+
+
 class GateResult(Result):
     name: GateName
     passed: bool

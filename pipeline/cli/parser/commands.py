@@ -156,6 +156,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="only this device class (skus.<s>.device_class; default: every class of the model's SKUs)",
     )
     p.add_argument("--json", action="store_true", help="print the selection record as JSON")
+    p.add_argument(
+        "--publish",
+        action="store_true",
+        help="also record it in MLflow: a run in the model's experiment with the record as selection.json, "
+        "and the experiment tagged with the choice per class (docs/mlflow.md)",
+    )
     p.set_defaults(handler="pipeline.cli.select:select_command")
 
     p = sub.add_parser(
