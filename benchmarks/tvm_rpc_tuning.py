@@ -38,7 +38,7 @@ from pipeline.backends.tvm import (  # noqa: E402
     target_of,
     tune_run,
 )
-from pipeline.backends.tvm_rpc import RpcOptions, registered, rpc_runner, wait_for_key  # noqa: E402
+from pipeline.backends.tvm.rpc import RpcOptions, registered, rpc_runner, wait_for_key  # noqa: E402
 from pipeline.model.graph import pin_axes  # noqa: E402
 
 KEY = "bench"

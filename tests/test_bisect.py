@@ -22,6 +22,7 @@ import yaml
 from cli_helpers import skuforge
 
 import pipeline.verify.bisect as bisect_module
+import pipeline.verify.bisect.search as bisect_search
 import pipeline.verify.remedy as remedy_module
 from pipeline.backends import get_backend
 from pipeline.backends.opset import convert_opset
@@ -456,7 +457,7 @@ def test_the_anchor_is_the_gates_verdict_on_the_gates_samples(tmp_path, monkeypa
     found = bisect_module.bisect(reg, "m", "ort_int8")
     assert found.gate_samples == {"golden": 16} and found.samples == 16 and found.golden_indices == []
     assert found.gate_failures and found.verdict == "diverges", found.summary
-    monkeypatch.setattr(bisect_module, "MAX_INTERMEDIATE_BYTES", 2000)  # one sample's tensors
+    monkeypatch.setattr(bisect_search, "MAX_INTERMEDIATE_BYTES", 2000)  # one sample's tensors
     capped = bisect_module.bisect(reg, "m", "ort_int8")
     assert capped.samples == 1 and set(capped.golden_indices) <= {12, 13, 14, 15}, capped.golden_indices
     assert capped.gate_failures == found.gate_failures and capped.verdict == "diverges", capped.summary

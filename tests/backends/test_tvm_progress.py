@@ -1,6 +1,6 @@
 """TVM tuning reports its progress inside the build step (trials of the budget, tasks done, elapsed,
 time left), and a build that is about to tune says so first with what it will cost and how to skip
-it (pipeline/backends/tvm.py: TuningProgress, tuning_budget_warning)."""
+it (pipeline/backends/tvm/tuning.py: TuningProgress, tuning_budget_warning)."""
 
 from __future__ import annotations
 

@@ -31,7 +31,6 @@ import models  # noqa: E402
 from rpc_bench import free_port, silent_server, silent_tracker, start  # noqa: E402
 from test_tvm import _import_intrinsics  # noqa: E402 - tuning's slow import, answered fast (see there)
 
-from pipeline.backends import tvm_rpc  # noqa: E402
 from pipeline.backends.tvm import (  # noqa: E402
     TvmBackend,
     TvmOptions,
@@ -42,7 +41,8 @@ from pipeline.backends.tvm import (  # noqa: E402
     target_of,
     tune_run,
 )
-from pipeline.backends.tvm_rpc import RemoteTvmRunner, RpcOptions, connect, registered, rpc_runner  # noqa: E402
+from pipeline.backends.tvm import rpc as tvm_rpc  # noqa: E402
+from pipeline.backends.tvm.rpc import RemoteTvmRunner, RpcOptions, connect, registered, rpc_runner  # noqa: E402
 from pipeline.core.errors import ConfigError, EnvironmentProblem, ServiceError  # noqa: E402
 from pipeline.host.probe import cpu_features, host_arch  # noqa: E402
 from pipeline.project.config import load_registry  # noqa: E402
