@@ -117,6 +117,7 @@ def _seeded_host_peaks(tmp_path_factory):
         seconds=0.0,
         one_core_method="threadpoolctl",
         compute_gflops=peaks.ComputePeaks(all_cores=100.0, one_core=50.0, matmul_n=1536),
+        int8_gops=peaks.ComputePeaks(all_cores=300.0, one_core=150.0, matmul_n=512),
         bandwidth_gbs=peaks.BandwidthPeaks(triad=20.0, memcopy=20.0, triad_one_core=10.0, array_mb=128),
     )
     atomic_write_json(folder / f"peaks-{key}.json", seeded.to_json())

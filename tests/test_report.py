@@ -184,10 +184,10 @@ def _validate(sku: str, passed: bool) -> dict:
     }
 
 
-def _roofline(root: Path, scale: float = 1.0) -> dict:
+def _roofline(root: Path, scale: float = 1.0, precision: str | None = None) -> dict:
     """A RooflineReport of the project's model, made by pipeline.perf.roofline: one layer time is
     joined to no node (its name lands in ``unmatched_ms``). ``scale`` scales the measured peaks (a
-    peak probe gone wrong: far below what the engine achieves)."""
+    peak probe gone wrong: far below what the engine achieves); ``precision`` is the engine's."""
     from pipeline.perf.roofline import graph_cost, roofline
 
     peaks = {
@@ -197,6 +197,7 @@ def _roofline(root: Path, scale: float = 1.0) -> dict:
         "seconds": 1.0,
         "one_core_method": "subprocess",
         "compute_gflops": {"all_cores": 200.0 * scale, "one_core": 60.0 * scale, "matmul_n": 256},
+        "int8_gops": {"all_cores": 500.0 * scale, "one_core": 150.0 * scale, "matmul_n": 512},
         "bandwidth_gbs": {
             "triad": 20.0 * scale,
             "memcopy": 25.0 * scale,
@@ -205,7 +206,7 @@ def _roofline(root: Path, scale: float = 1.0) -> dict:
         },
     }
     cost = graph_cost(root / "models" / "conv" / "model.onnx", {"batch": 1})
-    return roofline(cost, 0.05, peaks, {"conv": 0.02, "fc": 0.01, EVIL: 0.001}).to_json()
+    return roofline(cost, 0.05, peaks, {"conv": 0.02, "fc": 0.01, EVIL: 0.001}, precision=precision).to_json()
 
 
 def _write_csv(path: Path, header: list[str], rows: list[list]) -> None:
@@ -437,6 +438,21 @@ def test_roofline_flags_a_point_above_the_roof(site, tmp_path):
     assert (index.parent / MODEL / NEW / "roofline.png").is_file()
     sane = _read(site[1].parent / MODEL / NEW / "index.html")
     assert "above the roof" not in sane and 'class="roof"' not in sane
+
+
+def test_an_int8_engine_is_drawn_against_the_int8_peak(site, tmp_path):
+    """An INT8 engine's roofline.json judges it against the INT8 peak: the page names that peak, in
+    op/s, beside the FP32 ceilings, and a point above it names the INT8 peak as the wrong one."""
+    root = _copy(site, tmp_path)
+    (root / "build" / MODEL / NEW / "roofline.json").write_text(json.dumps(_roofline(root, 1e-4, "int8")))
+    index = write_site(load_registry(root / "params.yaml"))
+    text = _read(index.parent / MODEL / NEW / "index.html")
+    assert "against the measured INT8 peak of 0.05 GOP/s" in text
+    assert "the INT8 peak (0.05 GOP/s: u8 × s8 → s32 MatMulInteger" in text and "int8" in text
+    assert "<th>attainable GOP/s</th>" in text and "<td>INT8</td>" in text
+    assert (index.parent / MODEL / NEW / "roofline.png").is_file()
+    fp32 = _read(site[1].parent / MODEL / NEW / "index.html")
+    assert "<th>attainable GFLOP/s</th>" in fp32 and "<td>FP32</td>" in fp32 and "INT8 peak" not in fp32
 
 
 def test_cells_are_rounded_and_nested_values_are_lists():

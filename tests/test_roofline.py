@@ -1,5 +1,6 @@
-"""FLOPs and bytes per node on hand-computed cases, the join of per-layer times, the roofline, and
-the runners' per-layer profiles (ONNX Runtime, OpenVINO) on a small real engine."""
+"""FLOPs and bytes per node on hand-computed cases, the join of per-layer times, the roofline (INT8
+ops against the INT8 peak, the others against the FP32 one), and the runners' per-layer profiles
+(ONNX Runtime, OpenVINO) on a small real engine."""
 
 from __future__ import annotations
 
@@ -8,8 +9,16 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from pydantic import ValidationError
 
-from pipeline.perf.roofline import GraphCost, RooflineReport, graph_cost, join_layer_times, roofline
+from pipeline.perf.roofline import (
+    GraphCost,
+    RooflineReport,
+    graph_cost,
+    join_layer_times,
+    node_precisions,
+    roofline,
+)
 from pipeline.results.reports import LayerInfo
 
 F = TensorProto.FLOAT
@@ -108,7 +117,7 @@ def test_resize(mode, flops):
     assert cost.layer("up").bytes == (32 + 4 + 128) * 4
 
 
-def test_integer_kernels_count_int_ops():
+def integer_model() -> onnx.ModelProto:
     graph = helper.make_graph(
         [helper.make_node("MatMulInteger", ["a", "b"], ["y"], name="mmi")],
         "g",
@@ -116,7 +125,11 @@ def test_integer_kernels_count_int_ops():
         [helper.make_tensor_value_info("y", TensorProto.INT32, None)],
         [numpy_helper.from_array(np.zeros((8, 2), np.int8), "b")],
     )
-    cost = graph_cost(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_integer_kernels_count_int_ops():
+    cost = graph_cost(integer_model())
     layer = cost.layer("mmi")
     assert (layer.flops, layer.int_ops, layer.bytes) == (0, 2 * 8 * 8, 32 + 16 + 32)
 
@@ -222,6 +235,7 @@ PEAKS = {
     "seconds": 5.0,
     "one_core_method": "threadpoolctl",
     "compute_gflops": {"all_cores": 100.0, "one_core": 50.0, "nominal": None, "nominal_basis": None, "matmul_n": 2048},
+    "int8_gops": {"all_cores": 300.0, "one_core": 150.0, "nominal": 400.0, "nominal_basis": "flags", "matmul_n": 512},
     "bandwidth_gbs": {"triad": 10.0, "memcopy": 12.0, "triad_one_core": 8.0, "array_mb": 256},
 }
 
@@ -235,6 +249,7 @@ def test_roofline_of_an_engine():
     assert report.compute_fraction == pytest.approx(report.achieved_gflops / 100)
     assert report.bandwidth_fraction == pytest.approx(cost.bytes / 0.05e-3 / 1e9 / 10)
     assert report.ceilings_gflops == {"all_cores": 100.0, "one_core": 50.0}
+    assert report.peak_kind == "fp32" and report.int8_share_of_ops == 0 and "the FP32 peak" in report.peak_basis
     conv = next(layer for layer in report.layers if layer.name == "conv")
     assert conv.nodes == ["conv", "relu"] and conv.op == "Conv"
     conv_cost = cost.layer("conv").flops + cost.layer("relu").flops
@@ -251,6 +266,72 @@ def test_roofline_of_an_engine():
     bare = roofline(cost, 0.05, PEAKS)
     assert bare.layers[0].name == "conv" and bare.layers[0].nodes == ["conv"] and bare.layers[0].time_ms is None
     assert RooflineReport.model_validate(report.to_json()) == report
+
+
+def test_an_int8_engine_is_judged_against_the_int8_peak():
+    cost = graph_cost(chain_model())
+    fp32 = roofline(cost, 0.05, PEAKS, precision="fp32")
+    int8 = roofline(cost, 0.05, PEAKS, precision="int8")
+    assert fp32.achieved_gflops == int8.achieved_gflops > 0  # the same ops in the same time
+    assert (fp32.peak_kind, fp32.peak_gflops, fp32.ridge) == ("fp32", 100.0, 10.0)
+    assert (int8.peak_kind, int8.peak_gflops, int8.ridge) == ("int8", 300.0, 30.0)
+    assert int8.compute_fraction == pytest.approx(int8.achieved_gflops / 300) == fp32.compute_fraction / 3
+    assert int8.int8_share_of_ops == 1 and int8.precision == "int8"
+    assert int8.peak_basis.startswith("the INT8 peak (300 GOP/s: u8 × s8 → s32 MatMulInteger")
+    assert "the engine's precision (int8)" in int8.peak_basis
+    assert int8.ceilings_gflops == {
+        "all_cores": 100.0,
+        "one_core": 50.0,
+        "int8_all_cores": 300.0,
+        "int8_one_core": 150.0,
+        "int8_nominal": 400.0,
+    }
+    assert "int8_all_cores" not in fp32.ceilings_gflops
+    for layer in int8.layers:
+        assert layer.peak_kind == "int8" and layer.peak_gflops == 300.0
+        assert layer.attainable_gflops == pytest.approx(min(300.0, layer.intensity * 10))
+        assert layer.bound == ("compute" if layer.intensity >= 30 else "memory")
+    assert all(layer.peak_kind == "fp32" and layer.peak_gflops == 100.0 for layer in fp32.layers)
+    # FP16 on a CPU: no FP16 peak is measured, the FP32 one judges it and says so
+    fp16 = roofline(cost, 0.05, PEAKS, precision="fp16")
+    assert fp16.peak_kind == "fp32" and fp16.peak_basis.endswith("(no FP16 peak is measured)")
+
+
+def test_layer_precisions_make_a_mixed_engine():
+    """build.json layers name the precision each layer ran in: an INT8 SKU whose MatMul stayed
+    float is judged partly against each peak, each layer against its own."""
+    cost = graph_cost(chain_model())
+    layers = [LayerInfo(name="conv", op_type="Conv", precision="int8"), LayerInfo(name="mm", op_type="MatMul")]
+    layers.append(LayerInfo(name="fused mm/MatMulAddFusion", op_type="MatMul", precision="fp32"))
+    layers.append(LayerInfo(name="flat", op_type="Flatten", precision="n/a"))
+    said = node_precisions(cost, layers)
+    assert said == {"conv": "int8", "relu": "int8", "mm": "fp32", "add": "fp32", "relu2": "fp32"}
+    report = roofline(cost, 0.05, PEAKS, layers=layers, precision="int8", coverage=1.0)
+    ops = {c.node: c.flops + c.int_ops for c in cost.layers}
+    float_ops = ops["mm"] + ops["add"] + ops["relu2"]
+    total = sum(ops.values())
+    assert report.peak_kind == "mixed" and report.int8_share_of_ops == pytest.approx(1 - float_ops / total)
+    # the rate at which the ops take their time at the two peaks
+    assert report.peak_gflops == pytest.approx(total / ((total - float_ops) / 300 + float_ops / 100))
+    assert report.compute_fraction == pytest.approx(report.achieved_gflops / report.peak_gflops)
+    assert "the precision of build.json layers, the engine's precision (int8) elsewhere" in report.peak_basis
+    by_node = {layer.nodes[0]: layer for layer in report.layers}
+    assert by_node["conv"].peak_kind == "int8" and by_node["mm"].peak_kind == "fp32"
+    assert by_node["mm"].peak_gflops == 100.0 and by_node["pool"].peak_kind == "int8"  # no layer: the SKU's
+    # an FP32 SKU whose layers say one ran in INT8
+    fp32 = roofline(cost, 0.05, PEAKS, layers=layers[:1], precision="fp32")
+    assert fp32.peak_kind == "mixed" and 0 < fp32.int8_share_of_ops < 1
+
+
+def test_integer_kernels_are_int8_whatever_the_precision():
+    report = roofline(graph_cost(integer_model()), 0.001, PEAKS, precision="fp32")
+    assert report.peak_kind == "int8" and report.peak_gflops == 300.0 and report.int8_share_of_ops == 1
+
+
+def test_peaks_without_the_int8_figures_are_refused():
+    old = {k: v for k, v in PEAKS.items() if k != "int8_gops"}
+    with pytest.raises(ValidationError, match="int8_gops"):
+        roofline(graph_cost(chain_model()), 0.05, old)
 
 
 # --- per-layer profiles of real engines --------------------------------------------------------------

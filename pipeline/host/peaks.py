@@ -1,14 +1,20 @@
-"""This host's peak FP32 compute and memory bandwidth, measured once and cached per host.
+"""This host's peak FP32 and INT8 compute and memory bandwidth, measured once and cached per host.
 
-Compute: the best of a few large single-precision matmuls through numpy's BLAS on all usable cores
-and on one core (threadpoolctl, or a subprocess with the BLAS thread variables at 1), and the
-nominal peak where the CPU flags and clock give it. Bandwidth: a STREAM-like triad
-(``a = b + s·c``) and copy over arrays far larger than the last-level cache, best of a few runs,
-counted as STREAM does (bytes read and written by the kernel, no write-allocate traffic).
+FP32 compute: the best of a few large single-precision matmuls through numpy's BLAS on all usable
+cores and on one core (threadpoolctl, or a subprocess with the BLAS thread variables at 1), and the
+nominal peak where the CPU flags and clock give it. INT8 compute: the best of a few u8 × s8 → s32
+matmuls through ONNX Runtime's ``MatMulInteger`` (its integer GEMM picks the host's dot-product
+kernels: AVX2, AVX-VNNI, AVX-512 VNNI, Arm sdot/i8mm), on all usable cores and on one, counted as
+``2·M·N·K`` ops, and the nominal INT8 peak from the dot-product instruction the flags allow.
+Bandwidth: a STREAM-like triad (``a = b + s·c``) and copy over arrays far larger than the
+last-level cache, best of a few runs, counted as STREAM does (bytes read and written by the kernel,
+no write-allocate traffic).
 
-The cache key is what decides the figures: the CPU model and flags, the usable cores, and the
-numpy and BLAS versions. The file is ``<cache dir>/peaks-<key>.json``, the cache dir
-``$SKUFORGE_CACHE_DIR``, else ``$XDG_CACHE_HOME/skuforge``, else ``~/.cache/skuforge``.
+The cache key is what decides the figures: the CPU model and flags, the usable cores, the numpy,
+BLAS and ONNX Runtime versions, and the format of the figures (``FORMAT``: a cache written before
+the INT8 peak has another key, so it is measured again, never read without it). The file is
+``<cache dir>/peaks-<key>.json``, the cache dir ``$SKUFORGE_CACHE_DIR``, else
+``$XDG_CACHE_HOME/skuforge``, else ``~/.cache/skuforge``.
 """
 
 from __future__ import annotations
@@ -20,12 +26,14 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from pipeline.core.env import SKUFORGE_CACHE_DIR, process_environment
+from pipeline.core.errors import EnvironmentProblem
 from pipeline.core.io import atomic_write_json, read_json, sha256_json
 from pipeline.core.paths import cache_dir
 from pipeline.host import probe
@@ -48,6 +56,20 @@ _BLAS_THREAD_VARS = (
 )
 # FP32 lanes of one FMA instruction, by the widest vector flag the CPU reports (x86: needs "fma")
 _FMA_LANES = (("avx512f", 16), ("fma", 8), ("asimd", 4))
+# 8-bit multiply-adds per cycle of one vector port, by the best dot-product instruction the flags
+# allow: a VNNI vpdpbusd or an Arm sdot/smmla is one instruction; without VNNI, x86 needs two
+# multiplies (vpmaddubsw, then vpmaddwd) per 4-byte group
+INT8_MACS = (
+    ("avx512_vnni", 64, "AVX-512 VNNI vpdpbusd"),
+    ("avx_vnni", 32, "AVX-VNNI vpdpbusd"),
+    ("avx512bw", 32, "AVX-512BW vpmaddubsw+vpmaddwd"),
+    ("avx2", 16, "AVX2 vpmaddubsw+vpmaddwd"),
+    ("i8mm", 32, "Arm I8MM smmla"),
+    ("asimddp", 16, "Arm dot product sdot"),
+)
+FORMAT = 2  # of the cached figures: 2 added int8_gops
+_INT8_K = 512  # the INT8 matmul: 512 rows of u8 per thread times a 512 × 512 s8 weight, in the caches
+_ORT_DISTS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-openvino", "onnxruntime-directml")
 
 
 class ComputePeaks(Result):
@@ -55,7 +77,7 @@ class ComputePeaks(Result):
     one_core: float
     nominal: float | None = None
     nominal_basis: str | None = None
-    matmul_n: int
+    matmul_n: int = Field(description="the matmul: FP32 n × n × n; INT8 (n · threads) × n × n")
 
 
 class BandwidthPeaks(Result):
@@ -71,7 +93,8 @@ class Peaks(Result):
     measured_at: str
     seconds: float
     one_core_method: Literal["threadpoolctl", "subprocess"]
-    compute_gflops: ComputePeaks
+    compute_gflops: ComputePeaks = Field(description="FP32 matmul, GFLOP/s")
+    int8_gops: ComputePeaks = Field(description="u8 × s8 → s32 matmul (ONNX Runtime MatMulInteger), GOP/s")
     bandwidth_gbs: BandwidthPeaks
 
 
@@ -85,17 +108,29 @@ def _blas() -> str:
         return "unknown"
 
 
+def _onnxruntime() -> str | None:
+    """The installed ONNX Runtime's version, without importing it (the key is made on every read)."""
+    for dist in _ORT_DISTS:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def host_key() -> tuple[str, dict[str, Any]]:
     """The cache key and what it is made of (flags as their hash, to keep the record short)."""
     import numpy as np
 
     cpu = probe.cpu_info()
     basis = {
+        "format": FORMAT,
         "cpu_model": cpu["model"],
         "flags": cpu["flags"],
         "usable_cores": probe.usable_cores(),
         "numpy": np.__version__,
         "blas": _blas(),
+        "onnxruntime": _onnxruntime(),
     }
     record = {k: v for k, v in basis.items() if k != "flags"} | {"flags_sha256": sha256_json(cpu["flags"])}
     return sha256_json(basis)[:16], record
@@ -105,18 +140,32 @@ def cache_file(key: str | None = None) -> Path:
     return cache_dir() / f"peaks-{key or host_key()[0]}.json"
 
 
+def _cached(path: Path, key: str) -> Peaks | None:
+    """The figures cached for ``key`` at ``path``; None, saying why, where there are none to trust."""
+    if not path.is_file():
+        return None
+    try:
+        data = read_json(path)
+        if isinstance(data, dict) and "compute_gflops" in data and "int8_gops" not in data:
+            log.info("peaks cache %s predates the INT8 peak: measuring again", path)
+            return None
+        cached = Peaks.model_validate(data)
+    except (ValueError, ValidationError) as exc:
+        log.warning("peaks cache %s is unreadable (%s): measuring again", path, str(exc).splitlines()[0])
+        return None
+    if cached.key != key:
+        log.info("peaks cache %s is for host key %s, not %s: measuring", path, cached.key, key)
+        return None
+    return cached
+
+
 def host_peaks(refresh: bool = False) -> Peaks:
     """This host's peaks: from the cache, else measured (``refresh``: always) and cached."""
     key, _ = host_key()
     path = cache_file(key)
-    if not refresh and path.is_file():
-        try:
-            cached = Peaks.model_validate(read_json(path))
-            if cached.key == key:
-                return cached
-            log.info("peaks cache %s is for host key %s, not %s: measuring", path, cached.key, key)
-        except (ValueError, ValidationError) as exc:
-            log.warning("peaks cache %s is unreadable (%s): measuring again", path, str(exc).splitlines()[0])
+    cached = None if refresh else _cached(path, key)
+    if cached is not None:
+        return cached
     peaks = measure()
     atomic_write_json(path, peaks.to_json())
     return peaks
@@ -168,6 +217,49 @@ def _one_core_gflops(n: int, repeats: int, deadline: float) -> tuple[float, Lite
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True
     )
     return float(done.stdout.strip().splitlines()[-1]), "subprocess"
+
+
+def int8_gops(threads: int, repeats: int = 30, seconds: float = 0.5) -> float:
+    """Best u8 × s8 → s32 matmul rate (GOP/s, ``2·M·N·K``) of ``repeats`` runs after a warm-up, or
+    of those that fit in ``seconds`` (at least one), through ONNX Runtime's MatMulInteger on
+    ``threads`` threads: ``512·threads`` rows against a constant 512 × 512 weight (prepacked, as an
+    engine's is), each thread's rows in its caches. A run is milliseconds: many fit even where the
+    steps before overran their share of the budget, so a busy neighbour's moment is not the peak."""
+    import numpy as np
+
+    try:
+        import onnxruntime as ort
+        from onnx import TensorProto, helper, numpy_helper
+    except ImportError as exc:
+        raise EnvironmentProblem(
+            f"the INT8 peak is measured through ONNX Runtime and onnx, and {exc.name} is not installed",
+            hint="install the build toolchain: scripts/setup.sh (pip install 'skuforge[pipeline]')",
+        ) from exc
+    rows, k = _INT8_K * threads, _INT8_K
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array(rng.integers(-128, 128, (k, k), dtype=np.int8), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMulInteger", ["a", "w"], ["y"])],
+        "int8_peak",
+        [helper.make_tensor_value_info("a", TensorProto.UINT8, [rows, k])],
+        [helper.make_tensor_value_info("y", TensorProto.INT32, [rows, k])],
+        [weight],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feeds = {"a": rng.integers(0, 256, (rows, k), dtype=np.uint8)}
+    session.run(None, feeds)
+    best, deadline = math.inf, time.perf_counter() + seconds
+    for i in range(repeats):
+        if i and time.perf_counter() > deadline:
+            break
+        start = time.perf_counter()
+        session.run(None, feeds)
+        best = min(best, time.perf_counter() - start)
+    return 2 * rows * k * k / best / 1e9
 
 
 class _Stream:
@@ -241,6 +333,24 @@ def nominal_gflops(
     )
 
 
+def nominal_int8_gops(
+    cores: int, flags: frozenset[str] | None = None, mhz: float | None = None
+) -> tuple[float | None, str | None]:
+    """cores × 8-bit multiply-adds per cycle of the best dot-product instruction the flags allow
+    (``INT8_MACS``) × 2 × GHz, and how it was made; None where the flags or the clock do not give it."""
+    flags = probe.cpu_features() if flags is None else flags
+    mhz = probe.cpu_max_mhz() if mhz is None else mhz
+    found = next(((flag, macs, what) for flag, macs, what in INT8_MACS if flag in flags), None)
+    if found is None or not mhz:
+        return None, None
+    flag, macs, what = found
+    return (
+        cores * macs * 2 * mhz / 1e3,
+        f"{cores} cores × {macs} 8-bit multiply-adds per cycle ({what}: {flag}) × 2 × {mhz / 1e3:.3g} GHz "
+        "(one vector port per core: cores with two peak at twice this)",
+    )
+
+
 def measure(budget_s: float = 10.0) -> Peaks:
     """Measure this host's peaks now: a few seconds on an idle host, about ``budget_s`` on a
     loaded one (repeats stop when their share of it is spent)."""
@@ -251,15 +361,24 @@ def measure(budget_s: float = 10.0) -> Peaks:
     # each step repeats until its share of the budget is spent (at least a warm-up and one run)
     all_cores = _gemm_gflops(n, 3, started + 0.25 * budget_s)
     one_core, method = _one_core_gflops(_matmul_size(1), 3, started + 0.5 * budget_s)
+    # the INT8 runs are milliseconds: a slice of their own, however long the steps before took
+    int8_all = int8_gops(cores, 30, 0.05 * budget_s)
+    int8_one = int8_gops(1, 30, 0.05 * budget_s) if cores > 1 else int8_all
     mem_available = (probe.device_state().get("memory_available_mb") or 4096) * 2**20
     stream = _Stream(int(min(max(ARRAY_MB << 20, 4 * (probe.llc_bytes() or 0)), mem_available / 8)) // 4, cores)
     triad = stream.best_gbs("triad", cores, 5, started + 0.7 * budget_s)
     memcopy = stream.best_gbs("copy", cores, 5, started + 0.8 * budget_s)
     triad_one = stream.best_gbs("triad", 1, 3, started + 0.9 * budget_s) if cores > 1 else triad
     nominal, basis = nominal_gflops(cores)
+    int8_nominal, int8_basis = nominal_int8_gops(cores)
     seconds = time.perf_counter() - started
     log.info(
-        "measured this host's peaks in %.1f s: %.1f GFLOP/s (%d cores), %.1f GB/s", seconds, all_cores, cores, triad
+        "measured this host's peaks in %.1f s: %.1f GFLOP/s FP32, %.1f GOP/s INT8 (%d cores), %.1f GB/s",
+        seconds,
+        all_cores,
+        int8_all,
+        cores,
+        triad,
     )
     return Peaks(
         key=key,
@@ -269,6 +388,13 @@ def measure(budget_s: float = 10.0) -> Peaks:
         one_core_method=method,
         compute_gflops=ComputePeaks(
             all_cores=all_cores, one_core=one_core, nominal=nominal, nominal_basis=basis, matmul_n=n
+        ),
+        int8_gops=ComputePeaks(
+            all_cores=int8_all,
+            one_core=int8_one,
+            nominal=int8_nominal,
+            nominal_basis=int8_basis,
+            matmul_n=_INT8_K,
         ),
         bandwidth_gbs=BandwidthPeaks(
             triad=triad, memcopy=memcopy, triad_one_core=triad_one, array_mb=stream.n * 4 >> 20

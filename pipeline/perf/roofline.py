@@ -42,6 +42,12 @@ primitive function names. A key is joined to ONNX nodes of the prepared graph, i
 
 Keys joined to no node (a layout Reorder, a copy between devices) are reported with their time in
 ``RooflineReport.unmatched_ms``, so no time disappears.
+
+**Which peak** (``roofline``): ops that run in INT8 are judged against the host's measured INT8
+peak (u8 × s8 → s32 matmul, ``pipeline.host.peaks``), the others against its FP32 peak. A node runs
+in INT8 where the build.json layer joined to it (the same join) says ``int8``, else where the
+engine's precision (the SKU's) is ``int8``; integer kernels of the graph always do. An engine with
+both is ``mixed``: its peak is the rate at which its ops would take their time at the two peaks.
 """
 
 from __future__ import annotations
@@ -643,6 +649,8 @@ def join_layer_times(
 
 # --- the roofline ---------------------------------------------------------------------------------
 
+PeakKind = Literal["fp32", "int8", "mixed"]
+
 
 class RooflineLayer(Result):
     name: str = Field(description="the engine layer's name where timed, else the ONNX node's")
@@ -653,8 +661,10 @@ class RooflineLayer(Result):
     bytes: int
     intensity: float = Field(description="(flops + int_ops) / bytes")
     share_of_ops: float = Field(description="of the engine's flops + int_ops")
-    bound: Literal["memory", "compute"] = Field(description="left (memory) or right (compute) of the ridge")
-    attainable_gflops: float = Field(description="min(peak compute, intensity × peak bandwidth)")
+    peak_kind: PeakKind = Field("fp32", description="the compute peak its ops are judged against")
+    peak_gflops: float | None = Field(None, description="that peak (GOP/s for INT8)")
+    bound: Literal["memory", "compute"] = Field(description="left (memory) or right (compute) of its ridge")
+    attainable_gflops: float = Field(description="min(its peak, intensity × peak bandwidth)")
     time_ms: float | None = None
     time_share: float | None = Field(None, description="of the summed layer times")
     achieved_gflops: float | None = None
@@ -662,13 +672,26 @@ class RooflineLayer(Result):
 
 
 class RooflineReport(Result):
-    peak_gflops: float = Field(description="measured FP32 matmul peak (all usable cores, at least the one-core figure)")
+    peak_gflops: float = Field(
+        description="the compute peak the engine is judged against (peak_kind): the measured FP32 matmul peak, "
+        "the INT8 one (GOP/s) for an INT8 engine, their blend by ops for a mixed one; all usable cores, at "
+        "least the one-core figure"
+    )
+    peak_kind: PeakKind = Field(
+        "fp32",
+        description="fp32; int8: every op runs in INT8 (the SKU's precision, or build.json layers); mixed: some "
+        "do (peak_gflops is then the rate at which the ops would take their time at the two peaks)",
+    )
+    peak_basis: str | None = Field(None, description="which measured peak, and why this engine is judged against it")
+    precision: str | None = Field(None, description="the engine's precision (the SKU's), for ops no layer names")
+    int8_share_of_ops: float = Field(0.0, description="of the engine's ops, judged against the INT8 peak")
     peak_gbs: float = Field(
         description="measured memory bandwidth (triad, all usable cores, at least the one-core figure)"
     )
-    ridge: float = Field(description="peak_gflops / peak_gbs: FLOP/byte where memory-bound turns compute-bound")
+    ridge: float = Field(description="peak_gflops / peak_gbs: op/byte where memory-bound turns compute-bound")
     ceilings_gflops: dict[str, float] = Field(
-        description="compute ceilings: all_cores, one_core, nominal (where known)"
+        description="compute ceilings, FP32: all_cores, one_core, nominal (where known); for an engine with INT8 "
+        "ops also int8_all_cores, int8_one_core, int8_nominal (GOP/s)"
     )
     ceilings_gbs: dict[str, float] = Field(description="bandwidth ceilings: triad, copy, triad_one_core")
     latency_ms: float = Field(description="the engine latency the achieved figures divide by (p50)")
@@ -676,9 +699,9 @@ class RooflineReport(Result):
     int_ops: int
     bytes: int
     intensity: float = Field(description="(flops + int_ops) / bytes of the whole engine")
-    achieved_gflops: float
+    achieved_gflops: float = Field(description="(flops + int_ops) per second at the p50, in G")
     achieved_gbs: float
-    compute_fraction: float = Field(description="achieved_gflops / peak_gflops")
+    compute_fraction: float = Field(description="achieved_gflops / peak_gflops (the peak of peak_kind)")
     bandwidth_fraction: float = Field(description="achieved_gbs / peak_gbs")
     bound: Literal["memory", "compute"]
     layers: list[RooflineLayer] = Field(description="the heaviest layers by ops (and by time where timed)")
@@ -699,6 +722,47 @@ def _heaviest(values: dict[str, float], coverage: float, limit: int) -> list[str
     return picked
 
 
+def node_precisions(cost: GraphCost, layers: list[LayerInfo] | None) -> dict[str, str]:
+    """The precision each ONNX node ran in, where build.json ``layers`` say: a layer's precision
+    (not "n/a") on every node it is joined to by the join rule of per-layer times."""
+    said = {layer.name: layer.precision for layer in layers or [] if layer.precision and layer.precision != "n/a"}
+    joined, _ = join_layer_times(dict.fromkeys(said, 0.0), cost, layers)
+    return {node: said[name] for name, nodes in joined.items() for node in nodes}
+
+
+class _Peaks:
+    """The two compute peaks and how ops of each kind blend into one."""
+
+    def __init__(self, peaks: Peaks):
+        fp32, int8 = peaks.compute_gflops, peaks.int8_gops
+        # all cores can do what one does: a lower all-core figure was measured beside a busy neighbour
+        self.fp32, self.int8 = max(fp32.all_cores, fp32.one_core), max(int8.all_cores, int8.one_core)
+        self.fp32_where = "all cores" if fp32.all_cores >= fp32.one_core else "one core"
+        self.int8_where = "all cores" if int8.all_cores >= int8.one_core else "one core"
+
+    def of(self, int8_ops: float, ops: float, default: PeakKind) -> tuple[PeakKind, float]:
+        """The kind and the peak of ``ops`` of which ``int8_ops`` run in INT8: at a mix, the rate at
+        which each part takes its time at its own peak. ``default`` where there are no ops."""
+        if ops <= 0:
+            return default, self.int8 if default == "int8" else self.fp32
+        if int8_ops >= ops:
+            return "int8", self.int8
+        if int8_ops <= 0:
+            return "fp32", self.fp32
+        return "mixed", ops / (int8_ops / self.int8 + (ops - int8_ops) / self.fp32)
+
+    def basis(self, kind: PeakKind, precision: str | None, share: float, by_layer: bool) -> str:
+        int8 = f"the INT8 peak ({self.int8:.4g} GOP/s: u8 × s8 → s32 MatMulInteger, ONNX Runtime, {self.int8_where})"
+        fp32 = f"the FP32 peak ({self.fp32:.4g} GFLOP/s: BLAS sgemm, {self.fp32_where})"
+        engine = f"the engine's precision ({precision or 'fp32'})"
+        why = f"the precision of build.json layers, {engine} elsewhere" if by_layer else engine
+        if kind == "int8":
+            return f"{int8}, by {why}"
+        if kind == "mixed":
+            return f"{share:.1%} of the ops at {int8}, the rest at {fp32}, by {why}"
+        return f"{fp32}, by {why}" + (" (no FP16 peak is measured)" if precision == "fp16" else "")
+
+
 def roofline(
     cost: GraphCost,
     latency_ms: float,
@@ -706,23 +770,32 @@ def roofline(
     layer_times_ms: dict[str, float] | None = None,
     *,
     layers: list[LayerInfo] | None = None,
+    precision: str | None = None,
     coverage: float = 0.9,
     max_layers: int = 25,
 ) -> RooflineReport:
-    """The engine on this host's roofline: achieved FLOP/s and bytes/s at ``latency_ms`` (p50),
+    """The engine on this host's roofline: achieved op/s and bytes/s at ``latency_ms`` (p50),
     their fractions of the peaks, the ridge, and the heaviest layers (by ops until ``coverage`` of
     the total, at most ``max_layers``; with ``layer_times_ms``, also by time) on either side of it.
+
+    Ops that run in INT8 are judged against the host's INT8 peak, the others against its FP32 peak:
+    a node's precision is its build.json layer's (``layers``) where one names it, else the engine's
+    ``precision`` (the SKU's); integer kernels of the graph (``int_ops``) are INT8 anyway.
 
     ``peaks`` is ``pipeline.host.peaks.Peaks`` or its JSON form; ``layer_times_ms`` is what a
     runner's ``profile_layers`` returns, joined to ONNX nodes with build.json ``layers`` where given
     (see the module docstring)."""
 
     peaks = peaks if isinstance(peaks, Peaks) else Peaks.model_validate(peaks)
-    # all cores can do what one does: a lower all-core figure was measured beside a busy neighbour
-    peak_gflops = max(peaks.compute_gflops.all_cores, peaks.compute_gflops.one_core)
+    compute = _Peaks(peaks)
     peak_gbs = max(peaks.bandwidth_gbs.triad, peaks.bandwidth_gbs.triad_one_core)
-    ridge = _ratio(peak_gflops, peak_gbs)
+    default: PeakKind = "int8" if precision == "int8" else "fp32"
+    said = node_precisions(cost, layers)
+    int8 = {c.node: c.int_ops > 0 or said.get(c.node, precision) == "int8" for c in cost.layers}
     total_ops = cost.flops + cost.int_ops
+    int8_ops = sum(c.flops + c.int_ops for c in cost.layers if int8[c.node])
+    kind, peak_gflops = compute.of(int8_ops, total_ops, default)
+    ridge = _ratio(peak_gflops, peak_gbs)
     seconds = latency_ms / 1e3
     by_name = {c.node: c for c in cost.layers}
 
@@ -746,8 +819,11 @@ def roofline(
     for key in picked:
         members = [by_name[n] for n in groups[key]]
         flops, int_ops, moved = (sum(getattr(m, f) for m in members) for f in ("flops", "int_ops", "bytes"))
+        layer_kind, layer_peak = compute.of(
+            sum(m.flops + m.int_ops for m in members if int8[m.node]), flops + int_ops, default
+        )
         intensity = _ratio(flops + int_ops, moved)
-        attainable = min(peak_gflops, intensity * peak_gbs)
+        attainable = min(layer_peak, intensity * peak_gbs)
         time_ms = times.get(key)
         achieved = _ratio(flops + int_ops, time_ms * 1e6) if time_ms else None
         entries.append(
@@ -760,7 +836,9 @@ def roofline(
                 bytes=moved,
                 intensity=intensity,
                 share_of_ops=_ratio(flops + int_ops, total_ops),
-                bound="memory" if intensity < ridge else "compute",
+                peak_kind=layer_kind,
+                peak_gflops=layer_peak,
+                bound="memory" if intensity < _ratio(layer_peak, peak_gbs) else "compute",
                 attainable_gflops=attainable,
                 time_ms=time_ms,
                 time_share=_ratio(time_ms, profiled) if time_ms is not None and profiled else None,
@@ -771,19 +849,28 @@ def roofline(
     achieved_gflops = _ratio(total_ops, seconds * 1e9)
     achieved_gbs = _ratio(cost.bytes, seconds * 1e9)
     intensity = _ratio(total_ops, cost.bytes)
-    compute = {"all_cores": peaks.compute_gflops.all_cores, "one_core": peaks.compute_gflops.one_core}
+    ceilings = {"all_cores": peaks.compute_gflops.all_cores, "one_core": peaks.compute_gflops.one_core}
     if peaks.compute_gflops.nominal is not None:
-        compute["nominal"] = peaks.compute_gflops.nominal
+        ceilings["nominal"] = peaks.compute_gflops.nominal
+    if kind != "fp32":
+        ceilings |= {"int8_all_cores": peaks.int8_gops.all_cores, "int8_one_core": peaks.int8_gops.one_core}
+        if peaks.int8_gops.nominal is not None:
+            ceilings["int8_nominal"] = peaks.int8_gops.nominal
     bandwidth = {
         "triad": peaks.bandwidth_gbs.triad,
         "copy": peaks.bandwidth_gbs.memcopy,
         "triad_one_core": peaks.bandwidth_gbs.triad_one_core,
     }
+    share = _ratio(int8_ops, total_ops)
     return RooflineReport(
         peak_gflops=peak_gflops,
+        peak_kind=kind,
+        peak_basis=compute.basis(kind, precision, share, bool(said)),
+        precision=precision,
+        int8_share_of_ops=share,
         peak_gbs=peak_gbs,
         ridge=ridge,
-        ceilings_gflops=compute,
+        ceilings_gflops=ceilings,
         ceilings_gbs=bandwidth,
         latency_ms=latency_ms,
         flops=cost.flops,

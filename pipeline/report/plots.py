@@ -169,6 +169,9 @@ def sweep(points: Sequence[dict]):
     return fig
 
 
+_ROOF_NAMES = {"int8": "INT8 peak ", "mixed": "INT8/FP32 blend "}
+
+
 @_draw
 def roofline(
     peak_gflops: float,
@@ -178,16 +181,19 @@ def roofline(
     compute_ceilings: dict[str, float] | None = None,
     bandwidth_ceilings: dict[str, float] | None = None,
     above: Sequence[tuple[float, float]] = (),
+    peak_kind: str = "fp32",
 ):
     """The classic log-log roofline: min(peak compute, bandwidth x intensity), lower ceilings
     dashed, the timed layers and the whole engine as points (FLOP/byte, achieved GFLOP/s); the
     five slowest-running layers (lowest achieved) are named. Points in ``above`` lie over the roof,
-    which a measurement cannot: they are ringed in red and the chart says a peak is wrong."""
+    which a measurement cannot: they are ringed in red and the chart says a peak is wrong. The roof
+    of an INT8 (or ``mixed``) engine is the INT8 peak (or the blend), in op/s."""
     import numpy as np
 
     fig, axes = _figure(height=4.2)
     ax = axes[0][0]
     ridge = peak_gflops / peak_gbs
+    unit, op = ("GFLOP/s", "FLOP") if peak_kind == "fp32" else ("GOP/s", "op")
     xs = [x for _, x, _ in layers] + ([engine[0]] if engine else [])
     lo = min([ridge / 100, *(x / 2 for x in xs if x > 0)])
     hi = max([ridge * 100, *(x * 2 for x in xs)])
@@ -197,7 +203,7 @@ def roofline(
         np.minimum(peak_gflops, peak_gbs * grid),
         color="black",
         linewidth=1.8,
-        label=f"roof: {peak_gflops:.4g} GFLOP/s, {peak_gbs:.4g} GB/s",
+        label=f"roof: {_ROOF_NAMES.get(peak_kind, '')}{peak_gflops:.4g} {unit}, {peak_gbs:.4g} GB/s",
     )
     for label, value in (compute_ceilings or {}).items():
         ax.plot(grid, np.minimum(value, peak_gbs * grid), color="grey", linestyle="--", linewidth=0.8)
@@ -205,7 +211,7 @@ def roofline(
     for label, value in (bandwidth_ceilings or {}).items():
         ax.plot(grid, np.minimum(peak_gflops, value * grid), color="grey", linestyle=":", linewidth=0.8)
         ax.annotate(_text(label), (lo, value * lo), ha="left", va="bottom", fontsize=7, color="grey")
-    ax.axvline(ridge, color="grey", linestyle=":", linewidth=1, label=f"ridge {ridge:.3g} FLOP/B")
+    ax.axvline(ridge, color="grey", linestyle=":", linewidth=1, label=f"ridge {ridge:.3g} {op}/B")
     if layers:
         ax.scatter(
             [x for _, x, _ in layers],
@@ -240,7 +246,7 @@ def roofline(
             color="#d62728",
             fontweight="bold",
         )
-    ax.set(xscale="log", yscale="log", title="roofline", xlabel="arithmetic intensity (FLOP/byte)", ylabel="GFLOP/s")
+    ax.set(xscale="log", yscale="log", title="roofline", xlabel=f"arithmetic intensity ({op}/byte)", ylabel=unit)
     ax.legend(loc="lower right", fontsize=7)
     return fig
 

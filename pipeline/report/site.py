@@ -590,22 +590,27 @@ def above_roof(roofline: dict[str, Any]) -> tuple[list[str], list[tuple[float, f
         (f"layer {_d(x).get('name')}", _num(_d(x).get("intensity")), _num(_d(x).get("achieved_gflops")))
         for x in _list(roofline.get("layers"))
     ]
+    int8 = roofline.get("peak_kind") in ("int8", "mixed")
+    unit = "GOP/s" if int8 else "GFLOP/s"
     compute, memory, points = [], [], []
     for name, intensity, achieved in items:
         if not intensity or not achieved or intensity <= 0 or achieved <= 0:
             continue
         gbs = achieved / intensity
         if achieved > peak_gflops:
-            compute.append(f"{name} {fmt(achieved)} GFLOP/s")
+            compute.append(f"{name} {fmt(achieved)} {unit}")
         if gbs > peak_gbs:
             memory.append(f"{name} {fmt(gbs)} GB/s (bandwidth fraction {fmt(gbs / peak_gbs)})")
         if achieved > peak_gflops or gbs > peak_gbs:
             points.append((intensity, achieved))
     lines = []
     if compute:
+        peak = {"int8": "the measured INT8 peak", "mixed": "the measured INT8/FP32 blend peak"}.get(
+            str(roofline.get("peak_kind")), "a measured compute peak"
+        )
         lines.append(
-            f"above the roof, compute peak wrong: {', '.join(compute)} against a measured compute peak of "
-            f"{fmt(peak_gflops)} GFLOP/s. The peak is too low or the FLOPs counted too many: "
+            f"above the roof, compute peak wrong: {', '.join(compute)} against {peak} of "
+            f"{fmt(peak_gflops)} {unit}. The peak is too low or the FLOPs counted too many: "
             f"rerun the peak probe ({PEAK_PROBE}) and check the FLOP count of the model's ops"
         )
     if memory:
@@ -630,7 +635,9 @@ def _roofline_view(
     if uncounted:
         notes.append(f"roofline: {len(uncounted)} node(s) of ops without a FLOP formula count 0 FLOPs")
     wrong, over = above_roof(roofline)
-    view: dict[str, Any] = {"summary": summary, "layers": layers, "plot": None, "above": wrong}
+    # INT8 ops are counted as ops, not FLOPs (roofline.json peak_kind: which peak judges the engine)
+    op = "FLOP" if roofline.get("peak_kind", "fp32") == "fp32" else "OP"
+    view: dict[str, Any] = {"summary": summary, "layers": layers, "plot": None, "above": wrong, "op": op}
     if not peak_gflops or not peak_gbs or peak_gflops <= 0 or peak_gbs <= 0:
         notes.append(f"{ROOFLINE} has no positive compute and bandwidth peaks: no roofline chart")
         return view
@@ -642,10 +649,10 @@ def _roofline_view(
     if layers and not points:
         notes.append("roofline: no per-layer times (the backend does not profile layers): layers are not plotted")
     engine = (_num(roofline.get("intensity")), _num(roofline.get("achieved_gflops")))
+    kind = str(roofline.get("peak_kind") or "fp32")
+    roof = {"fp32": "all_cores", "int8": "int8_all_cores"}.get(kind)  # drawn as the roof itself
     ceilings = {
-        f"{k} {v:.4g} GFLOP/s": v
-        for k, v in _d(roofline.get("ceilings_gflops")).items()
-        if _num(v) and k != "all_cores"
+        _ceiling_label(k, v, kind): v for k, v in _d(roofline.get("ceilings_gflops")).items() if _num(v) and k != roof
     }
     bandwidths = {
         f"{k} {v:.4g} GB/s": v for k, v in _d(roofline.get("ceilings_gbs")).items() if _num(v) and k != "triad"
@@ -656,10 +663,17 @@ def _roofline_view(
         "roofline.png",
         f"{what} roofline",
         lambda: plots.roofline(
-            peak_gflops, peak_gbs, points, engine if None not in engine else None, ceilings, bandwidths, over
+            peak_gflops, peak_gbs, points, engine if None not in engine else None, ceilings, bandwidths, over, kind
         ),
     )
     return view
+
+
+def _ceiling_label(key: str, value: float, kind: str) -> str:
+    """A compute ceiling named by its peak: INT8 ones in GOP/s; FP32 ones marked as such beside INT8."""
+    if key.startswith("int8_"):
+        return f"INT8 {key.removeprefix('int8_')} {value:.4g} GOP/s"
+    return f"{'FP32 ' if kind != 'fp32' else ''}{key} {value:.4g} GFLOP/s"
 
 
 def _build_view(build: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -758,7 +758,11 @@ class BenchReport(EngineBound):
     latency_sha256: str = Field(description="sha256 of the latency samples file (latency.csv) written with this report")
     timeline_sha256: str = Field(description="sha256 of timeline.csv (warm-up and steady calls in order)")
     roofline_sha256: str | None = Field(None, description="sha256 of roofline.json, where the bench wrote one")
-    roofline_fraction: float | None = Field(None, description="achieved FLOP/s at p50 over the host's measured peak")
+    roofline_fraction: float | None = Field(
+        None,
+        description="achieved op/s at p50 over the host's measured peak: the INT8 one for an INT8 engine, "
+        "else the FP32 one (roofline.json peak_kind)",
+    )
     e2e_below_engine: bool = Field(
         False,
         description="end-to-end p50 below engine-only p50: impossible (end to end includes the engine), "

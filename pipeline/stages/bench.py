@@ -307,8 +307,9 @@ def engine_roofline(
     registry: Registry, model: str, sku: str, runner, feeds: dict, build: BuildReport, p50_ms: float
 ) -> RooflineReport | None:
     """The engine against this host's peaks (measured once per host and cached: ``skuforge runner
-    probe --peaks``), with per-layer times where the backend profiles them. None, with a warning,
-    where the graph's costs cannot be counted; the benchmark itself never fails on it."""
+    probe --peaks``), with per-layer times where the backend profiles them: its INT8 ops (the SKU's
+    precision, or its layers') against the INT8 peak, the others against the FP32 one. None, with a
+    warning, where the graph's costs cannot be counted; the benchmark itself never fails on it."""
 
     out = layout(registry)
     try:
@@ -321,7 +322,7 @@ def engine_roofline(
     except Exception as exc:  # noqa: BLE001
         log(model, sku).warning("bench: per-layer times unavailable (%s)", exc)
         times = None
-    return roofline(cost, p50_ms, host_peaks(), times, layers=build.layers)
+    return roofline(cost, p50_ms, host_peaks(), times, layers=build.layers, precision=build.precision)
 
 
 def samples_csv(samples: list[float]) -> bytes:

@@ -254,6 +254,7 @@ def proj(tmp_path_factory):
             bench={"warmup": 2, "steady_window": 5, "max_warmup_seconds": 0.5, "iterations": 20, "sweep": sweep},
         ),
         "badsweep": models.ort_sku("fp32", bench={"warmup": 2, "iterations": 5, "sweep": {"batch": [8]}}),
+        "int8": models.ort_sku("int8", bench={"warmup": 2, "steady_window": 5, "iterations": 20, "roofline": True}),
     }
     reg = load_registry(models.write_project(root, {"conv": models.conv_bn_spec()}, skus))
     for stage in (prepare, make_data, reference, calibrate):
@@ -288,6 +289,19 @@ def test_bench_report_records_method_and_writes_the_timeline(proj):
     assert rep.roofline_fraction == roof["compute_fraction"] > 0
     assert roof["flops"] > 0 and roof["peak_gflops"] > 0 and roof["profiled_ms"] > 0
     assert {layer["op"] for layer in roof["layers"]} >= {"Conv"}
+    assert roof["precision"] == "fp32" and roof["peak_kind"] == "fp32" and roof["int8_share_of_ops"] == 0
+
+
+def test_an_int8_engine_is_judged_against_the_int8_peak(proj):
+    rep = bench(proj, "conv", "int8")
+    roof = read_json(Layout(proj.root).roofline("conv", "int8"))
+    # the seeded peaks (tests/conftest.py): FP32 100 GFLOP/s, INT8 300 GOP/s; layers build.json says
+    # stayed float (where the engine's layer names join the graph's nodes) are judged at FP32
+    assert roof["precision"] == "int8" and roof["peak_kind"] in ("int8", "mixed") and roof["int8_share_of_ops"] > 0
+    assert 100 < roof["peak_gflops"] <= 300 and "the INT8 peak (300 GOP/s" in roof["peak_basis"]
+    assert rep.roofline_fraction == roof["compute_fraction"]
+    assert roof["compute_fraction"] == pytest.approx(roof["achieved_gflops"] / roof["peak_gflops"])
+    assert {"int8_all_cores", "int8_one_core"} <= set(roof["ceilings_gflops"])
 
 
 def test_sweep_gives_a_point_per_batch_and_concurrency(proj):
