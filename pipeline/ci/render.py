@@ -16,6 +16,7 @@ from typing import Any
 from pipeline.core.errors import ConfigError
 from pipeline.core.io import atomic_write_bytes
 from pipeline.project.config import NAME_PATTERN, Registry, SkuSpec
+from pipeline.verify.selection import classes_of
 
 WORKFLOW_DIR = Path(".github") / "workflows"
 TEMPLATES = {"build.yml": "build.yml.j2", "promote.yml": "promote.yml.j2", "rollout.yml": "rollout.yml.j2"}
@@ -37,9 +38,15 @@ BACKEND_EXTRAS: dict[str, tuple[str, ...]] = {
     "tensorrt": ("tensorrt",),
 }
 # What each job other than the SKU builds installs (`scripts/setup.sh --extras`, docs/ci.md): the
-# registry check, assemble and promote run the build toolchain's commands but no compiler; the
+# registry check, assemble, select and promote run the build toolchain's commands but no compiler; the
 # rollout job reads and signs the release store only (boto3 for S3).
-JOB_EXTRAS = {"registry": "pipeline", "assemble": "pipeline", "promote": "pipeline", "rollout": "agent"}
+JOB_EXTRAS = {
+    "registry": "pipeline",
+    "assemble": "pipeline",
+    "select": "pipeline",
+    "promote": "pipeline",
+    "rollout": "agent",
+}
 
 
 def runs_on(sku: SkuSpec) -> list[str]:
@@ -79,6 +86,11 @@ def matrix(registry: Registry) -> list[dict[str, Any]]:
         for name, sku in registry.skus.items()
         if sku.ci
     ]
+
+
+def select_models(registry: Registry) -> list[str]:
+    """The models the select job chooses an engine for: those with a SKU that names a device class."""
+    return [model for model in sorted(registry.models) if classes_of(registry, model)]
 
 
 def rpc_key(sku: SkuSpec) -> str | None:
@@ -171,6 +183,7 @@ def workflows(registry: Registry) -> dict[str, str]:
     release = registry.release
     entries = matrix(registry)
     tuning = tune_matrix(registry)
+    selecting = select_models(registry)
     refuse_expressions([entries, tuning])  # checked whole here: each is printed as one JSON string below
     context = {
         # the plan job filters it (self-hosted SKUs only where the repository says it has those
@@ -183,6 +196,9 @@ def workflows(registry: Registry) -> dict[str, str]:
         # the rollout workflow checks a dispatched model name with the registry's own rule
         "model_rule": f"^{NAME_PATTERN.pattern}$",
         "tune_matrix_json": json.dumps(tuning, separators=(",", ":")),
+        # the select job's models: JSON in an env value, read by jq, never pasted into its script
+        "select_models": selecting,
+        "select_models_json": json.dumps(selecting, separators=(",", ":")),
         "tune_skus": [entry["sku"] for entry in tuning],
     }
     templates = dict(TEMPLATES, **dict([TUNE_WORKFLOW] if tuning else []))

@@ -16,12 +16,13 @@ from pipeline.rollout import controller, identity, trust
 from pipeline.rollout.agent import HEALTHY, Agent, Device, load_device
 from pipeline.rollout.controller import advance, move, status
 from pipeline.rollout.inventory import Inventory, load_inventory
-from pipeline.rollout.plan import plan
+from pipeline.rollout.plan import DeviceGroup, plan
 from pipeline.rollout.recovery import repair
 from pipeline.rollout.release import publish_release, release_doc, releases_of
 from pipeline.rollout.store import open_store, store_url
 from pipeline.rollout.trust import Keys, initialise, pin_path, read_pin, root_bytes
 from pipeline.tracking.client import actor
+from pipeline.verify.selection import select
 
 log = logging.getLogger(__name__)
 
@@ -210,31 +211,56 @@ def rollout_plan(args: argparse.Namespace) -> int:
     rid = args.release or (released[-1] if released else None)
     doc = release_doc(store, args.model, rid) if rid in released else None
     skus = list(doc["skus"]) if doc else [s for _, s in reg.pairs(models=[args.model], skus=reg.release_skus())]
+    # the release's class map; before the first release, what the selection would give it
+    classes = (
+        (doc.get("classes") or {})
+        if doc
+        else {c.device_class: c.chosen for c in select(reg, args.model).classes if c.chosen}
+    )
     waves = controller.rollout_waves(reg, args.waves, args.bake)
     p = plan(
-        inventory, waves, f"{args.model}-{rid or 'next'}", skus, reg.rollout.fallback_sku, labels=args.labels or ()
+        inventory,
+        waves,
+        f"{args.model}-{rid or 'next'}",
+        skus,
+        reg.rollout.fallback_sku,
+        labels=args.labels or (),
+        classes=classes,
     )
     lines = [
         f"plan for {args.model} {rid or '(no release yet)'}: {len(inventory)} devices, "
         f"planned in {p.seconds * 1000:.0f} ms"
     ]
+    for device_class, n in inventory.by_class().items():
+        chosen = p.classes.get(device_class)
+        lines.append(
+            f"  class {device_class:20s} {n:8d} devices -> "
+            + (chosen or "no engine selected: their own SKU's where they name one, else the fallback")
+        )
+    if inventory.by_class() and inventory.by_sku():
+        lines.append("  devices naming no class: " + ", ".join(f"{k} {v}" for k, v in inventory.by_sku().items()))
     for w in p.waves:
         lines.append(
             f"  {w.name:10s} {w.devices:8d} devices (+{w.new_devices})  bake {w.bake_minutes:g} min"
             + (f"  {w.on_fallback} on the fallback" if w.on_fallback else "")
         )
     for group, what in (
-        (p.fallback, f"will run the portable fallback {p.fallback_sku} (the release has no engine for their SKU)"),
-        (p.not_served, "cannot be served (their SKU is not in the release and no fallback is set)"),
+        (p.fallback, f"will run the portable fallback {p.fallback_sku} (the release has no engine for them)"),
+        (p.not_served, "cannot be served (the release has no engine for them and no fallback is set)"),
         (p.never_included, "are in no wave"),
         (p.not_targeted, f"lack the labels {', '.join(p.labels)}"),
     ):
         if group.devices:
-            lines.append(
-                f"  {group.devices} device(s) {what}: " + ", ".join(f"{k} {v}" for k, v in group.by_sku.items())
-            )
+            lines.append(f"  {group.devices} device(s) {what}: {_counted(group)}")
     _print(args, p.to_json(), "\n".join(lines))
     return 0
+
+
+def _counted(group: DeviceGroup) -> str:
+    """A plan's device group by class (devices that name one), then by SKU."""
+    return ", ".join(
+        [f"class {k} {v}" for k, v in group.by_class.items()] + [f"{k} {v}" for k, v in group.by_sku.items()]
+    )
 
 
 def rollout_start(args: argparse.Namespace) -> int:

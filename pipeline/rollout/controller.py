@@ -440,8 +440,16 @@ def start(
         rid = f"{model}-{target}-{now.strftime('%Y%m%d%H%M%S')}-{n}"
         data = trust.read_target(store, state, release_path(model, target, RELEASE_DOC))
         assert data is not None  # target is one of the releases these targets list
-        doc_skus = json.loads(data)["skus"]
-        p = plan(inventory, chosen, rid, list(doc_skus), spec.fallback_sku, labels=labels or ())
+        released_doc = json.loads(data)
+        p = plan(
+            inventory,
+            chosen,
+            rid,
+            list(released_doc["skus"]),
+            spec.fallback_sku,
+            labels=labels or (),
+            classes=released_doc.get("classes") or {},  # a device of a selected class runs that class's engine
+        )
         doc = RolloutDoc(
             id=rid,
             model=model,

@@ -1,4 +1,5 @@
-"""The fleet inventory: each device's id, SKU, architecture, runtime versions, ring, labels and key.
+"""The fleet inventory: each device's id, SKU or device class (or both), architecture, runtime
+versions, ring, labels and key.
 
 Read from YAML (``devices:`` a list of mappings) or CSV (one device a row); the suffix says which.
 A file is checked whole before it is refused, so one run lists every problem (up to MAX_LISTED).
@@ -7,6 +8,10 @@ Large fleets belong in CSV: 100k devices load in well under a second, as YAML in
 ``key`` is the device's public key (``ed25519:<base64>``, printed by ``skuforge agent identity``):
 the controller counts a report only when it verifies under the key of the device it names
 (pipeline/rollout/identity.py), so the inventory is where device identity is reviewed.
+
+A device that names a ``device_class`` runs the engine the release selects for that class (its
+``classes`` map, as the agent resolves it), whatever SKU it also names: counts and plans key it by
+its class; a device that names only a SKU is keyed by its SKU.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import yaml
 from pipeline.core.errors import InputError
 from pipeline.core.io import atomic_write_bytes
 from pipeline.core.validation import did_you_mean
-from pipeline.project.config import Target
+from pipeline.project.config import Target, device_class_problem
 from pipeline.results.signing import parse_public_key
 
 if TYPE_CHECKING:
@@ -37,8 +42,9 @@ ARCHES: tuple[str, ...] = get_args(Target.model_fields["arch"].annotation)
 ARCH_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64", "armv8": "aarch64"}
 # ids become storage keys (per-device status, reports): no '/', no spaces, nothing to escape
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-COLUMNS = ("id", "sku", "arch", "runtime", "ring", "labels", "key")
-REQUIRED = ("id", "sku", "arch")
+COLUMNS = ("id", "sku", "device_class", "arch", "runtime", "ring", "labels", "key")
+REQUIRED = ("id", "arch")
+NAMED_BY = ("sku", "device_class")  # a device names one of them, or both
 SUFFIXES = {".csv": "csv", ".yaml": "yaml", ".yml": "yaml"}
 MAX_LISTED = 20
 
@@ -76,12 +82,13 @@ class Versions(Mapping[str, str]):
 @dataclass(frozen=True, slots=True)
 class Device:
     id: str
-    sku: str
+    sku: str | None  # None: the device names only its class
     arch: str
     runtime: Versions = Versions()
     ring: str | None = None
     labels: tuple[str, ...] = ()
     key: str | None = None  # public key, ed25519:<base64>: reports are counted only when signed by it
+    device_class: str | None = None  # the release's selection for it decides the engine (before ``sku``)
 
     def __post_init__(self) -> None:
         if not isinstance(self.runtime, Versions):
@@ -118,21 +125,35 @@ class Inventory:
     def get(self, device_id: str) -> Device | None:
         return self._by_id.get(device_id)
 
+    def by_class(self) -> dict[str, int]:
+        """Devices per device class, of those that name one, classes in name order."""
+        return dict(sorted(Counter(d.device_class for d in self.devices if d.device_class is not None).items()))
+
     def by_sku(self) -> dict[str, int]:
-        """Devices per SKU, SKUs in name order."""
-        return dict(sorted(Counter(d.sku for d in self.devices).items()))
+        """Devices per SKU, of those that name no device class (by_class counts the others), SKUs in
+        name order."""
+        return dict(sorted(Counter(d.sku for d in self.devices if d.device_class is None and d.sku).items()))
 
     def check_against(self, registry: Registry) -> list[str]:
-        """One problem per device SKU that params.yaml does not define (an engine cannot be built for it)."""
+        """One problem per device SKU that params.yaml does not define (an engine cannot be built for
+        it) and per device class that no SKU of it serves (``skus.<s>.device_class``)."""
         where = f"{self.source}: " if self.source else ""
+        classes = registry.device_classes()
         unknown: dict[str, list[str]] = {}
+        unserved: dict[str, list[str]] = {}
         for device in self.devices:
-            if device.sku not in registry.skus:
+            if device.sku is not None and device.sku not in registry.skus:
                 unknown.setdefault(device.sku, []).append(device.id)
+            if device.device_class is not None and device.device_class not in classes:
+                unserved.setdefault(device.device_class, []).append(device.id)
         return [
             f"{where}{len(ids)} device(s) have SKU {sku!r}, which params.yaml does not define"
             f"{did_you_mean(sku, registry.skus)} (e.g. {_first(ids)})"
             for sku, ids in sorted(unknown.items())
+        ] + [
+            f"{where}{len(ids)} device(s) have device class {name!r}, which no SKU of params.yaml serves"
+            f"{did_you_mean(name, classes)} (skus.<s>.device_class; e.g. {_first(ids)})"
+            for name, ids in sorted(unserved.items())
         ]
 
 
@@ -173,7 +194,17 @@ def write_inventory(path: str | os.PathLike, devices: Iterable[Device]) -> Path:
         writer = csv.writer(buf, lineterminator="\n")
         writer.writerow(COLUMNS)
         writer.writerows(
-            (d.id, d.sku, d.arch, _runtime_text(d), d.ring or "", _labels_text(d), d.key or "") for d in devices
+            (
+                d.id,
+                d.sku or "",
+                d.device_class or "",
+                d.arch,
+                _runtime_text(d),
+                d.ring or "",
+                _labels_text(d),
+                d.key or "",
+            )
+            for d in devices
         )
         data = buf.getvalue()
     else:
@@ -181,6 +212,7 @@ def write_inventory(path: str | os.PathLike, devices: Iterable[Device]) -> Path:
             {
                 "id": d.id,
                 "sku": d.sku,
+                "device_class": d.device_class,
                 "arch": d.arch,
                 "runtime": dict(d.runtime),
                 "ring": d.ring,
@@ -239,13 +271,17 @@ def _read_yaml(text: str) -> tuple[list[Device], list[str]]:
             where += f" (id {entry['id']!r})"
         keys = [str(k) for k in entry]
         bad = _columns(keys, f"{where}: key")
-        values = [_text(entry.get(k), f"{where}: {k}", bad) for k in ("id", "sku", "arch", "ring", "key")]
+        values = [
+            _text(entry.get(k), f"{where}: {k}", bad) for k in ("id", "sku", "device_class", "arch", "ring", "key")
+        ]
         runtime = _yaml_runtime(entry.get("runtime"), where, bad)
         labels = _yaml_labels(entry.get("labels"), where, bad)
         if bad:
             problems += bad
             continue
-        device = parse(where, values[0], values[1], values[2], runtime, values[3], labels, values[4], problems=problems)
+        device = parse(
+            where, values[0], values[1], values[2], values[3], runtime, values[4], labels, values[5], problems=problems
+        )
         if device is not None:
             devices.append(device)
     return devices, problems
@@ -260,6 +296,7 @@ class _Parser:
         self._runtime: dict[str, Versions | str] = {"": Versions()}
         self._labels: dict[str, tuple[str, ...]] = {"": ()}
         self._seen: dict[str, str] = {}  # id -> where it first appeared
+        self._classes: dict[str, str | None] = {"": None}  # class text -> why it is no class name (None: it is)
         self._keys: dict[str, str] = {}  # public key -> where it first appeared
 
     def __call__(
@@ -267,6 +304,7 @@ class _Parser:
         where: str,
         id: str,
         sku: str,
+        device_class: str,
         arch: str,
         runtime: str,
         ring: str,
@@ -287,8 +325,12 @@ class _Parser:
             problems.append(f"{where}: id {id!r} repeats {self._seen[id]} (ids must be unique)")
         else:
             self._seen[id] = where
-        if not sku:
-            problems.append(f"{where}: empty sku")
+        if not sku and not device_class:
+            problems.append(f"{where}: empty sku and device_class (name the device's SKU, its device class, or both)")
+        if device_class not in self._classes:
+            self._classes[device_class] = device_class_problem(device_class)
+        if self._classes[device_class]:
+            problems.append(f"{where}: device_class {self._classes[device_class]}")
         if arch not in ARCHES:
             alias = ARCH_ALIASES.get(arch.lower())
             hint = f" (write {alias!r})" if alias else ""
@@ -316,7 +358,7 @@ class _Parser:
                     self._keys[key] = where
         if len(problems) > before or isinstance(versions, str):  # a str runtime: its problem is listed
             return None
-        return Device(id, sku, arch, versions, ring or None, tags, key or None)
+        return Device(id, sku or None, arch, versions, ring or None, tags, key or None, device_class or None)
 
 
 def _parse_runtime(text: str) -> Versions | str:
@@ -343,6 +385,8 @@ def _columns(names: list[str], what: str) -> list[str]:
         if n not in COLUMNS
     ]
     problems += [f"{what} {n!r} is missing (required: {', '.join(REQUIRED)})" for n in REQUIRED if n not in names]
+    if not any(n in names for n in NAMED_BY):
+        problems.append(f"{what}s 'sku' and 'device_class' are both missing (a device names one of them, or both)")
     repeated = sorted(n for n, count in Counter(names).items() if count > 1)
     problems += [f"{what} {n!r} appears twice" for n in repeated]
     return problems

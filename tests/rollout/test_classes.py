@@ -19,6 +19,8 @@ from pipeline.project.config import load_registry
 from pipeline.results.manifest import load_manifest
 from pipeline.results.signing import signing_key
 from pipeline.rollout import agent, controller, identity, release, trust
+from pipeline.rollout.inventory import Device as FleetDevice
+from pipeline.rollout.inventory import write_inventory
 from pipeline.rollout.store import LocalStore
 from pipeline.verify.selection import select, write_selection
 from rollout.conftest import MODEL
@@ -254,3 +256,50 @@ def test_device_file_with_a_class_only(tmp_path):
     path.write_text(yaml.safe_dump({"id": "dev0", "models": [MODEL], "device_class": CLASS}))
     dev = agent.Device.from_config(agent.load_device(path))
     assert (dev.sku, dev.device_class) == (None, CLASS)
+
+
+# --- the rollout plan ----------------------------------------------------------------------------------
+
+
+def test_rollout_plan_keys_devices_by_class(shipped, tmp_path):
+    """`rollout plan` on r1 (class x86-avx2 -> cpu, fallback portable) for a fleet of class-only,
+    SKU-named and mixed devices: counted by class where a device names one, served as the agent serves
+    it, the class map shown."""
+    reg, store = shipped
+    devices = (
+        [FleetDevice(f"avx-{i}", None, "x86_64", device_class=CLASS) for i in range(6)]  # the class only
+        + [FleetDevice(f"pi-{i}", None, "aarch64", device_class="rpi5") for i in range(3)]  # no selection, no SKU
+        + [FleetDevice(f"port-{i}", "portable", "x86_64") for i in range(4)]  # the SKU only
+        + [FleetDevice(f"mix-{i}", "portable", "x86_64", device_class=CLASS) for i in range(2)]  # the class decides
+        + [FleetDevice("pi-cpu", "cpu", "aarch64", device_class="rpi5")]  # no selection: its own SKU
+    )
+    write_inventory(tmp_path / "fleet.csv", devices)
+    env = service_env(SKUFORGE_STORE=str(store))
+    args = ["rollout", "plan", "--model", MODEL, "--inventory", str(tmp_path / "fleet.csv"), "--waves", "100"]
+    proc = skuforge(*args, "--json", cwd=reg.root, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    p = json.loads(proc.stdout)
+    assert p["classes"] == {CLASS: "cpu"} and p["devices"] == 16
+    (wave,) = p["waves"]
+    assert (wave["by_class"], wave["by_sku"]) == ({CLASS: 8, "rpi5": 4}, {"portable": 4})
+    assert (
+        wave["on_fallback"] == 3
+        and p["fallback"]["by_class"] == {"rpi5": 3}
+        and p["fallback"]["examples"]
+        == [
+            "pi-0",
+            "pi-1",
+            "pi-2",
+        ]
+    )
+    text = skuforge(*args, cwd=reg.root, env=env)
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    assert any(line.split() == ["class", CLASS, "8", "devices", "->", "cpu"] for line in lines), text.stdout
+    assert any(
+        line.split()[:5] == ["class", "rpi5", "4", "devices", "->"] and "no engine selected" in line for line in lines
+    )
+    assert "devices naming no class: portable 4" in text.stdout
+    assert "3 device(s) will run the portable fallback portable (the release has no engine for them): class rpi5 3" in (
+        text.stdout
+    )

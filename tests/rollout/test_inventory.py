@@ -69,7 +69,7 @@ def test_round_trip(tmp_path, name):
 def test_key_is_the_last_csv_column(tmp_path):
     path = write_inventory(tmp_path / "fleet.csv", fleet()[:2])
     header, first, second = path.read_text().splitlines()
-    assert header == "id,sku,arch,runtime,ring,labels,key"
+    assert header == "id,sku,device_class,arch,runtime,ring,labels,key"
     assert first.endswith(f",eu-west;indoor,{KEY_A}") and second.endswith(",,")
     written = write(tmp_path, HEADER.replace("\n", ",key\n") + GOOD.replace("\n", f",{KEY_B}\n"), "keyed.csv")
     assert load_inventory(written)["cam-1"].key == KEY_B
@@ -168,7 +168,7 @@ def test_write_refuses_what_csv_would_split(tmp_path):
         ("a..b,s,x86_64,,,\n", "line 3: id 'a..b' is not a valid device id"),
         (f"{'a' * 129},s,x86_64,,,\n", "at most 128 characters"),
         (",s,x86_64,,,\n", "line 3: empty id"),
-        ("cam-2,,x86_64,,,\n", "line 3: empty sku"),
+        ("cam-2,,x86_64,,,\n", "line 3: empty sku and device_class (name the device's SKU, its device class"),
         ("cam-2,s,arm64,,,\n", "line 3: arch 'arm64' is not one of x86_64, aarch64 (write 'aarch64')"),
         ("cam-2,s,sparc,,,\n", "line 3: arch 'sparc' is not one of x86_64, aarch64"),
         ("cam-2,s,x86_64,onnxruntime,,\n", "line 3: runtime entry 'onnxruntime' is not name=version"),
@@ -193,6 +193,7 @@ def test_a_quoted_field_over_two_lines_keeps_the_line_numbers(tmp_path):
         ("id,sku,runtime,ring,labels\n", "line 1: column 'arch' is missing"),
         ("id,sku,arch,runtime,rings,labels\n", "line 1: column 'rings' is unknown (did you mean 'ring'?)"),
         ("id,sku,arch,arch\n", "line 1: column 'arch' appears twice"),
+        ("id,arch,ring\n", "line 1: columns 'sku' and 'device_class' are both missing (a device names one of them"),
     ],
 )
 def test_csv_header_problem(tmp_path, header, expected):
@@ -283,3 +284,60 @@ def test_check_against_names_unknown_skus(tmp_path):
     (only,) = load_inventory(path).check_against(registry)
     assert "2 device(s) have SKU 'arm_ort_fp32'" in only and "cam-002, 0012" in only
     assert Inventory(fleet()[:1]).check_against(registry) == []
+
+
+# --- device classes ----------------------------------------------------------------------------------
+
+
+def classed_fleet() -> list[Device]:
+    return [
+        Device("cls-1", None, "x86_64", key=KEY_A, device_class="x86-avx2"),  # the class only
+        Device("cls-2", None, "aarch64", {"onnxruntime": "1.32.0"}, "lab", device_class="rpi5"),
+        Device("both-1", "x86_ort_fp32", "x86_64", device_class="x86-avx2"),  # SKU and class
+        Device("sku-1", "x86_ort_fp32", "x86_64", key=KEY_B),  # the SKU only
+    ]
+
+
+@pytest.mark.parametrize("name", ["fleet.csv", "fleet.yaml"])
+def test_devices_may_name_a_class_instead_of_a_sku(tmp_path, name):
+    inventory = load_inventory(write_inventory(tmp_path / name, classed_fleet()))
+    assert inventory.devices == classed_fleet()
+    # keyed by class where a device names one, whatever SKU it also names
+    assert inventory.by_class() == {"rpi5": 1, "x86-avx2": 2} and inventory.by_sku() == {"x86_ort_fp32": 1}
+
+
+def test_a_class_only_csv_needs_no_sku_column(tmp_path):
+    path = write(tmp_path, "id,device_class,arch\ncam-1,x86-avx2,x86_64\ncam-2,rpi5,aarch64\n")
+    assert load_inventory(path).devices == [
+        Device("cam-1", None, "x86_64", device_class="x86-avx2"),
+        Device("cam-2", None, "aarch64", device_class="rpi5"),
+    ]
+    yaml_path = write(tmp_path, "devices:\n  - {id: cam-1, device_class: x86-avx2, arch: x86_64}\n", "fleet.yaml")
+    assert load_inventory(yaml_path)["cam-1"] == Device("cam-1", None, "x86_64", device_class="x86-avx2")
+
+
+@pytest.mark.parametrize(
+    "row, expected",
+    [
+        ("cam-2,,X86 AVX2,x86_64\n", "line 3: device_class 'X86 AVX2' is not a device class name"),
+        ("cam-2,,../etc,x86_64\n", "line 3: device_class '../etc' is not a device class name"),
+        ("cam-2,,,x86_64\n", "line 3: empty sku and device_class"),
+    ],
+)
+def test_a_bad_class_names_the_line(tmp_path, row, expected):
+    message = problem(write(tmp_path, "id,sku,device_class,arch\ncam-1,s,x86-avx2,x86_64\n" + row))
+    assert expected in message and "1 problem(s)" in message
+
+
+def test_check_against_names_classes_no_sku_serves(tmp_path):
+    registry = parse_registry(
+        {
+            "defaults": {},
+            "examples": {},
+            "models": {"conv": models.conv_bn_spec()},
+            "skus": {"x86_ort_fp32": models.ort_sku("fp32", device_class="x86-avx2")},
+        }
+    )
+    assert Inventory(classed_fleet()[2:]).check_against(registry) == []
+    (only,) = Inventory(classed_fleet()).check_against(registry)
+    assert "1 device(s) have device class 'rpi5', which no SKU of params.yaml serves" in only and "cls-2" in only

@@ -1,4 +1,5 @@
-"""Wave assignment: stable buckets, per-rollout canaries, cumulative waves, fallback and unserved SKUs."""
+"""Wave assignment: stable buckets, per-rollout canaries, cumulative waves, fallback and unserved SKUs;
+devices keyed by device class where they name one."""
 
 from __future__ import annotations
 
@@ -144,3 +145,49 @@ def test_a_hundred_thousand_devices():
     assert [w.devices for w in result.waves] == sorted(w.devices for w in result.waves)
     assert abs(result.waves[2].devices - (25_000 + 7_500)) < 500  # early: lab and 10% of the rest
     assert result.fallback.devices == 33_333 and result.waves[-1].on_fallback == 33_333
+
+
+# --- device classes ---------------------------------------------------------------------------------
+
+CLASSES = {"x86-avx2": "x86_ort_int8"}  # the release's class map
+ALL = [Wave(name="all", percent=100)]
+
+
+def classed(n: int, sku: str | None, device_class: str | None, start: int = 0) -> list[Device]:
+    return [Device(f"dev-{i:06d}", sku, "x86_64", device_class=device_class) for i in range(start, start + n)]
+
+
+def test_a_class_only_fleet_is_counted_by_class_and_served_the_selected_engine():
+    fleet = Inventory(classed(300, None, "x86-avx2") + classed(100, None, "rpi5", start=300))
+    result = plan(fleet, PERCENT_WAVES, "r1", SKUS, fallback_sku="x86_ort_fp32", classes=CLASSES)
+    last = result.waves[-1]
+    assert (last.devices, last.by_class, last.by_sku) == (400, {"rpi5": 100, "x86-avx2": 300}, {})
+    # rpi5 selects nothing and its devices name no SKU: the fallback, counted under their class
+    assert last.on_fallback == 100 and result.fallback.by_class == {"rpi5": 100} and result.fallback.by_sku == {}
+    assert result.classes == CLASSES
+    for wave in result.waves:
+        assert sum(wave.by_class.values()) + sum(wave.by_sku.values()) == wave.devices
+        assert wave.on_fallback == wave.by_class.get("rpi5", 0)
+    # without the class map (a release whose SKUs name no class) none of them has an engine
+    bare = plan(fleet, PERCENT_WAVES, "r1", SKUS, classes=None)
+    assert bare.not_served.devices == 400 and bare.not_served.by_class == {"rpi5": 100, "x86-avx2": 300}
+    assert bare.waves[-1].devices == 0
+
+
+def test_a_mixed_fleet_counts_each_device_once():
+    fleet = Inventory(
+        classed(40, None, "x86-avx2")  # class only: the selected engine
+        + classed(30, "arm_ort_fp32", None, start=40)  # SKU only: its SKU's engine
+        + classed(20, "arm_ort_fp32", "x86-avx2", start=70)  # both: the class decides
+        + classed(10, "arm_ort_fp32", "rpi5", start=90)  # a class with no selection: its own SKU
+        + classed(5, "jetson_trt", None, start=100)  # a SKU the release lacks: the fallback
+    )
+    result = plan(fleet, ALL, "r1", SKUS, fallback_sku="x86_ort_fp32", classes=CLASSES)
+    (wave,) = result.waves
+    assert wave.devices == 105 and wave.by_class == {"rpi5": 10, "x86-avx2": 60}
+    assert wave.by_sku == {"arm_ort_fp32": 30, "jetson_trt": 5}
+    assert wave.on_fallback == 5 and result.fallback.by_sku == {"jetson_trt": 5} and result.fallback.by_class == {}
+    assert fleet.by_class() == {"rpi5": 10, "x86-avx2": 60} and fleet.by_sku() == {"arm_ort_fp32": 30, "jetson_trt": 5}
+    # a class mapped to a SKU the release does not hold serves no one: rpi5 devices fall back to their SKU
+    elsewhere = plan(fleet, ALL, "r1", ["x86_ort_fp32", "arm_ort_fp32"], "x86_ort_fp32", classes=CLASSES)
+    assert elsewhere.classes == {} and elsewhere.waves[0].on_fallback == 40 + 5
