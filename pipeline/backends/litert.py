@@ -122,8 +122,9 @@ class LiteRtOptions(BaseModel):
     )
     xnnpack_rewrites: bool = Field(
         True,
-        description="rewrite what would become ops XNNPACK has no kernel for as equal ops it has: HardSigmoid "
-        "(RELU_0_TO_1) as Mul, Add, Clip(0, 1) before onnx2tf; RESIZE_NEAREST_NEIGHBOR by 2^k as CONCATENATION + "
+        description="rewrite what would become ops XNNPACK has no kernel for, or runs slowly, as equal ops it "
+        "runs well: HardSigmoid (RELU_0_TO_1) as Mul, Add, Clip(0, 1) before onnx2tf; RESIZE_NEAREST_NEIGHBOR by 2^k "
+        "as CONCATENATION + DEPTH_TO_SPACE and TRANSPOSE_CONV with kernel = stride as a 1x1 CONV_2D + "
         "DEPTH_TO_SPACE in the flatbuffer; recorded in the build report's options.graph_rewrites",
     )
     convert_timeout_s: int = Field(1800, ge=10, description="the converter's time limit")
@@ -297,7 +298,10 @@ class LiteRtBackend(Backend):
 
     @classmethod
     def config_fingerprint(cls) -> dict[str, str]:
-        return {"litert_converter_lock": litert_converter.lock_sha256()}
+        return {
+            "litert_converter_lock": litert_converter.lock_sha256(),
+            "litert_converter_script": litert_converter.script_sha256(),
+        }
 
     def _adapt(self, model: onnx.ModelProto, ctx: BuildContext, staged: Staged) -> onnx.ModelProto:
         """Opset 13 where a pre-13 Softmax's axis coerces its input to 2-D (onnx2tf reads the axis as

@@ -195,12 +195,20 @@ def test_without_the_converter_environment_build_exits_3_and_writes_nothing(proj
     assert list(empty.iterdir()) == []
 
 
-def test_the_config_hash_follows_the_converter_lock(proj, tmp_path, monkeypatch):
+def test_the_config_hash_follows_the_converter_lock_and_script(proj, tmp_path, monkeypatch):
     def hashed() -> str:
         return config_hash(proj.registry, "m", "fp32", "0" * 64, None)
 
     before = hashed()
-    assert backend_class("litert").config_fingerprint() == {"litert_converter_lock": litert_converter.lock_sha256()}
+    assert backend_class("litert").config_fingerprint() == {
+        "litert_converter_lock": litert_converter.lock_sha256(),
+        "litert_converter_script": litert_converter.script_sha256(),
+    }
+    script = tmp_path / "convert.py"
+    script.write_text(litert_converter.SCRIPT.read_text() + "\n# another rewrite\n")
+    monkeypatch.setattr(litert_converter, "SCRIPT", script)
+    assert hashed() != before  # a changed converter rebuilds its engines
+    monkeypatch.undo()
     lock = tmp_path / "requirements.lock"
     pinned = litert_converter.LOCK.read_text()
     lock.write_text(pinned.replace("\nonnx2tf==", "\nonnx2tf==0.", 1))

@@ -1,9 +1,11 @@
 """The LiteRT converter's XNNPACK rewrites (``options.xnnpack_rewrites``): ops XNNPACK 2.3 has no kernel
 for (HardSigmoid's RELU_0_TO_1, rewritten in the ONNX model; RESIZE_NEAREST_NEIGHBOR, rewritten in the
-flatbuffer) as equal ops it has. Each
+flatbuffer) as equal ops it has, and a TRANSPOSE_CONV whose kernel is its stride (which XNNPACK runs
+slowly) as a 1x1 CONV_2D and DEPTH_TO_SPACE. Each
 model is built through the pipeline and validated: its ops land on XNNPACK (the placement gate
-allows nothing else) and its outputs match ONNX Runtime (the FP32 gate). A transposed convolution
-needs no rewrite: it is checked to stay on XNNPACK as it is.
+allows nothing else) and its outputs match ONNX Runtime (the FP32 gate). Another transposed
+convolution needs no rewrite: it is checked to stay on XNNPACK as it is. The transposed-convolution
+rewrite is checked to give the engine without it bit for bit, in FP32 and in full-integer INT8.
 
 Each build runs onnx2tf and TensorFlow's converter in a subprocess (~10 s); the rewrite's own rules
 are checked without the converter.
@@ -22,11 +24,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.backends import get_backend
 from pipeline.backends.litert import LiteRtBackend
-from pipeline.backends.litert_converter.convert import _nearest_steps, hardsigmoid_rewrite
+from pipeline.backends.litert_converter.convert import _nearest_steps, _patch_block, hardsigmoid_rewrite
 from pipeline.backends.reference import reference_runner
 from pipeline.core.paths import Layout
 from pipeline.project.config import SkuSpec, load_registry
 from pipeline.stages.build import build
+from pipeline.stages.calibrate import calibrate
 from pipeline.stages.data import make_data
 from pipeline.stages.prepare import prepare
 from pipeline.stages.reference import reference
@@ -36,6 +39,8 @@ ON_XNNPACK = {"placement": {"allowed": ["xnnpack"]}}
 SKUS = {
     "fp32": models.cpu_sku("litert", "fp32", {"delegate": "xnnpack"}) | ON_XNNPACK,
     "plain": models.cpu_sku("litert", "fp32", {"delegate": "xnnpack", "xnnpack_rewrites": False}),
+    "int8": models.cpu_sku("litert", "int8", {"delegate": "xnnpack"}),
+    "int8_plain": models.cpu_sku("litert", "int8", {"delegate": "xnnpack", "xnnpack_rewrites": False}),
 }
 SHAPE = [1, 4, 6, 5]
 
@@ -124,6 +129,7 @@ def proj(tmp_path_factory) -> SimpleNamespace:
     for name in BUILDERS:
         for stage in (prepare, make_data, reference):
             stage(reg, name)
+    calibrate(reg, "deconv")
     return SimpleNamespace(registry=reg, out=Layout(reg.root))
 
 
@@ -170,13 +176,34 @@ def test_without_the_rewrite_nearest_resize_stays_on_the_builtin_kernels(proj):
     _matches_onnx_runtime(proj, "nearest", "plain")
 
 
-def test_transposed_convolutions_run_on_xnnpack_as_they_are(proj):
+def _outputs(proj, model: str, sku: str) -> list[np.ndarray]:
+    with get_backend("litert").load(proj.out.engine_dir(model, sku), proj.registry.sku(sku)) as runner:
+        return [
+            runner.infer({"x": np.random.default_rng(seed).uniform(-2, 2, SHAPE).astype(np.float32)})["y"]
+            for seed in range(3)
+        ]
+
+
+@pytest.mark.parametrize(("sku", "plain"), [("fp32", "plain"), ("int8", "int8_plain")])
+def test_a_transposed_convolution_whose_kernel_is_its_stride_becomes_a_1x1_convolution(proj, sku, plain):
+    """up1 (k2 s2) becomes CONV_2D + DEPTH_TO_SPACE; up2 (k3 s2, pads, output_padding: overlapping
+    patches) stays TRANSPOSE_CONV. Both run on XNNPACK; the engine computes what it did without the rewrite."""
     _buildable()
-    report = build(proj.registry, "deconv", "fp32")
-    assert [layer.op_type for layer in report.layers].count("TRANSPOSE_CONV") == 2, report.layers
-    assert {layer.device for layer in report.layers} == {"xnnpack"} and report.options["graph_rewrites"] == []
-    assert validate(proj.registry, "deconv", "fp32").passed
-    _matches_onnx_runtime(proj, "deconv")
+    report = build(proj.registry, "deconv", sku)
+    types = [layer.op_type for layer in report.layers]
+    assert types.count("TRANSPOSE_CONV") == 1 and "DEPTH_TO_SPACE" in types and "CONV_2D" in types, types
+    assert {layer.device for layer in report.layers} == {"xnnpack"}
+    (record,) = report.options["graph_rewrites"]
+    assert record["rewrite"] == "transpose_conv" and "up1" in record["nodes"] and record["ops"] == 1, record
+    assert any("up1" in layer.fused_from for layer in report.layers if layer.op_type == "DEPTH_TO_SPACE")
+    before = build(proj.registry, "deconv", plain)
+    assert [layer.op_type for layer in before.layers].count("TRANSPOSE_CONV") == 2, before.layers
+    assert before.options["graph_rewrites"] == []
+    for got, want in zip(_outputs(proj, "deconv", sku), _outputs(proj, "deconv", plain), strict=True):
+        np.testing.assert_array_equal(got, want)
+    if sku == "fp32":
+        assert validate(proj.registry, "deconv", "fp32").passed
+        _matches_onnx_runtime(proj, "deconv")
 
 
 # --- the rules, without the converter ---------------------------------------------------------------
@@ -197,6 +224,23 @@ def test_transposed_convolutions_run_on_xnnpack_as_they_are(proj):
 def test_only_a_nearest_resize_the_rewrite_computes_exactly_is_rewritten(options, src, dst, steps):
     opts = SimpleNamespace(**({"alignCorners": False, "halfPixelCenters": False} | options))
     assert _nearest_steps(opts, src, dst) == steps
+
+
+@pytest.mark.parametrize(
+    ("strides", "weights", "out", "block"),
+    [
+        ((2, 2), [6, 2, 2, 4], [1, 6, 10, 6], 2),
+        ((4, 4), [6, 4, 4, 4], [1, 12, 20, 6], 4),
+        ((2, 2), [6, 3, 3, 4], [1, 6, 10, 6], None),  # k3 s2: patches overlap
+        ((2, 2), [6, 2, 2, 4], [1, 7, 11, 6], None),  # output_padding: a row no input pixel gives
+        ((2, 1), [6, 2, 1, 4], [1, 6, 5, 6], None),  # unequal strides: no DEPTH_TO_SPACE
+        ((1, 1), [6, 1, 1, 4], [1, 3, 5, 6], None),  # a 1x1 convolution already
+    ],
+    ids=["k2s2", "k4s4", "k3s2", "output-padding", "unequal", "k1s1"],
+)
+def test_only_a_transposed_convolution_with_its_kernel_as_stride_is_rewritten(strides, weights, out, block):
+    opts = SimpleNamespace(strideH=strides[0], strideW=strides[1])
+    assert _patch_block(opts, weights, out, [1, 3, 5, 4]) == block
 
 
 def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:

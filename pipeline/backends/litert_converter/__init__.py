@@ -35,6 +35,11 @@ def lock_sha256() -> str:
     return hashlib.sha256(LOCK.read_bytes()).hexdigest()
 
 
+def script_sha256() -> str:
+    """convert.py's sha256: what it rewrites decides the engine's bytes as much as the lock does."""
+    return hashlib.sha256(SCRIPT.read_bytes()).hexdigest()
+
+
 def lock_versions() -> dict[str, str]:
     """The pinned versions of the converter's packages (name -> version), from the lock."""
     pins = {}

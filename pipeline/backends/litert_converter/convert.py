@@ -12,7 +12,9 @@ skuforge's. Every value arrives in the request file (paths, names, flags), none 
    outputs where asked (``fully_quantize``).
    Where ``xnnpack_rewrites`` asks (the default), what would become ops XNNPACK has no kernel for is
    rewritten as equal ops it has: HardSigmoid in the ONNX model, nearest resizes by 2^k in each
-   flatbuffer (``hardsigmoid_rewrite``, ``nearest_resize_rewrite``).
+   flatbuffer (``hardsigmoid_rewrite``, ``nearest_resize_rewrite``); and a transposed convolution
+   whose kernel is its stride, which XNNPACK runs at a tenth of a convolution's speed, as a 1x1
+   convolution and DEPTH_TO_SPACE (``transpose_conv_rewrite``).
 3. The FP32 flatbuffer and ONNX Runtime run one probe sample with every intermediate kept: each
    TFLite op's output is matched by value to an ONNX tensor (up to an NHWC<->NCHW permutation),
    which maps the op back to the ONNX nodes it computes, and each ONNX output to the TFLite
@@ -137,6 +139,10 @@ def onnx_node(name: str | None, model: Any, renamed: dict[str, str]) -> str | No
 #     CONCATENATION of 4 copies on the channel axis, DEPTH_TO_SPACE 2: out[2h+i, 2w+j, c] = x[h, w, c]
 #     (copies of the same values, bit for bit). In the flatbuffer, not before onnx2tf: onnx2tf's
 #     layout heuristics transpose the Add after an ONNX DepthToSpace the wrong way (a detector's FPN).
+# and one it runs slowly: TRANSPOSE_CONV with kernel = stride = b (a DBNet head's k2 s2), whose
+#   output pixels each come from one input pixel, in the flatbuffer: CONV_2D 1x1 to b*b*O channels,
+#   DEPTH_TO_SPACE b. XNNPACK 2.3 ran the ship detector's two at 0.7-9 GMAC/s against 37-44 for its
+#   convolutions (docs/backends/litert.md); the same products and sums, bit for bit in FP32 and INT8.
 MAX_NEAREST_STEPS = 6  # x64
 
 
@@ -284,6 +290,148 @@ def nearest_resize_rewrite(flatbuffer: bytes) -> tuple[bytes, list[str]]:
     if not done:
         return flatbuffer, []
     return bytes(flatbuffer_utils.convert_object_to_bytearray(model)), done
+
+
+def _patch_block(options: Any, weights: list[int], out_shape: list[int] | None, src: list[int]) -> int | None:
+    """b when a TRANSPOSE_CONV with these options, weights [O, kh, kw, I], output shape and NHWC input
+    has kernel = stride = b on H and W: the outputs of different input pixels do not overlap (no
+    padding is then cut either way), so it is a 1x1 convolution to b*b*O channels and DEPTH_TO_SPACE b."""
+    if options is None or len(weights) != 4 or len(src) != 4 or out_shape is None or len(out_shape) != 4:
+        return None
+    block = weights[1]
+    if block < 2 or weights[2] != block or options.strideH != block or options.strideW != block:
+        return None
+    want = [src[0], src[1] * block, src[2] * block, weights[0]]
+    return block if list(out_shape) == want and weights[3] == src[3] else None
+
+
+def _constant(model: Any, graph: Any, index: int) -> np.ndarray | None:
+    """The value of tensor ``index`` when it is a constant held in the flatbuffer (else None)."""
+    from tensorflow.lite.python import schema_py_generated as fb
+
+    if index < 0:
+        return None
+    tensor = graph.tensors[index]
+    data = model.buffers[tensor.buffer].data if tensor.buffer else None
+    dtypes = {fb.TensorType.FLOAT32: np.float32, fb.TensorType.INT8: np.int8, fb.TensorType.INT32: np.int32}
+    if data is None or len(data) == 0 or tensor.type not in dtypes:
+        return None
+    return np.frombuffer(bytes(np.asarray(data, np.uint8)), dtypes[tensor.type]).reshape([int(d) for d in tensor.shape])
+
+
+def _constant_tensor(model: Any, graph: Any, like: int, value: np.ndarray, name: str, repeat: int) -> int:
+    """A new constant tensor of ``value`` typed as tensor ``like``, its per-channel quantization (on
+    axis 0) repeated ``repeat`` times, as the channels are; returns its index."""
+    import copy
+
+    from tensorflow.lite.python import schema_py_generated as fb
+
+    tensor = copy.deepcopy(graph.tensors[like])
+    buffer = fb.BufferT()
+    buffer.data = np.frombuffer(np.ascontiguousarray(value).tobytes(), np.uint8)
+    model.buffers.append(buffer)
+    tensor.buffer, tensor.name = len(model.buffers) - 1, name
+    tensor.shape, tensor.shapeSignature = list(value.shape), None
+    quant = tensor.quantization
+    if quant is not None and quant.scale is not None and len(quant.scale) > 1:
+        for field in ("scale", "zeroPoint", "min", "max"):
+            values = getattr(quant, field)
+            if values is not None and len(values) > 1:
+                setattr(quant, field, np.tile(np.asarray(values), repeat))
+    graph.tensors.append(tensor)
+    return len(graph.tensors) - 1
+
+
+def transpose_conv_rewrite(flatbuffer: bytes) -> tuple[bytes, list[str]]:
+    """The flatbuffer with each TRANSPOSE_CONV that ``_patch_block`` takes (constant FP32 or INT8
+    weights and bias) rewritten as CONV_2D 1x1 to b*b*O channels + DEPTH_TO_SPACE b; returns it and the
+    output tensors of the ops rewritten. Channel (i*b + j)*O + o of the convolution holds output pixel
+    (b*h + i, b*w + j, o): its weights are W[o, i, j, :], its bias (and per-channel scales) bias[o]."""
+    import copy
+
+    from tensorflow.lite.python import schema_py_generated as fb
+    from tensorflow.lite.tools import flatbuffer_utils
+
+    model = flatbuffer_utils.convert_bytearray_to_object(bytearray(flatbuffer))
+    codes = [max(c.builtinCode, c.deprecatedBuiltinCode) for c in model.operatorCodes]
+    if fb.BuiltinOperator.TRANSPOSE_CONV not in codes:
+        return flatbuffer, []
+    done = []
+    for graph in model.subgraphs:
+        ops = []
+        for op in graph.operators or []:
+            if codes[op.opcodeIndex] != fb.BuiltinOperator.TRANSPOSE_CONV or len(op.inputs) < 4:
+                ops.append(op)
+                continue
+            shape, weights, source, bias = op.inputs[:4]
+            kernel, bias_value = _constant(model, graph, weights), _constant(model, graph, bias)
+            out_shape = _constant(model, graph, shape)
+            quant = graph.tensors[weights].quantization
+            per_channel_axis = quant.quantizedDimension if quant is not None and quant.scale is not None else 0
+            if kernel is None or bias_value is None or out_shape is None or per_channel_axis != 0:
+                ops.append(op)
+                continue
+            src = [int(d) for d in graph.tensors[source].shape]
+            block = _patch_block(op.builtinOptions, list(kernel.shape), out_shape.tolist(), src)
+            if block is None:
+                ops.append(op)
+                continue
+            out = graph.tensors[op.outputs[0]]
+            name = out.name.decode() if isinstance(out.name, bytes) else str(out.name)
+            count, cin = kernel.shape[0], kernel.shape[3]
+            repeat = block * block
+            dense = kernel.transpose(1, 2, 0, 3).reshape(repeat * count, 1, 1, cin)
+            conv = fb.OperatorT()
+            conv.opcodeIndex = _opcode(model, fb.BuiltinOperator.CONV_2D)
+            conv.inputs = [
+                source,
+                _constant_tensor(model, graph, weights, dense, f"{name}/xnnpack_weights", repeat),
+                _constant_tensor(model, graph, bias, np.tile(bias_value, repeat), f"{name}/xnnpack_bias", repeat),
+            ]
+            patches = copy.deepcopy(out)
+            patches.shape, patches.shapeSignature, patches.buffer = [*src[:3], repeat * count], None, 0
+            patches.name = f"{name}/xnnpack_patches"
+            graph.tensors.append(patches)
+            conv.outputs = [len(graph.tensors) - 1]
+            conv.builtinOptionsType = fb.BuiltinOptions.Conv2DOptions
+            conv.builtinOptions = fb.Conv2DOptionsT()
+            conv.builtinOptions.padding = fb.Padding.VALID
+            conv.builtinOptions.strideH = conv.builtinOptions.strideW = 1
+            conv.builtinOptions.fusedActivationFunction = op.builtinOptions.fusedActivationFunction
+            d2s = fb.OperatorT()
+            d2s.opcodeIndex = _opcode(model, fb.BuiltinOperator.DEPTH_TO_SPACE)
+            d2s.inputs, d2s.outputs = list(conv.outputs), [op.outputs[0]]
+            d2s.builtinOptionsType = fb.BuiltinOptions.DepthToSpaceOptions
+            d2s.builtinOptions = fb.DepthToSpaceOptionsT()
+            d2s.builtinOptions.blockSize = block
+            ops += [conv, d2s]
+            done.append(name)
+        graph.operators = ops
+    if not done:
+        return flatbuffer, []
+    return bytes(flatbuffer_utils.convert_object_to_bytearray(model)), done
+
+
+# the flatbuffer rewrites, in order: (name, function, what the build report says it did)
+FLATBUFFER_REWRITES: list[tuple[str, Callable[[bytes], tuple[bytes, list[str]]], str, str]] = [
+    (
+        "nearest_resize",
+        nearest_resize_rewrite,
+        "RESIZE_NEAREST_NEIGHBOR x2^k",
+        "k x (CONCATENATION of 4 copies on channels, DEPTH_TO_SPACE 2)",
+    ),
+    ("transpose_conv", transpose_conv_rewrite, "TRANSPOSE_CONV kernel = stride", "CONV_2D 1x1 + DEPTH_TO_SPACE"),
+]
+
+
+def flatbuffer_rewrites(flatbuffer: bytes) -> tuple[bytes, dict[str, list[str]]]:
+    """The flatbuffer with every rewrite of FLATBUFFER_REWRITES made; {rewrite: output tensors rewritten}."""
+    done = {}
+    for name, rewrite, _, _ in FLATBUFFER_REWRITES:
+        flatbuffer, tensors = rewrite(flatbuffer)
+        if tensors:
+            done[name] = tensors
+    return flatbuffer, done
 
 
 def _onnx2tf(req: dict[str, Any], saved_model: Path) -> tuple[dict[str, str], dict[str, str], list[dict[str, Any]]]:
@@ -635,10 +783,10 @@ def convert(req: dict[str, Any]) -> dict[str, Any]:
     step("tflite fp32")
     float_model = _tflite(converter().convert, "FP32", locate)
     rewrite = bool(req.get("xnnpack_rewrites", True))
-    resized: list[str] = []
+    rewritten: dict[str, list[str]] = {}
     if rewrite:
         step("xnnpack rewrites")
-        float_model, resized = nearest_resize_rewrite(float_model)
+        float_model, rewritten = flatbuffer_rewrites(float_model)
     (work / "float32.tflite").write_bytes(float_model)
     sig_in, sig_out = _signature(float_model)
     probe = {k: v for k, v in np.load(req["probe"], allow_pickle=False).items()}
@@ -646,17 +794,13 @@ def convert(req: dict[str, Any]) -> dict[str, Any]:
     _check_layouts(keys, _shapes(float_model), probe)
     step("map ops to onnx nodes")
     mapping = _map_ops(req, float_model, probe, keys)
-    if resized:
-        nodes = sorted({n for op in mapping["ops"] if op["tensor"] in resized for n in op["nodes"]})
-        rewrites.append(
-            {
-                "rewrite": "nearest_resize",
-                "from": "RESIZE_NEAREST_NEIGHBOR x2^k",
-                "to": "k x (CONCATENATION of 4 copies on channels, DEPTH_TO_SPACE 2)",
-                "nodes": nodes or resized,
-                "ops": len(resized),
-            }
-        )
+    for name, _, before, after in FLATBUFFER_REWRITES:
+        tensors = rewritten.get(name)
+        if tensors:
+            nodes = sorted({n for op in mapping["ops"] if op["tensor"] in tensors for n in op["nodes"]})
+            rewrites.append(
+                {"rewrite": name, "from": before, "to": after, "nodes": nodes or tensors, "ops": len(tensors)}
+            )
     precision = req["precision"]
     denylisted: list[str] = []
     unmatched: list[str] = []
@@ -667,10 +811,10 @@ def convert(req: dict[str, Any]) -> dict[str, Any]:
         conv.optimizations = [tf.lite.Optimize.DEFAULT]
         conv.target_spec.supported_types = [tf.float16]
         model = _tflite(conv.convert, "FP16", locate)
-        model = nearest_resize_rewrite(model)[0] if rewrite else model
+        model = flatbuffer_rewrites(model)[0] if rewrite else model
     else:
         keep = set(req.get("keep_nodes", []))
-        # the tensors the nearest-resize rewrite added are not in the model quantized (it is rewritten after)
+        # the tensors the flatbuffer rewrites added are not in the model quantized (it is rewritten after)
         denylisted = [t for t in _denylist(mapping["ops"], keep) if "/xnnpack_" not in t]
         covered = {n for op in mapping["ops"] for n in op["nodes"]}
         unmatched = sorted(keep - covered)
@@ -695,7 +839,7 @@ def convert(req: dict[str, Any]) -> dict[str, Any]:
         except Exception as exc:
             raise ConversionError("quantize", f"INT8 quantization failed: {_first_line(str(exc))}") from exc
         if rewrite:
-            model = nearest_resize_rewrite(model)[0]
+            model = flatbuffer_rewrites(model)[0]
     Path(req["out"]).write_bytes(model)
     return {
         "ok": True,
