@@ -1,7 +1,7 @@
 """Benchmark fidelity: skuforge's runner against each stack's own tool, on the same engine file.
 
 Target (issue 13): the bench stage's engine-only p50 (``runner.infer(feeds)`` timed by
-``pipeline.stages.bench.time_calls``) within 5% of the stack's own measurement AND under 5 us per
+``pipeline.perf.harness.time_calls``) within 5% of the stack's own measurement AND under 5 us per
 call above it. The references, per backend:
 
     onnxruntime  a bare InferenceSession.run loop, session options as the engine loads them
@@ -66,7 +66,7 @@ class Row:
 
 
 def python_timer(name: str, fn: Callable[[], object]) -> Timer:
-    from pipeline.stages.bench import time_calls
+    from pipeline.perf.harness import time_calls
 
     fn()
     return Timer(name, lambda n, s: statistics.median(time_calls(fn, n, s)))

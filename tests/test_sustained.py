@@ -1,4 +1,4 @@
-"""Sustained runs (pipeline/stages/sustained.py): when they stop and what they report, with an engine
+"""Sustained runs (pipeline/perf/sustained.py): when they stop and what they report, with an engine
 that sleeps a chosen latency, scripted sensors and a recorded INA3221 tree as the meter.
 
 The engine sleeps rather than spins: a sleeper wakes on time on a loaded host (other test runs),
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.host.energy import Ina3221Meter, open_ina3221
+from pipeline.perf.sustained import slope, sustained_run
 from pipeline.project.config import SustainedSpec
-from pipeline.stages.sustained import slope, sustained_run
 
 
 class Engine:

@@ -67,35 +67,11 @@ class FilesDataset:
         return self.targets.get(LABELS)
 
 
-def read_files_dataset(
-    root: Path,
-    model_dir: str,
-    folder: str,
-    split: str,
-    decode: Literal["image", "audio"],
-    take: int | None = None,
-    *,
-    alphabet: str | None = None,
-    extent: tuple[int, int] | None = None,
-    classes: Classes | None = None,
-) -> FilesDataset:
-    """The files of ``folder`` (relative to the model's dir under ``root``) whose extension suits
-    ``decode``, sorted by name (code points), the first ``take`` when given, with their targets.
-
-    Targets: labels.csv's integer class indices (below ``classes``' count when given), or its text when
-    ``alphabet`` (a ctc_greedy model's) is given; for images, boxes.csv's boxes, which must lie inside
-    ``extent`` (the model input's height and width) when given. Refused with an InputError naming the
-    split: a folder outside the project (or a file whose symlink leads out of it), no files, an entry
-    with an unsupported extension or that is not a file (hidden entries, ``.name``, are skipped), a
-    name holding a line break or another control character (no CSV row could name it), more than
-    MAX_DATASET_FILES files or MAX_DATASET_BYTES bytes, labels.csv and boxes.csv together, and a row of
-    either that breaks its rules (named with its row).
-    """
-    where = f"dataset {split}"
-    hint_path = f"fix models.<name>.datasets.{split}.files (a folder relative to the model's dir)"
-    path = inside(root, model_dir, folder)
-    if not path.is_dir():
-        raise InputError(f"{where}: {path} is not a folder", hint=hint_path)
+def _list_folder(
+    path: Path, where: str, decode: Literal["image", "audio"], hint_path: str
+) -> tuple[list[os.DirEntry[str]], dict[str, os.DirEntry[str]]]:
+    """The folder's files of ``decode``'s kind and its target CSVs; refused: other entries, too many
+    files, names no CSV row can hold, no files, both kinds of targets."""
     exts = EXTENSIONS[decode]
     targets_csv = (LABELS_CSV, BOXES_CSV) if decode == "image" else (LABELS_CSV,)
     files: list[os.DirEntry[str]] = []
@@ -140,6 +116,62 @@ def read_files_dataset(
             f"{where}: {path} holds both {LABELS_CSV} and {BOXES_CSV}",
             hint="a split has one kind of target: keep the one the model's task reads",
         )
+    return files, csv_entries
+
+
+def _read_blobs(files: list[os.DirEntry[str]], path: Path, where: str) -> list[bytes]:
+    """Every file's bytes, stopping at MAX_DATASET_BYTES in all (a file may grow while it is read)."""
+    blobs: list[bytes] = []
+    left = MAX_DATASET_BYTES
+    for entry in files:
+        try:
+            with open(entry.path, "rb") as fh:
+                blobs.append(fh.read(left + 1))  # a file grown since its size was read stops here
+        except OSError as exc:
+            raise InputError(
+                f"{where}: {entry.name!r} in {path} cannot be read ({exc.strerror or exc})",
+                hint="check that the file is readable (permissions, a broken link, the disk)",
+            ) from exc
+        left -= len(blobs[-1])
+        if left < 0:
+            raise InputError(
+                f"{where}: the files of {path} grew past the limit of {human_bytes(MAX_DATASET_BYTES)} "
+                f"per dataset while they were read (at {entry.name!r})",
+                hint="let whatever writes to the folder finish, then run again",
+            )
+    return blobs
+
+
+def read_files_dataset(
+    root: Path,
+    model_dir: str,
+    folder: str,
+    split: str,
+    decode: Literal["image", "audio"],
+    take: int | None = None,
+    *,
+    alphabet: str | None = None,
+    extent: tuple[int, int] | None = None,
+    classes: Classes | None = None,
+) -> FilesDataset:
+    """The files of ``folder`` (relative to the model's dir under ``root``) whose extension suits
+    ``decode``, sorted by name (code points), the first ``take`` when given, with their targets.
+
+    Targets: labels.csv's integer class indices (below ``classes``' count when given), or its text when
+    ``alphabet`` (a ctc_greedy model's) is given; for images, boxes.csv's boxes, which must lie inside
+    ``extent`` (the model input's height and width) when given. Refused with an InputError naming the
+    split: a folder outside the project (or a file whose symlink leads out of it), no files, an entry
+    with an unsupported extension or that is not a file (hidden entries, ``.name``, are skipped), a
+    name holding a line break or another control character (no CSV row could name it), more than
+    MAX_DATASET_FILES files or MAX_DATASET_BYTES bytes, labels.csv and boxes.csv together, and a row of
+    either that breaks its rules (named with its row).
+    """
+    where = f"dataset {split}"
+    hint_path = f"fix models.<name>.datasets.{split}.files (a folder relative to the model's dir)"
+    path = inside(root, model_dir, folder)
+    if not path.is_dir():
+        raise InputError(f"{where}: {path} is not a folder", hint=hint_path)
+    files, csv_entries = _list_folder(path, where, decode, hint_path)
     files.sort(key=lambda e: e.name)
     targets: dict[str, np.ndarray] = {}
     for name, entry in csv_entries.items():  # checked against every file, then cut to ``take`` with them
@@ -162,24 +194,7 @@ def read_files_dataset(
             hint="keep fewer or smaller files in the folder",
         )
     names = [entry.name for entry in files]
-    blobs: list[bytes] = []
-    left = MAX_DATASET_BYTES
-    for entry in files:
-        try:
-            with open(entry.path, "rb") as fh:
-                blobs.append(fh.read(left + 1))  # a file grown since its size was read stops here
-        except OSError as exc:
-            raise InputError(
-                f"{where}: {entry.name!r} in {path} cannot be read ({exc.strerror or exc})",
-                hint="check that the file is readable (permissions, a broken link, the disk)",
-            ) from exc
-        left -= len(blobs[-1])
-        if left < 0:
-            raise InputError(
-                f"{where}: the files of {path} grew past the limit of {human_bytes(MAX_DATASET_BYTES)} "
-                f"per dataset while they were read (at {entry.name!r})",
-                hint="let whatever writes to the folder finish, then run again",
-            )
+    blobs = _read_blobs(files, path, where)
     return FilesDataset(folder=path, names=names, blobs=blobs, targets=targets)
 
 

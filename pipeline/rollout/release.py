@@ -415,47 +415,8 @@ def publish_release(
         f"MLflow alias {alias}" if alias else "the build folder",
     )
     with tempfile.TemporaryDirectory(prefix="skuforge-release-") as tmp:
-        if alias is not None:
-            if alias not in registry.release.aliases:
-                raise ConfigError(f"unknown alias {alias!r}", hint=f"aliases: {', '.join(registry.release.aliases)}")
-            tracking = tracking or connect(registry)
-            found = {s: mlflow_candidate(tracking, registry, model, s, alias, Path(tmp)) for s in wanted}
-            absent = [s for s, c in found.items() if c is None]
-            candidates = [c for c in found.values() if c is not None]
-        else:
-            candidates, absent, refused = [], [], []
-            for s in wanted:
-                if not Layout(registry.root).manifest(model, s).is_file() and skus is None:
-                    log.info("%s/%s: no manifest in this build folder, left out of the release", model, s)
-                    absent.append(s)
-                    continue
-                try:
-                    candidates.append(local_candidate(registry, model, s))
-                except InputError as exc:  # there, but not what its manifest says: never shipped quietly
-                    refused.append(f"{s}: {exc.message}")
-            if refused:
-                raise GateFailed(
-                    f"release of {model} refused: " + "; ".join(refused),
-                    hint="rebuild the engines named (skuforge repro); nothing was published",
-                )
-        if fallback in absent:
-            raise GateFailed(
-                f"the release of {model} lacks the portable fallback {fallback}"
-                + (f" holding {alias!r}" if alias else ""),
-                hint=f"build, validate and promote {model}/{fallback} with the other SKUs",
-            )
-        missing = [s for s in required if s not in {c.sku for c in candidates}]
-        unallowed = [s for s in missing if s not in (allow_partial or [])]
-        if unallowed and fallback not in unallowed:
-            flags = " ".join(f"--allow-partial {s}" for s in unallowed)
-            raise GateFailed(
-                f"the release of {model} would lack {len(unallowed)} of its {len(required)} SKUs: "
-                f"{', '.join(unallowed)} (their devices would run the portable fallback {fallback})"
-                if fallback
-                else f"the release of {model} would lack {', '.join(unallowed)} (their devices would run nothing new)",
-                hint=f"build, validate and promote them first, or ship without them knowingly: {flags}; "
-                "`skuforge rollout plan` counts the devices that would take the fallback",
-            )
+        candidates, absent = _gather(registry, model, wanted, alias, tracking, skus is None, Path(tmp))
+        missing = _complete(model, required, candidates, absent, fallback, alias, allow_partial or [])
         log.info("release %s: checking %d engine(s) against their evidence", model, len(candidates))
         problems = [p for c in candidates for p in check(registry, model, c, alias)]
         if problems:
@@ -474,7 +435,6 @@ def publish_release(
         for c in candidates:
             assert c.manifest is not None  # check() passed it
             manifests[c.sku] = c.manifest
-        digests = {s: m.digest for s, m in manifests.items()}
         classes, unselected, refused_classes = (
             class_map(selection, manifests, allow_partial or []) if selection is not None else ({}, {}, [])
         )
@@ -483,85 +443,178 @@ def publish_release(
                 f"release of {model} refused: " + "; ".join(refused_classes),
                 hint="the selection and the release must name the same engines; nothing was published",
             )
-        outcome: dict[str, Any] = {}
-
-        def change(targets, state) -> bool:
-            existing = releases_of(targets, model)
-            if existing:
-                raw = trust.read_target(store, state, release_path(model, existing[-1], RELEASE_DOC))
-                assert raw is not None  # releases_of listed it from these targets
-                doc = json.loads(raw)
-                same = {s: e["manifest_digest"] for s, e in doc["skus"].items()} == digests
-                if same and doc.get("classes", {}) == classes:  # what devices act on: engines, class map
-                    outcome.update(release=existing[-1], created=False)
-                    return False
-            rid = f"r{int(existing[-1][1:]) + 1 if existing else 1}"
-            entries = {c.sku: _sku_entry(registry, model, rid, c, shas[c.sku]) for c in candidates}
-            for c in candidates:
-                base = release_path(model, rid, c.sku)
-                for name, data in uploads[c.sku].items():
-                    trust.add_target(targets, f"{base}/{name}", data, {"model": model, "sku": c.sku, "release": rid})
-            doc = {
-                "schema": SCHEMA,
-                "model": model,
-                "release": rid,
-                "previous": existing[-1] if existing else None,
-                "created": trust._now().isoformat(),
+        draft = _Draft(
+            registry=registry,
+            store=store,
+            model=model,
+            candidates=candidates,
+            uploads=uploads,
+            shas=shas,
+            digests={s: m.digest for s, m in manifests.items()},
+            classes=classes,
+            fields={
                 "actor": actor,
                 "source": f"mlflow alias {alias}" if alias else "build folder",
                 "fallback_sku": fallback,
                 "partial": missing,
-                "skus": entries,
-                "classes": classes,
                 "selection": None
                 if selection is None
                 else {"digest": selection.digest, "objective": selection.objective, "unselected": unselected},
-            }
-            data = json.dumps(doc, indent=2, sort_keys=True).encode()
-            trust.put_blob(store, data)
-            trust.add_target(targets, release_path(model, rid, RELEASE_DOC), data, {"model": model, "release": rid})
-            for c in candidates:
-                pointer = json.dumps(
-                    {
-                        "model": model,
-                        "sku": c.sku,
-                        "release": rid,
-                        "release_doc": release_path(model, rid, RELEASE_DOC),
-                    },
-                    sort_keys=True,
-                ).encode()
-                trust.put_blob(store, pointer)
-                trust.add_target(targets, channel_path(model, c.sku), pointer, {"model": model, "sku": c.sku})
-            outcome.update(release=rid, created=True)
-            return True
-
-        log.info("release %s: committing the signed metadata", model)
-        trust.commit(store, keys, registry.rollout.expiry, change, what=f"release {model}")
-    rows = [
-        ReleaseSku(
-            sku=c.sku,
-            backend=manifests[c.sku].backend,
-            precision=manifests[c.sku].precision,
-            manifest_digest=manifests[c.sku].digest,
-            source=c.source,
-            files=shas[c.sku],
-            bytes=sum(len(d) for d in uploads[c.sku].values()),
+            },
         )
-        for c in candidates
-    ]
+        log.info("release %s: committing the signed metadata", model)
+        trust.commit(store, keys, registry.rollout.expiry, draft.change, what=f"release {model}")
     return ReleaseResult(
         model=model,
-        release=outcome["release"],
-        created=outcome["created"],
+        release=draft.release,
+        created=draft.created,
         store=store.url,
         fallback_sku=fallback,
         partial=missing,
-        skus=rows,
+        skus=[_row(c, manifests[c.sku], shas[c.sku], uploads[c.sku]) for c in candidates],
         classes=classes,
         unselected=unselected,
         selection=selection.digest if selection is not None else None,
         seconds=round(time.perf_counter() - t0, 3),
     )
+
+
+def _row(c: Candidate, m: Manifest, shas: dict[str, str], files: dict[str, bytes]) -> ReleaseSku:
+    return ReleaseSku(
+        sku=c.sku,
+        backend=m.backend,
+        precision=m.precision,
+        manifest_digest=m.digest,
+        source=c.source,
+        files=shas,
+        bytes=sum(len(d) for d in files.values()),
+    )
+
+
+def _gather(
+    registry: Registry,
+    model: str,
+    wanted: list[str],
+    alias: str | None,
+    tracking: Any,
+    skip_unbuilt: bool,
+    tmp: Path,
+) -> tuple[list[Candidate], list[str]]:
+    """The engines of ``wanted``, from the MLflow versions holding ``alias`` or this build folder,
+    and the SKUs that have none (a build folder's SKU without a manifest is left out only when the
+    SKUs were not named: ``skip_unbuilt``). An engine that is not what its manifest says is refused."""
+    if alias is not None:
+        if alias not in registry.release.aliases:
+            raise ConfigError(f"unknown alias {alias!r}", hint=f"aliases: {', '.join(registry.release.aliases)}")
+        tracking = tracking or connect(registry)
+        found = {s: mlflow_candidate(tracking, registry, model, s, alias, tmp) for s in wanted}
+        return [c for c in found.values() if c is not None], [s for s, c in found.items() if c is None]
+    candidates: list[Candidate] = []
+    absent: list[str] = []
+    refused: list[str] = []
+    for s in wanted:
+        if not Layout(registry.root).manifest(model, s).is_file() and skip_unbuilt:
+            log.info("%s/%s: no manifest in this build folder, left out of the release", model, s)
+            absent.append(s)
+            continue
+        try:
+            candidates.append(local_candidate(registry, model, s))
+        except InputError as exc:  # there, but not what its manifest says: never shipped quietly
+            refused.append(f"{s}: {exc.message}")
+    if refused:
+        raise GateFailed(
+            f"release of {model} refused: " + "; ".join(refused),
+            hint="rebuild the engines named (skuforge repro); nothing was published",
+        )
+    return candidates, absent
+
+
+def _complete(
+    model: str,
+    required: list[str],
+    candidates: list[Candidate],
+    absent: list[str],
+    fallback: str | None,
+    alias: str | None,
+    allow_partial: list[str],
+) -> list[str]:
+    """The required SKUs the release lacks; refused unless each is allowed (the fallback never is)."""
+    if fallback in absent:
+        raise GateFailed(
+            f"the release of {model} lacks the portable fallback {fallback}" + (f" holding {alias!r}" if alias else ""),
+            hint=f"build, validate and promote {model}/{fallback} with the other SKUs",
+        )
+    missing = [s for s in required if s not in {c.sku for c in candidates}]
+    unallowed = [s for s in missing if s not in allow_partial]
+    if unallowed and fallback not in unallowed:
+        flags = " ".join(f"--allow-partial {s}" for s in unallowed)
+        raise GateFailed(
+            f"the release of {model} would lack {len(unallowed)} of its {len(required)} SKUs: "
+            f"{', '.join(unallowed)} (their devices would run the portable fallback {fallback})"
+            if fallback
+            else f"the release of {model} would lack {', '.join(unallowed)} (their devices would run nothing new)",
+            hint=f"build, validate and promote them first, or ship without them knowingly: {flags}; "
+            "`skuforge rollout plan` counts the devices that would take the fallback",
+        )
+    return missing
+
+
+@dataclass
+class _Draft:
+    """A release about to be committed: ``change`` adds it to the signed targets unless the newest
+    release already holds the same engines and class map (then it records that release)."""
+
+    registry: Registry
+    store: Store
+    model: str
+    candidates: list[Candidate]
+    uploads: dict[str, dict[str, bytes]]
+    shas: dict[str, dict[str, str]]
+    digests: dict[str, str]
+    classes: dict[str, str]
+    fields: dict[str, Any]  # the release document's fields besides its identity, SKUs and classes
+    release: str = ""
+    created: bool = False
+
+    def change(self, targets, state) -> bool:
+        model, store = self.model, self.store
+        existing = releases_of(targets, model)
+        if existing:
+            raw = trust.read_target(store, state, release_path(model, existing[-1], RELEASE_DOC))
+            assert raw is not None  # releases_of listed it from these targets
+            doc = json.loads(raw)
+            same = {s: e["manifest_digest"] for s, e in doc["skus"].items()} == self.digests
+            if same and doc.get("classes", {}) == self.classes:  # what devices act on: engines, class map
+                self.release, self.created = existing[-1], False
+                return False
+        rid = f"r{int(existing[-1][1:]) + 1 if existing else 1}"
+        entries = {c.sku: _sku_entry(self.registry, model, rid, c, self.shas[c.sku]) for c in self.candidates}
+        for c in self.candidates:
+            base = release_path(model, rid, c.sku)
+            for name, data in self.uploads[c.sku].items():
+                trust.add_target(targets, f"{base}/{name}", data, {"model": model, "sku": c.sku, "release": rid})
+        doc = {
+            "schema": SCHEMA,
+            "model": model,
+            "release": rid,
+            "previous": existing[-1] if existing else None,
+            "created": trust._now().isoformat(),
+            **self.fields,
+            "skus": entries,
+            "classes": self.classes,
+        }
+        data = json.dumps(doc, indent=2, sort_keys=True).encode()
+        trust.put_blob(store, data)
+        trust.add_target(targets, release_path(model, rid, RELEASE_DOC), data, {"model": model, "release": rid})
+        for c in self.candidates:
+            pointer = json.dumps(
+                {"model": model, "sku": c.sku, "release": rid, "release_doc": release_path(model, rid, RELEASE_DOC)},
+                sort_keys=True,
+            ).encode()
+            trust.put_blob(store, pointer)
+            trust.add_target(targets, channel_path(model, c.sku), pointer, {"model": model, "sku": c.sku})
+        self.release, self.created = rid, True
+        return True
 
 
 def release_doc(store: Store, model: str, release: str) -> dict | None:

@@ -55,19 +55,10 @@ def _bound(build: BuildReport, reports: dict[str, EngineBound], model: str, sku:
         )
 
 
-def assemble(registry: Registry, model: str, sku: str) -> dict:
-    """The manifest document of one pair from its reports (with digest, without provenance).
-
-    Refuses reports of different builds, latency samples that are not the bench report's, and a
-    bench report that does not say which host timed the engine (the manifest's ``host`` is that one)."""
+def _bench_bound(registry: Registry, model: str, sku: str, bench: BenchReport) -> None:
+    """Refuse latency samples that are not the bench report's, a report whose figures are not its
+    samples', and one that does not say which host timed the engine."""
     out = layout(registry)
-    sku_spec = registry.sku(sku)
-    prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
-    data = read_report(out.report(model, None, "data"), DataReport, "data")
-    build = read_report(out.report(model, sku, "build"), BuildReport, "build")
-    val = read_report(out.report(model, sku, "validate"), ValidationReport, "validate")
-    bench = read_report(out.report(model, sku, "bench"), BenchReport, "bench")
-    _bound(build, {"validate.json": val, "bench.json": bench}, model, sku)
     latency = out.latency_csv(model, sku)
     latency_sha = sha256_file(latency) if latency.is_file() else None
     if latency_sha != bench.latency_sha256:
@@ -88,21 +79,69 @@ def assemble(registry: Registry, model: str, sku: str) -> dict:
             f"(p50 {bench.engine_only.p50_ms:.4g} ms, the samples' {recomputed.p50_ms:.4g} ms): edited?",
             hint=f"rerun the bench stage: skuforge bench --model {model} --sku {sku}",
         )
+
+
+def _calibration(registry: Registry, model: str, build: BuildReport) -> CalibrationInfo | None:
+    """The INT8 calibration the engine was built with: method, set and table hashes, settings."""
+    if build.calibration is None:
+        return None
+    out = layout(registry)
+    cal = read_report(out.report(model, None, "calibrate"), CalibrationReport, "calibrate")
+    settings = {k: v for k, v in build.calibration.items() if k not in ("method", "table_sha256")}
+    return CalibrationInfo(
+        method=build.calibration.get("method", cal.method),
+        calibration_set_sha256=cal.calibration_set_sha256,
+        samples=cal.samples,
+        table_sha256=build.calibration.get("table_sha256"),
+        settings=settings,
+    )
+
+
+def _correctness(val: ValidationReport) -> Correctness:
+    """The validate report's verdict as the manifest states it (gate summaries, not every layer)."""
+    return Correctness(
+        passed=val.passed,
+        failures=val.failures,
+        outputs=val.outputs,
+        metrics=val.metrics,
+        placement=PlacementSummary(
+            passed=val.placement.passed,
+            allowed=val.placement.allowed,
+            offending=len(val.placement.offending),
+            partition_boundaries=val.placement.partition_boundaries,
+        ),
+        precision=PrecisionSummary(
+            passed=val.precision_gate.passed,
+            requested=val.precision_gate.requested,
+            policy=val.precision_gate.policy,
+            mismatched_layers=len(val.precision_gate.mismatched),
+        ),
+        warnings=val.warnings,
+        bisection=val.bisection,
+        task=val.task,
+        diagnostics=val.diagnostics,
+    )
+
+
+def assemble(registry: Registry, model: str, sku: str) -> dict:
+    """The manifest document of one pair from its reports (with digest, without provenance).
+
+    Refuses reports of different builds, latency samples that are not the bench report's, and a
+    bench report that does not say which host timed the engine (the manifest's ``host`` is that one)."""
+    out = layout(registry)
+    sku_spec = registry.sku(sku)
+    prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
+    data = read_report(out.report(model, None, "data"), DataReport, "data")
+    build = read_report(out.report(model, sku, "build"), BuildReport, "build")
+    val = read_report(out.report(model, sku, "validate"), ValidationReport, "validate")
+    bench = read_report(out.report(model, sku, "bench"), BenchReport, "bench")
+    _bound(build, {"validate.json": val, "bench.json": bench}, model, sku)
+    _bench_bound(registry, model, sku, bench)
+    assert bench.host is not None  # _bench_bound refused a report without it
     files = {
         f"{stage}.json": evidence_digest(f"{stage}.json", out.report(model, sku, stage))
         for stage in ("build", "validate")
     }
-    calibration = None
-    if build.calibration is not None:
-        cal = read_report(out.report(model, None, "calibrate"), CalibrationReport, "calibrate")
-        settings = {k: v for k, v in build.calibration.items() if k not in ("method", "table_sha256")}
-        calibration = CalibrationInfo(
-            method=build.calibration.get("method", cal.method),
-            calibration_set_sha256=cal.calibration_set_sha256,
-            samples=cal.samples,
-            table_sha256=build.calibration.get("table_sha256"),
-            settings=settings,
-        )
     spec = registry.model(model)
     # digest and provenance are left unset (excluded from the dump below, filled in after it): the
     # pydantic plugin types model_construct like __init__, every required field, though it validates nothing
@@ -135,7 +174,7 @@ def assemble(registry: Registry, model: str, sku: str) -> dict:
             reproducibility=build.reproducibility,
         ),
         hardware_specific=build.hardware_specific,
-        calibration=calibration,
+        calibration=_calibration(registry, model, build),
         cache=CacheInfo(
             **build.cache.model_dump(
                 include={"kind", "sha256", "key", "state", "reason", "hits", "misses", "required", "ignored"}
@@ -148,28 +187,7 @@ def assemble(registry: Registry, model: str, sku: str) -> dict:
         layers=build.layers,
         placement=build.placement,
         precision_counts=build.precision_counts,
-        correctness=Correctness(
-            passed=val.passed,
-            failures=val.failures,
-            outputs=val.outputs,
-            metrics=val.metrics,
-            placement=PlacementSummary(
-                passed=val.placement.passed,
-                allowed=val.placement.allowed,
-                offending=len(val.placement.offending),
-                partition_boundaries=val.placement.partition_boundaries,
-            ),
-            precision=PrecisionSummary(
-                passed=val.precision_gate.passed,
-                requested=val.precision_gate.requested,
-                policy=val.precision_gate.policy,
-                mismatched_layers=len(val.precision_gate.mismatched),
-            ),
-            warnings=val.warnings,
-            bisection=val.bisection,
-            task=val.task,
-            diagnostics=val.diagnostics,
-        ),
+        correctness=_correctness(val),
         preprocessing={d.input: preprocessing_summary(d) for d in val.preprocessing},
         benchmark=benchmark_summary(bench, registry.bench(sku).noise_floor),
         host=bench.host,

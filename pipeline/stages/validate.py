@@ -16,10 +16,14 @@ from pipeline.project.artifacts import check_engine, layout, log, read_report
 from pipeline.project.config import Registry
 from pipeline.results.reports import (
     BuildReport,
+    PlacementResult,
+    PrecisionResult,
+    PreprocessingDrift,
     ValidationReport,
 )
 from pipeline.verify.bisect import Bisection, bisect
 from pipeline.verify.check import (
+    Judgement,
     correctness,
     correctness_failures,
     diagnostics,
@@ -59,30 +63,19 @@ def _bisect(registry: Registry, model: str, sku: str):
         )
 
 
-def validate(registry: Registry, model: str, sku: str, progress: Progress | None = None) -> ValidationReport:
-    require_host(registry, sku)
-    spec, sku_spec = registry.model(model), registry.sku(sku)
-    out = layout(registry)
-    build = read_report(out.report(model, sku, "build"), BuildReport, "build")
-    outputs_sha = None
-    # the budget covers loading and the engine calls; what follows them is bounded by the data's size
-    budget = Budget(sku_spec.max_seconds, "validate", f"skus.{sku}.max_seconds", log(model, sku))
-    with budget.watch(), get_backend(sku_spec.backend).load(out.engine_dir(model, sku), sku_spec) as runner:
-        engine_sha = check_engine(runner, build, out.engine_dir(model, sku), model, sku)
-        judgement = correctness(registry, model, sku, runner, progress, budget)
-        errors, metrics, golden = judgement.errors, judgement.metrics, judgement.golden
-        # the device's preprocessing against the training side's, through this engine (docs/preprocessing.md)
-        drift = preprocessing_drift(
-            registry, model, sku, runner, {m.split: m.engine for m in metrics}, progress, budget
-        )
-    if golden:
-        atomic_savez(out.engine_outputs(model, sku), **golden)
-        outputs_sha = sha256_arrays(golden)
-    placement = placement_gate(build, sku_spec.placement.allowed, sku_spec.placement.max_fallback_nodes)
-    precision = precision_gate(build, sku_spec.precision_gate.policy, sku_spec.precision_gate.max_mismatched_layers)
-    gate_failures = correctness_failures(registry, model, judgement)
-    unjudged = input_failures(judgement) + [d.failure for d in drift if d.failure and not d.judgeable]
-    failures = gate_failures + [d.failure for d in drift if d.failure and d.judgeable] + unjudged
+def _gate_lines(
+    registry: Registry,
+    model: str,
+    sku: str,
+    judgement: Judgement,
+    drift: list[PreprocessingDrift],
+    placement: PlacementResult,
+    precision: PrecisionResult,
+    failures: list[str],
+) -> list[str]:
+    """The placement and precision gates' lines (failures appended to ``failures``) and the warnings."""
+    sku_spec = registry.sku(sku)
+    errors, metrics = judgement.errors, judgement.metrics
     if not placement.passed:
         nodes = ", ".join(f"{layer.name} ({layer.op_type}) on {layer.device}" for layer in placement.offending)
         failures.append(
@@ -114,30 +107,13 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
             + (" …" if len(precision.mismatched) > 20 else "")
         )
         (warnings if precision.passed else failures).append(line)
-    bisection = None
-    if gate_failures and sku_spec.bisect.on_failure:
-        bisection = _bisect(registry, model, sku)
-    report = ValidationReport(
-        model=model,
-        sku=sku,
-        precision=sku_spec.precision,
-        passed=not failures,
-        failures=failures,
-        outputs=errors,
-        metrics=metrics,
-        placement=placement,
-        precision_gate=precision,
-        warnings=warnings,
-        samples=judgement.samples,
-        engine_sha256=engine_sha,
-        build_config_sha256=build.build_config_sha256,
-        outputs_sha256=outputs_sha,
-        bisection=bisection,
-        task=judgement.task,
-        diagnostics=diagnostics(judgement),
-        preprocessing=drift,
-    )
-    atomic_write_json(out.report(model, sku, "validate"), report.to_json())
+    return warnings
+
+
+def _log_report(registry: Registry, model: str, sku: str, report: ValidationReport, judgement: Judgement) -> None:
+    """What validate found, in the log: warnings, top-1 agreement, task verdicts, drift, metrics."""
+    spec = registry.model(model)
+    warnings, errors, drift, metrics = report.warnings, report.outputs, report.preprocessing, report.metrics
     lg = log(model, sku)
     for w in warnings:
         lg.warning("%s", w)
@@ -172,6 +148,14 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
             m.better,
             m.p_value,
         )
+
+
+def _raise_on_failures(
+    registry: Registry, model: str, sku: str, failures: list[str], unjudged: list[str], bisection: Bisection | None
+) -> None:
+    """InputError when only the data could not judge the engine; GateFailed with the bisection's
+    finding and the remedy's command otherwise."""
+    out, sku_spec = layout(registry), registry.sku(sku)
     if failures and len(failures) == len(unjudged):
         raise InputError(
             f"{model}/{sku}: the datasets cannot judge the engine:\n" + "\n".join(f"  - {f}" for f in failures),
@@ -191,4 +175,57 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
                 f"--fix (--apply writes params.yaml); {hint}"
             )
         raise GateFailed(f"{model}/{sku} failed validation:\n" + "\n".join(f"  - {f}" for f in lines), hint=hint)
+
+
+def validate(registry: Registry, model: str, sku: str, progress: Progress | None = None) -> ValidationReport:
+    require_host(registry, sku)
+    sku_spec = registry.sku(sku)
+    out = layout(registry)
+    build = read_report(out.report(model, sku, "build"), BuildReport, "build")
+    outputs_sha = None
+    # the budget covers loading and the engine calls; what follows them is bounded by the data's size
+    budget = Budget(sku_spec.max_seconds, "validate", f"skus.{sku}.max_seconds", log(model, sku))
+    with budget.watch(), get_backend(sku_spec.backend).load(out.engine_dir(model, sku), sku_spec) as runner:
+        engine_sha = check_engine(runner, build, out.engine_dir(model, sku), model, sku)
+        judgement = correctness(registry, model, sku, runner, progress, budget)
+        errors, metrics, golden = judgement.errors, judgement.metrics, judgement.golden
+        # the device's preprocessing against the training side's, through this engine (docs/preprocessing.md)
+        drift = preprocessing_drift(
+            registry, model, sku, runner, {m.split: m.engine for m in metrics}, progress, budget
+        )
+    if golden:
+        atomic_savez(out.engine_outputs(model, sku), **golden)
+        outputs_sha = sha256_arrays(golden)
+    placement = placement_gate(build, sku_spec.placement.allowed, sku_spec.placement.max_fallback_nodes)
+    precision = precision_gate(build, sku_spec.precision_gate.policy, sku_spec.precision_gate.max_mismatched_layers)
+    gate_failures = correctness_failures(registry, model, judgement)
+    unjudged = input_failures(judgement) + [d.failure for d in drift if d.failure and not d.judgeable]
+    failures = gate_failures + [d.failure for d in drift if d.failure and d.judgeable] + unjudged
+    warnings = _gate_lines(registry, model, sku, judgement, drift, placement, precision, failures)
+    bisection = None
+    if gate_failures and sku_spec.bisect.on_failure:
+        bisection = _bisect(registry, model, sku)
+    report = ValidationReport(
+        model=model,
+        sku=sku,
+        precision=sku_spec.precision,
+        passed=not failures,
+        failures=failures,
+        outputs=errors,
+        metrics=metrics,
+        placement=placement,
+        precision_gate=precision,
+        warnings=warnings,
+        samples=judgement.samples,
+        engine_sha256=engine_sha,
+        build_config_sha256=build.build_config_sha256,
+        outputs_sha256=outputs_sha,
+        bisection=bisection,
+        task=judgement.task,
+        diagnostics=diagnostics(judgement),
+        preprocessing=drift,
+    )
+    atomic_write_json(out.report(model, sku, "validate"), report.to_json())
+    _log_report(registry, model, sku, report, judgement)
+    _raise_on_failures(registry, model, sku, failures, unjudged, bisection)
     return report

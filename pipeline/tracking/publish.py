@@ -26,7 +26,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -130,6 +130,20 @@ def manifest_metrics(
     """Latency, throughput, memory, error statistics, task-metric deltas and gate results; with
     the bench report, the run's volatile detail too (``bench.*``: unrounded statistics, warm-up,
     drift, load time, every memory reading)."""
+    out: dict[str, Any] = {**_benchmark_metrics(m), **_correctness_metrics(m)}
+    if bench is not None:
+        out.update(_bench_metrics(bench))
+    if build_seconds is not None:
+        out["build.seconds"] = build_seconds
+    return {
+        _name(k): float(v)
+        for k, v in out.items()
+        if isinstance(v, (int, float)) and not (isinstance(v, float) and not math.isfinite(v))
+    }
+
+
+def _benchmark_metrics(m: Manifest) -> dict[str, Any]:
+    """The manifest's benchmark summary: latency, steps, energy, sustained run, preprocessing, memory."""
     out: dict[str, Any] = {}
     b = m.benchmark
     for kind in ("engine_only", "end_to_end"):
@@ -160,24 +174,33 @@ def manifest_metrics(
     out["throughput_per_s"] = b.throughput_per_s
     out["memory.peak_rss_mb"] = b.peak_rss_mb
     out["memory.engine_load_mb"] = b.engine_load_mb
-    if bench is not None:
-        for kind in ("engine_only", "end_to_end", "warmup"):
-            for key, value in (getattr(bench, kind).to_json() if getattr(bench, kind) else {}).items():
-                if not isinstance(value, list):
-                    out[f"bench.{kind}.{key}"] = value
-        for key in ("throughput_per_s", "first_inference_ms", "load_seconds"):
-            out[f"bench.{key}"] = getattr(bench, key)
-        for key, value in bench.memory_mb.items():
-            out[f"bench.memory.{key}_mb"] = value
-        if bench.roofline_fraction is not None:
-            out["bench.roofline_fraction"] = bench.roofline_fraction
-        out["bench.steady_state.reached"] = bench.steady_state.reached
-        out["bench.steady_state.warmup_iterations"] = bench.steady_state.warmup_iterations
-        if bench.drift is not None:
-            out["bench.drift.ratio"] = bench.drift.ratio
-            out["bench.drift.flagged"] = bench.drift.flagged
-    if build_seconds is not None:
-        out["build.seconds"] = build_seconds
+    return out
+
+
+def _bench_metrics(bench: BenchReport) -> dict[str, Any]:
+    """The bench run's volatile detail (``bench.*``)."""
+    out: dict[str, Any] = {}
+    for kind in ("engine_only", "end_to_end", "warmup"):
+        for key, value in (getattr(bench, kind).to_json() if getattr(bench, kind) else {}).items():
+            if not isinstance(value, list):
+                out[f"bench.{kind}.{key}"] = value
+    for key in ("throughput_per_s", "first_inference_ms", "load_seconds"):
+        out[f"bench.{key}"] = getattr(bench, key)
+    for key, value in bench.memory_mb.items():
+        out[f"bench.memory.{key}_mb"] = value
+    if bench.roofline_fraction is not None:
+        out["bench.roofline_fraction"] = bench.roofline_fraction
+    out["bench.steady_state.reached"] = bench.steady_state.reached
+    out["bench.steady_state.warmup_iterations"] = bench.steady_state.warmup_iterations
+    if bench.drift is not None:
+        out["bench.drift.ratio"] = bench.drift.ratio
+        out["bench.drift.flagged"] = bench.drift.flagged
+    return out
+
+
+def _correctness_metrics(m: Manifest) -> dict[str, Any]:
+    """Error statistics per output, task-metric deltas, the gates, the layers."""
+    out: dict[str, Any] = {}
     c = m.correctness
     for o in c.outputs:
         for key in (
@@ -202,11 +225,7 @@ def manifest_metrics(
     out["precision.mismatched_layers"] = c.precision.mismatched_layers
     out["layers"] = len(m.layers)
     out["layers.fused"] = sum(1 for layer in m.layers if len(layer.fused_from) > 1)
-    return {
-        _name(k): float(v)
-        for k, v in out.items()
-        if isinstance(v, (int, float)) and not (isinstance(v, float) and not math.isfinite(v))
-    }
+    return out
 
 
 def ci_tags(m: Manifest, env: Mapping[str, str]) -> dict[str, str]:
@@ -403,6 +422,60 @@ def _update_version_tags(tracking: Tracking, name: str, version, verdict: dict[s
             tracking.call(where, tracking.client.set_model_version_tag, name, version.version, tag, value)
 
 
+def _complete_run(tracking: Tracking, run_id: str, inputs: PublishInputs, step: Callable[[str, float], None]) -> None:
+    """Log the run's data and upload its artifacts, check the listing against what was uploaded,
+    then mark it complete (a run ended on failure is resumed by the next publish)."""
+    client = tracking.client
+    with _ended_on_failure(tracking, run_id):
+        _log_data(tracking, run_id, inputs)
+        _upload(tracking, run_id, inputs, step)
+        expected = expected_artifacts(inputs)
+        listed = _listing(tracking, run_id)
+        wrong = sorted(
+            p for p, size in expected.items() if p not in listed or (listed[p] is not None and listed[p] != size)
+        )
+        if wrong:
+            raise ServiceError(
+                f"MLflow at {tracking.display}: artifacts of run {run_id} missing or "
+                f"truncated after upload: {', '.join(wrong)}",
+                hint="publish again (the run is resumed); check the artifact store's space",
+            )
+        tracking.call("mark run complete", client.set_tag, run_id, TAG_COMPLETE, "true")
+
+
+def _register(tracking: Tracking, registry: Registry, name: str, m: Manifest, run: Any, key: Any) -> tuple[Any, bool]:
+    """The registered model's version of this manifest (found by digest, else created from the
+    run's engine artifacts with its tags); whether it was created."""
+    client = tracking.client
+    tracking.registered_model(
+        name,
+        tags={TAG_MODEL: m.model, TAG_SKU: m.sku},
+        description=f"Engines of model {m.model} for SKU {m.sku} (skuforge)",
+    )
+    engine_path = f"{run.info.artifact_uri.rstrip('/')}/{ENGINE_ARTIFACTS}"
+    version_tags = {
+        TAG_DIGEST: m.digest,
+        TAG_MODEL: m.model,
+        TAG_SKU: m.sku,
+        "skuforge.backend": m.backend,
+        "skuforge.precision": m.precision,
+        **_verdict_tags(m, registry, key),
+        "skuforge.p50_ms": f"{m.benchmark.engine_only.p50_ms:.6g}",
+    }
+    if m.provenance.git_commit:
+        version_tags["skuforge.git_commit"] = m.provenance.git_commit
+
+    def register():
+        found = _version_by_digest(client, name, m.digest)
+        if found is not None:
+            return found, False
+        return client.create_model_version(
+            name, engine_path, run_id=run.info.run_id, tags=version_tags, description=_summary(m)
+        ), True
+
+    return tracking.call(f"register a version of {name}", register)
+
+
 def publish_engine(
     tracking: Tracking, registry: Registry, inputs: PublishInputs, progress: Progress | None = None
 ) -> PublishResult:
@@ -446,52 +519,10 @@ def publish_engine(
         run_id = run.info.run_id
         if run.data.tags.get(TAG_COMPLETE) != "true":
             resumed = not created_run
-            with _ended_on_failure(tracking, run_id):
-                _log_data(tracking, run_id, inputs)
-                _upload(tracking, run_id, inputs, step)
-                expected = expected_artifacts(inputs)
-                listed = _listing(tracking, run_id)
-                wrong = sorted(
-                    p
-                    for p, size in expected.items()
-                    if p not in listed or (listed[p] is not None and listed[p] != size)
-                )
-                if wrong:
-                    raise ServiceError(
-                        f"MLflow at {tracking.display}: artifacts of run {run_id} missing or "
-                        f"truncated after upload: {', '.join(wrong)}",
-                        hint="publish again (the run is resumed); check the artifact store's space",
-                    )
-                tracking.call("mark run complete", client.set_tag, run_id, TAG_COMPLETE, "true")
+            _complete_run(tracking, run_id, inputs, step)
             tracking.call("end run", client.set_terminated, run_id, "FINISHED")
         step("publish: register", 0.9)
-        tracking.registered_model(
-            name,
-            tags={TAG_MODEL: m.model, TAG_SKU: m.sku},
-            description=f"Engines of model {m.model} for SKU {m.sku} (skuforge)",
-        )
-        engine_path = f"{run.info.artifact_uri.rstrip('/')}/{ENGINE_ARTIFACTS}"
-        version_tags = {
-            TAG_DIGEST: m.digest,
-            TAG_MODEL: m.model,
-            TAG_SKU: m.sku,
-            "skuforge.backend": m.backend,
-            "skuforge.precision": m.precision,
-            **_verdict_tags(m, registry, key),
-            "skuforge.p50_ms": f"{m.benchmark.engine_only.p50_ms:.6g}",
-        }
-        if m.provenance.git_commit:
-            version_tags["skuforge.git_commit"] = m.provenance.git_commit
-
-        def register():
-            found = _version_by_digest(client, name, m.digest)
-            if found is not None:
-                return found, False
-            return client.create_model_version(
-                name, engine_path, run_id=run_id, tags=version_tags, description=_summary(m)
-            ), True
-
-        version, created_version = tracking.call(f"register a version of {name}", register)
+        version, created_version = _register(tracking, registry, name, m, run, key)
         log.debug(
             "[%s] %s %s version %s (run %s)",
             where,

@@ -107,6 +107,26 @@ def output_errors(
     ]
 
 
+def _min_passing(d: np.ndarray, a: np.ndarray, t: Tolerance, budget: int) -> dict[str, float | None]:
+    """The smallest atol (at the tolerance's rtol) and rtol (at its atol) that would pass, with
+    ``budget`` mismatches allowed and no outlier beyond the outlier factor; None where none would."""
+    import numpy as np
+
+    factor = t.max_outlier_factor
+    return {
+        "min_passing_atol": _with_outliers(
+            _smallest_passing(np.maximum(d - t.rtol * a, 0.0), budget, lambda x: np.count_nonzero(d > x + t.rtol * a)),
+            None if factor is None else np.maximum(d / factor - t.rtol * a, 0.0),
+            lambda x: np.count_nonzero(d > factor * (x + t.rtol * a)) if factor else 0,
+        ),
+        "min_passing_rtol": _with_outliers(
+            _smallest_passing(_rtol_needed(d, a, t.atol), budget, lambda x: np.count_nonzero(d > t.atol + x * a)),
+            None if factor is None else _rtol_needed(d / factor, a, t.atol),
+            lambda x: np.count_nonzero(d > factor * (t.atol + x * a)) if factor else 0,
+        ),
+    }
+
+
 def output_error(
     name: str,
     engine: np.ndarray,
@@ -191,20 +211,7 @@ def output_error(
         max_rel_error=float(rel.max()) if rel.size else None,
         cosine_similarity=_cosine(e[both], r[both]),
         mismatch_fraction=beyond / n if n else 0.0,
-        min_passing_atol=_with_outliers(
-            _smallest_passing(
-                np.maximum(d - t.rtol * a, 0.0), allowed - hopeless, lambda x: np.count_nonzero(d > x + t.rtol * a)
-            ),
-            None if factor is None else np.maximum(d / factor - t.rtol * a, 0.0),
-            lambda x: np.count_nonzero(d > factor * (x + t.rtol * a)) if factor else 0,
-        ),
-        min_passing_rtol=_with_outliers(
-            _smallest_passing(
-                _rtol_needed(d, a, t.atol), allowed - hopeless, lambda x: np.count_nonzero(d > t.atol + x * a)
-            ),
-            None if factor is None else _rtol_needed(d / factor, a, t.atol),
-            lambda x: np.count_nonzero(d > factor * (t.atol + x * a)) if factor else 0,
-        ),
+        **_min_passing(d, a, t, allowed - hopeless),
         outlier_count=outliers,
         passed=False,
     )

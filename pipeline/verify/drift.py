@@ -11,6 +11,7 @@ swapped in alone to name the step that moves the metric (else the input) most.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipeline.core.budget import Budget
@@ -117,41 +118,47 @@ class _Paired:
         return int(np.count_nonzero(r & ~d)), int(np.count_nonzero(d & ~r))
 
 
-def preprocessing_drift(
-    registry: Registry,
-    model: str,
-    sku: str,
-    runner: Any,
-    engine_scores: dict[str, float],
-    progress: Progress | None = None,
-    budget: Budget | None = None,
-) -> list[PreprocessingDrift]:
-    """The drift check of each input made from raw files (none: an empty list). ``engine_scores``:
-    the engine's task metric per split with the training-side inputs (the validate stage's)."""
-    spec, sku_spec = registry.model(model), registry.sku(sku)
-    files = spec.file_inputs
-    split = next((s for s in DRIFT_SPLITS if (src := getattr(spec.datasets, s)) is not None and src.files), None)
-    if not files or split is None:
-        return []
-    out = layout(registry)
-    data = read_report(out.report(model, None, "data"), DataReport, "data")
-    prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
-    in_idx, out_idx, batch = run_plan(registry, model, prep.signature, sku)
-    blobs, names, labels = unpack(load_arrays(out.split(model, split, raw=True), "data"))
-    trained = load_arrays(out.split(model, split), "data")
-    gate = sku_spec.preprocessing
-    confidence = registry.metric_gate(model, sku).confidence
-    results = []
-    for name, reference in files.items():
+@dataclass
+class _DriftRun:
+    """What the drift check of every input of one (model, SKU) shares: the engine, the samples'
+    raw files and training-side inputs, the run plan."""
+
+    registry: Registry
+    model: str
+    sku: str
+    runner: Any
+    budget: Budget | None
+    split: str
+    plan: tuple[dict, dict, int]  # in_idx, out_idx, batch
+    raw: tuple[Any, Any, Any]  # blobs, names, labels
+    trained: dict[str, Any]
+    data: DataReport
+    engine_scores: dict[str, float]
+
+    def input_drift(self, name: str, reference: Any) -> PreprocessingDrift:
+        """One input's check: the device's preprocessing against the training side's, the steps
+        that differ, the metric drop (labels) or the postprocess's agreement (none)."""
+        registry, model, sku, runner, budget, split = (
+            self.registry,
+            self.model,
+            self.sku,
+            self.runner,
+            self.budget,
+            self.split,
+        )
+        spec, sku_spec = registry.model(model), registry.sku(sku)
+        in_idx, out_idx, batch = self.plan
+        blobs, names, labels = self.raw
+        data, engine_scores = self.data, self.engine_scores
+        gate = sku_spec.preprocessing
+        confidence = registry.metric_gate(model, sku).confidence
         device = device_preprocessing(reference, gate.device)
         dtype = spec.input(name).dtype
-        ref_x = trained[name]
+        ref_x = self.trained[name]
         dev_x = Preprocessor(device, dtype)(blobs, names)
         diff = input_diff(ref_x, dev_x)
         judged = spec.metric is not None and labels is not None
         judge = _Paired(runner, budget, name, ref_x, labels, spec, in_idx, out_idx, batch)
-        if progress is not None:
-            progress(f"validate preprocessing {name}", 0.0)
         worse, better = judge(dev_x, "device")
         # label-free: the postprocess's results with the device's inputs against the training side's
         agreement_gate = gate.max_agreement_drop
@@ -195,37 +202,77 @@ def preprocessing_drift(
             agreement,
         )
         reference_score = engine_scores.get(split)
-        results.append(
-            PreprocessingDrift(
-                input=name,
-                split=split,
-                samples=n,
-                reference=data.preprocessing.get(name, describe(reference)),
-                device=describe(device),
-                differing_steps=differing_steps(reference, device),
-                diff=diff,
-                metric=spec.metric.kind if judged and spec.metric else None,
-                metric_reference=reference_score if judged else None,
-                metric_device=(
-                    reference_score - drop if judged and reference_score is not None and drop is not None else None
-                ),
-                metric_drop=drop,
-                worse=worse,
-                better=better,
-                p_value=gatestats.mcnemar_p(worse, better) if judged else None,
-                drop_interval=gatestats.drop_interval(worse, better, n, confidence) if judged and n else None,
-                confidence=confidence,
-                max_metric_drop=gate.max_metric_drop,
-                max_input_diff=gate.max_input_diff,
-                steps=steps,
-                culprit=culprit,
-                passed=failure is None,
-                failure=failure,
-                judgeable=judgeable,
-                agreement=agreement,
-                max_agreement_drop=agreement_gate if agreement is not None else None,
-            )
+        return PreprocessingDrift(
+            input=name,
+            split=split,
+            samples=n,
+            reference=data.preprocessing.get(name, describe(reference)),
+            device=describe(device),
+            differing_steps=differing_steps(reference, device),
+            diff=diff,
+            metric=spec.metric.kind if judged and spec.metric else None,
+            metric_reference=reference_score if judged else None,
+            metric_device=(
+                reference_score - drop if judged and reference_score is not None and drop is not None else None
+            ),
+            metric_drop=drop,
+            worse=worse,
+            better=better,
+            p_value=gatestats.mcnemar_p(worse, better) if judged else None,
+            drop_interval=gatestats.drop_interval(worse, better, n, confidence) if judged and n else None,
+            confidence=confidence,
+            max_metric_drop=gate.max_metric_drop,
+            max_input_diff=gate.max_input_diff,
+            steps=steps,
+            culprit=culprit,
+            passed=failure is None,
+            failure=failure,
+            judgeable=judgeable,
+            agreement=agreement,
+            max_agreement_drop=agreement_gate if agreement is not None else None,
         )
+
+
+def preprocessing_drift(
+    registry: Registry,
+    model: str,
+    sku: str,
+    runner: Any,
+    engine_scores: dict[str, float],
+    progress: Progress | None = None,
+    budget: Budget | None = None,
+) -> list[PreprocessingDrift]:
+    """The drift check of each input made from raw files (none: an empty list). ``engine_scores``:
+    the engine's task metric per split with the training-side inputs (the validate stage's)."""
+    spec = registry.model(model)
+    files = spec.file_inputs
+    split = next((s for s in DRIFT_SPLITS if (src := getattr(spec.datasets, s)) is not None and src.files), None)
+    if not files or split is None:
+        return []
+    out = layout(registry)
+    data = read_report(out.report(model, None, "data"), DataReport, "data")
+    prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
+    in_idx, out_idx, batch = run_plan(registry, model, prep.signature, sku)
+    blobs, names, labels = unpack(load_arrays(out.split(model, split, raw=True), "data"))
+    trained = load_arrays(out.split(model, split), "data")
+    run = _DriftRun(
+        registry=registry,
+        model=model,
+        sku=sku,
+        runner=runner,
+        budget=budget,
+        split=split,
+        plan=(in_idx, out_idx, batch),
+        raw=(blobs, names, labels),
+        trained=trained,
+        data=data,
+        engine_scores=engine_scores,
+    )
+    results = []
+    for name, reference in files.items():
+        if progress is not None:
+            progress(f"validate preprocessing {name}", 0.0)
+        results.append(run.input_drift(name, reference))
         if progress is not None:
             progress(f"validate preprocessing {name}", 1.0)
     return results

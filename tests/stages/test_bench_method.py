@@ -11,6 +11,7 @@ import pytest
 
 from pipeline.core.io import read_json
 from pipeline.core.paths import Layout
+from pipeline.perf.harness import time_calls, warm_up
 from pipeline.project.config import BenchSpec, load_registry
 from pipeline.results.benchstats import (
     block_bootstrap,
@@ -23,7 +24,7 @@ from pipeline.results.benchstats import (
 )
 from pipeline.results.manifest import benchmark_changes, settle
 from pipeline.results.reports import Benchmark, EnergySummary, LatencySummary, SustainedSummary
-from pipeline.stages.bench import bench, time_calls, warm_up
+from pipeline.stages.bench import bench
 from pipeline.stages.build import build
 from pipeline.stages.calibrate import calibrate
 from pipeline.stages.data import make_data

@@ -73,6 +73,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     ex.add_argument("--json", action="store_true")
     ex.set_defaults(handler="pipeline.cli.commands:export_example")
 
+    _register_stages(sub)
+    _register_mlflow(sub)
+    _register_results(sub)
+    _register_runner(sub)
+
+
+def _register_stages(sub: argparse._SubParsersAction) -> None:
+    """One command per pipeline stage: --model (and --sku), the stage's flags."""
     for name, (needs_sku, help_text) in STAGE_COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--model", required=True)
@@ -85,6 +93,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             p.add_argument(flag, dest=kw, action="store_const", const=True, default=None, help=flag_help)
         p.set_defaults(handler="pipeline.cli.commands:run_stage")
 
+
+def _register_mlflow(sub: argparse._SubParsersAction) -> None:
+    """MLflow: publish, promote, releases."""
     p = sub.add_parser("publish", help="record engines in MLflow (a run each) and register them (idempotent)")
     p.add_argument("--model", help="the model of the pair to publish")
     p.add_argument("--sku", help="the SKU of the pair to publish")
@@ -115,6 +126,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler="pipeline.cli.commands:releases")
 
+
+def _register_results(sub: argparse._SubParsersAction) -> None:
+    """The pipeline run and its results: repro, summary, select, report."""
     r = sub.add_parser(
         "repro", help="dvc repro (keep going) for the SKUs this host can build; the outcome of every pair"
     )
@@ -175,6 +189,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the index's path and the pages written as JSON")
     p.set_defaults(handler="pipeline.cli.commands:report")
 
+
+def _register_runner(sub: argparse._SubParsersAction) -> None:
+    """This host as a CI runner: probe, check, labels."""
     rn = sub.add_parser("runner", help="this host as a CI runner: its state, whether it matches a SKU, runner labels")
     rsub = rn.add_subparsers(dest="runner_command", metavar="ACTION", required=True)
     p = rsub.add_parser("probe", help="the host's hardware, device state, GPU, toolchain and the SKUs it can build/run")

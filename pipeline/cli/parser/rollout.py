@@ -96,6 +96,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler="pipeline.cli.rollout:release_repair")
 
+    _register_rollout(sub)
+    _register_agent(sub)
+
+
+def _register_rollout(sub: argparse._SubParsersAction) -> None:
+    """skuforge rollout: plan, start and move a release over the fleet."""
     ro = sub.add_parser("rollout", help="move a release over the fleet in waves with health gates")
     osub = ro.add_subparsers(dest="rollout_command", metavar="ACTION", required=True)
     p = osub.add_parser("plan", help="which devices each wave reaches (nothing is written)")
@@ -143,6 +149,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--json", action="store_true")
         p.set_defaults(handler="pipeline.cli.rollout:rollout_move", action=name)
 
+
+def _register_agent(sub: argparse._SubParsersAction) -> None:
+    """skuforge agent: the device side."""
     p = sub.add_parser(
         "agent",
         help="the device agent: fetch, verify, smoke-test, activate and report",

@@ -15,12 +15,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from pipeline.core.progress import Progress
 from pipeline.host.energy import EnergyMeter, joules_between
 from pipeline.host.probe import cpu_mhz_lowest, device_state
-from pipeline.project.config import SustainedSpec
 from pipeline.results.power import EnergyResult, SustainedResult, SustainedStop, SustainedWindow, Throttling
+
+if TYPE_CHECKING:
+    from pipeline.project.config import SustainedSpec
 
 Sensors = Callable[[], tuple[float | None, float | None]]  # (hottest temperature C, lowest CPU MHz)
 
@@ -99,6 +102,37 @@ def _throttling(windows: Sequence[SustainedWindow], eq: Sequence[SustainedWindow
     )
 
 
+def _window(fn: Callable[[], object], until: float) -> tuple[list[float], float]:
+    """Call ``fn`` until ``until`` (a ``time.perf_counter()`` time), at least once even past it (a
+    window is never empty): the ms per call and when the last call ended."""
+    samples: list[float] = []
+    while True:
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        samples.append((t1 - t0) * 1000.0)
+        if t1 >= until:
+            return samples, t1
+
+
+def _stop(
+    spec: SustainedSpec, trend: _Trend, elapsed: float, windows: int, past_deadline: bool
+) -> tuple[SustainedStop | None, str]:
+    """Whether the run stops after this window, and why: flat trends, the cap, the deadline."""
+    if spec.until_thermal_steady and elapsed >= spec.min_seconds and trend.flat:
+        return "flat", f"flat after {elapsed:.3g} s ({windows} windows): {trend.text}"
+    if elapsed >= spec.max_seconds:
+        why = (
+            "until_thermal_steady is false: ran"
+            if not spec.until_thermal_steady
+            else "the trends did not flatten: stopped"
+        )
+        return "cap", f"{why} at max_seconds ({spec.max_seconds:g} s): {trend.text}"
+    if past_deadline:
+        return "stopped", f"the deadline came after {elapsed:.3g} s, before a verdict: {trend.text}"
+    return None, ""
+
+
 def sustained_run(
     fn: Callable[[], object],
     spec: SustainedSpec,
@@ -130,15 +164,7 @@ def sustained_run(
     end_at = start + spec.max_seconds if deadline is None else min(start + spec.max_seconds, deadline)
     while True:
         w0 = clock()
-        w_end = min(w0 + spec.window_seconds, end_at)
-        samples: list[float] = []
-        while True:  # at least one call, even past the deadline: a window is never empty
-            t0 = clock()
-            fn()
-            t1 = clock()
-            samples.append((t1 - t0) * 1000.0)
-            if t1 >= w_end:
-                break
+        samples, t1 = _window(fn, min(w0 + spec.window_seconds, end_at))
         temperature, mhz = read_sensors()
         power: float | None = None
         if meter is not None:
@@ -163,19 +189,7 @@ def sustained_run(
         recent.append((samples, t1 - w0))
         elapsed = now - start
         trend = _Trend(windows[-k:], spec)
-        stopped: SustainedStop | None = None
-        reason = ""
-        if spec.until_thermal_steady and elapsed >= spec.min_seconds and trend.flat:
-            stopped, reason = "flat", f"flat after {elapsed:.3g} s ({len(windows)} windows): {trend.text}"
-        elif elapsed >= spec.max_seconds:
-            why = (
-                "until_thermal_steady is false: ran"
-                if not spec.until_thermal_steady
-                else "the trends did not flatten: stopped"
-            )
-            stopped, reason = "cap", f"{why} at max_seconds ({spec.max_seconds:g} s): {trend.text}"
-        elif deadline is not None and now >= deadline:
-            stopped, reason = "stopped", f"the deadline came after {elapsed:.3g} s, before a verdict: {trend.text}"
+        stopped, reason = _stop(spec, trend, elapsed, len(windows), deadline is not None and now >= deadline)
         if stopped is not None:
             break
         if progress is not None:
