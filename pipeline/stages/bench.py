@@ -6,11 +6,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import math
 import os
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Literal
 
 from pipeline.backends import get_backend
 from pipeline.core.budget import Budget
@@ -26,6 +27,7 @@ from pipeline.core.env import (
 )
 from pipeline.core.errors import ConfigError
 from pipeline.core.io import atomic_write_bytes, atomic_write_json, sha256_bytes
+from pipeline.core.paths import Layout
 from pipeline.host.energy import EnergyMeter, open_meter, unavailable
 from pipeline.perf.harness import (
     above_idle,
@@ -43,12 +45,13 @@ from pipeline.project.files import unpack
 from pipeline.project.postprocessing import postprocess
 from pipeline.project.processing import Preprocessor, describe
 from pipeline.results.benchstats import drift, e2e_below_engine, latency_stats
-from pipeline.results.power import ENERGY_SOURCES, EnergySource
+from pipeline.results.power import ENERGY_SOURCES, EnergyResult, EnergySource
 from pipeline.results.reports import (
     BenchReport,
     BuildReport,
     Execution,
     HostInfo,
+    LatencyStats,
     PrepareReport,
     SweepPoint,
 )
@@ -152,13 +155,25 @@ def sweep(runner, cfg: BenchSpec, feeds: dict[int, dict], progress: Progress | N
 
 
 def engine_roofline(
-    registry: Registry, model: str, sku: str, runner, feeds: dict, build: BuildReport, p50_ms: float
+    registry: Registry,
+    model: str,
+    sku: str,
+    runner,
+    feeds: dict,
+    build: BuildReport,
+    p50_ms: float,
+    budget: Budget | None = None,
+    warnings: list[str] | None = None,
 ) -> RooflineReport | None:
     """The engine against this host's peaks (measured once per host and cached: ``skuforge runner
     probe --peaks``), with per-layer times where the backend profiles them: its INT8 ops (the SKU's
     precision, or its layers') against the INT8 peak, the others against the FP32 one. None, with a
-    warning, where the graph's costs cannot be counted; the benchmark itself never fails on it."""
-
+    warning, where the graph's costs cannot be counted, or (said in ``warnings``) where the 20
+    profiled runs would not fit in what is left of ``budget``; the benchmark never fails on it."""
+    if budget is not None and budget.remaining() <= 25 * p50_ms / 1000:  # a warm-up and 20 runs
+        if warnings is not None:
+            warnings.append(f"bench: no roofline: its 20 profiled runs would not fit in what is left of {budget.key}")
+        return None
     out = layout(registry)
     try:
         cost = graph_cost(out.prepared_model(model), registry.pins(model, sku))
@@ -242,6 +257,125 @@ class EndToEnd:
             samples.clear()
 
 
+def _engine_only(
+    call: Callable[[], object],
+    cfg: BenchSpec,
+    sku_spec: SkuSpec,
+    budget: Budget,
+    batch: int,
+    progress: Progress | None,
+) -> tuple[list[float], float, Literal["iterations", "max_seconds", "budget"], EnergyResult]:
+    """The engine-only steady phase with the host's energy counters around it (the idle floor
+    first), or why there are none: (ms per call, busy seconds, what stopped it, energy)."""
+    steady_cfg = phase_cfg(cfg, budget, 0.5)
+    with energy_meter(cfg, sku_spec) as meter:
+        if isinstance(meter, str):
+            steady, wall, capped = timed(call, steady_cfg, cfg.concurrency, progress, "bench engine")
+            energy = unavailable(meter, ENERGY_PHASE)
+        else:
+            meter.start()  # the floor first: the engine loaded and not called
+            time.sleep(IDLE_SECONDS)
+            idle = meter.stop(0, "idle")
+            meter.start()
+            steady, wall, capped = timed(call, steady_cfg, cfg.concurrency, progress, "bench engine")
+            energy = above_idle(meter.stop(len(steady) * batch, ENERGY_PHASE), idle)
+    return steady, wall, stopped_by(cfg, steady_cfg, capped), energy
+
+
+def _sweep_if_it_fits(
+    runner, cfg: BenchSpec, feeds: dict[int, dict], budget: Budget, progress: Progress | None, warnings: list[str]
+) -> list[SweepPoint]:
+    """The batch/concurrency sweep where one is asked for and what is left of the budget holds it."""
+    if cfg.sweep is None:
+        return []
+    need = len(feeds) * len(cfg.sweep.concurrency or [cfg.concurrency]) * max(cfg.sweep.seconds, 1.0) * 2
+    if budget.remaining() > need:
+        return sweep(runner, cfg, feeds, progress)
+    warnings.append(f"bench: no sweep: it needs up to {need:g} s, more than is left of {budget.key}")
+    return []
+
+
+def _write(
+    out: Layout, model: str, sku: str, report: BenchReport, samples: bytes, timeline: bytes, roof_bytes: bytes | None
+) -> None:
+    """The samples first (the report names their hashes), the roofline (or none: never a stale
+    analysis beside a new report), then the report."""
+    atomic_write_bytes(out.latency_csv(model, sku), samples)
+    atomic_write_bytes(out.timeline_csv(model, sku), timeline)
+    if roof_bytes is not None:
+        atomic_write_bytes(out.roofline(model, sku), roof_bytes)
+    else:
+        out.roofline(model, sku).unlink(missing_ok=True)  # never a stale analysis beside a new report
+    atomic_write_json(out.report(model, sku, "bench"), report.to_json())
+
+
+def _log(lg: logging.LoggerAdapter, report: BenchReport, warnings: list[str]) -> None:
+    steady_state = report.steady_state
+    s = report.engine_only
+    lg.info(
+        "bench: p50 %.4g ms (%s) p99 %.4g ms, %.0f samples/s; %s",
+        s.p50_ms,
+        _ci(s.p50_ci_ms),
+        s.p99_ms,
+        report.throughput_per_s,
+        steady_state.reason,
+    )
+    if not steady_state.reached:
+        lg.warning("bench: %s", steady_state.reason)
+    for line in warnings:
+        lg.warning("%s", line)
+    if report.drift is not None and report.drift.flagged:
+        lg.warning(
+            "bench: latency drifted %.1f%% between the first and last %d calls (%.4g -> %.4g ms): "
+            "throttling or a noisy neighbour; the figures may not hold",
+            (report.drift.ratio - 1) * 100,
+            report.drift.window,
+            report.drift.first_p50_ms,
+            report.drift.last_p50_ms,
+        )
+
+
+def _end_to_end(
+    end_to_end: EndToEnd, cfg: BenchSpec, budget: Budget, progress: Progress | None
+) -> tuple[list[float], Literal["iterations", "max_seconds", "budget"]]:
+    """The end-to-end phase at the engine-only phase's concurrency (e2e latency under fewer callers
+    is not comparable), after one call that loads the codecs: (ms per call, what stopped it)."""
+    end_to_end()  # the first decode loads the library's codecs: not a steady-state call
+    end_to_end.reset()
+    e2e_cfg = phase_cfg(cfg, budget, 0.5)
+    e2e, _, capped = timed(end_to_end, e2e_cfg, cfg.concurrency, progress, "bench end-to-end")
+    return e2e, stopped_by(cfg, e2e_cfg, capped)
+
+
+def _memory(before: dict[str, float], loaded: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {
+        "rss_before_load": before["rss"],
+        "rss_after_load": loaded["rss"],
+        "engine_load_delta": loaded["rss"] - before["rss"],
+        "rss_after_bench": after["rss"],
+        "peak_rss": after["peak_rss"],
+    }
+
+
+def _e2e_below_engine(engine: LatencyStats, e2e: LatencyStats, model: str, sku: str, warnings: list[str]) -> bool:
+    """Whether end to end measured faster than the engine alone (impossible: it includes it), warned."""
+    impossible = e2e_below_engine(engine, e2e)
+    if impossible:
+        warnings.append(
+            f"bench: end-to-end p50 {e2e.p50_ms:.4g} ms is below engine-only p50 {engine.p50_ms:.4g} ms, "
+            "which end to end includes: a measurement error (a neighbour, a frequency step or throttling between "
+            f"the phases); rerun `skuforge bench --model {model} --sku {sku}` on a quiet runner"
+        )
+    return impossible
+
+
+def _first_ms(runner, feeds: dict) -> float:
+    """The first inference's ms (lazy initialisation, first-touch allocations: not a steady call)."""
+    t0 = time.perf_counter()
+    runner.infer(feeds)
+    return (time.perf_counter() - t0) * 1000
+
+
 def bench(registry: Registry, model: str, sku: str, progress: Progress | None = None) -> BenchReport:
     import numpy as np
 
@@ -269,63 +403,31 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
         engine_sha = check_engine(runner, build, out.engine_dir(model, sku), model, sku)
         mem_loaded = rss_mb()
         budget.check("bench first inference")
-        t0 = time.perf_counter()
-        runner.infer(feeds)
-        first_ms = (time.perf_counter() - t0) * 1000
+        first_ms = _first_ms(runner, feeds)
         call = functools.partial(runner.infer, feeds)  # no per-call closure or lookup beyond the runner's own
         # each phase gets a share of what is left of the stage's budget, so that the later ones still run
         budget.check("bench warm-up")
         warm_cfg = cfg.model_copy(update={"max_warmup_seconds": budget.cap(cfg.max_warmup_seconds, 0.25)})
         warm, steady_state = warm_up(call, warm_cfg, progress)
         budget.check("bench engine-only")
-        steady_cfg = phase_cfg(cfg, budget, 0.5)
-        # the host's energy counters over the engine-only phase, or why there are none
-        with energy_meter(cfg, sku_spec) as meter:
-            if isinstance(meter, str):
-                steady, wall, capped = timed(call, steady_cfg, cfg.concurrency, progress, "bench engine")
-                energy = unavailable(meter, ENERGY_PHASE)
-            else:
-                meter.start()  # the floor first: the engine loaded and not called
-                time.sleep(IDLE_SECONDS)
-                idle = meter.stop(0, "idle")
-                meter.start()
-                steady, wall, capped = timed(call, steady_cfg, cfg.concurrency, progress, "bench engine")
-                energy = above_idle(meter.stop(len(steady) * batch, ENERGY_PHASE), idle)
-        stopped = stopped_by(cfg, steady_cfg, capped)
-
+        steady, wall, stopped, energy = _engine_only(call, cfg, sku_spec, budget, batch, progress)
         end_to_end = EndToEnd(registry, model, sku, runner, in_idx, batch)
         budget.check("bench end-to-end")
-        end_to_end()  # the first decode loads the library's codecs: not a steady-state call
-        end_to_end.reset()
-        e2e_cfg = phase_cfg(cfg, budget, 0.5)
-        # at the engine-only phase's concurrency: e2e latency under fewer callers is not comparable
-        e2e, _, e2e_capped = timed(end_to_end, e2e_cfg, cfg.concurrency, progress, "bench end-to-end")
-        e2e_stopped = stopped_by(cfg, e2e_cfg, e2e_capped)
+        e2e, e2e_stopped = _end_to_end(end_to_end, cfg, budget, progress)
         for phase, n, how in (("engine-only", len(steady), stopped), ("end-to-end", len(e2e), e2e_stopped)):
             if how == "budget":
                 warnings.append(
                     f"bench: the stage budget ({budget.key}: {budget.seconds:g} s) cut the {phase} phase "
                     f"to n={n} of {cfg.iterations} iterations: its intervals are wide"
                 )
-        points, roof = [], None
-        p50 = float(np.median(steady))
         # the sweep and the roofline come last and only where the budget still holds them
-        if cfg.sweep is not None:
-            need = len(sweep_feeds) * len(cfg.sweep.concurrency or [cfg.concurrency]) * max(cfg.sweep.seconds, 1.0) * 2
-            if budget.remaining() > need:
-                points = sweep(runner, cfg, sweep_feeds, progress)
-            else:
-                warnings.append(f"bench: no sweep: it needs up to {need:g} s, more than is left of {budget.key}")
+        points = _sweep_if_it_fits(runner, cfg, sweep_feeds, budget, progress, warnings)
+        p50, roof = float(np.median(steady)), None
         if cfg.roofline:
-            if budget.remaining() > 25 * p50 / 1000:  # profile_layers: a warm-up and 20 runs
-                roof = engine_roofline(registry, model, sku, runner, feeds, build, p50)
-            else:
-                warnings.append(
-                    f"bench: no roofline: its 20 profiled runs would not fit in what is left of {budget.key}"
-                )
-        sustained = None
-        if cfg.sustained is not None:
-            sustained = _sustained(call, cfg, sku_spec, batch, budget, progress, warnings)
+            roof = engine_roofline(registry, model, sku, runner, feeds, build, p50, budget, warnings)
+        sustained = (
+            _sustained(call, cfg, sku_spec, batch, budget, progress, warnings) if cfg.sustained is not None else None
+        )
         run = execution(build, cfg.concurrency)
         mem_after = rss_mb()
     # the statistics of the samples as latency.csv holds them: the manifest stage recomputes them from it
@@ -333,13 +435,7 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
     samples, timeline = samples_csv(steady), timeline_csv(warm, steady)
     roof_bytes = json.dumps(roof.to_json(), indent=2, sort_keys=True).encode() + b"\n" if roof is not None else None
     engine, end_to_end_stats = latency_stats(steady, cfg.confidence), latency_stats(e2e, cfg.confidence)
-    impossible = e2e_below_engine(engine, end_to_end_stats)
-    if impossible:
-        warnings.append(
-            f"bench: end-to-end p50 {end_to_end_stats.p50_ms:.4g} ms is below engine-only p50 {engine.p50_ms:.4g} ms, "
-            "which end to end includes: a measurement error (a neighbour, a frequency step or throttling between "
-            f"the phases); rerun `skuforge bench --model {model} --sku {sku}` on a quiet runner"
-        )
+    impossible = _e2e_below_engine(engine, end_to_end_stats, model, sku, warnings)
     throughput_ci = None
     if engine.mean_ci_ms is not None and cfg.concurrency == 1:
         throughput_ci = (batch * 1000 / engine.mean_ci_ms[1], batch * 1000 / engine.mean_ci_ms[0])
@@ -373,46 +469,12 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
         throughput_ci_per_s=throughput_ci,
         execution=run,
         sweep=points,
-        memory_mb={
-            "rss_before_load": mem_before["rss"],
-            "rss_after_load": mem_loaded["rss"],
-            "engine_load_delta": mem_loaded["rss"] - mem_before["rss"],
-            "rss_after_bench": mem_after["rss"],
-            "peak_rss": mem_after["peak_rss"],
-        },
+        memory_mb=_memory(mem_before, mem_loaded, mem_after),
         device_state={"before": state_before, "after": device_state()},
         host=HostInfo(**host()),  # the manifest's host comes from here, not from wherever the manifest is written
     )
-    # samples first: the report names their hashes
-    atomic_write_bytes(out.latency_csv(model, sku), samples)
-    atomic_write_bytes(out.timeline_csv(model, sku), timeline)
-    if roof_bytes is not None:
-        atomic_write_bytes(out.roofline(model, sku), roof_bytes)
-    else:
-        out.roofline(model, sku).unlink(missing_ok=True)  # never a stale analysis beside a new report
-    atomic_write_json(out.report(model, sku, "bench"), report.to_json())
-    s = report.engine_only
-    lg.info(
-        "bench: p50 %.4g ms (%s) p99 %.4g ms, %.0f samples/s; %s",
-        s.p50_ms,
-        _ci(s.p50_ci_ms),
-        s.p99_ms,
-        report.throughput_per_s,
-        steady_state.reason,
-    )
-    if not steady_state.reached:
-        lg.warning("bench: %s", steady_state.reason)
-    for line in warnings:
-        lg.warning("%s", line)
-    if report.drift is not None and report.drift.flagged:
-        lg.warning(
-            "bench: latency drifted %.1f%% between the first and last %d calls (%.4g -> %.4g ms): "
-            "throttling or a noisy neighbour; the figures may not hold",
-            (report.drift.ratio - 1) * 100,
-            report.drift.window,
-            report.drift.first_p50_ms,
-            report.drift.last_p50_ms,
-        )
+    _write(out, model, sku, report, samples, timeline, roof_bytes)
+    _log(lg, report, warnings)
     return report
 
 
