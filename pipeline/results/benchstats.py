@@ -13,10 +13,12 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pipeline.results.reports import Drift, LatencyStats, LatencySummary
+from pipeline.results.reports import Drift, LatencyStats
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from pipeline.results.manifest import LatencySummary  # the manifest's module reads this one
 
 RESAMPLES = 400
 QUANTILES = (0.50, 0.95, 0.99)

@@ -12,27 +12,278 @@ from datetime import datetime, timezone
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
 
 from pipeline import __version__
 from pipeline.core.errors import InputError
 from pipeline.core.io import read_json, sha256_json
+from pipeline.results.base import Result
 from pipeline.results.benchstats import round_ci, round_to_ci, same_figure
+from pipeline.results.power import EnergyResult, SustainedResult
 from pipeline.results.reports import (
-    Benchmark,
     BenchReport,
-    EnergyResult,
-    EnergySummary,
+    Bisection,
+    BuildReport,
+    FileRecord,
     HostInfo,
     LatencyStats,
-    LatencySummary,
-    Manifest,
+    LayerInfo,
+    MetricResult,
+    OutputError,
+    PassRecord,
     PreprocessingDrift,
-    PreprocessingSummary,
-    Provenance,
-    SustainedResult,
-    SustainedSummary,
+    Remedy,
+    Reproducibility,
+    Signature,
+    TaskAgreement,
+    cache_unused,
 )
+
+# --- the manifest document -------------------------------------------------------------------------
+
+
+class Provenance(Result):
+    created: str
+    host: str
+    git_commit: str | None
+    skuforge_version: str
+
+
+class SourceInfo(Result):
+    path: str
+    sha256: str = Field(description="the ONNX file and every external-data file it references")
+    prepared_sha256: str
+    opset: dict[str, int]
+    producer: str
+    passes: list[PassRecord]
+
+
+class TargetInfo(Result):
+    arch: str
+    device: str
+    os: str
+    cpu_features: list[str]
+    runner_labels: list[str]
+
+
+class BuildInfo(Result):
+    warnings: list[str]
+    options: dict[str, Any] = Field(description="the backend options as applied (backend-specific keys)")
+    reproducibility: Reproducibility | None = Field(
+        None, exclude_if=lambda v: v is None, description="the build's reproducibility check (absent: not checked)"
+    )
+    keep_precise: list[str] = Field(
+        default_factory=list,
+        exclude_if=lambda v: not v,
+        description="ONNX nodes kept in higher precision (params.yaml higher_precision)",
+    )
+    remedy: Remedy | None = Field(
+        None,
+        exclude_if=lambda v: v is None,
+        description="the bisection remedy the build ran (skus.<s>.bisect.fix_during_build)",
+    )
+
+
+class CacheInfo(Result):
+    kind: str
+    sha256: str | None = Field(description="sha256 over the cache files (pipeline.backends.caches.files_digest)")
+    key: dict[str, str] = Field(description="compiler version and target the cache is valid for")
+    state: str = Field(
+        description="fresh: the build replayed a trusted cache; missing: it made one; stale or corrupt: it found "
+        "the checked-in cache and used none of it (built without it, the folder left as it was)"
+    )
+    reason: str = Field("", description="why the cache was in that state")
+    hits: int
+    misses: int
+    required: bool
+    ignored: list[str] = Field(
+        default_factory=list, description="an editor's files in the cache folder: never read, never removed"
+    )
+
+    def unused(self) -> str | None:
+        return cache_unused(self.kind, self.state)
+
+
+class CalibrationInfo(Result):
+    method: str
+    calibration_set_sha256: str
+    samples: int
+    table_sha256: str | None
+    settings: dict[str, Any] = Field(description="the backend's quantization settings as applied")
+
+
+class PlacementSummary(Result):
+    passed: bool
+    allowed: list[str] | None
+    offending: int
+    partition_boundaries: int
+
+
+class PrecisionSummary(Result):
+    passed: bool
+    requested: str
+    policy: str
+    mismatched_layers: int
+
+
+class Correctness(Result):
+    passed: bool
+    failures: list[str]
+    outputs: list[OutputError]
+    metrics: list[MetricResult]
+    placement: PlacementSummary
+    precision: PrecisionSummary
+    warnings: list[str]
+    bisection: Bisection | None = Field(
+        None, exclude_if=lambda v: v is None, description="first divergent node, when a correctness gate failed"
+    )
+    task: list[TaskAgreement] = Field(
+        default_factory=list, description="the declared postprocess's results, engine against reference"
+    )
+    diagnostics: list[str] = Field(
+        default_factory=list, description="tensor-gate lines that did not decide (the task agreement did)"
+    )
+
+
+class LatencySummary(Result):
+    """Percentiles rounded to the decade their interval resolves, intervals widened outward to it."""
+
+    p50_ms: float
+    p50_ci_ms: tuple[float, float] | None
+    p99_ms: float
+    p99_ci_ms: tuple[float, float] | None
+
+
+class Benchmark(Result):
+    """What judges the engine's speed, rounded so that a rerun of the same engine reads the same.
+    Raw samples, device state, load time and the run's other volatile detail are in bench.json and MLflow."""
+
+    batch: int
+    concurrency: int
+    engine_only: LatencySummary
+    end_to_end: LatencySummary
+    throughput_per_s: float
+    throughput_ci_per_s: tuple[float, float] | None
+    peak_rss_mb: float = Field(description="whole MB")
+    engine_load_mb: float = Field(description="RSS the engine's load added, whole MB")
+    end_to_end_input: str | None = Field(None, description="what an end-to-end call starts from")
+    end_to_end_steps: dict[str, LatencySummary] = Field(
+        default_factory=dict, description="decode, preprocess, infer, postprocess: each step of the end-to-end calls"
+    )
+    energy: EnergySummary = Field(description="joules per inference over the engine-only phase, or why none")
+    sustained: SustainedSummary | None = Field(
+        None, exclude_if=lambda v: v is None, description="bench.sustained: figures at equilibrium"
+    )
+
+
+class EnergySummary(Result):
+    """Energy per inference (3 significant digits), or ``reason``: never a zero where nothing was measured."""
+
+    available: bool
+    source: str | None = None
+    joules_per_inference: float | None = None
+    mean_power_w: float | None = None
+    idle_power_w: float | None = Field(None, description="the host's floor just before, the engine idle")
+    above_idle_joules_per_inference: float | None = Field(None, description="what the inferences added above it")
+    domains: list[str] = Field(default_factory=list, description="what was summed (RAPL zones, rails, GPUs)")
+    reason: str | None = None
+
+
+class SustainedSummary(Result):
+    """The sustained run: how it ended and the figures at equilibrium, rounded as the other figures."""
+
+    stopped: str
+    seconds: float
+    p50_ms: float
+    p99_ms: float
+    latency_drift_pct: float | None
+    clock_drop_pct: float | None
+    temperature_rise_c: float | None
+
+
+class PreprocessingSummary(Result):
+    """One input made from raw files: both implementations and what the drift check measured."""
+
+    reference: dict[str, Any] = Field(description="training side: steps, libraries and versions (the data stage's)")
+    device: dict[str, Any] = Field(description="device side: steps, libraries and versions (validate's host)")
+    differing_steps: list[str]
+    split: str
+    samples: int
+    max_abs_input_diff: float
+    samples_differing: int
+    metric: str | None
+    metric_drop: float | None
+    drop_interval: tuple[float, float] | None
+    culprit: str | None
+    gated: bool = Field(
+        description="skus.<sku>.preprocessing sets max_metric_drop, max_input_diff or max_agreement_drop"
+    )
+    agreement: float | None = Field(
+        None, description="the postprocess's results with the device's inputs against the training side's"
+    )
+    agreement_statistic: str | None = Field(None, description="which statistic `agreement` is (cer, box_f1, ...)")
+    passed: bool
+
+
+class Evidence(Result):
+    """What the manifest summarises, by hash: the engine and the build and validation reports. The
+    benchmark is bound to it by bench.json's engine hash and by its figures' intervals
+    (pipeline.results.manifest.benchmark_matches), not by a hash of samples that change on every run."""
+
+    engine_sha256: str
+    files: dict[str, str] = Field(
+        description="report file name (build.json, validate.json) -> sha256 of its canonical "
+        "JSON without the fields that change on every run "
+        "(pipeline.results.manifest.evidence_digest)"
+    )
+
+
+class Manifest(Result):
+    """One engine, described. Everything but ``provenance`` is a function of the inputs."""
+
+    schema_version: Literal[8] = 8
+    model: str
+    sku: str
+    digest: str = Field(description="sha256 of this document without 'digest' and 'provenance'")
+    source: SourceInfo
+    target: TargetInfo
+    backend: str
+    precision: str
+    toolchain: dict[str, str]
+    build_config_sha256: str
+    shapes: dict[str, int]
+    profiles: dict[str, dict[str, int]]
+    signature: Signature
+    engine: list[FileRecord]
+    evidence: Evidence
+    build: BuildInfo
+    hardware_specific: bool
+    calibration: CalibrationInfo | None
+    cache: CacheInfo | None = Field(
+        description="the checked-in compiler cache the build replayed; null where the backend keeps none"
+    )
+    datasets: dict[str, str]
+    synthetic_datasets: list[str] = Field(
+        default_factory=list, description="splits generated from the input spec rather than real data"
+    )
+    layers: list[LayerInfo]
+    placement: dict[str, int]
+    precision_counts: dict[str, int]
+    correctness: Correctness
+    preprocessing: dict[str, PreprocessingSummary] = Field(
+        default_factory=dict, description="per input made from raw files (docs/preprocessing.md)"
+    )
+    benchmark: Benchmark
+    host: HostInfo
+    provenance: Provenance
+
+
+BuildReport.model_rebuild()  # it names Remedy, defined further down
+
+
+# --- its schema, digest and checks ----------------------------------------------------------------
 
 SCHEMA_FILE = "manifest.schema.json"
 _UNHASHED = ("digest", "provenance")

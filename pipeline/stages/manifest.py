@@ -11,6 +11,16 @@ from pipeline.results.benchstats import latency_stats
 from pipeline.results.dvcmetrics import write_metrics
 from pipeline.results.latency import read_latency_csv
 from pipeline.results.manifest import (
+    BuildInfo,
+    CacheInfo,
+    CalibrationInfo,
+    Correctness,
+    Evidence,
+    Manifest,
+    PlacementSummary,
+    PrecisionSummary,
+    SourceInfo,
+    TargetInfo,
     benchmark_summary,
     digest,
     evidence_digest,
@@ -21,21 +31,11 @@ from pipeline.results.manifest import (
 )
 from pipeline.results.reports import (
     BenchReport,
-    BuildInfo,
     BuildReport,
-    CacheInfo,
-    CalibrationInfo,
     CalibrationReport,
-    Correctness,
     DataReport,
     EngineBound,
-    Evidence,
-    Manifest,
-    PlacementSummary,
-    PrecisionSummary,
     PrepareReport,
-    SourceInfo,
-    TargetInfo,
     ValidationReport,
 )
 

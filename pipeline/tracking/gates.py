@@ -17,8 +17,8 @@ from pipeline.core.versions import unmet
 from pipeline.project.config import PerformanceGate, Registry
 from pipeline.results.gatestats import max_mismatches
 from pipeline.results.latency import compare_latency
-from pipeline.results.manifest import host_problems, validate_document
-from pipeline.results.reports import BenchReport, Manifest, OutputError, engine_digest
+from pipeline.results.manifest import Manifest, host_problems, validate_document
+from pipeline.results.reports import BenchReport, OutputError, engine_digest
 from pipeline.results.signing import verify
 from pipeline.tracking.reports import GateResult
 from pipeline.verify.compare import (

@@ -24,7 +24,8 @@ from pipeline.core.validation import did_you_mean
 from pipeline.project.config import Registry
 from pipeline.results.benchstats import latency_stats, same_figure
 from pipeline.results.latency import read_latency_csv
-from pipeline.results.reports import BenchReport, Manifest
+from pipeline.results.manifest import Manifest
+from pipeline.results.reports import BenchReport
 from pipeline.tracking.client import (
     TAG_CORRECTNESS,
     TAG_DIGEST,

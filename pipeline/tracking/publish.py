@@ -44,7 +44,8 @@ from pipeline.core.env import (
 from pipeline.core.errors import ServiceError
 from pipeline.core.progress import Progress
 from pipeline.project.config import Registry
-from pipeline.results.reports import BenchReport, Manifest
+from pipeline.results.manifest import Manifest
+from pipeline.results.reports import BenchReport
 from pipeline.results.signing import signing_key
 from pipeline.tracking.client import (
     TAG_COMPLETE,

@@ -26,8 +26,8 @@ from pipeline.core.validation import did_you_mean
 from pipeline.engine.matrix import PairOutcome, matrix
 from pipeline.project.config import Registry, SelectionSpec
 from pipeline.results.latency import bootstrap_quantile_ratio, read_latency_csv
-from pipeline.results.manifest import host_problems, load_manifest
-from pipeline.results.reports import BenchReport, Manifest
+from pipeline.results.manifest import Manifest, host_problems, load_manifest
+from pipeline.results.reports import BenchReport
 from pipeline.results.selection import (
     ClassSelection,
     Margin,

@@ -9,19 +9,8 @@ import numpy as np
 import pytest
 
 from pipeline.project.config import parse_registry
-from pipeline.results.reports import (
-    Correctness,
-    Evidence,
-    HostInfo,
-    Manifest,
-    OutputError,
-    PlacementSummary,
-    PrecisionSummary,
-    Signature,
-    TargetInfo,
-    TensorSig,
-    engine_digest,
-)
+from pipeline.results.manifest import Correctness, Evidence, Manifest, PlacementSummary, PrecisionSummary, TargetInfo
+from pipeline.results.reports import HostInfo, OutputError, Signature, TensorSig, engine_digest
 from pipeline.tracking.gates import correctness_gate, correctness_problems, sku_mismatches
 from pipeline.verify.compare import output_error
 from pipeline.verify.task import task_agreement

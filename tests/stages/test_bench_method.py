@@ -22,8 +22,14 @@ from pipeline.results.benchstats import (
     same_figure,
     settled,
 )
-from pipeline.results.manifest import benchmark_changes, settle
-from pipeline.results.reports import Benchmark, EnergySummary, LatencySummary, SustainedSummary
+from pipeline.results.manifest import (
+    Benchmark,
+    EnergySummary,
+    LatencySummary,
+    SustainedSummary,
+    benchmark_changes,
+    settle,
+)
 from pipeline.stages.bench import bench
 from pipeline.stages.build import build
 from pipeline.stages.calibrate import calibrate

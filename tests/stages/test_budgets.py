@@ -19,9 +19,8 @@ from pipeline.core.paths import Layout
 from pipeline.engine.matrix import matrix
 from pipeline.project.config import load_registry
 from pipeline.results.benchstats import e2e_below_engine
-from pipeline.results.manifest import digest
+from pipeline.results.manifest import LatencySummary, digest
 from pipeline.results.outcomes import outcome_path
-from pipeline.results.reports import LatencySummary
 from pipeline.stages.bench import bench
 from pipeline.stages.build import build
 from pipeline.stages.calibrate import calibrate
