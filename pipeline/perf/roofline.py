@@ -763,6 +763,78 @@ class _Peaks:
         return f"{fp32}, by {why}" + (" (no FP16 peak is measured)" if precision == "fp16" else "")
 
 
+def _groups(
+    cost: GraphCost, layer_times_ms: dict[str, float] | None, layers: list[LayerInfo] | None
+) -> tuple[dict[str, list[str]], dict[str, float], dict[str, float]]:
+    """The engine's layers as groups of ONNX nodes (a profiled layer's fused nodes, else each node
+    alone), the time of each profiled one, and the profiled times no node joins."""
+    groups: dict[str, list[str]] = {}
+    times: dict[str, float] = {}
+    unmatched: dict[str, float] = {}
+    if layer_times_ms:
+        joined, unmatched = join_layer_times(layer_times_ms, cost, layers)
+        for key, nodes in joined.items():
+            groups[key], times[key] = nodes, layer_times_ms[key]
+    grouped = {n for nodes in groups.values() for n in nodes}
+    for c in cost.layers:
+        if c.node not in grouped:
+            groups[c.node] = [c.node]
+    return groups, times, unmatched
+
+
+def _layer(
+    key: str,
+    members: list[LayerCost],
+    int8: dict[str, bool],
+    compute: _Peaks,
+    default: PeakKind,
+    peak_gbs: float,
+    total_ops: int,
+    times: dict[str, float],
+    profiled: float | None,
+) -> RooflineLayer:
+    """One layer on the roofline: its ops and bytes, the peak that judges it, where it sits."""
+    flops, int_ops, moved = (sum(getattr(m, f) for m in members) for f in ("flops", "int_ops", "bytes"))
+    layer_kind, layer_peak = compute.of(
+        sum(m.flops + m.int_ops for m in members if int8[m.node]), flops + int_ops, default
+    )
+    intensity = _ratio(flops + int_ops, moved)
+    attainable = min(layer_peak, intensity * peak_gbs)
+    time_ms = times.get(key)
+    achieved = _ratio(flops + int_ops, time_ms * 1e6) if time_ms else None
+    return RooflineLayer(
+        name=key,
+        nodes=[m.node for m in members],
+        op=max(members, key=lambda m: m.flops + m.int_ops).op,
+        flops=flops,
+        int_ops=int_ops,
+        bytes=moved,
+        intensity=intensity,
+        share_of_ops=_ratio(flops + int_ops, total_ops),
+        peak_kind=layer_kind,
+        peak_gflops=layer_peak,
+        bound="memory" if intensity < _ratio(layer_peak, peak_gbs) else "compute",
+        attainable_gflops=attainable,
+        time_ms=time_ms,
+        time_share=_ratio(time_ms, profiled) if time_ms is not None and profiled else None,
+        achieved_gflops=achieved,
+        efficiency=_ratio(achieved, attainable) if achieved is not None else None,
+    )
+
+
+def _ceilings(peaks: Peaks, kind: PeakKind) -> dict[str, float]:
+    """The compute ceilings drawn: FP32 (all cores, one core, nominal) and, for an engine with INT8
+    ops, the INT8 ones."""
+    ceilings = {"all_cores": peaks.compute_gflops.all_cores, "one_core": peaks.compute_gflops.one_core}
+    if peaks.compute_gflops.nominal is not None:
+        ceilings["nominal"] = peaks.compute_gflops.nominal
+    if kind != "fp32":
+        ceilings |= {"int8_all_cores": peaks.int8_gops.all_cores, "int8_one_core": peaks.int8_gops.one_core}
+        if peaks.int8_gops.nominal is not None:
+            ceilings["int8_nominal"] = peaks.int8_gops.nominal
+    return ceilings
+
+
 def roofline(
     cost: GraphCost,
     latency_ms: float,
@@ -799,68 +871,19 @@ def roofline(
     seconds = latency_ms / 1e3
     by_name = {c.node: c for c in cost.layers}
 
-    groups: dict[str, list[str]] = {}
-    times: dict[str, float] = {}
-    unmatched: dict[str, float] = {}
-    if layer_times_ms:
-        joined, unmatched = join_layer_times(layer_times_ms, cost, layers)
-        for key, nodes in joined.items():
-            groups[key], times[key] = nodes, layer_times_ms[key]
-    grouped = {n for nodes in groups.values() for n in nodes}
-    for c in cost.layers:
-        if c.node not in grouped:
-            groups[c.node] = [c.node]
+    groups, times, unmatched = _groups(cost, layer_times_ms, layers)
     ops = {k: float(sum(by_name[n].flops + by_name[n].int_ops for n in nodes)) for k, nodes in groups.items()}
     picked = _heaviest(ops, coverage, max_layers)
     picked += [k for k in _heaviest(times, coverage, max_layers) if k not in picked]
     profiled = sum(layer_times_ms.values()) if layer_times_ms else None
 
-    entries = []
-    for key in picked:
-        members = [by_name[n] for n in groups[key]]
-        flops, int_ops, moved = (sum(getattr(m, f) for m in members) for f in ("flops", "int_ops", "bytes"))
-        layer_kind, layer_peak = compute.of(
-            sum(m.flops + m.int_ops for m in members if int8[m.node]), flops + int_ops, default
-        )
-        intensity = _ratio(flops + int_ops, moved)
-        attainable = min(layer_peak, intensity * peak_gbs)
-        time_ms = times.get(key)
-        achieved = _ratio(flops + int_ops, time_ms * 1e6) if time_ms else None
-        entries.append(
-            RooflineLayer(
-                name=key,
-                nodes=groups[key],
-                op=max(members, key=lambda m: m.flops + m.int_ops).op,
-                flops=flops,
-                int_ops=int_ops,
-                bytes=moved,
-                intensity=intensity,
-                share_of_ops=_ratio(flops + int_ops, total_ops),
-                peak_kind=layer_kind,
-                peak_gflops=layer_peak,
-                bound="memory" if intensity < _ratio(layer_peak, peak_gbs) else "compute",
-                attainable_gflops=attainable,
-                time_ms=time_ms,
-                time_share=_ratio(time_ms, profiled) if time_ms is not None and profiled else None,
-                achieved_gflops=achieved,
-                efficiency=_ratio(achieved, attainable) if achieved is not None else None,
-            )
-        )
+    entries = [
+        _layer(key, [by_name[n] for n in groups[key]], int8, compute, default, peak_gbs, total_ops, times, profiled)
+        for key in picked
+    ]
     achieved_gflops = _ratio(total_ops, seconds * 1e9)
     achieved_gbs = _ratio(cost.bytes, seconds * 1e9)
     intensity = _ratio(total_ops, cost.bytes)
-    ceilings = {"all_cores": peaks.compute_gflops.all_cores, "one_core": peaks.compute_gflops.one_core}
-    if peaks.compute_gflops.nominal is not None:
-        ceilings["nominal"] = peaks.compute_gflops.nominal
-    if kind != "fp32":
-        ceilings |= {"int8_all_cores": peaks.int8_gops.all_cores, "int8_one_core": peaks.int8_gops.one_core}
-        if peaks.int8_gops.nominal is not None:
-            ceilings["int8_nominal"] = peaks.int8_gops.nominal
-    bandwidth = {
-        "triad": peaks.bandwidth_gbs.triad,
-        "copy": peaks.bandwidth_gbs.memcopy,
-        "triad_one_core": peaks.bandwidth_gbs.triad_one_core,
-    }
     share = _ratio(int8_ops, total_ops)
     return RooflineReport(
         peak_gflops=peak_gflops,
@@ -870,8 +893,12 @@ def roofline(
         int8_share_of_ops=share,
         peak_gbs=peak_gbs,
         ridge=ridge,
-        ceilings_gflops=ceilings,
-        ceilings_gbs=bandwidth,
+        ceilings_gflops=_ceilings(peaks, kind),
+        ceilings_gbs={
+            "triad": peaks.bandwidth_gbs.triad,
+            "copy": peaks.bandwidth_gbs.memcopy,
+            "triad_one_core": peaks.bandwidth_gbs.triad_one_core,
+        },
         latency_ms=latency_ms,
         flops=cost.flops,
         int_ops=cost.int_ops,

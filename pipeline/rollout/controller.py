@@ -367,6 +367,51 @@ def rollout_waves(
     ]
 
 
+def _check_keys(model: str, inventory: Inventory, labels: list[str] | None) -> None:
+    """Refuse a rollout none of whose targeted devices has a key (no report could count); warn
+    about the devices without one."""
+    targeted = [d for d in inventory if not labels or not set(labels).isdisjoint(d.labels)]
+    keyless = [d.id for d in targeted if not d.key]
+    if keyless and len(keyless) == len(targeted):
+        raise ConfigError(
+            f"rollout start {model}: no device the rollout targets has a key in the inventory "
+            f"({inventory.source or 'the inventory'}): no report could ever count",
+            hint="provision each device with `skuforge agent identity --state DIR` and put the key it prints "
+            "in the inventory's key column",
+        )
+    if keyless:
+        log.warning(
+            "rollout start %s: %d device(s) have no key in the inventory (e.g. %s): their reports will not count",
+            model,
+            len(keyless),
+            ", ".join(keyless[:3]),
+        )
+
+
+def _running(current: RolloutDoc | None) -> str | None:
+    """The release the fleet runs now, after the model's last rollout (None before any). A release
+    aborted by a failed gate is not one to return to (devices it reached keep it until a wave of
+    the new rollout includes them); one an operator halted may be."""
+    if current is None:
+        return None
+    failed = any(t.action == "auto-abort" for t in current.log if t.at >= current.started)
+    return {
+        "completed": current.release,
+        "rolled_back": current.previous,
+        "aborted": current.previous if failed else current.previous or current.release,
+    }[current.status]
+
+
+def _overrides(waves: list[Wave] | None, labels: list[str]) -> list[str]:
+    """What the start overrode of params.yaml, for the log."""
+    out = []
+    if waves is not None:
+        out.append("waves " + ", ".join(f"{w.name} {w.percent or w.rings} bake {w.bake_minutes:g} min" for w in waves))
+    if labels:
+        out.append(f"labels {', '.join(labels)}")
+    return out
+
+
 def start(
     registry: Registry,
     store: Store,
@@ -396,21 +441,7 @@ def start(
             "the inventory's device keys are what authenticates device reports",
         )
 
-    keyless = [d.id for d in inventory if not d.key and (not labels or not set(labels).isdisjoint(d.labels))]
-    if keyless and len(keyless) == sum(1 for d in inventory if not labels or not set(labels).isdisjoint(d.labels)):
-        raise ConfigError(
-            f"rollout start {model}: no device the rollout targets has a key in the inventory "
-            f"({inventory.source or 'the inventory'}): no report could ever count",
-            hint="provision each device with `skuforge agent identity --state DIR` and put the key it prints "
-            "in the inventory's key column",
-        )
-    if keyless:
-        log.warning(
-            "rollout start %s: %d device(s) have no key in the inventory (e.g. %s): their reports will not count",
-            model,
-            len(keyless),
-            ", ".join(keyless[:3]),
-        )
+    _check_keys(model, inventory, labels)
 
     def decide(current: RolloutDoc | None, state: trust.State):
         released = releases_of(state.targets.signed, model)
@@ -424,16 +455,7 @@ def start(
                 f"rollout {current.id} of {model} is {current.status}",
                 hint="advance it to completion, or abort or roll it back first",
             )
-        previous = None
-        if current is not None:  # what the fleet runs now
-            # a release aborted by a failed gate is not one to return to (devices it reached keep
-            # it until a wave of the new rollout includes them); one an operator halted may be
-            failed = any(t.action == "auto-abort" for t in current.log if t.at >= current.started)
-            previous = {
-                "completed": current.release,
-                "rolled_back": current.previous,
-                "aborted": current.previous if failed else current.previous or current.release,
-            }[current.status]
+        previous = _running(current)
         if previous == target:
             raise ConfigError(f"{model} {target} is already what the fleet runs", hint="publish a new release first")
         n = sum(1 for _ in current.log if _.action == "start") if current else 0
@@ -468,13 +490,7 @@ def start(
             health_window_minutes=spec.health_window_minutes,
             log=list(current.log[-50:]) if current else [],
         )
-        overrides = []
-        if waves is not None:
-            overrides.append(
-                "waves " + ", ".join(f"{w.name} {w.percent or w.rings} bake {w.bake_minutes:g} min" for w in chosen)
-            )
-        if labels:
-            overrides.append(f"labels {', '.join(doc.labels)}")
+        overrides = _overrides(chosen if waves is not None else None, doc.labels)
         _log(
             doc,
             actor,
