@@ -310,7 +310,7 @@ def repro(args: argparse.Namespace) -> int:
             "selection": {m: r.to_json() if isinstance(r, SelectionRecord) else r for m, r in selected.items()},
             "exit_code": code,
         },
-        lambda: matrix_text(rows, args.wide) + selection_text(_records(selected), args.wide),
+        lambda: matrix_text(rows, args.wide) + selection_text(_records(selected), args.wide, reg.known_gaps()),
     )
     return code
 
@@ -510,7 +510,7 @@ def summary(args: argparse.Namespace) -> int:
     def text() -> str:  # the selection of the models shown, computed from their manifests (nothing written)
         models = list(dict.fromkeys(r.model for r in rows))
         return matrix_text(rows, args.wide) + selection_text(
-            [s for s in (select(reg, m) for m in models) if s.classes], args.wide
+            [s for s in (select(reg, m) for m in models) if s.classes], args.wide, reg.known_gaps()
         )
 
     _emit(args, [r.to_json() for r in rows], text)
@@ -627,7 +627,17 @@ def matrix_text(rows: list[PairOutcome], wide: bool = False, **render: Any) -> s
         counts[r.outcome] = counts.get(r.outcome, 0) + 1
     footer = [", ".join(f"{n} {k}" for k, n in counts.items())]
     text = tables.render(WIDE_COLUMNS if wide else MATRIX_COLUMNS, cells, notes, wide=wide, footer=footer, **render)
-    return text + end_to_end_text(rows, wide, **render) + drift_text(rows, wide, **render)
+    return text + known_gaps_text(rows) + end_to_end_text(rows, wide, **render) + drift_text(rows, wide, **render)
+
+
+def known_gaps_text(rows: list[PairOutcome]) -> str:
+    """Under the matrix, once per SKU shown: the shortfalls its stack has upstream
+    (``skus.<s>.known_gaps``), so a slow engine is explained; no outcome depends on them."""
+    said = {r.sku: r.known_gaps for r in rows if r.known_gaps}
+    if not said:
+        return ""
+    lines = [f"  {sku}: {gap.line}" for sku, gaps in said.items() for gap in gaps]
+    return "\n\nKnown gaps upstream (skus.<s>.known_gaps; they change no outcome)\n" + "\n".join(lines)
 
 
 E2E_STEPS = ("decode", "preprocess", "infer", "postprocess")

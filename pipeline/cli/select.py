@@ -6,13 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pipeline.cli import tables
 from pipeline.cli.tables import Column
 from pipeline.core.env import MLFLOW_LOGGING_LEVEL
 from pipeline.core.errors import ConfigError
-from pipeline.project.config import Registry, load_registry
+from pipeline.project.config import KnownGap, Registry, load_registry
 from pipeline.results.selection import ClassSelection, SelectionRecord
 from pipeline.tracking.client import connect, require_mlflow
 from pipeline.tracking.reports import SelectionPublishResult
@@ -53,7 +54,7 @@ def select_command(args: argparse.Namespace) -> int:
     if args.json:  # the record as written, its classes narrowed to --class (digest: the file's)
         print(json.dumps({**record.to_json(), "classes": [c.to_json() for c in shown]}, indent=2, sort_keys=True))
     else:
-        print(record_text(record, shown))
+        print(record_text(record, shown, registry.known_gaps()))
     return 1 if any(c.decision == "none passed" for c in shown) else 0
 
 
@@ -69,9 +70,21 @@ def published_line(r: SelectionPublishResult) -> str:
     return f"published the selection of {r.model} ({r.digest[:12]}): run {r.run_id[:12]}, {state}, at {r.tracking_uri}"
 
 
-def record_text(record: SelectionRecord, shown: list[ClassSelection]) -> str:
-    """Per class: the decision in one line, its candidates (the chosen one marked *), how the margin
-    was measured, notes; then the rule."""
+Gaps = Mapping[str, Sequence[KnownGap]]  # SKU -> skus.<s>.known_gaps (Registry.known_gaps)
+
+
+def upstream_notes(c: ClassSelection, sku: str, gaps: Gaps) -> list[str]:
+    """``slower upstream: <ref>: <says>`` for a candidate of ``c`` that was not chosen and whose
+    stack has a declared upstream gap: why it lost, said next to it (the choice is unchanged)."""
+    if sku == c.chosen:
+        return []
+    return [f"slower upstream: {gap.line}" for gap in gaps.get(sku, ())]
+
+
+def record_text(record: SelectionRecord, shown: list[ClassSelection], gaps: Gaps | None = None) -> str:
+    """Per class: the decision in one line, its candidates (the chosen one marked *; under a losing one,
+    its stack's known gap upstream), how the margin was measured, notes; then the rule."""
+    gaps = gaps or {}
     unit = "samples/s" if record.objective == "throughput" else "ms"
     lines = [
         f"{record.model}: objective {record.objective} ({unit}), {record.confidence:.0%} intervals; "
@@ -94,7 +107,8 @@ def record_text(record: SelectionRecord, shown: list[ClassSelection]) -> str:
             }
             for x in c.candidates
         ]
-        lines += ["  " + line for line in tables.render(CANDIDATE_COLUMNS, cells).splitlines()]
+        below = [upstream_notes(c, x.sku, gaps) for x in c.candidates]
+        lines += ["  " + line for line in tables.render(CANDIDATE_COLUMNS, cells, below).splitlines()]
         if c.margin is not None:
             lines.append(f"  margin: {c.margin.method}")
         lines += [f"  note: {n}" for n in c.notes]
@@ -102,15 +116,17 @@ def record_text(record: SelectionRecord, shown: list[ClassSelection]) -> str:
     return "\n".join([*lines, "", *(f"rule: {r}" for r in rules)])
 
 
-def selection_text(records: list[SelectionRecord], wide: bool = False, **render: Any) -> str:
-    """The selection under the matrix: per model and device class, the engine chosen and why."""
-    rows = [
-        {"model": r.model, "device_class": c.device_class, "chosen": c.chosen or "none", "why": c.why}
-        for r in records
-        for c in r.classes
-    ]
-    if not rows:
+def selection_text(records: list[SelectionRecord], wide: bool = False, gaps: Gaps | None = None, **render: Any) -> str:
+    """The selection under the matrix: per model and device class, the engine chosen and why; under
+    it, the losing candidates whose stack has a known gap upstream (``gaps``: Registry.known_gaps)."""
+    gaps = gaps or {}
+    pairs = [(r, c) for r in records for c in r.classes]
+    if not pairs:
         return ""
+    rows = [
+        {"model": r.model, "device_class": c.device_class, "chosen": c.chosen or "none", "why": c.why} for r, c in pairs
+    ]
+    below = [[f"{x.sku} {n}" for x in c.candidates for n in upstream_notes(c, x.sku, gaps)] for _, c in pairs]
     objectives = ", ".join(sorted({r.objective for r in records}))
     title = f"\n\nSelected per device class (objective {objectives}; `skuforge select --model M`: the evidence)\n"
-    return title + tables.render(SELECTION_COLUMNS, rows, wide=wide, **render)
+    return title + tables.render(SELECTION_COLUMNS, rows, below, wide=wide, **render)

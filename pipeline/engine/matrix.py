@@ -13,7 +13,7 @@ from typing import Any, Literal, get_args
 from pipeline.core.errors import SkuforgeError
 from pipeline.core.paths import Layout
 from pipeline.engine.hostcheck import cached_host_problems, host_problems
-from pipeline.project.config import Registry
+from pipeline.project.config import KnownGap, Registry
 from pipeline.results.benchstats import e2e_below_engine
 from pipeline.results.manifest import load_manifest
 from pipeline.results.outcomes import OUTCOMES_DIR, read_outcome
@@ -131,6 +131,8 @@ class PairOutcome:
     mixed: str = ""  # a passed engine with layers kept in higher precision: ``mixed: 6 layers fp32, 1.7x of fp32``
     # an engine built without its checked-in compiler cache: ``cache: corrupt — built without checked-in tuning``
     cache: str = ""
+    # shortfalls of the SKU's stack known upstream (skus.<s>.known_gaps): said under the matrix, never a verdict
+    known_gaps: list[KnownGap] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -141,7 +143,7 @@ class PairOutcome:
         return f"{self.outcome} ({'; '.join(notes)})" if notes else self.outcome
 
     def to_json(self) -> dict[str, Any]:
-        return self.__dict__.copy()
+        return {**self.__dict__, "known_gaps": [g.model_dump(mode="json") for g in self.known_gaps]}
 
 
 def matrix(
@@ -170,6 +172,7 @@ def matrix(
         row = _pair_outcome(registry, model, sku, by_sku.get(sku), upstream[model])
         if row.manifest is not None:
             row.manifest.pop("failures")  # said in ``detail``
+        row.known_gaps = list(registry.skus[sku].known_gaps)  # whatever the outcome: a note, not a verdict
         rows.append(row)
     return rows
 

@@ -999,6 +999,55 @@ class CacheSpec(Strict):
     )
 
 
+GAP_REF_RULE = "owner/repo#N (a GitHub issue or pull request) or an https://github.com/ address"
+GAP_REF_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,38}/[A-Za-z0-9._-]{1,100}#[1-9][0-9]{0,9}")
+GAP_URL_PATTERN = re.compile(
+    r"https://github\.com/[A-Za-z0-9][A-Za-z0-9-]{0,38}/[A-Za-z0-9._-]{1,100}(/[A-Za-z0-9._~/-]*)?(#[A-Za-z0-9_-]*)?"
+)
+MAX_GAP_SAYS = 199
+
+
+class KnownGap(Strict):
+    """A shortfall of the SKU's stack that is known upstream (``skus.<s>.known_gaps``): shown next to
+    the SKU in the matrix, the selection and the report so a slow engine is explained, never judged.
+    Both fields are untrusted text: checked here, escaped where rendered."""
+
+    ref: str = Field(description=f"where upstream tracks it: {GAP_REF_RULE}")
+    says: str = Field(description=f"what the gap is, one printable line of at most {MAX_GAP_SAYS} characters")
+
+    @field_validator("ref")
+    @classmethod
+    def _ref(cls, ref: str) -> str:
+        if len(ref) > 300 or not (GAP_REF_PATTERN.fullmatch(ref) or GAP_URL_PATTERN.fullmatch(ref)):
+            raise ValueError(f"{ref[:80]!r} is not {GAP_REF_RULE}, e.g. 'iree-org/iree#22674'")
+        return ref
+
+    @field_validator("says")
+    @classmethod
+    def _says(cls, says: str) -> str:
+        if not says.strip():
+            raise ValueError("is empty: say what the gap is in one line")
+        if not says.isprintable():
+            bad = sorted({repr(c) for c in says if not c.isprintable()})
+            raise ValueError(f"holds control characters ({', '.join(bad)}): one printable line, no line breaks")
+        if len(says) > MAX_GAP_SAYS:
+            raise ValueError(f"is {len(says)} characters long: at most {MAX_GAP_SAYS}; link the details in 'ref'")
+        return says
+
+    @property
+    def url(self) -> str:
+        """The web address of ``ref`` (``owner/repo#N`` -> its issue page, which GitHub redirects
+        to the pull request when N is one)."""
+        if self.ref.startswith("https://"):
+            return self.ref
+        repo, _, number = self.ref.partition("#")
+        return f"https://github.com/{repo}/issues/{number}"
+
+    @property
+    def line(self) -> str:
+        return f"{self.ref}: {self.says}"
+
+
 class Profile(Strict):
     min: int = Field(ge=1)
     opt: int = Field(ge=1)
@@ -1042,6 +1091,12 @@ class SkuSpec(Strict):
         description="the devices this SKU's engine serves (x86-avx2, rpi5, jetson-orin, ...): the SKUs of one class "
         "are candidates for the same devices, and `skuforge select` picks one per model (docs/registry.md); "
         "unset: no class, not a candidate (the portable fallback)",
+    )
+    known_gaps: list[KnownGap] = Field(
+        default_factory=list,
+        max_length=8,
+        description="shortfalls of the stack known upstream ([{ref: owner/repo#N, says: one line}]): shown in the "
+        "matrix, the selection and the report; they change no verdict and rebuild nothing (docs/registry.md)",
     )
     ci: bool = Field(
         True,
@@ -1433,6 +1488,10 @@ class Registry(Strict):
 
     def sku(self, name: str) -> SkuSpec:
         return _lookup(self.skus, name, "SKU")
+
+    def known_gaps(self) -> dict[str, list[KnownGap]]:
+        """SKU -> its declared upstream gaps (skus.<s>.known_gaps), for the SKUs that declare any."""
+        return {name: list(spec.known_gaps) for name, spec in self.skus.items() if spec.known_gaps}
 
     def path(self, *parts: str) -> Path:
         """``parts`` under the root; an InputError when they resolve (symlinks too) outside it."""

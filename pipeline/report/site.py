@@ -23,7 +23,7 @@ from pipeline.core.io import atomic_dir, atomic_write_bytes
 from pipeline.core.paths import Layout, inside
 from pipeline.core.progress import Progress
 from pipeline.engine.matrix import matrix
-from pipeline.project.config import Registry
+from pipeline.project.config import KnownGap, Registry
 from pipeline.report import plots
 from pipeline.report.load import ROOFLINE, PairData, load_pair, read_optional
 from pipeline.results.manifest import load_manifest
@@ -845,7 +845,12 @@ def _point_state(c: ClassSelection, sku: str, eligible: bool) -> str:
 
 
 def _class_view(
-    record: SelectionRecord, c: ClassSelection, manifests: dict[str, Manifest], images: Images, notes: list[str]
+    record: SelectionRecord,
+    c: ClassSelection,
+    manifests: dict[str, Manifest],
+    gaps: dict[str, list[KnownGap]],
+    images: Images,
+    notes: list[str],
 ) -> dict[str, Any]:
     lower = record.objective != "throughput"
     unit = "ms" if lower else "samples/s"
@@ -870,6 +875,7 @@ def _class_view(
                 "eligible": x.eligible,
                 "state": state or "no figure",
                 "chosen": x.sku == c.chosen,
+                "upstream": [] if x.sku == c.chosen else gaps.get(x.sku, []),  # why a losing one is slow
             }
         )
         if x.value is not None and (ylabel is None or a is not None):
@@ -943,7 +949,7 @@ def _selection_view(registry: Registry, model: str, images: Images, notes: list[
         "objective": record.objective,
         "confidence": record.confidence,
         "on_disk": on_disk,
-        "classes": [_class_view(record, c, manifests, images, notes) for c in record.classes],
+        "classes": [_class_view(record, c, manifests, registry.known_gaps(), images, notes) for c in record.classes],
     }
 
 
@@ -1060,6 +1066,7 @@ def write_site(
                         "p50": row["p50"],
                         "p99": row["p99"],
                         "href": f"{m}/{href}" if href else None,
+                        "gaps": registry.sku(s).known_gaps,
                     }
                 )
             (tmp / m).mkdir(exist_ok=True)

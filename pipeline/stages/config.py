@@ -34,8 +34,9 @@ def resolved(registry: Registry) -> dict[str, dict[str, Any]]:
                 "model": model,
                 "sku": sku,
                 "spec": spec.model_dump(mode="json", exclude={"higher_precision"}),
-                # the device class decides which engine a device gets, not the engine: no stage reruns for it
-                "sku_spec": sku_spec.model_dump(mode="json", exclude={"device_class"}),
+                # the device class decides which engine a device gets, not the engine, and known gaps are a
+                # note: no stage reruns for either
+                "sku_spec": sku_spec.model_dump(mode="json", exclude={"device_class", "known_gaps"}),
                 "higher_precision": registry.higher_precision(model, sku),
                 "pins": registry.pins(model, sku),
                 "tolerance": registry.tolerance(model, sku).model_dump(mode="json"),
