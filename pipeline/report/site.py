@@ -26,8 +26,8 @@ from pipeline.engine.matrix import matrix
 from pipeline.project.config import KnownGap, Registry
 from pipeline.report import plots
 from pipeline.report.load import ROOFLINE, PairData, load_pair, read_optional
-from pipeline.results.manifest import load_manifest
-from pipeline.results.reports import Manifest, cache_unused
+from pipeline.results.manifest import Manifest, load_manifest
+from pipeline.results.reports import cache_unused
 from pipeline.results.selection import ClassSelection, SelectionRecord
 from pipeline.verify.selection import select
 
