@@ -89,13 +89,13 @@ def test_to_fp16_writes_raw_data_and_a_sorted_graph(tmp_path):
 def test_fp16_model_is_accepted_by_iree_importer(tmp_path):
     """The FP16 graph of an old exporter's model (weights in float_data) imports; before the
     raw_data step IREE refused it ('Unhandled ONNX TensorProto data')."""
-    from pipeline.backends.iree import _import_onnx
+    from pipeline.backends.iree import import_onnx
 
     source = tmp_path / "fp32.onnx"
     onnx.save(_pinned(models.conv_pool_slice_model(tmp_path / "src.onnx", 17)), str(source))
     fp16 = to_fp16(source, tmp_path / "fp16.onnx")
     nodes = {n.name: n.op_type for n in onnx.load(str(fp16)).graph.node if n.name}
-    _import_onnx(fp16, tmp_path / "m.mlir", nodes)
+    import_onnx(fp16, tmp_path / "m.mlir", nodes)
     assert "f16" in (tmp_path / "m.mlir").read_text()
 
 
@@ -103,7 +103,7 @@ def test_fp16_model_is_accepted_by_iree_importer(tmp_path):
 def test_iree_importer_failure_names_the_node_reading_the_tensor(tmp_path):
     """A tensor the importer cannot read is UnsupportedOp naming the node that reads it (not an
     environment problem); the message names the tensor."""
-    from pipeline.backends.iree import _import_onnx
+    from pipeline.backends.iree import import_onnx
 
     model = _pinned(models.conv_pool_slice_model(tmp_path / "src.onnx", 17))
     w = next(t for t in model.graph.initializer if t.name == "W")
@@ -120,7 +120,7 @@ def test_iree_importer_failure_names_the_node_reading_the_tensor(tmp_path):
     nodes = {n.name: n.op_type for n in model.graph.node}
 
     with pytest.raises(UnsupportedOp) as info:
-        _import_onnx(path, tmp_path / "m.mlir", nodes)
+        import_onnx(path, tmp_path / "m.mlir", nodes)
 
     assert (info.value.backend, info.value.op_type, info.value.node) == ("iree", "Cast", "w_cast")
     assert "'W'" in info.value.message and info.value.exit_code == 3

@@ -23,14 +23,14 @@ import models  # noqa: E402
 from pipeline.backends import get_backend, quantize  # noqa: E402
 from pipeline.backends.contract import ENGINE_META  # noqa: E402
 from pipeline.backends.iree import (  # noqa: E402
+    ImportRefused,
     IreeBackend,
-    _import_failure,
-    _ImportRefused,
-    _to_mlir,
     compile_flags,
     dispatch_op_type,
     dispatch_precision,
+    import_failure,
     missing_cpu_features,
+    to_mlir,
 )
 from pipeline.core.errors import ConfigError, EnvironmentProblem, UnsupportedOp  # noqa: E402
 from pipeline.core.paths import Layout  # noqa: E402
@@ -529,11 +529,11 @@ def test_an_import_failure_before_the_conversion_still_blames_the_node(tmp_path)
     broken = onnx.load(str(resize_roi_model(tmp_path / "m.onnx")))
     broken.graph.initializer[1].data_type = onnx.TensorProto.FLOAT16  # no data field, no importer handler
     onnx.save(broken, str(tmp_path / "broken.onnx"))
-    with pytest.raises(_ImportRefused) as refused:
-        _to_mlir(tmp_path / "broken.onnx", tmp_path / "out.mlir")
+    with pytest.raises(ImportRefused) as refused:
+        to_mlir(tmp_path / "broken.onnx", tmp_path / "out.mlir")
     nodes = {"conv": "Conv", "resize": "Resize"}
-    err = _import_failure(refused.value, nodes, [("FP16 conversion", tmp_path / "broken.onnx")], tmp_path)
+    err = import_failure(refused.value, nodes, [("FP16 conversion", tmp_path / "broken.onnx")], tmp_path)
     assert isinstance(err, UnsupportedOp) and (err.op_type, err.node) == ("Resize", "resize")
     assert quantize._empty_tensors_to_raw(broken) == 1  # the fix gives it an (empty) raw_data
     onnx.save(broken, str(tmp_path / "fixed.onnx"))
-    _to_mlir(tmp_path / "fixed.onnx", tmp_path / "out.mlir")
+    to_mlir(tmp_path / "fixed.onnx", tmp_path / "out.mlir")
