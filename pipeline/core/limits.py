@@ -1,6 +1,6 @@
 """Resource limits, checked before anything is allocated.
 
-A registry whose inputs or generated sets would not fit is refused when it loads (pipeline/project/config.py),
+A registry whose inputs or generated sets would not fit is refused when it loads (pipeline/project/config/load.py),
 and a user's .npy/.npz is refused from its zip directory and array headers before any data is
 read or inflated (``check_array_file``): each is exit 2 naming the key or the file, not a
 MemoryError. docs/registry.md#limits gives the reasoning for each value.

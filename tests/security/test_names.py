@@ -277,7 +277,7 @@ def test_duplicate_nested_key(sandbox):
 
 def test_merge_keys_may_override():
     """'<<' merges are how YAML shares a block; overriding a merged key is not a duplicate."""
-    from pipeline.project.config import _unique_key_loader
+    from pipeline.project.config.load import _unique_key_loader
 
     doc = yaml.load("base: &b {x: 1, y: 2}\nother:\n  <<: *b\n  x: 3\n", Loader=_unique_key_loader())
     assert doc["other"] == {"x": 3, "y": 2}
