@@ -27,7 +27,7 @@ from pipeline.core.paths import Layout
 from pipeline.engine.matrix import matrix
 from pipeline.ops import caches as cache_commands
 from pipeline.project.config import load_registry
-from pipeline.report.site import status_class
+from pipeline.report.common import status_class
 from pipeline.results.manifest import digest as manifest_digest
 from pipeline.results.reports import BuildReport
 from pipeline.stages.build import build

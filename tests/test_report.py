@@ -22,7 +22,7 @@ from pipeline.engine.matrix import matrix
 from pipeline.host.probe import host_arch
 from pipeline.project.config import load_registry
 from pipeline.report import pages, plots, write_pair_report, write_site
-from pipeline.report.site import fmt
+from pipeline.report.common import fmt
 from pipeline.results.outcomes import record_outcome
 from pipeline.results.power import UNAVAILABLE, EnergyResult, SustainedResult, SustainedWindow, Throttling
 from pipeline.results.reports import InputDiff, PreprocessingDrift, StepDrift

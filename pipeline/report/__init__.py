@@ -5,6 +5,7 @@
 only when a chart is drawn.
 """
 
-from pipeline.report.site import DEFAULT_DIR, PAIR_REPORT, pages, write_pair_report, write_site
+from pipeline.report.common import DEFAULT_DIR, PAIR_REPORT
+from pipeline.report.site import pages, write_pair_report, write_site
 
 __all__ = ["DEFAULT_DIR", "PAIR_REPORT", "pages", "write_pair_report", "write_site"]
