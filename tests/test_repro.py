@@ -10,10 +10,11 @@ from pathlib import Path
 import models
 import pytest
 
-from pipeline.core.errors import ConfigError, InputError
+from pipeline.core.errors import ConfigError, EnvironmentProblem, InputError
 from pipeline.engine.matrix import sku_statuses
 from pipeline.host.probe import host_arch
 from pipeline.ops.repro import STATUS_MEMO, DvcFailed, ProjectStatus, run_dvc_repro, targets, workspace_state
+from pipeline.ops.reproduce import reproduce
 from pipeline.project.config import parse_registry
 
 OTHER_ARCH = "aarch64" if host_arch() == "x86_64" else "x86_64"
@@ -303,3 +304,31 @@ def test_a_lock_naming_a_path_outside_or_through_a_link_never_reuses_an_answer(t
     assert workspace_state(tmp_path) is None
     (tmp_path / "dvc.lock").write_text("schema: '2.0'\nstages:\n  s:\n    deps:\n    - path: real\n")
     assert workspace_state(tmp_path) is not None
+
+
+def test_reproduce_is_one_library_call_and_says_what_it_skips(registry):
+    """`skuforge repro` is ``pipeline.ops.reproduce.reproduce``: called from Python it says through
+    ``say`` what the CLI prints as it runs, and refuses SKUs asked for by name that this host cannot
+    build before DVC runs (nothing half-done: no outcome record, no dvc call)."""
+    said: list[str] = []
+    with pytest.raises(EnvironmentProblem) as info:
+        reproduce(registry, skus=["there"], force=True, say=said.append)
+    assert "none of the SKUs asked for: there" in info.value.message
+    assert said == [
+        f"skipping SKU there: needs arch {OTHER_ARCH}, this host is {host_arch()}; needs a runner with labels [arm-box]"
+    ]
+    assert not (registry.root / "build").exists()  # nothing ran
+
+    only_there = parse_registry(
+        {
+            "defaults": {},
+            "examples": {},
+            "models": {"a": models.conv_bn_spec("models/a")},
+            "skus": {"there": models.ort_sku("fp32", target={"arch": OTHER_ARCH}, runner_labels=["arm-box"])},
+        },
+        root=registry.root,
+    )
+    said.clear()
+    result = reproduce(only_there, force=True, say=said.append)
+    assert result.targets == [] and [s.sku for s in result.skipped] == ["there"] and result.exit_code == 0
+    assert said[-1] == "nothing this host can build"

@@ -9,8 +9,8 @@ import sys
 from pipeline.ci.assemble import assemble as do_assemble
 from pipeline.ci.render import render as do_render
 from pipeline.ci.summary import markdown
-from pipeline.cli.compare import refresh_lines
 from pipeline.project.config import load_registry
+from pipeline.verify.consistency import refresh_lines
 
 
 def _registry(args: argparse.Namespace):

@@ -12,22 +12,20 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.cli import tables
-from pipeline.cli.compare import refresh_lines
 from pipeline.cli.parser.commands import STAGE_COMMANDS, STAGE_FLAGS
 from pipeline.cli.progress import ProgressLine
-from pipeline.cli.select import publish_record, published_line, selection_text
+from pipeline.cli.select import selection_text
 from pipeline.cli.tables import Column
 from pipeline.core.env import MLFLOW_LOGGING_LEVEL
-from pipeline.core.errors import ConfigError, EnvironmentProblem, SkuforgeError
+from pipeline.core.errors import ConfigError, EnvironmentProblem
 from pipeline.core.paths import Layout
-from pipeline.engine.matrix import OUTCOMES, PairOutcome, matrix, sku_statuses, worst_exit
+from pipeline.engine.matrix import OUTCOMES, PairOutcome, matrix, sku_statuses
 from pipeline.ops.hostreport import check_report, class_labels, load_classes, probe_report
-from pipeline.ops.pipelines import hide_from_dvc, move_pair_locks, render_pipelines
-from pipeline.ops.repro import DvcFailed, ProjectStatus, clear_outcomes, run_dvc_repro, targets, upstream_stages
+from pipeline.ops.pipelines import render_pipelines
+from pipeline.ops.reproduce import reproduce
 from pipeline.project.config import load_registry
 from pipeline.report import write_site
 from pipeline.results.reports import BuildReport
-from pipeline.results.selection import SelectionRecord
 from pipeline.stages import bench as bench_stage
 from pipeline.stages import build as build_stage
 from pipeline.stages import calibrate as calibrate_stage
@@ -43,8 +41,7 @@ from pipeline.tracking.client import require_mlflow
 from pipeline.tracking.promotion import PromotionBlocked, rollback
 from pipeline.tracking.promotion import promote as promote_alias
 from pipeline.tracking.releases import list_releases
-from pipeline.verify.consistency import refresh_reports
-from pipeline.verify.selection import refresh_selections, select
+from pipeline.verify.selection import select
 
 
 def _cache_lines(report: BuildReport) -> str:
@@ -237,140 +234,30 @@ def export_example(args: argparse.Namespace) -> int:
 
 
 def repro(args: argparse.Namespace) -> int:
-
+    """dvc repro of what this host builds, then the matrix and the selection per device class: one
+    library call (pipeline.ops.reproduce), its result rendered."""
     reg = _registry(args)
-    render_pipelines(reg)  # dvc reads them next: current for this registry (a no-op when they are)
-    move_pair_locks(reg)  # a project built before pipelines/ keeps its runs
-    status = None if args.force else ProjectStatus(reg.root)  # runs while the host is checked
-    all_statuses = sku_statuses(reg)
-    _, host_filter_changed = hide_from_dvc(reg, all_statuses)
-    if status is not None and host_filter_changed:  # DVC sees other stages now: ask again
-        status.cancel()
-        status = ProjectStatus(reg.root)
-    dvc_targets, skipped = targets(reg, args.model, args.sku, publish=not args.no_publish, statuses=all_statuses)
-    for s in skipped:
-        what = "building only (validate and bench need the target)" if s.buildable else "skipping"
-        print(
-            f"{what} SKU {s.sku}: {'; '.join(s.problems)}; needs a runner with labels [{', '.join(s.runner_labels)}]",
-            file=sys.stderr,
-        )
-    if not dvc_targets:
-        if args.sku:  # asked for by name (a CI job for one SKU): building nothing is not success
-            raise EnvironmentProblem(
-                f"this host can build none of the SKUs asked for: {', '.join(args.sku)}",
-                hint="run it on a runner with the labels printed above "
-                "(skuforge skus --buildable-here lists what this host can build)",
-            )
-        print("nothing this host can build", file=sys.stderr)
+    result = reproduce(
+        reg,
+        args.model,
+        args.sku,
+        force=args.force,
+        dry=args.dry,
+        publish=not args.no_publish,
+        say=lambda line: print(line, file=sys.stderr),
+    )
+    if result.dry:
+        if args.json:  # the text answer went to stderr as it ran
+            _emit(args, result.dry_json(), lambda: "")
         return 0
-    stale = None if status is None else status.stale(upstream_stages(reg, dvc_targets))
-    failed = None
-    if not args.dry:
-        clear_outcomes(reg, dvc_targets)  # this run records again what still fails
-    if stale == []:
-        print("Data and pipelines are up to date.", file=sys.stderr)
-    elif args.dry and stale is not None:  # the one status call answers: no second dvc run
-        changes = status.changes() if status is not None else None
-        for name in stale:
-            print(f"{name}: {_changed(changes[name] if changes else [])}", file=sys.stderr)
-        print("(and every stage downstream of these)", file=sys.stderr)
-    else:
-        try:
-            run_dvc_repro(reg.root, dvc_targets, force=args.force, dry=args.dry, keep_going=True)
-        except DvcFailed as exc:
-            if args.dry:
-                raise
-            failed = exc  # the matrix below says which pairs and why
-    if args.dry:
-        dry = {"targets": dvc_targets, "skipped": [s.to_json() for s in skipped], "stale": stale}
-        if args.json:  # the text answer is what went to stderr above
-            _emit(args, dry, lambda: "")
+    if not result.targets:
         return 0
-    statuses = [s for s in all_statuses if not args.sku or s.sku in args.sku]
-    try:
-        rows = matrix(reg, args.model, [s.sku for s in statuses], statuses)
-    except SkuforgeError:
-        if failed is not None:  # no matrix to show (the registry broke meanwhile): dvc's failure says why
-            raise failed from None
-        raise
-    if failed is not None and not failed.stage_failed:  # dvc itself, or something from outside
-        print(f"skuforge: error: {failed}", file=sys.stderr)
-    consistency, consistency_exit = _consistency_reports(reg, args.model)
-    selected = _selection_records(reg, args.model)
-    # a run over every SKU (not a CI job's --sku) records the choice in MLflow, as the pairs' publish stages did
-    published = _publish_selections(reg, _records(selected)) if not (args.no_publish or args.sku) else 0
-    code = max(worst_exit(rows), failed.exit_code if failed else 0, consistency_exit, published)
     _emit(
         args,
-        {
-            "targets": dvc_targets,
-            "skipped": [s.to_json() for s in skipped],
-            "matrix": [r.to_json() for r in rows],
-            "consistency": consistency,
-            "selection": {m: r.to_json() if isinstance(r, SelectionRecord) else r for m, r in selected.items()},
-            "exit_code": code,
-        },
-        lambda: matrix_text(rows, args.wide) + selection_text(_records(selected), args.wide, reg.known_gaps()),
+        result.to_json(),
+        lambda: matrix_text(result.rows, args.wide) + selection_text(result.records, args.wide, reg.known_gaps()),
     )
-    return code
-
-
-def _selection_records(reg, models: list[str] | None) -> dict[str, SelectionRecord | str]:
-    """Write the selection record of each model after a run (build/.selection/<model>.json): model ->
-    its record, or why none was written (said on stderr; the matrix still shows)."""
-    try:
-        done = refresh_selections(reg, models)
-    except SkuforgeError as exc:  # a read-only build/ folder, say
-        print(f"skuforge: error: selection records not written: {exc}", file=sys.stderr)
-        return {}
-    for model, r in done.items():
-        if not isinstance(r, SelectionRecord):
-            print(f"selection {model}: not written: {r}", file=sys.stderr)
-    return done
-
-
-def _publish_selections(reg, records: list[SelectionRecord]) -> int:
-    """Publish each written selection record (pipeline/tracking/selection.py); a failure is said on
-    stderr and is the exit code (the matrix still shows)."""
-    worst = 0
-    for record in records:
-        try:
-            print(published_line(publish_record(reg, record)), file=sys.stderr)
-        except SkuforgeError as exc:
-            print(f"skuforge: error: selection of {record.model} not published: {exc}", file=sys.stderr)
-            worst = max(worst, exc.exit_code)
-    return worst
-
-
-def _records(selected: dict[str, SelectionRecord | str]) -> list[SelectionRecord]:
-    return [r for r in selected.values() if isinstance(r, SelectionRecord)]
-
-
-def _changed(entries: list[Any]) -> str:
-    """dvc status's reasons for one stage on one line: ``changed deps: build/config/a.json (modified)``."""
-    parts = []
-    for entry in entries:
-        if isinstance(entry, dict):
-            for what, files in entry.items():
-                shown = ", ".join(f"{f} ({c})" for f, c in files.items()) if isinstance(files, dict) else str(files)
-                parts.append(f"{what}: {shown}")
-        else:
-            parts.append(str(entry))
-    return "; ".join(parts) or "changed"
-
-
-def _consistency_reports(reg, models: list[str] | None) -> tuple[dict[str, Any], int]:
-    """Refresh the checked-in consistency matrix of each model (reports/consistency/) after a run:
-    model -> the files written or why not, and an exit code for a failure to write them."""
-
-    try:
-        done = refresh_reports(reg, models)
-    except SkuforgeError as exc:  # a read-only reports/ folder, say: the matrix below still shows
-        print(f"skuforge: error: consistency reports not written: {exc}", file=sys.stderr)
-        return {}, exc.exit_code
-    for line in refresh_lines(done):
-        print(line, file=sys.stderr)
-    return done, 0
+    return result.exit_code
 
 
 def _quiet_mlflow() -> None:

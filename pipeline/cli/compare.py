@@ -57,11 +57,3 @@ def text(report) -> str:
         if extra:
             lines.append(f"  {extra}")
     return "\n".join(lines)
-
-
-def refresh_lines(done: dict) -> list[str]:
-    """One line per model of ``consistency.refresh_reports``'s result (`repro`, `ci assemble`)."""
-    return [
-        f"consistency {model}: " + (f"wrote {', '.join(r)}" if isinstance(r, list) else f"not written: {r}")
-        for model, r in done.items()
-    ]

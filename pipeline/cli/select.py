@@ -50,7 +50,7 @@ def select_command(args: argparse.Namespace) -> int:
     path = write_selection(registry, record)
     print(f"wrote {path.relative_to(registry.root)}", file=sys.stderr)
     if args.publish:
-        print(published_line(publish_record(registry, record)), file=sys.stderr)
+        print(publish_record(registry, record).line(), file=sys.stderr)
     if args.json:  # the record as written, its classes narrowed to --class (digest: the file's)
         print(json.dumps({**record.to_json(), "classes": [c.to_json() for c in shown]}, indent=2, sort_keys=True))
     else:
@@ -63,11 +63,6 @@ def publish_record(registry: Registry, record: SelectionRecord) -> SelectionPubl
     MLFLOW_LOGGING_LEVEL.setdefault("WARNING")  # MLflow's INFO lines (store migrations) off the user's stderr
     require_mlflow()
     return publish_selection(connect(registry), registry, record)
-
-
-def published_line(r: SelectionPublishResult) -> str:
-    state = "new run" if r.created_run else "run already there"
-    return f"published the selection of {r.model} ({r.digest[:12]}): run {r.run_id[:12]}, {state}, at {r.tracking_uri}"
 
 
 Gaps = Mapping[str, Sequence[KnownGap]]  # SKU -> skus.<s>.known_gaps (Registry.known_gaps)

@@ -46,6 +46,13 @@ class SelectionPublishResult(Result):
     created_run: bool = Field(False, description="this call created the run (else it found or resumed one)")
     seconds: float = 0.0
 
+    def line(self) -> str:
+        state = "new run" if self.created_run else "run already there"
+        return (
+            f"published the selection of {self.model} ({self.digest[:12]}): run {self.run_id[:12]}, {state}, "
+            f"at {self.tracking_uri}"
+        )
+
 
 class GateResult(Result):
     name: GateName

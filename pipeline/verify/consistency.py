@@ -414,3 +414,11 @@ def markdown(report: ConsistencyReport) -> str:
         extra = nonfinite_line(m)
         lines += ["", extra, ""] if extra else [""]
     return "\n".join(lines)
+
+
+def refresh_lines(done: dict) -> list[str]:
+    """One line per model of ``consistency.refresh_reports``'s result (`repro`, `ci assemble`)."""
+    return [
+        f"consistency {model}: " + (f"wrote {', '.join(r)}" if isinstance(r, list) else f"not written: {r}")
+        for model, r in done.items()
+    ]
