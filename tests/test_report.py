@@ -188,7 +188,8 @@ def _roofline(root: Path, scale: float = 1.0, precision: str | None = None) -> d
     """A RooflineReport of the project's model, made by pipeline.perf.roofline: one layer time is
     joined to no node (its name lands in ``unmatched_ms``). ``scale`` scales the measured peaks (a
     peak probe gone wrong: far below what the engine achieves); ``precision`` is the engine's."""
-    from pipeline.perf.roofline import graph_cost, roofline
+    from pipeline.perf.cost import graph_cost
+    from pipeline.perf.roofline import roofline
 
     peaks = {
         "key": "test",

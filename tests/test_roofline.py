@@ -11,14 +11,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from pydantic import ValidationError
 
-from pipeline.perf.roofline import (
-    GraphCost,
-    RooflineReport,
-    graph_cost,
-    join_layer_times,
-    node_precisions,
-    roofline,
-)
+from pipeline.perf.cost import GraphCost, graph_cost
+from pipeline.perf.roofline import RooflineReport, join_layer_times, node_precisions, roofline
 from pipeline.results.reports import LayerInfo
 
 F = TensorProto.FLOAT

@@ -62,7 +62,8 @@ from pipeline.core.progress import Progress
 from pipeline.engine.build import require_host
 from pipeline.host.peaks import host_peaks
 from pipeline.host.probe import device_state, host, rss_mb, usable_cores
-from pipeline.perf.roofline import graph_cost, roofline
+from pipeline.perf.cost import graph_cost
+from pipeline.perf.roofline import roofline
 from pipeline.project.artifacts import batch_indices, check_engine, layout, load_arrays, log, read_report
 
 ENERGY_PHASE = "engine-only steady state"
