@@ -99,11 +99,6 @@ def _bench_view(pair: PairData, images: Images, notes: list[str]) -> dict[str, A
     sweep_plot = None
     if len(usable) >= 2:
         sweep_plot = chart(images, notes, "sweep.png", f"{what} sweep", lambda: plots.sweep(usable))
-    state = as_dict(b.get("device_state"))
-    before, after = as_dict(state.get("before")), as_dict(state.get("after"))
-    device = [(k, before.get(k), after.get(k)) for k in sorted(set(before) | set(after))]
-    if not device and state:
-        device = [(k, v, None) for k, v in sorted(state.items())]
     return {
         "phases": phases,
         "summary": summary,
@@ -114,8 +109,17 @@ def _bench_view(pair: PairData, images: Images, notes: list[str]) -> dict[str, A
         "sweep": sweep,
         "sweep_plot": sweep_plot,
         "memory": as_dict(b.get("memory_mb")),
-        "device_state": device,
+        "device_state": _device_state(as_dict(b.get("device_state"))),
     }
+
+
+def _device_state(state: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, before, after) per device-state reading; an older report's flat state as (key, value, None)."""
+    before, after = as_dict(state.get("before")), as_dict(state.get("after"))
+    device = [(k, before.get(k), after.get(k)) for k in sorted(set(before) | set(after))]
+    if not device and state:
+        device = [(k, v, None) for k, v in sorted(state.items())]
+    return device
 
 
 def _correctness_view(validate: dict[str, Any] | None) -> dict[str, Any] | None:
