@@ -20,8 +20,19 @@ precision is "n/a", left out), the delegate partitions, the TRANSPOSE ops the NC
 change added, and the op types left on the built-in kernels.
 
     python benchmarks/speedup.py [--models classifier,recognizer] [--skus x86_ort_fp32,x86_ov_int8]
-                                 [--seconds 2] [--threads 1] [--variant NAME=SKU:JSON ...] [--json out.json]
-                                 [--project DIR]
+                                 [--seconds 2] [--threads 1] [--objective cpu|wall] [--variant NAME=SKU:JSON ...]
+                                 [--json out.json] [--project DIR] [--tuning DIR]
+
+TVM: a SKU with a checked-in tuning database for the model under ``benchmarks/tuning/<sku>/<model>/``
+(written by benchmarks/tune_ship_models.py, the format of caches/<sku>/<model>/) gets it copied into
+the temporary project's caches/<sku>/<model>/ after the checks a build makes (the key: apache-tvm
+version and target; every file's sha256 and size; a database that fails them is refused, named, and
+the SKU builds untuned) and replays it with the cache required (a task it lacks fails the build):
+its note says "tuned (N trials)". Beside each TVM SKU whose ``options.trials`` is above 0, the
+variant ``<sku>_untuned`` (trials 0, no database: TVM's default schedules) is timed too, so
+untuned, tuned and ORT defaults stand side by side. A SKU without a checked-in database builds
+untuned, as before, and says so. ``--tuning DIR`` reads the databases from DIR instead (``--project
+. --tuning caches``: a project's own checked-in databases).
 
 ``--threads N`` pins every engine, ORT defaults included, to N threads (on a shared host, one
 thread and the ``cpu ms`` column, the process CPU time per call, compare compute cost with less
@@ -31,14 +42,18 @@ updated by JSON, e.g.
 the way a default change is judged, before and after side by side in one run.
 
 After the table of each model, the selection per device class (``skus.<s>.device_class``): among
-the class's engines that built here, the fastest by wall p50 is selected when the bootstrap interval
-of the runner-up's p50 over its p50 (the per-call samples of the interleaved rounds) lies wholly
-above 1, else a tie broken by ``selection.prefer`` — ``decide()`` of pipeline/verify/selection.py,
-the rule ``skuforge select`` applies. The pipeline's gates (correctness, placement, precision) are
-not run here: "max|d| vs ref" in the note column is the only check, and selection is by speed among
-the engines that built. ``x`` columns are the selected engine's speed-up over ORT defaults in wall p50
-and in CPU time per call (the figure to read under ``--threads 1``). The AVX-512 VNNI SKUs are in the
-default list only on a host with avx512_vnni (run without it, their u8s8 sums would saturate).
+the class's engines that built here, the fastest by the objective's samples is selected when the
+bootstrap interval of the runner-up's p50 over its p50 lies wholly above 1, else a tie broken by
+``selection.prefer`` — ``decide()`` of pipeline/verify/selection.py, the rule ``skuforge select``
+applies. The pipeline's gates (correctness, placement, precision) are not run here: "max|d| vs ref"
+in the note column is the only check, and selection is by speed among the engines that built.
+``--objective cpu`` (the default under ``--threads 1``) selects on CPU time per call, one sample
+per round (the process CPU time of the round over its calls: the acceptance figure on a shared
+host), in as many rounds as ``selection.min_samples`` (30: fewer samples never separate);
+``--objective wall`` (the default otherwise) on the per-call wall latencies. The selection line
+says which it used. ``x`` columns are the selected engine's speed-up over ORT defaults in wall p50
+and in CPU time per call (the figure to read under ``--threads 1``). The AVX-512 VNNI SKUs are in
+the default list only on a host with avx512_vnni (run without it, their u8s8 sums would saturate).
 
 The roofline column is achieved FLOP/s over the host's measured FP32 peak (``pipeline.perf.roofline``
 FLOPs per ONNX layer, ``pipeline.host.peaks`` host peaks); without those modules it says n/a.
@@ -56,6 +71,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +79,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ship_models import MODELS, build  # noqa: E402
+
+from pipeline.backends import get_backend  # noqa: E402
+from pipeline.backends.caches import INDEX, inspect  # noqa: E402
+from pipeline.results.selection import SelectionCandidate  # noqa: E402
+from pipeline.verify.selection import QUANTILES, decide  # noqa: E402
 
 CPU_SKUS = (
     "x86_ort_fp32",
@@ -81,6 +102,10 @@ VNNI_SKUS = ("x86_vnni_ort_int8", "x86_vnni_ov_int8", "x86_vnni_litert_int8")
 ORT_DEFAULTS = "ort_defaults"
 SELECTION_KEY = "selection (by class)"  # in --json per model: not a SKU name (those are [a-z0-9_])
 GOLDEN_SAMPLES = 8  # golden samples each engine is compared on
+TUNING = Path(__file__).resolve().parent / "tuning"  # checked-in databases: <sku>/<model>/ (tune_ship_models.py)
+UNTUNED = "_untuned"  # the suffix of a tuned TVM SKU's untuned variant
+OBJECTIVES = ("cpu", "wall")
+ROUNDS = 9  # interleaved rounds under --objective wall (its samples are per call)
 
 
 # each backend's option for its runtime's thread count (IREE's is process-wide: see main)
@@ -151,15 +176,28 @@ def make_project(
     return root / "params.yaml"
 
 
-def measure(
-    calls: dict[str, Callable[[], Any]], seconds: float, rounds: int = 9
-) -> tuple[dict[str, list[float]], dict[str, float]]:
-    """Per-call wall latencies (ms) of each call, ``rounds`` interleaved rounds of about
-    ``seconds / rounds`` per call each after a warm-up; and each call's mean process CPU time (ms,
-    all threads). On a shared host the CPU time of a one-thread engine is its compute cost, which
+@dataclass
+class Timings:
+    """What ``measure`` saw of each call: per-call wall latencies (ms), and per round the process
+    CPU time (ms, all threads) over the calls of that round."""
+
+    wall: dict[str, list[float]]
+    cpu_rounds: dict[str, list[float]]
+    cpu_total: dict[str, list[float]]  # [ms, calls] over all rounds
+
+    @property
+    def cpu_ms(self) -> dict[str, float]:
+        """Each call's mean CPU time per call over all rounds."""
+        return {k: total / count for k, (total, count) in self.cpu_total.items()}
+
+
+def measure(calls: dict[str, Callable[[], Any]], seconds: float, rounds: int = ROUNDS) -> Timings:
+    """Each call timed in ``rounds`` interleaved rounds of about ``seconds / rounds`` each after a
+    warm-up. On a shared host the CPU time of a one-thread engine is its compute cost, which
     other processes' load does not inflate the way it inflates wall time."""
     samples: dict[str, list[float]] = {k: [] for k in calls}
     cpu: dict[str, list[float]] = {k: [0.0, 0] for k in calls}
+    cpu_rounds: dict[str, list[float]] = {k: [] for k in calls}
     for call in calls.values():
         for _ in range(10):
             call()
@@ -177,9 +215,52 @@ def measure(
                 n += 1
                 if t1 - start >= seconds / rounds and n >= 3:
                     break
-            cpu[name][0] += (time.process_time() - c0) * 1000
+            spent = (time.process_time() - c0) * 1000
+            cpu[name][0] += spent
             cpu[name][1] += n
-    return samples, {k: total / count for k, (total, count) in cpu.items()}
+            cpu_rounds[name].append(spent / n)
+    return Timings(samples, cpu_rounds, cpu)
+
+
+def selection_samples(timings: Timings, objective: str) -> dict[str, list[float]]:
+    """The samples the selection compares: per-round CPU ms per call (``cpu``) or per-call wall ms
+    (``wall``)."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective {objective!r}: one of {', '.join(OBJECTIVES)}")
+    return timings.cpu_rounds if objective == "cpu" else timings.wall
+
+
+def checked_in_database(sku: str, model: str, root: Path = TUNING) -> Path | None:
+    """``root/<sku>/<model>/`` when it holds a cache index, else None."""
+    folder = root / sku / model
+    return folder if (folder / INDEX).is_file() else None
+
+
+class DatabaseRefused(ValueError):
+    """A checked-in tuning database that a build would not trust."""
+
+
+def install_database(source: Path, dest: Path, sku: str, model: str, spec: Any) -> int | None:
+    """Copy the tuning database at ``source`` to ``dest`` (the project's caches/<sku>/<model>/)
+    once it passes the checks a build makes (``pipeline.backends.caches.inspect``: the key of this
+    host's compiler and the SKU's target, every listed file's sha256 and size, the backend's own
+    reading); only the index and the files it lists are copied. Returns the trials the index
+    records. Raises DatabaseRefused, naming why, when the database is not what the build would trust."""
+    backend = get_backend(spec.backend)
+    status = inspect(backend, sku, model, source, backend.cache_key(spec))
+    if status.state != "fresh":
+        raise DatabaseRefused(
+            f"{source}: {status.state}: {status.reason} (re-tune: python benchmarks/tune_ship_models.py "
+            f"--sku {sku} --models {model} --trials N)"
+        )
+    staged = dest.with_name(f".{dest.name}.new")
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir(parents=True)
+    for name in [str(f["path"]) for f in status.files] + [INDEX]:
+        shutil.copyfile(source / name, staged / name)
+    shutil.rmtree(dest, ignore_errors=True)
+    staged.rename(dest)
+    return status.trials
 
 
 def roofline_fraction(model: Path, pins: dict[str, int], p50_ms: float, threads: int | None) -> str:
@@ -190,7 +271,7 @@ def roofline_fraction(model: Path, pins: dict[str, int], p50_ms: float, threads:
     work in another precision)."""
     try:
         from pipeline.host.peaks import host_peaks
-        from pipeline.perf.roofline import graph_cost
+        from pipeline.perf.cost import graph_cost
     except ImportError:
         return "n/a"
     key = (str(model), threads)
@@ -229,12 +310,9 @@ def select_by_class(
     registry: Any, engines: list[str], samples: dict[str, list[float]], errors: dict[str, str]
 ) -> dict[str, Any]:
     """Per device class of ``engines``: the choice by ``decide()`` among those that built (their
-    per-call wall samples), without the pipeline's gates; an engine that did not build is a
-    candidate that cannot be chosen, with its error."""
+    ``samples``: per-call wall or per-round CPU, ``selection_samples``), without the pipeline's
+    gates; an engine that did not build is a candidate that cannot be chosen, with its error."""
     import numpy as np
-
-    from pipeline.results.selection import SelectionCandidate
-    from pipeline.verify.selection import QUANTILES, decide
 
     spec = registry.selection
     if spec.objective not in QUANTILES:  # throughput: this benchmark times one call at a time
@@ -308,6 +386,24 @@ def main() -> None:
     )
     ap.add_argument("--seconds", type=float, default=2.0, help="timed seconds per engine and model")
     ap.add_argument("--threads", type=int, help="threads of every engine (default: each SKU's own setting)")
+    ap.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        help="what the selection compares: per-round CPU ms per call or per-call wall ms "
+        "(default: cpu under --threads 1, wall otherwise)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        help=f"interleaved rounds (default: {ROUNDS}; under --objective cpu, one sample per round, at least "
+        "selection.min_samples, so the selection can separate engines)",
+    )
+    ap.add_argument(
+        "--tuning",
+        type=Path,
+        default=TUNING,
+        help="checked-in TVM databases, <sku>/<model>/ (default: %(default)s; a project's caches/ replays its own)",
+    )
     ap.add_argument("--json", type=Path, help="write the p50s and speed-ups here")
     ap.add_argument("--keep", action="store_true", help="keep the temporary project (its path is printed)")
     args = ap.parse_args()
@@ -333,6 +429,13 @@ def main() -> None:
         name, _, rest = text.partition("=")
         base, _, options = rest.partition(":")
         variants[name] = (base, json.loads(options))
+    objective = args.objective or ("cpu" if args.threads == 1 else "wall")
+    import yaml
+
+    declared = yaml.safe_load(Path("params.yaml").read_text())["skus"]
+    for sku in skus:  # a tuned TVM SKU is timed beside its untuned self
+        if declared[sku]["backend"] == "tvm" and declared[sku].get("options", {}).get("trials", 0) > 0:
+            variants.setdefault(f"{sku}{UNTUNED}", (sku, {"trials": 0}))
 
     logging.getLogger().setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
@@ -345,7 +448,6 @@ def main() -> None:
         # the local-task driver reads its worker count from process-wide flags, before its first device
         iree.runtime.flags.parse_flags(f"--task_topology_group_count={args.threads}")
 
-    from pipeline.backends import get_backend
     from pipeline.backends.litert import DELEGATED
     from pipeline.engine.build import build_engine
     from pipeline.project.artifacts import layout, load_arrays, read_report, run_plan
@@ -361,6 +463,8 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     try:
         registry = load_registry(make_project(tmp, Path.cwd(), models, skus, variants, args.threads, args.project))
+        # one CPU sample per round: as many rounds as the selection needs samples to separate engines
+        rounds = args.rounds or (max(ROUNDS, registry.selection.min_samples) if objective == "cpu" else ROUNDS)
         out = layout(registry)
         engines = skus + list(variants)
         for model in models:
@@ -398,14 +502,26 @@ def main() -> None:
                     want,
                 )
             }
-            errors, build_s, runners, delegated = {}, {}, [], {}
+            errors, build_s, runners, delegated, labels = {}, {}, [], {}, {}
             for sku in engines:
                 spec = registry.sku(sku)
+                policy: dict[str, Any] = {"tuning_trials": 0}  # untuned: TVM's default schedules
+                if spec.backend == "tvm":
+                    database = checked_in_database(sku, model, args.tuning)
+                    tuned_sku = spec.options.get("trials", 0) > 0
+                    labels[sku] = "untuned" if not tuned_sku or database else "untuned (no checked-in database)"
+                    if database is not None and tuned_sku:
+                        try:
+                            trials = install_database(database, out.cache_dir(model, sku), sku, model, spec)
+                        except DatabaseRefused as exc:
+                            print(f"{model}/{sku}: tuning database refused: {exc}", file=sys.stderr)
+                            labels[sku] = "untuned (database refused)"
+                        else:
+                            policy = {"cache_required": True}  # replays it whole, or fails on a task it lacks
+                            labels[sku] = f"tuned ({trials} trials)"
                 t0 = time.perf_counter()
                 try:
-                    built = build_engine(
-                        registry, model, sku, out.engine_dir(model, sku), tuning_trials=0, search=False
-                    )
+                    built = build_engine(registry, model, sku, out.engine_dir(model, sku), search=False, **policy)
                     runner = get_backend(spec.backend).load(out.engine_dir(model, sku), spec)
                 except Exception as exc:  # a backend that cannot build this model: reported, not fatal
                     errors[sku] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
@@ -418,8 +534,10 @@ def main() -> None:
                 diffs[sku] = max_abs_diff(run_dataset(runner.infer, golden, in_idx, out_idx, batch), want)
                 calls[sku] = lambda r=runner, f=feeds: r.infer(f)
             for name, diff in diffs.items():
-                errors[name] = f"max|d| vs ref {diff:.3g} (n={count})"
-            samples, cpu_ms = measure(calls, args.seconds)
+                label = f"{labels[name]}; " if name in labels else ""
+                errors[name] = f"{label}max|d| vs ref {diff:.3g} (n={count})"
+            timings = measure(calls, args.seconds, rounds)
+            samples, cpu_ms = timings.wall, timings.cpu_ms
             for runner in runners:
                 runner.close()
             p50 = {k: statistics.median(v) for k, v in samples.items()}
@@ -449,6 +567,7 @@ def main() -> None:
                     "cpu_ms": cpu_ms[name],
                     "roofline": roof,
                     "max_abs_diff": diffs[name],
+                    **({"tuning": labels[name]} if name in labels else {}),
                 }
             if delegated:
                 print(
@@ -461,10 +580,11 @@ def main() -> None:
                     f"{found['transposes_added']:10d}  {', '.join(found['builtin_op_types']) or '-'}"
                 )
                 rows[name]["delegation"] = found
-            chosen = select_by_class(registry, engines, samples, errors)
+            chosen = select_by_class(registry, engines, selection_samples(timings, objective), errors)
             if chosen:
-                objective = "p99" if registry.selection.objective == "p99" else "p50"  # as select_by_class
-                print(f"  selection by wall {objective} (no gates run: among the engines that built)")
+                quantile = "p99" if registry.selection.objective == "p99" else "p50"  # as select_by_class
+                what = "CPU ms per call, one sample per round" if objective == "cpu" else "wall ms, per call"
+                print(f"  selection by {objective} {quantile} ({what}; no gates run: among the engines that built)")
                 print(
                     f"  {'class':18} {'selected':26} {'wall x':>7} {'cpu x':>7}  {'runner-up':26} "
                     "margin [interval]  decision"
@@ -487,6 +607,7 @@ def main() -> None:
                     "cpu_speedup": cpu_ms[ORT_DEFAULTS] / cpu_ms[c.chosen] if c.chosen else None,
                     "runner_up": c.runner_up,
                     "decision": c.decision,
+                    "objective": objective,
                     "tied": c.tied,
                     "separated": c.margin.separated if c.margin else None,
                     "margin": c.margin.ratio if c.margin else None,
