@@ -55,8 +55,9 @@ says which it used. ``x`` columns are the selected engine's speed-up over ORT de
 and in CPU time per call (the figure to read under ``--threads 1``). The AVX-512 VNNI SKUs are in
 the default list only on a host with avx512_vnni (run without it, their u8s8 sums would saturate).
 
-The roofline column is achieved FLOP/s over the host's measured FP32 peak (``pipeline.perf.roofline``
-FLOPs per ONNX layer, ``pipeline.host.peaks`` host peaks); without those modules it says n/a.
+The roofline column is achieved op/s over the host's measured peak for the engine's precision (the
+INT8 peak for INT8 engines; ``pipeline.perf.cost`` FLOPs per ONNX layer, ``pipeline.host.peaks``
+host peaks); without those modules it says n/a.
 """
 
 from __future__ import annotations
@@ -263,27 +264,30 @@ def install_database(source: Path, dest: Path, sku: str, model: str, spec: Any) 
     return status.trials
 
 
-def roofline_fraction(model: Path, pins: dict[str, int], p50_ms: float, threads: int | None) -> str:
-    """ROOFLINE HOOK: achieved FLOP/s (the prepared FP32 model's FLOPs at ``pins``,
-    ``pipeline.perf.roofline.graph_cost``, over the p50) as a fraction of this host's measured FP32
-    peak (``pipeline.host.peaks.host_peaks``: all cores, or one core under ``--threads 1``); "n/a"
-    where those modules are absent. INT8 engines are credited with the FP32 model's FLOPs (the same
-    work in another precision)."""
+def roofline_fraction(
+    model: Path, pins: dict[str, int], p50_ms: float, threads: int | None, precision: str = "fp32"
+) -> str:
+    """ROOFLINE HOOK: achieved op/s (the prepared FP32 model's FLOPs at ``pins``,
+    ``pipeline.perf.cost.graph_cost``, over the p50) as a fraction of this host's measured peak for
+    the engine's precision (``pipeline.host.peaks.host_peaks``: the INT8 peak for INT8 engines, the
+    FP32 one otherwise; all cores, or one core under ``--threads 1``); "n/a" where those modules are
+    absent. INT8 engines are credited with the FP32 model's FLOPs (the same work in another
+    precision) and divided by the INT8 peak."""
     try:
         from pipeline.host.peaks import host_peaks
         from pipeline.perf.cost import graph_cost
     except ImportError:
         return "n/a"
-    key = (str(model), threads)
+    key = (str(model), threads, precision)
     if key not in _ROOFLINE:
-        peaks = host_peaks().compute_gflops
+        peaks = host_peaks().int8_gops if precision == "int8" else host_peaks().compute_gflops
         _ROOFLINE[key] = (graph_cost(model, pins).flops, peaks.one_core if threads == 1 else peaks.all_cores)
     flops, peak_gflops = _ROOFLINE[key]
     fraction = flops / (p50_ms * 1e6) / peak_gflops
     return f"{fraction:.1%}" + ("!" if fraction > 1 else "")  # "!": the cached peak is below what ran
 
 
-_ROOFLINE: dict[tuple[str, int | None], tuple[int, float]] = {}
+_ROOFLINE: dict[tuple[str, int | None, str], tuple[int, float]] = {}
 
 
 def delegation(outcome: Any, delegated_device: str) -> dict[str, Any] | None:
@@ -555,7 +559,8 @@ def main() -> None:
                     rows[name] = {"error": errors.get(name)}
                     continue
                 p90 = float(np.percentile(samples[name], 90))
-                roof = roofline_fraction(prepared, pins, p50[name], args.threads)
+                precision = "fp32" if name == ORT_DEFAULTS else registry.sku(name).precision
+                roof = roofline_fraction(prepared, pins, p50[name], args.threads, precision)
                 print(
                     f"  {name:28} {p50[name]:9.3f} {p90:9.3f} {base / p50[name]:8.2f}x {cpu_ms[name]:9.3f} {roof:>9}  "
                     f"{build_s.get(name, 0):7.1f}  {errors.get(name, '')}"
@@ -616,10 +621,11 @@ def main() -> None:
                 }
             results[model] = rows
         if all(r.get("roofline") in (None, "n/a") for rows in results.values() for r in rows.values()):
-            print("\nroofline: n/a (pipeline/perf/roofline.py is not in this tree)")
+            print("\nroofline: n/a (pipeline/perf/cost.py is not in this tree)")
         else:
             print(
-                "\nroofline: the model's FP32 FLOPs / p50 / this host's measured FP32 peak (pipeline.perf.roofline, "
+                "\nroofline: the model's FP32 FLOPs / p50 / this host's measured peak for the engine's precision "
+                "(INT8 engines: the INT8 peak, u8 x s8 matmul; others: FP32) (pipeline.perf.cost, "
                 "pipeline.host.peaks); '!' marks a fraction above 100%: the cached peak (numpy matmul, "
                 "measured once per host) is below what the engine achieved, e.g. measured on a loaded host"
             )
