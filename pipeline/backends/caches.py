@@ -432,7 +432,10 @@ class CacheSession:
         }
         if (index or {}).get("last_tuning") is not None:
             doc["last_tuning"] = index["last_tuning"]  # type: ignore[index]
-        if self._tuned is not None and (self._files or not self.trusted):  # this build's search made the cache
+        # this build's search made the cache; a search that decided the same files under the same key
+        # again (a refresh that found nothing better) leaves the index as it was: no diff to commit
+        same = index is not None and index.get("files") == records and index.get("key") == self.key
+        if self._tuned is not None and (self._files or not self.trusted) and not (same and not self._files):
             doc["tuned_at"] = (
                 _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
             )
