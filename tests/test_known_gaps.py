@@ -14,8 +14,7 @@ import pytest
 import yaml
 from cli_helpers import skuforge
 from registry_helpers import fake_bench
-from rollout.conftest import _make_project
-from shared import copy_shared, shared_once
+from rollout.conftest import classed_copy
 
 from pipeline.core.errors import ConfigError
 from pipeline.core.io import read_json
@@ -123,14 +122,8 @@ def _samples(p50: float, spread: float, seed: int) -> list[float]:
 def built(tmp_path_factory, tmp_path):
     """conv built for cpu and portable (the rollout tests' shared project), both in class x86-test,
     portable the slower: the losing candidate."""
-    made = shared_once(tmp_path_factory, "rollout-project", _make_project)
-    root = copy_shared(made, tmp_path / "project")
-    params = root / "params.yaml"
-    doc = yaml.safe_load(params.read_text())
-    for name in ("cpu", "portable"):
-        doc["skus"][name]["device_class"] = "x86-test"
-    params.write_text(yaml.safe_dump(doc, sort_keys=False))
-    reg = load_registry(params)
+    root, doc = classed_copy(tmp_path_factory, tmp_path)
+    reg = load_registry(root / "params.yaml")
     fake_bench(reg, "conv", "cpu", _samples(1.0, 0.02, 0))
     fake_bench(reg, "conv", "portable", _samples(2.0, 0.04, 1))
     return root, doc

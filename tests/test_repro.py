@@ -314,6 +314,7 @@ def test_reproduce_is_one_library_call_and_says_what_it_skips(registry):
     with pytest.raises(EnvironmentProblem) as info:
         reproduce(registry, skus=["there"], force=True, say=said.append)
     assert "none of the SKUs asked for: there" in info.value.message
+    assert "labels [arm-box] for there" in info.value.hint  # said in the error too: a library caller may print nothing
     assert said == [
         f"skipping SKU there: needs arch {OTHER_ARCH}, this host is {host_arch()}; needs a runner with labels [arm-box]"
     ]

@@ -11,11 +11,9 @@ from pathlib import Path
 import jsonschema
 import numpy as np
 import pytest
-import yaml
 from cli_helpers import assert_user_error, skuforge
 from registry_helpers import fake_bench
-from rollout.conftest import _make_project
-from shared import copy_shared, shared_once
+from rollout.conftest import classed_copy
 
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.io import read_json
@@ -235,14 +233,8 @@ def test_the_schema_file_is_current_and_a_tampered_record_is_refused():
 def built(tmp_path_factory, tmp_path):
     """The rollout tests' project (conv built for ``cpu`` and ``portable``, manifests written), copied,
     both SKUs in device class x86-test, their latencies set: cpu about twice as fast."""
-    made = shared_once(tmp_path_factory, "rollout-project", _make_project)
-    root = copy_shared(made, tmp_path / "project")
-    params = root / "params.yaml"
-    doc = yaml.safe_load(params.read_text())
-    for name in ("cpu", "portable"):
-        doc["skus"][name]["device_class"] = "x86-test"
-    params.write_text(yaml.safe_dump(doc, sort_keys=False))
-    reg = load_registry(params)
+    root, _ = classed_copy(tmp_path_factory, tmp_path)
+    reg = load_registry(root / "params.yaml")
     digests = {
         "cpu": fake_bench(reg, "conv", "cpu", samples(1.0, 0.02)),
         "portable": fake_bench(reg, "conv", "portable", samples(2.0, 0.04, seed=1)),

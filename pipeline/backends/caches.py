@@ -435,7 +435,7 @@ class CacheSession:
         # this build's search made the cache; a search that decided the same files under the same key
         # again (a refresh that found nothing better) leaves the index as it was: no diff to commit
         same = index is not None and index.get("files") == records and index.get("key") == self.key
-        if self._tuned is not None and (self._files or not self.trusted) and not (same and not self._files):
+        if self._tuned is not None and (self._files or not (self.trusted or same)):
             doc["tuned_at"] = (
                 _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
             )

@@ -11,13 +11,10 @@ from typing import Any
 
 from pipeline.cli import tables
 from pipeline.cli.tables import Column
-from pipeline.core.env import MLFLOW_LOGGING_LEVEL
 from pipeline.core.errors import ConfigError
-from pipeline.project.config import KnownGap, Registry, load_registry
+from pipeline.ops.reproduce import publish_record
+from pipeline.project.config import KnownGap, load_registry
 from pipeline.results.selection import ClassSelection, SelectionRecord
-from pipeline.tracking.client import connect, require_mlflow
-from pipeline.tracking.reports import SelectionPublishResult
-from pipeline.tracking.selection import publish_selection
 from pipeline.verify.selection import check_class, select, write_selection
 
 CANDIDATE_COLUMNS = (
@@ -56,13 +53,6 @@ def select_command(args: argparse.Namespace) -> int:
     else:
         print(record_text(record, shown, registry.known_gaps()))
     return 1 if any(c.decision == "none passed" for c in shown) else 0
-
-
-def publish_record(registry: Registry, record: SelectionRecord) -> SelectionPublishResult:
-    """Record ``record`` in MLflow (``select --publish``, and `repro` after it writes the records)."""
-    MLFLOW_LOGGING_LEVEL.setdefault("WARNING")  # MLflow's INFO lines (store migrations) off the user's stderr
-    require_mlflow()
-    return publish_selection(connect(registry), registry, record)
 
 
 Gaps = Mapping[str, Sequence[KnownGap]]  # SKU -> skus.<s>.known_gaps (Registry.known_gaps)

@@ -20,6 +20,7 @@ from pipeline.ops.repro import DvcFailed, ProjectStatus, clear_outcomes, run_dvc
 from pipeline.project.config import Registry
 from pipeline.results.selection import SelectionRecord
 from pipeline.tracking.client import connect, require_mlflow
+from pipeline.tracking.reports import SelectionPublishResult
 from pipeline.tracking.selection import publish_selection
 from pipeline.verify.consistency import refresh_lines, refresh_reports
 from pipeline.verify.selection import refresh_selections
@@ -96,8 +97,9 @@ def reproduce(
         if skus:  # asked for by name (a CI job for one SKU): building nothing is not success
             raise EnvironmentProblem(
                 f"this host can build none of the SKUs asked for: {', '.join(skus)}",
-                hint="run it on a runner with the labels printed above "
-                "(skuforge skus --buildable-here lists what this host can build)",
+                hint="run it on a runner with "
+                + "; ".join(f"labels [{', '.join(s.runner_labels)}] for {s.sku}" for s in skipped if s.sku in skus)
+                + " (skuforge skus --buildable-here lists what this host can build)",
             )
         say("nothing this host can build")
         return result
@@ -169,13 +171,18 @@ def _publish_selections(registry: Registry, records: list[SelectionRecord], say:
     worst = 0
     for record in records:
         try:
-            MLFLOW_LOGGING_LEVEL.setdefault("WARNING")  # MLflow's INFO lines (store migrations) off stderr
-            require_mlflow()
-            say(publish_selection(connect(registry), registry, record).line())
+            say(publish_record(registry, record).line())
         except SkuforgeError as exc:
             say(f"skuforge: error: selection of {record.model} not published: {exc}")
             worst = max(worst, exc.exit_code)
     return worst
+
+
+def publish_record(registry: Registry, record: SelectionRecord) -> SelectionPublishResult:
+    """Record ``record`` in MLflow (``select --publish``, and ``repro`` after it writes the records)."""
+    MLFLOW_LOGGING_LEVEL.setdefault("WARNING")  # MLflow's INFO lines (store migrations) off the user's stderr
+    require_mlflow()
+    return publish_selection(connect(registry), registry, record)
 
 
 def _changed(entries: list[Any]) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 from registry_helpers import make_project, sku
 from shared import copy_shared, shared_once
 
@@ -72,6 +73,19 @@ def _make_project(root: Path) -> None:
             },
         },
     )
+
+
+def classed_copy(tmp_path_factory, tmp_path: Path, device_class: str = "x86-test") -> tuple[Path, dict]:
+    """A copy of the built rollout project whose two SKUs (``cpu``, ``portable``) both serve
+    ``device_class``: two candidates of one class. Returns its root and its params.yaml as a dict."""
+    made = shared_once(tmp_path_factory, "rollout-project", _make_project)
+    root = copy_shared(made, tmp_path / "project")
+    params = root / "params.yaml"
+    doc = yaml.safe_load(params.read_text())
+    for name in ("cpu", "portable"):
+        doc["skus"][name]["device_class"] = device_class
+    params.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return root, doc
 
 
 @pytest.fixture(scope="module")
