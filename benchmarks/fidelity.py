@@ -296,7 +296,7 @@ def feeds_for(registry: Any, model: str, sku: str) -> dict[str, Any]:
     out = layout(registry)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
     batch = registry.pins(model, sku).get(registry.model(model).batch_axis or "", 1)
-    in_idx, _ = batch_indices(registry, model, prep.signature)
+    in_idx, _ = batch_indices(registry.model(model), prep.signature)
     golden = load_arrays(out.split(model, "golden"), "data")
     golden.pop(LABELS, None)
     return next(iter_batches(golden, in_idx, batch))[1]

@@ -364,7 +364,7 @@ def main() -> None:
                     spec = registry.sku(sku)
                     capture = CaptureCompile()
                     with capture if sku == SKUS["ov"][1] else contextlib.nullcontext():
-                        built = build_engine(registry, model, sku, out.engine_dir(model, sku))
+                        built = build_engine(registry.pair(model, sku), out.engine_dir(model, sku))
                     if sku == SKUS["ov"][1]:
                         blind = gate_blind_spots(capture, built.outcome.layers)
                     layers[sku] = built.outcome.layers

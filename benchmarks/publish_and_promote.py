@@ -91,7 +91,7 @@ def main() -> None:
     if not pairs:
         sys.exit("no manifests: run `skuforge repro` in the example project first")
     model = args.model or pairs[0][0]
-    inputs = {pair: collect(reg, *pair) for pair in pairs}
+    inputs = {pair: collect(reg.pair(*pair)) for pair in pairs}
     tmp = Path(tempfile.mkdtemp(prefix="skuforge-bench-"))
     stores: dict[str, Tracking] = {}
     notes = []

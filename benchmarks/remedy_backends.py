@@ -66,9 +66,9 @@ def _stat(passed: bool, t: TaskAgreement | None) -> str:
 
 def _verdict(registry: Registry, model: str, sku: str) -> tuple[bool, TaskAgreement | None]:
     """Build and validate as params.yaml says: whether the gate passed, and the gated task statistic."""
-    build(registry, model, sku)
+    build(registry.pair(model, sku))
     with contextlib.suppress(GateFailed):  # the report is written either way
-        validate(registry, model, sku)
+        validate(registry.pair(model, sku))
     report = read_report(Layout(registry.root).report(model, sku, "validate"), ValidationReport, "validate")
     gated = [t for t in report.task if t.threshold is not None]
     return report.passed, gated[0] if gated else None
@@ -83,7 +83,7 @@ def _one(root: Path, name: str, sku: str) -> dict:
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
         return row
     started = time.perf_counter()
-    remedy: Remedy = fix(load_registry(params), name, sku)
+    remedy: Remedy = fix(load_registry(params).pair(name, sku))
     row["seconds"] = time.perf_counter() - started
     row["remedy"] = remedy
     if remedy.passed:

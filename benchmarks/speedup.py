@@ -454,7 +454,7 @@ def main() -> None:
 
     from pipeline.backends.litert import DELEGATED
     from pipeline.engine.build import build_engine
-    from pipeline.project.artifacts import layout, load_arrays, read_report, run_plan
+    from pipeline.project.artifacts import layout, load_arrays, model_run_plan, read_report
     from pipeline.project.config import load_registry
     from pipeline.project.data import LABELS, iter_batches, run_dataset
     from pipeline.results.reports import PrepareReport
@@ -478,7 +478,7 @@ def main() -> None:
             if any(registry.sku(s).precision == "int8" for s in engines):
                 calibrate(registry, model)
             prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
-            in_idx, out_idx, batch = run_plan(registry, model, prep.signature)
+            in_idx, out_idx, batch = model_run_plan(registry, model, prep.signature)
             golden = load_arrays(out.split(model, "golden"), "data")
             golden.pop(LABELS, None)
             count = min(GOLDEN_SAMPLES, len(next(iter(golden.values()))))
@@ -525,7 +525,7 @@ def main() -> None:
                             labels[sku] = f"tuned ({trials} trials)"
                 t0 = time.perf_counter()
                 try:
-                    built = build_engine(registry, model, sku, out.engine_dir(model, sku), search=False, **policy)
+                    built = build_engine(registry.pair(model, sku), out.engine_dir(model, sku), search=False, **policy)
                     runner = get_backend(spec.backend).load(out.engine_dir(model, sku), spec)
                 except Exception as exc:  # a backend that cannot build this model: reported, not fatal
                     errors[sku] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"

@@ -103,13 +103,13 @@ def run(fixtures: list[str], skus: list[str], iterations: int, root: Path) -> li
             row = {"fixture": name, "sku": sku, "report": None, "p50": None}
             started = time.perf_counter()
             try:
-                build(registry, name, sku)
+                build(registry.pair(name, sku))
             except UnsupportedOp as exc:
                 row["verdict"] = f"unsupported: {exc.op_type}"
                 rows.append(row)
                 continue
             try:
-                validate(registry, name, sku)
+                validate(registry.pair(name, sku))
                 row["verdict"] = "passed"
             except GateFailed:
                 row["verdict"] = "gate failed"
@@ -118,7 +118,7 @@ def run(fixtures: list[str], skus: list[str], iterations: int, root: Path) -> li
             path = Layout(registry.root).report(name, sku, "validate")
             if path.is_file():
                 row["report"] = read_report(path, ValidationReport, "validate")
-            row["p50"] = bench(registry, name, sku).engine_only.p50_ms
+            row["p50"] = bench(registry.pair(name, sku)).engine_only.p50_ms
             row["seconds"] = time.perf_counter() - started
             if sku == BASELINE:
                 fp32_p50 = row["p50"]

@@ -44,14 +44,14 @@ def feeds_of(registry, model: str, sku: str) -> dict:
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
     golden = load_arrays(out.split(model, "golden"), "data")
     golden.pop(LABELS, None)
-    in_idx, _ = batch_indices(registry, model, prep.signature)
+    in_idx, _ = batch_indices(registry.model(model), prep.signature)
     batch = registry.pins(model, sku).get(registry.model(model).batch_axis or "", 1)
     return next(iter_batches(golden, in_idx, batch))[1]
 
 
 def timed_build(registry, model: str, sku: str, folder: Path, cache: Path, **policy) -> tuple[float, object]:
     started = time.perf_counter()
-    built = build_engine(registry, model, sku, folder, cache_dir=cache, **policy)
+    built = build_engine(registry.pair(model, sku), folder, cache_dir=cache, **policy)
     return time.perf_counter() - started, built
 
 

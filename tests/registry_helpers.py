@@ -200,15 +200,15 @@ def make_project(root: Path, skus: dict, release: dict | None = None, failing: t
     reference(reg, "conv")
     calibrate(reg, "conv")
     for name in skus:
-        build(reg, "conv", name)
+        build(reg.pair("conv", name))
         try:
-            validate(reg, "conv", name)
+            validate(reg.pair("conv", name))
         except GateFailed:
             assert name in failing, f"{name} failed validation"
         else:
             assert name not in failing, f"{name} passed validation"
-        bench(reg, "conv", name)
-        write_manifest(reg, "conv", name)
+        bench(reg.pair("conv", name))
+        write_manifest(reg.pair("conv", name))
     return reg
 
 
@@ -228,4 +228,4 @@ def fake_bench(reg: Registry, model: str, sku_name: str, samples_ms) -> str:
     )
     atomic_write_bytes(out.latency_csv(model, sku_name), csv)
     out.manifest(model, sku_name).unlink(missing_ok=True)
-    return write_manifest(reg, model, sku_name).digest
+    return write_manifest(reg.pair(model, sku_name)).digest

@@ -99,9 +99,9 @@ def _stages(reg, sku: str):
 def test_planted_defect_is_found_and_fixed(tmp_path, defect, sku):
     node, cause, keep = PLANTED[(defect, sku)]
     reg = _project(tmp_path, defect, sku)
-    build(reg, "m", sku)
+    build(reg.pair("m", sku))
     with pytest.raises(GateFailed) as failed:
-        validate(reg, "m", sku)
+        validate(reg.pair("m", sku))
     assert node in str(failed.value) and "skuforge bisect" in failed.value.hint
     out = Layout(tmp_path)
     report = json.loads(out.report("m", sku, "validate").read_text())
@@ -138,11 +138,11 @@ def test_planted_defect_is_found_and_fixed(tmp_path, defect, sku):
 
     # the stages from params.yaml alone: the engine passes and the manifest names the override
     reg = load_registry(tmp_path / "params.yaml")
-    built = build(reg, "m", sku)
+    built = build(reg.pair("m", sku))
     assert built.keep_precise == keep
-    assert validate(reg, "m", sku).passed
-    bench(reg, "m", sku)
-    manifest = write_manifest(reg, "m", sku)
+    assert validate(reg.pair("m", sku)).passed
+    bench(reg.pair("m", sku))
+    manifest = write_manifest(reg.pair("m", sku))
     assert manifest.build.keep_precise == keep
 
 
@@ -155,10 +155,10 @@ def test_planted_outlier_is_found_and_fixed_on_litert_int8(tmp_path):
     if not _litert_builds():
         pytest.skip("LiteRT cannot build here (ai-edge-litert, or python -m pipeline.backends.litert_converter)")
     reg = _project(tmp_path, "outlier", "litert_int8")
-    build(reg, "m", "litert_int8")
+    build(reg.pair("m", "litert_int8"))
     with pytest.raises(GateFailed):
-        validate(reg, "m", "litert_int8")
-    remedy = fix(reg, "m", "litert_int8")
+        validate(reg.pair("m", "litert_int8"))
+    remedy = fix(reg.pair("m", "litert_int8"))
     suspect = remedy.rounds[0].suspects[0]
     assert (suspect.node, suspect.cause) == ("outlier_scale", "range"), remedy.rounds[0].summary
     assert remedy.passed and remedy.keep_precise == ["outlier_scale", "conv2", "relu1"], remedy.summary
@@ -181,10 +181,10 @@ def test_fix_during_build(tmp_path):
     doc["skus"]["ort_int8"]["bisect"] = {"fix_during_build": True}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(doc))
     reg = load_registry(tmp_path / "params.yaml")
-    report = build(reg, "m", "ort_int8")
+    report = build(reg.pair("m", "ort_int8"))
     assert report.keep_precise == ["outlier_scale", "conv2"]
     assert report.remedy is not None and report.remedy.passed
-    assert validate(reg, "m", "ort_int8").passed
+    assert validate(reg.pair("m", "ort_int8")).passed
 
 
 @pytest.mark.slow
@@ -195,11 +195,11 @@ def test_no_false_alarm_on_passing_engines(tmp_path, sku):
     models.conv_bn_model(tmp_path / "models/conv/model.onnx")
     models.write_project(tmp_path, {"m": models.conv_bn_spec()}, {sku: SKUS[sku]})
     reg = _stages(load_registry(tmp_path / "params.yaml"), sku)
-    build(reg, "m", sku)
-    assert validate(reg, "m", sku).passed
+    build(reg.pair("m", sku))
+    assert validate(reg.pair("m", sku)).passed
 
-    assert bisect(reg, "m", sku).verdict == "clean"
-    scanned = bisect(reg, "m", sku, scan=True)
+    assert bisect(reg.pair("m", sku)).verdict == "clean"
+    scanned = bisect(reg.pair("m", sku), scan=True)
     assert scanned.tensors and not [t.node for t in scanned.tensors if t.divergent], scanned.summary
 
 
@@ -280,16 +280,16 @@ def test_openvino_qdq_gather_fault_found_through_fusion(tmp_path):
     models.multi_io_model(tmp_path / "m" / "model.onnx")
     models.write_project(tmp_path, {"m": models.multi_io_spec("m")}, {"ov_int8": SKUS["ov_int8"]})
     reg = _stages(load_registry(tmp_path / "params.yaml"), "ov_int8")
-    build(reg, "m", "ov_int8")
+    build(reg.pair("m", "ov_int8"))
     with pytest.raises(GateFailed):
-        validate(reg, "m", "ov_int8")
+        validate(reg.pair("m", "ov_int8"))
     bisection = json.loads(Layout(tmp_path).report("m", "ov_int8", "validate").read_text())["bisection"]
     suspect = bisection["suspects"][0]
     assert (suspect["node"], suspect["cause"]) == ("pool", "compiler"), bisection["summary"]
     # the first build marked the Gather's output beside the ReduceSum's and saw nothing wrong
     assert any(not p["divergent"] for p in bisection["probes"])
 
-    remedy = fix(reg, "m", "ov_int8")
+    remedy = fix(reg.pair("m", "ov_int8"))
     assert remedy.passed and "embed" in remedy.keep_precise, remedy.summary
 
 
@@ -303,7 +303,7 @@ def if_project(tmp_path_factory):
     models.if_outer_scope_model(root / "m" / "model.onnx")
     models.write_project(root, {"m": models.if_outer_scope_spec()}, {"ort_int8": SKUS["ort_int8"]})
     reg = _stages(load_registry(root / "params.yaml"), "ort_int8")
-    build(reg, "m", "ort_int8")
+    build(reg.pair("m", "ort_int8"))
     return reg
 
 
@@ -324,11 +324,11 @@ def test_if_reading_outer_scope_is_searched_through(if_project):
     """The defect is upstream of the If, reached only through the branches' outer-scope read: the
     search names it (not the If), and the remedy passes in one round."""
 
-    found = bisect(if_project, "m", "ort_int8")
+    found = bisect(if_project.pair("m", "ort_int8"))
     suspect = found.suspects[0]
     assert (suspect.node, suspect.cause) == ("outlier_scale", "range"), found.summary
     assert found.max_builds == 12 and found.builds <= found.max_builds
-    remedy = fix(if_project, "m", "ort_int8")
+    remedy = fix(if_project.pair("m", "ort_int8"))
     assert remedy.passed and remedy.keep_precise == ["outlier_scale", "conv2"], remedy.summary
     assert len(remedy.rounds) == 1 and [s.passed for s in remedy.steps] == [False, True]
     assert remedy.steps[1].max_abs_error < remedy.steps[0].max_abs_error
@@ -336,10 +336,10 @@ def test_if_reading_outer_scope_is_searched_through(if_project):
 
 def test_build_cap_is_stated_with_the_best_found_so_far(if_project):
 
-    found = bisect(if_project, "m", "ort_int8", max_builds=2)
+    found = bisect(if_project.pair("m", "ort_int8"), max_builds=2)
     assert found.verdict == "inconclusive" and found.builds == 2 and found.max_builds == 2
     assert "2 of 2 builds" in found.summary and "earliest divergent tensor measured so far" in found.summary
-    remedy = fix(if_project, "m", "ort_int8", max_builds=2)
+    remedy = fix(if_project.pair("m", "ort_int8"), max_builds=2)
     assert not remedy.passed and remedy.builds == 3 and remedy.max_builds == 2
     assert "cap 2 builds per bisection" in remedy.summary and "best found" in remedy.summary
     assert remedy.lessons[0] == found.summary and remedy.scan is None
@@ -361,7 +361,7 @@ def test_a_remedy_that_does_not_move_the_error_stops(if_project, monkeypatch):
         return found
 
     monkeypatch.setattr(remedy_module, "bisect", misled)
-    remedy = remedy_module.fix(if_project, "m", "ort_int8")
+    remedy = remedy_module.fix(if_project.pair("m", "ort_int8"))
     assert len(remedy.rounds) == 1
     # fc, then fc with what feeds it (flatten), then both ways (softmax): none moves the error, all undone
     assert [(s.phase, s.keep_precise, s.kept) for s in remedy.steps[1:4]] == [
@@ -439,12 +439,12 @@ def test_bisection_searches_the_graph_the_build_converted(tmp_path):
     graph (reference, candidates, marked builds), the tensor of unknown rank included."""
 
     reg = _project(tmp_path, "unknown_rank", "ort_int8")
-    report = build(reg, "m", "ort_int8")
+    report = build(reg.pair("m", "ort_int8"))
     assert report.calibration["opset_conversion"]["from_opset"] == 11
-    scanned = bisect(reg, "m", "ort_int8", scan=True)
+    scanned = bisect(reg.pair("m", "ort_int8"), scan=True)
     assert scanned.opset == 17 and "reshaped" in [t.tensor for t in scanned.tensors], scanned.summary
     assert not [t.tensor for t in scanned.tensors if t.divergent], scanned.summary
-    assert bisect(reg, "m", "ort_int8").verdict == "clean"
+    assert bisect(reg.pair("m", "ort_int8")).verdict == "clean"
 
 
 def test_the_anchor_is_the_gates_verdict_on_the_gates_samples(tmp_path, monkeypatch):
@@ -453,12 +453,12 @@ def test_the_anchor_is_the_gates_verdict_on_the_gates_samples(tmp_path, monkeypa
     those whose outputs fail most, not the first (which pass: "within tolerance on 1 golden sample")."""
 
     reg = _project(tmp_path, "edge_cases", "ort_int8")
-    build(reg, "m", "ort_int8")
-    found = bisect_module.bisect(reg, "m", "ort_int8")
+    build(reg.pair("m", "ort_int8"))
+    found = bisect_module.bisect(reg.pair("m", "ort_int8"))
     assert found.gate_samples == {"golden": 16} and found.samples == 16 and found.golden_indices == []
     assert found.gate_failures and found.verdict == "diverges", found.summary
     monkeypatch.setattr(bisect_search, "MAX_INTERMEDIATE_BYTES", 2000)  # one sample's tensors
-    capped = bisect_module.bisect(reg, "m", "ort_int8")
+    capped = bisect_module.bisect(reg.pair("m", "ort_int8"))
     assert capped.samples == 1 and set(capped.golden_indices) <= {12, 13, 14, 15}, capped.golden_indices
     assert capped.gate_failures == found.gate_failures and capped.verdict == "diverges", capped.summary
 
@@ -471,8 +471,8 @@ def test_planted_bias_outlier_is_fixed_with_the_node_that_reads_it(tmp_path, mon
     on the Relu's output) and the remedy widens to its reader."""
 
     reg = _project(tmp_path, "bias_outlier", "ort_int8")
-    build(reg, "m", "ort_int8")
-    remedy = remedy_module.fix(reg, "m", "ort_int8")
+    build(reg.pair("m", "ort_int8"))
+    remedy = remedy_module.fix(reg.pair("m", "ort_int8"))
     suspect = remedy.rounds[0].suspects[0]
     assert (suspect.node, suspect.cause) == ("outlier_bias", "range"), remedy.rounds[0].summary
     assert remedy.passed and remedy.keep_precise == ["outlier_bias", "relu3", "drop"], remedy.summary
@@ -486,7 +486,7 @@ def test_planted_bias_outlier_is_fixed_with_the_node_that_reads_it(tmp_path, mon
         return found
 
     monkeypatch.setattr(remedy_module, "bisect", producers_only)
-    remedy = remedy_module.fix(reg, "m", "ort_int8")
+    remedy = remedy_module.fix(reg.pair("m", "ort_int8"))
     assert [(s.phase, s.keep_precise, s.passed, s.still_quantized) for s in remedy.steps[1:]] == [
         ("bisect", ["outlier_bias", "relu3"], False, ["r3"]),
         ("widen", ["outlier_bias", "relu3", "drop"], True, []),

@@ -141,7 +141,7 @@ def status_of(registry, sku: str = "fake") -> caches.CacheStatus:
 
 
 def test_first_build_writes_the_cache_and_its_index(proj):
-    report = build(proj.registry, "conv", "fake")
+    report = build(proj.registry.pair("conv", "fake"))
     rec = report.cache
     assert rec is not None
     assert (rec.kind, rec.state, rec.reason) == ("timing-cache", "missing", "no cache yet")
@@ -167,9 +167,9 @@ def test_first_build_writes_the_cache_and_its_index(proj):
 
 
 def test_second_build_replays_the_cache_and_leaves_it_untouched(proj):
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     before = tree(proj.cache())
-    report = build(proj.registry, "conv", "fake")
+    report = build(proj.registry.pair("conv", "fake"))
     assert SEEN[-1] == {CACHE_FILE: proj.cache() / CACHE_FILE}  # the trusted file is replayed
     rec = report.cache
     assert (rec.state, rec.reason) == ("fresh", "key and files match")
@@ -207,7 +207,7 @@ def assert_unused_and_kept(proj, state: str, *words: str, refresh: bool = False)
     for word in words:
         assert word in row.reason, (word, row.reason)
     before = listing(proj.cache())
-    report = build(proj.registry, "conv", "fake")
+    report = build(proj.registry.pair("conv", "fake"))
     assert SEEN[-1] == {CACHE_FILE: None}, f"a {state} cache was read"
     rec = report.cache
     assert rec.state == state and rec.hits == 0 and rec.misses >= 1
@@ -226,7 +226,7 @@ def assert_unused_and_kept(proj, state: str, *words: str, refresh: bool = False)
 
 
 def test_a_cache_of_another_compiler_version_is_stale_and_left_as_it_is(proj, monkeypatch):
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     old_trials = index(proj.cache())["trials"]
     monkeypatch.setattr(f"{__name__}.COMPILER_VERSION", "2.0")
     report = assert_unused_and_kept(proj, "stale", "compiler", "'1.0'", "'2.0'")
@@ -238,24 +238,24 @@ def test_a_cache_of_another_compiler_version_is_stale_and_left_as_it_is(proj, mo
     assert doc["key"] == {"compiler": "2.0", "target": TARGET}
     assert (proj.cache() / CACHE_FILE).read_bytes() == decisions()  # the 2.0 decisions
     assert doc["trials"] == 3 == old_trials  # the old trials made nothing that is kept
-    assert build(proj.registry, "conv", "fake").cache.state == "fresh"
+    assert build(proj.registry.pair("conv", "fake")).cache.state == "fresh"
 
 
 def test_a_cache_made_by_another_backend_is_stale(proj):
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     doc = index(proj.cache())
     (proj.cache() / caches.INDEX).write_text(json.dumps({**doc, "backend": "tensorrt"}))
     assert_unused_and_kept(proj, "stale", "tensorrt", "fakecache")
 
 
 def test_an_edited_cache_file_is_corrupt_and_left_as_it_is(proj):
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     (proj.cache() / CACHE_FILE).write_bytes(MAGIC + b" edited by hand\n")
     assert_unused_and_kept(proj, "corrupt", CACHE_FILE, "sha256", refresh=True)
 
 
 def test_a_truncated_cache_file_is_corrupt(proj, capsys):
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     path = proj.cache() / CACHE_FILE
     path.write_bytes(path.read_bytes()[:-3])
     assert_unused_and_kept(proj, "corrupt", CACHE_FILE)
@@ -269,14 +269,14 @@ def test_a_truncated_cache_file_is_corrupt(proj, capsys):
 
 
 def test_a_listed_cache_file_that_is_gone_is_corrupt(proj):
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     (proj.cache() / CACHE_FILE).unlink()
     assert_unused_and_kept(proj, "corrupt", CACHE_FILE, "missing")
     assert not (proj.cache() / CACHE_FILE).exists()
 
 
 def test_a_file_the_index_vouches_for_but_the_backend_cannot_read_is_corrupt(proj):
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     path = proj.cache() / CACHE_FILE
     path.write_bytes(b"XXXX not decisions\n")
     doc = index(proj.cache())
@@ -287,7 +287,7 @@ def test_a_file_the_index_vouches_for_but_the_backend_cannot_read_is_corrupt(pro
 
 
 def test_an_index_that_is_not_json_is_corrupt(proj):
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     (proj.cache() / caches.INDEX).write_text("{not json")
     assert_unused_and_kept(proj, "corrupt", caches.INDEX, refresh=True)
     assert index(proj.cache())["key"] == {"compiler": "1.0", "target": TARGET}
@@ -301,7 +301,7 @@ EDITOR_FILES = [f".{CACHE_FILE}.swp", f".#{CACHE_FILE}", f"{CACHE_FILE}~", f"#{C
 @pytest.mark.parametrize("name", [*EDITOR_FILES, f".{CACHE_FILE}.123.abc.tmp", "sub/.notes.txt.swp"])
 def test_an_editors_file_is_ignored_by_name(proj, name):
     """inspect alone (no build): the cache stays fresh and the file is named."""
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     (proj.cache() / name).parent.mkdir(parents=True, exist_ok=True)
     (proj.cache() / name).write_bytes(b"")
     row = status_of(proj.registry)
@@ -312,11 +312,11 @@ def test_an_editors_file_is_ignored_by_name(proj, name):
 def test_an_editors_swap_file_never_discards_the_checked_in_cache(proj, capsys):
     """The report: an empty swap file in the folder made the next build delete the checked-in files,
     build without them and pass. Now the build replays the cache, keeps every file, and names it."""
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     swap = proj.cache() / f".{CACHE_FILE}.swp"
     swap.write_bytes(b"")
     before = listing(proj.cache())
-    report = build(proj.registry, "conv", "fake")
+    report = build(proj.registry.pair("conv", "fake"))
     assert SEEN[-1] == {CACHE_FILE: proj.cache() / CACHE_FILE}  # replayed
     rec = report.cache
     assert (rec.state, rec.hits, rec.misses, rec.updated, rec.unused()) == ("fresh", 1, 0, False, None)
@@ -333,7 +333,7 @@ def test_an_editors_swap_file_never_discards_the_checked_in_cache(proj, capsys):
     assert swap.is_file() and status_of(proj.registry).state == "fresh"
     (proj.cache() / CACHE_FILE).unlink()
     (proj.cache() / caches.INDEX).unlink()
-    rec = build(proj.registry, "conv", "fake").cache
+    rec = build(proj.registry.pair("conv", "fake")).cache
     assert (rec.state, rec.updated, rec.ignored) == ("missing", True, [swap.name])
     assert sorted(listing(proj.cache())) == sorted([caches.INDEX, CACHE_FILE, swap.name])
 
@@ -343,7 +343,7 @@ def test_an_editors_swap_file_never_discards_the_checked_in_cache(proj, capsys):
 
 def test_an_index_rewritten_for_a_new_key_counts_as_an_update(proj, monkeypatch):
     monkeypatch.setattr(f"{__name__}.decisions", lambda: MAGIC + b" the same decisions under every version\n")
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     before = (proj.cache() / caches.INDEX).read_bytes()
     monkeypatch.setattr(f"{__name__}.COMPILER_VERSION", "2.0")
     rec = cache_commands.refresh(proj.registry, "fake", ["conv"])[0]
@@ -368,7 +368,7 @@ def assert_foreign_then_refreshed(proj, *words: str) -> None:
         assert word in row.reason, (word, row.reason)
     before, seen = listing(proj.cache()), len(SEEN)
     with pytest.raises(InputError) as info:
-        build(proj.registry, "conv", "fake")
+        build(proj.registry.pair("conv", "fake"))
     assert info.value.exit_code == 2
     for word in [*words, "skuforge cache refresh --sku fake --model conv"]:
         assert word in str(info.value), (word, str(info.value))
@@ -395,7 +395,7 @@ def test_cache_files_without_an_index_stop_the_build(proj):
 def test_any_other_file_the_index_does_not_list_stops_the_build(proj, monkeypatch, name):
     """Not only the backend's own file names: anything else in the folder, at any depth."""
     monkeypatch.setattr(FakeCacheBackend, "cache_files", (CACHE_FILE, "extra.bin"))
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     (proj.cache() / name).parent.mkdir(parents=True, exist_ok=True)
     (proj.cache() / name).write_bytes(b"planted: no build wrote this")
     assert_foreign_then_refreshed(proj, f"{name} present but not in {caches.INDEX}")
@@ -403,7 +403,7 @@ def test_any_other_file_the_index_does_not_list_stops_the_build(proj, monkeypatc
 
 
 def test_a_symlink_out_of_the_project_stops_the_build(proj):
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     target = outside(proj, data=b"a secret outside the project")
     (proj.cache() / "leak.bin").symlink_to(target)
     assert_foreign_then_refreshed(
@@ -413,7 +413,7 @@ def test_a_symlink_out_of_the_project_stops_the_build(proj):
 
 
 def test_a_symlink_with_an_editors_name_is_still_a_symlink(proj):
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     (proj.cache() / f".#{CACHE_FILE}").symlink_to("user@host.123:456")  # emacs's lock file is a link
     assert_foreign_then_refreshed(proj, f".#{CACHE_FILE} is a symlink")
 
@@ -421,7 +421,7 @@ def test_a_symlink_with_an_editors_name_is_still_a_symlink(proj):
 def test_a_listed_cache_file_that_is_a_symlink_stops_the_build_even_when_its_bytes_match(proj):
     """The index vouches for bytes, not for where they live: the same decisions behind a link out
     of the project are not trusted (they used to be: every check followed the link)."""
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     target = outside(proj)
     (proj.cache() / CACHE_FILE).unlink()
     (proj.cache() / CACHE_FILE).symlink_to(target)
@@ -431,7 +431,7 @@ def test_a_listed_cache_file_that_is_a_symlink_stops_the_build_even_when_its_byt
 
 
 def test_a_symlinked_subfolder_or_index_stops_the_build(proj):
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     elsewhere = proj.root.parent / "elsewhere"
     elsewhere.mkdir()
     (proj.cache() / "more").symlink_to(elsewhere, target_is_directory=True)
@@ -446,7 +446,7 @@ def test_a_symlinked_subfolder_or_index_stops_the_build(proj):
 
 
 def test_a_cache_folder_that_is_a_symlink_stops_the_build_and_a_refresh_makes_it_a_folder(proj):
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     elsewhere = proj.root.parent / "shared-cache"
     proj.cache().rename(elsewhere)  # a valid cache, key and files, behind a link
     proj.cache().symlink_to(elsewhere, target_is_directory=True)
@@ -457,7 +457,7 @@ def test_a_cache_folder_that_is_a_symlink_stops_the_build_and_a_refresh_makes_it
 
 @pytest.mark.parametrize("escape", ["../../../outside.bin", "{outside}", f"sub/../../{CACHE_FILE}"])
 def test_an_index_path_out_of_the_folder_stops_the_build(proj, escape):
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     target = outside(proj)
     escape = escape.format(outside=target)
     doc = index(proj.cache())
@@ -469,7 +469,7 @@ def test_an_index_path_out_of_the_folder_stops_the_build(proj, escape):
 
 
 def test_cache_status_fails_on_a_planted_symlink(proj, capsys):
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     (proj.cache() / "leak.bin").symlink_to(outside(proj))
     code, out, err = cli(
         capsys, "--params", str(proj.params), "cache", "status", "--sku", "fake", "--fail-on", "corrupt"
@@ -490,7 +490,7 @@ def assert_cache_gate(exc: GateFailed, sku: str) -> None:
 
 def test_a_required_cache_that_is_missing_fails_the_build_and_writes_nothing(proj):
     with pytest.raises(GateFailed) as info:
-        build(proj.registry, "conv", "strict")
+        build(proj.registry.pair("conv", "strict"))
     assert_cache_gate(info.value, "strict")
     assert "missing" in info.value.message
     assert not (proj.cache("strict") / CACHE_FILE).exists()
@@ -499,14 +499,14 @@ def test_a_required_cache_that_is_missing_fails_the_build_and_writes_nothing(pro
 
 
 def test_a_required_cache_that_is_corrupt_fails_and_keeps_the_previous_engine(proj):
-    rec = build(proj.registry, "conv", "strict", cache_required=False).cache  # the first build makes it
+    rec = build(proj.registry.pair("conv", "strict"), cache_required=False).cache  # the first build makes it
     assert rec.required is False and rec.state == "missing"
     (proj.cache("strict") / CACHE_FILE).write_bytes(MAGIC + b" corrupted\n")
     engine, cache, report = tree(proj.engine("strict")), tree(proj.cache("strict")), proj.report("strict").read_bytes()
     assert engine and cache
 
     with pytest.raises(GateFailed) as info:
-        build(proj.registry, "conv", "strict")
+        build(proj.registry.pair("conv", "strict"))
     assert_cache_gate(info.value, "strict")
     assert "corrupt" in info.value.message
     assert tree(proj.engine("strict")) == engine  # the previous engine, byte for byte
@@ -515,17 +515,17 @@ def test_a_required_cache_that_is_corrupt_fails_and_keeps_the_previous_engine(pr
 
 
 def test_a_required_fresh_cache_builds(proj):
-    build(proj.registry, "conv", "strict", cache_required=False)
-    rec = build(proj.registry, "conv", "strict").cache
+    build(proj.registry.pair("conv", "strict"), cache_required=False)
+    rec = build(proj.registry.pair("conv", "strict")).cache
     assert (rec.state, rec.hits, rec.misses, rec.required, rec.updated) == ("fresh", 1, 0, True, False)
 
 
 def test_a_required_stale_cache_fails(proj, monkeypatch):
-    build(proj.registry, "conv", "strict", cache_required=False)
+    build(proj.registry.pair("conv", "strict"), cache_required=False)
     before = tree(proj.cache("strict"))
     monkeypatch.setattr(f"{__name__}.COMPILER_VERSION", "2.0")
     with pytest.raises(GateFailed) as info:
-        build(proj.registry, "conv", "strict")
+        build(proj.registry.pair("conv", "strict"))
     assert_cache_gate(info.value, "strict")
     assert "stale" in info.value.message and "'2.0'" in info.value.message
     assert tree(proj.cache("strict")) == before
@@ -535,7 +535,7 @@ def test_a_required_stale_cache_fails(proj, monkeypatch):
 def test_the_environment_requires_the_cache_of_every_sku(proj, monkeypatch, value):
     monkeypatch.setenv(caches.REQUIRE_ENV, value)
     with pytest.raises(GateFailed) as info:
-        build(proj.registry, "conv", "fake")
+        build(proj.registry.pair("conv", "fake"))
     assert_cache_gate(info.value, "fake")
     assert tree(proj.cache("fake")) == {}
     assert not proj.engine("fake").exists()
@@ -543,27 +543,27 @@ def test_the_environment_requires_the_cache_of_every_sku(proj, monkeypatch, valu
 
 def test_the_environment_flag_off_requires_nothing(proj, monkeypatch):
     monkeypatch.setenv(caches.REQUIRE_ENV, "0")
-    rec = build(proj.registry, "conv", "fake").cache
+    rec = build(proj.registry.pair("conv", "fake")).cache
     assert rec.required is False and rec.state == "missing"
 
 
 def test_the_environment_then_fresh_cache_passes(proj, monkeypatch):
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     monkeypatch.setenv(caches.REQUIRE_ENV, "1")
-    rec = build(proj.registry, "conv", "fake").cache
+    rec = build(proj.registry.pair("conv", "fake")).cache
     assert (rec.state, rec.required, rec.hits, rec.misses) == ("fresh", True, 1, 0)
 
 
 def test_cache_required_false_overrides_the_sku_and_the_environment(proj, monkeypatch):
     monkeypatch.setenv(caches.REQUIRE_ENV, "1")
-    rec = build(proj.registry, "conv", "strict", cache_required=False).cache
+    rec = build(proj.registry.pair("conv", "strict"), cache_required=False).cache
     assert rec.required is False and rec.state == "missing" and rec.updated is True
     assert (proj.cache("strict") / CACHE_FILE).read_bytes() == decisions()
 
 
 def test_cache_required_true_overrides_a_sku_without_require(proj):
     with pytest.raises(GateFailed):
-        build(proj.registry, "conv", "fake", cache_required=True)
+        build(proj.registry.pair("conv", "fake"), cache_required=True)
     assert tree(proj.cache("fake")) == {}
 
 
@@ -571,7 +571,7 @@ def test_cache_required_true_overrides_a_sku_without_require(proj):
 
 
 def test_refresh_rebuilds_a_fresh_cache(proj):
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     # the refresh runs later than the build that made the cache (a second, or a month): the index
     # keeps the tuning that made its files; a search that decides them again changes nothing
     doc = index(proj.cache())
@@ -589,7 +589,7 @@ def test_refresh_rebuilds_a_fresh_cache(proj):
 
 
 def test_refresh_writes_what_the_new_search_decided(proj, monkeypatch):
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     monkeypatch.setattr(f"{__name__}.decisions", lambda: MAGIC + b" a better schedule\n")
     rec = cache_commands.refresh(proj.registry, "fake", ["conv"])[0]
     assert rec["state"] == "missing" and rec["updated"] is True
@@ -603,7 +603,7 @@ def test_refresh_is_never_blocked_by_require(proj, monkeypatch):
     rec = cache_commands.refresh(proj.registry, "strict")[0]  # no cache at all, SKU and environment require one
     assert rec["state"] == "missing" and rec["required"] is False and rec["updated"] is True
     assert (proj.cache("strict") / CACHE_FILE).read_bytes() == decisions()
-    assert build(proj.registry, "conv", "strict").cache.state == "fresh"  # and now the release build replays it
+    assert build(proj.registry.pair("conv", "strict")).cache.state == "fresh"  # and now the release build replays it
 
 
 def test_refresh_of_a_sku_without_a_cache_is_a_config_error(proj):
@@ -617,7 +617,7 @@ def test_refresh_of_a_sku_without_a_cache_is_a_config_error(proj):
 
 
 def test_the_reports_cache_hash_is_the_digest_of_the_indexed_files(proj):
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     report = BuildReport.model_validate(read_json(proj.report()))
     files = index(proj.cache())["files"]
     assert report.cache.sha256 == caches.files_digest(files) is not None
@@ -633,11 +633,11 @@ def test_the_manifest_carries_the_cache(proj):
     from pipeline.stages.manifest import write_manifest
     from pipeline.stages.validate import validate
 
-    build(proj.registry, "conv", "fake")
-    rec = build(proj.registry, "conv", "fake").cache  # the replaying build
-    validate(proj.registry, "conv", "fake")
-    bench(proj.registry, "conv", "fake")
-    manifest = write_manifest(proj.registry, "conv", "fake").to_json()
+    build(proj.registry.pair("conv", "fake"))
+    rec = build(proj.registry.pair("conv", "fake")).cache  # the replaying build
+    validate(proj.registry.pair("conv", "fake"))
+    bench(proj.registry.pair("conv", "fake"))
+    manifest = write_manifest(proj.registry.pair("conv", "fake")).to_json()
     assert manifest["cache"] == {
         "kind": "timing-cache",
         "sha256": caches.files_digest(index(proj.cache())["files"]),
@@ -682,7 +682,7 @@ def cli(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def test_cache_status_command(proj, capsys):
-    build(proj.registry, "conv", "fake")
+    build(proj.registry.pair("conv", "fake"))
     params = str(proj.params)
     code, out, err = cli(capsys, "--params", params, "cache", "status", "--json")
     assert code == 0, err

@@ -54,8 +54,8 @@ def proj(tmp_path_factory):
     reference(reg, "conv")
     calibrate(reg, "conv")
     for sku in COMPARED:
-        build(reg, "conv", sku)
-        validate(reg, "conv", sku)
+        build(reg.pair("conv", sku))
+        validate(reg.pair("conv", sku))
     return SimpleNamespace(registry=reg, root=root, out=Layout(root), report=consistency(reg, "conv"))
 
 

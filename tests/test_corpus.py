@@ -176,7 +176,7 @@ def test_corpus(corpus, fixture, sku):
         pytest.skip(f"{backend} is not installed")
     reg = corpus[fixture].registry
     try:
-        report = build(reg, fixture, sku)
+        report = build(reg.pair(fixture, sku))
     except UnsupportedOp as exc:
         MATRIX[fixture, sku] = f"unsupported: {exc.op_type} ({exc.node})" if exc.op_type else "unsupported"
         assert exc.backend == backend
@@ -194,9 +194,9 @@ def test_corpus(corpus, fixture, sku):
         f"{fixture} on {sku} now builds: remove it from KNOWN_UNSUPPORTED ({KNOWN_UNSUPPORTED[fixture, sku]})"
     )
     try:
-        validate(reg, fixture, sku)
-        bench(reg, fixture, sku)
-        manifest = write_manifest(reg, fixture, sku)
+        validate(reg.pair(fixture, sku))
+        bench(reg.pair(fixture, sku))
+        manifest = write_manifest(reg.pair(fixture, sku))
     except GateFailed:
         MATRIX[fixture, sku] = "gate failed" + (" (known)" if (fixture, sku) in KNOWN_GATE_FAILURES else "")
         raise
@@ -224,5 +224,5 @@ def test_openvino_int8_gather_workaround(tmp_path):
     reg = load_registry(models.write_project(tmp_path, {"multi_output": spec}, {"ov_int8": sku}))
     for stage in (prepare, make_data, reference, calibrate):
         stage(reg, "multi_output")
-    build(reg, "multi_output", "ov_int8")
-    assert validate(reg, "multi_output", "ov_int8").passed
+    build(reg.pair("multi_output", "ov_int8"))
+    assert validate(reg.pair("multi_output", "ov_int8")).passed

@@ -45,8 +45,8 @@ def run_model(reg, model: str, skus=("cpu",)) -> SimpleNamespace:
     r.reference, r.calibrate = reference(reg, model), calibrate(reg, model)
     r.validate = {}
     for sku in skus:
-        build(reg, model, sku)
-        r.validate[sku] = validate(reg, model, sku)
+        build(reg.pair(model, sku))
+        r.validate[sku] = validate(reg.pair(model, sku))
         assert r.validate[sku].passed, r.validate[sku].failures
     return r
 
@@ -307,9 +307,9 @@ def test_hint_sku_batch_with_an_output_without_batch_axis(tmp_path):
     reg = project(tmp_path, {"p": (models.batch_positions_model, spec)}, skus)
     for stage in (prepare, make_data, reference):
         stage(reg, "p")
-    build(reg, "p", "b2")
+    build(reg.pair("p", "b2"))
     with pytest.raises(InputError) as info:
-        validate(reg, "p", "b2")
+        validate(reg.pair("p", "b2"))
     assert "['total']" in info.value.message and "no batch axis" in info.value.message
     assert "set skus.b2.shapes.batch: 1" in info.value.hint
     skus["b2"]["shapes"]["batch"] = 1

@@ -58,9 +58,9 @@ def _project(root: Path, specs: dict[str, dict], skus: dict[str, dict], int8: bo
 
 def _verdict(registry: Registry, model: str, sku: str) -> ValidationReport:
     """Build and validate; the report as written, whether the gate passed or failed."""
-    build(registry, model, sku)
+    build(registry.pair(model, sku))
     try:
-        return validate(registry, model, sku)
+        return validate(registry.pair(model, sku))
     except GateFailed:
         return read_report(Layout(registry.root).report(model, sku, "validate"), ValidationReport, "validate")
 
@@ -221,5 +221,5 @@ def test_iree_names_the_node_inside_an_if_branch_it_cannot_compile(tmp_path):
     spec = exporter_models.stateful_if_spec("m")
     registry = _project(tmp_path, {"vad": spec}, {"iree_fp32": models.CPU_SKUS["iree_fp32"]}, int8=False)
     with pytest.raises(UnsupportedOp) as refused:
-        build(registry, "vad", "iree_fp32")
+        build(registry.pair("vad", "iree_fp32"))
     assert (refused.value.op_type, refused.value.node) == ("Unsqueeze", "speech/Unsqueeze")

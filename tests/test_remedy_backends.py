@@ -70,9 +70,9 @@ def _project(root: Path, fixture: str, sku: str) -> Registry:
 
 def _gated(registry: Registry, fixture: str, sku: str) -> tuple[bool, TaskAgreement]:
     """Build and validate as params.yaml says: whether the gate passed, and its task statistic."""
-    build(registry, fixture, sku)
+    build(registry.pair(fixture, sku))
     with contextlib.suppress(GateFailed):  # the report is written either way
-        validate(registry, fixture, sku)
+        validate(registry.pair(fixture, sku))
     report = read_report(Layout(registry.root).report(fixture, sku, "validate"), ValidationReport, "validate")
     (gated,) = [t for t in report.task if t.threshold is not None]
     assert gated.statistic == STATISTIC[fixture] and gated.judgeable, gated
@@ -87,7 +87,7 @@ def test_fix_keeps_conv2_to_the_conv_that_drops_the_channel_and_passes(tmp_path,
     bound = before.interval[0] if before.direction == "max" else before.interval[1]
     assert (bound > before.threshold) if before.direction == "max" else (bound < before.threshold)
 
-    remedy = fix(registry, fixture, sku)
+    remedy = fix(registry.pair(fixture, sku))
     assert remedy.passed and remedy.keep_precise == KEEP[fixture], remedy.summary
     assert [(s.phase, s.passed) for s in remedy.steps] == [("before", False), ("bisect", True)], remedy.summary
     assert remedy.rounds[0].suspects[0].cause == "range"

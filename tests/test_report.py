@@ -649,10 +649,10 @@ def test_report_over_a_really_built_pair(tmp_path):
     make_data(registry, MODEL)
     reference(registry, MODEL)
     for sku in ("cpu", "other"):
-        build(registry, MODEL, sku)
-        validate(registry, MODEL, sku)
-        bench(registry, MODEL, sku)
-    write_manifest(registry, MODEL, "cpu")
+        build(registry.pair(MODEL, sku))
+        validate(registry.pair(MODEL, sku))
+        bench(registry.pair(MODEL, sku))
+    write_manifest(registry.pair(MODEL, "cpu"))
     index = write_site(registry)
     pair = index.parent / MODEL / "cpu"
     text = _read(pair / "index.html")
@@ -681,7 +681,7 @@ def test_report_over_a_really_built_pair(tmp_path):
     )
     assert drawn.startswith(b"\x89PNG")
     # both with manifests: two points, the chosen one marked and its separation (or the tie) said
-    write_manifest(registry, MODEL, "other")
+    write_manifest(registry.pair(MODEL, "other"))
     page = _read(write_site(registry).parent / MODEL / "index.html")
     record = select(registry, MODEL)
     (c,) = record.classes

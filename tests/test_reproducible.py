@@ -96,16 +96,16 @@ def test_rebuild_is_bitwise_identical(proj, sku):
 
 def test_sku_option_checks_without_the_flag_and_unchecked_builds_say_nothing(proj):
     reg = proj.registry
-    assert build(reg, "conv", "ort_fp32").reproducibility.verdict == "bitwise"  # reproducibility.check: true
-    report = build(reg, "conv", "unchecked")
+    assert build(reg.pair("conv", "ort_fp32")).reproducibility.verdict == "bitwise"  # reproducibility.check: true
+    report = build(reg.pair("conv", "unchecked"))
     assert report.reproducibility is None
     assert "reproducibility" not in read_json(proj.out.report("conv", "unchecked", "build"))
 
 
 def test_the_check_leaves_the_engine_hash_and_the_cache_alone(proj):
     reg = proj.registry
-    plain = build(reg, "conv", "unchecked")
-    checked = build(reg, "conv", "unchecked", check_reproducible=True)
+    plain = build(reg.pair("conv", "unchecked"))
+    checked = build(reg.pair("conv", "unchecked"), check_reproducible=True)
     assert checked.reproducibility.verdict == "bitwise"
     assert (checked.engine_sha256, checked.build_config_sha256) == (plain.engine_sha256, plain.build_config_sha256)
     cache = proj.out.cache_dir("conv", "unchecked")
@@ -124,11 +124,11 @@ def _second_build_planted(monkeypatch, plant) -> None:
         plant(ctx.engine_dir / "model.onnx")
         return outcome
 
-    def in_process(reg, model, sku, keep_precise=None):
+    def in_process(pair, keep_precise=None):
         def rebuild(engine_dir, cache_dir):
             with monkeypatch.context() as m:
                 m.setattr(OnnxRuntimeBackend, "build", planted)
-                return build_engine(reg, model, sku, engine_dir, cache_dir=cache_dir, keep_precise=keep_precise)
+                return build_engine(pair, engine_dir, cache_dir=cache_dir, keep_precise=keep_precise)
 
         return rebuild
 
@@ -152,7 +152,7 @@ def _perturb_weight(path: Path) -> None:
 
 def test_stamp_in_the_file_is_equivalent(proj, monkeypatch):
     _second_build_planted(monkeypatch, _stamp)
-    report = build(proj.registry, "conv", "equivalent_ok")
+    report = build(proj.registry.pair("conv", "equivalent_ok"))
     r = report.reproducibility
     assert r.verdict == "equivalent" and r.passed and r.required == "equivalent"
     assert r.differing_files == ["model.onnx"]
@@ -162,7 +162,7 @@ def test_stamp_in_the_file_is_equivalent(proj, monkeypatch):
 
 def test_perturbed_weight_differs_with_the_outputs_named(proj, monkeypatch):
     _second_build_planted(monkeypatch, _perturb_weight)
-    r = build(proj.registry, "conv", "unchecked", check_reproducible=True).reproducibility
+    r = build(proj.registry.pair("conv", "unchecked"), check_reproducible=True).reproducibility
     assert r.verdict == "differs" and r.passed  # required none: recorded, not a failure
     assert r.differing_files == ["model.onnx"]
     assert [o.output for o in r.outputs] == ["probs"]
@@ -173,7 +173,7 @@ def test_perturbed_weight_differs_with_the_outputs_named(proj, monkeypatch):
 def test_below_the_required_level_fails_after_writing_the_report(proj, monkeypatch):
     _second_build_planted(monkeypatch, _perturb_weight)
     with pytest.raises(GateFailed) as exc:
-        build(proj.registry, "conv", "equivalent_ok")
+        build(proj.registry.pair("conv", "equivalent_ok"))
     assert exc.value.exit_code == 1
     assert "'equivalent'" in exc.value.message and "output probs" in exc.value.message
     r = BuildReport.model_validate(read_json(proj.out.report("conv", "equivalent_ok", "build"))).reproducibility
@@ -182,9 +182,9 @@ def test_below_the_required_level_fails_after_writing_the_report(proj, monkeypat
 
 def test_unverified_where_this_host_cannot_run_the_engine(proj, monkeypatch):
     _second_build_planted(monkeypatch, _stamp)
-    monkeypatch.setattr(reproducible, "host_problems", lambda *a: ["needs device gpu (planted)"])
+    monkeypatch.setattr(reproducible, "sku_host_problems", lambda *a: ["needs device gpu (planted)"])
     with pytest.raises(GateFailed, match="outputs not compared"):
-        build(proj.registry, "conv", "equivalent_ok")
+        build(proj.registry.pair("conv", "equivalent_ok"))
     r = BuildReport.model_validate(read_json(proj.out.report("conv", "equivalent_ok", "build"))).reproducibility
     assert r.verdict == "unverified" and r.samples == 0 and r.not_run == ["needs device gpu (planted)"]
 
@@ -246,7 +246,7 @@ def test_a_failing_second_build_keeps_its_exit_code(proj, tmp_path, monkeypatch)
     with pytest.raises(
         EnvironmentProblem, match="second build failed where the first passed.*planted in the rebuild"
     ) as exc:
-        build(proj.registry, "conv", "unchecked", check_reproducible=True)
+        build(proj.registry.pair("conv", "unchecked"), check_reproducible=True)
     assert exc.value.exit_code == 3 and exc.value.hint
 
 
@@ -256,15 +256,15 @@ def test_a_failing_second_build_keeps_its_exit_code(proj, tmp_path, monkeypatch)
 def test_manifest_carries_the_verdict(proj):
     reg = proj.registry
     for sku in ("ort_fp32", "unchecked"):
-        build(reg, "conv", sku)
-        validate(reg, "conv", sku)
-        bench(reg, "conv", sku)
-    checked = write_manifest(reg, "conv", "ort_fp32")
+        build(reg.pair("conv", sku))
+        validate(reg.pair("conv", sku))
+        bench(reg.pair("conv", sku))
+    checked = write_manifest(reg.pair("conv", "ort_fp32"))
     assert checked.build.reproducibility.verdict == "bitwise"
     doc = read_json(proj.out.manifest("conv", "ort_fp32"))
     validate_document(doc)
     assert doc["build"]["reproducibility"]["verdict"] == "bitwise"
-    write_manifest(reg, "conv", "unchecked")
+    write_manifest(reg.pair("conv", "unchecked"))
     assert "reproducibility" not in read_json(proj.out.manifest("conv", "unchecked"))["build"]
 
 

@@ -354,7 +354,7 @@ def engines(tmp_path_factory):
     reg = load_registry(models.write_project(root, {"conv": models.conv_bn_spec()}, skus))
     for stage in (prepare, make_data, reference):
         stage(reg, "conv")
-    return reg, {sku: build(reg, "conv", sku) for sku in skus}
+    return reg, {sku: build(reg.pair("conv", sku)) for sku in skus}
 
 
 def _profile(reg, sku: str):

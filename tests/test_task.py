@@ -266,7 +266,7 @@ def _classifier_project(root: Path, tolerance: dict) -> tuple:
     make_data(registry, "m")
     reference(registry, "m")
     calibrate(registry, "m")
-    build(registry, "m", "s")
+    build(registry.pair("m", "s"))
     return registry, Layout(root)
 
 
@@ -275,7 +275,7 @@ STRICT = {"atol": 0.0, "rtol": 0.0, "max_mismatch": 0.0}
 
 def test_a_declared_postprocess_decides_and_the_tensor_gates_are_diagnostics(tmp_path):
     registry, _ = _classifier_project(tmp_path, STRICT)
-    report = validate(registry, "m", "s")
+    report = validate(registry.pair("m", "s"))
     assert report.passed
     top1 = next(t for t in report.task if t.statistic == "top1_agreement")
     assert top1.samples == 200 and top1.judgeable and top1.passed and top1.postprocess == "argmax"
@@ -286,13 +286,13 @@ def test_a_declared_postprocess_decides_and_the_tensor_gates_are_diagnostics(tmp
 def test_enforce_makes_the_tensor_gates_decide_again(tmp_path):
     registry, _ = _classifier_project(tmp_path, STRICT | {"enforce": True})
     with pytest.raises(GateFailed, match="beyond atol=0.0 rtol=0.0"):
-        validate(registry, "m", "s")
+        validate(registry.pair("m", "s"))
 
 
 def test_a_task_that_cannot_judge_leaves_the_verdict_to_the_tensor_gates(tmp_path):
     registry, out = _classifier_project(tmp_path, STRICT | {"min_agreement": 0.999})  # needs 4,001 samples
     with pytest.raises(GateFailed):
-        validate(registry, "m", "s")
+        validate(registry.pair("m", "s"))
     doc = read_json(out.report("m", "s", "validate"))
     assert any("cannot resolve 99.90%" in w and "the tensor gates decide" in w for w in doc["warnings"])
     assert all(o["gating"] for o in doc["outputs"])
@@ -455,7 +455,7 @@ def test_validate_judges_a_stateful_model_after_its_sequence(tmp_path):
     registry = load_registry(models.write_project(tmp_path, {"m": spec}, {"s": models.ort_sku("fp32")}))
     for stage in (prepare, make_data, reference):
         stage(registry, "m")
-    build(registry, "m", "s")
-    report = validate(registry, "m", "s")
+    build(registry.pair("m", "s"))
+    report = validate(registry.pair("m", "s"))
     after = {o.output: o for o in report.outputs if o.sequence_steps}
     assert report.passed and set(after) == {"h_out@50", "prob@50"} and after["h_out@50"].kind == "state"

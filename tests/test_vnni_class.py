@@ -72,13 +72,13 @@ def test_a_host_without_avx512_vnni_cannot_build_or_run_them(registry, monkeypat
 def test_an_avx512_host_without_vnni_cannot_run_them(registry, monkeypatch):
     monkeypatch.setenv(probe.ENV_FAKE_CPU_FLAGS, VNNI_HOST.replace(" avx512_vnni", ""))
     for name in VNNI_SKUS:
-        assert hardware_problems(registry, name) == ["needs CPU features ['avx512_vnni'] this host lacks"]
+        assert hardware_problems(registry.sku(name)) == ["needs CPU features ['avx512_vnni'] this host lacks"]
 
 
 def test_a_vnni_host_matches_them_and_their_avx2_siblings(registry, monkeypatch):
     monkeypatch.setenv(probe.ENV_FAKE_CPU_FLAGS, VNNI_HOST)
     for name in [*VNNI_SKUS, "x86_ort_int8", "x86_ov_int8", "x86_litert_int8"]:
-        assert hardware_problems(registry, name) == [], name
+        assert hardware_problems(registry.sku(name)) == [], name
 
 
 def test_the_vnni_runner_class_serves_exactly_the_class(registry):

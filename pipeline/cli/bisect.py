@@ -25,23 +25,19 @@ def run(args: argparse.Namespace) -> int:
             "--apply writes what --fix found: give both", hint="skuforge bisect --model M --sku S --fix --apply"
         )
     registry = _registry(args)
-    registry.model(args.model)
-    require_host(registry, args.sku, "build")
+    pair = registry.pair(args.model, args.sku)  # the one lookup of the command: passed down from here
+    require_host(pair.sku, pair.sku_spec, "build")
     out = layout(registry)
     progress = ProgressLine()
     result: Remedy | Bisection
     try:
         if args.fix:
-            result = fix(
-                registry, args.model, args.sku, max_rounds=args.rounds, max_builds=args.max_builds, progress=progress
-            )
+            result = fix(pair, max_rounds=args.rounds, max_builds=args.max_builds, progress=progress)
             if args.apply and result.passed:
                 apply_overrides(Path(args.params), args.model, args.sku, result.keep_precise)
         else:
             result = bisect(
-                registry,
-                args.model,
-                args.sku,
+                pair,
                 max_builds=args.max_builds,
                 marks_per_build=args.marks,
                 scan=args.scan,

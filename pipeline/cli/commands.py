@@ -158,9 +158,10 @@ def run_stage(args: argparse.Namespace) -> int:
     registry = _registry(args)
     progress = ProgressLine()
     try:
-        target = (args.model, args.sku) if STAGE_COMMANDS[args.command][0] else (args.model,)
+        # a pair's stage gets the pair resolved here, once; a model's stage its name
+        target = (registry.pair(args.model, args.sku),) if STAGE_COMMANDS[args.command][0] else (registry, args.model)
         with _result_once(args.command, args.verbose):
-            result = fn(registry, *target, progress=progress, **{kw: getattr(args, kw) for kw in flags})
+            result = fn(*target, progress=progress, **{kw: getattr(args, kw) for kw in flags})
     finally:
         progress.close()
     data = result.to_json() if hasattr(result, "to_json") else result
@@ -283,7 +284,7 @@ def publish(args: argparse.Namespace) -> int:
     try:
         with _result_once("publish", args.verbose):
             for model, sku in pairs:
-                results.append(publish_pair(reg, model, sku, progress=progress))
+                results.append(publish_pair(reg.pair(model, sku), progress=progress))
     finally:
         progress.close()
 

@@ -12,7 +12,7 @@ from pipeline.backends.contract import BuildContext, BuildOutcome
 from pipeline.core.errors import EnvironmentProblem
 from pipeline.core.io import atomic_dir, sha256_json
 from pipeline.core.progress import Progress
-from pipeline.engine.hostcheck import Purpose, host_problems
+from pipeline.engine.hostcheck import Purpose, sku_host_problems
 from pipeline.project.artifacts import (
     batch_indices,
     calibration_batches,
@@ -21,16 +21,16 @@ from pipeline.project.artifacts import (
     load_arrays,
     read_report,
 )
-from pipeline.project.config import Registry
+from pipeline.project.config import Pair, SkuSpec
 from pipeline.project.data import LABELS, iter_batches
 from pipeline.results.reports import FileRecord, PrepareReport
 
 
-def require_host(registry: Registry, sku: str, purpose: Purpose = "run") -> None:
+def require_host(sku: str, spec: SkuSpec, purpose: Purpose = "run") -> None:
     """Exit 3 with the runner labels when this host cannot build (or run) ``sku``'s engines."""
-    problems = host_problems(registry, sku, purpose)
+    problems = sku_host_problems(spec, purpose)
     if problems:
-        labels = ", ".join(registry.sku(sku).runner_labels)
+        labels = ", ".join(spec.runner_labels)
         raise EnvironmentProblem(
             f"this host cannot {purpose} SKU {sku}: " + "; ".join(problems),
             hint=f"build it on a runner with labels [{labels}] "
@@ -39,24 +39,22 @@ def require_host(registry: Registry, sku: str, purpose: Purpose = "run") -> None
 
 
 def config_hash(
-    registry: Registry,
-    model: str,
-    sku: str,
+    pair: Pair,
     prepared_sha256: str,
     calibration_sha256: str | None,
-    keep: list[str] | None = None,
+    keep: list[str] | tuple[str, ...] | None = None,
 ) -> str:
     """Everything that decides the engine's bytes, hashed. ``keep``: the nodes kept precise (default:
     params.yaml's; a remedy run during the build adds to them)."""
-    spec = registry.sku(sku)
-    keep = registry.higher_precision(model, sku) if keep is None else keep
+    spec = pair.sku_spec
+    keep = pair.higher_precision if keep is None else keep
     fingerprint = backend_class(spec.backend).config_fingerprint()
     return sha256_json(
         {
             "sku": spec.model_dump(
                 mode="json", include={"backend", "precision", "target", "shapes", "profiles", "options"}
             ),
-            "pins": registry.pins(model, sku),
+            "pins": pair.pins,
             "prepared_sha256": prepared_sha256,
             "calibration_sha256": calibration_sha256 if spec.precision == "int8" else None,
             # nodes kept in higher precision change the engine; an empty list leaves the hash as it was
@@ -78,9 +76,7 @@ class Built:
 
 
 def build_engine(
-    registry: Registry,
-    model: str,
-    sku: str,
+    pair: Pair,
     engine_dir: Path,
     *,
     prepared: Path | None = None,
@@ -99,21 +95,21 @@ def build_engine(
     ``keep_precise``: ONNX node names kept in higher precision (default: the registry's).
     ``cache_required``, ``cache_refresh``, ``tuning_trials``, ``search``: the cache policy
     (pipeline.backends.caches)."""
-    spec, sku_spec = registry.model(model), registry.sku(sku)
+    registry, model, sku, spec, sku_spec = pair.registry, pair.model, pair.sku, pair.spec, pair.sku_spec
     backend = get_backend(sku_spec.backend)
     out = layout(registry)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
-    run_at = registry.pins(model, sku)  # profile axes run at their opt value...
+    run_at = pair.pins  # profile axes run at their opt value...
     pins = {k: v for k, v in run_at.items() if k not in sku_spec.profiles}  # ...but stay dynamic in the engine
     golden = load_arrays(out.split(model, "golden"), "data")
     golden.pop(LABELS, None)
-    in_idx, _ = batch_indices(registry, model, prep.signature)
+    in_idx, _ = batch_indices(spec, prep.signature)
     _, probe = next(iter_batches(golden, in_idx, run_at.get(spec.batch_axis or "", 1)))
     table = calibration_table(registry, model) if sku_spec.precision == "int8" else None
     samples = None
     if sku_spec.precision == "int8" and backend.capabilities.calibration == "samples":
-        samples, _ = calibration_batches(registry, model, run_at, prep.signature)
-    keep = tuple(registry.higher_precision(model, sku)) if keep_precise is None else tuple(keep_precise)
+        samples, _ = calibration_batches(registry, model, spec, run_at, prep.signature)
+    keep = pair.higher_precision if keep_precise is None else tuple(keep_precise)
     started = time.perf_counter()
     with atomic_dir(engine_dir) as staging:
         ctx = BuildContext(

@@ -26,7 +26,7 @@ from pipeline.core.paths import cache_dir
 from pipeline.core.versions import UnreadableVersion, normalize, satisfies, specifier_problem
 from pipeline.host import probe
 from pipeline.host.fingerprint import host_fingerprint
-from pipeline.project.config import Registry
+from pipeline.project.config import Registry, SkuSpec
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ def toolchain_problems(pins: dict[str, str], installed_only: bool = False) -> li
     return problems
 
 
-def hardware_problems(registry: Registry, sku: str) -> list[str]:
-    target = registry.sku(sku).target
+def hardware_problems(spec: SkuSpec) -> list[str]:
+    target = spec.target
     problems = []
     if target.arch != probe.host_arch():
         problems.append(f"needs arch {target.arch}, this host is {probe.host_arch()}")
@@ -76,12 +76,16 @@ def hardware_problems(registry: Registry, sku: str) -> list[str]:
 
 def host_problems(registry: Registry, sku: str, purpose: Purpose = "run") -> list[str]:
     """Why this host cannot build (or run) ``sku``'s engines; empty when it can."""
-    spec = registry.sku(sku)
+    return sku_host_problems(registry.sku(sku), purpose)
+
+
+def sku_host_problems(spec: SkuSpec, purpose: Purpose = "run") -> list[str]:
+    """``host_problems`` of a SKU already resolved (a command's pair)."""
     backend = get_backend(spec.backend)
     # a cross build needs no target here; a remote run (a device on the bench) needs none either
     elsewhere = backend.cross_compiles(spec) if purpose == "build" else backend.runs_remotely(spec)
     if not elsewhere:
-        problems = hardware_problems(registry, sku)
+        problems = hardware_problems(spec)
         if problems:  # wrong hardware: the SDK checks below would only add noise
             return problems
     return toolchain_problems(spec.toolchain, installed_only=purpose == "run") + backend.environment_problems(

@@ -56,6 +56,6 @@ def refresh(
         )
     records = []
     for model in models or sorted(registry.models):
-        report = build(registry, model, sku, progress=progress, cache_refresh=True, tuning_trials=trials)
+        report = build(registry.pair(model, sku), progress=progress, cache_refresh=True, tuning_trials=trials)
         records.append({"model": model, "sku": sku, **(report.cache.model_dump(mode="json") if report.cache else {})})
     return records

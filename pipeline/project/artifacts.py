@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, TypeVar
 from pipeline.core.errors import InputError
 from pipeline.core.io import read_json
 from pipeline.core.paths import Layout
-from pipeline.project.config import Registry
+from pipeline.project.config import ModelSpec, Pair, Registry, SkuSpec
 from pipeline.project.data import LABELS, check_finite, iter_batches
 from pipeline.results.reports import Result
 
@@ -69,30 +69,40 @@ def check_engine(runner, build: BuildReport, engine_dir: Path, model: str, sku: 
     return build.engine_sha256
 
 
-def batch_indices(registry: Registry, model: str, signature) -> tuple[dict[str, int | None], dict[str, int | None]]:
-    axis = registry.model(model).batch_axis
+def batch_indices(spec: ModelSpec, signature) -> tuple[dict[str, int | None], dict[str, int | None]]:
+    axis = spec.batch_axis
     return (
         {t.name: t.batch_index(axis) for t in signature.inputs},
         {t.name: t.batch_index(axis) for t in signature.outputs},
     )
 
 
-def run_plan(
-    registry: Registry, model: str, signature, sku: str | None = None
-) -> tuple[dict[str, int | None], dict[str, int | None], int]:
+def run_plan(pair: Pair, signature) -> tuple[dict[str, int | None], dict[str, int | None], int]:
     """Batch axes of the inputs and outputs, and the batch to run at: the SKU's pin, else the
     model's (1 by default). A batch above 1 is split back into samples along each output's batch
     axis (found by the prepare stage), so every output needs one."""
-    spec = registry.model(model)
+    return _run_plan(pair.model, pair.spec, pair.pins, signature, pair.sku, pair.sku_spec)
+
+
+def model_run_plan(
+    registry: Registry, model: str, signature
+) -> tuple[dict[str, int | None], dict[str, int | None], int]:
+    """``run_plan`` at the model's own pins (the reference stage: no SKU)."""
+    return _run_plan(model, registry.model(model), registry.pins(model), signature, None, None)
+
+
+def _run_plan(
+    model: str, spec: ModelSpec, pins: dict[str, int], signature, sku: str | None, sku_spec: SkuSpec | None
+) -> tuple[dict[str, int | None], dict[str, int | None], int]:
     axis = spec.batch_axis
-    in_idx, out_idx = batch_indices(registry, model, signature)
-    batch = registry.pins(model, sku).get(axis or "", 1)
+    in_idx, out_idx = batch_indices(spec, signature)
+    batch = pins.get(axis or "", 1)
     unbatched = [o for o, i in out_idx.items() if i is None]
     if batch > 1 and unbatched and all(i is not None for i in in_idx.values()):
         where = f"models.{model}.pins.{axis}: 1"
-        if sku is not None and axis in registry.sku(sku).profiles:
+        if sku_spec is not None and axis in sku_spec.profiles:
             where = f"skus.{sku}.shapes.{axis}: 1 in place of skus.{sku}.profiles.{axis}"
-        elif sku is not None and axis in registry.sku(sku).shapes:
+        elif sku_spec is not None and axis in sku_spec.shapes:
             where = f"skus.{sku}.shapes.{axis}: 1"
         raise InputError(
             f"{model}{'/' + sku if sku else ''} runs at {axis}={batch}, but outputs {unbatched} have no "
@@ -111,19 +121,19 @@ def calibration_table(registry: Registry, model: str) -> Path:
 
 
 def calibration_batches(
-    registry: Registry, model: str, pins: dict[str, int], signature
+    registry: Registry, model: str, spec: ModelSpec, pins: dict[str, int], signature
 ) -> tuple[list[dict[str, np.ndarray]], int]:
     """The calibration set as the engine takes it: batches at the pinned batch size, the first
     ``calibration.samples`` samples where params.yaml caps them; and the number of samples. Refuses
     NaN/Inf (they would give infinite ranges)."""
-    spec = layout(registry)
-    arrays = load_arrays(spec.split(model, "calibration"), "data")
+    files = layout(registry)
+    arrays = load_arrays(files.split(model, "calibration"), "data")
     arrays.pop(LABELS, None)
     # the data stage refuses NaN/Inf; this catches data written before it did
-    check_finite(arrays, "calibration", str(spec.split(model, "calibration")))
-    samples = registry.model(model).calibration.samples
+    check_finite(arrays, "calibration", str(files.split(model, "calibration")))
+    samples = spec.calibration.samples
     if samples is not None:
         arrays = {k: v[:samples] for k, v in arrays.items()}
-    in_idx, _ = batch_indices(registry, model, signature)
-    batch = pins.get(registry.model(model).batch_axis or "", 1)
+    in_idx, _ = batch_indices(spec, signature)
+    batch = pins.get(spec.batch_axis or "", 1)
     return [feeds for _, feeds in iter_batches(arrays, in_idx, batch)], len(next(iter(arrays.values())))

@@ -126,7 +126,7 @@ def releases_of(targets, model: str) -> list[str]:
 def local_candidate(registry: Registry, model: str, sku: str) -> Candidate:
     """The pair as this project's build folder holds it, signed now with the publishing key."""
 
-    inputs = collect(registry, model, sku)  # refuses a manifest that does not match its reports and engine
+    inputs = collect(registry.pair(model, sku))  # refuses a manifest that does not match its reports and engine
     out = layout(registry)
     m = inputs.manifest
     return Candidate(
@@ -320,13 +320,14 @@ def _sku_entry(registry: Registry, model: str, rid: str, c: Candidate, shas: dic
     assert m is not None  # a candidate check() passed
     base = release_path(model, rid, c.sku)
     engine_meta = json.loads(c.engine["engine.json"].read_bytes()) if "engine.json" in c.engine else {}
-    in_idx, out_idx, batch = run_plan(registry, model, m.signature, c.sku)
+    pair = registry.pair(model, c.sku)
+    in_idx, out_idx, batch = run_plan(pair, m.signature)
     return {
         "backend": m.backend,
         "precision": m.precision,
         "manifest_digest": m.digest,
         "source": c.source,
-        "sku_spec": registry.sku(c.sku).model_dump(mode="json"),
+        "sku_spec": pair.sku_spec.model_dump(mode="json"),
         "requires": _requires(registry, m, engine_meta),
         "files": {
             "manifest": f"{base}/manifest.json",

@@ -39,7 +39,7 @@ from pipeline.perf.harness import (
     warm_up,
 )
 from pipeline.perf.sustained import sustained_run
-from pipeline.project.config import BenchSpec, Registry, SkuSpec, device_preprocessing
+from pipeline.project.config import BenchSpec, Pair, SkuSpec, device_preprocessing
 from pipeline.project.data import LABELS, iter_batches, preprocess
 from pipeline.project.files import unpack
 from pipeline.project.postprocessing import postprocess
@@ -101,10 +101,10 @@ def execution(build: BuildReport, concurrency: int) -> Execution:
     )
 
 
-def _sweep_feeds(registry: Registry, model: str, sku: str, golden: dict, in_idx, batches: list[int]) -> dict[int, dict]:
+def _sweep_feeds(pair: Pair, golden: dict, in_idx, batches: list[int]) -> dict[int, dict]:
     """Inputs per swept batch size, refused before any timing when the engine cannot take them."""
-    spec, sku_spec = registry.model(model), registry.sku(sku)
-    pinned = registry.pins(model, sku).get(spec.batch_axis or "", 1)
+    model, sku, spec, sku_spec = pair.model, pair.sku, pair.spec, pair.sku_spec
+    pinned = pair.pins.get(spec.batch_axis or "", 1)
     profile = sku_spec.profiles.get(spec.batch_axis or "")
     feeds = {}
     for b in batches:
@@ -156,9 +156,7 @@ def sweep(runner, cfg: BenchSpec, feeds: dict[int, dict], progress: Progress | N
 
 
 def engine_roofline(
-    registry: Registry,
-    model: str,
-    sku: str,
+    pair: Pair,
     runner,
     feeds: dict,
     build: BuildReport,
@@ -175,9 +173,10 @@ def engine_roofline(
         if warnings is not None:
             warnings.append(f"bench: no roofline: its 20 profiled runs would not fit in what is left of {budget.key}")
         return None
-    out = layout(registry)
+    model, sku = pair.model, pair.sku
+    out = layout(pair.registry)
     try:
-        cost = graph_cost(out.prepared_model(model), registry.pins(model, sku))
+        cost = graph_cost(out.prepared_model(model), pair.pins)
     except Exception as exc:  # noqa: BLE001 - an analysis, not a gate: say why and go on
         log(model, sku).warning("bench: no roofline: the graph's costs could not be counted (%s)", exc)
         return None
@@ -195,12 +194,12 @@ class EndToEnd:
     call appends its steps' milliseconds to ``times``; the per-step clock reads are four
     ``perf_counter`` calls, well under a microsecond."""
 
-    def __init__(self, registry: Registry, model: str, sku: str, runner, in_idx: dict, batch: int):
+    def __init__(self, pair: Pair, runner, in_idx: dict, batch: int):
         import numpy as np
 
         self.np = np
-        spec = registry.model(model)
-        out = layout(registry)
+        model, spec = pair.model, pair.spec
+        out = layout(pair.registry)
         self.spec, self.runner, self.in_idx, self.batch = spec, runner, in_idx, batch
         self.times: dict[str, list[float]] = {}
         raw = load_arrays(out.split(model, "golden", raw=True), "data")
@@ -212,7 +211,7 @@ class EndToEnd:
             self.blobs = [blobs[i] for i in take]
             self.names = [names[i] for i in take]
             name, steps = next(iter(spec.file_inputs.items()))
-            shipped = device_preprocessing(steps, registry.sku(sku).preprocessing.device)
+            shipped = device_preprocessing(steps, pair.sku_spec.preprocessing.device)
             self.pre = (name, Preprocessor(shipped, spec.input(name).dtype))
             self.described[name] = describe(shipped)
             kinds = sorted({n.rsplit(".", 1)[-1].lower() for n in self.names})
@@ -377,22 +376,21 @@ def _first_ms(runner, feeds: dict) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-def bench(registry: Registry, model: str, sku: str, progress: Progress | None = None) -> BenchReport:
+def bench(pair: Pair, progress: Progress | None = None) -> BenchReport:
     import numpy as np
 
-    require_host(registry, sku)
-    spec, sku_spec = registry.model(model), registry.sku(sku)
-    cfg = registry.bench(sku)
-    out = layout(registry)
+    model, sku, spec, sku_spec, cfg = pair.model, pair.sku, pair.spec, pair.sku_spec, pair.bench
+    require_host(sku, sku_spec)
+    out = layout(pair.registry)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
     build = read_report(out.report(model, sku, "build"), BuildReport, "build")
-    batch = registry.pins(model, sku).get(spec.batch_axis or "", 1)
-    in_idx, _ = batch_indices(registry, model, prep.signature)
+    batch = pair.pins.get(spec.batch_axis or "", 1)
+    in_idx, _ = batch_indices(spec, prep.signature)
     golden = load_arrays(out.split(model, "golden"), "data")
     golden.pop(LABELS, None)
     _, feeds = next(iter_batches(golden, in_idx, batch))
     # impossible batch sizes are refused before any timing
-    sweep_feeds = _sweep_feeds(registry, model, sku, golden, in_idx, cfg.sweep.batch or [batch]) if cfg.sweep else {}
+    sweep_feeds = _sweep_feeds(pair, golden, in_idx, cfg.sweep.batch or [batch]) if cfg.sweep else {}
     state_before = device_state()
     mem_before = rss_mb()
     lg = log(model, sku)
@@ -412,7 +410,7 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
         warm, steady_state = warm_up(call, warm_cfg, progress)
         budget.check("bench engine-only")
         steady, wall, stopped, energy = _engine_only(call, cfg, sku_spec, budget, batch, progress)
-        end_to_end = EndToEnd(registry, model, sku, runner, in_idx, batch)
+        end_to_end = EndToEnd(pair, runner, in_idx, batch)
         budget.check("bench end-to-end")
         e2e, e2e_stopped = _end_to_end(end_to_end, cfg, budget, progress)
         for phase, n, how in (("engine-only", len(steady), stopped), ("end-to-end", len(e2e), e2e_stopped)):
@@ -425,7 +423,7 @@ def bench(registry: Registry, model: str, sku: str, progress: Progress | None = 
         points = _sweep_if_it_fits(runner, cfg, sweep_feeds, budget, progress, warnings)
         p50, roof = float(np.median(steady)), None
         if cfg.roofline:
-            roof = engine_roofline(registry, model, sku, runner, feeds, build, p50, budget, warnings)
+            roof = engine_roofline(pair, runner, feeds, build, p50, budget, warnings)
         sustained = (
             _sustained(call, cfg, sku_spec, batch, budget, progress, warnings) if cfg.sustained is not None else None
         )

@@ -11,16 +11,14 @@ from pipeline.core.io import atomic_write_json, sha256_file
 from pipeline.core.progress import Progress
 from pipeline.engine.build import build_engine, config_hash, require_host
 from pipeline.project.artifacts import calibration_table, layout, log, read_report
-from pipeline.project.config import Registry
+from pipeline.project.config import Pair
 from pipeline.results.reports import BuildReport, LayerInfo, PrepareReport, engine_digest
 from pipeline.verify import reproducible
 from pipeline.verify.remedy import fix, judged
 
 
 def build(
-    registry: Registry,
-    model: str,
-    sku: str,
+    pair: Pair,
     progress: Progress | None = None,
     check_reproducible: bool = False,
     cache_required: bool | None = None,
@@ -31,19 +29,17 @@ def build(
     option) also builds it a second time and records the verdict (exit 1 below the SKU's require).
     ``cache_required`` (None: the SKU's cache.require or SKUFORGE_REQUIRE_CACHE), ``cache_refresh``
     and ``tuning_trials``: the cache policy of pipeline.backends.caches."""
-    require_host(registry, sku, "build")
-    spec, sku_spec = registry.model(model), registry.sku(sku)
+    registry, model, sku, spec, sku_spec = pair.registry, pair.model, pair.sku, pair.spec, pair.sku_spec
+    require_host(sku, sku_spec, "build")
     backend = get_backend(sku_spec.backend)
     out = layout(registry)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
-    pins = {k: v for k, v in registry.pins(model, sku).items() if k not in sku_spec.profiles}
+    pins = {k: v for k, v in pair.pins.items() if k not in sku_spec.profiles}
     table = calibration_table(registry, model) if sku_spec.precision == "int8" else None
     table_sha = sha256_file(table) if table is not None and table.is_file() else None
-    keep = registry.higher_precision(model, sku)
+    keep: tuple[str, ...] = pair.higher_precision
     built = build_engine(
-        registry,
-        model,
-        sku,
+        pair,
         out.engine_dir(model, sku),
         progress=progress,
         cache_required=cache_required,
@@ -54,15 +50,13 @@ def build(
     if (
         sku_spec.bisect.fix_during_build
         and sku_spec.precision != "fp32"
-        and not judged(registry, model, sku, out.engine_dir(model, sku))[2]
+        and not judged(pair, out.engine_dir(model, sku))[2]
     ):
-        remedy = fix(registry, model, sku, progress=progress)
-        if remedy.passed and remedy.keep_precise != keep:
-            keep = remedy.keep_precise
+        remedy = fix(pair, progress=progress)
+        if remedy.passed and list(remedy.keep_precise) != list(keep):
+            keep = tuple(remedy.keep_precise)
             built = build_engine(
-                registry,
-                model,
-                sku,
+                pair,
                 out.engine_dir(model, sku),
                 keep_precise=tuple(keep),
                 progress=progress,
@@ -76,7 +70,7 @@ def build(
         write_plain_index(out.cache_dir(model, sku), backend)
     reproducibility = None
     if reproducible.wanted(sku_spec, check_reproducible):
-        reproducibility = reproducible.check(registry, model, sku, built, out.engine_dir(model, sku), progress=progress)
+        reproducibility = reproducible.check(pair, built, out.engine_dir(model, sku), progress=progress)
     calibration = None
     if outcome.calibration is not None:
         calibration = {**outcome.calibration, "method": spec.calibration.method}
@@ -91,7 +85,7 @@ def build(
         options=outcome.options,
         shapes=pins,
         profiles={k: v.model_dump() for k, v in sku_spec.profiles.items()},
-        build_config_sha256=config_hash(registry, model, sku, prep.prepared_sha256, table_sha, keep),
+        build_config_sha256=config_hash(pair, prep.prepared_sha256, table_sha, keep),
         engine_sha256=engine_digest(files),
         prepared_sha256=prep.prepared_sha256,
         calibration=calibration,

@@ -29,20 +29,7 @@ def resolved(registry: Registry) -> dict[str, dict[str, Any]]:
             "pins": registry.pins(model),
         }
         for _, sku in registry.pairs(models=[model]):
-            sku_spec = registry.skus[sku]
-            files[out.config_file(model, sku).name] = {
-                "model": model,
-                "sku": sku,
-                "spec": spec.model_dump(mode="json", exclude={"higher_precision"}),
-                # the device class decides which engine a device gets, not the engine, and known gaps are a
-                # note: no stage reruns for either
-                "sku_spec": sku_spec.model_dump(mode="json", exclude={"device_class", "known_gaps"}),
-                "higher_precision": registry.higher_precision(model, sku),
-                "pins": registry.pins(model, sku),
-                "tolerance": registry.tolerance(model, sku).model_dump(mode="json"),
-                "metric_gate": registry.metric_gate(model, sku).model_dump(mode="json"),
-                "bench": registry.bench(sku).model_dump(mode="json"),
-            }
+            files[out.config_file(model, sku).name] = registry.pair(model, sku).settings()
     return files
 
 

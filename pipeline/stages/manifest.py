@@ -6,7 +6,7 @@ from pipeline.core.errors import InputError
 from pipeline.core.io import atomic_write_json, read_json, sha256_file
 from pipeline.core.progress import Progress
 from pipeline.project.artifacts import layout, log, read_report
-from pipeline.project.config import Registry
+from pipeline.project.config import Pair, Registry
 from pipeline.results.benchstats import latency_stats
 from pipeline.results.dvcmetrics import write_metrics
 from pipeline.results.latency import read_latency_csv
@@ -55,10 +55,11 @@ def _bound(build: BuildReport, reports: dict[str, EngineBound], model: str, sku:
         )
 
 
-def _bench_bound(registry: Registry, model: str, sku: str, bench: BenchReport) -> None:
+def _bench_bound(pair: Pair, bench: BenchReport) -> None:
     """Refuse latency samples that are not the bench report's, a report whose figures are not its
     samples', and one that does not say which host timed the engine."""
-    out = layout(registry)
+    model, sku = pair.model, pair.sku
+    out = layout(pair.registry)
     latency = out.latency_csv(model, sku)
     latency_sha = sha256_file(latency) if latency.is_file() else None
     if latency_sha != bench.latency_sha256:
@@ -72,7 +73,7 @@ def _bench_bound(registry: Registry, model: str, sku: str, bench: BenchReport) -
             "(written by an older skuforge)",
             hint=f"rerun the bench stage on the SKU's host: skuforge bench --model {model} --sku {sku}",
         )
-    recomputed = latency_stats(read_latency_csv(latency.read_text(encoding="utf-8")), registry.bench(sku).confidence)
+    recomputed = latency_stats(read_latency_csv(latency.read_text(encoding="utf-8")), pair.bench.confidence)
     if recomputed != bench.engine_only:
         raise InputError(
             f"{out.report(model, sku, 'bench')}: its engine-only figures are not those of its samples "
@@ -123,26 +124,25 @@ def _correctness(val: ValidationReport) -> Correctness:
     )
 
 
-def assemble(registry: Registry, model: str, sku: str) -> dict:
+def assemble(pair: Pair) -> dict:
     """The manifest document of one pair from its reports (with digest, without provenance).
 
     Refuses reports of different builds, latency samples that are not the bench report's, and a
     bench report that does not say which host timed the engine (the manifest's ``host`` is that one)."""
+    registry, model, sku, spec, sku_spec = pair.registry, pair.model, pair.sku, pair.spec, pair.sku_spec
     out = layout(registry)
-    sku_spec = registry.sku(sku)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
     data = read_report(out.report(model, None, "data"), DataReport, "data")
     build = read_report(out.report(model, sku, "build"), BuildReport, "build")
     val = read_report(out.report(model, sku, "validate"), ValidationReport, "validate")
     bench = read_report(out.report(model, sku, "bench"), BenchReport, "bench")
     _bound(build, {"validate.json": val, "bench.json": bench}, model, sku)
-    _bench_bound(registry, model, sku, bench)
+    _bench_bound(pair, bench)
     assert bench.host is not None  # _bench_bound refused a report without it
     files = {
         f"{stage}.json": evidence_digest(f"{stage}.json", out.report(model, sku, stage))
         for stage in ("build", "validate")
     }
-    spec = registry.model(model)
     # digest and provenance are left unset (excluded from the dump below, filled in after it): the
     # pydantic plugin types model_construct like __init__, every required field, though it validates nothing
     body = Manifest.model_construct(  # type: ignore[call-arg]
@@ -189,7 +189,7 @@ def assemble(registry: Registry, model: str, sku: str) -> dict:
         precision_counts=build.precision_counts,
         correctness=_correctness(val),
         preprocessing={d.input: preprocessing_summary(d) for d in val.preprocessing},
-        benchmark=benchmark_summary(bench, registry.bench(sku).noise_floor),
+        benchmark=benchmark_summary(bench, pair.bench.noise_floor),
         host=bench.host,
     )
     doc = body.model_dump(mode="json", exclude={"digest", "provenance"})
@@ -197,10 +197,11 @@ def assemble(registry: Registry, model: str, sku: str) -> dict:
     return doc
 
 
-def write_manifest(registry: Registry, model: str, sku: str, progress: Progress | None = None) -> Manifest:
+def write_manifest(pair: Pair, progress: Progress | None = None) -> Manifest:
+    registry, model, sku = pair.registry, pair.model, pair.sku
     path = layout(registry).manifest(model, sku)
     old = _previous(path)
-    doc = settle(assemble(registry, model, sku), old)
+    doc = settle(assemble(pair), old)
     prov = old.get("provenance") if old.get("digest") == doc["digest"] else None  # a no-op rebuild leaves no diff
     doc["provenance"] = prov or provenance(registry.root).to_json()
     manifest = Manifest.model_validate(doc)

@@ -14,20 +14,20 @@ from pipeline.core.errors import InputError
 from pipeline.core.io import atomic_write_json, sha256_file
 from pipeline.core.progress import Progress
 from pipeline.project.artifacts import layout, log, read_report
-from pipeline.project.config import Registry
+from pipeline.project.config import Pair
 from pipeline.report import write_pair_report
 from pipeline.results.manifest import evidence_digest, host_problems, load_manifest, settle
 from pipeline.results.reports import BenchReport, BuildReport
-from pipeline.stages.config import resolved
 from pipeline.stages.manifest import assemble
 from pipeline.tracking.client import Tracking, connect
 from pipeline.tracking.publish import PublishInputs, publish_engine
 from pipeline.tracking.reports import PublishResult
 
 
-def collect(registry: Registry, model: str, sku: str) -> PublishInputs:
+def collect(pair: Pair) -> PublishInputs:
     """The manifest, reports and engine of one pair, refused when they do not match each other."""
-    out = layout(registry)
+    model, sku = pair.model, pair.sku
+    out = layout(pair.registry)
     manifest_path = out.manifest(model, sku)
     manifest = load_manifest(manifest_path)
     if (manifest.model, manifest.sku) != (model, sku):
@@ -56,7 +56,7 @@ def collect(registry: Registry, model: str, sku: str) -> PublishInputs:
         )
     # the bench report and samples of this run: about this engine, and measuring what the manifest says
     # (its figures may be an earlier run's, kept because this one lies within their intervals)
-    rederived = settle(assemble(registry, model, sku), manifest.to_json())
+    rederived = settle(assemble(pair), manifest.to_json())
     if rederived["digest"] != manifest.digest:
         raise InputError(
             f"{manifest_path} says other things than the reports it names (edited after it was written, "
@@ -87,15 +87,15 @@ def collect(registry: Registry, model: str, sku: str) -> PublishInputs:
         engine_files.append("engine.json")
     sku_dir = out.sku_dir(model, sku)
     reports = list(evidence.values()) + samples
-    write_pair_report(registry, model, sku)  # report.html: the pair's page, self-contained (docs/report.md)
+    write_pair_report(pair.registry, model, sku)  # report.html: the pair's page, self-contained (docs/report.md)
     reports += sorted(sku_dir.glob("*.html"))  # an HTML report, where a stage wrote one
     # what a release needs for the device's smoke test: the golden inputs and the engine's outputs on
     # them, bound to the manifest by datasets.golden and validate.json's outputs_sha256
     reports += [p for p in (out.engine_outputs(model, sku), out.split(model, "golden")) if p.is_file()]
-    config = resolved(registry)[out.config_file(model, sku).name]
+    config = pair.settings()  # what build/.config/<pair>.json holds, resolved once
     settings = {"sku": config["sku_spec"], **{k: config[k] for k in ("pins", "tolerance", "metric_gate", "bench")}}
     datasets = {
-        split: (sha, Path(os.path.relpath(out.split(model, split), registry.root)).as_posix())
+        split: (sha, Path(os.path.relpath(out.split(model, split), pair.registry.root)).as_posix())
         for split, sha in manifest.datasets.items()
     }
     return PublishInputs(
@@ -112,10 +112,9 @@ def collect(registry: Registry, model: str, sku: str) -> PublishInputs:
     )
 
 
-def publish(
-    registry: Registry, model: str, sku: str, progress: Progress | None = None, tracking: Tracking | None = None
-) -> PublishResult:
-    inputs = collect(registry, model, sku)
+def publish(pair: Pair, progress: Progress | None = None, tracking: Tracking | None = None) -> PublishResult:
+    registry, model, sku = pair.registry, pair.model, pair.sku
+    inputs = collect(pair)
     result = publish_engine(tracking or connect(registry), registry, inputs, progress)
     atomic_write_json(layout(registry).report(model, sku, "publish"), result.receipt())
     log(model, sku).info(

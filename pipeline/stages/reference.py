@@ -7,7 +7,7 @@ from pipeline.core.errors import InputError
 from pipeline.core.io import atomic_savez, atomic_write_json, sha256_arrays
 from pipeline.core.paths import REFERENCE_SPLITS
 from pipeline.core.progress import Progress
-from pipeline.project.artifacts import layout, load_arrays, log, read_report, run_plan
+from pipeline.project.artifacts import layout, load_arrays, log, model_run_plan, read_report
 from pipeline.project.config import Registry
 from pipeline.project.data import run_dataset, targets
 from pipeline.results.reports import DataReport, PrepareReport, ReferenceReport
@@ -22,7 +22,7 @@ def reference(registry: Registry, model: str, progress: Progress | None = None) 
     out = layout(registry)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
     data = read_report(out.report(model, None, "data"), DataReport, "data")
-    in_idx, out_idx, batch = run_plan(registry, model, prep.signature)  # the model's pin: no SKU's
+    in_idx, out_idx, batch = model_run_plan(registry, model, prep.signature)  # the model's pin: no SKU's
     source = load_source(registry, model)
     outputs = spec.outputs or [o.name for o in prep.signature.outputs]
     metric, hashes, samples = {}, {}, {}

@@ -13,7 +13,7 @@ from pipeline.core.io import atomic_savez, atomic_write_json, sha256_arrays
 from pipeline.core.progress import Progress
 from pipeline.engine.build import require_host
 from pipeline.project.artifacts import check_engine, layout, log, read_report
-from pipeline.project.config import Registry
+from pipeline.project.config import Pair
 from pipeline.results.reports import (
     BuildReport,
     PlacementResult,
@@ -40,17 +40,17 @@ from pipeline.verify.drift import drift_line, preprocessing_drift
 from pipeline.verify.task import task_text
 
 
-def _bisect(registry: Registry, model: str, sku: str):
+def _bisect(pair: Pair):
     """The first divergent node of a failing engine (skus.<sku>.bisect.on_failure); a bisection that
     cannot run is recorded as inconclusive with the reason, never raised over the gate's own failure."""
 
     try:
-        return bisect(registry, model, sku)
+        return bisect(pair)
     except SkuforgeError as exc:
-        spec = registry.sku(sku)
+        spec = pair.sku_spec
         return Bisection(
-            model=model,
-            sku=sku,
+            model=pair.model,
+            sku=pair.sku,
             backend=spec.backend,
             precision=spec.precision,
             verdict="inconclusive",
@@ -64,9 +64,7 @@ def _bisect(registry: Registry, model: str, sku: str):
 
 
 def _gate_lines(
-    registry: Registry,
-    model: str,
-    sku: str,
+    pair: Pair,
     judgement: Judgement,
     drift: list[PreprocessingDrift],
     placement: PlacementResult,
@@ -74,7 +72,7 @@ def _gate_lines(
     failures: list[str],
 ) -> list[str]:
     """The placement and precision gates' lines (failures appended to ``failures``) and the warnings."""
-    sku_spec = registry.sku(sku)
+    model, sku, sku_spec = pair.model, pair.sku, pair.sku_spec
     errors, metrics = judgement.errors, judgement.metrics
     if not placement.passed:
         nodes = ", ".join(f"{layer.name} ({layer.op_type}) on {layer.device}" for layer in placement.offending)
@@ -110,9 +108,9 @@ def _gate_lines(
     return warnings
 
 
-def _log_report(registry: Registry, model: str, sku: str, report: ValidationReport, judgement: Judgement) -> None:
+def _log_report(pair: Pair, report: ValidationReport, judgement: Judgement) -> None:
     """What validate found, in the log: warnings, top-1 agreement, task verdicts, drift, metrics."""
-    spec = registry.model(model)
+    model, sku, spec = pair.model, pair.sku, pair.spec
     warnings, errors, drift, metrics = report.warnings, report.outputs, report.preprocessing, report.metrics
     lg = log(model, sku)
     for w in warnings:
@@ -150,12 +148,11 @@ def _log_report(registry: Registry, model: str, sku: str, report: ValidationRepo
         )
 
 
-def _raise_on_failures(
-    registry: Registry, model: str, sku: str, failures: list[str], unjudged: list[str], bisection: Bisection | None
-) -> None:
+def _raise_on_failures(pair: Pair, failures: list[str], unjudged: list[str], bisection: Bisection | None) -> None:
     """InputError when only the data could not judge the engine; GateFailed with the bisection's
     finding and the remedy's command otherwise."""
-    out, sku_spec = layout(registry), registry.sku(sku)
+    model, sku, sku_spec = pair.model, pair.sku, pair.sku_spec
+    out = layout(pair.registry)
     if failures and len(failures) == len(unjudged):
         raise InputError(
             f"{model}/{sku}: the datasets cannot judge the engine:\n" + "\n".join(f"  - {f}" for f in failures),
@@ -177,34 +174,32 @@ def _raise_on_failures(
         raise GateFailed(f"{model}/{sku} failed validation:\n" + "\n".join(f"  - {f}" for f in lines), hint=hint)
 
 
-def validate(registry: Registry, model: str, sku: str, progress: Progress | None = None) -> ValidationReport:
-    require_host(registry, sku)
-    sku_spec = registry.sku(sku)
-    out = layout(registry)
+def validate(pair: Pair, progress: Progress | None = None) -> ValidationReport:
+    model, sku, sku_spec = pair.model, pair.sku, pair.sku_spec
+    require_host(sku, sku_spec)
+    out = layout(pair.registry)
     build = read_report(out.report(model, sku, "build"), BuildReport, "build")
     outputs_sha = None
     # the budget covers loading and the engine calls; what follows them is bounded by the data's size
     budget = Budget(sku_spec.max_seconds, "validate", f"skus.{sku}.max_seconds", log(model, sku))
     with budget.watch(), get_backend(sku_spec.backend).load(out.engine_dir(model, sku), sku_spec) as runner:
         engine_sha = check_engine(runner, build, out.engine_dir(model, sku), model, sku)
-        judgement = correctness(registry, model, sku, runner, progress, budget)
+        judgement = correctness(pair, runner, progress, budget)
         errors, metrics, golden = judgement.errors, judgement.metrics, judgement.golden
         # the device's preprocessing against the training side's, through this engine (docs/preprocessing.md)
-        drift = preprocessing_drift(
-            registry, model, sku, runner, {m.split: m.engine for m in metrics}, progress, budget
-        )
+        drift = preprocessing_drift(pair, runner, {m.split: m.engine for m in metrics}, progress, budget)
     if golden:
         atomic_savez(out.engine_outputs(model, sku), **golden)
         outputs_sha = sha256_arrays(golden)
     placement = placement_gate(build, sku_spec.placement.allowed, sku_spec.placement.max_fallback_nodes)
     precision = precision_gate(build, sku_spec.precision_gate.policy, sku_spec.precision_gate.max_mismatched_layers)
-    gate_failures = correctness_failures(registry, model, judgement)
+    gate_failures = correctness_failures(pair.spec, judgement)
     unjudged = input_failures(judgement) + [d.failure for d in drift if d.failure and not d.judgeable]
     failures = gate_failures + [d.failure for d in drift if d.failure and d.judgeable] + unjudged
-    warnings = _gate_lines(registry, model, sku, judgement, drift, placement, precision, failures)
+    warnings = _gate_lines(pair, judgement, drift, placement, precision, failures)
     bisection = None
     if gate_failures and sku_spec.bisect.on_failure:
-        bisection = _bisect(registry, model, sku)
+        bisection = _bisect(pair)
     report = ValidationReport(
         model=model,
         sku=sku,
@@ -226,6 +221,6 @@ def validate(registry: Registry, model: str, sku: str, progress: Progress | None
         preprocessing=drift,
     )
     atomic_write_json(out.report(model, sku, "validate"), report.to_json())
-    _log_report(registry, model, sku, report, judgement)
-    _raise_on_failures(registry, model, sku, failures, unjudged, bisection)
+    _log_report(pair, report, judgement)
+    _raise_on_failures(pair, failures, unjudged, bisection)
     return report

@@ -11,7 +11,7 @@ from pipeline.core.budget import Budget
 from pipeline.core.paths import REFERENCE_SPLITS
 from pipeline.core.progress import Progress
 from pipeline.project.artifacts import layout, load_arrays, read_report, run_plan
-from pipeline.project.config import Registry
+from pipeline.project.config import ModelSpec, Pair
 from pipeline.project.data import run_dataset, targets
 from pipeline.results.reports import (
     COMPUTE_PRECISIONS,
@@ -82,9 +82,7 @@ class Judgement:
         return bool(gated) and all(t.judgeable for t in gated)
 
 
-def correctness(
-    registry: Registry, model: str, sku: str, runner, progress: Progress | None = None, budget: Budget | None = None
-) -> Judgement:
+def correctness(pair: Pair, runner, progress: Progress | None = None, budget: Budget | None = None) -> Judgement:
     """A loaded engine against the reference: per-output errors on the golden split (agreement
     joined by the other referenced splits where golden alone cannot resolve it), the task metric
     per labelled split paired with the reference's, the task agreement after the declared
@@ -93,13 +91,12 @@ def correctness(
     tensor gates become diagnostics (``OutputError.gating`` false) unless the SKU's tolerance sets
     ``enforce``. The remedy (pipeline/verify/remedy.py) judges its rebuilt engines with it too.
     ``budget``: checked before each engine call, which it counts and logs when slow."""
-    spec = registry.model(model)
-    out = layout(registry)
+    model, spec = pair.model, pair.spec
+    out = layout(pair.registry)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
     ref = read_report(out.report(model, None, "reference"), ReferenceReport, "reference")
-    tol = registry.tolerance(model, sku)
-    gate = registry.metric_gate(model, sku)
-    in_idx, out_idx, batch = run_plan(registry, model, prep.signature, sku)
+    tol, gate = pair.tolerance, pair.metric_gate
+    in_idx, out_idx, batch = run_plan(pair, prep.signature)
     metrics, samples, got, expected = [], {}, {}, {}
     for split in REFERENCE_SPLITS:
         if split not in ref.samples:
@@ -150,10 +147,9 @@ def correctness(
     return judgement
 
 
-def correctness_failures(registry: Registry, model: str, j: Judgement) -> list[str]:
+def correctness_failures(spec: ModelSpec, j: Judgement) -> list[str]:
     """One line per failed output, task agreement or metric, with its figures. An output whose
     tensor gates do not decide fails only on its shape, NaN/Inf or a degenerate value."""
-    spec = registry.model(model)
     kind = spec.metric.kind if spec.metric else "metric"
     return (
         [line for e in j.errors for line in (output_problems(e) if e.gating else structural_problems(e))]

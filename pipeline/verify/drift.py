@@ -18,7 +18,7 @@ from pipeline.core.budget import Budget
 from pipeline.core.errors import ConfigError
 from pipeline.core.progress import Progress
 from pipeline.project.artifacts import layout, load_arrays, read_report, run_plan
-from pipeline.project.config import FilePreprocessing, ModelSpec, Registry, device_preprocessing
+from pipeline.project.config import FilePreprocessing, ModelSpec, Pair, device_preprocessing
 from pipeline.project.data import run_dataset
 from pipeline.project.files import unpack
 from pipeline.project.processing import Preprocessor, describe, differing_steps, with_step
@@ -123,9 +123,7 @@ class _DriftRun:
     """What the drift check of every input of one (model, SKU) shares: the engine, the samples'
     raw files and training-side inputs, the run plan."""
 
-    registry: Registry
-    model: str
-    sku: str
+    pair: Pair
     runner: Any
     budget: Budget | None
     split: str
@@ -138,20 +136,13 @@ class _DriftRun:
     def input_drift(self, name: str, reference: Any) -> PreprocessingDrift:
         """One input's check: the device's preprocessing against the training side's, the steps
         that differ, the metric drop (labels) or the postprocess's agreement (none)."""
-        registry, model, sku, runner, budget, split = (
-            self.registry,
-            self.model,
-            self.sku,
-            self.runner,
-            self.budget,
-            self.split,
-        )
-        spec, sku_spec = registry.model(model), registry.sku(sku)
+        pair, runner, budget, split = self.pair, self.runner, self.budget, self.split
+        sku, spec, sku_spec = pair.sku, pair.spec, pair.sku_spec
         in_idx, out_idx, batch = self.plan
         blobs, names, labels = self.raw
         data, engine_scores = self.data, self.engine_scores
         gate = sku_spec.preprocessing
-        confidence = registry.metric_gate(model, sku).confidence
+        confidence = pair.metric_gate.confidence
         device = device_preprocessing(reference, gate.device)
         dtype = spec.input(name).dtype
         ref_x = self.trained[name]
@@ -164,7 +155,7 @@ class _DriftRun:
         agreement_gate = gate.max_agreement_drop
         if agreement_gate is None and not judged:
             agreement_gate = gate.max_metric_drop  # no labels: the drop is judged as agreement
-        task_tol = registry.tolerance(model, sku).task
+        task_tol = pair.tolerance.task
         agreement = (
             agreement_drop(
                 spec,
@@ -234,9 +225,7 @@ class _DriftRun:
 
 
 def preprocessing_drift(
-    registry: Registry,
-    model: str,
-    sku: str,
+    pair: Pair,
     runner: Any,
     engine_scores: dict[str, float],
     progress: Progress | None = None,
@@ -244,21 +233,19 @@ def preprocessing_drift(
 ) -> list[PreprocessingDrift]:
     """The drift check of each input made from raw files (none: an empty list). ``engine_scores``:
     the engine's task metric per split with the training-side inputs (the validate stage's)."""
-    spec = registry.model(model)
+    model, spec = pair.model, pair.spec
     files = spec.file_inputs
     split = next((s for s in DRIFT_SPLITS if (src := getattr(spec.datasets, s)) is not None and src.files), None)
     if not files or split is None:
         return []
-    out = layout(registry)
+    out = layout(pair.registry)
     data = read_report(out.report(model, None, "data"), DataReport, "data")
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
-    in_idx, out_idx, batch = run_plan(registry, model, prep.signature, sku)
+    in_idx, out_idx, batch = run_plan(pair, prep.signature)
     blobs, names, labels = unpack(load_arrays(out.split(model, split, raw=True), "data"))
     trained = load_arrays(out.split(model, split), "data")
     run = _DriftRun(
-        registry=registry,
-        model=model,
-        sku=sku,
+        pair=pair,
         runner=runner,
         budget=budget,
         split=split,

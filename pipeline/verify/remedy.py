@@ -49,7 +49,7 @@ from pipeline.verify.bisect import (
 from pipeline.verify.check import correctness, correctness_failures
 
 if TYPE_CHECKING:
-    from pipeline.project.config import Registry
+    from pipeline.project.config import Pair, Registry
 
 TIMING_ROUNDS = 5
 TIMING_CALLS = 40
@@ -61,19 +61,15 @@ def override_yaml(model: str, sku: str, nodes: list[str]) -> str:
     return yaml.safe_dump({"models": {model: {"higher_precision": {sku: list(nodes)}}}}, sort_keys=False)
 
 
-def judge(
-    registry: Registry, model: str, sku: str, runner: Any
-) -> tuple[list[OutputError], list[MetricResult], list[str]]:
+def judge(pair: Pair, runner: Any) -> tuple[list[OutputError], list[MetricResult], list[str]]:
     """The validate stage's correctness figures for a loaded engine (golden outputs, task metric)."""
 
-    j = correctness(registry, model, sku, runner)
-    return j.errors, j.metrics, correctness_failures(registry, model, j)
+    j = correctness(pair, runner)
+    return j.errors, j.metrics, correctness_failures(pair.spec, j)
 
 
 def fix(
-    registry: Registry,
-    model: str,
-    sku: str,
+    pair: Pair,
     *,
     max_rounds: int | None = None,
     max_builds: int | None = None,
@@ -84,7 +80,7 @@ def fix(
     ends the search, with what it showed. When the suspects do not fix it, the accuracy-aware
     phase keeps nodes by their contribution to the error until the gate passes, then drops those
     it can spare (``accuracy_aware``)."""
-    spec = registry.sku(sku)
+    model, sku, spec = pair.model, pair.sku, pair.sku_spec
     max_rounds = max_rounds or spec.bisect.max_fix_rounds
     max_builds = max_builds or spec.bisect.max_builds
     if spec.precision == "fp32":
@@ -92,14 +88,14 @@ def fix(
             f"{sku} builds in fp32: there is no higher precision to keep nodes in",
             hint="a divergent FP32 engine is a compiler problem: report it with skuforge bisect's findings",
         )
-    original = list(registry.higher_precision(model, sku))
+    original = list(pair.higher_precision)
     with tempfile.TemporaryDirectory(prefix="skuforge-fix-") as tmp:
-        search = Search(registry, model, sku, Path(tmp), prepared_graph(registry, model), original)
+        search = Search(pair, Path(tmp), prepared_graph(pair.registry, model), original)
         before_dir = search.start()
         search.suspect_rounds(max_rounds, max_builds, progress)
         if not search.best.passed:
             search.accuracy_aware(max_builds)
-        before, after, fp32_ms = _compare(registry, model, sku, before_dir, search.current, original, search.keep)
+        before, after, fp32_ms = _compare(pair, before_dir, search.current, original, search.keep)
     rounds, steps, lessons, keep, best = search.rounds, search.steps, search.lessons, search.keep, search.best
     builds = search.builds()
     ratio = after.p50_ms / before.p50_ms if before.p50_ms and after.p50_ms else None
@@ -211,9 +207,9 @@ def still_quantized(graph: Graph, layers: list[LayerInfo], nodes: list[str]) -> 
 class Search:
     """The remedy's state: the configurations built (steps), the bisections, what was learned."""
 
-    def __init__(self, registry: Registry, model: str, sku: str, work: Path, graph: Graph, keep: list[str]) -> None:
-        self.registry, self.model, self.sku, self.work, self.graph = registry, model, sku, work, graph
-        self.precision = registry.sku(sku).precision
+    def __init__(self, pair: Pair, work: Path, graph: Graph, keep: list[str]) -> None:
+        self.pair, self.model, self.sku, self.work, self.graph = pair, pair.model, pair.sku, work, graph
+        self.precision = pair.precision
         self.int8 = self.precision == "int8"
         self.keep = list(keep)
         self.rounds: list[Bisection] = []
@@ -229,8 +225,8 @@ class Search:
 
     def attempt(self, nodes: list[str], phase: str) -> tuple[Path, FixStep]:
         folder = self.work / f"build{len(self.steps)}"
-        built = scratch_build(self.registry, self.model, self.sku, folder, nodes)
-        errors, _, passed, _ = judged(self.registry, self.model, self.sku, folder / "engine")
+        built = scratch_build(self.pair, folder, nodes)
+        errors, _, passed, _ = judged(self.pair, folder / "engine")
         step = FixStep(
             keep_precise=list(nodes),
             passed=passed,
@@ -254,9 +250,9 @@ class Search:
 
     def suspect_rounds(self, max_rounds: int, max_builds: int, progress: Callable[[str, float], None] | None) -> None:
         """Bisect, keep the suspect's nodes, rebuild, until the gate passes or the rounds are spent."""
-        registry, model, sku, keep = self.registry, self.model, self.sku, self.keep
+        keep = self.keep
         while not self.best.passed and len(self.rounds) < max_rounds:
-            found = bisect(registry, model, sku, keep=tuple(self.keep), max_builds=max_builds, progress=progress)
+            found = bisect(self.pair, keep=tuple(self.keep), max_builds=max_builds, progress=progress)
             self.rounds.append(found)
             if found.verdict != "diverges" or not found.suspects:
                 self.lessons.append(found.summary)
@@ -308,7 +304,7 @@ class Search:
                 f"is {budget} (raise skus.{self.sku}.bisect.max_builds or --max-builds)"
             )
             return
-        self.scan = bisect(self.registry, self.model, self.sku, keep=tuple(self.keep), scan=True)
+        self.scan = bisect(self.pair, keep=tuple(self.keep), scan=True)
         units = contributions(self.graph, self.scan, self.precision)
         self.ranked = list(dict.fromkeys(n for unit in units for n in unit))
         floor = self.best
@@ -405,25 +401,24 @@ def _num(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4g}"
 
 
-def judged(registry: Registry, model: str, sku: str, engine: Path) -> tuple[list, list, bool, list[str]]:
+def judged(pair: Pair, engine: Path) -> tuple[list, list, bool, list[str]]:
 
-    sku_spec = registry.sku(sku)
-    with get_backend(sku_spec.backend).load(engine, sku_spec) as runner:
-        errors, metrics, failures = judge(registry, model, sku, runner)
+    with get_backend(pair.backend).load(engine, pair.sku_spec) as runner:
+        errors, metrics, failures = judge(pair, runner)
     return errors, metrics, not failures, failures
 
 
 def _compare(
-    registry: Registry, model: str, sku: str, before: Path, after: Path, keep_before: list[str], keep_after: list[str]
+    pair: Pair, before: Path, after: Path, keep_before: list[str], keep_after: list[str]
 ) -> tuple[Outcome, Outcome, float | None]:
     """Both engines judged, and timed interleaved on one golden batch (same process, same moment)
     with the prepared model on ONNX Runtime CPU FP32 (every graph optimisation): its p50 is the third."""
     import numpy as np
 
-    out = layout(registry)
-    sku_spec = registry.sku(sku)
+    model, sku_spec = pair.model, pair.sku_spec
+    out = layout(pair.registry)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
-    in_idx, _, batch = run_plan(registry, model, prep.signature, sku)
+    in_idx, _, batch = run_plan(pair, prep.signature)
     golden = load_arrays(out.split(model, "golden"), "data")
     golden.pop(LABELS, None)
     _, feeds = next(iter_batches(golden, in_idx, batch))
@@ -434,7 +429,7 @@ def _compare(
     with backend.load(before, sku_spec) as a, backend.load(after, sku_spec) as b, fp32:
         runners = (a, b, fp32)
         for keep, runner in zip((keep_before, keep_after), (a, b), strict=True):
-            errors, metrics, failures = judge(registry, model, sku, runner)
+            errors, metrics, failures = judge(pair, runner)
             outcomes.append(
                 dict(keep_precise=keep, passed=not failures, failures=failures, outputs=errors, metrics=metrics)
             )

@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, get_args
 from pipeline.backends import get_backend
 from pipeline.core.errors import EnvironmentProblem, GateFailed, InputError, ServiceError, SkuforgeError
 from pipeline.engine.build import build_engine
-from pipeline.engine.hostcheck import host_problems
+from pipeline.engine.hostcheck import sku_host_problems
 from pipeline.project.artifacts import layout, load_arrays, log, read_report, run_plan
-from pipeline.project.config import Registry, SkuSpec
+from pipeline.project.config import Pair, SkuSpec
 from pipeline.project.data import LABELS, run_dataset
 from pipeline.results.reports import (
     FileRecord,
@@ -70,9 +70,7 @@ def meets(verdict: ReproducibilityVerdict, required: ReproducibilityLevel) -> bo
 
 
 def check(
-    registry: Registry,
-    model: str,
-    sku: str,
+    pair: Pair,
     first: Built,
     engine_dir: Path,
     rebuild: Rebuild | None = None,
@@ -82,8 +80,9 @@ def check(
 
     ``rebuild`` defaults to ``build_engine`` in a new process (``in_new_process``), with the nodes
     ``first`` kept precise (a remedy during the build may have added to params.yaml's)."""
-    required = registry.sku(sku).reproducibility.require
-    rebuild = rebuild or in_new_process(registry, model, sku, first.keep_precise)
+    registry, model, sku = pair.registry, pair.model, pair.sku
+    required = pair.sku_spec.reproducibility.require
+    rebuild = rebuild or in_new_process(pair, first.keep_precise)
     with tempfile.TemporaryDirectory(prefix="skuforge-repro-") as tmp:
         cache, second_dir = Path(tmp) / "cache", Path(tmp) / "engine"
         source = layout(registry).cache_dir(model, sku)
@@ -100,10 +99,8 @@ def check(
             progress("reproducibility: second build", 1.0)
         files = differing_files(first.files, second.files)
         added, removed, changed = layer_changes(first.outcome.layers, second.outcome.layers)
-        not_run = host_problems(registry, sku, "run") if files else []
-        outputs, samples = (
-            ([], 0) if not files or not_run else output_diffs(registry, model, sku, engine_dir, second_dir)
-        )
+        not_run = sku_host_problems(pair.sku_spec, "run") if files else []
+        outputs, samples = ([], 0) if not files or not_run else output_diffs(pair, engine_dir, second_dir)
     verdict: ReproducibilityVerdict = (
         "bitwise"
         if not files
@@ -130,13 +127,15 @@ def check(
     return result
 
 
-def in_new_process(registry: Registry, model: str, sku: str, keep_precise: tuple[str, ...] | None = None) -> Rebuild:
-    """``build_engine`` in a new (spawned) Python process; its failures keep their exit code."""
+def in_new_process(pair: Pair, keep_precise: tuple[str, ...] | None = None) -> Rebuild:
+    """``build_engine`` in a new (spawned) Python process (the pair pickled to it); its failures keep
+    their exit code."""
+    model, sku = pair.model, pair.sku
 
     def rebuild(engine_dir: Path, cache_dir: Path) -> Built:
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
             try:
-                built, failure = pool.submit(_build, registry, model, sku, engine_dir, cache_dir, keep_precise).result()
+                built, failure = pool.submit(_build, pair, engine_dir, cache_dir, keep_precise).result()
             except BrokenProcessPool as exc:
                 raise EnvironmentProblem(
                     f"{model}/{sku}: the reproducibility check's second build died (a crash or the OOM killer)",
@@ -156,12 +155,12 @@ def in_new_process(registry: Registry, model: str, sku: str, keep_precise: tuple
 
 
 def _build(
-    registry: Registry, model: str, sku: str, engine_dir: Path, cache_dir: Path, keep_precise: tuple[str, ...] | None
+    pair: Pair, engine_dir: Path, cache_dir: Path, keep_precise: tuple[str, ...] | None
 ) -> tuple[Built | None, tuple[int, str, str | None] | None]:
     """In the new process. SkuforgeError subclasses do not all unpickle, so failures travel as data."""
 
     try:
-        return build_engine(registry, model, sku, engine_dir, cache_dir=cache_dir, keep_precise=keep_precise), None
+        return build_engine(pair, engine_dir, cache_dir=cache_dir, keep_precise=keep_precise), None
     except SkuforgeError as exc:
         return None, (exc.exit_code, exc.message, exc.hint)
 
@@ -228,18 +227,17 @@ def _keyed(layers: list[LayerInfo]) -> dict[str, LayerInfo]:
     return keyed
 
 
-def output_diffs(
-    registry: Registry, model: str, sku: str, first_dir: Path, second_dir: Path
-) -> tuple[list[OutputDiff], int]:
+def output_diffs(pair: Pair, first_dir: Path, second_dir: Path) -> tuple[list[OutputDiff], int]:
     """Both engines on the first golden samples: the outputs whose bits differ, and the sample count."""
-    out = layout(registry)
+    model = pair.model
+    out = layout(pair.registry)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
-    in_idx, out_idx, batch = run_plan(registry, model, prep.signature, sku)
+    in_idx, out_idx, batch = run_plan(pair, prep.signature)
     golden = load_arrays(out.split(model, "golden"), "data")
     golden.pop(LABELS, None)
-    samples = min(SAMPLES, len(golden[registry.model(model).inputs[0].name]))
+    samples = min(SAMPLES, len(golden[pair.spec.inputs[0].name]))
     golden = {k: v[:samples] for k, v in golden.items()}
-    sku_spec = registry.sku(sku)
+    sku_spec = pair.sku_spec
     backend = get_backend(sku_spec.backend)
     got = []
     for folder in (first_dir, second_dir):

@@ -170,7 +170,7 @@ def engine(project, stack) -> Path:
     """The backend's engine of MODEL, built once per module (skips where this host cannot build it)."""
     _can(project, stack, "build")
     path = project.out.engine_dir(MODEL, stack.backend)
-    build_engine(project.registry, MODEL, stack.backend, path)
+    build_engine(project.registry.pair(MODEL, stack.backend), path)
     return path
 
 
@@ -444,7 +444,7 @@ def test_a_missing_sdk_refuses_the_build_with_the_install_hint(project, stack, s
     backend = get_backend(stack.backend)
     assert any("not installed" in p for p in backend.environment_problems(project.registry.sku(stack.backend), "build"))
     with pytest.raises(EnvironmentProblem) as info:
-        build_engine(project.registry, MODEL, stack.backend, tmp_path / "engine")
+        build_engine(project.registry.pair(MODEL, stack.backend), tmp_path / "engine")
     err = info.value
     assert err.exit_code == 3 and "not installed" in err.message and err.hint == backend.install_hint
     assert not (tmp_path / "engine").exists()

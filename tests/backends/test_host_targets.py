@@ -226,7 +226,7 @@ def iree_engines(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         for host in hosts:
             fake(mp, host)
-            reports[host] = build(reg, "conv", host)
+            reports[host] = build(reg.pair("conv", host))
     return reg, reports
 
 
@@ -323,7 +323,7 @@ def test_ort_engine_at_level_all_records_and_checks_its_vector_width(tmp_path, m
     prepare(reg, "conv")
     make_data(reg, "conv")
     reference(reg, "conv")
-    rep = build(reg, "conv", "all")
+    rep = build(reg.pair("conv", "all"))
     engine = Layout(reg.root).engine_dir("conv", "all")
     meta = json.loads((engine / ENGINE_META).read_text())
     assert rep.hardware_specific and meta["nchwc_block"] == nchwc_block()

@@ -107,11 +107,11 @@ def proj(tmp_path_factory):
         reference(reg, m)
         r.graph[m] = {n.name for n in onnx.load(str(r.out.prepared_model(m))).graph.node}
         for s in (*CPU_SKUS, "vk_fp32", "cuda_fp32"):
-            r.build[m, s] = build(reg, m, s)
+            r.build[m, s] = build(reg.pair(m, s))
         for s in runnable:
-            r.validate[m, s] = validate(reg, m, s)
-            r.bench[m, s] = bench(reg, m, s)
-    r.build["conv", "v3_fp32"] = build(reg, "conv", "v3_fp32")
+            r.validate[m, s] = validate(reg.pair(m, s))
+            r.bench[m, s] = bench(reg.pair(m, s))
+    r.build["conv", "v3_fp32"] = build(reg.pair("conv", "v3_fp32"))
     return r
 
 
@@ -246,7 +246,7 @@ def test_cuda_engine_is_built_here_and_validated_only_on_a_gpu(proj):
     if not IreeBackend().environment_problems(proj.registry.sku("cuda_fp32"), "run"):
         pytest.skip("this host has a CUDA device: test_cuda_engine_on_a_gpu covers it")
     with pytest.raises(EnvironmentProblem) as info:
-        validate(proj.registry, "conv", "cuda_fp32")
+        validate(proj.registry.pair("conv", "cuda_fp32"))
     assert info.value.exit_code == 3 and "cannot run SKU cuda_fp32" in info.value.message
     assert f"[{', '.join(CUDA_LABELS)}]" in info.value.hint
 
@@ -257,9 +257,9 @@ def test_cuda_engine_on_a_gpu(proj):
     if problems:
         pytest.skip(f"no CUDA device for IREE: {'; '.join(problems)}")
     for m in MODELS:
-        rep = validate(proj.registry, m, "cuda_fp32")
+        rep = validate(proj.registry.pair(m, "cuda_fp32"))
         assert rep.passed and all(e.max_abs_error <= 1e-4 for e in rep.outputs)
-        assert bench(proj.registry, m, "cuda_fp32").engine_only.p50_ms > 0
+        assert bench(proj.registry.pair(m, "cuda_fp32")).engine_only.p50_ms > 0
 
 
 # --- refusals -----------------------------------------------------------------------------------
@@ -305,7 +305,7 @@ def test_compile_flags_follow_the_options():
 def test_a_flag_iree_compile_does_not_know_is_a_config_error(proj):
     """(An op IREE cannot lower, UnsupportedOp: tests/backends/test_contract.py.)"""
     with pytest.raises(ConfigError, match="--iree-no-such-flag"):
-        build(proj.registry, "conv", "bad_flag")
+        build(proj.registry.pair("conv", "bad_flag"))
     assert not proj.out.engine_dir("conv", "bad_flag").exists()  # nothing half-built is left
 
 
@@ -331,7 +331,7 @@ def test_an_engine_for_cpu_features_this_host_lacks_is_refused(proj, engine_copy
 
 def test_a_rebuild_gives_the_same_engine_bytes(proj):
     first = proj.build["conv", "v3_fp32"]
-    again = build(proj.registry, "conv", "v3_fp32")
+    again = build(proj.registry.pair("conv", "v3_fp32"))
     assert [f.sha256 for f in again.engine_files] == [f.sha256 for f in first.engine_files]
     assert again.options["dispatch_sites"] >= again.options["dispatches"] == len(again.layers)
 
@@ -458,7 +458,7 @@ def flags_proj(tmp_path_factory):
 def test_im2col_breaks_the_squeeze_excite_block_and_is_dropped_with_the_reason(flags_proj):
     """The bug report's failure, real: the SKU's default im2col flag does not build this model, so it
     is dropped, and the build report, engine.json and the warnings say which flag and why."""
-    rep = build(flags_proj.registry, "se", "im2col_fp32")
+    rep = build(flags_proj.registry.pair("se", "im2col_fp32"))
     assert IM2COL not in rep.options["compile_flags"] and rep.options["extra_flags"] == [IM2COL]
     [dropped] = rep.options["dropped_flags"]
     assert dropped["flag"] == IM2COL
@@ -466,22 +466,22 @@ def test_im2col_breaks_the_squeeze_excite_block_and_is_dropped_with_the_reason(f
     assert any(f"iree-compile failed with {IM2COL}" in w and "strict_flags" in w for w in rep.warnings)
     meta = json.loads((flags_proj.out.engine_dir("se", "im2col_fp32") / ENGINE_META).read_text())
     assert meta["dropped_flags"] == [dropped] and IM2COL not in meta["compile_flags"]
-    assert validate(flags_proj.registry, "se", "im2col_fp32").passed
+    assert validate(flags_proj.registry.pair("se", "im2col_fp32")).passed
 
 
 def test_strict_flags_make_a_flag_the_model_does_not_build_with_a_failure(flags_proj):
     with pytest.raises(EnvironmentProblem, match="write affecting operations on global resources") as info:
-        build(flags_proj.registry, "se", "strict")
+        build(flags_proj.registry.pair("se", "strict"))
     assert not isinstance(info.value, (UnsupportedOp, ConfigError))
     assert not flags_proj.out.engine_dir("se", "strict").exists()
 
 
 def test_optional_flags_are_kept_where_the_model_builds_with_them(flags_proj):
-    rep = build(flags_proj.registry, "se", "optional")
+    rep = build(flags_proj.registry.pair("se", "optional"))
     assert [d["flag"] for d in rep.options["dropped_flags"]] == [IM2COL]
     assert rep.options["compile_flags"][-1] == "--iree-llvmcpu-enable-ukernels=all"
     # the resize model builds with im2col: nothing is dropped
-    rep = build(flags_proj.registry, "resize", "optional")
+    rep = build(flags_proj.registry.pair("resize", "optional"))
     assert (
         rep.options["dropped_flags"] == []
         and rep.options["compile_flags"][-2:] == FLAG_SKUS["optional"]["options"]["optional_flags"]
@@ -504,9 +504,9 @@ def test_flag_lists_are_checked_at_config_time():
 def test_resize_with_an_empty_roi_builds_and_passes_in_fp32_and_fp16(flags_proj, sku):
     """The FP16 converter turned the empty roi into an FP16 tensor with no data field, which IREE's
     importer refused ("Unhandled ONNX TensorProto data: dims: 0") though FP32 imported it."""
-    rep = build(flags_proj.registry, "resize", sku)
+    rep = build(flags_proj.registry.pair("resize", sku))
     assert rep.options["opset_conversion"]["from_opset"] == 11 and rep.options["dropped_flags"] == []
-    assert validate(flags_proj.registry, "resize", sku).passed
+    assert validate(flags_proj.registry.pair("resize", sku)).passed
 
 
 def test_a_conversion_that_breaks_the_import_is_named_not_the_op(flags_proj, monkeypatch):
@@ -515,7 +515,7 @@ def test_a_conversion_that_breaks_the_import_is_named_not_the_op(flags_proj, mon
     skipping the empty-tensor fix, against the real importer."""
     monkeypatch.setattr(quantize, "_empty_tensors_to_raw", lambda model: 0)
     with pytest.raises(EnvironmentProblem) as info:
-        build(flags_proj.registry, "resize", "im2col_fp16")
+        build(flags_proj.registry.pair("resize", "im2col_fp16"))
     err = info.value
     assert not isinstance(err, UnsupportedOp) and err.exit_code == 3
     assert err.message.startswith("the FP16 conversion broke the model for IREE's ONNX importer")

@@ -73,7 +73,7 @@ def built(proj):
     def get(sku: str):
         _buildable()
         if sku not in reports:
-            reports[sku] = build(proj.registry, "m", sku)
+            reports[sku] = build(proj.registry.pair("m", sku))
         return reports[sku]
 
     return get
@@ -101,7 +101,7 @@ def test_fp32_ops_run_on_xnnpack_in_one_partition_named_after_their_onnx_nodes(p
     assert [sorted(layer.fused_from) for layer in compute] == [["conv1", "relu1"], ["conv2"]]
     assert {n for layer in report.layers for n in layer.fused_from} == ONNX_NODES
     assert all(layer.precision == "fp32" for layer in compute)
-    assert validate(proj.registry, "m", "fp32").passed  # the gate below can pass
+    assert validate(proj.registry.pair("m", "fp32")).passed  # the gate below can pass
 
 
 def test_without_the_delegate_every_op_is_on_the_builtin_kernels_and_the_placement_gate_fails(proj, built):
@@ -109,7 +109,7 @@ def test_without_the_delegate_every_op_is_on_the_builtin_kernels_and_the_placeme
     assert {layer.device for layer in report.layers} == {"cpu"} and report.requested_devices == ["cpu"]
     assert _meta(proj, "builtin").partitions == 0
     with pytest.raises(GateFailed) as failed:
-        validate(proj.registry, "m", "builtin")
+        validate(proj.registry.pair("m", "builtin"))
     message = str(failed.value)
     assert f"placement: {len(report.layers)} nodes ran outside ['xnnpack']" in message
     conv = next(layer for layer in report.layers if layer.op_type == "CONV_2D")
@@ -145,7 +145,7 @@ def test_int8_is_full_integer_with_int8_io_and_the_runner_speaks_float(proj, bui
 
 def test_int8_keeps_the_named_node_in_float(proj, built, tmp_path):
     _buildable()
-    kept = build_engine(proj.registry, "m", "int8", tmp_path / "engine", keep_precise=("conv1",)).outcome
+    kept = build_engine(proj.registry.pair("m", "int8"), tmp_path / "engine", keep_precise=("conv1",)).outcome
     by_node = {n: layer for layer in kept.layers for n in layer.fused_from}
     assert by_node["conv1"].precision == "fp32" and by_node["conv2"].precision == "int8", kept.layers
     assert kept.calibration["nodes_to_exclude"] == ["conv1"] and kept.calibration["nodes_kept_float"]
@@ -197,7 +197,7 @@ def test_without_the_converter_environment_build_exits_3_and_writes_nothing(proj
 
 def test_the_config_hash_follows_the_converter_lock_and_script(proj, tmp_path, monkeypatch):
     def hashed() -> str:
-        return config_hash(proj.registry, "m", "fp32", "0" * 64, None)
+        return config_hash(proj.registry.pair("m", "fp32"), "0" * 64, None)
 
     before = hashed()
     assert backend_class("litert").config_fingerprint() == {
@@ -250,9 +250,9 @@ def test_names_other_exporters_write_survive_the_conversion(tmp_path):
     reg = load_registry(models.write_project(tmp_path, {"m": models.foreign_names_spec()}, {"fp32": SKUS["fp32"]}))
     for stage in (prepare, make_data, reference):
         stage(reg, "m")
-    report = build(reg, "m", "fp32")
+    report = build(reg.pair("m", "fp32"))
     assert {n for layer in report.layers for n in layer.fused_from} == {"conv@0", "add@1"}
-    assert validate(reg, "m", "fp32").passed
+    assert validate(reg.pair("m", "fp32")).passed
     rng = np.random.default_rng(3)
     feeds = {
         "input.1": rng.uniform(-1, 1, (1, 3, 6, 6)).astype(np.float32),
@@ -279,7 +279,7 @@ def test_a_scalar_output_comes_back_as_the_onnx_scalar(tmp_path):
     reg = load_registry(models.write_project(tmp_path, {"m": spec}, {"fp32": SKUS["fp32"]}))
     for stage in (prepare, make_data, reference):
         stage(reg, "m")
-    build(reg, "m", "fp32")
+    build(reg.pair("m", "fp32"))
     feeds = {"x": np.arange(4, dtype=np.float32).reshape(1, 4)}
     with get_backend("litert").load(Layout(reg.root).engine_dir("m", "fp32"), reg.sku("fp32")) as runner:
         got = runner.infer(feeds)["y"]

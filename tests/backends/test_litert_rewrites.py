@@ -156,7 +156,7 @@ def _matches_onnx_runtime(proj, model: str, sku: str = "fp32") -> None:
 )
 def test_the_rewritten_op_runs_on_xnnpack_and_matches_onnx_runtime(proj, model, rewrite, ops, node):
     _buildable()
-    report = build(proj.registry, model, "fp32")
+    report = build(proj.registry.pair(model, "fp32"))
     assert {layer.device for layer in report.layers} == {"xnnpack"}, report.layers
     types = {layer.op_type for layer in report.layers}
     assert ops <= types and not types & {"RELU_0_TO_1", "RESIZE_NEAREST_NEIGHBOR"}, types
@@ -164,13 +164,13 @@ def test_the_rewritten_op_runs_on_xnnpack_and_matches_onnx_runtime(proj, model, 
     (record,) = report.options["graph_rewrites"]
     assert record["rewrite"] == rewrite and record["nodes"] == [node], record
     assert any(node in layer.fused_from for layer in report.layers)  # the op still names its ONNX node
-    assert validate(proj.registry, model, "fp32").passed  # placement: xnnpack only; outputs within the gate
+    assert validate(proj.registry.pair(model, "fp32")).passed  # placement: xnnpack only; outputs within the gate
     _matches_onnx_runtime(proj, model)
 
 
 def test_without_the_rewrite_nearest_resize_stays_on_the_builtin_kernels(proj):
     _buildable()
-    report = build(proj.registry, "nearest", "plain")
+    report = build(proj.registry.pair("nearest", "plain"))
     resize = [layer for layer in report.layers if layer.op_type == "RESIZE_NEAREST_NEIGHBOR"]
     assert [layer.device for layer in resize] == ["cpu"] and report.options["graph_rewrites"] == []
     _matches_onnx_runtime(proj, "nearest", "plain")
@@ -189,20 +189,20 @@ def test_a_transposed_convolution_whose_kernel_is_its_stride_becomes_a_1x1_convo
     """up1 (k2 s2) becomes CONV_2D + DEPTH_TO_SPACE; up2 (k3 s2, pads, output_padding: overlapping
     patches) stays TRANSPOSE_CONV. Both run on XNNPACK; the engine computes what it did without the rewrite."""
     _buildable()
-    report = build(proj.registry, "deconv", sku)
+    report = build(proj.registry.pair("deconv", sku))
     types = [layer.op_type for layer in report.layers]
     assert types.count("TRANSPOSE_CONV") == 1 and "DEPTH_TO_SPACE" in types and "CONV_2D" in types, types
     assert {layer.device for layer in report.layers} == {"xnnpack"}
     (record,) = report.options["graph_rewrites"]
     assert record["rewrite"] == "transpose_conv" and "up1" in record["nodes"] and record["ops"] == 1, record
     assert any("up1" in layer.fused_from for layer in report.layers if layer.op_type == "DEPTH_TO_SPACE")
-    before = build(proj.registry, "deconv", plain)
+    before = build(proj.registry.pair("deconv", plain))
     assert [layer.op_type for layer in before.layers].count("TRANSPOSE_CONV") == 2, before.layers
     assert before.options["graph_rewrites"] == []
     for got, want in zip(_outputs(proj, "deconv", sku), _outputs(proj, "deconv", plain), strict=True):
         np.testing.assert_array_equal(got, want)
     if sku == "fp32":
-        assert validate(proj.registry, "deconv", "fp32").passed
+        assert validate(proj.registry.pair("deconv", "fp32")).passed
         _matches_onnx_runtime(proj, "deconv")
 
 

@@ -41,18 +41,18 @@ def test_silent_fallback_to_cpu_is_caught_with_the_nodes_named(tmp_path):
         ),
     }
     reg = project(tmp_path, skus)
-    report = build(reg, "conv", "planted")
+    report = build(reg.pair("conv", "planted"))
     assert report.requested_devices == [AZURE, CPU]
     assert report.placement == {CPU: len(report.layers)}  # ONNX Runtime put every node on the CPU, silently
     with pytest.raises(GateFailed) as info:
-        validate(reg, "conv", "planted")
+        validate(reg.pair("conv", "planted"))
     assert f"nodes ran outside ['{AZURE}']" in info.value.message
     for layer in report.layers:
         assert f"{layer.name} ({layer.op_type}) on {CPU}" in info.value.message
     saved = read_json(Layout(reg.root).report("conv", "planted", "validate"))
     assert saved["placement"]["passed"] is False and len(saved["placement"]["offending"]) == len(report.layers)
-    build(reg, "conv", "tolerated")
-    assert validate(reg, "conv", "tolerated").passed
+    build(reg.pair("conv", "tolerated"))
+    assert validate(reg.pair("conv", "tolerated")).passed
 
 
 def test_missing_provider_is_an_environment_problem_unless_optional(tmp_path):
@@ -68,11 +68,11 @@ def test_missing_provider_is_an_environment_problem_unless_optional(tmp_path):
         pytest.skip("this onnxruntime build has CUDA")
     reg = project(tmp_path, skus)
     with pytest.raises(EnvironmentProblem, match="CUDAExecutionProvider is not in this onnxruntime build"):
-        build(reg, "conv", "needs_cuda")
-    report = build(reg, "conv", "prefers_cuda")  # skipped and recorded; the placement gate judges
+        build(reg.pair("conv", "needs_cuda"))
+    report = build(reg.pair("conv", "prefers_cuda"))  # skipped and recorded; the placement gate judges
     assert any("CUDAExecutionProvider" in w and "skipped" in w for w in report.warnings)
     with pytest.raises(GateFailed, match="nodes ran outside"):
-        validate(reg, "conv", "prefers_cuda")
+        validate(reg.pair("conv", "prefers_cuda"))
 
 
 def test_fp16_on_the_cpu_provider_is_a_config_error(tmp_path):
@@ -103,7 +103,7 @@ def test_the_runner_calls_the_binding_and_an_ep_failure_goes_through_the_session
     from pipeline.backends.onnxruntime import OnnxRuntimeRunner
 
     reg = project(tmp_path, {"ort": models.ort_sku("fp32")})
-    build(reg, "conv", "ort")
+    build(reg.pair("conv", "ort"))
     runner = get_backend("onnxruntime").load(Layout(reg.root).engine_dir("conv", "ort"), reg.sku("ort"))
     assert isinstance(runner, OnnxRuntimeRunner) and runner._run is not None
     sig = runner.inputs[0]

@@ -80,15 +80,15 @@ def proj(tmp_path_factory):
         for stage in (prepare, make_data, reference, calibrate):
             stage(reg, m)
         for s in ("ov_fp32", "ov_int8"):
-            r.build[m, s] = build(reg, m, s)
-        r.validate[m, "ov_fp32"] = validate(reg, m, "ov_fp32")
+            r.build[m, s] = build(reg.pair(m, s))
+        r.validate[m, "ov_fp32"] = validate(reg.pair(m, "ov_fp32"))
         for s in ("ov_fp32", "ov_int8"):
-            r.bench[m, s] = bench(reg, m, s)
-    r.validate["conv", "ov_int8"] = validate(reg, "conv", "ov_int8")
-    r.build["multi", "tamper"] = build(reg, "multi", "tamper")
+            r.bench[m, s] = bench(reg.pair(m, s))
+    r.validate["conv", "ov_int8"] = validate(reg.pair("conv", "ov_int8"))
+    r.build["multi", "tamper"] = build(reg.pair("multi", "tamper"))
     for s in ("ov_fp32", "ov_int8"):
-        r.manifest["conv", s] = write_manifest(reg, "conv", s)
-    r.manifest["multi", "ov_fp32"] = write_manifest(reg, "multi", "ov_fp32")
+        r.manifest["conv", s] = write_manifest(reg.pair("conv", s))
+    r.manifest["multi", "ov_fp32"] = write_manifest(reg.pair("multi", "ov_fp32"))
     return r
 
 
@@ -196,7 +196,7 @@ def test_multi_int8_miscompile_is_caught_by_the_correctness_gate(proj):
     runs the same graph right (docs/backends/openvino.md has a short repro). If this starts passing,
     OpenVINO fixed it: make multi/int8 a passing validate."""
     with pytest.raises(GateFailed) as info:
-        validate(proj.registry, "multi", "ov_int8")
+        validate(proj.registry.pair("multi", "ov_int8"))
     assert "output y" in info.value.message
     rep = read_json(proj.out.report("multi", "ov_int8", "validate"))
     assert rep["passed"] is False and rep["placement"]["passed"] is True
@@ -221,23 +221,23 @@ def test_manifest_is_valid_and_records_the_engine(proj, model, sku):
 
 
 def test_throughput_streams_serve_concurrent_requests(proj):
-    build(proj.registry, "conv", "throughput")
+    build(proj.registry.pair("conv", "throughput"))
     meta = read_json(proj.out.engine_dir("conv", "throughput") / ENGINE_META)
     assert meta["config"]["PERFORMANCE_HINT"] == "THROUGHPUT" and meta["config"]["NUM_STREAMS"] == "2"
-    rep = bench(proj.registry, "conv", "throughput")
+    rep = bench(proj.registry.pair("conv", "throughput"))
     assert rep.concurrency == 2 and rep.engine_only.iterations == 8 and rep.throughput_per_s > 0
-    assert validate(proj.registry, "conv", "throughput").passed
+    assert validate(proj.registry.pair("conv", "throughput")).passed
 
 
 def test_hetero_device_builds_and_reports_its_member_devices(proj):
-    rep = build(proj.registry, "conv", "hetero")
+    rep = build(proj.registry.pair("conv", "hetero"))
     assert rep.requested_devices == ["CPU"] and {layer.device for layer in rep.layers} == {"CPU"}
     assert read_json(proj.out.engine_dir("conv", "hetero") / ENGINE_META)["device"] == "HETERO:CPU"
-    assert validate(proj.registry, "conv", "hetero").passed
+    assert validate(proj.registry.pair("conv", "hetero")).passed
 
 
 def test_profile_axis_stays_dynamic_within_its_range(proj):
-    rep = build(proj.registry, "multi", "dyn")
+    rep = build(proj.registry.pair("multi", "dyn"))
     assert rep.shapes == {} and rep.profiles == {"batch": {"min": 1, "opt": 4, "max": 8}}
     with get_backend("openvino").load(proj.out.engine_dir("multi", "dyn"), proj.registry.sku("dyn")) as runner:
         assert [s.shape for s in runner.inputs] == [[None, 6], [None, 3], []]
@@ -258,14 +258,14 @@ def test_profile_axis_stays_dynamic_within_its_range(proj):
                     "scale": np.array(1.0, np.float32),
                 }
             )
-    assert validate(proj.registry, "multi", "dyn").passed
-    assert bench(proj.registry, "multi", "dyn").batch == 4
+    assert validate(proj.registry.pair("multi", "dyn")).passed
+    assert bench(proj.registry.pair("multi", "dyn")).batch == 4
 
 
 def test_placement_gate_names_cpu_layers_when_only_gpu_is_allowed(proj):
-    build(proj.registry, "conv", "elsewhere")
+    build(proj.registry.pair("conv", "elsewhere"))
     with pytest.raises(GateFailed) as info:
-        validate(proj.registry, "conv", "elsewhere")
+        validate(proj.registry.pair("conv", "elsewhere"))
     assert "placement" in info.value.message and "on CPU" in info.value.message
 
 
@@ -276,19 +276,19 @@ def test_fp16_hint_that_runs_another_precision_is_caught_by_the_precision_gate(p
     caps = ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
     if "FP16" in caps:
         pytest.skip(f"this CPU runs FP16 ({caps}): the f16 hint is honoured, nothing falls back")
-    warned = build(proj.registry, "conv", "ov_fp16_warn")
+    warned = build(proj.registry.pair("conv", "ov_fp16_warn"))
     assert any("FP16 was asked for" in w for w in warned.warnings)
     fallback = {layer.precision for layer in warned.layers} - {"n/a"}
     assert "fp16" not in fallback and fallback <= {"fp32", "bf16"}, fallback
-    rep = validate(proj.registry, "conv", "ov_fp16_warn")
+    rep = validate(proj.registry.pair("conv", "ov_fp16_warn"))
     assert rep.passed and rep.precision_gate.policy == "warn"
     mismatched = {layer.name for layer in rep.precision_gate.mismatched}
     conv = next(layer for layer in warned.layers if layer.op_type == "Convolution")
     assert conv.name in mismatched and any("fp16 was asked for" in w for w in rep.warnings)
 
-    build(proj.registry, "conv", "ov_fp16_fail")
+    build(proj.registry.pair("conv", "ov_fp16_fail"))
     with pytest.raises(GateFailed) as info:
-        validate(proj.registry, "conv", "ov_fp16_fail")
+        validate(proj.registry.pair("conv", "ov_fp16_fail"))
     assert info.value.exit_code == 1
     assert "precision: fp16 was asked for" in info.value.message
     assert f"{conv.name} (Convolution, {conv.precision})" in info.value.message
@@ -314,7 +314,7 @@ def test_truncated_blob_openvino_cannot_import_is_an_input_error(proj):
     verify_engine(engine, FORMAT)  # the hashes match: only OpenVINO can tell
     for stage in (validate, bench):
         with pytest.raises(InputError) as info:
-            stage(proj.registry, "multi", "tamper")
+            stage(proj.registry.pair("multi", "tamper"))
         assert "could not import the engine" in info.value.message and "rebuild" in info.value.hint
     _rewrite_blob(engine, blob)
 
@@ -325,7 +325,7 @@ def test_missing_device_names_the_available_ones(proj):
     problems = get_backend("openvino").environment_problems(proj.registry.sku("gpu"))
     assert len(problems) == 1 and "GPU is not available" in problems[0] and "available: CPU" in problems[0]
     with pytest.raises(EnvironmentProblem) as info:
-        build(proj.registry, "conv", "gpu")
+        build(proj.registry.pair("conv", "gpu"))
     assert info.value.exit_code == 3 and "GPU" in info.value.message
     assert not proj.out.sku_dir("conv", "gpu").exists()
 

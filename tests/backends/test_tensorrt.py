@@ -669,7 +669,7 @@ def test_build_on_a_host_without_tensorrt_exits_3_naming_the_runner(tmp_path, ca
     reg = load_registry(params)
     for stage in (build, validate, bench):
         with pytest.raises(EnvironmentProblem) as info:
-            stage(reg, "conv", "trt")
+            stage(reg.pair("conv", "trt"))
         err = info.value
         assert err.exit_code == 3 and "this host cannot" in err.message and "SKU trt" in err.message
         assert "self-hosted, linux, x64, gpu, nvidia" in err.hint
@@ -717,7 +717,7 @@ def gpu_project(tmp_path_factory):
         for stage in (prepare, make_data, reference, calibrate):
             stage(reg, m)
         for s in GPU_SKUS:
-            built[m, s] = build(reg, m, s)
+            built[m, s] = build(reg.pair(m, s))
     return SimpleNamespace(registry=reg, out=Layout(reg.root), build=built, trt=tensorrt)
 
 
@@ -740,18 +740,18 @@ def test_gpu_build_validate_bench(gpu_project, model, sku):
         assert rep.precision_counts.get("fp16", 0) > 0
     if model == "conv":
         assert any(len(layer.fused_from) > 1 for layer in rep.layers)  # conv + relu at least
-    val = validate(p.registry, model, sku)
+    val = validate(p.registry.pair(model, sku))
     assert val.passed, val.failures
     if sku in ("trt_fp32", "trt_dynamic"):
         assert all(e.max_abs_error <= 1e-4 for e in val.outputs)
-    b = bench(p.registry, model, sku)
+    b = bench(p.registry.pair(model, sku))
     assert 0 < b.engine_only.p50_ms <= b.engine_only.p99_ms
 
 
 @pytest.mark.gpu
 def test_gpu_rebuild_hits_the_timing_cache(gpu_project):
     p = gpu_project
-    build(p.registry, "conv", "trt_fp32")
+    build(p.registry.pair("conv", "trt_fp32"))
     meta = json.loads((p.out.engine_dir("conv", "trt_fp32") / ENGINE_META).read_text())
     assert meta["cache"]["state"] == "fresh" and meta["cache"]["hits"] == 1 and meta["cache"]["misses"] == 0
 

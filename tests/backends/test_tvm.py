@@ -91,12 +91,12 @@ def proj(tmp_path_factory):
         prepare(reg, m)
         make_data(reg, m)
         reference(reg, m)
-        r.build[m, "plain"] = build(reg, m, "plain")
-        r.validate[m, "plain"] = validate(reg, m, "plain")
-        r.bench[m, "plain"] = bench(reg, m, "plain")
+        r.build[m, "plain"] = build(reg.pair(m, "plain"))
+        r.validate[m, "plain"] = validate(reg.pair(m, "plain"))
+        r.bench[m, "plain"] = bench(reg.pair(m, "plain"))
     _import_intrinsics()
     r.first, r.database = tuned_once(tmp_path_factory, reg, r.out)
-    r.replay = build(reg, "conv", "tuned")  # the database the first build wrote, replayed
+    r.replay = build(reg.pair("conv", "tuned"))  # the database the first build wrote, replayed
     return r
 
 
@@ -134,7 +134,7 @@ def tuned_once(tmp_path_factory, reg, out) -> tuple[dict, Path]:
         if not (shared / "first.json").is_file():
             with pytest.MonkeyPatch.context() as mp:  # tuning asked for: without it the build takes default schedules
                 mp.setenv("SKUFORGE_TUNE", "1")
-                first = build(reg, "conv", "tuned").cache.model_dump(mode="json")  # tunes: no database yet
+                first = build(reg.pair("conv", "tuned")).cache.model_dump(mode="json")  # tunes: no database yet
             shutil.copytree(out.cache_dir("conv", "tuned"), shared / "database", dirs_exist_ok=True)
             (shared / "first.json").write_text(json.dumps(first))
     folder = out.cache_dir("conv", "tuned")
@@ -191,7 +191,7 @@ def test_tuning_writes_the_database_and_a_rebuild_replays_it(proj):
     assert (again.cache.state, again.cache.misses, again.cache.updated) == ("fresh", 0, False)
     assert again.cache.hits >= 3 and again.cache.hit_rate == 1.0 and again.options["untuned_tasks"] == 0
     assert any(layer.kernel == "tuned" for layer in again.layers)
-    assert again.engine_sha256 and validate(proj.registry, "conv", "tuned").passed
+    assert again.engine_sha256 and validate(proj.registry.pair("conv", "tuned")).passed
 
 
 def _copy_cache(proj, sku: str) -> None:
@@ -215,7 +215,7 @@ def test_a_database_of_another_tvm_version_is_stale_and_fails_a_required_build(p
     assert row.state == "stale" and "apache-tvm: cache '0.26.0'" in row.reason
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
     with pytest.raises(GateFailed, match="cache miss in caches/required/conv: the tuning-database .stale") as err:
-        build(proj.registry, "conv", "required")
+        build(proj.registry.pair("conv", "required"))
     assert err.value.exit_code == 1 and "skuforge cache refresh --sku required --model conv" in err.value.hint
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # nothing written
 
@@ -226,7 +226,7 @@ def test_a_stale_database_is_not_trusted_left_as_it_is_and_a_refresh_rebuilds_it
     key = json.loads((folder / INDEX).read_text())["key"]
     _set_index(folder, key={**key, "apache-tvm": "0.26.0"})
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
-    rep = build(proj.registry, "conv", "tuned")  # tuning not asked for: TVM's default schedules
+    rep = build(proj.registry.pair("conv", "tuned"))  # tuning not asked for: TVM's default schedules
     assert rep.cache.state == "stale" and rep.cache.hits == 0 and not rep.cache.updated
     assert rep.cache.unused() == "cache: stale — built without checked-in tuning"
     assert any("tuning-database caches/tuned/conv is stale" in w and "not used" in w for w in rep.warnings)
@@ -234,7 +234,7 @@ def test_a_stale_database_is_not_trusted_left_as_it_is_and_a_refresh_rebuilds_it
     refresh(proj.registry, "tuned", ["conv"], trials=1)
     assert json.loads((folder / INDEX).read_text())["key"] == key  # rewritten under this TVM's key
     assert next(r for r in status(proj.registry, ["tuned"], ["conv"])).state == "fresh"
-    assert validate(proj.registry, "conv", "tuned").passed
+    assert validate(proj.registry.pair("conv", "tuned")).passed
 
 
 def test_a_corrupted_database_is_named_never_read_and_fails_a_required_build(proj):
@@ -252,7 +252,7 @@ def test_a_corrupted_database_is_named_never_read_and_fails_a_required_build(pro
     row = next(r for r in status(proj.registry, ["required"], ["conv"]))
     assert row.state == "corrupt" and row.reason == f"{RECORDS} line 1 is not JSON"
     with pytest.raises(GateFailed, match="corrupt"):
-        build(proj.registry, "conv", "required")
+        build(proj.registry.pair("conv", "required"))
     proc = skuforge("cache", "status", "--sku", "required", "--fail-on", "corrupt", cwd=proj.registry.root)
     assert proc.returncode == 1 and "required/conv is corrupt" in proc.stderr
     # an edited file the index does not agree with
@@ -267,7 +267,7 @@ def test_a_missing_database_fails_a_required_build_and_refresh_writes_it(proj, c
     shutil.rmtree(proj.out.cache_dir("conv", "required"), ignore_errors=True)
     engine = proj.out.engine_dir("conv", "required")
     with pytest.raises(GateFailed, match="missing: no cache yet"):
-        build(proj.registry, "conv", "required")
+        build(proj.registry.pair("conv", "required"))
     assert not engine.exists() and not (proj.out.cache_dir("conv", "required") / INDEX).exists()
     proc = skuforge(
         "cache", "status", "--sku", "required", "--model", "conv", "--fail-on", "not-fresh", cwd=proj.registry.root
@@ -279,7 +279,7 @@ def test_a_missing_database_fails_a_required_build_and_refresh_writes_it(proj, c
     out = capsys.readouterr()
     assert code == 0, out.err
     assert "refreshed caches/required/conv" in out.out
-    rep = build(proj.registry, "conv", "required")  # now it replays, so the required build passes
+    rep = build(proj.registry.pair("conv", "required"))  # now it replays, so the required build passes
     assert rep.cache.state == "fresh" and rep.cache.misses == 0 and rep.cache.required
 
 
@@ -348,7 +348,7 @@ def test_a_model_new_to_a_tuned_sku_builds_with_default_schedules_and_says_so(pr
     the database lacks takes TVM's default schedules in seconds instead of tuning for hours."""
     folder = proj.out.cache_dir("multi", "tuned")
     shutil.rmtree(folder, ignore_errors=True)
-    rep = build(proj.registry, "multi", "tuned")
+    rep = build(proj.registry.pair("multi", "tuned"))
     untuned = rep.options["untuned_tasks"]
     assert untuned >= 1 and rep.options["tuned_functions"] == 0
     assert all(layer.kernel == "default" for layer in rep.layers)
@@ -357,7 +357,7 @@ def test_a_model_new_to_a_tuned_sku_builds_with_default_schedules_and_says_so(pr
     assert warning.startswith(f"{untuned} of {untuned} tuning tasks") and "caches/tuned/multi is missing" in warning
     assert "skuforge cache refresh --sku tuned --model multi" in warning
     assert "SKUFORGE_TUNE=1 skuforge build --model multi --sku tuned" in warning
-    assert validate(proj.registry, "multi", "tuned").passed
+    assert validate(proj.registry.pair("multi", "tuned")).passed
 
 
 def _pinned(path: Path):
@@ -389,14 +389,14 @@ def test_a_reshape_to_a_computed_shape_builds_from_the_graph_with_its_shapes_fol
     """Reshape(r, Concat(Gather(Shape(r), [0, 1]), [-1])) at opset 11, as Paddle exports it: TVM
     0.27's frontend refuses the new shape (a tensor, not a Relax shape); with the batch pinned the
     chain folds to a constant and the graph imports."""
-    rep = build(chain_project, "chain", "plain")
+    rep = build(chain_project.pair("chain", "plain"))
     record = rep.options["frontend_import"]
     assert record["refused"]["op"] == "Reshape" and record["refused"]["node"] == "reshape_seq"
     assert "new shape to be Shape" in record["refused"]["detail"]
     assert len(record["steps"]) == 1 and record["steps"][0].startswith("with its fixed shapes folded to constants")
     assert "folded 1 Gather" in record["steps"][0] and record["opset_conversion"] is None
     assert any("refused the model as exported (Reshape node 'reshape_seq'" in w for w in rep.warnings)
-    assert validate(chain_project, "chain", "plain").passed
+    assert validate(chain_project.pair("chain", "plain")).passed
 
 
 def test_an_opset_10_resize_imports_after_the_opset_conversion(tmp_path):

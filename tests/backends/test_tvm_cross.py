@@ -75,7 +75,7 @@ def e_machine(path) -> int:
 
 
 def test_the_library_is_aarch64_and_the_build_report_is_complete(proj):
-    rep = build(proj, "conv", "arm")
+    rep = build(proj.pair("conv", "arm"))
     engine = Layout(proj.root).engine_dir("conv", "arm") / LIBRARY
     assert e_machine(engine) == EM_AARCH64
     assert elf_machine_problem(engine, "aarch64") is None and "not x86_64" in elf_machine_problem(engine, "x86_64")
@@ -132,4 +132,4 @@ def test_without_the_cross_compiler_the_sku_is_not_buildable_and_names_the_packa
 def test_tuning_a_cross_target_on_this_host_is_refused(proj, monkeypatch):
     monkeypatch.setenv("SKUFORGE_TUNE", "1")
     with pytest.raises(EnvironmentProblem, match="cannot be measured on this x86_64 host"):
-        build(proj, "conv", "arm_tuned")
+        build(proj.pair("conv", "arm_tuned"))

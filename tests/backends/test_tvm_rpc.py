@@ -153,7 +153,7 @@ def built(tmp_path_factory):
     prepare(reg, "conv")
     make_data(reg, "conv")
     reference(reg, "conv")
-    build(reg, "conv", "bench")
+    build(reg.pair("conv", "bench"))
     return SimpleNamespace(registry=reg, engine=root / "build/conv/bench/engine")
 
 
@@ -272,7 +272,7 @@ def test_a_device_frozen_mid_run_fails_validate_with_exit_4(bench_rpc, built, mo
     monkeypatch.setattr(tvm_rpc.RemoteTvmRunner, "__init__", freeze_after_loading)
     try:
         with _ends_within(), pytest.raises(ServiceError) as info:
-            validate(built.registry, "conv", "bench")
+            validate(built.registry.pair("conv", "bench"))
     finally:
         _stop_servers(bench_rpc, signal.SIGCONT)
     error = info.value
@@ -311,7 +311,7 @@ def test_validate_and_bench_run_the_engine_through_a_remote_session(bench_rpc, b
     monkeypatch.delenv("SKUFORGE_TVM_TRACKER", raising=False)
     monkeypatch.setenv("SKUFORGE_TUNE", "1")
     with pytest.raises(EnvironmentProblem, match="SKUFORGE_TVM_TRACKER is unset"):
-        build(reg, "conv", "tuned")
+        build(reg.pair("conv", "tuned"))
     monkeypatch.delenv("SKUFORGE_TUNE")
     monkeypatch.setenv("SKUFORGE_TVM_TRACKER", bench_rpc.address)
     served = []
@@ -322,9 +322,9 @@ def test_validate_and_bench_run_the_engine_through_a_remote_session(bench_rpc, b
         served.append(self.where)
 
     monkeypatch.setattr(tvm_rpc.RemoteTvmRunner, "__init__", spy)
-    result = validate(reg, "conv", "bench")
+    result = validate(reg.pair("conv", "bench"))
     assert result.passed, result.failures
-    stats = bench(reg, "conv", "bench")
+    stats = bench(reg.pair("conv", "bench"))
     assert stats.engine_only.p50_ms > 0
     assert served and all(w == f"{KEY}@{bench_rpc.address}" for w in served)
 

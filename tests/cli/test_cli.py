@@ -128,7 +128,7 @@ def test_failed_gate_exits_1(tmp_path):
     from pipeline.stages.reference import reference
 
     reference(reg, "m")
-    build(reg, "m", "strict")
+    build(reg.pair("m", "strict"))
     assert_user_error(skuforge("validate", "--model", "m", "--sku", "strict", cwd=tmp_path), 1, "failed validation")
     assert json.loads((tmp_path / "build/m/strict/validate.json").read_text())["passed"] is False
 

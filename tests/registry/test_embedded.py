@@ -59,7 +59,7 @@ def one_run_one_version(proj, result):
 
 def test_the_embedded_store_lives_at_the_project_root(proj):
     (Layout(proj.root).sku_dir("conv", "a") / "report.html").write_text("<html><body>conv on a</body></html>")
-    result = publish(proj, "conv", "a")
+    result = publish(proj.pair("conv", "a"))
     root = proj.root.resolve()
     assert (root / EMBEDDED_DB).is_file()
     assert result.artifact_uri.startswith((root / EMBEDDED_ARTIFACTS).as_uri())
@@ -118,9 +118,9 @@ def test_tags_name_the_commit_runner_and_ci_run(proj):
 
 def test_a_crash_mid_upload_is_resumed(proj):
     with pytest.raises(Crash):
-        publish(proj, "conv", "b", progress=crash_at("publish: artifacts"))
+        publish(proj.pair("conv", "b"), progress=crash_at("publish: artifacts"))
     assert not Layout(proj.root).report("conv", "b", "publish").exists()
-    result = publish(proj, "conv", "b")
+    result = publish(proj.pair("conv", "b"))
     assert result.resumed and not result.created_run and result.created_version
     run = one_run_one_version(proj, result)
     assert run.info.status == "FINISHED" and run.data.metrics["bench.engine_only.iterations"] == 40.0
@@ -128,9 +128,9 @@ def test_a_crash_mid_upload_is_resumed(proj):
 
 def test_a_crash_between_run_and_version_registers_on_rerun(proj):
     with pytest.raises(Crash):
-        publish(proj, "conv", "c", progress=crash_at("publish: register"))
+        publish(proj.pair("conv", "c"), progress=crash_at("publish: register"))
     assert connect(proj).client.search_model_versions("name = 'conv.c'") == []
-    result = publish(proj, "conv", "c")
+    result = publish(proj.pair("conv", "c"))
     assert not result.created_run and not result.resumed and result.created_version
     one_run_one_version(proj, result)
 
@@ -141,7 +141,7 @@ def _refused_after(proj, path, edit, match: str, hint: str) -> None:
     path.write_bytes(edit(saved))
     try:
         with pytest.raises(InputError, match=match) as info:
-            publish(proj, "conv", "d")
+            publish(proj.pair("conv", "d"))
         assert hint in info.value.hint
     finally:
         path.write_bytes(saved)
@@ -181,7 +181,7 @@ def test_reports_that_do_not_match_the_manifest_are_refused(proj):
         "differs from",
         "rebuild",
     )
-    assert publish(proj, "conv", "d").created_version
+    assert publish(proj.pair("conv", "d")).created_version
 
 
 @contextlib.contextmanager
@@ -234,13 +234,13 @@ def test_an_unwritable_artifact_folder_is_named_and_its_run_marked_failed(proj, 
     experiment = client.get_experiment_by_name("conv").experiment_id
     runs = client.search_runs([experiment], f"tags.`skuforge.sku` = '{pair}'")
     assert [r.info.status for r in runs] == ["FAILED"]  # not left RUNNING
-    result = publish(proj, "conv", pair)  # the folder is back: the run is resumed and finished
+    result = publish(proj.pair("conv", pair))  # the folder is back: the run is resumed and finished
     assert result.resumed and result.created_version
     assert one_run_one_version(proj, result).info.status == "FINISHED"
 
 
 def test_promote_and_roll_back_on_the_embedded_store(proj):
-    publish(proj, "conv", "a")
+    publish(proj.pair("conv", "a"))
     report = promote(proj, "conv", "candidate", ["a"])
     assert report.passed and report.moves[0].moved
     back = rollback(proj, "conv", "candidate", ["a"])

@@ -99,7 +99,7 @@ def published(proj, server):
         done.append((p.returncode, out, err))
     tracking = connect(proj, uri=server.uri)
     fake_bench(proj, "conv", "perf", latencies()["base"])
-    results = {s: publish(proj, "conv", s, tracking=tracking) for s in ("strict", "elsewhere", "tamper", "perf")}
+    results = {s: publish(proj.pair("conv", s), tracking=tracking) for s in ("strict", "elsewhere", "tamper", "perf")}
     return done, results
 
 
@@ -131,7 +131,7 @@ def story(proj, server, published):
     steps["perf_base"] = outcome(promote, proj, "conv", "candidate", ["perf"], tracking=tracking)
     for name in ("slow", "noisy", "equal"):
         fake_bench(proj, "conv", "perf", lat[name])
-        steps[f"perf_{name}_published"] = publish(proj, "conv", "perf", tracking=tracking)
+        steps[f"perf_{name}_published"] = publish(proj.pair("conv", "perf"), tracking=tracking)
         steps[f"perf_{name}"] = outcome(
             promote, proj, "conv", "candidate", ["perf"], tracking=tracking, reason=f"{name} engine"
         )
@@ -203,7 +203,7 @@ def test_run_holds_params_metrics_tags_inputs_and_artifacts(proj, published, tra
             walk(f.path) if f.is_dir else listed.__setitem__(f.path, f.file_size)
 
     walk()
-    assert listed == expected_artifacts(collect(proj, "conv", "cpu_fp32"))
+    assert listed == expected_artifacts(collect(proj.pair("conv", "cpu_fp32")))
     # the registered version points at the engine files the manifest describes
     version = client.get_model_version("conv.cpu_fp32", receipt["version"])
     assert version.tags[TAG_DIGEST] == manifest.digest and version.run_id == run.info.run_id
@@ -219,7 +219,7 @@ def test_run_holds_params_metrics_tags_inputs_and_artifacts(proj, published, tra
 
 def test_publishing_the_same_manifest_again_returns_the_existing_version(proj, published, tracking):
     first = read_json(Layout(proj.root).report("conv", "cpu_int8", "publish"))
-    again = publish(proj, "conv", "cpu_int8", tracking=tracking)
+    again = publish(proj.pair("conv", "cpu_int8"), tracking=tracking)
     assert (again.run_id, again.version) == (first["run_id"], first["version"])
     assert not again.created_run and not again.created_version
     assert again.receipt() == first
@@ -239,7 +239,7 @@ def test_server_down_mid_publish_exits_4_and_a_rerun_converges(proj, server):
 
     try:
         with pytest.raises(ServiceError) as info:
-            publish(proj, "conv", "down", progress=stop_during_upload, tracking=connect(proj, uri=server.uri))
+            publish(proj.pair("conv", "down"), progress=stop_during_upload, tracking=connect(proj, uri=server.uri))
         assert stopped, "the publish never reached the upload"
         assert info.value.exit_code == 4
         assert server.uri in info.value.message and "upload" in info.value.message
@@ -254,7 +254,7 @@ def test_server_down_mid_publish_exits_4_and_a_rerun_converges(proj, server):
         if server.proc is None:
             server.start()
     tracking = connect(proj, uri=server.uri)
-    result = publish(proj, "conv", "down", tracking=tracking)
+    result = publish(proj.pair("conv", "down"), tracking=tracking)
     assert result.resumed and not result.created_run and result.created_version
     client = tracking.client
     runs = client.search_runs([result.experiment_id], f"tags.`{TAG_DIGEST}` = '{result.digest}'")

@@ -40,7 +40,7 @@ def project(root, level: str):
 
 def engine(reg) -> None:
     for stage in (build, validate, bench, write_manifest):
-        stage(reg, "ln", "cpu")
+        stage(reg.pair("ln", "cpu"))
 
 
 def test_a_worse_sku_option_moves_the_benchmark_and_the_performance_gate_blocks_it(tmp_path, server):
@@ -50,7 +50,7 @@ def test_a_worse_sku_option_moves_the_benchmark_and_the_performance_gate_blocks_
         stage(reg, "ln")
     engine(reg)
     tracking = connect(reg, uri=server.uri)
-    publish(reg, "ln", "cpu", tracking=tracking)
+    publish(reg.pair("ln", "cpu"), tracking=tracking)
     assert promote(reg, "ln", "candidate", ["cpu"], tracking=tracking).passed
     path = Layout(reg.root).manifest("ln", "cpu")
     before = load_manifest(path).benchmark
@@ -61,7 +61,7 @@ def test_a_worse_sku_option_moves_the_benchmark_and_the_performance_gate_blocks_
     moved = benchmark_changes(before, after)
     assert any(m.startswith("engine_only.p50_ms") for m in moved), moved
     assert after.engine_only.p50_ci_ms[0] > before.engine_only.p50_ci_ms[1]
-    publish(reg, "ln", "cpu", tracking=tracking)
+    publish(reg.pair("ln", "cpu"), tracking=tracking)
     with pytest.raises(PromotionBlocked) as blocked:
         promote(reg, "ln", "candidate", ["cpu"], tracking=tracking, reason="planted slowdown")
     gate = next(g for g in blocked.value.report.moves[0].gates if g.name == "performance")

@@ -52,7 +52,7 @@ def test_key_metrics_keep_their_order_and_match_per_output_names():
 
 
 def test_an_experiment_opens_as_classic_ml_with_a_view_of_logged_key_metrics(proj):
-    result = publish(proj, "conv", "a")
+    result = publish(proj.pair("conv", "a"))
     client = connect(proj).client
     exp = client.get_experiment(result.experiment_id)
     assert exp.tags[EXPERIMENT_KIND_TAG] == CLASSIC_ML
@@ -69,20 +69,20 @@ def test_an_experiment_opens_as_classic_ml_with_a_view_of_logged_key_metrics(pro
 
 
 def test_an_older_experiment_is_brought_up_to_date_by_publishing_again(proj):
-    result = publish(proj, "conv", "a")
+    result = publish(proj.pair("conv", "a"))
     client = connect(proj).client
     wanted = client.get_experiment(result.experiment_id).tags
     # as an older skuforge left it, after the UI guessed "GenAI" for it
     client.set_experiment_tag(result.experiment_id, EXPERIMENT_KIND_TAG, "genai_development")
     client.delete_experiment_tag(result.experiment_id, VIEW_TAG)
-    again = publish(proj, "conv", "a")
+    again = publish(proj.pair("conv", "a"))
     assert not again.created_run and not again.created_version
     tags = client.get_experiment(result.experiment_id).tags
     assert tags[EXPERIMENT_KIND_TAG] == CLASSIC_ML and tags[VIEW_TAG] == wanted[VIEW_TAG]
 
 
 def test_the_signature_is_a_hidden_tag_and_an_older_visible_one_moves_unchanged(proj):
-    result = publish(proj, "conv", "b")
+    result = publish(proj.pair("conv", "b"))
     client = connect(proj).client
     name, number = result.registered_model, result.version
     tags = client.get_model_version(name, number).tags
@@ -95,7 +95,7 @@ def test_the_signature_is_a_hidden_tag_and_an_older_visible_one_moves_unchanged(
     client.set_model_version_tag(name, number, TAG_SIGNATURE_BEFORE, signed)
     client.delete_model_version_tag(name, number, TAG_SIGNATURE)
     assert promote(proj, "conv", "candidate", ["b"]).passed  # still read
-    publish(proj, "conv", "b")
+    publish(proj.pair("conv", "b"))
     tags = client.get_model_version(name, number).tags
     assert tags[TAG_SIGNATURE] == signed and TAG_SIGNATURE_BEFORE not in tags
     # nothing is trusted for where it sits: a garbage signature under the new name still fails

@@ -66,7 +66,7 @@ def project_r2(project, tmp_path_factory):
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     reg = load_registry(root / "params.yaml")
     for stage in (build, validate, bench, write_manifest):
-        stage(reg, MODEL, "cpu")
+        stage(reg.pair(MODEL, "cpu"))
     return reg
 
 

@@ -21,7 +21,7 @@ from pipeline.tracking.promotion import promote
 @pytest.fixture(scope="module")
 def promoted(project, server):
     tracking = connect(project, uri=server.uri)
-    published = {s: publish(project, "conv", s, tracking=tracking) for s in ("cpu", "portable")}
+    published = {s: publish(project.pair("conv", s), tracking=tracking) for s in ("cpu", "portable")}
     promote(project, "conv", "candidate", ["cpu", "portable"], tracking=tracking)
     return tracking, published
 

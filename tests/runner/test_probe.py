@@ -54,7 +54,7 @@ def gpu_registry():
 def verdicts() -> tuple[bool, bool]:
     """(runner check sees a GPU, TensorRT's environment check sees one)."""
     reg = gpu_registry()
-    runner = not any("needs device gpu" in p for p in hardware_problems(reg, "g"))
+    runner = not any("needs device gpu" in p for p in hardware_problems(reg.sku("g")))
     backend = NO_GPU not in get_backend("tensorrt").environment_problems(reg.sku("g"), "build")
     return runner, backend
 
@@ -89,7 +89,7 @@ def test_no_gpu_is_seen_alike(tmp_path, monkeypatch):
     assert probe.gpu_info() is None and probe.gpu() == {"nvidia": [], "jetson": probe.jetson()}
     assert verdicts() == (False, False)
     reg = gpu_registry()
-    assert f"needs device gpu: {NO_GPU}" in hardware_problems(reg, "g")
+    assert f"needs device gpu: {NO_GPU}" in hardware_problems(reg.sku("g"))
 
 
 def test_a_missing_compute_capability_is_filled_in_from_the_jetson_table(tmp_path, monkeypatch):

@@ -109,7 +109,7 @@ def test_a_redigested_failing_manifest_is_refused_by_publish(proj):
     try:
         _redigest(path, _claim_passed)
         with pytest.raises(InputError, match="says other things than the reports"):
-            publish(proj, "conv", "bad")
+            publish(proj.pair("conv", "bad"))
     finally:
         path.write_bytes(saved)
 
@@ -117,7 +117,7 @@ def test_a_redigested_failing_manifest_is_refused_by_publish(proj):
 def test_a_redigested_failing_manifest_published_anyway_is_refused_by_promotion(proj):
     """A client that skips publish's own checks: the version's correctness tag and the gate
     recompute the verdict from the figures, and refuse."""
-    inputs = collect(proj, "conv", "bad")
+    inputs = collect(proj.pair("conv", "bad"))
     path = Layout(proj.root).manifest("conv", "bad")
     saved = path.read_bytes()
     try:
@@ -167,8 +167,8 @@ def test_faked_reports_signed_by_an_untrusted_key_reach_only_aliases_that_accept
             }
         )
         atomic_write_json(val_path, fake.to_json())
-        write_manifest(proj, "conv", "bad")
-        publish(proj, "conv", "bad")
+        write_manifest(proj.pair("conv", "bad"))
+        publish(proj.pair("conv", "bad"))
         promote(proj, "conv", "candidate", ["bad"])  # "*": integrity only
         exc = _blocked(proj, "staging", "bad")
         assert not _gate(exc, "signature").passed
@@ -180,14 +180,14 @@ def test_faked_reports_signed_by_an_untrusted_key_reach_only_aliases_that_accept
 
 def test_the_ci_key_reaches_the_aliases_that_trust_it(proj, monkeypatch):
     _ci_env(monkeypatch)
-    publish(proj, "conv", "trusted")
+    publish(proj.pair("conv", "trusted"))
     promote(proj, "conv", "candidate", ["trusted"])
     report = promote(proj, "conv", "staging", ["trusted"])
     assert next(g for g in report.moves[0].gates if g.name == "signature").data == {"key": "ci"}
 
 
 def test_a_replaced_engine_in_the_store_is_refused(proj):
-    result = publish(proj, "conv", "engine")
+    result = publish(proj.pair("conv", "engine"))
     (_artifacts(proj, result.run_id) / "engine" / "model.onnx").write_text("x\n")
     exc = _blocked(proj, "candidate", "engine")
     assert "model.onnx differs from the manifest" in _gate(exc, "engine").detail
@@ -195,7 +195,7 @@ def test_a_replaced_engine_in_the_store_is_refused(proj):
 
 
 def test_scaled_latency_samples_in_the_store_are_refused(proj):
-    result = publish(proj, "conv", "lat")
+    result = publish(proj.pair("conv", "lat"))
     _scaled(_artifacts(proj, result.run_id) / "reports" / "latency.csv")
     exc = _blocked(proj, "candidate", "lat")
     detail = _gate(exc, "performance").detail
@@ -205,7 +205,7 @@ def test_scaled_latency_samples_in_the_store_are_refused(proj):
 def test_scaled_samples_with_a_matching_bench_report_in_the_store_are_refused(proj):
     """The writer rewrites bench.json to name the scaled samples: the gate recomputes their median
     and finds it outside the signed manifest's p50 interval."""
-    result = publish(proj, "conv", "lat2")
+    result = publish(proj.pair("conv", "lat2"))
     reports = _artifacts(proj, result.run_id) / "reports"
     _scaled(reports / "latency.csv")
     doc = read_json(reports / "bench.json")
@@ -221,7 +221,7 @@ def test_scaled_latency_samples_in_the_workspace_are_refused_by_publish(proj):
     try:
         _scaled(csv)
         with pytest.raises(InputError, match="latency.csv is not the samples bench.json was written with"):
-            publish(proj, "conv", "good")
+            publish(proj.pair("conv", "good"))
     finally:
         csv.write_bytes(saved)
 
@@ -234,13 +234,13 @@ def test_edited_bench_figures_are_refused_by_publish(proj):
         doc["engine_only"]["p50_ms"] /= 5
         path.write_text(json.dumps(doc))
         with pytest.raises(InputError, match="engine-only figures are not those of its samples"):
-            publish(proj, "conv", "good")
+            publish(proj.pair("conv", "good"))
     finally:
         path.write_bytes(saved)
 
 
 def test_a_manifest_replaced_and_retagged_in_the_store_fails_its_signature(proj):
-    result = publish(proj, "conv", "store")
+    result = publish(proj.pair("conv", "store"))
     art = _artifacts(proj, result.run_id) / "manifest.json"
     doc = read_json(art)
     doc["benchmark"]["engine_only"]["p50_ms"] /= 5
@@ -253,7 +253,7 @@ def test_a_manifest_replaced_and_retagged_in_the_store_fails_its_signature(proj)
 
 
 def test_a_garbage_signature_tag_fails_closed(proj):
-    result = publish(proj, "conv", "good")
+    result = publish(proj.pair("conv", "good"))
     client = connect(proj).client
     client.set_model_version_tag(result.registered_model, result.version, TAG_SIGNATURE, "{not json")
     try:
@@ -263,7 +263,7 @@ def test_a_garbage_signature_tag_fails_closed(proj):
         client.delete_model_version_tag(result.registered_model, result.version, TAG_SIGNATURE)
     exc = _blocked(proj, "candidate", "good")
     assert "the manifest is unsigned" in _gate(exc, "signature").detail
-    publish(proj, "conv", "good")  # the hint: re-publish signs the version
+    publish(proj.pair("conv", "good"))  # the hint: re-publish signs the version
     assert TAG_SIGNATURE in client.get_model_version(result.registered_model, result.version).tags
     promote(proj, "conv", "candidate", ["good"])
 
@@ -302,7 +302,7 @@ def test_an_edited_host_is_refused_by_publish_naming_the_fields(proj):
     try:
         _redigest(path, _forged_host)
         with pytest.raises(InputError) as info:
-            publish(proj, "conv", "host")
+            publish(proj.pair("conv", "host"))
         assert info.value.exit_code == 2
         assert f"host.cpu_model '{FORGED_CPU}' is not the host bench.json was timed on" in info.value.message
         assert "host.cpu_features ['avx512_forged'] is not the host" in info.value.message
@@ -317,7 +317,7 @@ def test_an_edited_host_is_refused_by_publish_naming_the_fields(proj):
 def test_an_edited_host_published_anyway_is_refused_by_promotion(proj):
     """A client that skips publish's checks uploads the forged manifest beside the run's true
     bench.json: the manifest gate compares them, and nothing moves."""
-    inputs = collect(proj, "conv", "host")
+    inputs = collect(proj.pair("conv", "host"))
     path = Layout(proj.root).manifest("conv", "host")
     saved = path.read_bytes()
     try:
@@ -344,10 +344,10 @@ def test_a_bench_report_naming_no_host_vouches_for_none(proj):
         del doc["host"]
         path.write_text(json.dumps(doc))
         with pytest.raises(InputError, match="does not say which host the engine was timed on") as info:
-            write_manifest(proj, "conv", "good")
+            write_manifest(proj.pair("conv", "good"))
         assert "skuforge bench --model conv --sku good" in info.value.hint
         with pytest.raises(InputError, match="bench.json records no host .*nothing vouches for the manifest's host"):
-            publish(proj, "conv", "good")
+            publish(proj.pair("conv", "good"))
     finally:
         path.write_bytes(saved)
 
@@ -360,7 +360,7 @@ def test_a_bench_report_of_another_build_is_refused_by_the_manifest_stage(proj):
         report = BenchReport.model_validate(read_json(path))
         atomic_write_json(path, report.model_copy(update={"engine_sha256": "0" * 64}).to_json())
         with pytest.raises(InputError, match="bench.json of conv/good describe another build"):
-            write_manifest(proj, "conv", "good")
+            write_manifest(proj.pair("conv", "good"))
         proc = skuforge("manifest", "--model", "conv", "--sku", "good", cwd=proj.root)
         assert_user_error(proc, 2, "bench.json", "another build")
     finally:
@@ -373,7 +373,7 @@ def test_latency_samples_not_the_bench_reports_are_refused_by_the_manifest_stage
     try:
         csv.write_bytes(saved + b"999,0.0001\n")
         with pytest.raises(InputError, match="not the samples bench.json was written with"):
-            write_manifest(proj, "conv", "good")
+            write_manifest(proj.pair("conv", "good"))
     finally:
         csv.write_bytes(saved)
 
@@ -395,9 +395,9 @@ def test_an_engine_replaced_after_the_build_is_refused_by_validate_and_bench(tmp
     shutil.copytree(other, out.engine_dir("conv", "e"))
     for stage in (validate, bench):
         with pytest.raises(InputError, match="is not the engine build.json describes"):
-            stage(reg, "conv", "e")
+            stage(reg.pair("conv", "e"))
 
 
 def test_failing_validation_still_exits_1(proj):
     with pytest.raises(GateFailed):
-        validate(proj, "conv", "bad")
+        validate(proj.pair("conv", "bad"))

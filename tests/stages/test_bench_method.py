@@ -267,13 +267,13 @@ def proj(tmp_path_factory):
     for stage in (prepare, make_data, reference, calibrate):
         stage(reg, "conv")
     for name in skus:
-        build(reg, "conv", name)
-        validate(reg, "conv", name)
+        build(reg.pair("conv", name))
+        validate(reg.pair("conv", name))
     return reg
 
 
 def test_bench_report_records_method_and_writes_the_timeline(proj):
-    rep = bench(proj, "conv", "cpu")
+    rep = bench(proj.pair("conv", "cpu"))
     out = Layout(proj.root)
     assert rep.steady_state.warmup_iterations >= 5 and rep.stopped == "iterations"
     assert rep.engine_only.p50_ci_ms[0] <= rep.engine_only.p50_ms <= rep.engine_only.p50_ci_ms[1]
@@ -300,7 +300,7 @@ def test_bench_report_records_method_and_writes_the_timeline(proj):
 
 
 def test_an_int8_engine_is_judged_against_the_int8_peak(proj):
-    rep = bench(proj, "conv", "int8")
+    rep = bench(proj.pair("conv", "int8"))
     roof = read_json(Layout(proj.root).roofline("conv", "int8"))
     # the seeded peaks (tests/conftest.py): FP32 100 GFLOP/s, INT8 300 GOP/s; layers build.json says
     # stayed float (where the engine's layer names join the graph's nodes) are judged at FP32
@@ -312,7 +312,7 @@ def test_an_int8_engine_is_judged_against_the_int8_peak(proj):
 
 
 def test_sweep_gives_a_point_per_batch_and_concurrency(proj):
-    rep = bench(proj, "conv", "swept")
+    rep = bench(proj.pair("conv", "swept"))
     assert [(p.batch, p.concurrency) for p in rep.sweep] == [(1, 1), (1, 2), (2, 1), (2, 2)]
     assert all(p.iterations > 0 and p.throughput_per_s > 0 and p.p50_ms <= p.p99_ms for p in rep.sweep)
 
@@ -321,7 +321,7 @@ def test_a_sweep_outside_the_engine_shapes_is_refused_before_timing(proj):
     from pipeline.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="built for batch 1, not 8") as err:
-        bench(proj, "conv", "badsweep")
+        bench(proj.pair("conv", "badsweep"))
     assert err.value.exit_code == 2 and "profiles" in err.value.hint
     assert not Layout(proj.root).report("conv", "badsweep", "bench").exists()
 
@@ -344,9 +344,9 @@ def test_a_rebuilt_unchanged_engine_leaves_the_manifest_byte_identical(proj):
 
     first = bench_and_describe()
     engine = read_json(out.report("conv", "cpu", "build"))["engine_sha256"]
-    build(proj, "conv", "cpu")
+    build(proj.pair("conv", "cpu"))
     assert read_json(out.report("conv", "cpu", "build"))["engine_sha256"] == engine
-    validate(proj, "conv", "cpu")
+    validate(proj.pair("conv", "cpu"))
     for _ in range(3):  # a stall from another test worker can move a p99: give the runner three chances
         path.write_bytes(first)
         second = bench_and_describe()

@@ -117,7 +117,7 @@ def proj(tmp_path_factory):
     for stage in (prepare, make_data, reference, calibrate):
         stage(reg, "multi")
     for sku in skus:
-        build(reg, "multi", sku)
+        build(reg.pair("multi", sku))
     return reg
 
 
@@ -135,8 +135,8 @@ def test_a_validate_past_its_budget_fails_as_timed_out_in_the_matrix(proj):
 
 
 def test_bench_cuts_its_phases_to_the_budget_and_says_how_many_calls(proj):
-    validate(proj, "multi", "short")
-    rep = bench(proj, "multi", "short")
+    validate(proj.pair("multi", "short"))
+    rep = bench(proj.pair("multi", "short"))
     assert rep.stopped == "budget" and 0 < rep.engine_only.iterations < 10**8
     assert any(
         f"cut the engine-only phase to n={rep.engine_only.iterations} of 100000000" in w for w in rep.warnings
@@ -145,9 +145,9 @@ def test_bench_cuts_its_phases_to_the_budget_and_says_how_many_calls(proj):
 
 
 def test_a_warning_precision_gate_and_an_impossible_e2e_show_in_the_matrix(proj):
-    assert validate(proj, "multi", "int8").passed
-    bench(proj, "multi", "int8")
-    write_manifest(proj, "multi", "int8")
+    assert validate(proj.pair("multi", "int8")).passed
+    bench(proj.pair("multi", "int8"))
+    write_manifest(proj.pair("multi", "int8"))
     row = matrix(proj, skus=["int8"])[0]
     assert row.outcome == "passed"
     assert row.label.startswith("passed (warn: 1 fp32 layer")

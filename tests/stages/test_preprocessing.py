@@ -143,9 +143,9 @@ def proj(tmp_path_factory):
         reference(reg, model)
     data = made["colour"]
     for sku in SKUS:
-        build(reg, "colour", sku)
+        build(reg.pair("colour", sku))
     for sku in PLAIN_SKUS:
-        build(reg, "plain", sku)
+        build(reg.pair("plain", sku))
     return reg, data
 
 
@@ -169,7 +169,7 @@ def test_data_stage_decodes_files_through_the_declared_steps(proj):
 
 def test_the_same_steps_on_the_device_show_no_drift(proj):
     reg, _ = proj
-    report = validate(reg, "colour", "same")
+    report = validate(reg.pair("colour", "same"))
     (drift,) = report.preprocessing
     assert drift.differing_steps == [] and drift.diff.samples_differing == 0 and drift.diff.max_abs == 0
     assert drift.metric_drop == 0 and drift.passed and drift.max_metric_drop is None
@@ -177,7 +177,7 @@ def test_the_same_steps_on_the_device_show_no_drift(proj):
 
 def test_another_library_is_measured_and_attributed(proj):
     reg, _ = proj
-    report = validate(reg, "colour", "opencv")  # area resize, RGB: a small input drift, no metric drop
+    report = validate(reg.pair("colour", "opencv"))  # area resize, RGB: a small input drift, no metric drop
     (drift,) = report.preprocessing
     assert drift.device["versions"]["opencv"] and drift.reference["versions"]["pillow"]
     assert "resize" in drift.differing_steps and drift.passed
@@ -188,7 +188,7 @@ def test_another_library_is_measured_and_attributed(proj):
 def test_a_planted_colour_swap_fails_its_gate_naming_the_step(proj):
     reg, _ = proj
     with pytest.raises(GateFailed) as caught:
-        validate(reg, "colour", "swapped")
+        validate(reg.pair("colour", "swapped"))
     message = str(caught.value)
     assert "preprocessing of input 'x'" in message and "max_metric_drop 0.05" in message
     assert "the step: color (device: order bgr, library pillow; training side: order rgb, library pillow)" in message
@@ -202,14 +202,14 @@ def test_a_planted_colour_swap_fails_its_gate_naming_the_step(proj):
 
 def test_end_to_end_is_timed_per_step_and_recorded(proj):
     reg, _ = proj
-    validate(reg, "colour", "opencv")
-    report = bench(reg, "colour", "opencv")
+    validate(reg.pair("colour", "opencv"))
+    report = bench(reg.pair("colour", "opencv"))
     assert list(report.end_to_end_steps) == ["decode", "preprocess", "infer", "postprocess"]
     for stats in report.end_to_end_steps.values():
         assert stats.iterations == report.end_to_end.iterations and stats.p50_ms > 0
     assert "png" in (report.end_to_end_input or "") and report.preprocessing["x"]["versions"]["opencv"]
     assert report.energy is not None and (report.energy.available or report.energy.reason.startswith("unavailable"))
-    manifest = write_manifest(reg, "colour", "opencv")
+    manifest = write_manifest(reg.pair("colour", "opencv"))
     doc = json.loads(Layout(reg.root).manifest("colour", "opencv").read_text())
     validate_document(doc)
     jsonschema.validate(doc, schema())
@@ -240,8 +240,8 @@ def test_a_resize_that_does_not_give_the_input_shape_is_refused(tmp_path):
 
 def test_a_sustained_run_is_recorded_with_its_stop_reason(proj):
     reg, _ = proj
-    validate(reg, "colour", "sustained")
-    report = bench(reg, "colour", "sustained")
+    validate(reg.pair("colour", "sustained"))
+    report = bench(reg.pair("colour", "sustained"))
     run = report.sustained
     assert run is not None and run.stopped in ("flat", "cap") and run.reason
     assert len(run.windows) >= 3 and all(w.calls > 0 for w in run.windows)
@@ -249,7 +249,7 @@ def test_a_sustained_run_is_recorded_with_its_stop_reason(proj):
     assert "latency" in run.judged_on
     if not any(w.temperature_c is not None for w in run.windows):
         assert run.throttling.temperature_rise_c is None  # no sensor: no figure, never a zero
-    manifest = write_manifest(reg, "colour", "sustained")
+    manifest = write_manifest(reg.pair("colour", "sustained"))
     assert manifest.benchmark.sustained is not None and manifest.benchmark.sustained.stopped == run.stopped
 
 
@@ -277,7 +277,7 @@ def test_a_split_too_small_for_the_drift_gate_fails_closed(proj):
     reg, _ = proj
     # 0.01 needs 201 labelled samples at 95%: the 60 evaluation files cannot judge it, drift or none
     with pytest.raises(InputError, match=r"60 evaluation samples cannot resolve .*max_metric_drop 0.01.*needs 201"):
-        validate(reg, "colour", "tight")
+        validate(reg.pair("colour", "tight"))
     (drift,) = read_json(Layout(reg.root).report("colour", "tight", "validate"))["preprocessing"]
     assert not drift["passed"] and not drift["judgeable"] and drift["diff"]["max_abs"] == 0
 
@@ -286,10 +286,10 @@ def test_an_unlabelled_model_is_judged_by_what_its_postprocess_computes(proj):
     """max_agreement_drop needs no labels: the top-1 labels with the device's inputs against those
     with the training side's, through the same engine. Swapped colours flip every label."""
     reg, _ = proj
-    same = validate(reg, "plain", "same").preprocessing[0]
+    same = validate(reg.pair("plain", "same")).preprocessing[0]
     assert same.agreement is not None and same.agreement.value == 1.0 and same.agreement.threshold is None
     with pytest.raises(GateFailed) as caught:
-        validate(reg, "plain", "swapped_agree")
+        validate(reg.pair("plain", "swapped_agree"))
     message = str(caught.value)
     assert "with the device's steps, topk top-1 labels agree on 0/60 samples = 0.00%" in message
     assert "a change above skus.swapped_agree.preprocessing.max_agreement_drop 0.1" in message
@@ -303,7 +303,7 @@ def test_max_metric_drop_on_an_unlabelled_model_is_judged_as_agreement(proj):
     share of the postprocess's results that change, at the same threshold (0.05 needs 71 samples)."""
     reg, _ = proj
     with pytest.raises(InputError, match=r"60 samples \(evaluation\) cannot resolve 95.00%.*it needs 71.*fails closed"):
-        validate(reg, "plain", "swapped")
+        validate(reg.pair("plain", "swapped"))
 
 
 class DrivenRapl:
@@ -340,11 +340,11 @@ class DrivenRapl:
 
 def test_energy_per_inference_over_the_steady_phase_above_the_idle_floor(proj, tmp_path, monkeypatch):
     reg, _ = proj
-    validate(reg, "colour", "metered")
+    validate(reg.pair("colour", "metered"))
     # the bench reads this tree's package zone instead of the host's /sys (which has none here)
     monkeypatch.setattr(bench_stage, "open_meter", lambda sources: open_meter(tmp_path, sources=("rapl",)))
     with DrivenRapl(tmp_path, watts=20.0):
-        report = bench(reg, "colour", "metered")
+        report = bench(reg.pair("colour", "metered"))
     energy = report.energy
     assert energy is not None and energy.available and energy.source == "rapl" and energy.summed == ["package-0"]
     assert energy.inferences == report.engine_only.iterations  # batch 1: one inference per timed call
@@ -353,7 +353,7 @@ def test_energy_per_inference_over_the_steady_phase_above_the_idle_floor(proj, t
     assert energy.idle_power_w == pytest.approx(20.0, rel=0.25) and energy.mean_power_w == pytest.approx(20.0, rel=0.5)
     assert energy.above_idle_joules_per_inference is not None
     assert abs(energy.above_idle_joules_per_inference) < energy.joules_per_inference  # nothing above the floor
-    summary = write_manifest(reg, "colour", "metered").benchmark.energy
+    summary = write_manifest(reg.pair("colour", "metered")).benchmark.energy
     assert summary.available and summary.source == "rapl" and summary.joules_per_inference is not None
 
 
@@ -364,7 +364,7 @@ def test_a_preprocessing_gate_on_a_model_without_raw_files_says_it_did_not_run(t
     prepare(reg, "conv")
     make_data(reg, "conv")
     reference(reg, "conv")
-    build(reg, "conv", "s")
-    report = validate(reg, "conv", "s")
+    build(reg.pair("conv", "s"))
+    report = validate(reg.pair("conv", "s"))
     assert report.preprocessing == []
     assert any("skus.s.preprocessing: conv has no input made from raw files" in w for w in report.warnings)

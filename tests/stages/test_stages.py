@@ -93,11 +93,11 @@ def proj(tmp_path_factory):
         r.reference[m] = reference(reg, m)
         r.calibrate[m] = calibrate(reg, m)
         for s in BUILT:
-            r.build[m, s] = build(reg, m, s)
+            r.build[m, s] = build(reg.pair(m, s))
         for s in GOOD_SKUS:
-            r.validate[m, s] = validate(reg, m, s)
-            r.bench[m, s] = bench(reg, m, s)
-            r.manifest[m, s] = write_manifest(reg, m, s)
+            r.validate[m, s] = validate(reg.pair(m, s))
+            r.bench[m, s] = bench(reg.pair(m, s))
+            r.manifest[m, s] = write_manifest(reg.pair(m, s))
     return r
 
 
@@ -248,8 +248,8 @@ def test_bench_with_concurrency(tmp_path):
     )
     for stage in (prepare, make_data, reference):
         stage(reg, "conv")
-    build(reg, "conv", "cpu")
-    rep = bench(reg, "conv", "cpu")
+    build(reg.pair("conv", "cpu"))
+    rep = bench(reg.pair("conv", "cpu"))
     assert rep.concurrency == 2 and rep.warmup is None
     assert rep.engine_only.iterations == 8 and rep.throughput_per_s > 0
 
@@ -284,10 +284,10 @@ def test_manifest_rerun_is_byte_identical_and_keeps_provenance(proj):
     doc = read_json(path)
     doc["provenance"]["created"] = "2000-01-01T00:00:00+00:00"
     path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    write_manifest(reg, "conv", "cpu_fp32")
+    write_manifest(reg.pair("conv", "cpu_fp32"))
     first = path.read_bytes()
     assert json.loads(first)["provenance"]["created"] == "2000-01-01T00:00:00+00:00"
-    write_manifest(reg, "conv", "cpu_fp32")
+    write_manifest(reg.pair("conv", "cpu_fp32"))
     assert path.read_bytes() == first
 
 
@@ -297,7 +297,7 @@ def test_manifest_with_a_new_digest_gets_new_provenance(proj):
     doc["provenance"]["created"] = "2000-01-01T00:00:00+00:00"
     doc["digest"] = "0" * 64
     path.write_text(json.dumps(doc))
-    manifest = write_manifest(reg, "multi", "cpu_fp32")
+    manifest = write_manifest(reg.pair("multi", "cpu_fp32"))
     assert manifest.provenance.created != "2000-01-01T00:00:00+00:00"
     assert read_json(path)["digest"] == manifest.digest != "0" * 64
 
@@ -318,7 +318,7 @@ def test_edited_manifest_is_refused(proj):
 @pytest.mark.parametrize("model", MODELS)
 def test_zero_tolerance_on_int8_fails_the_gate_and_still_writes_the_report(proj, model):
     with pytest.raises(GateFailed) as info:
-        validate(proj.registry, model, "strict_int8")
+        validate(proj.registry.pair(model, "strict_int8"))
     assert info.value.exit_code == 1
     assert "atol=0" in info.value.message
     rep = read_json(proj.out.report(model, "strict_int8", "validate"))
@@ -330,7 +330,7 @@ def test_zero_tolerance_on_int8_fails_the_gate_and_still_writes_the_report(proj,
 @pytest.mark.parametrize("model", MODELS)
 def test_placement_gate_names_the_offending_nodes(proj, model):
     with pytest.raises(GateFailed) as info:
-        validate(proj.registry, model, "elsewhere")
+        validate(proj.registry.pair(model, "elsewhere"))
     assert info.value.exit_code == 1
     layers = proj.build[model, "elsewhere"].layers
     assert "placement" in info.value.message and "SomeOtherEP" in info.value.message
@@ -351,15 +351,15 @@ def test_tampered_engine_is_refused(proj, model, damage):
     else:  # same size, one byte changed
         engine.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
     with pytest.raises(InputError) as info:
-        validate(proj.registry, model, "tamper")
+        validate(proj.registry.pair(model, "tamper"))
     assert "truncated or altered" in info.value.message and info.value.exit_code == 2
     with pytest.raises(InputError):
-        bench(proj.registry, model, "tamper")
+        bench(proj.registry.pair(model, "tamper"))
 
 
 def test_validate_before_build_says_what_to_run(proj):
     with pytest.raises(InputError) as info:
-        validate(proj.registry, "conv", "unbuilt")
+        validate(proj.registry.pair("conv", "unbuilt"))
     assert "build" in info.value.hint
 
 
@@ -369,7 +369,7 @@ def test_validate_before_build_says_what_to_run(proj):
 @pytest.mark.parametrize("stage", [build, validate, bench])
 def test_sku_for_another_host_is_an_environment_problem(proj, stage):
     with pytest.raises(EnvironmentProblem) as info:
-        stage(proj.registry, "conv", "foreign")
+        stage(proj.registry.pair("conv", "foreign"))
     err = info.value
     assert err.exit_code == 3
     assert f"needs arch {OTHER_ARCH}" in err.message and "foreign" in err.message
@@ -379,7 +379,7 @@ def test_sku_for_another_host_is_an_environment_problem(proj, stage):
 
 def test_toolchain_mismatch_is_an_environment_problem(proj):
     with pytest.raises(EnvironmentProblem) as info:
-        build(proj.registry, "conv", "old_toolchain")
+        build(proj.registry.pair("conv", "old_toolchain"))
     assert "onnxruntime" in info.value.message and "<1.0" in info.value.message
     assert not proj.out.sku_dir("conv", "old_toolchain").exists()
 
@@ -476,11 +476,11 @@ def test_failed_build_keeps_the_previous_engine(tmp_path):
     )
     for stage in (prepare, make_data, calibrate):
         stage(reg, "conv")
-    first = build(reg, "conv", "int8")
+    first = build(reg.pair("conv", "int8"))
     engine = Layout(reg.root).engine_dir("conv", "int8")
     calibration_table(reg, "conv").write_text("{not json")
     with pytest.raises(InputError, match="calibration table"):
-        build(reg, "conv", "int8")
+        build(reg.pair("conv", "int8"))
     verify_engine(engine, "skuforge-onnxruntime/1")
     assert sha256_file(engine / "model.onnx") == first.engine_files[0].sha256
     assert sorted(p.name for p in engine.parent.iterdir()) == ["build.json", "engine"]  # no staging left over
@@ -493,7 +493,7 @@ def test_int8_build_without_calibration_says_what_to_run(tmp_path):
     prepare(reg, "conv")
     make_data(reg, "conv")
     with pytest.raises(InputError) as info:
-        build(reg, "conv", "int8")
+        build(reg.pair("conv", "int8"))
     assert "calibrate" in info.value.hint
     assert not Layout(reg.root).engine_dir("conv", "int8").exists()
 
@@ -503,12 +503,12 @@ def test_profile_axis_stays_dynamic_in_the_engine_and_runs_at_opt(tmp_path):
     reg = new_project(tmp_path, {"conv": (models.conv_bn_model, models.conv_bn_spec())}, {"dyn": sku})
     for stage in (prepare, make_data, reference):
         stage(reg, "conv")
-    report = build(reg, "conv", "dyn")
+    report = build(reg.pair("conv", "dyn"))
     assert report.shapes == {} and report.profiles == {"batch": {"min": 1, "opt": 4, "max": 8}}
     engine = ort.InferenceSession(str(Layout(reg.root).engine_dir("conv", "dyn") / "model.onnx"))
     assert isinstance(engine.get_inputs()[0].shape[0], str)  # the batch axis is still symbolic
-    assert validate(reg, "conv", "dyn").passed
-    assert bench(reg, "conv", "dyn").batch == 4
+    assert validate(reg.pair("conv", "dyn")).passed
+    assert bench(reg.pair("conv", "dyn")).batch == 4
 
 
 def test_fixed_batch_model_records_no_batch_pin(tmp_path):
@@ -520,8 +520,8 @@ def test_fixed_batch_model_records_no_batch_pin(tmp_path):
     )
     for stage in (prepare, make_data, reference):
         stage(reg, "conv")
-    assert build(reg, "conv", "cpu").shapes == {}
-    assert validate(reg, "conv", "cpu").passed
+    assert build(reg.pair("conv", "cpu")).shapes == {}
+    assert validate(reg.pair("conv", "cpu")).passed
 
 
 def test_precision_gate_names_layers_that_ran_in_another_precision(tmp_path):
@@ -531,12 +531,12 @@ def test_precision_gate_names_layers_that_ran_in_another_precision(tmp_path):
     for stage in (prepare, make_data, reference, calibrate):
         stage(reg, "multi")
     for sku in skus:
-        build(reg, "multi", sku)
-    warned = validate(reg, "multi", "warn")
+        build(reg.pair("multi", sku))
+    warned = validate(reg.pair("multi", "warn"))
     assert warned.passed and any("ReduceSum" in w for w in warned.warnings)
     assert [layer.op_type for layer in warned.precision_gate.mismatched] == ["ReduceSum"]
     with pytest.raises(GateFailed, match=r"precision: int8 was asked for but 1 layers ran in fp32.*pool \(ReduceSum"):
-        validate(reg, "multi", "fail")
+        validate(reg.pair("multi", "fail"))
     assert read_json(Layout(reg.root).report("multi", "fail", "validate"))["precision_gate"]["passed"] is False
 
 

@@ -40,6 +40,9 @@ from pipeline.project.config.model import (
     TolerancePolicy,
     TopK,
 )
+from pipeline.project.config.pair import (
+    Pair,
+)
 from pipeline.project.config.preprocessing import (
     PREPROCESSING_STEPS,
     DevicePreprocessing,
@@ -106,6 +109,7 @@ __all__ = [
     "SequenceSpec",
     "SigningSpec",
     "SkuSpec",
+    "Pair",
     "Strict",
     "SustainedSpec",
     "Target",

@@ -28,6 +28,7 @@ from pipeline.project.config.model import (
     default_task_tolerances,
     default_tolerances,
 )
+from pipeline.project.config.pair import Pair
 from pipeline.project.config.sku import (
     Example,
     KnownGap,
@@ -72,10 +73,31 @@ class Registry(Strict):
         spec = self.model(model)
         return self.path(spec.dir, spec.source)
 
+    def pair(self, model: str, sku: str) -> Pair:
+        """The (model, SKU) resolved once: its two specs and every setting derived from them. A
+        command resolves it at its edge and passes it down; nothing below looks either name up again."""
+        spec, s = self.model(model), self.sku(sku)
+        return Pair(
+            registry=self,
+            model=model,
+            sku=sku,
+            spec=spec,
+            sku_spec=s,
+            pins=_pins(spec, s),
+            model_pins=_pins(spec, None),
+            higher_precision=tuple(spec.higher_precision.get(sku, [])),
+            tolerance=self._tolerance(spec, s),
+            metric_gate=self._metric_gate(spec, s),
+            bench=self._bench(sku, s),
+            model_file=self.path(spec.dir, spec.source),
+        )
+
     def tolerance(self, model: str, sku: str) -> TolerancePolicy:
+        return self._tolerance(self.model(model), self.sku(sku))
+
+    def _tolerance(self, spec: ModelSpec, s: SkuSpec) -> TolerancePolicy:
         """Per output kind: the built-in default for the SKU's precision, then the keys set in
         defaults, the model and the SKU (each wins over the one before, for every kind)."""
-        s, spec = self.sku(sku), self.model(model)
         overrides = [self.defaults.tolerances.get(s.precision), spec.tolerances.get(s.precision), s.tolerance]
         update = {k: v for o in overrides if o is not None for k, v in o.model_dump(exclude_none=True).items()}
         enforce = bool(update.pop("enforce", False))
@@ -93,15 +115,21 @@ class Registry(Strict):
         return list(self.model(model).higher_precision.get(sku, []))
 
     def metric_gate(self, model: str, sku: str) -> MetricGate:
+        return self._metric_gate(self.model(model), self.sku(sku))
+
+    def _metric_gate(self, spec: ModelSpec, s: SkuSpec) -> MetricGate:
         base = self.defaults.metric
-        m = self.model(model).metric
-        for override in (m.gate if m else None, self.sku(sku).metric):
+        m = spec.metric
+        for override in (m.gate if m else None, s.metric):
             if override is not None:
                 base = base.model_copy(update=override.model_dump(exclude_none=True))
         return base
 
     def bench(self, sku: str) -> BenchSpec:
-        merged = {**self.defaults.bench.model_dump(), **self.sku(sku).bench.model_dump(exclude_none=True)}
+        return self._bench(sku, self.sku(sku))
+
+    def _bench(self, sku: str, s: SkuSpec) -> BenchSpec:
+        merged = {**self.defaults.bench.model_dump(), **s.bench.model_dump(exclude_none=True)}
         try:
             return BenchSpec.model_validate(merged)
         except ValidationError as exc:
@@ -112,16 +140,7 @@ class Registry(Strict):
 
     def pins(self, model: str, sku: str | None = None) -> dict[str, int]:
         """Axis values for a (model, SKU): model pins, then the SKU's shapes, then profile opt."""
-        spec = self.model(model)
-        pins = dict(spec.pins)
-        axes = {a for i in spec.inputs for a in i.axes}
-        if spec.batch_axis in axes:
-            pins.setdefault(spec.batch_axis, 1)
-        if sku is not None:
-            s = self.sku(sku)
-            pins.update({k: v for k, v in s.shapes.items() if k in axes})
-            pins.update({k: p.opt for k, p in s.profiles.items() if k in axes})
-        return pins
+        return _pins(self.model(model), None if sku is None else self.sku(sku))
 
     def pairs(self, models: Iterable[str] | None = None, skus: Iterable[str] | None = None) -> list[tuple[str, str]]:
         """Every (model, SKU) the registry builds, model-major in registry order: each model with the
@@ -147,6 +166,17 @@ class Registry(Strict):
     def release_skus(self) -> list[str]:
         """The SKUs a release requires (promote --all)."""
         return list(self.release.skus) if self.release.skus is not None else list(self.skus)
+
+
+def _pins(spec: ModelSpec, s: SkuSpec | None) -> dict[str, int]:
+    pins = dict(spec.pins)
+    axes = {a for i in spec.inputs for a in i.axes}
+    if spec.batch_axis in axes:
+        pins.setdefault(spec.batch_axis, 1)
+    if s is not None:
+        pins.update({k: v for k, v in s.shapes.items() if k in axes})
+        pins.update({k: p.opt for k, p in s.profiles.items() if k in axes})
+    return pins
 
 
 def _lookup(table: dict[str, Any], name: str, what: str) -> Any:

@@ -13,7 +13,7 @@ from pipeline.verify.bisect.graph import CONTROL_FLOW, Graph, channel_axis, inne
 if TYPE_CHECKING:
     import numpy as np
 
-    from pipeline.project.config import Registry
+    from pipeline.project.config import Pair
 
 # Relative error (L2 over the tensor, or the median channel's) a precision explains on its own.
 # FP32 engines differ from the reference by reassociation (~1e-6 relative); FP16 rounds to 2^-11
@@ -302,9 +302,7 @@ def overflow_source(graph: Graph, tensor: str, precision: str, absmax: Callable[
 
 
 def suspect_of(
-    registry: Registry,
-    model: str,
-    sku: str,
+    pair: Pair,
     graph: Graph,
     tensor: str,
     error: TensorError,
@@ -313,7 +311,7 @@ def suspect_of(
     reader: str | None = None,
 ) -> Suspect:
     """``reader``: the tensor bisection first blamed, whose node reads ``tensor`` (beyond the precision)."""
-    precision = registry.sku(sku).precision
+    precision = pair.precision
     node = graph.producer.get(tensor)
     op_type = node.op_type if node is not None else error.op_type
     cause, why = classify(error, inputs, op_type, precision)
@@ -345,17 +343,17 @@ def suspect_of(
         inputs=inputs,
         cause=cause,
         explanation=why,
-        engine_layers=engine_layers(registry, model, sku, error.node, tensor),
+        engine_layers=engine_layers(pair, error.node, tensor),
         keep=keep,
     )
 
 
-def engine_layers(registry: Registry, model: str, sku: str, node: str, tensor: str) -> list[EngineLayer]:
+def engine_layers(pair: Pair, node: str, tensor: str) -> list[EngineLayer]:
     """The layers of the SKU's built engine (build.json) that hold ``node``: a fused layer lists
     the ONNX nodes it came from; a layer named after the node (or its output) is the node itself."""
 
     try:
-        build = read_report(layout(registry).report(model, sku, "build"), BuildReport, "build")
+        build = read_report(layout(pair.registry).report(pair.model, pair.sku, "build"), BuildReport, "build")
     except SkuforgeError:
         return []
     # the node, its output tensor, or the QDQ pair the quantizer put on that tensor (<tensor>_QuantizeLinear):

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import numpy as np
     import onnx
 
-    from pipeline.project.config import Registry
+    from pipeline.project.config import Pair, SkuSpec
     from pipeline.verify.check import Judgement
 
 LOG = logging.getLogger("skuforge.bisect")
@@ -41,9 +41,7 @@ MAX_INTERMEDIATE_BYTES = 1 << 30
 
 
 def scratch_build(
-    registry: Registry,
-    model: str,
-    sku: str,
+    pair: Pair,
     folder: Path,
     keep: tuple[str, ...] | list[str],
     prepared: Path | None = None,
@@ -51,15 +49,13 @@ def scratch_build(
     """The build stage's engine, built into ``folder/engine`` with a copy of the SKU's cache (the
     real engine and cache are never touched); returns what the build reported."""
 
-    real = layout(registry).cache_dir(model, sku)
+    real = layout(pair.registry).cache_dir(pair.model, pair.sku)
     if real.is_dir() and not real.is_symlink():
         shutil.copytree(real, folder / "cache", symlinks=True)  # a link stays a link: the copy is as untrusted
     # the marked outputs make new tuning tasks: a scratch build may miss the cache without failing, and
     # takes the compiler's default schedules for them rather than searching (numerics, not speed, matter here)
     return build_engine(
-        registry,
-        model,
-        sku,
+        pair,
         folder / "engine",
         prepared=prepared,
         cache_dir=folder / "cache",
@@ -69,9 +65,8 @@ def scratch_build(
     )
 
 
-def run_engine(registry: Registry, sku: str, engine: Path, feeds: dict[str, np.ndarray], in_idx: dict, batch: int):
+def run_engine(sku_spec: SkuSpec, engine: Path, feeds: dict[str, np.ndarray], in_idx: dict, batch: int):
     """An engine's every output on ``feeds``, stacked per run (one batch per run)."""
-    sku_spec = registry.sku(sku)
     with get_backend(sku_spec.backend).load(engine, sku_spec) as runner:
         return run_dataset(runner.infer, feeds, in_idx, {t: None for t in runner.output_names}, batch)
 
@@ -127,9 +122,7 @@ class ReferenceValues(Mapping[str, "np.ndarray"]):
 class Session:
     """One bisection's fixed inputs: the graph the build compiles, the samples, their reference."""
 
-    registry: Registry
-    model: str
-    sku: str
+    pair: Pair
     graph: Graph
     feeds: dict[str, np.ndarray]
     in_idx: dict[str, int | None]
@@ -143,7 +136,15 @@ class Session:
 
     @property
     def precision(self) -> str:
-        return self.registry.sku(self.sku).precision
+        return self.pair.precision
+
+    @property
+    def model(self) -> str:
+        return self.pair.model
+
+    @property
+    def sku(self) -> str:
+        return self.pair.sku
 
     def run_engine(self, marked: list[str]) -> dict[str, np.ndarray]:
         """Build the SKU's engine of the model with ``marked`` as extra outputs, run the samples."""
@@ -154,12 +155,12 @@ class Session:
         try:
             prepared = folder / "marked.onnx"
             onnx.save(self.graph.with_outputs(marked), str(prepared))
-            scratch_build(self.registry, self.model, self.sku, folder, self.keep, prepared)
-            got = run_engine(self.registry, self.sku, folder / "engine", self.feeds, self.in_idx, self.batch)
+            scratch_build(self.pair, folder, self.keep, prepared)
+            got = run_engine(self.pair.sku_spec, folder / "engine", self.feeds, self.in_idx, self.batch)
             missing = [t for t in marked if t not in got]
             if missing:
                 raise EnvironmentProblem(
-                    f"the {self.registry.sku(self.sku).backend} engine does not expose {missing} as outputs",
+                    f"the {self.pair.backend} engine does not expose {missing} as outputs",
                     hint="this backend renames or drops marked outputs: bisection cannot read them",
                 )
             return got
@@ -182,14 +183,14 @@ class Session:
         return errors
 
 
-def gate_samples(registry: Registry, model: str, sku: str) -> tuple[dict, dict, int]:
+def gate_samples(pair: Pair) -> tuple[dict, dict, int]:
     """Golden inputs, their batch axes and the SKU's batch."""
 
-    out = layout(registry)
-    prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
-    arrays = load_arrays(out.split(model, "golden"), "data")
+    out = layout(pair.registry)
+    prep = read_report(out.report(pair.model, None, "prepare"), PrepareReport, "prepare")
+    arrays = load_arrays(out.split(pair.model, "golden"), "data")
     arrays.pop(LABELS, None)
-    in_idx, _, batch = run_plan(registry, model, prep.signature, sku)
+    in_idx, _, batch = run_plan(pair, prep.signature)
     return arrays, in_idx, batch
 
 
@@ -211,12 +212,11 @@ class Anchor:
         return [e.output for e in self.judgement.errors if output_problems(e)]
 
 
-def judge_anchor(registry: Registry, model: str, sku: str, folder: Path, keep: tuple[str, ...]) -> Anchor:
-    built = scratch_build(registry, model, sku, folder, keep)
-    sku_spec = registry.sku(sku)
-    with get_backend(sku_spec.backend).load(folder / "engine", sku_spec) as runner:
-        judgement = correctness(registry, model, sku, runner)
-    return Anchor(folder / "engine", built, judgement, correctness_failures(registry, model, judgement))
+def judge_anchor(pair: Pair, folder: Path, keep: tuple[str, ...]) -> Anchor:
+    built = scratch_build(pair, folder, keep)
+    with get_backend(pair.backend).load(folder / "engine", pair.sku_spec) as runner:
+        judgement = correctness(pair, runner)
+    return Anchor(folder / "engine", built, judgement, correctness_failures(pair.spec, judgement))
 
 
 def as_built(model: onnx.ModelProto, built: Built, probe: dict[str, np.ndarray]) -> onnx.ModelProto:
@@ -267,9 +267,7 @@ class _Start:
 
 
 def bisect(
-    registry: Registry,
-    model: str,
-    sku: str,
+    pair: Pair,
     *,
     keep: tuple[str, ...] | None = None,
     max_builds: int | None = None,
@@ -280,7 +278,7 @@ def bisect(
     """Search the first divergent node of ``model``'s engine for ``sku`` (see the module doc).
     ``scan``: measure every candidate instead (a few marked per build), failing or not: the
     per-layer error profile, and a check that a passing engine has no divergent tensor."""
-    spec = registry.sku(sku)
+    sku, spec = pair.sku, pair.sku_spec
     if not backend_class(spec.backend).capabilities.intermediate_outputs:
         raise ConfigError(
             f"the {spec.backend} backend of SKU {sku} cannot build a model with intermediate tensors "
@@ -290,9 +288,9 @@ def bisect(
     settings = spec.bisect
     max_builds = max_builds or settings.max_builds
     k = marks_per_build or settings.marks_per_build
-    keep = tuple(registry.higher_precision(model, sku)) if keep is None else tuple(keep)
+    keep = pair.higher_precision if keep is None else tuple(keep)
     with tempfile.TemporaryDirectory(prefix="skuforge-bisect-") as tmp:
-        start = _start(registry, model, sku, keep, Path(tmp), max(k, SCAN_MARKS) if scan else k)
+        start = _start(pair, keep, Path(tmp), max(k, SCAN_MARKS) if scan else k)
         start.base.update(marks_per_build=k, max_builds=max_builds)
         session, base = start.session, start.base
         if not start.anchor.failures and not scan:
@@ -321,20 +319,20 @@ def bisect(
         return _diverges(start, candidates, lo, k, max_builds)
 
 
-def _start(registry: Registry, model: str, sku: str, keep: tuple[str, ...], work: Path, marks: int) -> _Start:
+def _start(pair: Pair, keep: tuple[str, ...], work: Path, marks: int) -> _Start:
     """The anchor (the engine as the build stage makes it, judged by the validate gate itself), the
     graph it compiled, the samples bisected, the outputs off on them."""
     import numpy as np
     import onnx
 
-    spec = registry.sku(sku)
-    out = layout(registry)
-    arrays, in_idx, batch = gate_samples(registry, model, sku)
-    anchor = judge_anchor(registry, model, sku, work / "anchor", keep)
+    model, sku, spec = pair.model, pair.sku, pair.sku_spec
+    out = layout(pair.registry)
+    arrays, in_idx, batch = gate_samples(pair)
+    anchor = judge_anchor(pair, work / "anchor", keep)
     prepared = out.prepared_model(model)
     pinned = pin_axes(
         onnx.load(str(prepared)),
-        {k_: v for k_, v in registry.pins(model, sku).items() if k_ not in spec.profiles},
+        {k_: v for k_, v in pair.pins.items() if k_ not in spec.profiles},
         prepared,
     )
     graph = Graph.of(as_built(pinned, anchor.built, next(iter_batches(arrays, in_idx, batch))[1]))
@@ -351,9 +349,7 @@ def _start(registry: Registry, model: str, sku: str, keep: tuple[str, ...], work
     n = len(picked)
     reference = ReferenceValues(graph, feeds, in_idx, batch)
     session = Session(
-        registry=registry,
-        model=model,
-        sku=sku,
+        pair=pair,
         graph=graph,
         feeds=feeds,
         in_idx=in_idx,
@@ -363,9 +359,9 @@ def _start(registry: Registry, model: str, sku: str, keep: tuple[str, ...], work
         work=work,
         builds=1,
     )
-    got = run_engine(registry, sku, anchor.engine, feeds, in_idx, batch)
+    got = run_engine(spec, anchor.engine, feeds, in_idx, batch)
     reference.fetch(outputs)
-    tol = registry.tolerance(model, sku)
+    tol = pair.tolerance
     out_errors = [tensor_error(graph, o, got[o], reference[o], spec.precision) for o in outputs]
     # the outputs off on the samples bisected, by the gate's tolerance or beyond the precision
     here = [o for o in outputs if output_problems(output_error(o, got[o], reference[o], tol))]
@@ -459,9 +455,7 @@ def _diverges(start: _Start, candidates: list[str], lo: int, k: int, max_builds:
     )
     ins = [i for i in float_node_inputs(graph, tensor) if i in errors]
     suspect = suspect_of(
-        session.registry,
-        session.model,
-        session.sku,
+        session.pair,
         graph,
         tensor,
         errors[tensor],
@@ -519,9 +513,7 @@ def _scan(session: Session, base: dict[str, Any], failing: list[str], per_build:
         ins = [i for i in float_node_inputs(graph, first) if i in errors]
         suspects.append(
             suspect_of(
-                session.registry,
-                session.model,
-                session.sku,
+                session.pair,
                 graph,
                 first,
                 errors[first],

@@ -1,0 +1,64 @@
+"""The resolved (model, SKU): what every stage of one pair reads, computed once per command.
+
+A command names a model and a SKU at its edge (the CLI, a DVC stage's command line); it asks the
+registry for the pair once (``Registry.pair``) and passes this object down to the build service,
+validate, bench, bisection, the remedy and the manifest. Nothing below the edge looks a name up
+again, so what a stage used and what ``stages/config.py`` wrote for DVC to hash are one
+computation (``resolved`` writes its settings file from this same object).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline.project.config.model import BenchSpec, MetricGate, ModelSpec, TolerancePolicy
+from pipeline.project.config.sku import SkuSpec
+
+if TYPE_CHECKING:  # the registry builds pairs; a pair only points back at it for the project root
+    from pipeline.project.config.registry import Registry
+
+
+@dataclass(frozen=True)
+class Pair:
+    registry: Registry
+    model: str
+    sku: str
+    spec: ModelSpec
+    sku_spec: SkuSpec
+    pins: dict[str, int]  # model pins, then the SKU's shapes, then profile opt (treat as read-only)
+    model_pins: dict[str, int]  # the model's alone (what the model-level stages ran at)
+    higher_precision: tuple[str, ...]
+    tolerance: TolerancePolicy
+    metric_gate: MetricGate
+    bench: BenchSpec
+    model_file: Path
+
+    @property
+    def precision(self) -> str:
+        return self.sku_spec.precision
+
+    @property
+    def backend(self) -> str:
+        return self.sku_spec.backend
+
+    def settings(self) -> dict[str, Any]:
+        """The settings file DVC tracks for this pair's stages (build/.config/<model>__<sku>.json)."""
+        return {
+            "model": self.model,
+            "sku": self.sku,
+            "spec": self.spec.model_dump(mode="json", exclude={"higher_precision"}),
+            # the device class decides which engine a device gets, not the engine, and known gaps are a
+            # note: no stage reruns for either
+            "sku_spec": self.sku_spec.model_dump(mode="json", exclude={"device_class", "known_gaps"}),
+            "higher_precision": list(self.higher_precision),
+            "pins": self.pins,
+            "tolerance": self.tolerance.model_dump(mode="json"),
+            "metric_gate": self.metric_gate.model_dump(mode="json"),
+            "bench": self.bench.model_dump(mode="json"),
+        }
+
+    def with_higher_precision(self, nodes: list[str] | tuple[str, ...]) -> Pair:
+        """The same pair with another set of nodes kept precise (a bisection or remedy trial build)."""
+        return replace(self, higher_precision=tuple(nodes))
