@@ -81,8 +81,8 @@ def main() -> None:
     from pipeline.core.paths import Layout
     from pipeline.project.config import load_registry
     from pipeline.results.latency import compare_latency
-    from pipeline.stages.publish import collect
     from pipeline.tracking.client import Tracking
+    from pipeline.tracking.evidence import collect
     from pipeline.tracking.promotion import promote, rollback
     from pipeline.tracking.publish import publish_engine
 

@@ -44,8 +44,8 @@ from pipeline.results.signing import signing_key
 from pipeline.rollout import trust
 from pipeline.rollout.doc import RELEASE_DOC, RELEASES, release_path
 from pipeline.rollout.store import Store
-from pipeline.stages.publish import collect
 from pipeline.tracking.client import TAG_DIGEST, connect, registered_model_name, version_signature
+from pipeline.tracking.evidence import collect
 from pipeline.tracking.gates import correctness_problems, engine_gate, manifest_gate, placement_gate, signature_gate
 from pipeline.tracking.promotion import _bench, _download, _engine_files
 from pipeline.tracking.publish import MANIFEST_ARTIFACT, REPORT_ARTIFACTS

@@ -23,8 +23,9 @@ from pipeline.core.io import read_json, sha256_file
 from pipeline.core.paths import Layout
 from pipeline.project.config import load_registry
 from pipeline.results.manifest import load_manifest
-from pipeline.stages.publish import collect, publish
+from pipeline.stages.publish import publish
 from pipeline.tracking.client import TAG_COMPLETE, TAG_DIGEST, TAG_HISTORY, connect
+from pipeline.tracking.evidence import collect
 from pipeline.tracking.promotion import PromotionBlocked, promote, rollback
 from pipeline.tracking.publish import expected_artifacts
 from pipeline.tracking.releases import list_releases

@@ -25,9 +25,10 @@ from pipeline.results.reports import BenchReport, ValidationReport
 from pipeline.results.signing import SigningKey
 from pipeline.stages.bench import bench
 from pipeline.stages.manifest import write_manifest
-from pipeline.stages.publish import collect, publish
+from pipeline.stages.publish import publish
 from pipeline.stages.validate import validate
 from pipeline.tracking.client import TAG_CORRECTNESS, TAG_DIGEST, TAG_SIGNATURE, connect
+from pipeline.tracking.evidence import collect
 from pipeline.tracking.promotion import PromotionBlocked, promote
 from pipeline.tracking.publish import publish_engine
 
