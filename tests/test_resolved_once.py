@@ -5,6 +5,7 @@ through the command line in this process."""
 
 from __future__ import annotations
 
+import pickle
 from collections import Counter
 
 import models
@@ -107,3 +108,15 @@ def test_the_settings_dvc_tracks_are_the_pair_the_stages_use(project):
     assert pair.settings()["pins"] == reg.pins("m", SKU)
     assert pair.settings()["tolerance"] == reg.tolerance("m", SKU).model_dump(mode="json")
     assert list(pair.higher_precision) == doc["models"]["m"].get("higher_precision", {}).get(SKU, [])
+
+
+def test_a_pairs_pins_refuse_changes_and_travel_to_a_spawned_build(project):
+    """A stage that wants other axis values copies them; the pair pickles to the reproducibility
+    check's second process with its values."""
+    pair = load_registry(project / "params.yaml").pair("m", SKU)
+    with pytest.raises(TypeError, match="read-only"):
+        pair.pins["batch"] = 4
+    with pytest.raises(TypeError, match="read-only"):
+        pair.pins.update(batch=4)
+    again = pickle.loads(pickle.dumps(pair))
+    assert again.pins == pair.pins and again.settings() == pair.settings()

@@ -20,6 +20,19 @@ if TYPE_CHECKING:  # the registry builds pairs; a pair only points back at it fo
     from pipeline.project.config.registry import Registry
 
 
+class Pins(dict[str, int]):
+    """A pair's axis values: a dict (JSON, pickling to a spawned build) that refuses changes, so a
+    stage that wants other values makes its own copy."""
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("a resolved pair's pins are read-only: copy them (dict(pair.pins)) to change them")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[type[Pins], tuple[dict[str, int]]]:
+        return (Pins, (dict(self),))
+
+
 @dataclass(frozen=True)
 class Pair:
     registry: Registry
@@ -27,8 +40,8 @@ class Pair:
     sku: str
     spec: ModelSpec
     sku_spec: SkuSpec
-    pins: dict[str, int]  # model pins, then the SKU's shapes, then profile opt (treat as read-only)
-    model_pins: dict[str, int]  # the model's alone (what the model-level stages ran at)
+    pins: Pins  # model pins, then the SKU's shapes, then profile opt
+    model_pins: Pins  # the model's alone (what the model-level stages ran at)
     higher_precision: tuple[str, ...]
     tolerance: TolerancePolicy
     metric_gate: MetricGate
@@ -53,7 +66,7 @@ class Pair:
             # note: no stage reruns for either
             "sku_spec": self.sku_spec.model_dump(mode="json", exclude={"device_class", "known_gaps"}),
             "higher_precision": list(self.higher_precision),
-            "pins": self.pins,
+            "pins": dict(self.pins),
             "tolerance": self.tolerance.model_dump(mode="json"),
             "metric_gate": self.metric_gate.model_dump(mode="json"),
             "bench": self.bench.model_dump(mode="json"),

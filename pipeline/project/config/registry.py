@@ -28,7 +28,7 @@ from pipeline.project.config.model import (
     default_task_tolerances,
     default_tolerances,
 )
-from pipeline.project.config.pair import Pair
+from pipeline.project.config.pair import Pair, Pins
 from pipeline.project.config.sku import (
     Example,
     KnownGap,
@@ -83,8 +83,8 @@ class Registry(Strict):
             sku=sku,
             spec=spec,
             sku_spec=s,
-            pins=_pins(spec, s),
-            model_pins=_pins(spec, None),
+            pins=Pins(_pins(spec, s)),
+            model_pins=Pins(_pins(spec, None)),
             higher_precision=tuple(spec.higher_precision.get(sku, [])),
             tolerance=self._tolerance(spec, s),
             metric_gate=self._metric_gate(spec, s),
