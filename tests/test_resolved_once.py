@@ -81,6 +81,7 @@ def test_the_library_stages_given_a_pair_look_nothing_up(project, lookups):
         ["validate"],
         ["bench"],
         ["bisect", "--max-builds", "4"],
+        ["manifest"],
     ],
 )
 def test_each_command_resolves_the_pair_once(project, lookups, monkeypatch, command):
@@ -92,8 +93,13 @@ def test_each_command_resolves_the_pair_once(project, lookups, monkeypatch, comm
         return reg
 
     monkeypatch.setattr(commands, "load_registry", loaded)
-    if command[0] != "build":  # the stages after build read its engine
-        assert main(["--params", str(project / "params.yaml"), "build", "--model", "m", "--sku", SKU]) == 0
+    for before in {
+        "validate": ["build"],
+        "bench": ["build"],
+        "bisect": ["build"],
+        "manifest": ["build", "validate", "bench"],
+    }.get(command[0], []):  # what the command reads
+        assert main(["--params", str(project / "params.yaml"), before, "--model", "m", "--sku", SKU]) == 0
     argv = ["--params", str(project / "params.yaml"), command[0], "--model", "m", "--sku", SKU, *command[1:]]
     assert main(argv) == 0
     assert lookups == Counter(pair=1, model=1, sku=1), dict(lookups)
