@@ -9,10 +9,10 @@ computation (``resolved`` writes its settings file from this same object).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pipeline.project.config.base import Precision
 from pipeline.project.config.model import BenchSpec, MetricGate, ModelSpec, TolerancePolicy
 from pipeline.project.config.sku import SkuSpec
 
@@ -41,15 +41,13 @@ class Pair:
     spec: ModelSpec
     sku_spec: SkuSpec
     pins: Pins  # model pins, then the SKU's shapes, then profile opt
-    model_pins: Pins  # the model's alone (what the model-level stages ran at)
     higher_precision: tuple[str, ...]
     tolerance: TolerancePolicy
     metric_gate: MetricGate
     bench: BenchSpec
-    model_file: Path
 
     @property
-    def precision(self) -> str:
+    def precision(self) -> Precision:
         return self.sku_spec.precision
 
     @property
@@ -57,7 +55,7 @@ class Pair:
         return self.sku_spec.backend
 
     def settings(self) -> dict[str, Any]:
-        """The settings file DVC tracks for this pair's stages (build/.config/<model>__<sku>.json)."""
+        """The settings file DVC tracks for this pair's stages (``Layout.config_file``, under build/config/)."""
         return {
             "model": self.model,
             "sku": self.sku,
@@ -71,7 +69,3 @@ class Pair:
             "metric_gate": self.metric_gate.model_dump(mode="json"),
             "bench": self.bench.model_dump(mode="json"),
         }
-
-    def with_higher_precision(self, nodes: list[str] | tuple[str, ...]) -> Pair:
-        """The same pair with another set of nodes kept precise (a bisection or remedy trial build)."""
-        return replace(self, higher_precision=tuple(nodes))

@@ -84,12 +84,10 @@ class Registry(Strict):
             spec=spec,
             sku_spec=s,
             pins=Pins(_pins(spec, s)),
-            model_pins=Pins(_pins(spec, None)),
             higher_precision=tuple(spec.higher_precision.get(sku, [])),
             tolerance=self._tolerance(spec, s),
             metric_gate=self._metric_gate(spec, s),
             bench=self._bench(sku, s),
-            model_file=self.path(spec.dir, spec.source),
         )
 
     def tolerance(self, model: str, sku: str) -> TolerancePolicy:
