@@ -23,6 +23,7 @@ from pipeline.engine.matrix import OUTCOMES, PairOutcome, matrix, sku_statuses
 from pipeline.ops.hostreport import check_report, class_labels, load_classes, probe_report
 from pipeline.ops.pipelines import render_pipelines
 from pipeline.ops.reproduce import reproduce
+from pipeline.project.artifacts import RESULT_ATTR
 from pipeline.project.config import load_registry
 from pipeline.report import write_site
 from pipeline.results.reports import BuildReport
@@ -117,33 +118,16 @@ STAGES: dict[str, tuple[Callable[..., Any], Callable[[Any], str]]] = {
 }
 
 
-# The line each stage function logs with its result (pipeline/stages/*.py), which the command
-# prints itself: the CLI drops the log record so the result shows once (on stdout; -v keeps both).
-RESULT_LOGS: dict[str, str] = {
-    "prepare": "prepared: ",
-    "data": "data: ",
-    "reference": "reference: ",
-    "calibrate": "calibrate: ",
-    "build": "built in ",
-    "bench": "bench: p50 ",
-    "manifest": "manifest ",
-    "export": "exported: ",
-    "publish": "published: ",
-}
-
-
 @contextmanager
-def _result_once(stage: str, verbose: bool = False) -> Iterator[None]:
-    """While a stage runs, drop its own result log line: the command prints that result (validate
-    logs only details, so it has none)."""
-    prefix = RESULT_LOGS.get(stage)
+def _result_once(verbose: bool = False) -> Iterator[None]:
+    """While a stage runs, drop the record it logs with its result (``extra=RESULT``): the command
+    prints that result itself (on stdout; -v keeps both). Validate logs only details, so it has none."""
 
     def keep(record: logging.LogRecord) -> bool:
-        text = str(record.msg).split("] ", 1)[-1]  # after the "[model/sku]" prefix
-        return record.levelno != logging.INFO or not text.startswith(str(prefix))
+        return record.levelno != logging.INFO or not getattr(record, RESULT_ATTR, False)
 
     logger = logging.getLogger("pipeline.stages")
-    if prefix is not None and not verbose:
+    if not verbose:
         logger.addFilter(keep)
     try:
         yield
@@ -160,7 +144,7 @@ def run_stage(args: argparse.Namespace) -> int:
     try:
         # a pair's stage gets the pair resolved here, once; a model's stage its name
         target = (registry.pair(args.model, args.sku),) if STAGE_COMMANDS[args.command][0] else (registry, args.model)
-        with _result_once(args.command, args.verbose):
+        with _result_once(args.verbose):
             result = fn(*target, progress=progress, **{kw: getattr(args, kw) for kw in flags})
     finally:
         progress.close()
@@ -226,7 +210,7 @@ def export_example(args: argparse.Namespace) -> int:
 
     progress = ProgressLine()
     try:
-        with _result_once("export", args.verbose):
+        with _result_once(args.verbose):
             result = export(_registry(args), args.example, progress=progress)
     finally:
         progress.close()
@@ -282,7 +266,7 @@ def publish(args: argparse.Namespace) -> int:
     require_mlflow()  # before the progress line starts: it should time publishing, not a 2 s import
     progress = ProgressLine()
     try:
-        with _result_once("publish", args.verbose):
+        with _result_once(args.verbose):
             for model, sku in pairs:
                 results.append(publish_pair(reg.pair(model, sku), progress=progress))
     finally:

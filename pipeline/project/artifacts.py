@@ -21,6 +21,12 @@ if TYPE_CHECKING:
 R = TypeVar("R", bound=Result)
 
 
+# The record a stage logs with its result (``extra=RESULT``): a command that prints the result
+# itself drops that record, so the result shows once (pipeline/cli/commands.py).
+RESULT_ATTR = "skuforge_result"
+RESULT = {RESULT_ATTR: True}
+
+
 class _Prefixed(logging.LoggerAdapter):
     def process(self, msg, kwargs):
         return f"{self.extra['prefix']} {msg}", kwargs

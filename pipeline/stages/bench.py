@@ -64,7 +64,7 @@ from pipeline.host.peaks import host_peaks
 from pipeline.host.probe import device_state, host, rss_mb, usable_cores
 from pipeline.perf.cost import graph_cost
 from pipeline.perf.roofline import roofline
-from pipeline.project.artifacts import batch_indices, check_engine, layout, load_arrays, log, read_report
+from pipeline.project.artifacts import RESULT, batch_indices, check_engine, layout, load_arrays, log, read_report
 
 ENERGY_PHASE = "engine-only steady state"
 IDLE_SECONDS = 1.0  # the host's floor, measured before the steady phase where a meter exists
@@ -319,6 +319,7 @@ def _log(lg: logging.LoggerAdapter, report: BenchReport, warnings: list[str]) ->
         s.p99_ms,
         report.throughput_per_s,
         steady_state.reason,
+        extra=RESULT,
     )
     if not steady_state.reached:
         lg.warning("bench: %s", steady_state.reason)

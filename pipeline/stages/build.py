@@ -10,7 +10,7 @@ from pipeline.backends.caches import write_plain_index
 from pipeline.core.io import atomic_write_json, sha256_file
 from pipeline.core.progress import Progress
 from pipeline.engine.build import build_engine, config_hash, require_host
-from pipeline.project.artifacts import calibration_table, layout, log, read_report
+from pipeline.project.artifacts import RESULT, calibration_table, layout, log, read_report
 from pipeline.project.config import Pair
 from pipeline.results.reports import BuildReport, LayerInfo, PrepareReport, engine_digest
 from pipeline.verify import reproducible
@@ -104,7 +104,9 @@ def build(
         reproducibility=reproducibility,
     )
     atomic_write_json(out.report(model, sku, "build"), report.to_json())
-    log(model, sku).info("built in %.1fs: %d layers, placement %s", seconds, len(outcome.layers), report.placement)
+    log(model, sku).info(
+        "built in %.1fs: %d layers, placement %s", seconds, len(outcome.layers), report.placement, extra=RESULT
+    )
     if reproducibility is not None:
         reproducible.require(reproducibility, model, sku, out.report(model, sku, "build"))
     return report

@@ -9,7 +9,7 @@ from pipeline.backends.reference import calibrate as ort_calibrate
 from pipeline.core.io import atomic_write_json, sha256_file
 from pipeline.core.progress import Progress
 from pipeline.model.graph import pin_axes
-from pipeline.project.artifacts import calibration_batches, calibration_table, layout, log, read_report
+from pipeline.project.artifacts import RESULT, calibration_batches, calibration_table, layout, log, read_report
 from pipeline.project.config import Registry
 from pipeline.results.reports import CalibrationReport, DataReport, PrepareReport
 
@@ -37,5 +37,5 @@ def calibrate(registry: Registry, model: str, progress: Progress | None = None) 
         table_sha256=sha256_file(calibration_table(registry, model)),
     )
     atomic_write_json(out.report(model, None, "calibrate"), report.to_json())
-    log(model).info("calibrate: %s over %d samples, %d tensors", report.method, samples, tensors)
+    log(model).info("calibrate: %s over %d samples, %d tensors", report.method, samples, tensors, extra=RESULT)
     return report

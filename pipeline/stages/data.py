@@ -10,7 +10,7 @@ from pipeline.core.limits import DTYPE_BYTES, MAX_DATASET_BYTES, human_bytes
 from pipeline.core.paths import SPLITS
 from pipeline.core.progress import Progress
 from pipeline.model.graph import infer_shapes, rename_axes, signature
-from pipeline.project.artifacts import layout, log
+from pipeline.project.artifacts import RESULT, layout, log
 from pipeline.project.config import DatasetSource, ModelSpec, Registry
 from pipeline.project.data import (
     LABELS,
@@ -96,7 +96,7 @@ def make_data(registry: Registry, model: str, progress: Progress | None = None) 
         preprocessing={name: describe(steps) for name, steps in spec.file_inputs.items()},
     )
     atomic_write_json(out.report(model, None, "data"), report.to_json())
-    log(model).info("data: %s", ", ".join(f"{k} {v.samples}" for k, v in records.items()))
+    log(model).info("data: %s", ", ".join(f"{k} {v.samples}" for k, v in records.items()), extra=RESULT)
     return report
 
 

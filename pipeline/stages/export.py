@@ -8,7 +8,7 @@ from pipeline.core.errors import ConfigError
 from pipeline.core.io import atomic_dir
 from pipeline.core.progress import Progress
 from pipeline.examples.digits import export_example
-from pipeline.project.artifacts import log
+from pipeline.project.artifacts import RESULT, log
 from pipeline.project.config import Registry
 
 
@@ -23,5 +23,5 @@ def export(registry: Registry, example: str, progress: Progress | None = None) -
         result = export_example(
             example, staging, opset=spec.opset, seed=spec.seed, epochs=spec.epochs, progress=progress
         )
-    log(example).info("exported: accuracy %s", result.get("accuracy"))
+    log(example).info("exported: accuracy %s", result.get("accuracy"), extra=RESULT)
     return result

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pipeline.core.io import atomic_write_json, read_json
 from pipeline.core.progress import Progress
-from pipeline.project.artifacts import layout, log, read_report
+from pipeline.project.artifacts import RESULT, layout, log, read_report
 from pipeline.project.config import Pair
 from pipeline.results.dvcmetrics import write_metrics
 from pipeline.results.manifest import Manifest, provenance, settle, validate_document
@@ -26,7 +26,7 @@ def write_manifest(pair: Pair, progress: Progress | None = None) -> Manifest:
     out = layout(registry)
     bench = read_report(out.report(model, sku, "bench"), BenchReport, "bench")
     write_metrics(registry.root, doc, out.latency_csv(model, sku), out.timeline_csv(model, sku), bench.sweep)
-    log(model, sku).info("manifest %s (digest %s)", path, doc["digest"][:12])
+    log(model, sku).info("manifest %s (digest %s)", path, doc["digest"][:12], extra=RESULT)
     return manifest
 
 

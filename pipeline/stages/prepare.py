@@ -19,7 +19,7 @@ from pipeline.model.graph import (
     signature,
     source_sha256,
 )
-from pipeline.project.artifacts import layout, log
+from pipeline.project.artifacts import RESULT, layout, log
 from pipeline.project.config import DatasetSource, GenerateSpec, ModelSpec, Registry
 from pipeline.project.data import generate, iter_batches
 from pipeline.results.reports import PrepareReport
@@ -156,5 +156,5 @@ def prepare(registry: Registry, model: str, progress: Progress | None = None) ->
     out = layout(registry)
     atomic_write_bytes(out.prepared_model(model), data)
     atomic_write_json(out.report(model, None, "prepare"), report.to_json())
-    log(model).info("prepared: %d -> %d nodes", len(source.graph.node), len(prepared.graph.node))
+    log(model).info("prepared: %d -> %d nodes", len(source.graph.node), len(prepared.graph.node), extra=RESULT)
     return report

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from pipeline.core.io import atomic_write_json
 from pipeline.core.progress import Progress
-from pipeline.project.artifacts import layout, log
+from pipeline.project.artifacts import RESULT, layout, log
 from pipeline.project.config import Pair
 from pipeline.report import write_pair_report
 from pipeline.tracking.client import Tracking, connect
@@ -32,5 +32,6 @@ def publish(pair: Pair, progress: Progress | None = None, tracking: Tracking | N
         result.version,
         result.run_id[:12],
         ", new" if result.created_version else "",
+        extra=RESULT,
     )
     return result

@@ -7,7 +7,7 @@ from pipeline.core.errors import InputError
 from pipeline.core.io import atomic_savez, atomic_write_json, sha256_arrays
 from pipeline.core.paths import REFERENCE_SPLITS
 from pipeline.core.progress import Progress
-from pipeline.project.artifacts import layout, load_arrays, log, model_run_plan, read_report
+from pipeline.project.artifacts import RESULT, layout, load_arrays, log, model_run_plan, read_report
 from pipeline.project.config import Registry
 from pipeline.project.data import run_dataset, targets
 from pipeline.results.reports import DataReport, PrepareReport, ReferenceReport
@@ -57,5 +57,5 @@ def reference(registry: Registry, model: str, progress: Progress | None = None) 
         output_sha256=hashes,
     )
     atomic_write_json(out.report(model, None, "reference"), report.to_json())
-    log(model).info("reference: %s", ", ".join(f"{k} {v:.4f}" for k, v in metric.items()) or "no metric")
+    log(model).info("reference: %s", ", ".join(f"{k} {v:.4f}" for k, v in metric.items()) or "no metric", extra=RESULT)
     return report

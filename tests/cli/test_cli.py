@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,9 @@ import numpy as np
 import pytest
 from cli_helpers import assert_user_error, project, service_env, skuforge
 
-from pipeline.cli import build_parser, handler
+from pipeline.cli import build_parser, handler, main
 from pipeline.host.probe import host_arch
+from pipeline.project.artifacts import RESULT_ATTR
 from pipeline.project.config import load_registry
 from pipeline.stages.build import build
 from pipeline.stages.calibrate import calibrate
@@ -209,6 +211,35 @@ def test_a_stage_prints_its_result_once(tmp_path):
     assert proc.stdout.startswith("prepared m:") and both.count("prepared") == 1, both
     verbose = skuforge("-v", "prepare", "--model", "m", cwd=tmp_path)  # -v: the library's line too
     assert "[m] prepared: " in verbose.stderr and verbose.stdout.startswith("prepared m:"), verbose.stderr
+
+
+def test_every_stage_prints_its_result_once_and_v_keeps_the_librarys_line(tmp_path, capsys, caplog):
+    """Each stage logs its result with the RESULT marker; the command drops that record and prints
+    the result itself, once (in this process: the marker, not the wording, decides)."""
+    params = str(project(tmp_path, skus={"cpu": models.ort_sku("fp32", bench={"iterations": 20, "roofline": False})}))
+    steps = [
+        (["prepare", "--model", "m"], "prepared: "),
+        (["data", "--model", "m"], "data: "),
+        (["reference", "--model", "m"], "reference: "),
+        (["build", "--model", "m", "--sku", "cpu"], "built in "),
+        (["validate", "--model", "m", "--sku", "cpu"], None),
+        (["bench", "--model", "m", "--sku", "cpu"], "bench: p50 "),
+        (["manifest", "--model", "m", "--sku", "cpu"], "manifest "),
+    ]
+    caplog.set_level(logging.INFO, logger="pipeline.stages")
+
+    def result_lines() -> list[str]:
+        lines = [r.getMessage() for r in caplog.records if getattr(r, RESULT_ATTR, False)]
+        caplog.clear()
+        return lines
+
+    for argv, library_line in steps:
+        assert main(["--params", params, *argv]) == 0
+        assert capsys.readouterr().out.strip(), argv  # the command's own summary
+        assert result_lines() == [], argv  # the library's result line dropped
+        if library_line is not None:
+            assert main(["--params", params, "-v", *argv]) == 0
+            assert [line.split("] ", 1)[1][: len(library_line)] for line in result_lines()] == [library_line], argv
 
 
 def test_ci_render_check_json():
