@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.core.errors import InputError
 from pipeline.core.io import read_json, sha256_file
+from pipeline.core.kinds import Precision, TargetDevice
 from pipeline.results.reports import LayerInfo, TensorSig
 
 if TYPE_CHECKING:
@@ -26,8 +27,6 @@ if TYPE_CHECKING:
 
 ENGINE_META = "engine.json"
 
-Precision = Literal["fp32", "fp16", "int8"]
-TargetDevice = Literal["cpu", "gpu", "npu"]
 CacheKind = Literal["tuning-database", "timing-cache"]
 
 

@@ -9,9 +9,9 @@ from pydantic import (
     ConfigDict,
 )
 
+from pipeline.core.kinds import Precision
 from pipeline.results.reports import OutputKind
 
-Precision = Literal["fp32", "fp16", "int8"]
 DType = Literal["float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"]
 CalibrationMethod = Literal["minmax", "entropy", "percentile"]
 MetricKind = Literal["top1_accuracy", "word_accuracy", "detection_accuracy"]

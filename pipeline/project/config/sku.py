@@ -15,6 +15,7 @@ from pydantic import (
 )
 
 from pipeline.backends import known_backends
+from pipeline.core.kinds import TargetDevice
 from pipeline.core.validation import did_you_mean
 from pipeline.core.versions import specifier_problem
 from pipeline.project.config.base import (
@@ -35,7 +36,7 @@ from pipeline.results.signing import parse_public_key
 
 class Target(Strict):
     arch: Literal["x86_64", "aarch64"]
-    device: Literal["cpu", "gpu", "npu"] = "cpu"
+    device: TargetDevice = "cpu"
     os: Literal["linux", "windows", "macos"] = "linux"
     cpu_features: list[str] = Field(default_factory=list, description="e.g. avx2; checked on the host")
 

@@ -1,0 +1,9 @@
+"""The literal kinds several layers name, declared once: the params.yaml schema (project), the
+backend contract (backends) and the reports below them all import them from here."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Precision = Literal["fp32", "fp16", "int8"]
+TargetDevice = Literal["cpu", "gpu", "npu"]
