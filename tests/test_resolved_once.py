@@ -14,10 +14,12 @@ import yaml
 
 import pipeline.cli.commands as commands
 from pipeline.cli import main
+from pipeline.core.paths import Layout
 from pipeline.project.config import Registry, load_registry
 from pipeline.stages.bench import bench
 from pipeline.stages.build import build
 from pipeline.stages.calibrate import calibrate
+from pipeline.stages.config import resolved
 from pipeline.stages.data import make_data
 from pipeline.stages.manifest import write_manifest
 from pipeline.stages.prepare import prepare
@@ -106,9 +108,10 @@ def test_each_command_resolves_the_pair_once(project, lookups, monkeypatch, comm
 
 
 def test_the_settings_dvc_tracks_are_the_pair_the_stages_use(project):
-    """stages/config.py writes build/.config/<model>__<sku>.json from the same object the stages get."""
+    """stages/config.py writes the pair's settings file from the same object the stages get."""
     reg = load_registry(project / "params.yaml")
     pair = reg.pair("m", SKU)
+    assert resolved(reg)[Layout(project).config_file("m", SKU).name] == pair.settings()
     doc = yaml.safe_load((project / "params.yaml").read_text())
     assert pair.settings()["sku_spec"]["bisect"]["fix_during_build"] is True
     assert pair.settings()["pins"] == reg.pins("m", SKU)

@@ -1,5 +1,5 @@
-"""The literal kinds several layers name, declared once: the params.yaml schema (project), the
-backend contract (backends) and the reports below them all import them from here."""
+"""The literal kinds several layers name, declared once: the params.yaml schema (project) and the
+backend contract (backends) both import them from here."""
 
 from __future__ import annotations
 

@@ -99,7 +99,7 @@ def build_engine(
     backend = get_backend(sku_spec.backend)
     out = layout(registry)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
-    run_at = dict(pair.pins)  # profile axes run at their opt value...
+    run_at = pair.pins  # profile axes run at their opt value...
     pins = {k: v for k, v in run_at.items() if k not in sku_spec.profiles}  # ...but stay dynamic in the engine
     golden = load_arrays(out.split(model, "golden"), "data")
     golden.pop(LABELS, None)

@@ -87,7 +87,7 @@ def run_plan(pair: Pair, signature) -> tuple[dict[str, int | None], dict[str, in
     """Batch axes of the inputs and outputs, and the batch to run at: the SKU's pin, else the
     model's (1 by default). A batch above 1 is split back into samples along each output's batch
     axis (found by the prepare stage), so every output needs one."""
-    return _run_plan(pair.model, pair.spec, dict(pair.pins), signature, pair.sku, pair.sku_spec)
+    return _run_plan(pair.model, pair.spec, pair.pins, signature, pair.sku, pair.sku_spec)
 
 
 def model_run_plan(

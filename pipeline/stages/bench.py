@@ -176,7 +176,7 @@ def engine_roofline(
     model, sku = pair.model, pair.sku
     out = layout(pair.registry)
     try:
-        cost = graph_cost(out.prepared_model(model), dict(pair.pins))
+        cost = graph_cost(out.prepared_model(model), pair.pins)
     except Exception as exc:  # noqa: BLE001 - an analysis, not a gate: say why and go on
         log(model, sku).warning("bench: no roofline: the graph's costs could not be counted (%s)", exc)
         return None

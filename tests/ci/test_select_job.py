@@ -18,8 +18,7 @@ import yaml
 from cli_helpers import skuforge
 from models import conv_bn_spec, ort_sku, write_project
 from registry_helpers import fake_bench
-from rollout.conftest import _make_project
-from shared import copy_shared, shared_once
+from rollout.conftest import classed_copy
 
 from pipeline.ci.render import select_models
 from pipeline.core.paths import Layout
@@ -63,14 +62,8 @@ def _upload_paths(job: dict, sku: str) -> list[str]:
 def job_project(tmp_path_factory, tmp_path) -> Path:
     """The rollout tests' built project (conv for ``cpu`` and ``portable``), both SKUs of one device
     class, cpu about twice as fast; its workflows rendered."""
-    made = shared_once(tmp_path_factory, "rollout-project", _make_project)
-    root = copy_shared(made, tmp_path / "job")
-    params = root / "params.yaml"
-    doc = yaml.safe_load(params.read_text())
-    for name in ("cpu", "portable"):
-        doc["skus"][name]["device_class"] = CLASS
-    params.write_text(yaml.safe_dump(doc, sort_keys=False))
-    reg = load_registry(params)
+    root, _ = classed_copy(tmp_path_factory, tmp_path, CLASS)
+    reg = load_registry(root / "params.yaml")
     fake_bench(reg, "conv", "cpu", _samples(1.0))
     fake_bench(reg, "conv", "portable", _samples(2.0, seed=1))
     proc = skuforge("ci", "render", cwd=root)
