@@ -13,7 +13,15 @@ import pytest
 from pipeline.core.errors import ConfigError, EnvironmentProblem, InputError
 from pipeline.engine.matrix import sku_statuses
 from pipeline.host.probe import host_arch
-from pipeline.ops.repro import STATUS_MEMO, DvcFailed, ProjectStatus, run_dvc_repro, targets, workspace_state
+from pipeline.ops.repro import (
+    STATUS_MEMO,
+    DvcFailed,
+    ProjectStatus,
+    drop_torn_rwlock,
+    run_dvc_repro,
+    targets,
+    workspace_state,
+)
 from pipeline.ops.reproduce import reproduce
 from pipeline.project.config import parse_registry
 
@@ -333,3 +341,20 @@ def test_reproduce_is_one_library_call_and_says_what_it_skips(registry):
     result = reproduce(only_there, force=True, say=said.append)
     assert result.targets == [] and [s.sku for s in result.skipped] == ["there"] and result.exit_code == 0
     assert said[-1] == "nothing this host can build"
+
+
+@pytest.mark.slow
+def test_a_cancelled_status_leaves_dvc_usable_though_it_died_mid_write(tmp_path):
+    """`skuforge repro` cancels its first `dvc status` when it hides another set of SKUs from DVC (every
+    fresh clone). DVC rewrites `.dvc/tmp/rwlock` in place, so a status stopped mid-write leaves it
+    empty, and every later dvc call refuses it as corrupted (a fresh clone's first run failed so).
+    Planted here as the torn file such a stop leaves; a readable rwlock is never touched."""
+    _dvc_project(tmp_path)
+    rwlock = tmp_path / ".dvc" / "tmp" / "rwlock"
+    rwlock.write_text("")
+    status = ProjectStatus(tmp_path)
+    status.cancel()
+    assert not rwlock.exists()
+    assert ProjectStatus(tmp_path).stale({"copy"}) == []  # dvc answers again
+    rwlock.write_text('{"read": {}, "write": {}}')
+    assert not drop_torn_rwlock(tmp_path) and rwlock.is_file()

@@ -208,10 +208,17 @@ class ProjectStatus:
         return memo["status"] if ok else None
 
     def cancel(self) -> None:
-        """Stop the status run: what it reads changed since it started."""
+        """Stop the status run: what it reads changed since it started. DVC is asked to stop (Ctrl-C)
+        and killed only when it does not; either way it may have died between truncating its
+        rwlock file and writing it again, which every later dvc call would refuse as corrupted."""
         if self.proc is not None:
-            self.proc.kill()
-            self.proc.communicate()
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.communicate(timeout=CANCEL_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.communicate()
+            drop_torn_rwlock(self.root)
         self._status = None
 
     def changes(self) -> dict[str, Any] | None:
@@ -236,6 +243,22 @@ class ProjectStatus:
         return None if status is None else sorted(set(status) & stages)
 
 
+def drop_torn_rwlock(root: Path) -> bool:
+    """Remove ``.dvc/tmp/rwlock`` when it is not JSON (a dvc process stopped mid-write: DVC rewrites the
+    file in place and refuses to start while it is torn); DVC makes a missing one afresh. A
+    readable file is left alone: its locks may be another process's. Returns whether it removed one."""
+    path = root / ".dvc" / "tmp" / "rwlock"
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return True
+    return False
+
+
 class DvcFailed(SkuforgeError):
     """``dvc repro`` failed; carries the exit code of the stage command that failed.
 
@@ -248,6 +271,8 @@ class DvcFailed(SkuforgeError):
 
 # How long dvc gets to stop its stage command and write its lock after Ctrl-C.
 INTERRUPT_GRACE_S = 10.0
+# How long a cancelled `dvc status` gets to stop after Ctrl-C before it is killed.
+CANCEL_GRACE_S = 5.0
 
 
 def run_dvc_repro(
