@@ -6,11 +6,10 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from cli_helpers import assert_user_error, service_env
+from cli_helpers import assert_user_error, service_env, skuforge
 from registry_helpers import make_project, sku
 
 from pipeline.core.errors import InputError
@@ -23,7 +22,6 @@ from pipeline.tracking.promotion import promote, rollback
 from pipeline.tracking.publish import ci_tags, flatten, manifest_metrics
 
 REPO = Path(__file__).resolve().parents[2]
-SKUFORGE = Path(sys.executable).with_name("skuforge")
 
 
 class Crash(Exception):
@@ -252,9 +250,7 @@ def test_promote_and_roll_back_on_the_embedded_store(proj):
 
 
 def run(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(SKUFORGE), *args], cwd=root, capture_output=True, text=True, timeout=120, env=service_env()
-    )
+    return skuforge(*args, cwd=root, env=service_env())
 
 
 @pytest.mark.parametrize(

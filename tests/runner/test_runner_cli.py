@@ -12,17 +12,17 @@ from pathlib import Path
 import onnxruntime
 import pytest
 import yaml
+from cli_helpers import skuforge as run_skuforge
 
 from pipeline.host import probe
 from pipeline.ops.hostreport import class_labels, classes_problems, load_classes
 from pipeline.project.config import load_registry
 
 ROOT = Path(__file__).resolve().parents[2]
-SKUFORGE = [sys.executable, "-c", "import sys; from pipeline.cli import main; sys.exit(main(sys.argv[1:]))"]
 
 
 def skuforge(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    done = subprocess.run([*SKUFORGE, *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=False)
+    done = run_skuforge(*args, cwd=cwd)
     assert "Traceback" not in done.stdout + done.stderr, done.stderr
     return done
 
