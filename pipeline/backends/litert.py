@@ -432,26 +432,12 @@ def _run_converter(work: Path, request: dict[str, Any], timeout_s: int) -> dict[
     env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     env.pop("PYTHONPATH", None)
     logfile = work / "convert.log"
-    with open(logfile, "w") as out:
-        proc = subprocess.Popen(
-            [str(litert_converter.python()), str(litert_converter.SCRIPT), str(path)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=work,
-            env=env,
-            start_new_session=True,
-        )
-        try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            stop_group(proc)
-            raise EnvironmentProblem(
-                f"the LiteRT converter did not finish in {timeout_s} s",
-                hint="raise the SKU's options.convert_timeout_s, or report the model to onnx2tf",
-            ) from None
-        except BaseException:  # Ctrl-C, SIGTERM, the stage budget: the converter goes with us
-            stop_group(proc)
-            raise
+    try:
+        code = litert_converter.Server.convert(path, work, env, logfile, timeout_s)
+    except subprocess.TimeoutExpired:
+        raise _timed_out(timeout_s) from None
+    if code is None:  # no conversion server here: convert.py on its own
+        code = _run_once(path, work, env, logfile, timeout_s)
     result_path = Path(request["result"])
     if code < 0:  # a signal we did not send: the converter crashed on this model
         text = logfile.read_text(errors="replace")
@@ -478,6 +464,35 @@ def _run_converter(work: Path, request: dict[str, Any], timeout_s: int) -> dict[
     if not result.get("ok"):  # the staging folder goes with the build: its log is printed now
         log.warning("LiteRT converter log (last lines):\n%s", logfile.read_text(errors="replace")[-4000:])
     return result
+
+
+def _run_once(path: Path, work: Path, env: dict[str, str], logfile: Path, timeout_s: int) -> int:
+    """convert.py as a process of its own: its exit status."""
+    with open(logfile, "w") as out:
+        proc = subprocess.Popen(
+            [str(litert_converter.python()), str(litert_converter.SCRIPT), str(path)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=work,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            stop_group(proc)
+            raise _timed_out(timeout_s) from None
+        except BaseException:  # Ctrl-C, SIGTERM, the stage budget: the converter goes with us
+            stop_group(proc)
+            raise
+    return code
+
+
+def _timed_out(timeout_s: int) -> EnvironmentProblem:
+    return EnvironmentProblem(
+        f"the LiteRT converter did not finish in {timeout_s} s",
+        hint="raise the SKU's options.convert_timeout_s, or report the model to onnx2tf",
+    )
 
 
 def _signal_name(number: int) -> str:

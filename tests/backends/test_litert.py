@@ -20,10 +20,10 @@ import pytest
 from cli_helpers import skuforge
 from onnx import TensorProto, helper
 
-from pipeline.backends import backend_class, get_backend, litert_converter
+from pipeline.backends import backend_class, get_backend, litert, litert_converter
 from pipeline.backends.litert import LiteRtBackend
 from pipeline.backends.reference import reference_runner
-from pipeline.core.errors import GateFailed
+from pipeline.core.errors import EnvironmentProblem, GateFailed
 from pipeline.core.io import read_json
 from pipeline.core.paths import Layout
 from pipeline.engine.build import build_engine, config_hash
@@ -284,3 +284,37 @@ def test_a_scalar_output_comes_back_as_the_onnx_scalar(tmp_path):
     with get_backend("litert").load(Layout(reg.root).engine_dir("m", "fp32"), reg.sku("fp32")) as runner:
         got = runner.infer(feeds)["y"]
     assert got.shape == () and got == np.float32(6.0)
+
+
+# --- the conversion server ----------------------------------------------------------------------------
+
+
+def test_one_server_converts_for_the_process_and_its_engine_is_a_one_shot_conversions(proj, built, monkeypatch):
+    """The conversions of one process go to one `convert.py --serve` (TensorFlow imported once), each
+    in a forked child; what it converts is byte for byte what `convert.py` run on its own converts."""
+    served = built("fp32")
+    server = litert_converter.Server._current
+    assert server is not None and server.proc.poll() is None
+    assert not os.path.exists(f"/proc/{server.child}")  # each conversion's child is reaped
+    again = build(proj.registry.pair("m", "builtin"))
+    assert litert_converter.Server._current is server and again.engine_sha256
+    monkeypatch.setattr(litert_converter.Server, "convert", classmethod(lambda cls, *args: None))  # no server
+    alone = build(proj.registry.pair("m", "fp32"))
+    assert alone.engine_sha256 == served.engine_sha256
+
+
+def test_a_conversion_past_its_deadline_is_killed_and_the_server_takes_the_next(proj, monkeypatch):
+    _buildable()
+    real = litert._run_converter
+    seen: dict[str, object] = {}
+
+    def late_then_in_time(work, request, timeout_s):
+        with pytest.raises(EnvironmentProblem, match="did not finish in 0.05 s"):
+            real(work, request, 0.05)
+        seen["server"], seen["child"] = litert_converter.Server._current, litert_converter.Server._current.child
+        return real(work, request, timeout_s)
+
+    monkeypatch.setattr(litert, "_run_converter", late_then_in_time)
+    rep = build(proj.registry.pair("m", "builtin"))
+    assert rep.engine_sha256 and not os.path.exists(f"/proc/{seen['child']}")  # killed and reaped
+    assert litert_converter.Server._current is seen["server"]  # the same server converted it in time

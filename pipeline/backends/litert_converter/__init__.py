@@ -2,6 +2,10 @@
 exact TensorFlow, numpy, onnx and ONNX Runtime it pins, which clash with skuforge's own), in which
 ``convert.py`` runs as a subprocess. skuforge's own environment never imports TensorFlow.
 
+A process that converts more than once (a bisection's scratch builds, a test session) keeps one
+``convert.py --serve`` (``Server``): TensorFlow and onnx2tf are imported once, and each conversion
+runs in a child forked from it, with its own folder, environment, log and deadline.
+
 Where it lives: ``$SKUFORGE_LITERT_CONVERTER`` if set, else ``litert-converter-<lock sha256[:12]>`` in
 skuforge's cache folder (``$SKUFORGE_CACHE_DIR``, ``$XDG_CACHE_HOME/skuforge``, ``~/.cache/skuforge``),
 so a changed lock gets a new environment. It is
@@ -12,13 +16,20 @@ killed install) is removed and made again. ``python -m pipeline.backends.litert_
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import hashlib
+import json
+import os
+import select
 import shutil
+import signal
+import struct
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from pipeline.core.env import SKUFORGE_LITERT_CONVERTER
@@ -97,6 +108,117 @@ def create(force: bool = False, quiet: bool = True) -> Path:
         )
         (env / STAMP).write_text(lock_sha256() + "\n")
     return python()
+
+
+SERVER_START_S = 300
+# variables read when TensorFlow and the interpreter start: a conversion asking for other values than
+# the server started with gets a server started with them
+_STARTUP = ("PYTHON", "LD_", "TF_", "CUDA", "XLA_", "OMP_", "KMP_", "MKL_", "OPENBLAS", "VIRTUAL_ENV")
+
+
+class Server:
+    """The client of one ``convert.py --serve`` (see convert.serve): started on first use, reused by
+    the conversions of this process one at a time, ended at exit. ``convert`` returns the child's exit
+    status as a one-shot ``convert.py`` would, or None where the server cannot take the request (it
+    could not start, or another thread holds it): the caller then runs ``convert.py`` itself."""
+
+    _lock = threading.Lock()
+    _current: Server | None = None
+
+    def __init__(self, python: Path, env: Mapping[str, str]) -> None:
+        self.key = (str(python), _startup(env))
+        self.child: int | None = None  # the last conversion's process
+        self.proc = subprocess.Popen(
+            [str(python), str(SCRIPT), "--serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,  # TensorFlow's import-time noise; each conversion logs to its file
+            bufsize=0,
+            env=dict(env),
+            start_new_session=True,
+        )
+        self._receive(SERVER_START_S)
+
+    @classmethod
+    def convert(cls, request: Path, cwd: Path, env: Mapping[str, str], log: Path, timeout_s: float) -> int | None:
+        if not cls._lock.acquire(blocking=False):
+            return None
+        try:
+            server = cls._current
+            if server is None or server.key != (str(python()), _startup(env)) or server.proc.poll() is not None:
+                if server is not None:
+                    server.close()
+                cls._current = None
+                try:
+                    server = cls._current = Server(python(), env)
+                except (OSError, EOFError, subprocess.TimeoutExpired):
+                    return None
+            try:
+                return server.run(request, cwd, env, log, timeout_s)
+            except (EOFError, BrokenPipeError):  # the server died (not the conversion): one-shot instead
+                server.close()
+                cls._current = None
+                return None
+        finally:
+            cls._lock.release()
+
+    def run(self, request: Path, cwd: Path, env: Mapping[str, str], log: Path, timeout_s: float) -> int:
+        """The child's exit status. A deadline passed raises subprocess.TimeoutExpired, and anything
+        raised while waiting (Ctrl-C, SIGTERM, a stage budget) propagates; the child's session is
+        killed first in both cases."""
+        body = json.dumps({"request": str(request), "cwd": str(cwd), "env": dict(env), "log": str(log)}).encode()
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(struct.pack(">I", len(body)) + body)
+        pid = self.child = int(self._receive(60)["pid"])
+        try:
+            return int(self._receive(timeout_s)["code"])
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)  # the child leads its own session
+            with contextlib.suppress(OSError, EOFError, subprocess.TimeoutExpired):
+                self._receive(30)  # its exit status: the server is ready for the next request
+            raise
+
+    def _receive(self, timeout_s: float) -> dict:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()  # unbuffered: select sees every byte not yet read
+        if not select.select([fd], [], [], timeout_s)[0]:
+            raise subprocess.TimeoutExpired("convert.py --serve", timeout_s)
+
+        def exactly(n: int) -> bytes:
+            data = b""
+            while len(data) < n:
+                chunk = os.read(fd, n - len(data))
+                if not chunk:
+                    raise EOFError("the LiteRT conversion server exited")
+                data += chunk
+            return data
+
+        message = json.loads(exactly(struct.unpack(">I", exactly(4))[0]))
+        if not isinstance(message, dict):
+            raise EOFError("the LiteRT conversion server sent a message that is not a JSON object")
+        return message
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()  # EOF: the server returns
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _startup(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(_STARTUP)))
+
+
+@atexit.register
+def _close_server() -> None:
+    if Server._current is not None:
+        Server._current.close()
 
 
 def main(argv: list[str]) -> int:
