@@ -126,7 +126,7 @@ class Server:
     _current: Server | None = None
 
     def __init__(self, python: Path, env: Mapping[str, str]) -> None:
-        self.key = (str(python), _startup(env))
+        self.key = (str(python), _startup(env), os.getpid())  # a forked process starts its own
         self.child: int | None = None  # the last conversion's process
         self.proc = subprocess.Popen(
             [str(python), str(SCRIPT), "--serve"],
@@ -145,8 +145,12 @@ class Server:
             return None
         try:
             server = cls._current
-            if server is None or server.key != (str(python()), _startup(env)) or server.proc.poll() is not None:
-                if server is not None:
+            if (
+                server is None
+                or server.key != (str(python()), _startup(env), os.getpid())
+                or server.proc.poll() is not None
+            ):
+                if server is not None and server.key[2] == os.getpid():
                     server.close()
                 cls._current = None
                 try:
@@ -217,7 +221,7 @@ def _startup(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
 
 @atexit.register
 def _close_server() -> None:
-    if Server._current is not None:
+    if Server._current is not None and Server._current.key[2] == os.getpid():
         Server._current.close()
 
 
