@@ -7,12 +7,9 @@ trusted) and fail-on-miss."""
 from __future__ import annotations
 
 import fcntl
-import importlib
-import inspect
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -55,7 +52,7 @@ if "avx2" not in cpu_features():
     pytest.skip("the TVM test SKUs compile for x86-64-v3: this CPU has no AVX2 to run them", allow_module_level=True)
 
 # One xdist worker runs the module (ONE_WORKER in tests/conftest.py): the project below is built once and
-# every tuning runs in that one process (the cache refresh too, in-process), after _import_intrinsics.
+# every tuning runs in that one process (the cache refresh too, in-process).
 
 
 def tvm_sku(**options) -> dict:
@@ -94,32 +91,9 @@ def proj(tmp_path_factory):
         r.build[m, "plain"] = build(reg.pair(m, "plain"))
         r.validate[m, "plain"] = validate(reg.pair(m, "plain"))
         r.bench[m, "plain"] = bench(reg.pair(m, "plain"))
-    _import_intrinsics()
     r.first, r.database = tuned_once(tmp_path_factory, reg, r.out)
     r.replay = build(reg.pair("conv", "tuned"))  # the database the first build wrote, replayed
     return r
-
-
-def _import_intrinsics() -> None:
-    """What MetaSchedule imports to tune (TuneContext: tvm.s_tir.tensor_intrin), imported before the
-    first tuning. It parses about 500 TVMScript functions (CUDA, ROCm, Hexagon ... intrinsics), each
-    calling inspect.stack(); for each frame of a pseudo-file (<ast>, <string>, <frozen importlib...>)
-    inspect.getmodule then scans every module in sys.modules: one to three minutes of CPU in a test
-    worker that holds thousands (about 60 s in a fresh `skuforge` process). Here those lookups are
-    answered at once with what the scan concludes for a frame of a pseudo-file, None (no module has
-    such a file, and a frame has no __name__ to fall back on): TVMScript sees the same stack."""
-    if "tvm.s_tir.tensor_intrin" in sys.modules:
-        return
-    getmodule = inspect.getmodule
-
-    def answered(obj, _filename=None):
-        if _filename and _filename.startswith("<") and _filename.endswith(">") and inspect.isframe(obj):
-            return None
-        return getmodule(obj, _filename)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(inspect, "getmodule", answered)
-        importlib.import_module("tvm.s_tir.tensor_intrin")
 
 
 def tuned_once(tmp_path_factory, reg, out) -> tuple[dict, Path]:

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import models
 import numpy as np
 import pytest
-from test_tvm import _import_intrinsics
 
 tvm = pytest.importorskip("tvm", reason="apache-tvm is not installed (pip install 'skuforge[tvm]')")
 
@@ -114,7 +113,6 @@ def test_a_tiny_models_tuning_reports_trials_and_tasks_as_it_goes(tmp_path):
     test_tvm's tuned SKU spends per task): the progress reaches every trial and every task."""
     import onnx
 
-    _import_intrinsics()  # what TuneContext imports, in seconds instead of a minute or more in a test worker
     model = pin_axes(onnx.load(str(models.conv_bn_model(tmp_path / "model.onnx"))), {"batch": 1}, tmp_path)
     probe = {"x": np.random.default_rng(0).random((1, 3, 8, 8), dtype=np.float32)}
     options = TvmOptions(target_cpu="x86-64-v3", num_cores=1, trials=2)

@@ -29,7 +29,6 @@ if importlib.util.find_spec("tornado") is None:
 
 import models  # noqa: E402
 from rpc_bench import free_port, silent_server, silent_tracker, start  # noqa: E402
-from test_tvm import _import_intrinsics  # noqa: E402 - tuning's slow import, answered fast (see there)
 
 from pipeline.backends.tvm import (  # noqa: E402
     TvmBackend,
@@ -180,7 +179,6 @@ def _conv_tasks(tmp_path: Path):
 def test_tuning_measures_on_the_bench_and_survives_a_lost_server(bench_rpc, tmp_path, monkeypatch):
     monkeypatch.setenv("SKUFORGE_TVM_TRACKER", bench_rpc.address)
     tasks, target = _conv_tasks(tmp_path)
-    _import_intrinsics()
     options = RpcOptions(key=KEY, session_timeout_s=5)
     host, port = connect(options, wait_s=5)
     killed: dict[str, int] = {}
@@ -331,7 +329,6 @@ def test_validate_and_bench_run_the_engine_through_a_remote_session(bench_rpc, b
 
 def test_max_minutes_ends_the_search_and_keeps_what_was_measured(tmp_path):
     tasks, target = _conv_tasks(tmp_path)
-    _import_intrinsics()
     work = tmp_path / "tuning"
     work.mkdir()
     # a budget already spent when the first batch is measured: the search ends there
