@@ -4,13 +4,10 @@ a message naming the culprit with a hint, and no traceback. Shared by tests/cli 
 from __future__ import annotations
 
 import atexit
-import json
 import locale
 import os
-import select
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
@@ -18,6 +15,8 @@ import threading
 from pathlib import Path
 
 import models
+
+from pipeline.core.processes import receive_message, send_message
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).with_name("skuforge")
@@ -85,8 +84,9 @@ class Zygote:
 
     def run(self, args: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
         out, err = self.scratch / "out", self.scratch / "err"
-        body = json.dumps({"args": args, "cwd": str(cwd), "env": env, "out": str(out), "err": str(err)}).encode()
-        self.proc.stdin.write(struct.pack(">I", len(body)) + body)
+        send_message(
+            self.proc.stdin.fileno(), {"args": args, "cwd": str(cwd), "env": env, "out": str(out), "err": str(err)}
+        )
         pid = self._receive(timeout=60)["pid"]
         try:
             code = self._receive(timeout=timeout)["code"]
@@ -97,20 +97,7 @@ class Zygote:
         return subprocess.CompletedProcess([*COMMAND, *args], code, _text(out), _text(err))
 
     def _receive(self, timeout: float) -> dict:
-        fd = self.proc.stdout.fileno()  # unbuffered (bufsize=0): select sees every byte not yet read
-        if not select.select([fd], [], [], timeout)[0]:
-            raise subprocess.TimeoutExpired(str(COMMAND), timeout)
-
-        def exactly(n: int) -> bytes:
-            data = b""
-            while len(data) < n:
-                chunk = os.read(fd, n - len(data))
-                if not chunk:
-                    raise EOFError("the skuforge fork server exited")
-                data += chunk
-            return data
-
-        return json.loads(exactly(struct.unpack(">I", exactly(4))[0]))
+        return receive_message(self.proc.stdout.fileno(), timeout)  # unbuffered (bufsize=0)
 
     def close(self) -> None:
         if self.proc.poll() is None:

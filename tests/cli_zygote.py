@@ -17,13 +17,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
-import json
 import os
-import struct
 import sys
 
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     del sys.path[0]  # the real command does not see the tests folder
+
+from pipeline.core.processes import receive_message, send_message  # noqa: E402
 
 # What most commands import. ONNX Runtime stays out (a child forked after its import hangs in its exit),
 # as do modules that start threads at import (OpenVINO, TVM): a forked child may inherit a lock one held.
@@ -49,21 +49,6 @@ PRELOAD = (
 _REQUESTS, _REPLIES = 0, 1
 
 
-def _read(n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = os.read(_REQUESTS, n - len(data))
-        if not chunk:
-            raise EOFError
-        data += chunk
-    return data
-
-
-def _send(message: dict) -> None:
-    body = json.dumps(message).encode()
-    os.write(_REPLIES, struct.pack(">I", len(body)) + body)
-
-
 def _child(request: dict) -> None:
     """In the forked child: become the command's process, run it, exit (never returns)."""
     os.chdir(request["cwd"])
@@ -85,16 +70,15 @@ def _child(request: dict) -> None:
 def serve() -> None:
     while True:
         try:
-            (size,) = struct.unpack(">I", _read(4))
-            request = json.loads(_read(size))
+            request = receive_message(_REQUESTS, None)
         except EOFError:
             return
         pid = os.fork()
         if pid == 0:
             _child(request)  # leaves through SystemExit, out of this loop and the interpreter
-        _send({"pid": pid})
+        send_message(_REPLIES, {"pid": pid})
         _, status = os.waitpid(pid, 0)
-        _send({"code": os.waitstatus_to_exitcode(status)})
+        send_message(_REPLIES, {"code": os.waitstatus_to_exitcode(status)})
 
 
 if __name__ == "__main__":
@@ -104,5 +88,5 @@ if __name__ == "__main__":
     # the imported objects leave the collector's generations: a child's collections (and its exit) then
     # neither walk nor write them, so their pages stay shared instead of being copied (about 0.3 s, not 1 s)
     gc.freeze()
-    _send({"ready": os.getpid()})
+    send_message(_REPLIES, {"ready": os.getpid()})
     serve()

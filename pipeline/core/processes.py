@@ -8,8 +8,11 @@ Linux reads the tree from /proc; elsewhere ``ps -A -o pid=,ppid=`` (macOS, BSD).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import select
 import signal
+import struct
 import subprocess
 import time
 from collections.abc import Iterable
@@ -154,3 +157,34 @@ def sigterm_as_interrupt():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def send_message(fd: int, message: dict) -> None:
+    """One message to a worker process's pipe: a 4-byte big-endian length, then the JSON document."""
+    body = json.dumps(message).encode()
+    os.write(fd, struct.pack(">I", len(body)) + body)
+
+
+def receive_message(fd: int, timeout_s: float | None) -> dict:
+    """The next message (see send_message) on an unbuffered pipe. subprocess.TimeoutExpired when none
+    begins within ``timeout_s`` (None: wait for it); EOFError when the writer is gone or the message
+    is not a JSON object."""
+    if not select.select([fd], [], [], timeout_s)[0]:
+        raise subprocess.TimeoutExpired("a worker process's reply", timeout_s or 0)
+
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = os.read(fd, n - len(data))
+            if not chunk:
+                raise EOFError("the worker process exited")
+            data += chunk
+        return data
+
+    try:
+        message = json.loads(exactly(struct.unpack(">I", exactly(4))[0]))
+    except ValueError as exc:
+        raise EOFError(f"the worker process sent a message that is not JSON: {exc}") from None
+    if not isinstance(message, dict):
+        raise EOFError("the worker process sent a message that is not a JSON object")
+    return message

@@ -20,12 +20,9 @@ import atexit
 import contextlib
 import fcntl
 import hashlib
-import json
 import os
-import select
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import threading
@@ -34,6 +31,7 @@ from pathlib import Path
 
 from pipeline.core.env import SKUFORGE_LITERT_CONVERTER
 from pipeline.core.paths import cache_dir
+from pipeline.core.processes import receive_message, send_message
 
 LOCK = Path(__file__).with_name("requirements.lock")
 SCRIPT = Path(__file__).with_name("convert.py")
@@ -170,9 +168,10 @@ class Server:
         """The child's exit status. A deadline passed raises subprocess.TimeoutExpired, and anything
         raised while waiting (Ctrl-C, SIGTERM, a stage budget) propagates; the child's session is
         killed first in both cases."""
-        body = json.dumps({"request": str(request), "cwd": str(cwd), "env": dict(env), "log": str(log)}).encode()
         assert self.proc.stdin is not None
-        self.proc.stdin.write(struct.pack(">I", len(body)) + body)
+        send_message(
+            self.proc.stdin.fileno(), {"request": str(request), "cwd": str(cwd), "env": dict(env), "log": str(log)}
+        )
         pid = self.child = int(self._receive(60)["pid"])
         try:
             return int(self._receive(timeout_s)["code"])
@@ -185,23 +184,7 @@ class Server:
 
     def _receive(self, timeout_s: float) -> dict:
         assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()  # unbuffered: select sees every byte not yet read
-        if not select.select([fd], [], [], timeout_s)[0]:
-            raise subprocess.TimeoutExpired("convert.py --serve", timeout_s)
-
-        def exactly(n: int) -> bytes:
-            data = b""
-            while len(data) < n:
-                chunk = os.read(fd, n - len(data))
-                if not chunk:
-                    raise EOFError("the LiteRT conversion server exited")
-                data += chunk
-            return data
-
-        message = json.loads(exactly(struct.unpack(">I", exactly(4))[0]))
-        if not isinstance(message, dict):
-            raise EOFError("the LiteRT conversion server sent a message that is not a JSON object")
-        return message
+        return receive_message(self.proc.stdout.fileno(), timeout_s)  # unbuffered: select sees every byte
 
     def close(self) -> None:
         if self.proc.poll() is None:
