@@ -30,7 +30,7 @@ COMMAND = (
 def skuforge(*args: str, cwd: Path, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """``skuforge args`` in a process of its own, as a user runs it: forked from this test process's
     fork server (tests/cli_zygote.py: the imports made once), or started afresh where the fork server
-    cannot stand in for a real start (see ``Zygote.serves``; SKUFORGE_TEST_FORK=0 starts every one)."""
+    cannot stand in for a real start (see ``Zygote.serves``; PYTEST_SKUFORGE_FORK=0 starts every one)."""
     env = dict(os.environ if env is None else env)
     zygote = Zygote.get()
     if zygote is not None and zygote.serves(env) and zygote.lock.acquire(blocking=False):
@@ -65,7 +65,7 @@ class Zygote:
 
     @classmethod
     def get(cls) -> Zygote | None:
-        if cls._failed or os.environ.get("SKUFORGE_TEST_FORK", "1") == "0" or not hasattr(os, "fork"):
+        if cls._failed or os.environ.get("PYTEST_SKUFORGE_FORK", "1") == "0" or not hasattr(os, "fork"):
             return None
         if cls._instance is None or cls._instance.proc.poll() is not None:
             try:
