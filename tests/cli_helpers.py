@@ -61,7 +61,11 @@ class Zygote:
             env=self.env,
         )
         self.scratch = Path(tempfile.mkdtemp(prefix="skuforge-zygote-"))
-        self._receive(timeout=300)  # {"ready": pid}: the imports are made
+        try:
+            self._receive(timeout=300)  # {"ready": pid}: the imports are made
+        except BaseException:
+            self.close()
+            raise
 
     @classmethod
     def get(cls) -> Zygote | None:

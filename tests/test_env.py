@@ -129,8 +129,8 @@ def test_every_skuforge_variable_the_docs_name_is_declared():
 
 
 # the LiteRT converter's script runs in its own environment and imports nothing of skuforge's: its
-# conversion server gives each forked conversion the environment skuforge sent (convert.serve)
-_OWN_PROGRAMS = {Path(env.__file__).resolve(), ROOT / "pipeline" / "backends" / "litert_converter" / "convert.py"}
+# conversion server gives each forked conversion the environment skuforge sent (server.serve)
+_OWN_PROGRAMS = {Path(env.__file__).resolve(), ROOT / "pipeline" / "backends" / "litert_converter" / "server.py"}
 
 
 def _project_sources() -> list[Path]:

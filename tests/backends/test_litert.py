@@ -290,7 +290,7 @@ def test_a_scalar_output_comes_back_as_the_onnx_scalar(tmp_path):
 
 
 def test_one_server_converts_for_the_process_and_its_engine_is_a_one_shot_conversions(proj, built, monkeypatch):
-    """The conversions of one process go to one `convert.py --serve` (TensorFlow imported once), each
+    """The conversions of one process go to one conversion server (server.py: TensorFlow imported once), each
     in a forked child; what it converts is byte for byte what `convert.py` run on its own converts."""
     served = built("fp32")
     server = litert_converter.Server._current

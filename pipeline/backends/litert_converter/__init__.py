@@ -3,7 +3,7 @@ exact TensorFlow, numpy, onnx and ONNX Runtime it pins, which clash with skuforg
 ``convert.py`` runs as a subprocess. skuforge's own environment never imports TensorFlow.
 
 A process that converts more than once (a bisection's scratch builds, a test session) keeps one
-``convert.py --serve`` (``Server``): TensorFlow and onnx2tf are imported once, and each conversion
+``server.py`` (``Server``): TensorFlow and onnx2tf are imported once, and each conversion
 runs in a child forked from it, with its own folder, environment, log and deadline.
 
 Where it lives: ``$SKUFORGE_LITERT_CONVERTER`` if set, else ``litert-converter-<lock sha256[:12]>`` in
@@ -35,6 +35,7 @@ from pipeline.core.processes import receive_message, send_message
 
 LOCK = Path(__file__).with_name("requirements.lock")
 SCRIPT = Path(__file__).with_name("convert.py")
+SERVER = Path(__file__).with_name("server.py")  # convert.py's main for many requests (Server)
 ENV_VAR = SKUFORGE_LITERT_CONVERTER.name
 STAMP = "skuforge-lock.sha256"
 INSTALL_TIMEOUT_S = 1800
@@ -115,19 +116,20 @@ _STARTUP = ("PYTHON", "LD_", "TF_", "CUDA", "XLA_", "OMP_", "KMP_", "MKL_", "OPE
 
 
 class Server:
-    """The client of one ``convert.py --serve`` (see convert.serve): started on first use, reused by
+    """The client of one ``server.py`` (see server.serve): started on first use, reused by
     the conversions of this process one at a time, ended at exit. ``convert`` returns the child's exit
     status as a one-shot ``convert.py`` would, or None where the server cannot take the request (it
     could not start, or another thread holds it): the caller then runs ``convert.py`` itself."""
 
     _lock = threading.Lock()
     _current: Server | None = None
+    _unavailable = False  # a server failed to start in this process
 
-    def __init__(self, python: Path, env: Mapping[str, str]) -> None:
-        self.key = (str(python), _startup(env), os.getpid())  # a forked process starts its own
+    def __init__(self, python: Path, env: Mapping[str, str], key: tuple) -> None:
+        self.key = key
         self.child: int | None = None  # the last conversion's process
         self.proc = subprocess.Popen(
-            [str(python), str(SCRIPT), "--serve"],
+            [str(python), str(SERVER)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,  # TensorFlow's import-time noise; each conversion logs to its file
@@ -135,25 +137,27 @@ class Server:
             env=dict(env),
             start_new_session=True,
         )
-        self._receive(SERVER_START_S)
+        try:
+            self._receive(SERVER_START_S)
+        except BaseException:
+            self.close()
+            raise
 
     @classmethod
     def convert(cls, request: Path, cwd: Path, env: Mapping[str, str], log: Path, timeout_s: float) -> int | None:
-        if not cls._lock.acquire(blocking=False):
+        if cls._unavailable or not cls._lock.acquire(blocking=False):
             return None
         try:
+            key = (str(python()), _startup(env), os.getpid())  # a forked process starts its own
             server = cls._current
-            if (
-                server is None
-                or server.key != (str(python()), _startup(env), os.getpid())
-                or server.proc.poll() is not None
-            ):
+            if server is None or server.key != key or server.proc.poll() is not None:
                 if server is not None and server.key[2] == os.getpid():
                     server.close()
                 cls._current = None
                 try:
-                    server = cls._current = Server(python(), env)
+                    server = cls._current = Server(python(), env, key)
                 except (OSError, EOFError, subprocess.TimeoutExpired):
+                    cls._unavailable = True  # not tried again by this process: one-shot conversions
                     return None
             try:
                 return server.run(request, cwd, env, log, timeout_s)

@@ -1,7 +1,7 @@
 """ONNX -> .tflite, run by pipeline.backends.litert in the converter's own environment (the pinned
 onnx2tf/TensorFlow venv of requirements.lock, whose versions clash with skuforge's), as
-``python convert.py REQUEST.json`` (or many requests through ``python convert.py --serve``, see
-``serve``). skuforge never imports this module; it imports nothing of
+``python convert.py REQUEST.json`` (or many requests through ``server.py``, which calls ``main``).
+skuforge never imports this module; it imports nothing of
 skuforge's. Every value arrives in the request file (paths, names, flags), none as command text.
 
 1. onnx2tf turns the (pinned, static) ONNX model into a TensorFlow SavedModel, NCHW inputs kept
@@ -880,68 +880,5 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def serve() -> int:
-    """``python convert.py --serve``: a conversion server for one skuforge process (its client:
-    ``litert_converter.Server``). TensorFlow and onnx2tf are imported once (seconds of each
-    conversion's time); each request is converted in a child forked from this state, in a session
-    of its own, with the request's working folder, environment and log file, so no TensorFlow or
-    Keras state of one conversion reaches the next and a crash or a timeout ends only that child.
-
-    Messages are a 4-byte big-endian length and a JSON document. Requests on stdin: ``{"request",
-    "cwd", "env", "log"}``; replies on stdout: ``{"ready"}`` once imported, then per request
-    ``{"pid"}`` and ``{"code"}`` (the exit status, negative for a signal). EOF on stdin ends it."""
-    import gc
-    import os
-    import struct
-
-    import onnx  # noqa: F401 - the imports of every conversion, made once
-    import onnx2tf  # noqa: F401
-    import tensorflow  # noqa: F401
-
-    def read(n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = os.read(0, n - len(data))
-            if not chunk:
-                raise EOFError
-            data += chunk
-        return data
-
-    def send(message: dict[str, Any]) -> None:
-        body = json.dumps(message).encode()
-        os.write(1, struct.pack(">I", len(body)) + body)
-
-    gc.freeze()  # imported objects out of the collector's walk: a child's pages stay shared
-    send({"ready": os.getpid()})
-    while True:
-        try:
-            request = json.loads(read(struct.unpack(">I", read(4))[0]))
-        except EOFError:
-            return 0
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                os.setsid()
-                os.chdir(request["cwd"])
-                os.environ.clear()
-                os.environ.update(request["env"])
-                log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                null = os.open(os.devnull, os.O_RDONLY)
-                os.dup2(null, 0)
-                os.dup2(log, 1)
-                os.dup2(log, 2)
-                code = main(["convert.py", request["request"]])
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)  # the result file is written and closed; nothing else to finalize
-        send({"pid": pid})
-        _, status = os.waitpid(pid, 0)
-        send({"code": os.waitstatus_to_exitcode(status)})
-
-
 if __name__ == "__main__":
-    sys.exit(serve() if sys.argv[1:] == ["--serve"] else main(sys.argv))
+    sys.exit(main(sys.argv))

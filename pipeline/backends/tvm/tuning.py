@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import logging
 import shutil
+import sys
 import threading
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,11 +51,6 @@ def import_intrinsics() -> None:
     of nothing. While it imports, those lookups are answered at once with what the scan concludes,
     None: no module has such a file, and a frame has no ``__name__`` to fall back on (6.8 s of CPU).
     Where a module does claim a pseudo-file, the scan runs as it is."""
-    import importlib
-    import inspect
-    import sys
-    import types
-
     with _intrinsics_lock:
         if _INTRINSICS in sys.modules:
             return
