@@ -11,7 +11,10 @@
 #   scripts/setup.sh --with LIST      system parts, comma-separated: vulkan (Mesa's software Vulkan driver,
 #                                     apt), chromium (apt), system-site-packages (a Jetson's JetPack TensorRT),
 #                                     cross-aarch64 (Debian's gcc-aarch64-linux-gnu: an aarch64 TVM SKU built
-#                                     on an x86 host; the developer set adds it when params.yaml has one)
+#                                     on an x86 host; the developer set adds it when params.yaml has one),
+#                                     emulation (Debian's qemu-user-static and an aarch64 Python with the
+#                                     runtimes, ~/.cache/skuforge/emulation-aarch64-*: an x86 host validates
+#                                     the aarch64 CPU SKUs' engines under QEMU; --test adds it)
 #
 # Implied by the extras: `examples` installs PyTorch's CPU wheel first (PyPI's Linux x86-64 torch is the
 # CUDA build), `litert` makes the LiteRT converter's own environment, `test` adds chromium.
@@ -29,7 +32,7 @@ while [ $# -gt 0 ]; do
     --test) test=true; shift ;;
     --extras) extras="${2?--extras needs a comma-separated list}"; shift 2 ;;
     --with) with="${2?--with needs a comma-separated list (it may be empty)}"; with_set=true; shift 2 ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "setup: unknown argument: $1 (see scripts/setup.sh --help)" >&2; exit 2 ;;
   esac
 done
@@ -48,11 +51,12 @@ fi
 if $test; then
   extras="${extras:+$extras,}test"
   with="${with:+$with,}chromium"
+  [ "$(uname -m)" = x86_64 ] && with="$with,emulation"
 fi
 has() { case ",$1," in *",$2,"*) return 0 ;; *) return 1 ;; esac; }
 for part in ${with//,/ }; do
-  has "vulkan,chromium,system-site-packages,cross-aarch64" "$part" || {
-    echo "setup: unknown --with part '$part' (known: vulkan, chromium, system-site-packages, cross-aarch64)" >&2
+  has "vulkan,chromium,system-site-packages,cross-aarch64,emulation" "$part" || {
+    echo "setup: unknown --with part '$part' (known: vulkan, chromium, system-site-packages, cross-aarch64, emulation)" >&2
     exit 2
   }
 done
@@ -96,6 +100,12 @@ if has "$with" cross-aarch64; then
   apt_install gcc-aarch64-linux-gnu /usr/bin/aarch64-linux-gnu-gcc "an aarch64 TVM SKU is cross-compiled with it"
 fi
 
+# QEMU's user-mode emulator: an aarch64 Python runs the aarch64 CPU SKUs' engines on an x86 host
+# (validated under emulation, never benchmarked); its environment is made below, after the venv.
+if has "$with" emulation; then
+  apt_install qemu-user-static /usr/bin/qemu-aarch64-static "the aarch64 SKUs' engines are validated under it"
+fi
+
 venv=(python3 -m venv .venv)
 has "$with" system-site-packages && venv+=(--system-site-packages)
 if [ -n "$dry" ] || ! [ -x .venv/bin/python ]; then
@@ -128,4 +138,10 @@ run .venv/bin/pip install --quiet -e ".[$extras]"
 # repository (~/.cache/skuforge/litert-converter-<lock hash>; once per requirements.lock).
 if has "$extras" litert; then
   run .venv/bin/python -m pipeline.backends.litert_converter
+fi
+
+# The aarch64 environment run under QEMU: Debian's arm64 Python unpacked (no system change) and the
+# runtimes' aarch64 wheels at this venv's versions (~/.cache/skuforge/emulation-aarch64-<hash>).
+if has "$with" emulation && { [ -n "$dry" ] || [ -x /usr/bin/qemu-aarch64-static ]; }; then
+  run .venv/bin/python -m pipeline.host.emulation
 fi

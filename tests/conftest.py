@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.backends import litert_converter
+from pipeline.core.env import SKUFORGE_EMULATION_DIR
 from pipeline.core.io import atomic_write_json
+from pipeline.core.paths import cache_dir
 from pipeline.host import peaks
 
 TESTS = Path(__file__).resolve().parent
@@ -124,6 +126,7 @@ def _seeded_host_peaks(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         # the LiteRT converter's environment stays where setup made it (the default follows the cache folder)
         mp.setenv(litert_converter.ENV_VAR, str(litert_converter.env_dir()))
+        mp.setenv(SKUFORGE_EMULATION_DIR.name, str(cache_dir()))  # and so do the aarch64 environments
         mp.setenv(peaks.ENV_CACHE_DIR, str(folder))
         yield folder
 

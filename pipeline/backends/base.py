@@ -59,6 +59,9 @@ class Backend(abc.ABC):
     # versions() keys that must be equal at load time: an engine from another runtime or
     # compiler version is refused, not loaded
     runtime_keys: ClassVar[tuple[str, ...]] = ()
+    # an emulated runner (pipeline/backends/emulated): this backend's aarch64 CPU engines run on an
+    # x86-64 host under QEMU user-mode emulation, for validation (never a benchmark)
+    emulation: ClassVar[bool] = False
 
     @classmethod
     def options(cls, sku: SkuSpec) -> Any:
@@ -201,6 +204,19 @@ class Backend(abc.ABC):
                     hint="rebuild the engine here, or install the version it was built with",
                 )
         return self._loaded(engine_dir, meta, sku)
+
+    def load_emulated(self, engine_dir: Path, sku: SkuSpec) -> Runner:
+        """The engine run by the SKU's runtime built for its CPU, under emulation on this host
+        (``emulation``): checked whole as ``load`` does; the runtime versions are the worker's."""
+        meta = self.read_meta(engine_dir)
+        runner = self._load_emulated_impl(engine_dir, meta, sku)
+        runner.engine_sha256 = engine_digest(meta.files)
+        return runner
+
+    def _load_emulated_impl(self, engine_dir: Path, meta: Any, sku: SkuSpec) -> Runner:
+        raise EnvironmentProblem(
+            f"the {self.name} backend has no emulated runner", hint="validate the engine on the device's runner"
+        )
 
     def _loaded(self, engine_dir: Path, meta: EngineMeta, sku: SkuSpec) -> Runner:
         runner = self._load_impl(engine_dir, meta, sku)

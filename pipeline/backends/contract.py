@@ -146,6 +146,9 @@ class Runner(abc.ABC):
     """A loaded engine. ``infer`` checks its inputs, then calls ``_infer_impl``."""
 
     engine_sha256: str | None = None  # set by Backend.load from the verified engine files
+    # set when the engine runs under QEMU user-mode emulation (Backend.load_emulated): the emulator,
+    # the emulated CPU and the aarch64 environment, for the validation report
+    emulation: dict[str, Any] | None = None
 
     def __init__(self, inputs: list[TensorSig], outputs: list[str]):
         self.inputs = inputs

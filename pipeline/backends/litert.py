@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pipeline.backends import litert_converter
 from pipeline.backends.base import Backend
 from pipeline.backends.contract import BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
+from pipeline.backends.emulated import EmulatedInterpreter, Worker, check_versions, emulated_runner
 from pipeline.backends.opset import convert_opset
 from pipeline.core.env import process_environment
 from pipeline.core.errors import EnvironmentProblem, InputError, UnsupportedOp, first_line
@@ -194,19 +195,28 @@ def interpreter(model: Path, delegate: str, num_threads: int) -> Any:
 
 
 class LiteRtRunner(Runner):
-    """One interpreter per calling thread (an interpreter is not thread-safe)."""
+    """One interpreter per calling thread (an interpreter is not thread-safe). ``worker``: the
+    engine's interpreter is an aarch64 LiteRT under emulation (pipeline/backends/emulated)."""
 
-    def __init__(self, model: Path, meta: LiteRtMeta):
+    def __init__(self, model: Path, meta: LiteRtMeta, worker: Worker | None = None):
         super().__init__(meta.onnx_inputs, [o.name for o in meta.outputs])
-        self._model, self._meta = model, meta
+        self._model, self._meta, self._worker = model, meta, worker
         self._local = threading.local()
         self._interpreter()  # load now: a damaged engine fails here, not at the first call
 
     def _interpreter(self) -> Any:
         interp = getattr(self._local, "interp", None)
         if interp is None:
-            interp = self._local.interp = interpreter(self._model, self._meta.delegate, self._meta.num_threads)
+            if self._worker is not None:
+                interp = EmulatedInterpreter(self._worker, [t.index for t in self._meta.outputs])
+            else:
+                interp = interpreter(self._model, self._meta.delegate, self._meta.num_threads)
+            self._local.interp = interp
         return interp
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
 
     def _infer_impl(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import numpy as np
@@ -255,6 +265,7 @@ class LiteRtBackend(Backend):
     )
     engine_format = "skuforge-litert/1"
     runtime_keys = ("ai-edge-litert",)
+    emulation = True
 
     @classmethod
     def _check_sku_impl(cls, sku: SkuSpec, options: LiteRtOptions) -> list[str]:
@@ -412,6 +423,21 @@ class LiteRtBackend(Backend):
 
     def _load_impl(self, engine_dir: Path, meta: LiteRtMeta, sku: SkuSpec) -> Runner:
         return LiteRtRunner(engine_dir / meta.tflite, meta)
+
+    def _load_emulated_impl(self, engine_dir: Path, meta: LiteRtMeta, sku: SkuSpec) -> Runner:
+        load = {
+            "runtime": "litert",
+            "model": str(engine_dir / meta.tflite),
+            "delegate": meta.delegate,
+            "num_threads": meta.num_threads,
+        }
+        worker = Worker(load, str(engine_dir))
+        try:
+            check_versions(worker, meta.versions, self.runtime_keys, engine_dir)
+            return emulated_runner(LiteRtRunner(engine_dir / meta.tflite, meta, worker), worker)
+        except BaseException:
+            worker.close()
+            raise
 
 
 def _onnx_sig(value: Any) -> TensorSig:

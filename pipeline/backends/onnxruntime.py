@@ -17,6 +17,7 @@ from pydantic import Field
 
 from pipeline.backends.base import Backend, onnx_version
 from pipeline.backends.contract import BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
+from pipeline.backends.emulated import EmulatedSession, Worker, check_versions, emulated_runner
 from pipeline.backends.quantize import QdqOptions, conversion_warnings
 from pipeline.backends.reference import (
     CPU,
@@ -165,6 +166,17 @@ class OnnxRuntimeRunner(SessionRunner):
         return dict(zip(names, outputs))  # noqa: B905 (one output per name; the keyword alone costs ~1 us a call)
 
 
+class EmulatedOnnxRuntimeRunner(OnnxRuntimeRunner):
+    """The same runner on an aarch64 ONNX Runtime under emulation (pipeline/backends/emulated)."""
+
+    def __init__(self, session: EmulatedSession) -> None:
+        super().__init__(session)  # the parts of InferenceSession the runner uses
+        self._worker = session.worker
+
+    def close(self) -> None:
+        self._worker.close()
+
+
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
     Options = OnnxRuntimeOptions
@@ -178,6 +190,7 @@ class OnnxRuntimeBackend(Backend):
     install_hint = "pip install onnxruntime (CPU) or onnxruntime-gpu (CUDA, TensorRT)"
     engine_format = "skuforge-onnxruntime/1"
     runtime_keys = ("onnxruntime",)
+    emulation = True
 
     @classmethod
     def _check_sku_impl(cls, sku: SkuSpec, options: OnnxRuntimeOptions) -> list[str]:
@@ -195,6 +208,13 @@ class OnnxRuntimeBackend(Backend):
                 f"list a provider that runs {sku.precision} first: {', '.join(others)}"
             ]
         return []
+
+    def cross_compiles(self, sku: SkuSpec) -> bool:
+        """A CPU engine saved below level "all" holds no layout ops of the building CPU (NCHWc, in
+        blocks of its vector width): the same ONNX Runtime release runs it on any CPU, so it is
+        built on any host and validated where its CPU runs (natively, or under emulation)."""
+        opts = self.options(sku)
+        return sku.target.device == "cpu" and opts.providers == [CPU] and opts.graph_optimization_level != "all"
 
     def environment_problems(self, sku: SkuSpec, purpose: str = "run") -> list[str]:
         try:
@@ -318,6 +338,23 @@ class OnnxRuntimeBackend(Backend):
             return create_session(engine_dir / "model.onnx", so, meta.providers, meta.provider_options, engine=True)
 
         return OnnxRuntimeRunner(open_session(), reopen=open_session)
+
+    def _load_emulated_impl(self, engine_dir: Path, meta: OnnxRuntimeMeta, sku: SkuSpec) -> Runner:
+        load = {
+            "runtime": "onnxruntime",
+            "model": str(engine_dir / "model.onnx"),
+            "providers": meta.providers,
+            "level": meta.load_optimization_level,
+            "intra": meta.intra_op_num_threads,
+            "inter": meta.inter_op_num_threads,
+        }
+        worker = Worker(load, str(engine_dir))
+        try:
+            check_versions(worker, meta.versions, () if meta.portable else self.runtime_keys, engine_dir)
+            return emulated_runner(EmulatedOnnxRuntimeRunner(EmulatedSession(worker)), worker)
+        except BaseException:
+            worker.close()
+            raise
 
 
 def nchwc_block(flags: Any = None, arch: str | None = None) -> int | None:

@@ -257,6 +257,12 @@ SKUFORGE_LITERT_CONVERTER = Folder(
     "pipeline/backends/litert_converter/requirements.lock; `python -m pipeline.backends.litert_converter` makes it)",
     default_doc="`$SKUFORGE_CACHE_DIR/litert-converter-<the lock's sha256[:12]>`",
 )
+SKUFORGE_EMULATION_DIR = Folder(
+    "SKUFORGE_EMULATION_DIR",
+    "folder of the aarch64 environments run under QEMU user-mode emulation (`emulation-aarch64-<hash>`: Debian's "
+    "arm64 Python and the runtimes' aarch64 wheels; `python -m pipeline.host.emulation` makes one)",
+    default_doc="`$SKUFORGE_CACHE_DIR`",
+)
 SKUFORGE_FAKE_CPU_FLAGS = Text(
     "SKUFORGE_FAKE_CPU_FLAGS",
     "testing hook: the CPU flags this host reports instead of `/proc/cpuinfo`'s (space- or comma-separated "

@@ -20,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Literal
 
-from pipeline.backends import backend_class, get_backend, litert_converter
+from pipeline.backends import backend_class, emulated, get_backend, litert_converter
 from pipeline.core.io import atomic_write_json, sha256_json
 from pipeline.core.paths import cache_dir
 from pipeline.core.versions import UnreadableVersion, normalize, satisfies, specifier_problem
@@ -74,6 +74,22 @@ def hardware_problems(spec: SkuSpec) -> list[str]:
     return problems
 
 
+def runs_emulated(spec: SkuSpec) -> bool:
+    """True when this host would run the SKU's engines under QEMU user-mode emulation: an aarch64
+    Linux CPU target on an x86-64 Linux host, with a backend that has an emulated runner
+    (pipeline/backends/emulated). Such an engine is validated here, never benchmarked."""
+    target = spec.target
+    return (
+        target.arch == "aarch64"
+        and target.os == "linux"
+        and target.device == "cpu"
+        and probe.host_arch() == "x86_64"
+        and probe.host_os() == "linux"
+        and backend_class(spec.backend).emulation
+        and not get_backend(spec.backend).runs_remotely(spec)  # a device bench runs it (TVM's tracker)
+    )
+
+
 def host_problems(registry: Registry, sku: str, purpose: Purpose = "run") -> list[str]:
     """Why this host cannot build (or run) ``sku``'s engines; empty when it can."""
     return sku_host_problems(registry.sku(sku), purpose)
@@ -86,6 +102,11 @@ def sku_host_problems(spec: SkuSpec, purpose: Purpose = "run") -> list[str]:
     elsewhere = backend.cross_compiles(spec) if purpose == "build" else backend.runs_remotely(spec)
     if not elsewhere:
         problems = hardware_problems(spec)
+        if problems and purpose == "run" and runs_emulated(spec):
+            missing = emulated.problems()
+            if missing:
+                return [f"{'; '.join(problems)}; cannot emulate it: {'; '.join(missing)}"]
+            problems = []  # the engine runs under emulation (validated, not benchmarked)
         if problems:  # wrong hardware: the SDK checks below would only add noise
             return problems
     return toolchain_problems(spec.toolchain, installed_only=purpose == "run") + backend.environment_problems(
@@ -100,8 +121,9 @@ KEEP_CACHES = 8  # fingerprints kept (a CI image, a developer's venvs): older on
 
 
 def _state_files() -> list[Path]:
-    """Files a backend's check reads besides packages and drivers: the LiteRT converter's stamp."""
-    return [litert_converter.env_dir() / litert_converter.STAMP]
+    """Files a backend's check reads besides packages and drivers: the LiteRT converter's stamp and
+    the emulated aarch64 environment's."""
+    return [litert_converter.env_dir() / litert_converter.STAMP, emulated.stamp()]
 
 
 class HostCheckCache:

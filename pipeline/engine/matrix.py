@@ -12,7 +12,7 @@ from typing import Any, Literal, get_args
 
 from pipeline.core.errors import SkuforgeError
 from pipeline.core.paths import Layout
-from pipeline.engine.hostcheck import cached_host_problems, host_problems
+from pipeline.engine.hostcheck import cached_host_problems, host_problems, runs_emulated
 from pipeline.project.config import KnownGap, Registry
 from pipeline.results.benchstats import e2e_below_engine
 from pipeline.results.manifest import load_manifest
@@ -31,6 +31,7 @@ class SkuStatus:
     runnable: bool = False
     problems: list[str] = field(default_factory=list)
     device_class: str | None = None  # the devices it serves (skus.<s>.device_class); None: in no class
+    emulated: bool = False  # runnable here only under emulation: validated, not benchmarked
 
     def to_json(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -57,6 +58,7 @@ def sku_statuses(registry: Registry, cached: bool = True) -> list[SkuStatus]:
                 runnable=not run,
                 problems=list(dict.fromkeys(build + run)),
                 device_class=spec.device_class,
+                emulated=not run and runs_emulated(spec),
             )
         )
     return out
@@ -240,17 +242,36 @@ def _pair_outcome(
             fix=fix,
             cache=cache_note,
         )
-    if status is not None and not status.runnable and out.report(model, sku, "build").is_file():
+    if status is not None and (status.emulated or not status.runnable) and out.report(model, sku, "build").is_file():
+        emulated = _emulated_validation(out.report(model, sku, "validate"), out.report(model, sku, "build"))
         return PairOutcome(
             model,
             sku,
             "built only",
             0,
-            "; ".join(status.problems) + ": its runner validates, benches and publishes it",
-            "build",
+            emulated + ": its runner benches and publishes it"
+            if emulated
+            else "; ".join(status.problems) + ": its runner validates, benches and publishes it",
+            "validate" if emulated else "build",
             runner_labels=status.runner_labels,
         )
     return PairOutcome(model, sku, "not run", 0, "no manifest and no recorded failure yet")
+
+
+def _emulated_validation(path: Path, build: Path) -> str:
+    """ "validated under emulation …" where validate.json is a passing run under emulation of the
+    engine build.json describes; empty otherwise (not yet validated, or a report of another engine)."""
+    try:
+        report = json.loads(path.read_text())
+        engine = json.loads(build.read_text()).get("engine_sha256")
+    except (OSError, ValueError):
+        return ""
+    emulation = report.get("emulation") if isinstance(report, dict) else None
+    if not isinstance(emulation, dict) or report.get("passed") is not True or report.get("engine_sha256") != engine:
+        return ""
+    samples = report.get("samples") if isinstance(report.get("samples"), dict) else {}
+    n = ", ".join(f"{k} {v}" for k, v in samples.items())
+    return f"validated under emulation ({emulation.get('emulator')}, {emulation.get('cpu')}; not benchmarked; {n})"
 
 
 def _failed_pair(

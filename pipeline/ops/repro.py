@@ -45,7 +45,8 @@ def targets(
 
     A SKU this host can build and run goes to its publish stage (its manifest with
     ``publish=False``); one it can only build (a cross-compiled engine) goes to its build stage,
-    and its runner validates, benches and publishes it. Only the pairs the registry builds
+    and its runner validates, benches and publishes it; one it runs only under emulation (an aarch64
+    SKU on an x86-64 host) goes to its validate stage. Only the pairs the registry builds
     (Registry.pairs: ``models.<m>.skus``). ``statuses``: sku_statuses, computed when None.
     """
     for m in models or []:
@@ -61,8 +62,14 @@ def targets(
             hint=f"add the SKU to models.{models[0]}.skus in params.yaml, or ask for one listed there",
         )
     last = PAIR_STAGES[-1] if publish else "manifest"
-    out = [stage_address(last if by_sku[s].runnable else "build", m, s) for m, s in pairs if by_sku[s].buildable]
-    return out, [s for s in statuses if not (s.buildable and s.runnable)]
+    out = [stage_address(_last_stage(by_sku[s], last), m, s) for m, s in pairs if by_sku[s].buildable]
+    return out, [s for s in statuses if not (s.buildable and s.runnable) or s.emulated]
+
+
+def _last_stage(status: SkuStatus, last: str) -> str:
+    """How far this host takes a SKU's pairs: all the way, to validate where it runs them only under
+    emulation (validated, never benchmarked), to the build where it cannot run them."""
+    return "build" if not status.runnable else "validate" if status.emulated else last
 
 
 def upstream_stages(registry: Registry, dvc_targets: list[str]) -> set[str]:

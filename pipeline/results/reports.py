@@ -661,6 +661,11 @@ class ValidationReport(EngineBound):
     preprocessing: list[PreprocessingDrift] = Field(
         default_factory=list, description="the drift check per input made from raw files"
     )
+    emulation: dict[str, Any] | None = Field(
+        None,
+        description="set when the engine ran under QEMU user-mode emulation (emulator, emulated CPU, runtime, "
+        "the aarch64 environment): validated under emulation, not benchmarked",
+    )
 
 
 class LatencyStats(Result):

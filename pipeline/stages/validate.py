@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pipeline.backends import get_backend
 from pipeline.core.budget import Budget
 from pipeline.core.errors import GateFailed, InputError, SkuforgeError
 from pipeline.core.io import atomic_savez, atomic_write_json, sha256_arrays
 from pipeline.core.progress import Progress
-from pipeline.engine.build import require_host
+from pipeline.engine.build import open_engine, require_host
 from pipeline.project.artifacts import check_engine, layout, log, read_report
 from pipeline.project.config import Pair
 from pipeline.results.reports import (
@@ -113,6 +112,13 @@ def _log_report(pair: Pair, report: ValidationReport, judgement: Judgement) -> N
     model, sku, spec = pair.model, pair.sku, pair.spec
     warnings, errors, drift, metrics = report.warnings, report.outputs, report.preprocessing, report.metrics
     lg = log(model, sku)
+    if report.emulation:
+        lg.info(
+            "ran under emulation (%s, %s; not benchmarked): %s",
+            report.emulation.get("emulator"),
+            report.emulation.get("cpu"),
+            ", ".join(f"{k} {v}" for k, v in report.emulation.get("runtime", {}).items()),
+        )
     for w in warnings:
         lg.warning("%s", w)
     for e in errors:
@@ -182,7 +188,8 @@ def validate(pair: Pair, progress: Progress | None = None) -> ValidationReport:
     outputs_sha = None
     # the budget covers loading and the engine calls; what follows them is bounded by the data's size
     budget = Budget(sku_spec.max_seconds, "validate", f"skus.{sku}.max_seconds", log(model, sku))
-    with budget.watch(), get_backend(sku_spec.backend).load(out.engine_dir(model, sku), sku_spec) as runner:
+    with budget.watch(), open_engine(sku_spec, out.engine_dir(model, sku)) as runner:
+        emulation = runner.emulation
         engine_sha = check_engine(runner, build, out.engine_dir(model, sku), model, sku)
         judgement = correctness(pair, runner, progress, budget)
         errors, metrics, golden = judgement.errors, judgement.metrics, judgement.golden
@@ -219,6 +226,7 @@ def validate(pair: Pair, progress: Progress | None = None) -> ValidationReport:
         task=judgement.task,
         diagnostics=diagnostics(judgement),
         preprocessing=drift,
+        emulation=emulation,
     )
     atomic_write_json(out.report(model, sku, "validate"), report.to_json())
     _log_report(pair, report, judgement)

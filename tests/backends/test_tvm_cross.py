@@ -20,7 +20,7 @@ from pipeline.backends import get_backend  # noqa: E402
 from pipeline.backends.tvm import LIBRARY, elf_machine_problem  # noqa: E402
 from pipeline.core.errors import EnvironmentProblem  # noqa: E402
 from pipeline.core.paths import Layout  # noqa: E402
-from pipeline.engine.hostcheck import host_problems  # noqa: E402
+from pipeline.engine.hostcheck import host_problems, runs_emulated  # noqa: E402
 from pipeline.host.probe import host_arch  # noqa: E402
 from pipeline.project.config import SkuSpec, load_registry  # noqa: E402
 from pipeline.stages.build import build  # noqa: E402
@@ -94,9 +94,12 @@ def test_the_library_is_aarch64_and_the_build_report_is_complete(proj):
     assert not rep.hardware_specific
 
 
-def test_this_host_builds_the_sku_but_does_not_run_it(proj):
+def test_this_host_builds_the_sku_and_runs_it_only_under_emulation(proj, monkeypatch, tmp_path):
     assert host_problems(proj, "arm", "build") == []
-    assert any("needs arch aarch64" in p for p in host_problems(proj, "arm", "run"))
+    assert runs_emulated(proj.sku("arm"))  # tests/backends/test_emulated.py runs it so
+    monkeypatch.setenv("PATH", str(tmp_path))  # no qemu-aarch64-static: not runnable, and says what to install
+    [problem] = host_problems(proj, "arm", "run")
+    assert problem.startswith("needs arch aarch64") and "needs qemu-user-static" in problem
 
 
 def test_with_a_bench_key_and_the_tracker_set_it_runs_on_the_bench(tmp_path, monkeypatch):
@@ -104,9 +107,10 @@ def test_with_a_bench_key_and_the_tracker_set_it_runs_on_the_bench(tmp_path, mon
     skus = {"arm": arm_sku(rpc={"key": "rpi5"})}
     reg = load_registry(models.write_project(tmp_path, {"conv": models.conv_bn_spec()}, skus))
     monkeypatch.delenv("SKUFORGE_TVM_TRACKER", raising=False)
-    assert any("needs arch aarch64" in p for p in host_problems(reg, "arm", "run"))
+    assert runs_emulated(reg.sku("arm"))  # no bench: an emulated device under the key, where QEMU is here
     monkeypatch.setenv("SKUFORGE_TVM_TRACKER", "127.0.0.1:9190")
     assert host_problems(reg, "arm", "run") == []
+    assert not runs_emulated(reg.sku("arm"))  # the bench's devices, not an emulated one
 
 
 def test_the_cache_key_carries_the_target_triple():

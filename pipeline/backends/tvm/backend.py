@@ -17,6 +17,7 @@ from pipeline.backends.contract import (
     Runner,
     Staged,
 )
+from pipeline.backends.emulated import RpcDevice
 from pipeline.backends.tvm.common import (
     CROSS_CC,
     DEFAULTS,
@@ -36,7 +37,7 @@ from pipeline.backends.tvm.common import (
     tvm_version,
 )
 from pipeline.backends.tvm.importer import import_onnx, lower, op_type_of, primitive_functions
-from pipeline.backends.tvm.rpc import RemoteTvmRunner, connect, rpc_runner
+from pipeline.backends.tvm.rpc import RemoteTvmRunner, RpcOptions, connect, rpc_runner
 from pipeline.backends.tvm.runner import TvmRunner
 from pipeline.backends.tvm.tuning import (
     compile_module,
@@ -52,7 +53,7 @@ from pipeline.backends.tvm.tuning import (
     tuning_budget_warning,
 )
 from pipeline.core.env import SKUFORGE_TUNE, SKUFORGE_TVM_TRACKER
-from pipeline.core.errors import EnvironmentProblem
+from pipeline.core.errors import EnvironmentProblem, InputError
 from pipeline.host import probe
 from pipeline.model.graph import signature
 from pipeline.results.reports import LayerInfo
@@ -61,6 +62,21 @@ if TYPE_CHECKING:
     from pipeline.project.config import SkuSpec
 
 log = logging.getLogger(__name__)
+
+
+def _check_device_library(library: Path, sku: SkuSpec) -> None:
+    """A library goes to the SKU's device only if it is code for the device's architecture (an
+    engine built for this host, copied over the SKU's, is refused here, not by the device's loader)."""
+    wrong = elf_machine_problem(library, sku.target.arch)
+    if wrong:
+        raise InputError(
+            f"{library} is not code for the SKU's {sku.target.arch} devices: {wrong}",
+            hint="rebuild the engine for the SKU (skuforge build, or dvc repro)",
+        )
+
+
+EMULATED_KEY = "emulated-aarch64"  # the tracker key of an emulated device when the SKU names none
+EMULATED_SESSION_S = 1800  # one validation's session on an emulated device (QEMU runs ~5-20x slower)
 
 
 class TvmBackend(Backend):
@@ -94,6 +110,8 @@ class TvmBackend(Backend):
         if sku.target.arch not in TRIPLES:
             problems.append(f"target.arch: {sku.target.arch} has no LLVM triple here (known: {', '.join(TRIPLES)})")
         return problems
+
+    emulation = True  # through TVM's RPC: an emulated aarch64 rpc_server registered with a loopback tracker
 
     def runs_remotely(self, sku: SkuSpec) -> bool:
         """A SKU naming a bench key (``options.rpc``), with the tracker set: validate and bench run
@@ -281,7 +299,7 @@ class TvmBackend(Backend):
             if self.cross_compiles(ctx.sku_spec) and opts.rpc is None:  # local runs would be for another CPU
                 raise EnvironmentProblem(
                     f"{ctx.sku} targets {ctx.sku_spec.target.arch}: its candidates cannot be measured on this "
-                    f"{probe.host_arch()} host",
+                    f"{probe.host_arch()} host (nor under emulation: timings under QEMU say nothing of the device)",
                     hint="tune it on its own runner, or name the devices' tracker key (options.rpc.key)",
                 )
             budget = ctx.tuning_trials or opts.trials
@@ -348,6 +366,7 @@ class TvmBackend(Backend):
         opts: TvmOptions = self.options(sku)
         if self.runs_remotely(sku):  # the device bench runs it, not this CPU
             assert opts.rpc is not None  # runs_remotely says so
+            _check_device_library(engine_dir / meta.library, sku)
             return RemoteTvmRunner(
                 engine_dir / meta.library, list(meta.inputs), [o.name for o in meta.outputs], meta.entry, opts.rpc
             )
@@ -360,3 +379,30 @@ class TvmBackend(Backend):
                 "this CPU supports (e.g. x86-64-v3), or run it on the SKU's runner",
             )
         return TvmRunner(engine_dir / meta.library, meta)
+
+    def _load_emulated_impl(self, engine_dir: Path, meta: TvmMeta, sku: SkuSpec) -> Runner:
+        """The library through TVM's tracker to an emulated aarch64 rpc_server registered under the
+        SKU's key (its ``options.rpc``, else ``EMULATED_KEY``), as to a board on a device bench."""
+        rpc = self.options(sku).rpc
+        _check_device_library(engine_dir / meta.library, sku)
+        options = RpcOptions(
+            key=rpc.key if rpc else EMULATED_KEY,
+            session_timeout_s=max(rpc.session_timeout_s if rpc else 0, EMULATED_SESSION_S),
+        )
+        device = RpcDevice(options.key, str(engine_dir))
+        try:
+            runner = RemoteTvmRunner(
+                engine_dir / meta.library,
+                list(meta.inputs),
+                [o.name for o in meta.outputs],
+                meta.entry,
+                options,
+                tracker=device.tracker,
+                on_close=device.close,
+                device_death=device.death,
+            )
+        except BaseException:
+            device.close()
+            raise
+        runner.emulation = device.record
+        return runner

@@ -27,7 +27,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -384,14 +384,31 @@ class RemoteTvmRunner(Runner):
     answer within SKUFORGE_TVM_RPC_TIMEOUT."""
 
     def __init__(
-        self, library: Path, inputs: list[TensorSig], outputs: list[str], entry: str, options: RpcOptions
+        self,
+        library: Path,
+        inputs: list[TensorSig],
+        outputs: list[str],
+        entry: str,
+        options: RpcOptions,
+        tracker: tuple[str, int] | None = None,
+        on_close: Callable[[], None] | None = None,
+        device_death: Callable[[], str] | None = None,
     ) -> None:
+        """``tracker``: this tracker instead of SKUFORGE_TVM_TRACKER's (an emulated device's);
+        ``on_close``: called when the runner closes (to stop that device); ``device_death``: why
+        the device's server died, where it did ("" where it did not or cannot tell)."""
         super().__init__(inputs, outputs)
         self._vm: Any = None
         self._main: Any = None
         self._session: Any = None
         self._watchdog: _Watchdog | None = None
-        host, port = connect(options)
+        self._on_close = on_close
+        self._death = device_death or str
+        if tracker is None:
+            host, port = connect(options)
+        else:
+            host, port = tracker
+            wait_for_key(host, port, options.key)
         from tvm import relax  # once the tracker answered: the import takes seconds
 
         self.where = f"{options.key}@{host}:{port}"
@@ -410,17 +427,22 @@ class RemoteTvmRunner(Runner):
         except ServiceError:
             self.close()
             raise
-        except (OSError, RuntimeError) as exc:
+        except Exception as exc:
+            death = self._death()
             self.close()
+            if death:  # the library killed the device's server: the engine's doing, not the link's
+                raise InputError(
+                    f"{library} killed the device {self.where} while loading: {death}",
+                    hint="rebuild the engine for the device's target (options.target_cpu, target_cpu_features)",
+                ) from exc
+            if not isinstance(exc, OSError | RuntimeError):  # TVMError from the remote loader: another CPU or TVM
+                raise InputError(
+                    f"{library} cannot be loaded on the device {self.where}: {exc}",
+                    hint="rebuild the engine for the device's target (options.target_cpu)",
+                ) from exc
             raise ServiceError(
                 f"{library} could not be loaded on the device {self.where}: {str(exc).strip().splitlines()[-1]}",
                 hint="check the device's rpc_server log; the library must be built for the device's CPU",
-            ) from exc
-        except Exception as exc:  # TVMError from the remote loader: a library for another CPU or TVM
-            self.close()
-            raise InputError(
-                f"{library} cannot be loaded on the device {self.where}: {exc}",
-                hint="rebuild the engine for the device's target (options.target_cpu)",
             ) from exc
 
     def _infer_impl(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -429,13 +451,28 @@ class RemoteTvmRunner(Runner):
 
         assert self._watchdog is not None and self._main is not None, "inference on a closed runner"
         with self._lock, self._watchdog.deadline(self._timeout, "running the engine"):
-            args = [runtime.tensor(np.asarray(feeds[s.name], order="C"), self._dev) for s in self.inputs]
-            out = self._main(*args)
-            outs = [out] if hasattr(out, "shape") else list(out)
-            return {name: o.numpy() for name, o in zip(self.output_names, outs, strict=True)}
+            try:
+                args = [runtime.tensor(np.asarray(feeds[s.name], order="C"), self._dev) for s in self.inputs]
+                out = self._main(*args)
+                outs = [out] if hasattr(out, "shape") else list(out)
+                return {name: o.numpy() for name, o in zip(self.output_names, outs, strict=True)}
+            except Exception as exc:  # TVMError: the session ended under the call
+                death = self._death()
+                if death:
+                    raise InputError(
+                        f"the engine killed the device {self.where} while running: {death}",
+                        hint="rebuild the engine for the device's target (options.target_cpu, target_cpu_features)",
+                    ) from exc
+                raise ServiceError(
+                    f"the device {self.where} failed while running the engine: {first_line(exc)}",
+                    hint="check the device's rpc_server log",
+                ) from exc
 
     def close(self) -> None:
         self._vm = self._main = self._session = None
         if self._watchdog is not None:
             self._watchdog.close()
             self._watchdog = None
+        if self._on_close is not None:
+            self._on_close()
+            self._on_close = None
