@@ -7,10 +7,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pipeline.backends import get_backend
+from pipeline.backends import emulated, get_backend
 from pipeline.core.errors import ConfigError, InputError, SkuforgeError
 from pipeline.core.versions import satisfies
-from pipeline.engine.hostcheck import host_problems
+from pipeline.engine.hostcheck import host_problems, runs_emulated
 from pipeline.engine.matrix import sku_statuses
 from pipeline.host import probe
 from pipeline.host.peaks import host_peaks
@@ -54,20 +54,37 @@ def probe_report(registry: Registry, peaks: bool = False, refresh: bool = False)
         "skus": {
             "buildable": [s.sku for s in statuses if s.buildable],
             "runnable": [s.sku for s in statuses if s.runnable],
+            "emulated": [s.sku for s in statuses if s.emulated],  # runnable under QEMU only: validated
         },
+        "emulation": emulation_report(),
     }
     if peaks:
         report["peaks"] = host_peaks(refresh=refresh).to_json()
     return report
 
 
+def emulation_report() -> dict[str, Any]:
+    """Whether this host runs aarch64 engines under QEMU user-mode emulation, and with what."""
+    problems = emulated.problems()
+    return {"aarch64": "available" if not problems else "unavailable", "problems": problems, **emulated.describe()}
+
+
 def check_report(registry: Registry, sku: str) -> dict[str, Any]:
-    """Host versus SKU for building and running its engines: every difference, named."""
+    """Host versus SKU for building and running its engines: every difference, named. A host that
+    runs the SKU's engines only under emulation validates them but is no runner for the SKU: its
+    bench needs the device."""
     spec = registry.sku(sku)
     problems = list(dict.fromkeys(host_problems(registry, sku, "build") + host_problems(registry, sku, "run")))
+    emulated_here = not problems and runs_emulated(spec)
+    if emulated_here:
+        problems.append(
+            f"runs its {spec.target.arch} engines only under emulation (validated here, never benchmarked): "
+            "its runner needs the device"
+        )
     return {
         "sku": sku,
         "matches": not problems,
+        "emulated": emulated_here,
         "problems": problems,
         "target": spec.target.model_dump(),
         "toolchain": spec.toolchain,

@@ -90,8 +90,15 @@ def reproduce(
         status = ProjectStatus(registry.root)
     dvc_targets, skipped = targets(registry, models, skus, publish=publish, statuses=statuses)
     for s in skipped:
+        labels = ", ".join(s.runner_labels)
+        if s.emulated:
+            say(
+                f"validating SKU {s.sku} under emulation (QEMU: outputs, not timings); its bench needs a runner "
+                f"with labels [{labels}]"
+            )
+            continue
         what = "building only (validate and bench need the target)" if s.buildable else "skipping"
-        say(f"{what} SKU {s.sku}: {'; '.join(s.problems)}; needs a runner with labels [{', '.join(s.runner_labels)}]")
+        say(f"{what} SKU {s.sku}: {'; '.join(s.problems)}; needs a runner with labels [{labels}]")
     result = ReproResult(targets=dvc_targets, skipped=skipped, dry=dry)
     if not dvc_targets:
         if skus:  # asked for by name (a CI job for one SKU): building nothing is not success

@@ -31,6 +31,7 @@ from pipeline.stages.data import make_data
 from pipeline.stages.prepare import prepare
 from pipeline.stages.reference import reference
 from pipeline.stages.validate import validate
+from pipeline.tracking.evidence import assemble
 
 ON_X86 = pytest.mark.skipif(host_arch() != "x86_64", reason=f"this host is {host_arch()}: nothing to emulate")
 EMULATION = pytest.mark.skipif(
@@ -116,6 +117,8 @@ def test_an_arm_engine_is_validated_under_emulation_and_never_benchmarked(proj, 
     assert report.emulation["environment"]["sysroot"]["packages"]  # the Debian arm64 packages it ran on
     with pytest.raises(EnvironmentProblem, match="only under emulation: validated here, never benchmarked"):
         bench(pair)
+    with pytest.raises(InputError, match="judged the engine under emulation .* a manifest states the verdict"):
+        assemble(pair)  # nor does an emulated verdict reach a manifest (a run cache restoring it on the device)
     [row] = matrix(reg, ["conv"], [sku])
     assert row.outcome == "built only" and row.exit_code == 0
     assert row.detail.startswith("validated under emulation (qemu-aarch64-static, cortex-a76; not benchmarked")

@@ -143,6 +143,16 @@ class Worker:
         self._tmp.cleanup()
 
 
+def describe() -> dict[str, Any]:
+    """The emulator and the environment an emulated run would use (for ``skuforge runner probe``)."""
+    return {
+        "emulator": emulation.EMULATOR,
+        "cpu": emulation.QEMU_CPU,
+        "environment": str(emulation.env_dir(packages())),
+        "packages": packages(),
+    }
+
+
 @dataclass
 class _Io:
     name: str
