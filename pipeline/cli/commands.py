@@ -104,6 +104,10 @@ STAGES: dict[str, tuple[Callable[..., Any], Callable[[Any], str]]] = {
         validate_stage.validate,
         lambda r: f"validated {r.model}/{r.sku}: passed",
     ),
+    "emulate": (
+        validate_stage.emulate,
+        lambda r: f"validated {r.model}/{r.sku} under emulation: passed (not benchmarked)",
+    ),
     "bench": (
         bench_stage.bench,
         lambda r: (

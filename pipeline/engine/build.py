@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.backends import backend_class, get_backend
-from pipeline.backends.contract import BuildContext, BuildOutcome, Runner
+from pipeline.backends.contract import BuildContext, BuildOutcome
 from pipeline.core.errors import EnvironmentProblem
 from pipeline.core.io import atomic_dir, sha256_json
 from pipeline.core.progress import Progress
-from pipeline.engine.hostcheck import Purpose, runs_emulated, sku_host_problems
+from pipeline.engine.hostcheck import Purpose, emulation_problems, sku_host_problems
 from pipeline.project.artifacts import (
     batch_indices,
     calibration_batches,
@@ -38,21 +38,22 @@ def require_host(sku: str, spec: SkuSpec, purpose: Purpose = "run") -> None:
         )
 
 
-def open_engine(spec: SkuSpec, engine_dir: Path) -> Runner:
-    """The engine loaded to run on this host: natively, or where this host runs the SKU's CPU only
-    under emulation (hostcheck.runs_emulated), by the SKU's runtime built for that CPU, under QEMU."""
-    backend = get_backend(spec.backend)
-    return backend.load_emulated(engine_dir, spec) if runs_emulated(spec) else backend.load(engine_dir, spec)
-
-
-def require_native(sku: str, spec: SkuSpec) -> None:
-    """Exit 3 where this host runs the SKU's engines only under emulation: timings under QEMU say
-    nothing of the device, so such an engine is validated here and benchmarked on its runner."""
-    if runs_emulated(spec):
+def require_emulation(sku: str, spec: SkuSpec) -> None:
+    """Exit 3 unless this host validates the SKU's engines under emulation (an aarch64 CPU SKU on an
+    x86-64 host with QEMU and the aarch64 environment)."""
+    problems = emulation_problems(spec)
+    if problems is None or problems:
+        why = (
+            "; ".join(problems)
+            if problems
+            else (
+                f"its {spec.target.arch} {spec.target.device} engines run natively or on a device bench here, or "
+                f"its backend ({spec.backend}) has no emulated runner"
+            )
+        )
         raise EnvironmentProblem(
-            f"this host runs SKU {sku}'s {spec.target.arch} engines only under emulation: validated here, "
-            "never benchmarked (timings under QEMU say nothing of the device)",
-            hint=f"bench it on a runner with labels [{', '.join(spec.runner_labels)}]",
+            f"this host does not validate SKU {sku} under emulation: {why}",
+            hint="scripts/setup.sh --with emulation on an x86-64 Linux host; on the SKU's runner: skuforge validate",
         )
 
 

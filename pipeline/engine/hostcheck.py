@@ -74,20 +74,33 @@ def hardware_problems(spec: SkuSpec) -> list[str]:
     return problems
 
 
-def runs_emulated(spec: SkuSpec) -> bool:
-    """True when this host would run the SKU's engines under QEMU user-mode emulation: an aarch64
-    Linux CPU target on an x86-64 Linux host, with a backend that has an emulated runner
-    (pipeline/backends/emulated). Such an engine is validated here, never benchmarked."""
+def can_emulate(spec: SkuSpec) -> bool:
+    """True for a SKU whose engines an x86-64 host may validate under QEMU user-mode emulation: an
+    aarch64 Linux CPU target and a backend with an emulated runner (pipeline/backends/emulated).
+    Such a SKU has an emulate stage (pipelines/<sku>/emulated/dvc.yaml) whatever the host."""
     target = spec.target
     return (
         target.arch == "aarch64"
         and target.os == "linux"
         and target.device == "cpu"
+        and backend_class(spec.backend).emulation
+    )
+
+
+def runs_emulated(spec: SkuSpec) -> bool:
+    """True when this host would validate the SKU's engines under emulation (an x86-64 Linux host,
+    no device bench that runs them instead): validated here, never benchmarked."""
+    return (
+        can_emulate(spec)
         and probe.host_arch() == "x86_64"
         and probe.host_os() == "linux"
-        and backend_class(spec.backend).emulation
         and not get_backend(spec.backend).runs_remotely(spec)  # a device bench runs it (TVM's tracker)
     )
+
+
+def emulation_problems(spec: SkuSpec) -> list[str] | None:
+    """None where this host would not emulate the SKU; else why it cannot now (empty: it can)."""
+    return emulated.problems() if runs_emulated(spec) else None
 
 
 def host_problems(registry: Registry, sku: str, purpose: Purpose = "run") -> list[str]:
@@ -102,11 +115,14 @@ def sku_host_problems(spec: SkuSpec, purpose: Purpose = "run") -> list[str]:
     elsewhere = backend.cross_compiles(spec) if purpose == "build" else backend.runs_remotely(spec)
     if not elsewhere:
         problems = hardware_problems(spec)
-        if problems and purpose == "run" and runs_emulated(spec):
-            missing = emulated.problems()
-            if missing:
-                return [f"{'; '.join(problems)}; cannot emulate it: {'; '.join(missing)}"]
-            problems = []  # the engine runs under emulation (validated, not benchmarked)
+        missing = emulation_problems(spec) if problems and purpose == "run" else None
+        if missing is not None:  # validated here under emulation at most: said with the hardware
+            how = (
+                f"cannot emulate it: {'; '.join(missing)}"
+                if missing
+                else "its engines are validated under emulation here"
+            )
+            return [f"{'; '.join(problems)} ({how})"]
         if problems:  # wrong hardware: the SDK checks below would only add noise
             return problems
     return toolchain_problems(spec.toolchain, installed_only=purpose == "run") + backend.environment_problems(

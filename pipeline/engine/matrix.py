@@ -12,7 +12,7 @@ from typing import Any, Literal, get_args
 
 from pipeline.core.errors import SkuforgeError
 from pipeline.core.paths import Layout
-from pipeline.engine.hostcheck import cached_host_problems, host_problems, runs_emulated
+from pipeline.engine.hostcheck import cached_host_problems, emulation_problems, host_problems
 from pipeline.project.config import KnownGap, Registry
 from pipeline.results.benchstats import e2e_below_engine
 from pipeline.results.manifest import load_manifest
@@ -31,7 +31,7 @@ class SkuStatus:
     runnable: bool = False
     problems: list[str] = field(default_factory=list)
     device_class: str | None = None  # the devices it serves (skus.<s>.device_class); None: in no class
-    emulated: bool = False  # runnable here only under emulation: validated, not benchmarked
+    emulated: bool = False  # not runnable here, but its engines are validated here under emulation
 
     def to_json(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -58,7 +58,7 @@ def sku_statuses(registry: Registry, cached: bool = True) -> list[SkuStatus]:
                 runnable=not run,
                 problems=list(dict.fromkeys(build + run)),
                 device_class=spec.device_class,
-                emulated=not run and runs_emulated(spec),
+                emulated=not build and emulation_problems(spec) == [],
             )
         )
     return out
@@ -74,6 +74,9 @@ PAIR_STAGES = ("build", "validate", "bench", "manifest", "publish")
 BUILD_STAGES = PAIR_STAGES[:1]
 RUN_STAGES = PAIR_STAGES[1:]
 PIPELINES_DIR = "pipelines"
+# validate under QEMU user-mode emulation (an aarch64 SKU's engine on an x86-64 host): its own file,
+# pipelines/<sku>/emulated/dvc.yaml, and its own report (emulate.json), never the device's validate
+EMULATE_STAGE = "emulate"
 
 
 def pipeline_file(sku: str, run: bool) -> str:
@@ -81,9 +84,22 @@ def pipeline_file(sku: str, run: bool) -> str:
     return f"{PIPELINES_DIR}/{sku}/run/dvc.yaml" if run else f"{PIPELINES_DIR}/{sku}/dvc.yaml"
 
 
+def emulated_file(sku: str) -> str:
+    """The SKU's dvc.yaml holding its emulate stage (SKUs that can be emulated: ``can_emulate``)."""
+    return f"{PIPELINES_DIR}/{sku}/emulated/dvc.yaml"
+
+
 def stage_address(stage: str, model: str, sku: str) -> str:
     """How dvc names a (model, SKU) stage: ``pipelines/<sku>/run/dvc.yaml:bench@<model>``."""
-    return f"{pipeline_file(sku, stage in RUN_STAGES)}:{stage}@{model}"
+    where = emulated_file(sku) if stage == EMULATE_STAGE else pipeline_file(sku, stage in RUN_STAGES)
+    return f"{where}:{stage}@{model}"
+
+
+def stage_chain(stage: str) -> tuple[str, ...]:
+    """The pair stages up to ``stage``, itself included (emulate follows the build)."""
+    if stage == EMULATE_STAGE:
+        return (*BUILD_STAGES, EMULATE_STAGE)
+    return PAIR_STAGES[: PAIR_STAGES.index(stage) + 1]
 
 
 def parse_address(address: str) -> tuple[str, str | None, str | None]:
@@ -197,7 +213,9 @@ def _pair_outcome(
         )
     made = manifest_path.stat().st_mtime if row else None
     base = registry.root / OUTCOMES_DIR / model
-    records = [(r, False) for r in (read_outcome(base / f"{st}@{sku}.json") for st in PAIR_STAGES) if r]
+    records = [
+        (r, False) for r in (read_outcome(base / f"{st}@{sku}.json") for st in (*PAIR_STAGES, EMULATE_STAGE)) if r
+    ]
     records += [(r, True) for r in upstream]
     fresh = [(r, up) for r, up in records if made is None or r["_mtime"] > made]
     if fresh:
@@ -242,8 +260,8 @@ def _pair_outcome(
             fix=fix,
             cache=cache_note,
         )
-    if status is not None and (status.emulated or not status.runnable) and out.report(model, sku, "build").is_file():
-        emulated = _emulated_validation(out.report(model, sku, "validate"), out.report(model, sku, "build"))
+    if status is not None and not status.runnable and out.report(model, sku, "build").is_file():
+        emulated = _emulated_validation(out.report(model, sku, EMULATE_STAGE), out.report(model, sku, "build"))
         return PairOutcome(
             model,
             sku,
@@ -252,14 +270,14 @@ def _pair_outcome(
             emulated + ": its runner benches and publishes it"
             if emulated
             else "; ".join(status.problems) + ": its runner validates, benches and publishes it",
-            "validate" if emulated else "build",
+            EMULATE_STAGE if emulated else "build",
             runner_labels=status.runner_labels,
         )
     return PairOutcome(model, sku, "not run", 0, "no manifest and no recorded failure yet")
 
 
 def _emulated_validation(path: Path, build: Path) -> str:
-    """ "validated under emulation …" where validate.json is a passing run under emulation of the
+    """ "validated under emulation …" where emulate.json is a passing run under emulation of the
     engine build.json describes; empty otherwise (not yet validated, or a report of another engine)."""
     try:
         report = json.loads(path.read_text())
@@ -281,8 +299,8 @@ def _failed_pair(
     stage, code, message = record["stage"], int(record["exit_code"]), str(record["message"])
     if record.get("timed_out"):  # before validate's failures: its report, if any, is an older run's
         return PairOutcome(model, sku, "gate failed", code, f"{stage}: {message}", stage, manifest=row)
-    if stage == "validate" and code == 1:
-        failures, fix = _validate_failures(registry, model, sku, Layout(registry.root).report(model, sku, "validate"))
+    if stage in ("validate", EMULATE_STAGE) and code == 1:
+        failures, fix = _validate_failures(registry, model, sku, Layout(registry.root).report(model, sku, stage))
         return PairOutcome(
             model, sku, "gate failed", 1, _with_fix("; ".join(failures) or message, fix), stage, manifest=row, fix=fix
         )

@@ -6,7 +6,9 @@ one folder per SKU, so that a host can hide a SKU from DVC with a .dvcignore (DV
 dvc.yaml in the workspace and honours a .dvcignore inside a subfolder):
 
 - ``pipelines/<sku>/dvc.yaml``: build, which any host that can build the SKU runs;
-- ``pipelines/<sku>/run/dvc.yaml``: validate, bench, manifest and publish, which need the target.
+- ``pipelines/<sku>/run/dvc.yaml``: validate, bench, manifest and publish, which need the target;
+- ``pipelines/<sku>/emulated/dvc.yaml`` (an aarch64 CPU SKU, pipeline/backends/emulated): emulate,
+  which an x86-64 host with QEMU runs instead of the target's stages.
 
 Each stage runs at the project root (``wdir``), so its command and its paths in the lock are those
 of a root stage. Each file has its own dvc.lock next to it: the SKU's CI job writes it. The files are
@@ -25,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.io import atomic_write_bytes
-from pipeline.engine.matrix import PAIR_STAGES, PIPELINES_DIR, RUN_STAGES, SkuStatus, pipeline_file
+from pipeline.engine.hostcheck import can_emulate
+from pipeline.engine.matrix import PAIR_STAGES, PIPELINES_DIR, RUN_STAGES, SkuStatus, emulated_file, pipeline_file
 from pipeline.project.config import Registry
 
 # The first line of every rendered file: what render removes when its SKU is gone, and nothing else.
@@ -157,6 +160,28 @@ stages:
 """
 
 
+_EMULATED = """\
+[[header]]
+# SKU [[sku]]'s engines validated under QEMU user-mode emulation on an x86-64 host (its aarch64 CPU):
+# outputs judged by the same gates, never timings, into emulate.json (the device's validate.json is
+# its runner's). Hidden (.dvcignore) on a host that does not emulate the SKU. Runs at the project root.
+stages:
+  emulate:
+    foreach: [[models]]
+    do:
+      wdir: ../../..
+      cmd: skuforge emulate --model '${item}' --sku '[[sku]]'
+      deps:
+        - build/config/${item}-[[sku]].json
+        - build/${item}/[[sku]]/engine
+        - build/${item}/[[sku]]/build.json
+        - build/${item}/data
+        - build/${item}/reference
+      outs:
+        - build/${item}/[[sku]]/emulate.json
+"""
+
+
 def pipeline_files(registry: Registry) -> dict[str, str]:
     """Relative path -> text of every per-SKU pipeline file: one pair per SKU some model selects,
     listing only those models (Registry.pairs). SKU and model names obey the registry's name rule,
@@ -166,9 +191,12 @@ def pipeline_files(registry: Registry) -> dict[str, str]:
         models.setdefault(sku, []).append(model)
     files = {}
     for sku, names in models.items():
-        for template, run in ((_BUILD, False), (_RUN, True)):
+        templates = [(_BUILD, pipeline_file(sku, False)), (_RUN, pipeline_file(sku, True))]
+        if can_emulate(registry.skus[sku]):
+            templates.append((_EMULATED, emulated_file(sku)))
+        for template, name in templates:
             text = template.replace("[[header]]", HEADER).replace("[[sku]]", sku)
-            files[pipeline_file(sku, run)] = text.replace("[[models]]", json.dumps(names))
+            files[name] = text.replace("[[models]]", json.dumps(names))
     return files
 
 
@@ -202,7 +230,8 @@ def render_pipelines(registry: Registry, check: bool = False) -> PipelinesResult
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(path, text.encode())
     removed = []
-    for path in sorted([*root.glob(f"{PIPELINES_DIR}/*/dvc.yaml"), *root.glob(f"{PIPELINES_DIR}/*/run/dvc.yaml")]):
+    globs = ("*/dvc.yaml", "*/run/dvc.yaml", "*/emulated/dvc.yaml")
+    for path in sorted(p for pattern in globs for p in root.glob(f"{PIPELINES_DIR}/{pattern}")):
         name = path.relative_to(root).as_posix()
         if name not in files and _rendered(path):
             removed.append(name)
@@ -268,7 +297,12 @@ def hide_from_dvc(registry: Registry, statuses: list[SkuStatus]) -> tuple[list[s
     for status in statuses:
         folder = root / PIPELINES_DIR / status.sku
         why = " ".join("; ".join(status.problems).split()) or "not for this host"  # one comment line
-        for place, hide in ((folder, not status.buildable), (folder / "run", status.buildable and not status.runnable)):
+        places = (
+            (folder, not status.buildable),
+            (folder / "run", status.buildable and not status.runnable),
+            (folder / "emulated", status.buildable and not status.emulated),
+        )
+        for place, hide in places:
             ignore = place / ".dvcignore"
             if hide and place.is_dir():
                 needs = f"a runner with labels [{', '.join(status.runner_labels)}]"

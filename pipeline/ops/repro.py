@@ -20,6 +20,7 @@ from pipeline.core.io import MERGE_CONFLICT_FIX, atomic_write_json, merge_confli
 from pipeline.core.processes import stop_group
 from pipeline.core.redact import redact
 from pipeline.engine.matrix import (
+    EMULATE_STAGE,
     EXAMPLE_STAGES,
     GLOBAL_STAGES,
     MODEL_STAGES,
@@ -29,6 +30,7 @@ from pipeline.engine.matrix import (
     parse_address,
     sku_statuses,
     stage_address,
+    stage_chain,
 )
 from pipeline.project.config import Registry
 from pipeline.results.outcomes import clear_outcome
@@ -45,8 +47,8 @@ def targets(
 
     A SKU this host can build and run goes to its publish stage (its manifest with
     ``publish=False``); one it can only build (a cross-compiled engine) goes to its build stage,
-    and its runner validates, benches and publishes it; one it runs only under emulation (an aarch64
-    SKU on an x86-64 host) goes to its validate stage. Only the pairs the registry builds
+    and its runner validates, benches and publishes it; one whose engines it validates under emulation
+    (an aarch64 CPU SKU on an x86-64 host) goes to its emulate stage. Only the pairs the registry builds
     (Registry.pairs: ``models.<m>.skus``). ``statuses``: sku_statuses, computed when None.
     """
     for m in models or []:
@@ -63,13 +65,13 @@ def targets(
         )
     last = PAIR_STAGES[-1] if publish else "manifest"
     out = [stage_address(_last_stage(by_sku[s], last), m, s) for m, s in pairs if by_sku[s].buildable]
-    return out, [s for s in statuses if not (s.buildable and s.runnable) or s.emulated]
+    return out, [s for s in statuses if not (s.buildable and s.runnable)]
 
 
 def _last_stage(status: SkuStatus, last: str) -> str:
-    """How far this host takes a SKU's pairs: all the way, to validate where it runs them only under
-    emulation (validated, never benchmarked), to the build where it cannot run them."""
-    return "build" if not status.runnable else "validate" if status.emulated else last
+    """How far this host takes a SKU's pairs: all the way; to the emulate stage where it cannot run
+    them but validates them under emulation (never benchmarked); to the build otherwise."""
+    return last if status.runnable else EMULATE_STAGE if status.emulated else "build"
 
 
 def upstream_stages(registry: Registry, dvc_targets: list[str]) -> set[str]:
@@ -79,7 +81,7 @@ def upstream_stages(registry: Registry, dvc_targets: list[str]) -> set[str]:
         stage, model, sku = parse_address(target)
         assert model is not None and sku is not None, target  # targets() makes (model, SKU) addresses only
         names |= {f"{s}@{model}" for s in MODEL_STAGES}
-        names |= {stage_address(s, model, sku) for s in PAIR_STAGES[: PAIR_STAGES.index(stage) + 1]}
+        names |= {stage_address(s, model, sku) for s in stage_chain(stage)}
     return names
 
 
@@ -486,5 +488,5 @@ def clear_outcomes(registry: Registry, dvc_targets: list[str]) -> None:
             clear_outcome(registry.root, stage)
         elif stage in MODEL_STAGES:
             clear_outcome(registry.root, stage, item)
-        elif stage in PAIR_STAGES and sku is not None:
+        elif stage in (*PAIR_STAGES, EMULATE_STAGE) and sku is not None:
             clear_outcome(registry.root, stage, item, sku)

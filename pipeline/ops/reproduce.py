@@ -93,8 +93,8 @@ def reproduce(
         labels = ", ".join(s.runner_labels)
         if s.emulated:
             say(
-                f"validating SKU {s.sku} under emulation (QEMU: outputs, not timings); its bench needs a runner "
-                f"with labels [{labels}]"
+                f"validating SKU {s.sku} under emulation only (QEMU: outputs, not timings); its runner with labels "
+                f"[{labels}] validates, benches and publishes it"
             )
             continue
         what = "building only (validate and bench need the target)" if s.buildable else "skipping"

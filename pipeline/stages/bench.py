@@ -59,7 +59,7 @@ from pipeline.results.reports import (
 if TYPE_CHECKING:
     from pipeline.perf.roofline import RooflineReport
 from pipeline.core.progress import Progress
-from pipeline.engine.build import require_host, require_native
+from pipeline.engine.build import require_host
 from pipeline.host.peaks import host_peaks
 from pipeline.host.probe import device_state, host, rss_mb, usable_cores
 from pipeline.perf.cost import graph_cost
@@ -382,7 +382,6 @@ def bench(pair: Pair, progress: Progress | None = None) -> BenchReport:
 
     model, sku, spec, sku_spec, cfg = pair.model, pair.sku, pair.spec, pair.sku_spec, pair.bench
     require_host(sku, sku_spec)
-    require_native(sku, sku_spec)
     out = layout(pair.registry)
     prep = read_report(out.report(model, None, "prepare"), PrepareReport, "prepare")
     build = read_report(out.report(model, sku, "build"), BuildReport, "build")

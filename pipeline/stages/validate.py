@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from collections import Counter
 
+from pipeline.backends import get_backend
 from pipeline.core.budget import Budget
 from pipeline.core.errors import GateFailed, InputError, SkuforgeError
 from pipeline.core.io import atomic_savez, atomic_write_json, sha256_arrays
 from pipeline.core.progress import Progress
-from pipeline.engine.build import open_engine, require_host
+from pipeline.engine.build import require_emulation, require_host
+from pipeline.engine.matrix import EMULATE_STAGE
 from pipeline.project.artifacts import check_engine, layout, log, read_report
 from pipeline.project.config import Pair
 from pipeline.results.reports import (
@@ -154,18 +156,20 @@ def _log_report(pair: Pair, report: ValidationReport, judgement: Judgement) -> N
         )
 
 
-def _raise_on_failures(pair: Pair, failures: list[str], unjudged: list[str], bisection: Bisection | None) -> None:
+def _raise_on_failures(
+    pair: Pair, failures: list[str], unjudged: list[str], bisection: Bisection | None, stage: str = "validate"
+) -> None:
     """InputError when only the data could not judge the engine; GateFailed with the bisection's
     finding and the remedy's command otherwise."""
     model, sku, sku_spec = pair.model, pair.sku, pair.sku_spec
-    out = layout(pair.registry)
+    report = layout(pair.registry).report(model, sku, stage)
     if failures and len(failures) == len(unjudged):
         raise InputError(
             f"{model}/{sku}: the datasets cannot judge the engine:\n" + "\n".join(f"  - {f}" for f in failures),
-            hint=f"see {out.report(model, sku, 'validate')} and docs/correctness.md (sample sizes)",
+            hint=f"see {report} and docs/correctness.md (sample sizes)",
         )
     if failures:
-        hint = f"see {out.report(model, sku, 'validate')}; loosen the SKU's tolerance only if the error is understood"
+        hint = f"see {report}; loosen the SKU's tolerance only if the error is understood"
         lines = failures + ([f"bisection ({bisection.builds} builds): {bisection.summary}"] if bisection else [])
         if bisection is not None and bisection.suspects and sku_spec.precision != "fp32":
             what = (
@@ -177,25 +181,42 @@ def _raise_on_failures(pair: Pair, failures: list[str], unjudged: list[str], bis
                 f"{what} and re-validate: skuforge bisect --model {model} --sku {sku} "
                 f"--fix (--apply writes params.yaml); {hint}"
             )
-        raise GateFailed(f"{model}/{sku} failed validation:\n" + "\n".join(f"  - {f}" for f in lines), hint=hint)
+        under = " under emulation" if stage == EMULATE_STAGE else ""
+        raise GateFailed(f"{model}/{sku} failed validation{under}:\n" + "\n".join(f"  - {f}" for f in lines), hint=hint)
 
 
 def validate(pair: Pair, progress: Progress | None = None) -> ValidationReport:
+    """The engine on this host, which runs the SKU's target (or reaches its device bench)."""
+    require_host(pair.sku, pair.sku_spec)
+    return _validate(pair, progress, "validate")
+
+
+def emulate(pair: Pair, progress: Progress | None = None) -> ValidationReport:
+    """validate under QEMU user-mode emulation: an aarch64 SKU's engine on this x86-64 host, run by
+    the SKU's runtime built for its CPU (pipeline/backends/emulated), judged by the same gates;
+    written to emulate.json (the device's own validate.json is never this). No golden outputs for
+    the consistency matrix and no bisection (its rebuilt candidates would run natively here)."""
+    require_emulation(pair.sku, pair.sku_spec)
+    return _validate(pair, progress, EMULATE_STAGE)
+
+
+def _validate(pair: Pair, progress: Progress | None, stage: str) -> ValidationReport:
     model, sku, sku_spec = pair.model, pair.sku, pair.sku_spec
-    require_host(sku, sku_spec)
+    emulated = stage == EMULATE_STAGE
     out = layout(pair.registry)
     build = read_report(out.report(model, sku, "build"), BuildReport, "build")
     outputs_sha = None
     # the budget covers loading and the engine calls; what follows them is bounded by the data's size
-    budget = Budget(sku_spec.max_seconds, "validate", f"skus.{sku}.max_seconds", log(model, sku))
-    with budget.watch(), open_engine(sku_spec, out.engine_dir(model, sku)) as runner:
-        emulation = runner.emulation
+    budget = Budget(sku_spec.max_seconds, stage, f"skus.{sku}.max_seconds", log(model, sku))
+    backend = get_backend(sku_spec.backend)
+    load = backend.load_emulated if emulated else backend.load
+    with budget.watch(), load(out.engine_dir(model, sku), sku_spec) as runner:
         engine_sha = check_engine(runner, build, out.engine_dir(model, sku), model, sku)
         judgement = correctness(pair, runner, progress, budget)
         errors, metrics, golden = judgement.errors, judgement.metrics, judgement.golden
         # the device's preprocessing against the training side's, through this engine (docs/preprocessing.md)
         drift = preprocessing_drift(pair, runner, {m.split: m.engine for m in metrics}, progress, budget)
-    if golden:
+    if golden and not emulated:
         atomic_savez(out.engine_outputs(model, sku), **golden)
         outputs_sha = sha256_arrays(golden)
     placement = placement_gate(build, sku_spec.placement.allowed, sku_spec.placement.max_fallback_nodes)
@@ -205,7 +226,7 @@ def validate(pair: Pair, progress: Progress | None = None) -> ValidationReport:
     failures = gate_failures + [d.failure for d in drift if d.failure and d.judgeable] + unjudged
     warnings = _gate_lines(pair, judgement, drift, placement, precision, failures)
     bisection = None
-    if gate_failures and sku_spec.bisect.on_failure:
+    if gate_failures and sku_spec.bisect.on_failure and not emulated:
         bisection = _bisect(pair)
     report = ValidationReport(
         model=model,
@@ -226,9 +247,9 @@ def validate(pair: Pair, progress: Progress | None = None) -> ValidationReport:
         task=judgement.task,
         diagnostics=diagnostics(judgement),
         preprocessing=drift,
-        emulation=emulation,
+        emulation=runner.emulation,
     )
-    atomic_write_json(out.report(model, sku, "validate"), report.to_json())
+    atomic_write_json(out.report(model, sku, stage), report.to_json())
     _log_report(pair, report, judgement)
-    _raise_on_failures(pair, failures, unjudged, bisection)
+    _raise_on_failures(pair, failures, unjudged, bisection, stage)
     return report

@@ -144,14 +144,6 @@ def assemble(pair: Pair) -> dict:
     data = read_report(out.report(model, None, "data"), DataReport, "data")
     build = read_report(out.report(model, sku, "build"), BuildReport, "build")
     val = read_report(out.report(model, sku, "validate"), ValidationReport, "validate")
-    if val.emulation is not None:  # outputs under QEMU: never the verdict of an engine shipped to devices
-        raise InputError(
-            f"{out.report(model, sku, 'validate')} judged the engine under emulation "
-            f"({val.emulation.get('emulator')}, {val.emulation.get('cpu')}): a manifest states the verdict "
-            "of the device that benched it",
-            hint=f"validate it on the SKU's runner: skuforge validate --model {model} --sku {sku} (or dvc repro "
-            "--force on its validate stage, where a run cache restored this report)",
-        )
     bench = read_report(out.report(model, sku, "bench"), BenchReport, "bench")
     _bound(build, {"validate.json": val, "bench.json": bench}, model, sku)
     _bench_bound(pair, bench)

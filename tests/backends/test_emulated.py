@@ -20,6 +20,7 @@ import pytest
 from pipeline.backends import emulated, get_backend
 from pipeline.core.errors import EnvironmentProblem, InputError
 from pipeline.core.paths import Layout
+from pipeline.engine.build import require_emulation
 from pipeline.engine.hostcheck import runs_emulated, sku_host_problems
 from pipeline.engine.matrix import matrix, sku_statuses
 from pipeline.host.probe import host_arch
@@ -30,8 +31,7 @@ from pipeline.stages.calibrate import calibrate
 from pipeline.stages.data import make_data
 from pipeline.stages.prepare import prepare
 from pipeline.stages.reference import reference
-from pipeline.stages.validate import validate
-from pipeline.tracking.evidence import assemble
+from pipeline.stages.validate import emulate, validate
 
 ON_X86 = pytest.mark.skipif(host_arch() != "x86_64", reason=f"this host is {host_arch()}: nothing to emulate")
 EMULATION = pytest.mark.skipif(
@@ -88,7 +88,9 @@ def test_without_the_emulator_an_arm_sku_is_not_runnable_and_says_what_to_instal
     assert runs_emulated(spec)
     [problem] = sku_host_problems(spec, "run")
     assert problem.startswith("needs arch aarch64, this host is x86_64")
-    assert "cannot emulate it: needs qemu-user-static (scripts/setup.sh --with emulation)" in problem
+    assert "(cannot emulate it: needs qemu-user-static (scripts/setup.sh --with emulation)" in problem
+    with pytest.raises(EnvironmentProblem, match="does not validate SKU arm under emulation: needs qemu-user-static"):
+        require_emulation("arm", spec)
     assert sku_host_problems(spec, "build") == []  # saved below level "all": built on any host
 
 
@@ -105,20 +107,22 @@ def test_an_engine_saved_at_level_all_is_not_cross_built():
 def test_an_arm_engine_is_validated_under_emulation_and_never_benchmarked(proj, sku):
     reg = proj.registry
     status = {s.sku: s for s in sku_statuses(reg, cached=False)}[sku]
-    assert status.buildable and status.runnable and status.emulated
+    assert status.buildable and not status.runnable and status.emulated
+    assert status.problems[0].endswith("(its engines are validated under emulation here)")
     pair = reg.pair("conv", sku)
     build(pair)
-    report = validate(pair)
+    report = emulate(pair)
     assert report.passed, report.failures
+    assert (proj.out.sku_dir("conv", sku) / "emulate.json").is_file()
+    assert not (proj.out.sku_dir("conv", sku) / "validate.json").exists()  # the device's, never this
     runtime = {"arm_ort": "onnxruntime", "arm_litert": "ai-edge-litert", "arm_tvm": "apache-tvm"}[sku]
     assert report.emulation is not None
     assert report.emulation["cpu"] == "cortex-a76" and report.emulation["emulator"] == "qemu-aarch64-static"
     assert report.emulation["runtime"] == {runtime: emulated.packages()[runtime]}
     assert report.emulation["environment"]["sysroot"]["packages"]  # the Debian arm64 packages it ran on
-    with pytest.raises(EnvironmentProblem, match="only under emulation: validated here, never benchmarked"):
-        bench(pair)
-    with pytest.raises(InputError, match="judged the engine under emulation .* a manifest states the verdict"):
-        assemble(pair)  # nor does an emulated verdict reach a manifest (a run cache restoring it on the device)
+    for stage in (validate, bench):  # the target's stages stay its runner's
+        with pytest.raises(EnvironmentProblem, match=f"this host cannot run SKU {sku}: needs arch aarch64"):
+            stage(pair)
     [row] = matrix(reg, ["conv"], [sku])
     assert row.outcome == "built only" and row.exit_code == 0
     assert row.detail.startswith("validated under emulation (qemu-aarch64-static, cortex-a76; not benchmarked")
@@ -177,7 +181,7 @@ def test_a_tvm_library_with_instructions_the_device_lacks_kills_the_emulated_dev
         stage(reg, "conv")
     build(reg.pair("conv", "sve"))
     with pytest.raises(InputError) as caught:
-        validate(reg.pair("conv", "sve"))
+        emulate(reg.pair("conv", "sve"))
     assert "killed the device emulated-aarch64@127.0.0.1" in caught.value.message
     assert "died of SIGILL (an instruction the emulated cortex-a76 lacks)" in caught.value.message
     assert "target_cpu" in caught.value.hint

@@ -99,7 +99,7 @@ def test_this_host_builds_the_sku_and_runs_it_only_under_emulation(proj, monkeyp
     assert runs_emulated(proj.sku("arm"))  # tests/backends/test_emulated.py runs it so
     monkeypatch.setenv("PATH", str(tmp_path))  # no qemu-aarch64-static: not runnable, and says what to install
     [problem] = host_problems(proj, "arm", "run")
-    assert problem.startswith("needs arch aarch64") and "needs qemu-user-static" in problem
+    assert problem.startswith("needs arch aarch64") and "(cannot emulate it: needs qemu-user-static" in problem
 
 
 def test_with_a_bench_key_and_the_tracker_set_it_runs_on_the_bench(tmp_path, monkeypatch):

@@ -23,6 +23,7 @@ STAGE_COMMANDS: dict[str, tuple[bool, str]] = {
     "calibrate": (False, "INT8 calibration table"),
     "build": (True, "build the engine with the SKU's backend"),
     "validate": (True, "correctness and placement gates"),
+    "emulate": (True, "validate an aarch64 SKU's engine on this x86-64 host under QEMU (emulate.json)"),
     "bench": (True, "latency, throughput and memory"),
     "manifest": (True, "write the manifest"),
 }
