@@ -94,6 +94,7 @@ def runs_emulated(spec: SkuSpec) -> bool:
         can_emulate(spec)
         and probe.host_arch() == "x86_64"
         and probe.host_os() == "linux"
+        and get_backend(spec.backend).cross_compiles(spec)  # an engine this host can build at all
         and not get_backend(spec.backend).runs_remotely(spec)  # a device bench runs it (TVM's tracker)
     )
 
