@@ -200,8 +200,9 @@ def list_skus(args: argparse.Namespace) -> int:
     rows = [s for s in sku_statuses(_registry(args)) if s.buildable or not args.buildable_here]
 
     def here(s) -> str:
-        run = "emulated" if s.emulated else "run"  # validated under QEMU, never benchmarked
-        return f"build+{run}" if s.buildable and s.runnable else "build" if s.buildable else run if s.runnable else "no"
+        if s.emulated:  # built here, validated under QEMU, benchmarked on its runner
+            return "build+emulated"
+        return "build+run" if s.buildable and s.runnable else "build" if s.buildable else "run" if s.runnable else "no"
 
     def text() -> str:
         cells = [{**s.to_json(), "here": here(s), "runner_labels": ",".join(s.runner_labels)} for s in rows]

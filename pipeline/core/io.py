@@ -286,3 +286,18 @@ def merge_conflict(path: str | os.PathLike, text: str) -> str | None:
             shown = line if len(line) <= 80 else line[:80] + "…"
             return f"{path} has an unresolved git merge conflict: line {number} is the marker {shown!r}"
     return None
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (made, with its folder, when missing) for the block: the
+    processes that take it on the same file serialise (making a cached environment, writing a store)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import compileall
 import contextlib
-import fcntl
 import json
 import platform
 import re
@@ -29,14 +28,22 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 from urllib.parse import unquote
 
 from pipeline.core.env import SKUFORGE_EMULATION_DIR, process_environment
 from pipeline.core.errors import EnvironmentProblem
-from pipeline.core.io import atomic_dir, atomic_write_json, read_json, sha256_file, sha256_json
+from pipeline.core.io import (
+    atomic_dir,
+    atomic_write_bytes,
+    atomic_write_json,
+    file_lock,
+    read_json,
+    sha256_file,
+    sha256_json,
+)
 from pipeline.core.paths import cache_dir
 
 EMULATOR = "qemu-aarch64-static"
@@ -116,6 +123,8 @@ def problems(packages: Mapping[str, str]) -> list[str]:
     env = env_dir(packages)
     stamp, made = env / STAMP, {}
     if not (sysroot(env) / "usr" / "bin" / "python3.11").is_file():
+        with contextlib.suppress(OSError):  # the last attempt's reason (a runtime without an aarch64 wheel)
+            return [*found, f"the aarch64 environment could not be made: {_failed(env).read_text().strip()}"]
         return [*found, f"the aarch64 environment {env} does not exist ({SETUP_HINT})"]
     if not stamp.is_file():
         return [*found, f"the aarch64 environment {env} is incomplete (its making did not finish)"]
@@ -124,17 +133,6 @@ def problems(packages: Mapping[str, str]) -> list[str]:
     if made.get("key") != _key(packages):
         return [*found, f"the aarch64 environment {env} was made for other versions ({made.get('packages')})"]
     return found
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _run(argv: list[str], what: str, hint: str, env: Mapping[str, str] | None = None, check: bool = True) -> str:
@@ -285,23 +283,37 @@ def prepare(packages: Mapping[str, str], force: bool = False) -> Path:
         if not shutil.which(tool):
             raise EnvironmentProblem(f"making the aarch64 environment needs {tool} (a Debian or Ubuntu host)")
     env = env_dir(packages)
-    with _locked(env.parent / f".{env.name}.lock"):
+    with file_lock(env.parent / f".{env.name}.lock"):
         if not force and not problems(packages):
             return env
-        with atomic_dir(env) as tmp:
-            debs = _sysroot(sysroot(tmp), tmp / "apt")
-            wheels = _wheels(site_packages(tmp), tmp / "wheels", packages)
-            shutil.rmtree(tmp / "apt")
-            shutil.rmtree(tmp / "wheels")
-            if sys.version_info[:2] == (3, 11):  # bytecode is the same on every CPU: compile it here, not emulated
-                for folder in (sysroot(tmp) / "usr" / "lib" / "python3.11", site_packages(tmp)):
-                    compileall.compile_dir(folder, quiet=2)
-            modules = sorted(IMPORTS[name] for name in map(_canon, packages) if name in IMPORTS)
-            argv, clean = _argv(tmp, "-c", f"import {', '.join(modules or ['sys'])}")
-            _run(argv, f"import {', '.join(modules)} under emulation", SETUP_HINT, clean)
-            stamp = {"key": _key(packages), "recipe": RECIPE, "packages": dict(packages), "suite": SUITE}
-            atomic_write_json(tmp / STAMP, stamp | {"debs": debs, "wheels": wheels})  # last: the environment is whole
+        try:
+            _make(env, packages)
+        except EnvironmentProblem as exc:  # kept for the host checks: the SKUs name it, not "does not exist"
+            atomic_write_bytes(_failed(env), f"{exc.message} ({SETUP_HINT} tries again)\n".encode())
+            raise
+        _failed(env).unlink(missing_ok=True)
     return env
+
+
+def _failed(env: Path) -> Path:
+    return env.parent / f".{env.name}.failed"
+
+
+def _make(env: Path, packages: Mapping[str, str]) -> None:
+    """The environment made in a staging folder renamed into place; its stamp written last."""
+    with atomic_dir(env) as tmp:
+        debs = _sysroot(sysroot(tmp), tmp / "apt")
+        wheels = _wheels(site_packages(tmp), tmp / "wheels", packages)
+        shutil.rmtree(tmp / "apt")
+        shutil.rmtree(tmp / "wheels")
+        if sys.version_info[:2] == (3, 11):  # bytecode is the same on every CPU: compile it here, not emulated
+            for folder in (sysroot(tmp) / "usr" / "lib" / "python3.11", site_packages(tmp)):
+                compileall.compile_dir(folder, quiet=2)
+        modules = sorted(IMPORTS[name] for name in map(_canon, packages) if name in IMPORTS)
+        argv, clean = _argv(tmp, "-c", f"import {', '.join(modules or ['sys'])}")
+        _run(argv, f"import {', '.join(modules)} under emulation", SETUP_HINT, clean)
+        stamp = {"key": _key(packages), "recipe": RECIPE, "packages": dict(packages), "suite": SUITE}
+        atomic_write_json(tmp / STAMP, stamp | {"debs": debs, "wheels": wheels})  # last: the environment is whole
 
 
 def versions(env: Path) -> dict[str, object]:

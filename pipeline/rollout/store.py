@@ -33,7 +33,7 @@ from typing import Protocol
 
 from pipeline.core.env import AWS_ENDPOINT_URL, AWS_MAX_ATTEMPTS, AWS_RETRY_MODE, SKUFORGE_STORE
 from pipeline.core.errors import ConfigError, ServiceError, StorageError
-from pipeline.core.io import STALE_SECONDS
+from pipeline.core.io import STALE_SECONDS, file_lock
 from pipeline.core.redact import redact
 
 log = logging.getLogger(__name__)
@@ -128,15 +128,8 @@ class LocalStore:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        import fcntl
-
-        self.root.mkdir(parents=True, exist_ok=True)
-        with self._lock, open(self.root / ".lock", "a+b") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
+        with self._lock, file_lock(self.root / ".lock"):
+            yield
 
     def put(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str:
         self.requests["put"] += 1

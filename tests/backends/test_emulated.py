@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import models
 import numpy as np
 import pytest
+from cli_helpers import skuforge
 
 from pipeline.backends import emulated, get_backend
 from pipeline.core.errors import EnvironmentProblem, InputError
@@ -23,6 +24,7 @@ from pipeline.core.paths import Layout
 from pipeline.engine.build import require_emulation
 from pipeline.engine.hostcheck import runs_emulated, sku_host_problems
 from pipeline.engine.matrix import matrix, sku_statuses
+from pipeline.host import emulation
 from pipeline.host.probe import host_arch
 from pipeline.project.config import SkuSpec, load_registry
 from pipeline.stages.bench import bench
@@ -199,3 +201,35 @@ def test_a_tvm_library_built_for_this_host_is_refused_before_it_reaches_a_device
     arm = SkuSpec.model_validate(SKUS["arm_tvm"])
     with pytest.raises(InputError, match="is not code for the SKU's aarch64 devices: model.so has ELF machine 62"):
         get_backend("tvm").load_emulated(engine, arm).close()
+
+
+@ON_X86
+@EMULATION
+def test_the_emulate_command_says_so_and_the_skus_table_shows_it(proj):
+    build(proj.registry.pair("conv", "arm_ort"))
+    res = skuforge("emulate", "--model", "conv", "--sku", "arm_ort", cwd=proj.registry.root)
+    assert res.returncode == 0, res.stderr
+    assert "validated conv/arm_ort under emulation: passed (not benchmarked)" in res.stdout
+    res = skuforge("emulate", "--model", "conv", "--sku", "x86_nchwc", cwd=proj.registry.root)
+    assert res.returncode == 3 and "does not validate SKU x86_nchwc under emulation" in res.stderr
+    res = skuforge("skus", cwd=proj.registry.root)
+    assert res.returncode == 0
+    [row] = [line for line in res.stdout.splitlines() if line.startswith("arm_ort ")]
+    assert "build+emulated" in row
+
+
+@ON_X86
+@pytest.mark.skipif(
+    not shutil.which("qemu-aarch64-static"), reason="no qemu-aarch64-static (scripts/setup.sh --with emulation)"
+)
+def test_a_runtime_without_an_aarch64_wheel_is_named_and_the_sku_check_says_so(tmp_path, monkeypatch):
+    """numpy 1.21.0 has no cp311 wheel for aarch64 on PyPI: the environment is not made (nothing
+    half-made is left as whole) and the host check names the package and version, not "missing"."""
+    monkeypatch.setenv("SKUFORGE_EMULATION_DIR", str(tmp_path))
+    wanted = {"numpy": "1.21.0"}
+    with pytest.raises(EnvironmentProblem, match="numpy 1.21.0: no manylinux aarch64 wheel for cp311 on PyPI"):
+        emulation.prepare(wanted)
+    assert not emulation.env_dir(wanted).exists()
+    [problem] = emulation.problems(wanted)
+    assert problem.startswith("the aarch64 environment could not be made: ")
+    assert "numpy 1.21.0: no manylinux aarch64 wheel for cp311 on PyPI" in problem

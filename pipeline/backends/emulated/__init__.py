@@ -53,6 +53,17 @@ def problems() -> list[str]:
     return emulation.problems(packages())
 
 
+def _record(env_dir: Path, runtime: dict[str, str], **more: str) -> dict[str, Any]:
+    """What the validation report records of an emulated run ("validated under emulation")."""
+    return {
+        "emulator": emulation.EMULATOR,
+        "cpu": emulation.QEMU_CPU,
+        "runtime": runtime,
+        **more,
+        "environment": emulation.versions(env_dir),
+    }
+
+
 class Worker:
     """One engine in one emulated worker process; calls are serialised (one worker, one engine)."""
 
@@ -78,13 +89,7 @@ class Worker:
         except BaseException:
             self.close()
             raise
-        # what the validation report records of the run ("validated under emulation")
-        self.record = {
-            "emulator": emulation.EMULATOR,
-            "cpu": emulation.QEMU_CPU,
-            "runtime": self.info.get("versions", {}),
-            "environment": emulation.versions(env_dir),
-        }
+        self.record = _record(env_dir, self.info.get("versions", {}))
 
     def _request(self, message: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         assert self._proc.stdin is not None and self._proc.stdout is not None
@@ -257,13 +262,11 @@ class RpcDevice:
         except BaseException:
             self.close()
             raise
-        self.record = {
-            "emulator": emulation.EMULATOR,
-            "cpu": emulation.QEMU_CPU,
-            "runtime": {"apache-tvm": packages()["apache-tvm"]},
-            "rpc": f"TVM's rpc_server under the key {key!r}, through a tracker on loopback",
-            "environment": emulation.versions(env_dir),
-        }
+        self.record = _record(
+            env_dir,
+            {"apache-tvm": packages()["apache-tvm"]},
+            rpc=f"TVM's rpc_server under the key {key!r}, through a tracker on loopback",
+        )
 
     def _spawn(self, argv: list[str], env: Any, log: str, **kw: Any) -> subprocess.Popen:
         with open(Path(self._tmp.name) / log, "wb") as err:

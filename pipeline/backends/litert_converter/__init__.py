@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import hashlib
 import os
 import shutil
@@ -26,10 +25,11 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 from pipeline.core.env import SKUFORGE_LITERT_CONVERTER
+from pipeline.core.io import file_lock
 from pipeline.core.paths import cache_dir
 from pipeline.core.processes import receive_message, send_message
 
@@ -81,21 +81,10 @@ def problems() -> list[str]:
     return []
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def create(force: bool = False, quiet: bool = True) -> Path:
     """Make the environment (once per lock; concurrent callers wait for the first). Returns its python."""
     env = env_dir()
-    with _locked(env.parent / f".{env.name}.lock"):
+    with file_lock(env.parent / f".{env.name}.lock"):
         if not force and not problems():
             return python()
         shutil.rmtree(env, ignore_errors=True)
