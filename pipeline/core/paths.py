@@ -94,9 +94,10 @@ class Layout:
             return folder / f"{stage}.json"
         return self.sku_dir(model, sku) / f"{stage}.json"
 
-    def engine_outputs(self, model: str, sku: str) -> Path:
-        """The engine's outputs on the golden set, written by validate (the consistency matrix reads them)."""
-        return self.sku_dir(model, sku) / "outputs.npz"
+    def engine_outputs(self, model: str, sku: str, stage: str = "validate") -> Path:
+        """The engine's outputs on the golden set, written by validate (the consistency matrix reads
+        them); ``stage`` emulate: those of the engine under emulation (emulate_outputs.npz)."""
+        return self.sku_dir(model, sku) / ("outputs.npz" if stage == "validate" else f"{stage}_outputs.npz")
 
     def consistency_report(self, model: str, suffix: str = ".json") -> Path:
         """The cross-SKU consistency matrix of a model (``.json`` and ``.md``): checked into git."""

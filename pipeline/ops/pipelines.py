@@ -179,6 +179,7 @@ stages:
         - build/${item}/reference
       outs:
         - build/${item}/[[sku]]/emulate.json
+        - build/${item}/[[sku]]/emulate_outputs.npz
 """
 
 

@@ -194,8 +194,9 @@ def validate(pair: Pair, progress: Progress | None = None) -> ValidationReport:
 def emulate(pair: Pair, progress: Progress | None = None) -> ValidationReport:
     """validate under QEMU user-mode emulation: an aarch64 SKU's engine on this x86-64 host, run by
     the SKU's runtime built for its CPU (pipeline/backends/emulated), judged by the same gates;
-    written to emulate.json (the device's own validate.json is never this). No golden outputs for
-    the consistency matrix and no bisection (its rebuilt candidates would run natively here)."""
+    written to emulate.json and emulate_outputs.npz (the device's own validate.json is never this;
+    the consistency matrix takes them where the device's are absent, marked emulated). No bisection:
+    its rebuilt candidates would run natively here."""
     require_emulation(pair.sku, pair.sku_spec)
     return _validate(pair, progress, EMULATE_STAGE)
 
@@ -216,8 +217,8 @@ def _validate(pair: Pair, progress: Progress | None, stage: str) -> ValidationRe
         errors, metrics, golden = judgement.errors, judgement.metrics, judgement.golden
         # the device's preprocessing against the training side's, through this engine (docs/preprocessing.md)
         drift = preprocessing_drift(pair, runner, {m.split: m.engine for m in metrics}, progress, budget)
-    if golden and not emulated:
-        atomic_savez(out.engine_outputs(model, sku), **golden)
+    if golden:
+        atomic_savez(out.engine_outputs(model, sku, stage), **golden)
         outputs_sha = sha256_arrays(golden)
     placement = placement_gate(build, sku_spec.placement.allowed, sku_spec.placement.max_fallback_nodes)
     precision = precision_gate(build, sku_spec.precision_gate.policy, sku_spec.precision_gate.max_mismatched_layers)

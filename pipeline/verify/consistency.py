@@ -24,6 +24,7 @@ from pydantic import Field
 from pipeline.core.errors import InputError
 from pipeline.core.io import atomic_write_bytes, atomic_write_json, read_json, sha256_arrays
 from pipeline.core.paths import Layout
+from pipeline.engine.matrix import EMULATE_STAGE
 from pipeline.project.config import CLASS_KINDS, Registry
 from pipeline.results.reports import BuildReport, OutputKind, ReferenceReport, Result, ValidationReport
 from pipeline.verify.compare import infer_kind
@@ -43,6 +44,9 @@ class ComparedSku(Result):
     validate_passed: bool = Field(description="the SKU's validate gates (this matrix is a report, not a gate)")
     engine_sha256: str
     outputs_sha256: str
+    emulated: bool = Field(
+        False, description="outputs of the engine under QEMU emulation (emulate.json): its device's are not here"
+    )
 
 
 class SkippedSku(Result):
@@ -194,13 +198,15 @@ def _reference(out: Layout, model: str) -> tuple[ReferenceReport, dict[str, np.n
 def _sku_outputs(
     registry: Registry, out: Layout, model: str, sku: str, ref: ReferenceReport, expected: dict[str, np.ndarray]
 ) -> tuple[ComparedSku, dict[str, np.ndarray]] | str:
-    """The SKU's entry and golden outputs, or why they cannot be trusted."""
+    """The SKU's entry and golden outputs, or why they cannot be trusted: the device's validation,
+    else the engine's under emulation (an aarch64 SKU checked on an x86 host)."""
+    stage = "validate" if out.report(model, sku, "validate").is_file() else EMULATE_STAGE
     val_path, build_path, npz = (
-        out.report(model, sku, "validate"),
+        out.report(model, sku, stage),
         out.report(model, sku, "build"),
-        out.engine_outputs(model, sku),
+        out.engine_outputs(model, sku, stage),
     )
-    again = f"validate it again (skuforge validate --model {model} --sku {sku}) or dvc pull its outputs"
+    again = f"validate it again (skuforge {stage} --model {model} --sku {sku}) or dvc pull its outputs"
     if not val_path.is_file():
         return "not validated in this checkout (no validate.json)"
     try:
@@ -215,11 +221,11 @@ def _sku_outputs(
         return f"{_rel(out, build_path)} is not a build report ({type(exc).__name__}): rebuild it"
     if val.engine_sha256 != build.engine_sha256:
         return (
-            f"validate.json is about engine {val.engine_sha256[:12]}, build.json describes {build.engine_sha256[:12]}: "
-            f"{again}"
+            f"{val_path.name} is about engine {val.engine_sha256[:12]}, build.json describes "
+            f"{build.engine_sha256[:12]}: {again}"
         )
     if val.outputs_sha256 is None:
-        return f"validate.json records no golden outputs (written before outputs.npz existed): {again}"
+        return f"{val_path.name} records no golden outputs (written before outputs.npz existed): {again}"
     if not npz.is_file():
         return f"{_rel(out, npz)} does not exist: {again}"
     try:
@@ -229,7 +235,7 @@ def _sku_outputs(
     digest = sha256_arrays(arrays)
     if digest != val.outputs_sha256:
         return (
-            f"{_rel(out, npz)} has sha256 {digest[:12]} but validate.json records {val.outputs_sha256[:12]} "
+            f"{_rel(out, npz)} has sha256 {digest[:12]} but {val_path.name} records {val.outputs_sha256[:12]} "
             f"(altered, or left by another run): {again}"
         )
     for name, reference in expected.items():
@@ -244,6 +250,7 @@ def _sku_outputs(
         validate_passed=val.passed,
         engine_sha256=val.engine_sha256,
         outputs_sha256=val.outputs_sha256,
+        emulated=stage == EMULATE_STAGE,
     )
     return entry, {name: arrays[name] for name in expected}
 
@@ -391,7 +398,7 @@ def markdown(report: ConsistencyReport) -> str:
                     s.sku,
                     s.backend,
                     s.precision,
-                    "passed" if s.validate_passed else "FAILED",
+                    ("passed" if s.validate_passed else "FAILED") + (" (emulated)" if s.emulated else ""),
                     f"`{s.engine_sha256[:12]}`",
                     f"`{s.outputs_sha256[:12]}`",
                 ]

@@ -34,6 +34,7 @@ from pipeline.stages.data import make_data
 from pipeline.stages.prepare import prepare
 from pipeline.stages.reference import reference
 from pipeline.stages.validate import emulate, validate
+from pipeline.verify.consistency import consistency
 
 ON_X86 = pytest.mark.skipif(host_arch() != "x86_64", reason=f"this host is {host_arch()}: nothing to emulate")
 EMULATION = pytest.mark.skipif(
@@ -125,6 +126,8 @@ def test_an_arm_engine_is_validated_under_emulation_and_never_benchmarked(proj, 
     for stage in (validate, bench):  # the target's stages stay its runner's
         with pytest.raises(EnvironmentProblem, match=f"this host cannot run SKU {sku}: needs arch aarch64"):
             stage(pair)
+    entry = {e.sku: e for e in consistency(reg, "conv").skus}[sku]  # its golden outputs, marked emulated
+    assert entry.emulated and entry.outputs_sha256 == report.outputs_sha256
     [row] = matrix(reg, ["conv"], [sku])
     assert row.outcome == "built only" and row.exit_code == 0
     assert row.detail.startswith("validated under emulation (qemu-aarch64-static, cortex-a76; not benchmarked")
