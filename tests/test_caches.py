@@ -18,7 +18,7 @@ import models
 import pytest
 
 from pipeline import backends as backends_pkg
-from pipeline.backends import caches
+from pipeline.backends import caches, get_backend
 from pipeline.backends.onnxruntime import OnnxRuntimeBackend
 from pipeline.cli import main
 from pipeline.core.errors import GateFailed, InputError
@@ -755,3 +755,28 @@ def test_backends_markdown_is_the_table_of_the_docs(capsys):
     if not doc.is_file():
         pytest.skip("docs/backends.md does not exist yet: the table cannot be compared")
     assert out.strip() in doc.read_text(), "docs/backends.md's table differs from `skuforge backends --markdown`"
+
+
+def test_the_example_checks_in_a_cache_record_for_every_pair_a_cpu_host_builds():
+    """A build writes caches/<sku>/<model>/cache.json (a DVC output kept in git) on whichever host can
+    build the pair: those of every pair an x86-64 CPU host may build (its own CPU SKUs, whatever the
+    flags, and the cross-built ones) must be in git, or the README's command leaves git dirty on the
+    first host that builds a pair no earlier host could (the VNNI SKUs on an AVX-512 VNNI CPU). A GPU
+    SKU's record is written on its runner, with its timing cache (CI commits it)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout: the tracked files cannot be listed")
+    listed = subprocess.run(["git", "ls-files", "caches"], cwd=root, capture_output=True, text=True, check=True)
+    tracked = set(listed.stdout.split())
+    registry = load_registry(root / "params.yaml")
+    missing = []
+    for model, sku in registry.pairs():
+        spec = registry.skus[sku]
+        on_cpu_host = spec.target.arch == "x86_64" and spec.target.device == "cpu"
+        if (on_cpu_host or get_backend(spec.backend).cross_compiles(spec)) and (
+            f"caches/{sku}/{model}/cache.json" not in tracked
+        ):
+            missing.append(f"caches/{sku}/{model}/cache.json")
+    assert not missing, f"commit the cache records a build writes: {missing}"

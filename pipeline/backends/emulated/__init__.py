@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 WORKER = Path(__file__).with_name("worker.py")
 RPC_SERVER = Path(__file__).with_name("rpc_server.py")
 RPC_START_S = 300.0  # TVM's import under QEMU: ~10 s on a 2-core host
-LOAD_TIMEOUT_S = 600.0  # an import of ONNX Runtime under QEMU takes tens of seconds on a 2-core host
+LOAD_TIMEOUT_S = 600.0  # a load under QEMU takes seconds here (import ~1 s); the bound is for a loaded host
 RUN_TIMEOUT_S = 600.0
 SETUP_HINT = "scripts/setup.sh --with emulation (qemu-user-static and an aarch64 Python environment)"
 
