@@ -90,13 +90,11 @@ def can_emulate(spec: SkuSpec) -> bool:
 def runs_emulated(spec: SkuSpec) -> bool:
     """True when this host would validate the SKU's engines under emulation (an x86-64 Linux host,
     no device bench that runs them instead): validated here, never benchmarked."""
-    return (
-        can_emulate(spec)
-        and probe.host_arch() == "x86_64"
-        and probe.host_os() == "linux"
-        and get_backend(spec.backend).cross_compiles(spec)  # an engine this host can build at all
-        and not get_backend(spec.backend).runs_remotely(spec)  # a device bench runs it (TVM's tracker)
-    )
+    if not (can_emulate(spec) and probe.host_arch() == "x86_64" and probe.host_os() == "linux"):
+        return False
+    backend = get_backend(spec.backend)
+    # an engine this host can build at all, and no device bench that runs it (TVM's tracker)
+    return backend.cross_compiles(spec) and not backend.runs_remotely(spec)
 
 
 def emulation_problems(spec: SkuSpec) -> list[str] | None:

@@ -10,7 +10,7 @@ from typing import Any
 from pipeline.backends import emulated, get_backend
 from pipeline.core.errors import ConfigError, InputError, SkuforgeError
 from pipeline.core.versions import satisfies
-from pipeline.engine.hostcheck import host_problems, runs_emulated
+from pipeline.engine.hostcheck import emulation_problems, host_problems
 from pipeline.engine.matrix import sku_statuses
 from pipeline.host import probe
 from pipeline.host.peaks import host_peaks
@@ -74,17 +74,12 @@ def check_report(registry: Registry, sku: str) -> dict[str, Any]:
     runs the SKU's engines only under emulation validates them but is no runner for the SKU: its
     bench needs the device."""
     spec = registry.sku(sku)
+    # an emulating host's run problem already says so ("... (its engines are validated under emulation here)")
     problems = list(dict.fromkeys(host_problems(registry, sku, "build") + host_problems(registry, sku, "run")))
-    emulated_here = not problems and runs_emulated(spec)
-    if emulated_here:
-        problems.append(
-            f"runs its {spec.target.arch} engines only under emulation (validated here, never benchmarked): "
-            "its runner needs the device"
-        )
     return {
         "sku": sku,
         "matches": not problems,
-        "emulated": emulated_here,
+        "emulated": emulation_problems(spec) == [],
         "problems": problems,
         "target": spec.target.model_dump(),
         "toolchain": spec.toolchain,

@@ -76,7 +76,7 @@ def _check_device_library(library: Path, sku: SkuSpec) -> None:
 
 
 EMULATED_KEY = "emulated-aarch64"  # the tracker key of an emulated device when the SKU names none
-EMULATED_SESSION_S = 1800  # one validation's session on an emulated device (QEMU runs ~5-20x slower)
+EMULATED_SESSION_S = 1800  # one validation's session on an emulated device (41-43 s per example pair here)
 
 
 class TvmBackend(Backend):
