@@ -18,7 +18,7 @@ from pydantic import Field
 from pipeline.backends.base import Backend, onnx_version
 from pipeline.backends.contract import BuildContext, BuildOutcome, Capabilities, EngineMeta, Runner, Staged
 from pipeline.backends.emulated import EmulatedSession, Worker, check_versions, emulated_runner
-from pipeline.backends.quantize import QdqOptions, conversion_warnings
+from pipeline.backends.quantize import QdqOptions, conversion_warnings, quantize_lstm_dynamic
 from pipeline.backends.reference import (
     CPU,
     SessionRunner,
@@ -113,6 +113,15 @@ class OnnxRuntimeOptions(QdqOptions):
     )
     intra_op_num_threads: int = Field(0, ge=0, description="0: ONNX Runtime's default")
     inter_op_num_threads: int = Field(0, ge=0)
+    recurrent: Literal["auto", "dynamic", "float"] = Field(
+        "auto",
+        description="INT8: the LSTM layers static QDQ leaves in float. dynamic: INT8 weights, activations "
+        "quantized per call (com.microsoft.DynamicQuantizeLSTM, a CPU kernel); float: kept FP32; "
+        "auto: dynamic when the CPU provider is the first",
+    )
+
+    def dynamic_recurrent(self) -> bool:
+        return self.recurrent == "dynamic" or (self.recurrent == "auto" and self.providers[0] == CPU)
 
 
 def _session_options(opts: OnnxRuntimeOptions, level: str, profile_dir: Path | None = None) -> ort.SessionOptions:
@@ -236,6 +245,25 @@ class OnnxRuntimeBackend(Backend):
 
     def _qdq_arguments(self) -> dict[str, Any]:
         return {"newest_opset": newest_qdq_opset()}
+
+    def _convert_precision(self, ctx: BuildContext, staged: Staged) -> None:
+        """The calibrated QDQ graph, then (options.recurrent) its LSTMs quantized dynamically; what
+        was quantized and what was kept in float, with why, is in the build report's calibration."""
+        super()._convert_precision(ctx, staged)
+        opts: OnnxRuntimeOptions = staged.options
+        if ctx.sku_spec.precision != "int8" or staged.calibration is None or not opts.dynamic_recurrent():
+            return
+        record = quantize_lstm_dynamic(
+            staged.source,
+            staged.work / "recurrent.onnx",
+            staged.calibration.get("nodes_to_exclude") or [],
+            reduce_range=bool(opts.reduce_range),
+            per_channel=opts.per_channel,
+        )
+        if record is not None:
+            staged.calibration["dynamic"] = record
+        if record and record["nodes"]:
+            staged.replace(staged.work / "recurrent.onnx")
 
     def _build_impl(self, ctx: BuildContext, staged: Staged) -> BuildOutcome:
         import onnx

@@ -126,3 +126,68 @@ def test_the_runner_calls_the_binding_and_an_ep_failure_goes_through_the_session
     got = runner.infer(feeds)
     assert calls == ["binding", "session"]
     np.testing.assert_array_equal(got[runner.output_names[0]], want[0])
+
+
+def _engine_ops(reg, model: str, sku: str) -> list[str]:
+    import onnx
+
+    engine = onnx.load(str(Layout(reg.root).engine_dir(model, sku) / "model.onnx"), load_external_data=False)
+    return [n.op_type for n in engine.graph.node]
+
+
+def test_int8_lstms_are_quantized_dynamically_on_the_cpu_provider_and_kept_float_when_asked(tmp_path):
+    """Static QDQ has no LSTM; on the CPU provider the INT8 engine's LSTM gets INT8 weights
+    (DynamicQuantizeLSTM), recorded in the build report and run in int8 as its profile shows;
+    options.recurrent: float and a node kept precise leave it in FP32. All three pass validation."""
+    from pipeline.stages.calibrate import calibrate
+
+    models.rnn_model(tmp_path / "models/lstm/model.onnx", "LSTM", seq=16, hidden=32)
+    skus = {
+        "int8": models.ort_sku("int8"),
+        "float": models.ort_sku("int8", options={"recurrent": "float"}),
+        "kept": models.ort_sku("int8", options={"nodes_to_exclude": ["lstm"]}),
+    }
+    reg = load_registry(
+        models.write_project(tmp_path, {"lstm": models.rnn_spec("models/lstm", "LSTM", seq=16, hidden=32)}, skus)
+    )
+    for stage in (prepare, make_data, reference, calibrate):
+        stage(reg, "lstm")
+
+    report = build(reg.pair("lstm", "int8"))
+    dynamic = report.calibration["dynamic"]
+    assert dynamic["nodes"] == ["lstm"] and dynamic["kept_float"] == {}
+    assert dynamic["reduce_range"] == report.calibration["reduce_range"]  # 7-bit weights where static ones are
+    assert "DynamicQuantizeLSTM" in _engine_ops(reg, "lstm", "int8") and "LSTM" not in _engine_ops(reg, "lstm", "int8")
+    (layer,) = [layer for layer in report.layers if layer.op_type == "DynamicQuantizeLSTM"]
+    assert layer.precision == "int8" and layer.kernel == "com.microsoft.DynamicQuantizeLSTM"
+    assert validate(reg.pair("lstm", "int8")).passed
+
+    report = build(reg.pair("lstm", "float"))
+    assert "dynamic" not in report.calibration and "LSTM" in _engine_ops(reg, "lstm", "float")
+    report = build(reg.pair("lstm", "kept"))
+    assert report.calibration["dynamic"] == {**dynamic, "nodes": [], "kept_float": {"lstm": "kept precise"}}
+    assert "LSTM" in _engine_ops(reg, "lstm", "kept") and not any("stays in float" in w for w in report.warnings)
+    for sku in ("float", "kept"):
+        assert validate(reg.pair("lstm", sku)).passed
+
+
+def test_a_batch_first_lstm_stays_float_with_the_reason(tmp_path):
+    """DynamicQuantizeLSTM has no layout attribute and ONNX Runtime's quantizer drops it: a
+    batch-first LSTM (layout 1) would be computed as time-major. It is left in float, said why."""
+    import onnx
+
+    from pipeline.backends.quantize import conversion_warnings, quantize_lstm_dynamic
+
+    source = models.rnn_model(tmp_path / "lstm.onnx", "LSTM")
+    model = onnx.load(str(source))
+    assert quantize_lstm_dynamic(source, tmp_path / "out.onnx", (), reduce_range=False, per_channel=True) is not None
+    model.graph.node[0].attribute.append(onnx.helper.make_attribute("layout", 1))
+    onnx.save(model, str(tmp_path / "batch_first.onnx"))
+    out = tmp_path / "out_batch_first.onnx"
+    record = quantize_lstm_dynamic(tmp_path / "batch_first.onnx", out, (), reduce_range=False, per_channel=True)
+    assert record is not None and record["nodes"] == [] and not out.exists()
+    assert "layout 1 (batch first)" in record["kept_float"]["lstm"]
+    (warning,) = conversion_warnings({"dynamic": record})
+    assert warning.startswith("INT8: LSTM lstm stays in float: layout 1")
+    models.conv_bn_model(tmp_path / "conv.onnx")
+    assert quantize_lstm_dynamic(tmp_path / "conv.onnx", out, (), reduce_range=False, per_channel=True) is None
