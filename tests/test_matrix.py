@@ -307,13 +307,17 @@ def test_ctrl_c_during_repro_stops_dvc_and_exits_130(tmp_path):
         preexec_fn=_ctrl_c_reaches_it,
     )
     try:
+        # wait for the bench stage's command (not a fixed time after validate: on a loaded host dvc
+        # took over 3 s between the two stages), then give it time to be into its loop
         deadline = time.monotonic() + 300
-        while not (root / "build/good/cpu/validate.json").exists() and time.monotonic() < deadline:
+        tree = descendants(proc.pid)
+        while not any("bench" in _cmdline(p) for p in tree) and time.monotonic() < deadline:
             assert proc.poll() is None
             time.sleep(0.2)
-        time.sleep(3)  # into the bench
-        tree = descendants(proc.pid)
+            tree = descendants(proc.pid)
         assert any("bench" in _cmdline(p) for p in tree), [_cmdline(p) for p in tree]
+        time.sleep(2)
+        tree = descendants(proc.pid)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
