@@ -260,9 +260,10 @@ class OnnxRuntimeBackend(Backend):
             reduce_range=bool(opts.reduce_range),
             per_channel=opts.per_channel,
         )
-        if record is not None:
-            staged.calibration["dynamic"] = record
-        if record and record["nodes"]:
+        if record is None:  # no LSTM
+            return
+        staged.calibration["dynamic"] = record
+        if record["nodes"]:
             staged.replace(staged.work / "recurrent.onnx")
 
     def _build_impl(self, ctx: BuildContext, staged: Staged) -> BuildOutcome:

@@ -218,11 +218,12 @@ def quantize_lstm_dynamic(
     constants = {t.name for t in model.graph.initializer}
     chosen: list[str] = []
     kept: dict[str, str] = {}
+    renamed = False
     for index, node in enumerate(model.graph.node):
         if node.op_type != "LSTM" or node.domain not in ("", "ai.onnx"):
             continue
         if not node.name:  # the quantizer excludes by name
-            node.name = f"LSTM#{index}"
+            node.name, renamed = f"LSTM#{index}", True
         layout = next((a.i for a in node.attribute if a.name == "layout"), 0)
         if node.name in keep:
             kept[node.name] = "kept precise"
@@ -241,10 +242,11 @@ def quantize_lstm_dynamic(
     }
     if not chosen:
         return record if kept else None
-    named = out.with_name(out.stem + "-named.onnx")
-    onnx.save(model, str(named))
+    if renamed:
+        source = out.with_name(out.stem + "-named.onnx")
+        onnx.save(model, str(source))
     quantize_dynamic(
-        str(named),
+        str(source),
         str(out),
         op_types_to_quantize=["LSTM"],
         nodes_to_exclude=list(kept) or None,
