@@ -42,7 +42,7 @@ CROSS_CC = {
 _ELF_MACHINE = {"x86_64": 62, "aarch64": 183}
 # fused-function name tokens that are not op names
 NOT_OPS = {"fused", "compute", "cast", "expand", "dims"}
-# What one tuning trial costs on a 2-core runner (a candidate built in a new process, then measured
+# What one tuning trial costs on a 2-core runner (a candidate searched, built in the builder process, then measured
 # in another): the tuning-budget warning's estimate. Measured here with the test models (docs/backends/tvm.md).
 SECONDS_PER_TRIAL = 12.0
 log = logging.getLogger(__name__)

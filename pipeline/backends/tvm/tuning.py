@@ -174,7 +174,7 @@ def tune_run(
     began = time.monotonic()
     with _tuning_logs(), report:
         contexts, weights = extracted_tasks_to_tune_contexts(
-            tasks, work_dir=str(work / "logs"), num_threads=threads, seed=seed
+            tasks, work_dir=str(work / "logs"), num_threads=threads, seed=seed, strategy=search_strategy(ms)
         )
         callback = _measure_callback(ms, report, deadline)
         _tune_contexts(ms, contexts, weights, work, database, trials, per_task, callback, runner)
@@ -376,6 +376,21 @@ class _tuning_logs:
                 handler.close()
 
 
+# The search's population. The cost model is random, so the evolutionary search's selection is a
+# random pick from its population (mutations of the best measured schedules and fresh samples):
+# MetaSchedule's default of 512, evolved 4 times, picks from the same distribution as 64 at about
+# eight times the search time per batch (2 trials of the test CNN: 31 s, 18 s with 64).
+POPULATION = 64
+# batches one builder process serves before it is replaced: MetaSchedule starts a new process for
+# every batch (a known leak in long-lived workers), each paying TVM's import (about 4 s)
+BATCHES_PER_BUILDER = 8
+
+
+def search_strategy(ms: Any) -> Any:
+    """The evolutionary search, its population sized for a random cost model (POPULATION)."""
+    return ms.search_strategy.EvolutionarySearch(population_size=POPULATION)
+
+
 def _tune_contexts(
     ms: Any,
     contexts: list[Any],
@@ -388,6 +403,7 @@ def _tune_contexts(
     runner: Any = None,
 ) -> None:
     callbacks = [*ms.measure_callback.MeasureCallback.create("default"), *([callback] if callback is not None else [])]
+    builder = _pooled_builder(ms, timeout_sec=120)
     try:
         ms.tune.tune_tasks(
             tasks=contexts,
@@ -396,7 +412,7 @@ def _tune_contexts(
             max_trials_global=trials,
             max_trials_per_task=per_task,
             num_trials_per_iter=min(per_task, 16),
-            builder=ms.builder.LocalBuilder(f_build=_build_candidate, max_workers=1, timeout_sec=120),
+            builder=builder,
             runner=runner if runner is not None else ms.runner.LocalRunner(timeout_sec=60),
             database=database,
             cost_model="random",
@@ -408,12 +424,68 @@ def _tune_contexts(
             f"MetaSchedule tuning failed: {detail}",
             hint="set options.trials: 0 to build with default schedules, or check the runner",
         ) from exc
+    finally:
+        builder.close()
+
+
+def _pooled_builder(ms: Any, timeout_sec: float) -> Any:
+    """MetaSchedule's LocalBuilder (one worker, ``_build_candidate``) whose worker process serves
+    BATCHES_PER_BUILDER batches instead of one: a 2-trial tuning of 5 tasks started three processes
+    (the sanity check and two batches), each importing TVM. ``close()`` ends the worker."""
+    from tvm.ir.utils import derived_object
+    from tvm.s_tir.meta_schedule.builder import local_builder
+    from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
+
+    @derived_object
+    class PooledBuilder(ms.builder.LocalBuilder._cls):
+        _pool: Any = None
+        _batches = 0
+
+        def _executor(self) -> Any:
+            if self._pool is None or self._batches >= BATCHES_PER_BUILDER:
+                self.close()
+                self._pool = PopenPoolExecutor(max_workers=1, timeout=self.timeout_sec)
+            self._batches += 1
+            return self._pool
+
+        def close(self) -> None:
+            if self._pool is not None:
+                self._pool.shutdown()
+            self._pool, self._batches = None, 0
+
+        def _sanity_check(self) -> None:
+            def check(f_build: Any, f_export: Any) -> None:
+                local_builder.get_global_func_with_default_on_worker(name=f_build, default=None)
+                local_builder.get_global_func_with_default_on_worker(name=f_export, default=None)
+
+            self._executor().submit(check, self.f_build, self.f_export).result()
+
+        def build(self, build_inputs: list[Any]) -> list[Any]:
+            results = []
+            inputs = [
+                (self.f_build, self.f_export, b.mod, b.target, local_builder._serialize_params(b.params))
+                for b in build_inputs
+            ]
+            for done in self._executor().map_with_error_catching(lambda x: local_builder._worker_func(*x), inputs):
+                if done.status == StatusKind.COMPLETE:
+                    results.append(ms.builder.BuilderResult(done.value, None))
+                elif done.status == StatusKind.TIMEOUT:
+                    results.append(
+                        ms.builder.BuilderResult(
+                            None, f"LocalBuilder: Timeout, killed after {self.timeout_sec} seconds"
+                        )
+                    )
+                else:
+                    results.append(ms.builder.BuilderResult(None, f"LocalBuilder: An exception occurred\n{done.value}"))
+            return results
+
+    return PooledBuilder(f_build=_build_candidate, max_workers=1, timeout_sec=timeout_sec)
 
 
 def _build_candidate(mod: Any, target: Any, _params: Any) -> Any:
     """MetaSchedule's default candidate build without its ``import tvm.s_tir.tensor_intrin`` (about
-    23 s here, mostly CUDA intrinsics), which the builder's worker pays again for every batch:
-    with it, batches ran into the build timeout."""
+    23 s here, mostly CUDA intrinsics), which each new builder process would pay again: with it,
+    batches ran into the build timeout."""
     from tvm.driver import build as tvm_build
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
