@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 tvm = pytest.importorskip("tvm", reason="apache-tvm is not installed (pip install 'skuforge[tvm]')")
+from tvm.support.popen_pool import PopenPoolExecutor  # noqa: E402
 
 from pipeline.backends.caches import INDEX, seconds_per_trial  # noqa: E402
 from pipeline.backends.tvm import (  # noqa: E402
@@ -108,9 +109,10 @@ def test_the_estimate_is_what_a_trial_cost_in_the_skus_last_tuning(tmp_path):
     assert "stopped at options.max_minutes (2 min)" in text
 
 
-def test_a_tiny_models_tuning_reports_trials_and_tasks_as_it_goes(tmp_path):
+def test_a_tiny_models_tuning_reports_trials_and_tasks_as_it_goes(tmp_path, monkeypatch):
     """Real MetaSchedule on the two smallest tasks of the conv model, one trial each (what
-    test_tvm's tuned SKU spends per task): the progress reaches every trial and every task."""
+    test_tvm's tuned SKU spends per task): the progress reaches every trial and every task, and the
+    two batches are built by one builder process."""
     import onnx
 
     model = pin_axes(onnx.load(str(models.conv_bn_model(tmp_path / "model.onnx"))), {"batch": 1}, tmp_path)
@@ -123,7 +125,16 @@ def test_a_tiny_models_tuning_reports_trials_and_tasks_as_it_goes(tmp_path):
     seen = Recorder()
     work = tmp_path / "tuning"
     work.mkdir()
+    pools = []  # the worker processes MetaSchedule starts: per batch unless the builder keeps its own
+    started = PopenPoolExecutor.__init__
+
+    def counted(self, *args, **kwargs):
+        pools.append(self)
+        started(self, *args, **kwargs)
+
+    monkeypatch.setattr(PopenPoolExecutor, "__init__", counted)
     spent = tune_run(tasks, target, work, trials=2, per_task=1, progress=seen).trials
+    assert len(pools) == 2  # one builder for both batches (and its sanity check), one runner
     counts = [tuple(map(int, m.groups())) for m in (LABEL.match(label) for label, _ in seen.calls) if m]
     assert counts and counts[0] == (0, 2, 0, 2)  # said before the first candidate
     assert counts[-1] == (2, 2, 2, 2) and spent >= 1  # the end: every task done
