@@ -42,9 +42,10 @@ CROSS_CC = {
 _ELF_MACHINE = {"x86_64": 62, "aarch64": 183}
 # fused-function name tokens that are not op names
 NOT_OPS = {"fused", "compute", "cast", "expand", "dims"}
-# What one tuning trial costs on a 2-core runner (a candidate searched, built in the builder process, then measured
-# in another): the tuning-budget warning's estimate. Measured here with the test models (docs/backends/tvm.md).
-SECONDS_PER_TRIAL = 12.0
+# What one tuning trial costs on a 2-core runner (a candidate searched, built in the builder process, then
+# measured in another): the tuning-budget warning's estimate until a SKU's tuning is recorded. The ship
+# models took about 1 s a trial here (docs/backends/tvm.md); twice that for a slower runner.
+SECONDS_PER_TRIAL = 2.0
 log = logging.getLogger(__name__)
 
 
