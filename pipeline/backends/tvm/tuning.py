@@ -381,9 +381,10 @@ class _tuning_logs:
 # MetaSchedule's default of 512, evolved 4 times, picks from the same distribution as 64 at about
 # eight times the search time per batch (2 trials of the test CNN: 31 s, 18 s with 64).
 POPULATION = 64
-# batches one builder process serves before it is replaced: MetaSchedule starts a new process for
-# every batch (a known leak in long-lived workers), each paying TVM's import (about 4 s)
-BATCHES_PER_BUILDER = 8
+# candidates one builder process builds before it is replaced (PopenPoolExecutor's
+# maximum_process_uses): MetaSchedule starts a new process for every batch (for a known leak in
+# long-lived workers), each paying TVM's import (about 4 s); 128 is 8 batches of 16
+CANDIDATES_PER_BUILDER = 128
 
 
 def search_strategy(ms: Any) -> Any:
@@ -430,8 +431,9 @@ def _tune_contexts(
 
 def _pooled_builder(ms: Any, timeout_sec: float) -> Any:
     """MetaSchedule's LocalBuilder (one worker, ``_build_candidate``) whose worker process serves
-    BATCHES_PER_BUILDER batches instead of one: a 2-trial tuning of 5 tasks started three processes
-    (the sanity check and two batches), each importing TVM. ``close()`` ends the worker."""
+    CANDIDATES_PER_BUILDER candidates instead of one batch: a 2-trial tuning of 5 tasks started three
+    processes (the sanity check and two batches), each importing TVM. A worker that dies or times
+    out is started again at the next candidate (PopenWorker). ``close()`` ends the worker."""
     from tvm.ir.utils import derived_object
     from tvm.s_tir.meta_schedule.builder import local_builder
     from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
@@ -439,19 +441,18 @@ def _pooled_builder(ms: Any, timeout_sec: float) -> Any:
     @derived_object
     class PooledBuilder(ms.builder.LocalBuilder._cls):
         _pool: Any = None
-        _batches = 0
 
         def _executor(self) -> Any:
-            if self._pool is None or self._batches >= BATCHES_PER_BUILDER:
-                self.close()
-                self._pool = PopenPoolExecutor(max_workers=1, timeout=self.timeout_sec)
-            self._batches += 1
+            if self._pool is None:
+                self._pool = PopenPoolExecutor(
+                    max_workers=1, timeout=self.timeout_sec, maximum_process_uses=CANDIDATES_PER_BUILDER
+                )
             return self._pool
 
         def close(self) -> None:
             if self._pool is not None:
                 self._pool.shutdown()
-            self._pool, self._batches = None, 0
+            self._pool = None
 
         def _sanity_check(self) -> None:
             def check(f_build: Any, f_export: Any) -> None:
