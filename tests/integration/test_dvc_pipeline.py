@@ -33,7 +33,7 @@ from pipeline.engine.matrix import stage_address  # noqa: E402
 from pipeline.ops.pipelines import render_pipelines  # noqa: E402
 from pipeline.project.config import load_registry  # noqa: E402
 from pipeline.results.manifest import validate_document  # noqa: E402
-from tests.models import conv_bn_model, conv_bn_spec, multi_io_model, multi_io_spec, ort_sku, write_project  # noqa: E402
+from tests.models import conv_bn_model, conv_bn_spec, ort_sku, write_project  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -142,7 +142,7 @@ def make_project(
     must(run(root, "git", "init", "-q"))
     shutil.copyfile(REPO / "dvc.yaml", root / "dvc.yaml")
     must(run(root, "dvc", "init", "-q"))
-    builders = {"conv": (conv_bn_model, conv_bn_spec), "multi": (multi_io_model, multi_io_spec)}
+    builders = {"conv": (conv_bn_model, conv_bn_spec)}
     specs = {}
     for name in models:
         model, spec = builders[name]
