@@ -12,6 +12,8 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from pipeline.backends.tvm.loading import torch_free_command
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -21,9 +23,11 @@ def free_port() -> int:
 
 def start(*args: str) -> subprocess.Popen:
     """``python -m ARGS`` (tvm.exec.rpc_tracker, tvm.exec.rpc_server) in its own process group:
-    rpc_server forks a child per session, and the group is what a test stops."""
+    rpc_server forks a child per session, and the group is what a test stops. PyTorch is hidden
+    from it, as from skuforge's own TVM processes (pipeline/backends/tvm/loading.py): a device's
+    runtime has none, and its import would be most of the start."""
     return subprocess.Popen(
-        [sys.executable, "-m", *args],
+        torch_free_command(*args),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

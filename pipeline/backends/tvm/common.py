@@ -14,6 +14,7 @@ from pipeline.backends.contract import (
     BuildContext,
     EngineMeta,
 )
+from pipeline.backends.tvm.loading import import_tvm
 from pipeline.backends.tvm.rpc import RpcOptions
 from pipeline.core.env import TVM_NUM_THREADS
 from pipeline.core.errors import EnvironmentProblem
@@ -105,10 +106,9 @@ class TvmMeta(EngineMeta):
 
 def tvm_module() -> Any:
     try:
-        import tvm
+        return import_tvm()
     except ImportError as exc:
         raise EnvironmentProblem("apache-tvm is not installed", hint=PIP_HINT) from exc
-    return tvm
 
 
 def tvm_version() -> str | None:

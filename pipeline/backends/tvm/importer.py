@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.backends.opset import OPSET_CONVERSION_RTOL, OpsetConversion, convert_opset, probe_difference
 from pipeline.backends.tvm.common import NOT_OPS, tvm_version
+from pipeline.backends.tvm.loading import import_tvm
 from pipeline.core.errors import InputError, UnsupportedOp
 from pipeline.model.graph import default_opset, fold_static_shapes
 
@@ -155,6 +156,7 @@ def _static_input_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
 
 def _import_once(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> tuple[Any, dict[Any, str]] | Refusal:
     """The module and each binding's ONNX node, or where and why the frontend refused the graph."""
+    import_tvm()
     from tvm.relax.frontend.onnx import onnx_frontend as frontend
 
     convert = frontend._get_convert_map()
@@ -204,7 +206,7 @@ def _refusal(model: onnx.ModelProto, names: list[str], importer: Any, exc: Excep
 def lower(mod: Any, target: Any, node_of: dict[Any, str]) -> tuple[Any, dict[str, list[str]]]:
     """Decompose, legalize, fold and fuse: each fused group becomes one TIR primitive function.
     Returns the module and, per primitive function, the ONNX nodes fused into it."""
-    import tvm
+    tvm = import_tvm()
     from tvm import relax
 
     with tvm.target.Target(target):

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.backends.contract import Runner
+from pipeline.backends.tvm.loading import import_tvm
 from pipeline.core.env import SKUFORGE_TVM_RPC_TIMEOUT, SKUFORGE_TVM_RPC_WAIT, SKUFORGE_TVM_TRACKER, Number
 from pipeline.core.errors import EnvironmentProblem, InputError, ServiceError, first_line
 from pipeline.results.reports import TensorSig
@@ -333,6 +334,7 @@ def open_session(host: str, port: int, options: RpcOptions) -> tuple[Any, _Watch
     (a device that accepted and never answers) or left to the kernel (one the network never
     reaches), and the error names the device."""
     url, device_port, matchkey = request_device(host, port, options.key)
+    import_tvm()
     from tvm import rpc
 
     device = f"the device at {url}:{device_port} under the RPC key {options.key!r} (tracker {host}:{port})"
@@ -365,6 +367,7 @@ def rpc_runner(options: RpcOptions, host: str, port: int) -> Any:
     mid-measurement, no device free) has its worker killed and is a failed run; a server that dies
     mid-batch gives that batch's candidates error results (recorded as failed measurements), and
     the next batch goes to a server still registered."""
+    import_tvm()
     from tvm.s_tir.meta_schedule.runner import EvaluatorConfig, RPCConfig, RPCRunner
 
     config = RPCConfig(
@@ -409,7 +412,8 @@ class RemoteTvmRunner(Runner):
         else:
             host, port = tracker
             wait_for_key(host, port, options.key)
-        from tvm import relax  # once the tracker answered: the import takes seconds
+        import_tvm()  # once the tracker answered: the import takes seconds
+        from tvm import relax
 
         self.where = f"{options.key}@{host}:{port}"
         self._timeout = _seconds(SKUFORGE_TVM_RPC_TIMEOUT)

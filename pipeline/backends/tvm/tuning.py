@@ -20,6 +20,7 @@ from pipeline.backends.contract import (
     BuildContext,
 )
 from pipeline.backends.tvm.common import CROSS_CC, RECORDS, SECONDS_PER_TRIAL, WORKLOADS, TvmOptions
+from pipeline.backends.tvm.loading import import_tvm
 from pipeline.core.env import SKUFORGE_TUNE
 from pipeline.core.errors import EnvironmentProblem
 from pipeline.core.progress import Progress
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 
 def _ms() -> Any:
+    import_tvm()
     from tvm.s_tir import meta_schedule as ms
 
     return ms
