@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import time_machine
 
 from pipeline.core.errors import ConfigError, ServiceError, StorageError
 from pipeline.project.config import Expiry
@@ -20,6 +21,26 @@ from rollout.conftest import MODEL
 from rollout.fleet import Fleet
 
 ENGINE = "releases/m/r1/cpu/engine/model.onnx"
+
+
+def wait(seconds: float) -> None:
+    """Let ``seconds`` pass on this process's clock (time-machine: time.time and datetime.now, which
+    the writer's and TUF's expiry checks read; not time.monotonic, which timeouts use), as a sleep
+    would: the clock keeps running from there. The S3 server, another process, is a few seconds
+    behind, well inside SigV4's 15 minutes."""
+    traveller = time_machine.travel(time.time() + seconds, tick=True)
+    traveller.start()
+    _travels.append(traveller)
+
+
+_travels: list[time_machine.travel] = []
+
+
+@pytest.fixture(autouse=True)
+def _back_to_now():
+    yield
+    while _travels:
+        _travels.pop().stop()
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +258,7 @@ def test_replayed_timestamp_is_refused(repo, keys, tmp_path):
 
 def test_frozen_store_is_noticed_and_a_fresh_timestamp_cures_it(repo, keys, tmp_path):
     publish(repo, keys, ENGINE, b"engine", expiry=Expiry(timestamp_days=2 / 86400))
-    time.sleep(3)
+    wait(3)
     with pytest.raises(VerificationFailed, match="(?i)expired"):
         client(repo, tmp_path).refresh()
     assert trust.refresh_timestamp(repo, keys, Expiry(), force=True)
@@ -465,7 +486,7 @@ def test_an_expired_timestamp_is_re_signed_without_force(repo, keys, tmp_path):
     publish(repo, keys, ENGINE, b"engine", expiry=Expiry(timestamp_days=2 / 86400))
     dev = client(repo, tmp_path)
     dev.refresh()
-    time.sleep(3)
+    wait(3)
     with pytest.raises(VerificationFailed, match="(?i)expired"):
         client(repo, tmp_path).refresh()
     assert trust.refresh_timestamp(repo, keys, Expiry())
@@ -476,12 +497,12 @@ def test_an_expired_timestamp_is_re_signed_without_force(repo, keys, tmp_path):
 
 def test_targets_and_snapshot_past_half_life_are_re_signed(repo, keys, tmp_path):
     publish(repo, keys, ENGINE, b"engine", expiry=Expiry(targets_days=4 / 86400, snapshot_days=4 / 86400))
-    time.sleep(2.5)
+    wait(2.5)
     assert trust.refresh_timestamp(repo, keys, Expiry())
     state = trust.read_state(repo)
     assert (state.targets.signed.version, state.snapshot.signed.version, state.timestamp.signed.version) == (3, 3, 3)
     assert set(state.targets.signed.targets) == {ENGINE}
-    time.sleep(2)  # past the first expiry: the device gets the re-signed files
+    wait(2)  # past the first expiry: the device gets the re-signed files
     assert client(repo, tmp_path).fetch(ENGINE) == b"engine"
 
 
