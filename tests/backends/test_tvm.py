@@ -6,7 +6,6 @@ trusted) and fail-on-miss."""
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import os
@@ -15,12 +14,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from tvm_helpers import tvm_or_skip
 
-from pipeline.backends.tvm.loading import import_tvm
-
-with contextlib.suppress(ImportError):  # TVM imported as skuforge does, torch hidden (backends/tvm/loading.py)
-    import_tvm()
-pytest.importorskip("tvm", reason="apache-tvm is not installed (pip install -e '.[tvm]')")
+tvm_or_skip()
 
 import models  # noqa: E402
 from cli_helpers import assert_user_error, skuforge  # noqa: E402

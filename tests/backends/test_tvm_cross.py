@@ -5,19 +5,15 @@ the SKU buildable but not runnable (the matrix's "built only")."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import struct
 
 import pytest
+from tvm_helpers import tvm_or_skip
 
-from pipeline.backends.tvm.loading import import_tvm
-
-with contextlib.suppress(ImportError):  # TVM imported as skuforge does, torch hidden (backends/tvm/loading.py)
-    import_tvm()
-pytest.importorskip("tvm", reason="apache-tvm is not installed (pip install -e '.[tvm]')")
+tvm_or_skip()
 
 import models  # noqa: E402
 

@@ -3,19 +3,16 @@ processes MetaSchedule starts never import torch, and torch stays importable aft
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import subprocess
 import sys
 
-import pytest
+from tvm_helpers import tvm_or_skip
 
-from pipeline.backends.tvm.loading import import_tvm, torch_free_command
+from pipeline.backends.tvm.loading import torch_free_command
 
-with contextlib.suppress(ImportError):  # TVM imported as skuforge does, torch hidden (backends/tvm/loading.py)
-    import_tvm()
-pytest.importorskip("tvm", reason="apache-tvm is not installed (pip install -e '.[tvm]')")
+tvm_or_skip()
 
 TORCH = importlib.util.find_spec("torch") is not None
 

@@ -4,7 +4,6 @@ it (pipeline/backends/tvm/tuning.py: TuningProgress, tuning_budget_warning)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import threading
@@ -14,12 +13,9 @@ from types import SimpleNamespace
 import models
 import numpy as np
 import pytest
+from tvm_helpers import tvm_or_skip
 
-from pipeline.backends.tvm.loading import import_tvm
-
-with contextlib.suppress(ImportError):  # TVM imported as skuforge does, torch hidden (backends/tvm/loading.py)
-    import_tvm()
-tvm = pytest.importorskip("tvm", reason="apache-tvm is not installed (pip install 'skuforge[tvm]')")
+tvm = tvm_or_skip()
 from tvm.support.popen_pool import PopenPoolExecutor  # noqa: E402
 
 from pipeline.backends.caches import INDEX, seconds_per_trial  # noqa: E402

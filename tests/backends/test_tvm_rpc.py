@@ -12,7 +12,6 @@ guard, so a wait that is not bounded fails instead of hanging the suite."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import signal
@@ -23,12 +22,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from tvm_helpers import tvm_or_skip
 
-from pipeline.backends.tvm.loading import import_tvm
-
-with contextlib.suppress(ImportError):  # TVM imported as skuforge does, torch hidden (backends/tvm/loading.py)
-    import_tvm()
-pytest.importorskip("tvm", reason="apache-tvm is not installed (pip install -e '.[tvm]')")
+tvm_or_skip()
 if importlib.util.find_spec("tornado") is None:
     pytest.skip("TVM's RPC tracker needs tornado (pip install tornado)", allow_module_level=True)
 

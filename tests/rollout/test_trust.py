@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
@@ -23,24 +24,14 @@ from rollout.fleet import Fleet
 ENGINE = "releases/m/r1/cpu/engine/model.onnx"
 
 
-def wait(seconds: float) -> None:
-    """Let ``seconds`` pass on this process's clock (time-machine: time.time and datetime.now, which
-    the writer's and TUF's expiry checks read; not time.monotonic, which timeouts use), as a sleep
-    would: the clock keeps running from there. The S3 server, another process, is a few seconds
-    behind, well inside SigV4's 15 minutes."""
-    traveller = time_machine.travel(time.time() + seconds, tick=True)
-    traveller.start()
-    _travels.append(traveller)
-
-
-_travels: list[time_machine.travel] = []
-
-
-@pytest.fixture(autouse=True)
-def _back_to_now():
-    yield
-    while _travels:
-        _travels.pop().stop()
+@pytest.fixture
+def wait():
+    """``wait(seconds)`` lets ``seconds`` pass on this process's clock (time-machine: time.time and
+    datetime.now, which the writer's and TUF's expiry checks read; not time.monotonic, which timeouts
+    use), as a sleep would: the clock keeps running from there. The S3 server, another process, is a
+    few seconds behind, well inside SigV4's 15 minutes. The clock is back at the test's end."""
+    with contextlib.ExitStack() as travels:
+        yield lambda seconds: travels.enter_context(time_machine.travel(time.time() + seconds, tick=True))
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +247,7 @@ def test_replayed_timestamp_is_refused(repo, keys, tmp_path):
         client(repo, tmp_path).refresh()  # the same device, restarted
 
 
-def test_frozen_store_is_noticed_and_a_fresh_timestamp_cures_it(repo, keys, tmp_path):
+def test_frozen_store_is_noticed_and_a_fresh_timestamp_cures_it(repo, keys, tmp_path, wait):
     publish(repo, keys, ENGINE, b"engine", expiry=Expiry(timestamp_days=2 / 86400))
     wait(3)
     with pytest.raises(VerificationFailed, match="(?i)expired"):
@@ -480,7 +471,7 @@ def test_an_older_snapshot_copied_over_a_newer_is_refused(repo, keys):
 # --- keeping the metadata fresh ---------------------------------------------------------------------
 
 
-def test_an_expired_timestamp_is_re_signed_without_force(repo, keys, tmp_path):
+def test_an_expired_timestamp_is_re_signed_without_force(repo, keys, tmp_path, wait):
     """`rollout advance --all` calls refresh_timestamp with no live rollout too: an already expired
     timestamp must be re-signed, and a device that trusted it refreshes again."""
     publish(repo, keys, ENGINE, b"engine", expiry=Expiry(timestamp_days=2 / 86400))
@@ -495,7 +486,7 @@ def test_an_expired_timestamp_is_re_signed_without_force(repo, keys, tmp_path):
     assert trust.refresh_timestamp(repo, keys, Expiry()) is False  # fresh now
 
 
-def test_targets_and_snapshot_past_half_life_are_re_signed(repo, keys, tmp_path):
+def test_targets_and_snapshot_past_half_life_are_re_signed(repo, keys, tmp_path, wait):
     publish(repo, keys, ENGINE, b"engine", expiry=Expiry(targets_days=4 / 86400, snapshot_days=4 / 86400))
     wait(2.5)
     assert trust.refresh_timestamp(repo, keys, Expiry())
