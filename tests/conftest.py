@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -147,20 +148,37 @@ def _release_iree_devices():
 @pytest.fixture(scope="session")
 def zip_bomb(tmp_path_factory) -> Path:
     """A real zip bomb: an .npz of about 1 MiB whose member 'x.npy' (a valid float32 header) inflates to
-    1 GiB of zeros, about 1000-fold. Built once per process by streaming zeros through deflate."""
-    import zipfile
+    1 GiB of zeros, about 1000-fold. The deflate stream is made once, not by deflating 1 GiB (3 s): a
+    full flush after each 16 MiB of zeros restarts the stream from an empty history, so every chunk
+    after the first deflates to the same bytes, which are written out 63 times."""
+    import io
+    import struct
+    import zlib
 
     from numpy.lib import format as npy
 
-    path = tmp_path_factory.mktemp("bomb") / "bomb.npz"
+    header = io.BytesIO()
     inflated, chunk = 1 << 30, bytes(1 << 24)
-    with (
-        zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as archive,
-        archive.open("x.npy", "w", force_zip64=True) as member,
-    ):
-        npy.write_array_header_1_0(member, {"descr": "<f4", "fortran_order": False, "shape": (inflated // 4, 1)})
-        for _ in range(inflated // len(chunk)):
-            member.write(chunk)
+    npy.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (inflated // 4, 1)})
+    deflate = zlib.compressobj(9, zlib.DEFLATED, -15)  # raw deflate, as a zip member holds it
+    first = deflate.compress(header.getvalue() + chunk) + deflate.flush(zlib.Z_FULL_FLUSH)
+    repeat = deflate.compress(chunk) + deflate.flush(zlib.Z_FULL_FLUSH)
+    assert deflate.compress(chunk) + deflate.flush(zlib.Z_FULL_FLUSH) == repeat  # the history really restarts
+    data = first + repeat * (inflated // len(chunk) - 1) + deflate.flush()
+    crc = zlib.crc32(header.getvalue())
+    for _ in range(inflated // len(chunk)):
+        crc = zlib.crc32(chunk, crc)
+    size, name = len(header.getvalue()) + inflated, b"x.npy"
+    common = struct.pack("<HHHHHIII", 20, 0, zipfile.ZIP_DEFLATED, 0, 0x21, crc, len(data), size)
+    local = b"PK\x03\x04" + common + struct.pack("<HH", len(name), 0) + name
+    central = b"PK\x01\x02" + struct.pack("<H", 20) + common + struct.pack("<HHHHHII", len(name), 0, 0, 0, 0, 0, 0)
+    central += name
+    end = b"PK\x05\x06" + struct.pack("<HHHHIIH", 0, 0, 1, 1, len(central), len(local) + len(data), 0)
+    path = tmp_path_factory.mktemp("bomb") / "bomb.npz"
+    path.write_bytes(local + data + central + end)
+    with zipfile.ZipFile(path) as archive:  # a well-formed archive, as the loader will see it
+        info = archive.getinfo("x.npy")
+        assert (info.file_size, info.compress_size, info.CRC) == (size, len(data), crc)
     return path
 
 

@@ -11,7 +11,8 @@ wrong numbers), and ``<sysroot>/proc/cpuinfo`` describes it (qemu reads it in pl
 without it ``import onnxruntime`` crashes). The emulated python cannot start processes.
 
 Where it lives: ``emulation-aarch64-<sha256[:12]>`` in ``$SKUFORGE_EMULATION_DIR`` (skuforge's cache
-folder), hashed over what defines it (the packages, their versions, the recipe). It is made in a
+folder), hashed over what defines it (the packages and their runtime dependencies at the host's versions,
+the recipe): a host whose numpy or ml_dtypes changes gets a new environment, not a stale one. It is made in a
 staging folder renamed into place, and whole only when its stamp, written last, names the same
 definition. ``python -m pipeline.host.emulation [--force]`` makes it (scripts/setup.sh).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import compileall
 import contextlib
+import functools
 import json
 import platform
 import re
@@ -32,6 +34,8 @@ from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 from urllib.parse import unquote
+
+from packaging.requirements import Requirement
 
 from pipeline.core.env import SKUFORGE_EMULATION_DIR, process_environment
 from pipeline.core.errors import EnvironmentProblem
@@ -80,8 +84,14 @@ def _canon(name: str) -> str:
 
 
 def _key(packages: Mapping[str, str]) -> str:
-    pins = {_canon(k): v for k, v in packages.items()}
+    pins = _pinned_closure(frozenset(packages.items()))
     return sha256_json({"recipe": RECIPE, "suite": SUITE, "debs": ROOT_DEBS, "packages": pins, "cpu": QEMU_CPU})
+
+
+@functools.lru_cache(maxsize=8)
+def _pinned_closure(packages: frozenset[tuple[str, str]]) -> dict[str, str]:
+    """_closure, once per process (about 25 ms of package metadata)."""
+    return dict(sorted(_closure(dict(packages)).items()))
 
 
 def env_dir(packages: Mapping[str, str]) -> Path:
@@ -200,8 +210,6 @@ def _sysroot(root: Path, work: Path) -> dict[str, str]:
 def _closure(packages: Mapping[str, str]) -> dict[str, str]:
     """The packages and their runtime requirements on the emulated python (name -> version: the
     host's where it has the package, else "", the newest)."""
-    from packaging.requirements import Requirement  # only when making an environment
-
     pins, todo = {_canon(k): v for k, v in packages.items()}, list(packages)
     while todo:
         try:

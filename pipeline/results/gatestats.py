@@ -16,7 +16,11 @@ Three figures are judged, each from counts, never from a bare fraction (docs/cor
 
 A set too small to fail an engine that errs at twice the allowed rate cannot resolve its
 threshold: ``min_rows_for_agreement`` and ``min_samples_for_drop`` name the smallest set that can.
-scipy is imported on first use.
+scipy.special is imported on first use: the binomial tail is the regularized incomplete beta
+function (``betainc``, Boost's ``ibeta``: the figures scipy.stats.binom gives, within 1e-9 relative
+up to n = 10 million) and the Clopper-Pearson bounds its inverse, at a third of scipy.stats' import
+(0.33 s of CPU against 1.0 s), which every command loading a registry with class-score outputs pays.
+(``bdtr`` is not used: its cephes code is 3e-4 off at n = 6.5 million, p = 0.5.)
 """
 
 from __future__ import annotations
@@ -29,33 +33,44 @@ RESOLUTION = 2.0
 _MAX_SET = 200_000
 
 
-def _binom():
-    from scipy.stats import binom
+def _special():
+    import scipy.special
 
-    return binom
+    return scipy.special
 
 
 def bounds(k: int, n: int, confidence: float) -> tuple[float, float]:
     """Exact (Clopper-Pearson) one-sided bounds of a rate, each at ``confidence``: together the
-    two-sided interval at 2 * confidence - 1."""
-    from scipy.stats import beta
-
+    two-sided interval at 2 * confidence - 1 (quantiles of Beta(k, n - k + 1) and Beta(k + 1, n - k))."""
     if n <= 0:
         return 0.0, 1.0
     a = 1.0 - confidence
-    low = 0.0 if k <= 0 else float(beta.ppf(a, k, n - k + 1))
-    high = 1.0 if k >= n else float(beta.ppf(confidence, k + 1, n - k))
+    low = 0.0 if k <= 0 else float(_special().betaincinv(k, n - k + 1, a))
+    high = 1.0 if k >= n else float(_special().betaincinv(k + 1, n - k, confidence))
     return low, high
 
 
 def p_at_most(k: int, n: int, p: float) -> float:
-    """P(X <= k) for X ~ Binomial(n, p)."""
-    return float(_binom().cdf(k, n, p))
+    """P(X <= k) for X ~ Binomial(n, p): I_{1-p}(n - k, k + 1)."""
+    return 0.0 if k < 0 else 1.0 if k >= n else float(_special().betainc(n - k, k + 1, 1.0 - p))
 
 
 def p_at_least(k: int, n: int, p: float) -> float:
-    """P(X >= k) for X ~ Binomial(n, p)."""
-    return 1.0 if k <= 0 else float(_binom().sf(k - 1, n, p))
+    """P(X >= k) for X ~ Binomial(n, p): I_p(k, n - k + 1)."""
+    return 1.0 if k <= 0 else 0.0 if k > n else float(_special().betainc(k, n - k + 1, p))
+
+
+def _smallest_k_above(q: float, n: int, p: float) -> int:
+    """The smallest k with P(X > k) <= q for X ~ Binomial(n, p) (the inverse survival function),
+    by bisection: P(X > k) falls as k grows."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if p_at_least(mid + 1, n, p) <= q:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def agreement_fails(agree: int, n: int, minimum: float, confidence: float) -> bool:
@@ -74,7 +89,7 @@ def max_mismatches(n: int, maximum: float, confidence: float) -> int:
     """The most elements of ``n`` that may be beyond without ``mismatch_fails``."""
     if n <= 0 or maximum <= 0:
         return 0
-    k = int(_binom().isf(1.0 - confidence, n, maximum))
+    k = _smallest_k_above(1.0 - confidence, n, maximum)
     while k > 0 and mismatch_fails(k, n, maximum, confidence):
         k -= 1
     while k < n and not mismatch_fails(k + 1, n, maximum, confidence):
@@ -117,7 +132,8 @@ def min_rows_for_agreement(minimum: float, confidence: float) -> int:
         return 1
     n = np.arange(1, _MAX_SET + 1)
     k = np.floor(n * worst + 1e-9)
-    fails = _binom().cdf(k, n, minimum) < 1.0 - confidence
+    at_most = np.where(k >= n, 1.0, _special().betainc(np.maximum(n - k, 1), k + 1, 1.0 - minimum))  # P(X <= k)
+    fails = at_most < 1.0 - confidence
     not_yet = np.flatnonzero(~fails)
     return 1 if not not_yet.size else int(not_yet[-1]) + 2
 
