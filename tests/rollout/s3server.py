@@ -396,6 +396,10 @@ class _Dropped(Exception):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as boto3 expects
+    # An answer is written as its headers, then its body: with Nagle's algorithm on, the body waits
+    # for the client's delayed ACK of the headers, 40 ms on every GET and LIST (48 ms a request
+    # through the proxy against 5.6 ms straight to moto; PUT answers have no body to hold back)
+    disable_nagle_algorithm = True
     server: _Server
     _upstream: http.client.HTTPConnection | None = None
 
