@@ -142,7 +142,7 @@ run .venv/bin/pip install --quiet -e ".[$extras]"
 # pip compiles the packages it installs but not an editable install's own source. Compiled once here,
 # skuforge's modules load from __pycache__ (ignored by git) in every skuforge and DVC stage process,
 # about 0.2 s of CPU less per process. Without it each process compiles them again wherever
-# PYTHONDONTWRITEBYTECODE is set, as it is on CI hosts. A module edited later is compiled as usual.
+# PYTHONDONTWRITEBYTECODE is set (as on this project's CI machines). A module edited later is compiled as usual.
 run .venv/bin/python -m compileall -q pipeline
 
 # The LiteRT converter (onnx2tf and the TensorFlow it pins) in its own environment, outside the

@@ -90,7 +90,8 @@ def _key(packages: Mapping[str, str]) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _pinned_closure(packages: frozenset[tuple[str, str]]) -> dict[str, str]:
-    """_closure, once per process (about 25 ms of package metadata)."""
+    """_closure sorted by name, once per process (about 25 ms of package metadata): the key and the
+    wheels installed come from this one answer."""
     return dict(sorted(_closure(dict(packages)).items()))
 
 
@@ -243,7 +244,8 @@ def _on_pypi(name: str, version: str) -> bool | None:
 def _wheels(target: Path, work: Path, packages: Mapping[str, str]) -> dict[str, str]:
     """Download the aarch64 wheels of the packages' closure into ``work``, install them into
     ``target``; their sha256 (file name -> sha256)."""
-    reqs = [f"{name}=={version}" if version else name for name, version in sorted(_closure(packages).items())]
+    closure = _pinned_closure(frozenset(packages.items()))  # what the environment's key was hashed over
+    reqs = [f"{name}=={version}" if version else name for name, version in closure.items()]
     tags = ["--python-version", "3.11", "--implementation", "cp", "--abi", "cp311", "--only-binary=:all:", "--no-deps"]
     for platform_tag in ["manylinux2014", *(f"manylinux_2_{minor}" for minor in range(17, GLIBC_MINOR + 1))]:
         tags += ["--platform", f"{platform_tag}_aarch64"]
